@@ -1,0 +1,280 @@
+"""Logical devices: the devices strategies place replicas on, as TensorFlow's logical devices.
+
+By default there is one logical CPU device per CPU core this process may use (``cpu:0``,
+``cpu:1``, ...), all running on the one physical CPU, and one logical GPU per visible GPU. This
+is what lets a multi-replica run happen on a CPU-only machine. `set_logical_device_configuration`
+changes the split: more or fewer logical CPUs, or a physical GPU split into several logical GPUs
+with memory limits.
+
+The configuration lives in a `DeviceRegistry`. The module-level `default_registry` serves the
+program; tests build their own with the physical devices they need. Once a strategy has
+resolved devices from a registry (`resolve_devices`, `default_devices`), the configuration is
+frozen: changing it then would leave that strategy's replicas on devices that no longer exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+
+from stratagem.devices.names import DeviceType, parse_device
+from stratagem.devices.physical import PhysicalDevice, physical_devices
+from stratagem.diagnose.memory import format_bytes
+from stratagem.errors import DeviceConfigurationError, DeviceError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogicalDeviceConfiguration:
+    """How one logical device is carved out of its physical device.
+
+    Example:
+        >>> LogicalDeviceConfiguration(memory_limit=8 * 2**30)   # 8 GiB of a GPU
+        LogicalDeviceConfiguration(memory_limit=8589934592)
+    """
+
+    memory_limit: int | None = None
+    """Bytes of device memory this logical device may use (GPU only); ``None`` for no limit."""
+
+    def __post_init__(self) -> None:
+        if self.memory_limit is not None and (
+                not isinstance(self.memory_limit, int) or self.memory_limit <= 0):
+            raise DeviceError(
+                f"memory_limit must be a positive number of bytes or None. "
+                f"Received: memory_limit={self.memory_limit!r}. Use e.g. memory_limit=4 * 2**30 for 4 GiB."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogicalDevice:
+    """A device a replica is placed on.
+
+    Example:
+        >>> registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2)])
+        >>> registry.get_logical_devices("cpu")[1]
+        LogicalDevice(name='cpu:1', physical=device(type='cpu'), memory_limit=None)
+    """
+
+    name: str
+    """Canonical torch spelling: ``"cpu:1"``, ``"cuda:0"``. Logical GPU indices run consecutively
+    across physical GPUs, so with GPU 0 split in two, ``cuda:2`` runs on physical ``cuda:1``."""
+    physical: torch.device
+    """Where the work really runs: ``torch.device("cpu")`` for every logical CPU."""
+    memory_limit: int | None = None
+    """Bytes this logical device may use; recorded for strategies and memory checks."""
+
+    @property
+    def device_type(self) -> DeviceType:
+        return "cpu" if self.name.startswith("cpu") else "cuda"
+
+    @property
+    def index(self) -> int:
+        return int(self.name.split(":")[1])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "physical": str(self.physical), "memory_limit": self.memory_limit}
+
+
+CpuConfigs = Union[int, Sequence[LogicalDeviceConfiguration]]
+
+
+class DeviceRegistry:
+    """The logical-device configuration of one program (or one test).
+
+    Example:
+        >>> registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2)])
+        >>> registry.set_logical_device_configuration("cpu", 4)
+        >>> [d.name for d in registry.get_logical_devices()]
+        ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']
+    """
+
+    def __init__(self, physical: Sequence[PhysicalDevice] | None = None) -> None:
+        """``physical``: the machine's devices; discovered on first use when not given."""
+        self._physical = list(physical) if physical is not None else None
+        self._num_cpus: int | None = None  # None: one logical CPU per core
+        self._gpu_configs: dict[int, tuple[LogicalDeviceConfiguration, ...]] = {}
+        self._used_by: str | None = None
+        self._lock = threading.Lock()
+
+    def physical_devices(self) -> list[PhysicalDevice]:
+        with self._lock:
+            if self._physical is None:
+                self._physical = physical_devices()
+            return list(self._physical)
+
+    @property
+    def used_by(self) -> str | None:
+        """What first resolved devices from this registry, freezing it; ``None`` while unused."""
+        return self._used_by
+
+    def mark_used(self, by: str) -> None:
+        """Freezes the configuration; ``by`` names the user in later errors."""
+        with self._lock:
+            if self._used_by is None:
+                self._used_by = by
+
+    def set_logical_device_configuration(self, device: str | PhysicalDevice,
+                                         configs: CpuConfigs) -> None:
+        """Splits physical devices into logical ones. See the module-level function."""
+        call = f"set_logical_device_configuration({_describe(device)}, {configs!r})"
+        if self._used_by is not None:
+            raise DeviceConfigurationError(
+                f"Logical devices cannot be changed after a strategy has used them (first used by "
+                f"{self._used_by}). Received: {call}. Call it at the start of the program, before "
+                "building any strategy."
+            )
+        device_type, index = _physical_target(device, call)
+        if device_type == "cpu":
+            num_cpus = _num_cpus(configs, call)
+            with self._lock:
+                self._num_cpus = num_cpus
+            return
+        gpus = [d for d in self.physical_devices() if d.device_type == "cuda"]
+        targets = gpus if index is None else [d for d in gpus if d.index == index]
+        if not targets:
+            have = f"cuda:0..cuda:{len(gpus) - 1}" if gpus else "none; run `stratagem doctor` to see why"
+            raise DeviceError(
+                f"There is no physical GPU to configure. Received: {call}. Physical GPUs: {have}."
+            )
+        gpu_configs = _gpu_configs(configs, call)
+        for gpu in targets:
+            _check_fits(gpu, gpu_configs, call)
+        with self._lock:
+            for gpu in targets:
+                self._gpu_configs[gpu.index] = gpu_configs
+
+    def get_logical_devices(self, device_type: str | None = None) -> list[LogicalDevice]:
+        """Logical CPUs then logical GPUs; ``device_type`` ``"cpu"`` or ``"cuda"``/``"gpu"`` filters."""
+        wanted = _device_type_filter(device_type)
+        physical = self.physical_devices()
+        devices: list[LogicalDevice] = []
+        if wanted in (None, "cpu"):
+            cores = next((d.core_count for d in physical if d.device_type == "cpu"), None) or 1
+            num_cpus = self._num_cpus if self._num_cpus is not None else cores
+            devices += [LogicalDevice(name=f"cpu:{i}", physical=torch.device("cpu")) for i in range(num_cpus)]
+        if wanted in (None, "cuda"):
+            gpus = sorted((d for d in physical if d.device_type == "cuda"), key=lambda d: d.index)
+            for gpu in gpus:
+                for config in self._gpu_configs.get(gpu.index, (LogicalDeviceConfiguration(),)):
+                    devices.append(LogicalDevice(
+                        name=f"cuda:{sum(d.device_type == 'cuda' for d in devices)}",
+                        physical=torch.device("cuda", gpu.index), memory_limit=config.memory_limit))
+        return devices
+
+
+default_registry = DeviceRegistry()
+"""The registry of this program; discovers the machine's devices on first use."""
+
+
+def set_logical_device_configuration(device: str | PhysicalDevice, configs: CpuConfigs, *,
+                                     registry: DeviceRegistry | None = None) -> None:
+    """Sets how physical devices are split into logical devices. Call it before building a strategy.
+
+    ``device`` is ``"cpu"``; ``"cuda"`` (or ``"gpu"``) for every physical GPU; one GPU
+    (``"cuda:1"``, ``"/gpu:1"``, a `PhysicalDevice`). ``configs`` is, for the CPU, the number of
+    logical CPUs (or a list of `LogicalDeviceConfiguration`, one per logical CPU); for a GPU, a
+    list of `LogicalDeviceConfiguration`, one per logical GPU carved out of each physical GPU.
+
+    Example:
+        >>> import stratagem as sg
+        >>> sg.devices.set_logical_device_configuration("cpu", 4)          # cpu:0..cpu:3
+        >>> sg.devices.set_logical_device_configuration(                   # two logical GPUs per GPU
+        ...     "cuda", [sg.devices.LogicalDeviceConfiguration(memory_limit=20 * 2**30)] * 2)
+
+    Raises:
+        DeviceConfigurationError: a strategy already used the registry's devices.
+        DeviceError: the device or the configuration is invalid.
+    """
+    (registry or default_registry).set_logical_device_configuration(device, configs)
+
+
+def get_logical_devices(device_type: str | None = None, *,
+                        registry: DeviceRegistry | None = None) -> list[LogicalDevice]:
+    """The logical devices, CPUs first; ``device_type`` ``"cpu"`` or ``"cuda"``/``"gpu"`` filters.
+
+    Example:
+        >>> [d.name for d in get_logical_devices("cpu")]    # on a 2-core machine
+        ['cpu:0', 'cpu:1']
+    """
+    return (registry or default_registry).get_logical_devices(device_type)
+
+
+def _describe(device: str | PhysicalDevice) -> str:
+    return repr(device.torch_name) if isinstance(device, PhysicalDevice) else repr(device)
+
+
+def _physical_target(device: str | PhysicalDevice, call: str) -> tuple[DeviceType, int | None]:
+    if isinstance(device, PhysicalDevice):
+        return device.device_type, device.index
+    if isinstance(device, str) and device.strip().lower() == "gpu":
+        return "cuda", None
+    spec = parse_device(device)
+    if spec.is_qualified:
+        raise DeviceError(
+            f"Logical devices can only be configured on this machine's physical devices. Received: {call}. "
+            "Drop the /job:.../task:... prefix and call it on the task that owns the device."
+        )
+    if spec.device_type == "cpu" and spec.index not in (None, 0):
+        raise DeviceError(
+            f"A machine has one physical CPU device, 'cpu'. Received: {call}. "
+            "Use set_logical_device_configuration('cpu', N) for N logical CPUs."
+        )
+    return spec.device_type, (None if spec.device_type == "cpu" else spec.index)
+
+
+def _num_cpus(configs: CpuConfigs, call: str) -> int:
+    if isinstance(configs, int) and not isinstance(configs, bool):
+        count = configs
+    elif isinstance(configs, Sequence) and all(isinstance(c, LogicalDeviceConfiguration) for c in configs):
+        if any(c.memory_limit is not None for c in configs):
+            raise DeviceError(
+                f"Logical CPU devices share the host's memory and take no memory_limit. Received: {call}. "
+                "Use LogicalDeviceConfiguration() or a count."
+            )
+        count = len(configs)
+    else:
+        raise DeviceError(
+            f"The CPU configuration must be a count or a list of LogicalDeviceConfiguration. "
+            f"Received: {call}. Use e.g. set_logical_device_configuration('cpu', 4)."
+        )
+    if count < 1:
+        raise DeviceError(
+            f"There must be at least one logical CPU device. Received: {call}. "
+            "Use a count >= 1, e.g. set_logical_device_configuration('cpu', 2)."
+        )
+    return count
+
+
+def _gpu_configs(configs: CpuConfigs, call: str) -> tuple[LogicalDeviceConfiguration, ...]:
+    if (isinstance(configs, (int, str)) or not isinstance(configs, Sequence) or not configs
+            or not all(isinstance(c, LogicalDeviceConfiguration) for c in configs)):
+        raise DeviceError(
+            f"A GPU configuration is a non-empty list of LogicalDeviceConfiguration, one per logical GPU. "
+            f"Received: {call}. Use e.g. [LogicalDeviceConfiguration(memory_limit=8 * 2**30)] * 2 "
+            "for two 8 GiB logical GPUs."
+        )
+    return tuple(configs)
+
+
+def _check_fits(gpu: PhysicalDevice, configs: Sequence[LogicalDeviceConfiguration], call: str) -> None:
+    limited = sum(c.memory_limit or 0 for c in configs)
+    if gpu.total_memory is not None and limited > gpu.total_memory:
+        raise DeviceError(
+            f"The memory limits add up to {format_bytes(limited)}, more than the "
+            f"{format_bytes(gpu.total_memory)} of {gpu.torch_name} ({gpu.name}). Received: {call}. "
+            "Lower the limits or create fewer logical GPUs."
+        )
+
+
+def _device_type_filter(device_type: str | None) -> DeviceType | None:
+    if device_type is None:
+        return None
+    normalized = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(device_type.lower())
+    if normalized is None:
+        raise DeviceError(
+            f"Unknown device type. Received: device_type={device_type!r}. Use 'cpu', 'cuda' (or 'gpu') or None."
+        )
+    return normalized  # type: ignore[return-value]

@@ -1,0 +1,316 @@
+"""Why is my GPU not used? Pure functions from `EnvironmentFacts` to `Check` verdicts.
+
+Verdicts follow one rule, so ``stratagem doctor`` can turn them into an exit code:
+
+* ``problem``: a GPU the machine has cannot be used (the driver or NVML reports it, torch does
+  not get it), or what was asked for cannot run (a device index out of range, a model that does
+  not fit). Something is broken and training would not do what the user meant.
+* ``warning``: training runs, but not the way a GPU user may expect (a CPU-only build on a machine
+  with no GPU, GPUs hidden on purpose, no NCCL, no cuDNN).
+* ``ok``: fine, or not applicable (the reason says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from stratagem.diagnose.facts import EnvironmentFacts
+
+Verdict = Literal["ok", "warning", "problem"]
+
+# Minimum driver release for each CUDA major version under minor-version compatibility, from
+# NVIDIA's CUDA Toolkit Release Notes ("CUDA Toolkit and Minimum Required Driver Version for CUDA
+# Minor Version Compatibility", Linux x86_64 column); 13.x lists ">= 580", first shipped as 580.65.06.
+MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+
+INSTALL_CUDA_TORCH = "install a CUDA build of torch (pick one at https://pytorch.org/get-started/locally/)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Check:
+    """The verdict of one diagnosis, with the reason and the fix, both naming the values seen."""
+
+    name: str
+    verdict: Verdict
+    reason: str
+    fix: str = ""
+
+    @property
+    def message(self) -> str:
+        """Reason and fix in one sentence pair, for error messages."""
+        return f"{self.reason} Fix: {self.fix}" if self.fix else self.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_torch_build(facts: EnvironmentFacts) -> Check:
+    """A CPU-only torch build cannot use any GPU; a problem only when the machine has one."""
+    if facts.is_cuda_build:
+        return Check(name="torch_build", verdict="ok",
+                     reason=f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version}.")
+    reason = f"torch {facts.torch_version} is a CPU-only build (torch.version.cuda is None)"
+    if facts.nvml_device_count:
+        newest = f" for CUDA {facts.driver_cuda_version} or older" if facts.driver_cuda_version else ""
+        return Check(name="torch_build", verdict="problem",
+                     reason=f"{reason}, but the driver reports {facts.nvml_device_count} GPU(s): they sit idle.",
+                     fix=f"Install a CUDA build of torch{newest} (pick one at https://pytorch.org/get-started/locally/).")
+    return Check(name="torch_build", verdict="warning", reason=f"{reason}: training runs on the CPU.",
+                 fix=f"To train on an NVIDIA GPU, {INSTALL_CUDA_TORCH}.")
+
+
+def check_driver(facts: EnvironmentFacts) -> Check:
+    """A CUDA build of torch needs the NVIDIA driver (libcuda) to see any GPU."""
+    if not facts.is_cuda_build:
+        return Check(name="driver", verdict="ok", reason="Not applicable: torch is a CPU-only build.")
+    if facts.driver_present:
+        found = ", ".join(part for part in (
+            f"release {facts.driver_version}" if facts.driver_version else "",
+            f"supports CUDA up to {facts.driver_cuda_version}" if facts.driver_cuda_version else "",
+        ) if part)
+        return Check(name="driver", verdict="ok", reason=f"NVIDIA driver found ({found}).")
+    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(_major(facts.torch_cuda_version))
+    needed = f" (release {minimum} or newer for CUDA {facts.torch_cuda_version})" if minimum else ""
+    return Check(
+        name="driver", verdict="warning",
+        reason=(f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version}, but no NVIDIA "
+                "driver was found (no libcuda, no /proc/driver/nvidia, no NVML, no nvidia-smi): "
+                "no GPU can be used."),
+        fix=(f"If this machine has an NVIDIA GPU, install the NVIDIA driver{needed}; in a container, "
+             "start it with GPU access (docker run --gpus all)."),
+    )
+
+
+def check_driver_version(facts: EnvironmentFacts) -> Check:
+    """The driver must be new enough for the CUDA version torch was built for."""
+    if not facts.is_cuda_build or not facts.driver_present:
+        return Check(name="driver_version", verdict="ok", reason="Not applicable: no CUDA build or no driver.")
+    torch_cuda = facts.torch_cuda_version
+    major = _major(torch_cuda)
+    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(major)
+    if facts.driver_version and minimum and _version(facts.driver_version) < _version(minimum):
+        supports = f" (it supports CUDA up to {facts.driver_cuda_version})" if facts.driver_cuda_version else ""
+        return Check(
+            name="driver_version", verdict="problem",
+            reason=(f"NVIDIA driver {facts.driver_version} is too old for torch {facts.torch_version}, built "
+                    f"for CUDA {torch_cuda}: CUDA {major}.x needs driver {minimum} or newer."),
+            fix=(f"Update the NVIDIA driver to {minimum} or newer, or install a torch build for a CUDA "
+                 f"version that driver {facts.driver_version} supports{supports}."),
+        )
+    if facts.driver_cuda_version and _version(facts.driver_cuda_version) < _version(torch_cuda):
+        if _major(facts.driver_cuda_version) < major:
+            return Check(
+                name="driver_version", verdict="problem",
+                reason=(f"The NVIDIA driver supports CUDA up to {facts.driver_cuda_version}, older than "
+                        f"CUDA {torch_cuda} that torch {facts.torch_version} is built for."),
+                fix=(f"Update the NVIDIA driver{f' to {minimum} or newer' if minimum else ''}, or install a "
+                     f"torch build for CUDA {facts.driver_cuda_version} or older."),
+            )
+        return Check(
+            name="driver_version", verdict="warning",
+            reason=(f"The NVIDIA driver supports CUDA up to {facts.driver_cuda_version} and torch is built "
+                    f"for CUDA {torch_cuda}: it runs under minor-version compatibility, where kernels "
+                    "compiled just in time from PTX are not available."),
+            fix=f"Update the NVIDIA driver to one that supports CUDA {torch_cuda} if a kernel fails to load.",
+        )
+    return Check(name="driver_version", verdict="ok",
+                 reason=f"The NVIDIA driver is new enough for CUDA {torch_cuda}.")
+
+
+def check_cuda_visible_devices(facts: EnvironmentFacts) -> Check:
+    """``CUDA_VISIBLE_DEVICES`` can hide GPUs: on purpose (``""``, ``-1``) or by a malformed entry."""
+    raw = facts.cuda_visible_devices
+    if raw is None:
+        return Check(name="cuda_visible_devices", verdict="ok",
+                     reason="CUDA_VISIBLE_DEVICES is not set: every GPU is visible.")
+    unset = "Unset it (unset CUDA_VISIBLE_DEVICES) or list the GPUs to use, e.g. CUDA_VISIBLE_DEVICES=0,1."
+    entries = [entry.strip() for entry in raw.split(",")]
+    if raw.strip() == "" or entries[0] == "-1":
+        return Check(name="cuda_visible_devices", verdict="warning",
+                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.", fix=unset)
+    position, why = _first_invalid_entry(entries, facts.nvml_device_count)
+    if position is None:
+        of = f" of the {facts.nvml_device_count} the driver reports" if facts.nvml_device_count else ""
+        return Check(name="cuda_visible_devices", verdict="ok",
+                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} selects {len(entries)} GPU(s){of}.")
+    kept = entries[:position]
+    sees = f"only {', '.join(kept)}" if kept else "no GPU"
+    # Hiding GPUs by mistake matters only where GPUs exist; without any it changes nothing.
+    gpus_exist = bool(facts.nvml_device_count) or (facts.nvml_device_count is None and facts.driver_present)
+    range_hint = (f"indices 0..{facts.nvml_device_count - 1}" if facts.nvml_device_count
+                  else "GPU indices")
+    return Check(
+        name="cuda_visible_devices", verdict="problem" if gpus_exist else "warning",
+        reason=(f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry {entries[position]!r} ({why}). CUDA "
+                f"ignores an invalid entry and every entry after it, so torch sees {sees}."),
+        fix=(f"Set CUDA_VISIBLE_DEVICES to comma-separated {range_hint} or GPU UUIDs (nvidia-smi -L lists "
+             "them), or unset it."),
+    )
+
+
+def visible_by_cuda_visible_devices(facts: EnvironmentFacts) -> int | None:
+    """How many GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible; ``None`` when it does not restrict them."""
+    raw = facts.cuda_visible_devices
+    if raw is None:
+        return None
+    entries = [entry.strip() for entry in raw.split(",")]
+    if raw.strip() == "" or entries[0] == "-1":
+        return 0
+    position, _ = _first_invalid_entry(entries, facts.nvml_device_count)
+    return len(entries) if position is None else position
+
+
+def check_gpu_visibility(facts: EnvironmentFacts) -> Check:
+    """The driver (NVML) sees GPUs that torch does not, beyond what ``CUDA_VISIBLE_DEVICES`` selects."""
+    driver_count = facts.nvml_device_count
+    if driver_count is None:
+        return Check(name="nvml_vs_torch", verdict="ok",
+                     reason="Not checked: neither NVML (pynvml) nor nvidia-smi could be queried.")
+    selected = visible_by_cuda_visible_devices(facts)
+    expected = driver_count if selected is None else min(selected, driver_count)
+    seen = facts.torch_device_count
+    selection = "" if selected is None else f", as CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r} selects"
+    if seen >= expected:
+        return Check(name="nvml_vs_torch", verdict="ok",
+                     reason=f"torch sees {seen} of the {driver_count} GPU(s) the driver reports{selection}.")
+    if not facts.is_cuda_build:
+        fix = f"torch is a CPU-only build: {INSTALL_CUDA_TORCH}."
+    else:
+        fix = ("Check the driver checks above, that this process may open /dev/nvidia* (containers: "
+               "docker run --gpus all), and run python -c \"import torch; torch.cuda.init()\" to see "
+               "CUDA's own error.")
+    return Check(
+        name="nvml_vs_torch", verdict="problem",
+        reason=(f"The driver (NVML) reports {driver_count} GPU(s) and {expected} should be visible, "
+                f"but torch sees {seen}."),
+        fix=fix,
+    )
+
+
+def check_device_index(facts: EnvironmentFacts, requested: Sequence[int]) -> Check:
+    """Requested GPU indices must be below torch's device count."""
+    count = facts.torch_device_count
+    out_of_range = [index for index in requested if not 0 <= index < count]
+    if not out_of_range:
+        return Check(name="device_index", verdict="ok",
+                     reason=f"Requested GPU(s) {list(requested)} exist (torch sees {count}).")
+    names = ", ".join(f"cuda:{index}" for index in out_of_range)
+    renumber = (f" CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r} renumbers the visible GPUs from 0."
+                if facts.cuda_visible_devices is not None else "")
+    available = f"cuda:0..cuda:{count - 1}" if count else "none"
+    fix = (f"Use indices 0..{count - 1}." if count
+           else (gpu_unavailable_reason(facts) or _no_gpu_fallback(facts)).fix)
+    return Check(
+        name="device_index", verdict="problem",
+        reason=f"Requested {names} is out of range: torch sees {count} GPU(s) ({available}).{renumber}",
+        fix=fix,
+    )
+
+
+def check_nccl(facts: EnvironmentFacts) -> Check:
+    """Without NCCL, all-reduce across GPUs of one process reduces through one device."""
+    if facts.torch_device_count < 2:
+        return Check(name="nccl", verdict="ok", reason="Not needed: fewer than 2 GPUs are visible.")
+    if facts.nccl_available:
+        version = f" {facts.nccl_version}" if facts.nccl_version else ""
+        return Check(name="nccl", verdict="ok", reason=f"NCCL{version} is available for all-reduce across GPUs.")
+    return Check(
+        name="nccl", verdict="warning",
+        reason=(f"torch {facts.torch_version} has no NCCL, so all-reduce across the {facts.torch_device_count} "
+                "GPUs falls back to reduction to one device (copy to cuda:0, sum there, copy back), "
+                "which is slower."),
+        fix="Install a torch build with NCCL (the official Linux CUDA wheels include it).",
+    )
+
+
+def check_cudnn(facts: EnvironmentFacts) -> Check:
+    """Without cuDNN, convolutions and RNNs on the GPU run slower fallback kernels."""
+    if facts.torch_device_count == 0:
+        return Check(name="cudnn", verdict="ok", reason="Not needed: no GPU is visible.")
+    if facts.cudnn_available:
+        version = f" {facts.cudnn_version}" if facts.cudnn_version else ""
+        return Check(name="cudnn", verdict="ok", reason=f"cuDNN{version} is available.")
+    major = _major(facts.torch_cuda_version)
+    return Check(
+        name="cudnn", verdict="warning",
+        reason=(f"cuDNN is not available to torch {facts.torch_version}: convolutions and RNNs on the GPU "
+                "use slower fallback kernels."),
+        fix=f"Install a torch build that bundles cuDNN (the official CUDA wheels do) or nvidia-cudnn-cu{major}.",
+    )
+
+
+def gpu_unavailable_reason(facts: EnvironmentFacts) -> Check | None:
+    """The primary reason torch can use no GPU here, or ``None`` when it can use at least one.
+
+    Example:
+        >>> facts = EnvironmentFacts(torch_version="2.3.0+cpu")
+        >>> gpu_unavailable_reason(facts).reason
+        'torch 2.3.0+cpu is a CPU-only build (torch.version.cuda is None): training runs on the CPU.'
+    """
+    if facts.torch_device_count > 0:
+        return None
+    # Ordered from the most fundamental cause: each later check assumes the earlier ones passed.
+    for check in (check_torch_build, check_driver, check_driver_version,
+                  check_cuda_visible_devices, check_gpu_visibility):
+        result = check(facts)
+        if result.verdict != "ok":
+            return result
+    return _no_gpu_fallback(facts)
+
+
+def _no_gpu_fallback(facts: EnvironmentFacts) -> Check:
+    reports = ("the driver reports no GPU" if facts.nvml_device_count == 0
+               else "the driver is present")
+    return Check(
+        name="gpu_count", verdict="warning",
+        reason=f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version} and {reports}, "
+               "but torch sees no GPU.",
+        fix=("Run nvidia-smi to see the GPUs the driver knows, and python -c \"import torch; "
+             "torch.cuda.init()\" to see CUDA's own error."),
+    )
+
+
+def check_environment(facts: EnvironmentFacts, *, requested_gpus: Sequence[int] | None = None,
+                      memory: Check | None = None) -> list[Check]:
+    """Runs every check, in the order a person would fix them.
+
+    ``requested_gpus`` adds the device-index check; ``memory`` is a check from
+    `stratagem.diagnose.check_memory`, added in place.
+
+    Example:
+        >>> [c.name for c in check_environment(EnvironmentFacts(torch_version="2.3.0+cpu"))][:2]
+        ['torch_build', 'driver']
+    """
+    checks = [check_torch_build(facts), check_driver(facts), check_driver_version(facts),
+              check_cuda_visible_devices(facts), check_gpu_visibility(facts)]
+    if requested_gpus is not None:
+        checks.append(check_device_index(facts, requested_gpus))
+    if memory is not None:
+        checks.append(memory)
+    checks += [check_nccl(facts), check_cudnn(facts)]
+    return checks
+
+
+def _first_invalid_entry(entries: list[str], driver_count: int | None) -> tuple[int | None, str]:
+    for position, entry in enumerate(entries):
+        if entry.startswith(("GPU-", "MIG-")):
+            continue  # a UUID; only the driver can tell whether it exists
+        if not re.fullmatch(r"-?\d+", entry):
+            return position, "not a GPU index or UUID"
+        index = int(entry)
+        if index < 0:
+            return position, "a negative index"
+        if driver_count is not None and index >= driver_count:
+            return position, f"index {index} is out of range: the driver reports {driver_count} GPU(s)"
+    return None, ""
+
+
+def _major(version: str | None) -> int:
+    return _version(version)[0] if version else 0
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text or ""))

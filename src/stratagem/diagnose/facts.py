@@ -1,0 +1,272 @@
+"""Facts about the machine's GPU stack, gathered once into plain data.
+
+Everything that decides *why* a GPU is or is not usable reads an `EnvironmentFacts` value, never
+the machine itself, so each diagnosis can be tested on a CPU-only machine with constructed facts
+and a report from a user's machine can be replayed (`EnvironmentFacts.from_dict`).
+
+Every probe is optional and guarded: a missing driver library, a hung ``nvidia-smi`` or an absent
+``pynvml`` leaves its field ``None`` and never raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# nvidia-smi can hang for tens of seconds on a wedged driver; a diagnosis must not.
+NVIDIA_SMI_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class GpuFacts:
+    """One CUDA device as torch sees it."""
+
+    index: int
+    """torch's index (after ``CUDA_VISIBLE_DEVICES`` renumbering)."""
+    name: str
+    total_memory: int
+    """Bytes."""
+    free_memory: int | None = None
+    """Bytes free when the facts were collected (``torch.cuda.mem_get_info``)."""
+    capability: tuple[int, int] | None = None
+    """Compute capability, e.g. ``(9, 0)`` for an H100."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class EnvironmentFacts:
+    """What the machine offers for GPU training, as plain JSON-serialisable data.
+
+    Example:
+        >>> facts = EnvironmentFacts(torch_version="2.3.0+cpu", torch_cuda_version=None)
+        >>> facts.is_cuda_build
+        False
+    """
+
+    torch_version: str
+    torch_cuda_version: str | None = None
+    """``torch.version.cuda``: the CUDA version torch was built for; ``None`` for a CPU-only build."""
+    cuda_runtime_version: str | None = None
+    """The CUDA runtime actually loaded (``cudaRuntimeGetVersion``), when it could be read."""
+    driver_present: bool = False
+    """Whether any sign of the NVIDIA driver was found (libcuda, /proc, NVML or nvidia-smi)."""
+    driver_version: str | None = None
+    """The driver release, e.g. ``"550.54.15"``."""
+    driver_cuda_version: str | None = None
+    """The newest CUDA version the driver supports (``cuDriverGetVersion``), e.g. ``"12.4"``."""
+    cuda_visible_devices: str | None = None
+    """The raw ``CUDA_VISIBLE_DEVICES`` value; ``None`` when unset (which is not the same as ``""``)."""
+    torch_device_count: int = 0
+    """``torch.cuda.device_count()``: the GPUs torch can use."""
+    nvml_device_count: int | None = None
+    """GPUs the driver reports through NVML (pynvml or nvidia-smi), ignoring ``CUDA_VISIBLE_DEVICES``."""
+    nccl_available: bool = False
+    nccl_version: str | None = None
+    cudnn_available: bool = False
+    cudnn_version: int | None = None
+    cpu_count: int = 1
+    """CPU cores this process may run on."""
+    gpus: list[GpuFacts] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_cuda_build(self) -> bool:
+        return self.torch_cuda_version is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EnvironmentFacts:
+        """Rebuilds facts written by `to_dict` (e.g. ``stratagem doctor --json`` from another machine)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in fields}
+        gpus = []
+        for gpu in values.pop("gpus", []):
+            gpu = dict(gpu)
+            if gpu.get("capability") is not None:
+                gpu["capability"] = tuple(gpu["capability"])
+            gpus.append(GpuFacts(**gpu))
+        return cls(gpus=gpus, **values)
+
+
+def collect_facts(env: Mapping[str, str]) -> EnvironmentFacts:
+    """Gathers the facts on this machine.
+
+    Cheap where it can be: with a CPU-only torch build no CUDA call is made at all; with a CUDA
+    build, free memory is read per GPU (``torch.cuda.mem_get_info``), which creates a CUDA
+    context on each.
+
+    Example:
+        >>> from stratagem import environ
+        >>> facts = collect_facts(environ.current())
+        >>> facts.torch_version == torch.__version__
+        True
+    """
+    facts = EnvironmentFacts(
+        torch_version=torch.__version__,
+        torch_cuda_version=torch.version.cuda,
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        cpu_count=cpu_count(),
+    )
+    _probe_driver(facts)
+    if facts.is_cuda_build:
+        facts.torch_device_count = _torch_device_count()
+        facts.nccl_available, facts.nccl_version = _nccl()
+        facts.cudnn_available, facts.cudnn_version = _cudnn()
+        facts.cuda_runtime_version = _cuda_runtime_version(facts.torch_cuda_version)
+        facts.gpus = probe_gpus(facts.torch_device_count)
+    return facts
+
+
+def cpu_count() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def probe_gpus(count: int | None = None) -> list[GpuFacts]:
+    """Name, memory and capability of each GPU torch can see; empty for a CPU-only build."""
+    if torch.version.cuda is None:
+        return []
+    count = _torch_device_count() if count is None else count
+    gpus = []
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        free = None
+        try:
+            free, _ = torch.cuda.mem_get_info(index)
+        except RuntimeError as error:  # e.g. a GPU in exclusive-process mode held by another process
+            logger.warning("could not read free memory of cuda:%d: %s", index, error)
+        gpus.append(GpuFacts(index=index, name=props.name, total_memory=int(props.total_memory),
+                             free_memory=free, capability=(props.major, props.minor)))
+    return gpus
+
+
+def _torch_device_count() -> int:
+    try:
+        return torch.cuda.device_count()
+    except RuntimeError as error:
+        logger.warning("torch.cuda.device_count() failed: %s", error)
+        return 0
+
+
+def _probe_driver(facts: EnvironmentFacts) -> None:
+    # Each source can be missing on its own (containers often lack nvidia-smi, pynvml is
+    # optional), so try them all and keep the first answer for each field.
+    facts.driver_cuda_version = _libcuda_version()
+    facts.driver_version = _proc_driver_version()
+    nvml_version, nvml_count = _pynvml()
+    if nvml_version is None or nvml_count is None:
+        smi_version, smi_count = _nvidia_smi()
+        nvml_version = nvml_version or smi_version
+        nvml_count = nvml_count if nvml_count is not None else smi_count
+    facts.driver_version = facts.driver_version or nvml_version
+    facts.nvml_device_count = nvml_count
+    facts.driver_present = facts.driver_cuda_version is not None or facts.driver_version is not None
+
+
+def _libcuda_version() -> str | None:
+    names = {"win32": ["nvcuda.dll"], "darwin": []}.get(sys.platform, ["libcuda.so.1", "libcuda.so"])
+    for name in names:
+        try:
+            libcuda = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int()
+        # cuDriverGetVersion needs no cuInit and no context: it only reports the driver's CUDA level.
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return None
+
+
+def _proc_driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as file:
+            text = file.read()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match[1] if match else None
+
+
+def _pynvml() -> tuple[str | None, int | None]:
+    try:
+        import pynvml
+    except ImportError:
+        return None, None
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as error:  # pynvml raises NVMLError subclasses for every driver state
+        logger.info("NVML not usable: %s", error)
+        return None, None
+    return (version.decode() if isinstance(version, bytes) else version), int(count)
+
+
+def _nvidia_smi() -> tuple[str | None, int | None]:
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return None, None
+    try:
+        result = subprocess.run(
+            [executable, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.info("nvidia-smi did not answer: %s", error)
+        return None, None
+    if result.returncode != 0:
+        logger.info("nvidia-smi failed (%d): %s", result.returncode, result.stderr.strip())
+        return None, None
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    return (lines[0] if lines else None), len(lines)
+
+
+def _nccl() -> tuple[bool, str | None]:
+    # The same test torch.cuda.nccl.is_available makes, without its warning.
+    if not hasattr(torch._C, "_nccl_all_reduce"):
+        return False, None
+    try:
+        return True, ".".join(str(part) for part in torch.cuda.nccl.version())
+    except (RuntimeError, AttributeError):
+        return True, None
+
+
+def _cudnn() -> tuple[bool, int | None]:
+    try:
+        available = bool(torch.backends.cudnn.is_available())
+        return available, (torch.backends.cudnn.version() if available else None)
+    except RuntimeError:
+        return False, None
+
+
+def _cuda_runtime_version(torch_cuda_version: str | None) -> str | None:
+    # torch loads its own libcudart; asking it by soname finds the copy already in the process.
+    if torch_cuda_version is None or sys.platform == "win32":
+        return None
+    major = torch_cuda_version.split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            cudart = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int()
+        if cudart.cudaRuntimeGetVersion(ctypes.byref(version)) == 0:
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return None

@@ -1,0 +1,49 @@
+"""The exceptions stratagem raises.
+
+Every message says what is wrong, the value received, and how to fix it. The classes also
+derive from the built-in exception a Python user would expect (``ValueError`` for bad input,
+``RuntimeError`` for a failure while running, ``TimeoutError`` for a wait that ran out), so
+``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class StratagemError(Exception):
+    """Base class of every error stratagem raises on purpose."""
+
+
+class DeviceError(StratagemError, ValueError):
+    """A device name or device list is invalid (unknown, out of range, duplicated, empty)."""
+
+
+class GpuUnavailableError(StratagemError, RuntimeError):
+    """A GPU was demanded and cannot be had; the message carries the diagnosis."""
+
+
+class InputError(StratagemError, ValueError):
+    """Training input is malformed (not an iterable of batches, mismatched first dimensions...)."""
+
+
+class ReplicaError(StratagemError, RuntimeError):
+    """A replica failed while running a step; the message names the replica."""
+
+
+class CollectiveTimeoutError(StratagemError, TimeoutError):
+    """A wait for other replicas, ranks or tasks ran out; the message names who was missing."""
+
+
+class ClusterError(StratagemError, ValueError):
+    """The cluster description (TF_CONFIG, torchrun or SLURM variables) is malformed."""
+
+
+class MemoryEstimateError(StratagemError, RuntimeError):
+    """A device does not have the memory the model needs; the message has both numbers."""
+
+
+class MemoryEstimateInputError(StratagemError, ValueError):
+    """A memory estimate was asked for something it cannot size (unknown optimizer, bad byte count)."""
+
+
+class DeviceConfigurationError(StratagemError, RuntimeError):
+    """Logical devices were reconfigured after a strategy started using them."""
