@@ -1,0 +1,284 @@
+"""The local launcher behind ``stratagem launch``: one process per task on this machine.
+
+Tasks: ``worker:0`` .. ``worker:N-1`` (worker 0 is the chief, so TF_CONFIG has no ``chief``
+entry) and, with ``ps > 0``, ``ps:0`` .. ``ps:P-1``. Each gets, on 127.0.0.1 with free ports:
+
+- ``TF_CONFIG`` naming every task and this one;
+- torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT`` (workers only: parameter servers have no rank); ``MASTER_PORT`` is worker 0's port;
+- ``STRATAGEM_CLUSTER_TOKEN`` (one random token per launch), ``STRATAGEM_RESTART_COUNT``
+  (0, then 1, 2... after restarts) and, when given, ``STRATAGEM_DEVICES_PER_WORKER``.
+
+The run succeeds when every worker exits with 0; parameter servers serve until then and are
+stopped afterwards. The first task to fail (or a parameter server that exits early) stops the
+others: SIGTERM, then SIGKILL after ``grace_period``. With ``max_restarts`` the whole group is
+started again, as torchrun does, on fresh ports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stratagem.cluster.processes import OutputLine, Sink, TaskGroup, describe_exit
+from stratagem.errors import ClusterError
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+TIMEOUT_EXIT_CODE = 124  # as coreutils' timeout
+OUTPUT_DRAIN_SECONDS = 2.0
+# Variables a parent launcher may have set that would contradict the ones we give each task.
+_INHERITED_CLUSTER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                "MASTER_PORT", "TF_CONFIG", "STRATAGEM_DEVICES_PER_WORKER")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskFailure:
+    """How one attempt ended badly."""
+
+    attempt: int
+    """0 for the first start, 1 after the first restart..."""
+    task: str | None
+    """The task that failed first; ``None`` when the run timed out."""
+    returncode: int | None
+    """Its return code (negative: killed by that signal); ``None`` on timeout."""
+    reason: str
+    """In words: ``exit code 3``, ``killed by SIGKILL (...)``, ``timed out after 30 s ...``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchResult:
+    """What ``launch`` did: success or the first failure, and the restarts it used."""
+
+    exit_code: int
+    """0 on success; the failed task's exit code; 128 + signal when killed; 124 on timeout."""
+    failed_task: str | None
+    """The task whose failure ended the run (``worker:1``), or ``None``."""
+    reason: str | None
+    """Why it failed, in words; ``None`` on success."""
+    restarts: int
+    """How many times the whole group was restarted."""
+    failures: tuple[TaskFailure, ...] = ()
+    """The first failure of every attempt that failed, restarted ones included."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def explain(self) -> str:
+        """One line per failed attempt, then the outcome."""
+        lines = [f"attempt {f.attempt}: {f.task or 'launch'} {f.reason}" for f in self.failures]
+        restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
+        if self.ok:
+            lines.append(f"all workers exited normally{restarts}")
+        else:
+            lines.append(f"failed{restarts}: {self.failed_task or 'launch'} {self.reason}; exit code {self.exit_code}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "exit_code": self.exit_code, "failed_task": self.failed_task, "reason": self.reason,
+            "restarts": self.restarts, "failures": [f.__dict__ for f in self.failures],
+        }
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """``count`` distinct ports that were free a moment ago on ``host``.
+
+    All sockets stay bound until every port is chosen, so the ports are distinct; another
+    program could still take one before a task binds it, which the task then reports.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def task_environments(
+    base_env: Mapping[str, str],
+    *,
+    workers: int,
+    ps: int = 0,
+    ports: Sequence[int],
+    token: str,
+    restart_count: int = 0,
+    devices_per_worker: int | None = None,
+) -> dict[str, dict[str, str]]:
+    """The full environment of every task of a local cluster, by task name.
+
+    Example:
+        >>> envs = task_environments({}, workers=2, ports=[5000, 5001], token="t")
+        >>> envs["worker:1"]["RANK"], envs["worker:1"]["MASTER_PORT"]
+        ('1', '5000')
+    """
+    if len(ports) != workers + ps:
+        raise ClusterError(f"Need one port per task. Received: {len(ports)} ports for {workers} workers "
+                           f"and {ps} ps tasks. Fix: pass {workers + ps} ports.")
+    addresses = {"worker": [f"{HOST}:{port}" for port in ports[:workers]]}
+    if ps:
+        addresses["ps"] = [f"{HOST}:{port}" for port in ports[workers:]]
+    common = {key: value for key, value in base_env.items() if key not in _INHERITED_CLUSTER_VARIABLES}
+    common.update(
+        STRATAGEM_CLUSTER_TOKEN=token,
+        STRATAGEM_RESTART_COUNT=str(restart_count),
+        # Children write to pipes; unbuffered output reaches the terminal as it is written,
+        # and faulthandler turns a segfault into a Python traceback.
+        PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",
+    )
+    if devices_per_worker is not None:
+        common["STRATAGEM_DEVICES_PER_WORKER"] = str(devices_per_worker)
+    envs = {}
+    for kind, addrs in addresses.items():
+        for index in range(len(addrs)):
+            env = dict(common)
+            env["TF_CONFIG"] = json.dumps({"cluster": addresses, "task": {"type": kind, "index": index}})
+            if kind == "worker":
+                env.update(RANK=str(index), WORLD_SIZE=str(workers), LOCAL_RANK=str(index),
+                           LOCAL_WORLD_SIZE=str(workers), MASTER_ADDR=HOST, MASTER_PORT=str(ports[0]))
+            envs[f"{kind}:{index}"] = env
+    return envs
+
+
+def _validate(argv: Sequence[str], workers: int, ps: int, devices_per_worker: int | None,
+              max_restarts: int, timeout: float | None, grace_period: float) -> None:
+    checks = [
+        (len(argv) > 0, "The command to launch is empty", f"argv={list(argv)!r}", "pass the command, e.g. [sys.executable, 'train.py']"),
+        (workers >= 1, "At least one worker is needed", f"workers={workers}", "pass workers >= 1"),
+        (ps >= 0, "The number of parameter servers cannot be negative", f"ps={ps}", "pass ps >= 0"),
+        (devices_per_worker is None or devices_per_worker >= 1, "Each worker needs at least one device",
+         f"devices_per_worker={devices_per_worker}", "pass devices_per_worker >= 1, or leave it out"),
+        (max_restarts >= 0, "max_restarts cannot be negative", f"max_restarts={max_restarts}", "pass max_restarts >= 0"),
+        (timeout is None or timeout > 0, "The timeout must be positive", f"timeout={timeout}", "pass seconds > 0, or no timeout"),
+        (grace_period >= 0, "The grace period cannot be negative", f"grace_period={grace_period}", "pass seconds >= 0"),
+    ]
+    for ok, what, received, fix in checks:
+        if not ok:
+            raise ClusterError(f"{what}. Received: {received}. Fix: {fix}.")
+
+
+def _exit_code(returncode: int) -> int:
+    return returncode if returncode > 0 else 128 - returncode if returncode < 0 else 1
+
+
+def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None,
+                 timeout: float | None, attempt: int) -> TaskFailure | None:
+    """Wait for the workers to finish; the first failure (or the deadline) ends the attempt."""
+    pending = {f"worker:{i}" for i in range(workers)}
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            task, returncode = group.exits.get(timeout=remaining)
+        except queue.Empty:
+            running = ", ".join(group.running())
+            return TaskFailure(attempt=attempt, task=None, returncode=None,
+                               reason=f"timed out after {timeout:g} s; still running: {running}")
+        if task.startswith("ps:"):
+            # A parameter server serves until the workers finish; leaving early strands them.
+            reason = describe_exit(returncode)
+            if returncode == 0:
+                reason += ", but a parameter server must serve until the workers finish"
+            return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=reason)
+        if returncode != 0:
+            return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=describe_exit(returncode))
+        pending.discard(task)
+    return None
+
+
+def launch(
+    argv: Sequence[str],
+    *,
+    workers: int,
+    env: Mapping[str, str],
+    sink: Sink,
+    ps: int = 0,
+    devices_per_worker: int | None = None,
+    max_restarts: int = 0,
+    timeout: float | None = None,
+    grace_period: float = 5.0,
+) -> LaunchResult:
+    """Run ``argv`` as a local cluster of ``workers`` (and ``ps``) processes until they finish.
+
+    ``env`` is the environment each task starts from (``stratagem.environ.current()``); every
+    line a task writes goes to ``sink`` as an ``OutputLine`` as soon as it is written.
+    ``timeout`` bounds the whole run, restarts included.
+
+    Example:
+        >>> result = launch([sys.executable, "train.py"], workers=2, env=environ.current(),
+        ...                 sink=lambda line: print(f"[{line.task}] {line.text}"))  # doctest: +SKIP
+        >>> result.exit_code, result.failed_task                                      # doctest: +SKIP
+        (0, None)
+    """
+    _validate(argv, workers, ps, devices_per_worker, max_restarts, timeout, grace_period)
+    token = secrets.token_hex(16)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failures: list[TaskFailure] = []
+    for attempt in range(max_restarts + 1):
+        envs = task_environments(env, workers=workers, ps=ps, ports=free_ports(workers + ps), token=token,
+                                 restart_count=attempt, devices_per_worker=devices_per_worker)
+        logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
+        group = TaskGroup(argv, envs, sink)
+        try:
+            failure = _run_attempt(group, workers=workers, deadline=deadline, timeout=timeout, attempt=attempt)
+        finally:
+            # Reached on success (stops the parameter servers), on failure, and on Ctrl-C.
+            group.stop(grace_period=grace_period)
+            group.drain_output(OUTPUT_DRAIN_SECONDS)
+        if failure is None:
+            return LaunchResult(exit_code=0, failed_task=None, reason=None, restarts=attempt,
+                                failures=tuple(failures))
+        failures.append(failure)
+        if failure.task is None or attempt == max_restarts:
+            break
+        logger.warning("%s %s; restarting every task (restart %d of %d)", failure.task, failure.reason,
+                       attempt + 1, max_restarts)
+    last = failures[-1]
+    exit_code = TIMEOUT_EXIT_CODE if last.returncode is None else _exit_code(last.returncode)
+    return LaunchResult(exit_code=exit_code, failed_task=last.task, reason=last.reason,
+                        restarts=len(failures) - 1, failures=tuple(failures))
+
+
+def launched_by_stratagem(env: Mapping[str, str]) -> bool:
+    """True inside a task started by ``stratagem launch`` (it sets ``STRATAGEM_CLUSTER_TOKEN``)."""
+    return "STRATAGEM_CLUSTER_TOKEN" in env
+
+
+def relaunch(command: Sequence[str], *, workers: int, env: Mapping[str, str], sink: Sink,
+             **options: Any) -> LaunchResult:
+    """Run ``python -m stratagem <command>`` under the launcher with ``workers`` workers.
+
+    For ``stratagem train --strategy multi_worker --workers 2``: the command re-runs itself once
+    per worker. Call it only when ``launched_by_stratagem(env)`` is False; inside a task it raises,
+    since each task would otherwise start ``workers`` more. ``options`` go to ``launch``.
+
+    Example:
+        >>> if not launched_by_stratagem(env):                                 # doctest: +SKIP
+        ...     return relaunch(sys.argv[1:], workers=2, env=env, sink=printer).exit_code
+    """
+    if launched_by_stratagem(env):
+        raise ClusterError(
+            "Already running inside a task of `stratagem launch`, so relaunching would start "
+            f"{workers} more processes per task. Received: STRATAGEM_CLUSTER_TOKEN set, "
+            f"TF_CONFIG={env.get('TF_CONFIG', '')!r:.120}. Fix: check launched_by_stratagem(env) "
+            "and run the training directly in that case."
+        )
+    return launch([sys.executable, "-m", "stratagem", *command], workers=workers, env=env, sink=sink, **options)
+
+
+__all__ = ["LaunchResult", "OutputLine", "TaskFailure", "free_ports", "launch", "launched_by_stratagem",
+           "relaunch", "task_environments"]

@@ -1,0 +1,151 @@
+"""A group of local task processes: start them, stream their output line by line, stop them.
+
+Each process leads its own session, so stopping a task also stops whatever it started
+(data-loader workers, a shell's children) instead of leaving orphans holding ports and pipes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+
+@dataclass(frozen=True)
+class OutputLine:
+    """One line a task wrote, without its line ending."""
+
+    task: str
+    """The task that wrote it (``worker:1``)."""
+    stream: str
+    """``stdout`` or ``stderr``."""
+    text: str
+
+
+Sink = Callable[[OutputLine], None]
+
+
+def describe_exit(returncode: int) -> str:
+    """Say in words how a process ended; negative return codes are signals.
+
+    Example:
+        >>> describe_exit(-9)
+        'killed by SIGKILL (killed, often the out-of-memory killer: check `dmesg` or the memory limit)'
+    """
+    if returncode == 0:
+        return "exited normally (exit code 0)"
+    if returncode > 0:
+        text = f"exit code {returncode}"
+        # A shell reports a child killed by signal N as 128 + N.
+        if returncode > 128 and _signal_name(returncode - 128):
+            text += f" (128 + {returncode - 128}: a shell's report of {_describe_signal(returncode - 128)})"
+        return text
+    return _describe_signal(-returncode)
+
+
+_SIGNAL_MEANINGS = {
+    "SIGKILL": "killed, often the out-of-memory killer: check `dmesg` or the memory limit",
+    "SIGSEGV": "segmentation fault, a crash in native code (torch, a CUDA or C extension); "
+               "the task's stderr has a Python traceback from faulthandler",
+    "SIGABRT": "aborted, usually a failed check in native code; see the task's stderr",
+    "SIGBUS": "bus error, often shared memory (/dev/shm) too small for data-loader workers",
+    "SIGTERM": "terminated by another process (a scheduler, or a person)",
+    "SIGINT": "interrupted (Ctrl-C)",
+    "SIGFPE": "arithmetic fault in native code",
+}
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
+
+
+def _describe_signal(number: int) -> str:
+    name = _signal_name(number)
+    if name is None:
+        return f"killed by unknown signal {number}"
+    meaning = _SIGNAL_MEANINGS.get(name)
+    return f"killed by {name} ({meaning})" if meaning else f"killed by {name}"
+
+
+class TaskGroup:
+    """The processes of one attempt; every exit is reported on ``exits`` as ``(task, returncode)``."""
+
+    def __init__(self, argv: Sequence[str], envs: Mapping[str, Mapping[str, str]], sink: Sink) -> None:
+        self.exits: queue.Queue[tuple[str, int]] = queue.Queue()
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._sink = sink
+        self._sink_lock = threading.Lock()  # a sink sees whole lines, one at a time
+        self._readers: list[threading.Thread] = []
+        try:
+            for task, env in envs.items():
+                process = subprocess.Popen(
+                    list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, start_new_session=True,
+                )
+                self.processes[task] = process
+                for stream, pipe in (("stdout", process.stdout), ("stderr", process.stderr)):
+                    self._spawn(self._read, task, stream, pipe)
+                self._spawn(self._wait, task, process)
+        except BaseException:
+            self.stop(grace_period=0.0)
+            raise
+
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
+        # Daemon threads: a grandchild that keeps a pipe open must not keep the launcher alive.
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        if target == self._read:
+            self._readers.append(thread)
+
+    def _read(self, task: str, stream: str, pipe: IO[bytes]) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = OutputLine(task, stream, raw.decode(errors="replace").rstrip("\r\n"))
+                with self._sink_lock:
+                    self._sink(line)
+
+    def _wait(self, task: str, process: subprocess.Popen[bytes]) -> None:
+        self.exits.put((task, process.wait()))
+
+    def running(self) -> list[str]:
+        """Tasks whose process has not exited yet."""
+        return [task for task, process in self.processes.items() if process.poll() is None]
+
+    def stop(self, tasks: Sequence[str] | None = None, *, grace_period: float) -> None:
+        """SIGTERM ``tasks`` (default: all), then SIGKILL what is left after ``grace_period`` seconds."""
+        chosen = [self.processes[t] for t in (self.processes if tasks is None else tasks)]
+        for process in chosen:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_period
+        for process in chosen:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for process in chosen:
+            # Also reaches the children of a task that has already exited.
+            _signal_group(process, signal.SIGKILL)
+        for process in chosen:
+            process.wait()
+
+    def drain_output(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until every line the tasks wrote has reached the sink."""
+        deadline = time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone

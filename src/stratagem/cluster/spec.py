@@ -1,0 +1,186 @@
+"""The ``Cluster`` value: who this process is among the processes of one training job.
+
+Vocabulary follows both peers: ``task_type``/``task_index`` as in TF_CONFIG, ``rank``,
+``world_size``, ``local_rank`` as in ``torch.distributed``.
+
+The collective world is the chief and the workers, the tasks that take part in all-reduce.
+Parameter servers (``ps``) and the ``evaluator`` are tasks of the job but not members of that
+world: for them ``rank`` and ``local_rank`` are ``None`` while ``world_size`` still counts the
+collective members, so every task of a job agrees on ``world_size``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stratagem.errors import ClusterError
+
+# Order of task types in a TF_CONFIG and in rank assignment: the chief comes first (rank 0).
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+COLLECTIVE_TASK_TYPES = ("chief", "worker")
+
+# Where a Cluster can come from, in the order resolve_cluster tries them.
+SOURCES = ("explicit", "TF_CONFIG", "torchrun", "SLURM", "single-process")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Who this process is: its task, its rank, and where to meet the others.
+
+    Example:
+        >>> cluster = Cluster.from_tf_config({
+        ...     "cluster": {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222"]},
+        ...     "task": {"type": "worker", "index": 0},
+        ... })
+        >>> cluster.rank, cluster.world_size, cluster.is_chief, cluster.master_port
+        (1, 2, False, 2222)
+    """
+
+    task_type: str
+    """``chief``, ``worker``, ``ps`` or ``evaluator``; torchrun and SLURM processes are all ``worker``."""
+    task_index: int
+    """Index of this task among the tasks of its type."""
+    rank: int | None
+    """Rank in the collective world (chief 0, then workers); ``None`` for ``ps`` and ``evaluator``."""
+    world_size: int
+    """Number of processes in the collective world (chief + workers)."""
+    local_rank: int | None
+    """Rank among the collective processes on this host; ``None`` for ``ps`` and ``evaluator``."""
+    local_world_size: int
+    """Number of collective processes on this host."""
+    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """``host:port`` of every task, by task type; empty when the source does not say (torchrun, SLURM)."""
+    chief_address: str
+    """``host:port`` of the chief (task ``chief``, else worker 0): the rendezvous point."""
+    master_addr: str
+    """Host of torch.distributed's TCP store (the chief's host)."""
+    master_port: int
+    """Port of torch.distributed's TCP store (the chief's port)."""
+    rpc_layer: str | None = None
+    """TF_CONFIG's ``rpc_layer`` (for example ``grpc``), when given."""
+    source: str
+    """Which source produced this value: one of ``SOURCES``."""
+    evidence: tuple[str, ...] = ()
+    """The inputs that decided it, one line each (``RANK=1``, ``TF_CONFIG task = worker:0``...)."""
+
+    def __post_init__(self) -> None:
+        # Freeze the address lists so a Cluster can be shared between threads without copies.
+        frozen = {kind: tuple(self.addresses[kind]) for kind in TASK_TYPES if kind in self.addresses}
+        object.__setattr__(self, "addresses", frozen)
+        if self.source not in SOURCES:
+            raise ClusterError(
+                f"Unknown cluster source. Received: source={self.source!r}. Use one of {SOURCES}."
+            )
+
+    # -- derived facts ---------------------------------------------------------------------
+
+    @property
+    def task_name(self) -> str:
+        """``type:index``, the name used in logs and errors (``worker:1``)."""
+        return f"{self.task_type}:{self.task_index}"
+
+    @property
+    def num_workers(self) -> int:
+        """Number of processes taking part in collectives (chief + workers), as in tf.distribute."""
+        return self.world_size
+
+    @property
+    def is_chief(self) -> bool:
+        """True for rank 0: the task that writes checkpoints and hosts the rendezvous."""
+        return self.rank == 0
+
+    @property
+    def in_collective(self) -> bool:
+        """True for the chief and workers; False for parameter servers and the evaluator."""
+        return self.rank is not None
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part in the job."""
+        return self.world_size > 1 or any(
+            self.addresses.get(kind) for kind in ("ps", "evaluator")
+        )
+
+    def task_for_rank(self, rank: int) -> str:
+        """The task name of ``rank`` (``chief:0``, ``worker:2``) for errors that name who is missing."""
+        if not 0 <= rank < self.world_size:
+            raise ClusterError(
+                f"Rank out of range. Received: rank={rank}, world_size={self.world_size}. "
+                f"Use a rank in 0..{self.world_size - 1}."
+            )
+        num_chiefs = len(self.addresses.get("chief", ()))
+        if rank < num_chiefs:
+            return f"chief:{rank}"
+        return f"worker:{rank - num_chiefs}"
+
+    # -- renderings ------------------------------------------------------------------------
+
+    def to_tf_config(self) -> dict[str, Any]:
+        """This cluster in TF_CONFIG form (``json.dumps`` it to export ``TF_CONFIG``).
+
+        Raises ``ClusterError`` when the source did not give every task's address
+        (torchrun and SLURM name only the master).
+        """
+        if not self.addresses:
+            raise ClusterError(
+                f"This cluster has no per-task addresses, so it cannot be written as TF_CONFIG. "
+                f"Received: a cluster from {self.source} ({self.task_name}, world_size={self.world_size}). "
+                "Fix: describe the cluster with TF_CONFIG or an explicit dict instead."
+            )
+        config: dict[str, Any] = {
+            "cluster": {kind: list(addrs) for kind, addrs in self.addresses.items()},
+            "task": {"type": self.task_type, "index": self.task_index},
+        }
+        if self.rpc_layer is not None:
+            config["rpc_layer"] = self.rpc_layer
+        return config
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field and derived fact as JSON-ready data (the JSON rendering of ``explain``)."""
+        return {
+            "source": self.source,
+            "task": self.task_name,
+            "task_type": self.task_type,
+            "task_index": self.task_index,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "num_workers": self.num_workers,
+            "is_chief": self.is_chief,
+            "chief_address": self.chief_address,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "rpc_layer": self.rpc_layer,
+            "addresses": {kind: list(addrs) for kind, addrs in self.addresses.items()},
+            "evidence": list(self.evidence),
+        }
+
+    def explain(self) -> str:
+        """A few lines saying who this process is and which inputs decided it."""
+        role = "chief" if self.is_chief else ("not in the collective world" if self.rank is None else "member")
+        lines = [
+            f"cluster from {self.source}: task {self.task_name}, rank {self.rank} of {self.world_size} ({role})",
+            f"  local rank {self.local_rank} of {self.local_world_size} on this host",
+            f"  rendezvous at {self.master_addr}:{self.master_port} (chief {self.chief_address})",
+        ]
+        for kind, addrs in self.addresses.items():
+            lines.append(f"  {kind}: {', '.join(addrs)}")
+        lines.extend(f"  because {line}" for line in self.evidence)
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """``as_dict`` as a JSON string."""
+        return json.dumps(self.as_dict(), indent=2)
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_tf_config(cls, config: Mapping[str, Any] | str, *, source: str = "explicit") -> Cluster:
+        """Parse a TF_CONFIG (a dict, or its JSON text); see ``stratagem.cluster.tf_config``."""
+        from stratagem.cluster.tf_config import parse_tf_config
+
+        return parse_tf_config(config, source=source)
