@@ -1,0 +1,43 @@
+"""stratagem: train PyTorch models with tf.distribute-style strategies, never a silent fallback.
+
+    import stratagem as sg
+    strategy = sg.MirroredStrategy()
+    print(strategy.explain())
+"""
+
+from stratagem.data.split import InputContext
+from stratagem.errors import (
+    CollectiveTimeoutError,
+    DeviceError,
+    GpuUnavailableError,
+    InputError,
+    ReplicaError,
+    StratagemError,
+)
+from stratagem.strategies import (
+    MirroredStrategy,
+    OneDeviceStrategy,
+    ReplicaContext,
+    Strategy,
+    current_replica_context,
+)
+from stratagem.values import PerReplica, ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "DeviceError",
+    "GpuUnavailableError",
+    "InputContext",
+    "InputError",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "ReplicaError",
+    "StratagemError",
+    "Strategy",
+    "current_replica_context",
+]

@@ -1,0 +1,1 @@
+"""The ``stratagem`` command. Only this package prints."""

@@ -1,0 +1,3 @@
+from stratagem.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Entry point of the ``stratagem`` command: one module per sub-command.
+
+Each sub-command module defines ``add_parser(subparsers)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (sub-command, module under stratagem.cli)
+COMMANDS = [
+    ("devices", "devices"),
+    ("doctor", "doctor"),
+    ("train", "train"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stratagem",
+        description="Train PyTorch models with tf.distribute-style strategies; never a silent fallback.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what stratagem decides")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for _, module_name in COMMANDS:
+        module = importlib.import_module(f"stratagem.cli.{module_name}")
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

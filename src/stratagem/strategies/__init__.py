@@ -1,0 +1,17 @@
+"""The strategy family."""
+
+from stratagem.strategies.base import DistributedDataset, Strategy
+from stratagem.strategies.explain import Explanation
+from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.one_device import OneDeviceStrategy
+from stratagem.strategies.replicas import ReplicaContext, current_replica_context
+
+__all__ = [
+    "DistributedDataset",
+    "Explanation",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "ReplicaContext",
+    "Strategy",
+    "current_replica_context",
+]

@@ -1,0 +1,244 @@
+"""The strategy base class: the vocabulary every strategy shares.
+
+A strategy decides where a model's replicas live and how their gradients are combined;
+the user's step function stays the same under every strategy:
+
+    strategy = sg.MirroredStrategy()
+    model, optimizer = strategy.distribute(Net(), torch.optim.SGD(...))
+    for x, y in strategy.distribute_dataset(loader):      # the loader yields GLOBAL batches
+        losses = strategy.run(train_step, args=(x, y))
+        print(strategy.reduce("mean", losses))
+
+Subclasses implement `distribute`, `run`, `_local_devices` and, when they span processes,
+`_input_pipeline` and `_cross_worker_sum`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.data.split import InputContext, batch_size_of, split_batch, split_sizes
+from stratagem.errors import InputError
+from stratagem.strategies.explain import Explanation
+from stratagem.values import PerReplica, ReduceOp, map_structure
+
+
+class Strategy(abc.ABC):
+    """Base class of every stratagem strategy (tf.distribute's `tf.distribute.Strategy`)."""
+
+    # ---- what a subclass provides -------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def _local_devices(self) -> list[torch.device]:
+        """The physical torch device of each local replica, in replica order."""
+
+    @abc.abstractmethod
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Places `model` (and `optimizer`) for this strategy; returns `(model, optimizer)`,
+        or the model alone when no optimizer is given."""
+
+    @abc.abstractmethod
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs `fn(*args, **kwargs)` once per replica; `PerReplica` arguments give each replica its own value."""
+
+    @abc.abstractmethod
+    def explain(self) -> Explanation:
+        """Where this strategy runs and why."""
+
+    def _input_pipeline(self) -> tuple[int, int]:
+        """(number of input pipelines, this process's pipeline id): one pipeline per worker process."""
+        return 1, 0
+
+    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums `tensor` over worker processes (identity within one process)."""
+        return tensor
+
+    # ---- shared vocabulary --------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each step, across every worker."""
+        return len(self._local_devices)
+
+    def distribute_dataset(self, dataset: Iterable[Any]) -> "DistributedDataset":
+        """Splits each GLOBAL batch that `dataset` yields among the replicas.
+
+        Each batch (a tensor, or a tuple, list or dict of tensors sharing their first dimension)
+        is cut into contiguous slices whose sizes differ by at most one; a replica whose slice is
+        empty still takes part in the step, with weight zero.
+
+        Example:
+            >>> loader = DataLoader(data, batch_size=256)          # 256 = the global batch
+            >>> for x, y in strategy.distribute_dataset(loader):
+            ...     strategy.run(train_step, args=(x, y))
+        """
+        _check_iterable(dataset, "distribute_dataset")
+        return DistributedDataset(self, dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> "DistributedDataset":
+        """Builds the input of each input pipeline with `dataset_fn(input_context)`.
+
+        The iterable it returns yields PER-REPLICA batches: each local replica takes the next one.
+
+        Example:
+            >>> def dataset_fn(ctx):
+            ...     return DataLoader(data, batch_size=ctx.get_per_replica_batch_size(256))
+            >>> dataset = strategy.distribute_datasets_from_function(dataset_fn)
+        """
+        if not callable(dataset_fn):
+            raise InputError(
+                "distribute_datasets_from_function needs a function of an InputContext. "
+                f"Received: {type(dataset_fn).__name__}. For a loader of global batches use distribute_dataset."
+            )
+        num_pipelines, pipeline_id = self._input_pipeline()
+        ctx = InputContext(
+            num_input_pipelines=num_pipelines,
+            input_pipeline_id=pipeline_id,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+        dataset = dataset_fn(ctx)
+        _check_iterable(dataset, "the function given to distribute_datasets_from_function")
+        return DistributedDataset(self, dataset, per_replica=True)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of the local replicas, as a tuple (one element for a plain value)."""
+        if isinstance(value, PerReplica):
+            return tuple(value.values)
+        return (value,)
+
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines per-replica values into one: SUM or MEAN across replicas.
+
+        MEAN weights each replica by its share of the global batch when `value` came from a
+        step over a distributed batch, so the mean of per-replica mean losses is the mean loss
+        over the global batch (replicas with an empty slice count for nothing). With `axis=0`
+        the values are also reduced over their first (batch) dimension, MEAN dividing by the
+        true global number of examples. Nests (tuples, dicts) are reduced leaf by leaf.
+        """
+        op = ReduceOp.parse(op)
+        if axis not in (None, 0):
+            raise InputError(f"reduce supports axis=None or axis=0. Received: axis={axis!r}.")
+        return map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
+
+    def _reduce_device(self) -> torch.device:
+        return self._local_devices[0]
+
+    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
+        device = self._reduce_device()
+        if isinstance(value, PerReplica):
+            values, sizes = list(value.values), value.batch_sizes
+        else:
+            # A value that is not per-replica is the same on every replica (tf.distribute's rule).
+            values, sizes = [value] * len(self._local_devices), None
+        tensors = [torch.as_tensor(v).to(device) for v in values]
+        if axis == 0:
+            total = self._cross_worker_sum(torch.stack([t.sum(dim=0) for t in tensors]).sum(dim=0))
+            if op is ReduceOp.SUM:
+                return total
+            count = self._cross_worker_sum(torch.tensor(float(sum(t.shape[0] for t in tensors)), device=device))
+            return total / count
+        if op is ReduceOp.SUM:
+            return self._cross_worker_sum(torch.stack(tensors).sum(dim=0))
+        if sizes is not None and sum(sizes) > 0:
+            kept = [(t, n) for t, n in zip(tensors, sizes) if n > 0]
+            weighted = torch.stack([t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) * n for t, n in kept]).sum(dim=0)
+            count = torch.tensor(float(sum(sizes)), device=device)
+        else:
+            weighted = torch.stack([t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]).sum(dim=0)
+            count = torch.tensor(float(len(tensors)), device=device)
+        return self._cross_worker_sum(weighted) / self._cross_worker_sum(count)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={[str(d) for d in self._local_devices]})"
+
+
+def _check_iterable(dataset: Any, where: str) -> None:
+    if isinstance(dataset, (torch.Tensor, str, bytes, Mapping)) or not isinstance(dataset, Iterable):
+        raise InputError(
+            f"{where} needs an iterable of batches (a DataLoader, a list of (x, y) tuples, a generator...). "
+            f"Received: {type(dataset).__name__}. Wrap tensors in a DataLoader, e.g. "
+            "DataLoader(TensorDataset(x, y), batch_size=64)."
+        )
+
+
+class DistributedDataset:
+    """An iterable of distributed batches: each yields one batch per local replica (`PerReplica` leaves)."""
+
+    def __init__(self, strategy: Strategy, dataset: Iterable[Any], per_replica: bool = False) -> None:
+        self._strategy = strategy
+        self._dataset = dataset
+        self._per_replica = per_replica
+
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        devices = self._strategy._local_devices
+        if self._per_replica:
+            yield from self._iter_per_replica(devices)
+            return
+        for step, batch in enumerate(self._dataset):
+            yield distribute_batch(batch, devices, step)
+
+    def _iter_per_replica(self, devices: list[torch.device]) -> Iterator[Any]:
+        iterator = iter(self._dataset)
+        step = 0
+        while True:
+            pieces = []
+            for _ in devices:
+                try:
+                    pieces.append(next(iterator))
+                except StopIteration:
+                    break
+            if not pieces:
+                return
+            for piece in pieces:
+                batch_size_of(piece)
+            while len(pieces) < len(devices):
+                # The input ran out mid-step: the remaining replicas get empty slices (weight zero).
+                pieces.append(map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, pieces[-1]))
+            moved = [split_batch(p, [batch_size_of(p)], [d])[0] for p, d in zip(pieces, devices)]
+            yield stack_batch(moved)
+            step += 1
+
+
+def distribute_batch(batch: Any, devices: Sequence[torch.device], step: int = 0) -> Any:
+    """Cuts one global batch among `devices`; a single device gets the batch itself (moved)."""
+    try:
+        size = batch_size_of(batch)
+    except InputError as error:
+        raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
+    if size == 0:
+        raise InputError(
+            f"Batch {step} of the dataset holds no examples, so there is nothing to train on. "
+            "Drop empty batches from the input."
+        )
+    sizes = split_sizes(size, len(devices))
+    pieces = split_batch(batch, sizes, devices)
+    if len(devices) == 1:
+        return pieces[0]
+    return stack_batch(pieces)
+
+
+def stack_batch(pieces: Sequence[Any]) -> Any:
+    """One batch per replica -> one batch whose tensors are `PerReplica` values with batch sizes."""
+    sizes = tuple(batch_size_of(p) for p in pieces)
+    columns = iter(zip(*[_leaves(p) for p in pieces]))
+
+    def make(leaf: Any) -> Any:
+        column = next(columns)
+        if isinstance(leaf, torch.Tensor):
+            return PerReplica(tuple(column), sizes)
+        return leaf
+
+    return map_structure(make, pieces[0])
+
+
+def _leaves(structure: Any) -> list[Any]:
+    out: list[Any] = []
+    map_structure(out.append, structure)
+    return out

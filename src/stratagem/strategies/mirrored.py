@@ -1,0 +1,357 @@
+"""MirroredStrategy: one process, one persistent model replica per device, synchronous updates.
+
+Each replica keeps its own copy of the model and optimizer; `run` executes the step function
+once per replica, in parallel threads (replica 0 on the caller's thread). When a replica's
+`loss.backward()` finishes, the replicas meet and combine their gradients, each weighted by
+the replica's share of the global batch, so by the time `backward()` returns every replica
+holds the gradient of the mean loss over the whole global batch. Clipping and the optimizer
+then see the same combined gradient on every replica and apply the same update.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import devices as sg_devices
+from stratagem import diagnose
+from stratagem.collective.local import LocalReducer, choose_local_reducer
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import GpuUnavailableError, InputError
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.distributed import (
+    DistributedModel,
+    DistributedOptimizer,
+    check_optimizer_matches,
+    replicate_optimizer,
+)
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool, current_replica_context, enter_replica
+from stratagem.values import PerReplica, flatten, select_replica, stack_replicas
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RunState:
+    step: int
+    weights: list[float]
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of one process (tf.distribute.MirroredStrategy).
+
+    Args:
+        devices: device names in TF or torch spelling (`["/gpu:0", "cuda:1"]`, `["cpu:0", "cpu:1"]`).
+            None: every visible GPU, or the CPU when there is none (and `explain()` says why).
+        require_gpu: raise `GpuUnavailableError`, with the diagnosis, instead of running on the CPU.
+        timeout: seconds any replica waits for the others before failing with an error naming them.
+        intra_op_threads: torch intra-op threads per CPU replica (default: the process's threads
+            shared evenly among the CPU replicas, at least one each).
+
+    Example:
+        >>> strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> model, optimizer = strategy.distribute(Net(), torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> for x, y in strategy.distribute_dataset(loader):
+        ...     losses = strategy.run(train_step, args=(x, y))
+        ...     print(strategy.reduce("mean", losses))
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str | torch.device] | None = None,
+        *,
+        require_gpu: bool = False,
+        timeout: float = 300.0,
+        intra_op_threads: int | None = None,
+        registry: sg_devices.DeviceRegistry | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise InputError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}.")
+        self._timeout = float(timeout)
+        self._decisions: list[PlacementDecision] = []
+        logical = self._choose_devices(devices, require_gpu, registry)
+        self._logical = logical
+        self._devices = [d.physical for d in logical]
+        self._names = [d.name for d in logical]
+        facts = self._facts if hasattr(self, "_facts") else None
+        nccl = bool(facts.nccl_available) if facts is not None else _nccl_available()
+        self._reducer: LocalReducer
+        self._reducer, decision = choose_local_reducer(self._devices, nccl_available=nccl)
+        if len(self._devices) > 1:
+            self._decisions.append(decision)
+        self._threads_per_replica = self._choose_threads(intra_op_threads)
+        self._pool: ReplicaPool | None = None
+        self._barrier = ReplicaBarrier(self._names, self._timeout)
+        self._model: DistributedModel | None = None
+        self._replica_params: list[list[nn.Parameter]] = []
+        self._queued = [False] * len(self._devices)
+        self._grad_slots: list[Any] = [None] * len(self._devices)
+        self._run_state: _RunState | None = None
+        self._step = 0
+
+    # ---- placement ----------------------------------------------------------------------------
+    def _choose_devices(self, devices, require_gpu, registry) -> list[sg_devices.LogicalDevice]:
+        if devices is None:
+            chosen, decision = sg_devices.default_devices(registry=registry)
+            self._decisions.append(decision)
+            if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
+                facts = diagnose.collect_facts(_env())
+                reason = diagnose.gpu_unavailable_reason(facts)
+                detail = f" {reason.reason} Fix: {reason.fix}" if reason is not None else ""
+                raise GpuUnavailableError(
+                    f"require_gpu=True, but no GPU can be used, so MirroredStrategy would run on the CPU.{detail}"
+                )
+            return chosen
+        chosen = sg_devices.resolve_devices(devices, registry=registry)
+        if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
+            raise GpuUnavailableError(
+                f"require_gpu=True, but the devices given are not GPUs. Received: devices={list(map(str, devices))}. "
+                "Name GPUs (e.g. ['cuda:0', 'cuda:1']) or drop require_gpu."
+            )
+        self._decisions.append(
+            PlacementDecision(subject="devices", choice=", ".join(d.name for d in chosen), reason="given by devices=")
+        )
+        return chosen
+
+    def _choose_threads(self, intra_op_threads: int | None) -> int | None:
+        num_cpu = sum(1 for d in self._devices if d.type == "cpu")
+        if num_cpu == 0:
+            return None
+        if intra_op_threads is not None:
+            if intra_op_threads < 1:
+                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads}.")
+            threads, why = intra_op_threads, "given by intra_op_threads="
+        else:
+            total = torch.get_num_threads()
+            threads = max(1, total // num_cpu)
+            why = (
+                f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU replica(s), so replicas "
+                "running at once do not oversubscribe the cores"
+            )
+        if len(self._devices) > 1 or intra_op_threads is not None:
+            self._decisions.append(PlacementDecision(subject="intra-op threads per CPU replica", choice=str(threads), reason=why))
+        return threads
+
+    @property
+    def _local_devices(self) -> list[torch.device]:
+        return self._devices
+
+    def explain(self) -> Explanation:
+        replicas = [ReplicaPlacement(r, name, str(dev)) for r, (name, dev) in enumerate(zip(self._names, self._devices))]
+        details: dict[str, Any] = {}
+        if len(self._devices) > 1:
+            details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch"
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, list(self._decisions), details)
+
+    # ---- distribute ---------------------------------------------------------------------------
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        if not isinstance(model, nn.Module):
+            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
+        if self._model is not None:
+            raise InputError(
+                "This strategy already holds a distributed model; a strategy distributes one model. "
+                "Build a second strategy for a second model."
+            )
+        if optimizer is not None:
+            check_optimizer_matches(model, optimizer)
+        source_params = list(model.parameters())
+        replicas = [model.to(self._devices[0])]
+        for device in self._devices[1:]:
+            replicas.append(copy.deepcopy(model).to(device))
+        optimizers: list[torch.optim.Optimizer] = []
+        if optimizer is not None:
+            if optimizer.state and self._devices[0].type != "cpu":
+                optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
+            optimizers = [optimizer] + [
+                replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]
+            ]
+        if len(replicas) == 1:
+            self._model = model  # type: ignore[assignment]
+            return model if optimizer is None else (model, optimizer)
+        self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        for r, params in enumerate(self._replica_params):
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(r))
+        self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
+        distributed = DistributedModel(replicas, self)
+        self._model = distributed
+        if optimizer is None:
+            return distributed
+        return distributed, DistributedOptimizer(optimizers, self)
+
+    # ---- run ----------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs `fn` once per replica, in parallel, each with its slice of the distributed inputs.
+
+        Returns the per-replica results (`PerReplica` leaves; the plain result with one replica).
+        An exception in any replica stops the others and is re-raised here.
+        """
+        if not callable(fn):
+            raise InputError(f"run() needs a function to call once per replica. Received: {type(fn).__name__}.")
+        kwargs = dict(kwargs or {})
+        args = tuple(args)
+        num_replicas = len(self._devices)
+        batch_sizes = _batch_sizes(args, kwargs, num_replicas)
+        self._step += 1
+        if num_replicas == 1:
+            return self._run_one(fn, args, kwargs)
+        if self._pool is None:
+            self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
+        if batch_sizes is not None:
+            total = sum(batch_sizes)
+            weights = [n / total for n in batch_sizes]
+        else:
+            weights = [1.0 / num_replicas] * num_replicas
+        self._run_state = _RunState(self._step, weights)
+        self._barrier.reset()
+        self._queued = [False] * num_replicas
+        grad_enabled = torch.is_grad_enabled()
+
+        def job(replica: int) -> Any:
+            previous = enter_replica(ReplicaContext(replica, self.num_replicas_in_sync, self._devices[replica], self))
+            try:
+                with torch.set_grad_enabled(grad_enabled), _device_guard(self._devices[replica]):
+                    return fn(*select_replica(args, replica), **select_replica(kwargs, replica))
+            finally:
+                enter_replica(previous)
+                self._barrier.finish(replica)
+
+        caller_threads = torch.get_num_threads()
+        if self._threads_per_replica is not None and self._devices[0].type == "cpu":
+            torch.set_num_threads(self._threads_per_replica)
+        try:
+            results = self._pool.run(job, on_error=self._barrier.abort)
+        finally:
+            if torch.get_num_threads() != caller_threads:
+                torch.set_num_threads(caller_threads)
+            self._run_state = None
+        return stack_replicas(results, batch_sizes)
+
+    def _run_one(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        previous = enter_replica(ReplicaContext(0, self.num_replicas_in_sync, self._devices[0], self))
+        try:
+            with _device_guard(self._devices[0]):
+                return fn(*select_replica(args, 0), **select_replica(kwargs, 0))
+        finally:
+            enter_replica(previous)
+
+    def _setup_replica_thread(self, replica: int) -> None:
+        device = self._devices[replica]
+        if device.type == "cpu" and self._threads_per_replica is not None:
+            torch.set_num_threads(self._threads_per_replica)
+        elif device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    # ---- gradient combination at the end of backward -------------------------------------------
+    def _make_grad_hook(self, replica: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if not self._queued[replica]:
+                self._queued[replica] = True
+                # Runs once when this backward pass has finished, before backward() returns.
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._on_backward_end(replica))
+
+        return hook
+
+    def _on_backward_end(self, replica: int) -> None:
+        self._queued[replica] = False
+        state = self._run_state
+        ctx = current_replica_context()
+        if state is None or ctx is None or ctx.strategy is not self:
+            raise InputError(
+                "backward() ran on a distributed model outside strategy.run(), so the replicas cannot combine "
+                "their gradients and would drift apart. Call loss.backward() inside the function given to "
+                "strategy.run()."
+            )
+        grads = [p.grad for p in self._replica_params[replica]]
+        self._grad_slots[replica] = grads
+        weight = state.weights[replica]
+        if self._reducer.prescale:
+            present = [g for g in grads if g is not None]
+            if weight == 0:
+                torch._foreach_zero_(present)  # an empty slice's gradient may be NaN: it must not be scaled
+            elif weight != 1.0:
+                torch._foreach_mul_(present, weight)
+        self._barrier.wait(replica, "end of backward", state.step)
+        slots = self._grad_slots
+        keep = range(len(grads))
+        if any(g is None for slot in slots for g in slot):
+            keep = self._fill_missing_grads(replica, slots, state.step)
+        lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
+        if lists[0]:
+            self._reducer.combine_(replica, lists, state.weights)
+        self._barrier.wait(replica, "gradient combination", state.step)
+
+    def _fill_missing_grads(self, replica: int, slots: list[list[Any]], step: int) -> list[int]:
+        """A parameter some replicas gave no gradient: zeros there; one no replica touched stays None."""
+        keep = [i for i in range(len(slots[0])) if any(slot[i] is not None for slot in slots)]
+        mine = slots[replica]
+        for i in keep:
+            if mine[i] is None:
+                param = self._replica_params[replica][i]
+                param.grad = torch.zeros_like(param)
+                mine[i] = param.grad
+        self._barrier.wait(replica, "filling of missing gradients", step)
+        return keep
+
+    def close(self) -> None:
+        """Stops the replica threads (they also stop when the process exits)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def _batch_sizes(args: tuple, kwargs: dict, num_replicas: int) -> tuple[int, ...] | None:
+    sizes = None
+    for leaf in flatten((args, kwargs)):
+        if isinstance(leaf, PerReplica):
+            if len(leaf.values) != num_replicas:
+                raise InputError(
+                    f"A per-replica value has {len(leaf.values)} values but this strategy has {num_replicas} "
+                    "replicas. Distribute the input with this strategy's distribute_dataset."
+                )
+            if leaf.batch_sizes is not None:
+                if sizes is not None and leaf.batch_sizes != sizes:
+                    raise InputError(
+                        "The per-replica arguments of run() come from batches split differently. "
+                        f"Received: batch sizes {sizes} and {leaf.batch_sizes}. Pass pieces of one distributed batch."
+                    )
+                sizes = leaf.batch_sizes
+    return sizes
+
+
+class _NullGuard:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _device_guard(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return _NullGuard()
+
+
+def _nccl_available() -> bool:
+    try:
+        from torch.cuda import nccl
+
+        return torch.cuda.is_available() and nccl.is_available([torch.zeros(1, device="cuda")])
+    except Exception:  # noqa: BLE001 - any failure means NCCL cannot be used here
+        return False
+
+
+def _env() -> Mapping[str, str]:
+    from stratagem import environ
+
+    return environ.current()

@@ -1,0 +1,207 @@
+"""Persistent replica threads and the barrier they meet at.
+
+Replica 0 runs on the caller's thread; replicas 1..N-1 each own a thread that lives as long
+as the strategy, so a step costs two hand-offs, not N thread start-ups. Every wait has a
+timeout whose error names the replicas that did not arrive.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stratagem.errors import CollectiveTimeoutError, ReplicaError
+
+_context = threading.local()
+
+
+@dataclass(frozen=True)
+class ReplicaContext:
+    """Which replica the current thread runs, inside `Strategy.run` (tf.distribute's ReplicaContext)."""
+
+    replica_id_in_sync_group: int
+    num_replicas_in_sync: int
+    device: torch.device
+    strategy: Any
+
+
+def current_replica_context() -> ReplicaContext | None:
+    """The replica context of this thread, or None outside `Strategy.run`."""
+    return getattr(_context, "value", None)
+
+
+class _Aborted(Exception):
+    """Raised in a replica whose step was abandoned because another replica failed."""
+
+
+class ReplicaBarrier:
+    """Where the replicas of one process meet (end of backward, after combining gradients).
+
+    It fails fast, instead of waiting out its timeout, when a replica has failed or has
+    returned from the step function without arriving.
+    """
+
+    def __init__(self, names: Sequence[str], timeout: float) -> None:
+        self._names = list(names)
+        self._timeout = timeout
+        self._cond = threading.Condition()
+        self._arrived: set[int] = set()
+        self._finished: set[int] = set()
+        self._generation = 0
+        self._error: BaseException | None = None
+
+    def reset(self) -> None:
+        with self._cond:
+            self._arrived.clear()
+            self._finished.clear()
+            self._error = None
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def finish(self, replica: int) -> None:
+        """Records that `replica` returned from the step function (it will not arrive any more)."""
+        with self._cond:
+            self._finished.add(replica)
+            self._cond.notify_all()
+
+    def wait(self, replica: int, what: str, step: int) -> None:
+        n = len(self._names)
+        with self._cond:
+            if self._error is not None:
+                raise _Aborted() from self._error
+            generation = self._generation
+            self._arrived.add(replica)
+            if len(self._arrived) == n:
+                self._arrived.clear()
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            deadline = time.monotonic() + self._timeout
+            while generation == self._generation:
+                if self._error is not None:
+                    raise _Aborted() from self._error
+                gone = sorted(self._finished - self._arrived)
+                if gone:
+                    error = ReplicaError(
+                        f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
+                        f"{self._describe(gone)} returned from the step function without getting there. Every "
+                        "replica must call backward() the same number of times in each step, even on an empty slice."
+                    )
+                    self._error = error
+                    self._cond.notify_all()
+                    raise error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(n)) - self._arrived)
+                    error = CollectiveTimeoutError(
+                        f"Timed out after {self._timeout:g} s at the {what} of step {step}: replica {replica} "
+                        f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
+                        "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
+                    )
+                    self._error = error
+                    self._cond.notify_all()
+                    raise error
+                self._cond.wait(remaining)
+
+    def _describe(self, replicas: Sequence[int]) -> str:
+        names = ", ".join(f"replica {r} ({self._names[r]})" for r in replicas)
+        return names
+
+
+class ReplicaPool:
+    """Runs a job once per replica, replica r on its own persistent thread (replica 0 on the caller's).
+
+    `setup(r)` runs once on each replica's thread when it starts (device, intra-op threads).
+    """
+
+    def __init__(self, names: Sequence[str], setup: Callable[[int], None], timeout: float) -> None:
+        self._names = list(names)
+        self._timeout = timeout
+        self._inboxes: list[queue.SimpleQueue] = []
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        for r in range(1, len(names)):
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=self._serve, args=(r, inbox, setup), name=f"stratagem-replica-{r}", daemon=True
+            )
+            self._inboxes.append(inbox)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, replica: int, inbox: queue.SimpleQueue, setup: Callable[[int], None]) -> None:
+        setup(replica)
+        while True:
+            job = inbox.get()
+            if job is None:
+                return
+            try:
+                self._outbox.put((replica, True, job(replica)))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
+                self._outbox.put((replica, False, error))
+
+    def run(self, job: Callable[[int], Any], on_error: Callable[[BaseException], None]) -> list[Any]:
+        """Runs `job(r)` for every replica; returns the results in replica order.
+
+        The first exception raised by a replica (in time) is re-raised here, after every other
+        replica has stopped; `on_error` is called as soon as it happens so that replicas waiting
+        at a barrier give up at once.
+        """
+        for inbox in self._inboxes:
+            inbox.put(job)
+        results: list[Any] = [None] * len(self._names)
+        errors: list[tuple[int, BaseException]] = []
+        try:
+            results[0] = job(0)
+        except BaseException as error:  # noqa: BLE001 - re-raised below with the others
+            errors.append((0, error))
+            on_error(error)
+        deadline = time.monotonic() + self._timeout
+        pending = set(range(1, len(self._names)))
+        while pending:
+            try:
+                replica, ok, value = self._outbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                stuck = ", ".join(f"replica {r} ({self._names[r]})" for r in sorted(pending))
+                raise CollectiveTimeoutError(
+                    f"Timed out after {self._timeout:g} s waiting for {stuck} to return from the step function. "
+                    "Raise `timeout=` on the strategy if a step is legitimately this slow."
+                ) from None
+            pending.discard(replica)
+            if ok:
+                results[replica] = value
+            else:
+                errors.append((replica, value))
+                on_error(value)
+        if errors:
+            real = [(r, e) for r, e in errors if not isinstance(e, _Aborted)]
+            replica, error = (real or errors)[0]
+            if isinstance(error, _Aborted) and error.__cause__ is not None:
+                error = error.__cause__
+            if hasattr(error, "add_note") and not isinstance(error, (CollectiveTimeoutError, ReplicaError)):
+                error.add_note(f"(raised in replica {replica} on {self._names[replica]})")
+            raise error
+        return results
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for thread in self._threads:
+            thread.join(timeout=self._timeout)
+
+
+def enter_replica(ctx: ReplicaContext | None) -> ReplicaContext | None:
+    """Sets this thread's replica context; returns the previous one."""
+    previous = getattr(_context, "value", None)
+    _context.value = ctx
+    return previous

@@ -1,0 +1,96 @@
+"""Per-replica values and the reduction vocabulary (`ReduceOp`, `PerReplica`), as in tf.distribute."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stratagem.errors import InputError
+
+
+class ReduceOp(enum.Enum):
+    """How `Strategy.reduce` combines the values of the replicas."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+    @classmethod
+    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+        """Accepts `ReduceOp.SUM`, "sum", "SUM", "mean", ..."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls(op.lower())
+            except ValueError:
+                pass
+        raise InputError(
+            f"Unknown reduce op. Received: op={op!r}. Use 'sum', 'mean', sg.ReduceOp.SUM or sg.ReduceOp.MEAN."
+        )
+
+
+@dataclass(frozen=True)
+class PerReplica:
+    """One value per local replica, in replica order.
+
+    `batch_sizes` is set when the values come from a distributed batch (or a `run` over one):
+    it holds how many examples of the global batch each replica received, which `reduce`
+    uses to weight a MEAN so that it equals the mean over the global batch.
+
+    Example:
+        >>> losses = strategy.run(train_step, args=(x, y))      # PerReplica
+        >>> strategy.experimental_local_results(losses)          # (loss_replica0, loss_replica1)
+    """
+
+    values: tuple[Any, ...]
+    batch_sizes: tuple[int, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        sizes = "" if self.batch_sizes is None else f", batch_sizes={self.batch_sizes}"
+        return f"PerReplica({list(self.values)!r}{sizes})"
+
+
+def map_structure(fn: Callable[[Any], Any], structure: Any) -> Any:
+    """Applies `fn` to every leaf of a nest of tuples, lists and dicts (named tuples kept)."""
+    if isinstance(structure, dict):
+        return type(structure)((k, map_structure(fn, v)) for k, v in structure.items())
+    if isinstance(structure, tuple) and hasattr(structure, "_fields"):
+        return type(structure)(*(map_structure(fn, v) for v in structure))
+    if isinstance(structure, (tuple, list)):
+        return type(structure)(map_structure(fn, v) for v in structure)
+    return fn(structure)
+
+
+def flatten(structure: Any) -> list[Any]:
+    """The leaves of a nest of tuples, lists and dicts, in order."""
+    leaves: list[Any] = []
+    map_structure(leaves.append, structure)
+    return leaves
+
+
+def select_replica(structure: Any, replica: int) -> Any:
+    """Replaces every `PerReplica` leaf by its value for `replica`; other leaves are shared."""
+    return map_structure(lambda v: v.values[replica] if isinstance(v, PerReplica) else v, structure)
+
+
+def stack_replicas(results: Sequence[Any], batch_sizes: tuple[int, ...] | None) -> Any:
+    """Turns one result per replica into one result of `PerReplica` leaves.
+
+    Results that are not nests of the same shape become one `PerReplica` of the whole results.
+    """
+    first = results[0]
+    try:
+        leaves_per_replica = [flatten(r) for r in results]
+        if any(len(leaves) != len(leaves_per_replica[0]) for leaves in leaves_per_replica):
+            raise ValueError
+    except ValueError:
+        return PerReplica(tuple(results), batch_sizes)
+    if not isinstance(first, (tuple, list, dict)):
+        return PerReplica(tuple(results), batch_sizes)
+    columns = iter(zip(*leaves_per_replica))
+    return map_structure(lambda _: PerReplica(tuple(next(columns)), batch_sizes), first)
