@@ -23,6 +23,7 @@ import torch
 
 from stratagem.devices.names import DeviceType, parse_device
 from stratagem.devices.physical import PhysicalDevice, physical_devices
+from stratagem.diagnose.facts import EnvironmentFacts
 from stratagem.diagnose.memory import format_bytes
 from stratagem.errors import DeviceConfigurationError, DeviceError
 
@@ -98,6 +99,13 @@ class DeviceRegistry:
         self._gpu_configs: dict[int, tuple[LogicalDeviceConfiguration, ...]] = {}
         self._used_by: str | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_facts(cls, facts: EnvironmentFacts) -> DeviceRegistry:
+        """A registry over the devices `facts` describe (collected here or loaded from another machine)."""
+        # Facts carry no processor name; the CPU's core count is what logical CPUs are made from.
+        cpu = PhysicalDevice(device_type="cpu", name="cpu", core_count=facts.cpu_count)
+        return cls(physical=[cpu] + [PhysicalDevice.from_gpu_facts(gpu) for gpu in facts.gpus])
 
     def physical_devices(self) -> list[PhysicalDevice]:
         with self._lock:
