@@ -63,24 +63,25 @@ def _load(config: Mapping[str, Any] | str) -> Mapping[str, Any]:
             config = json.loads(config)
         except json.JSONDecodeError as exc:
             raise _fail(f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
-                        repr(_clip(exc.doc)), f"write it as JSON, e.g. {_EXAMPLE}") from None
+                        _show(exc.doc), f"write it as JSON, e.g. {_EXAMPLE}") from None
     if not isinstance(config, Mapping):
-        raise _fail("is not a JSON object", repr(_clip(config)), f"write it as an object, e.g. {_EXAMPLE}")
+        raise _fail("is not a JSON object", _show(config), f"write it as an object, e.g. {_EXAMPLE}")
     unknown = [key for key in config if key not in _TOP_LEVEL_KEYS]
     if unknown:
-        raise _fail(f"has unknown key(s) {unknown}", repr(_clip(dict(config))),
+        raise _fail(f"has unknown key(s) {unknown}", _show(dict(config)),
                     f"use only {list(_TOP_LEVEL_KEYS)}")
     return config
 
 
-def _clip(value: Any, limit: int = 300) -> Any:
-    text = value if isinstance(value, str) else repr(value)
-    return value if len(text) <= limit else text[:limit] + "..."
+def _show(value: Any, limit: int = 300) -> str:
+    """``repr`` of a received value, cut short so a huge TF_CONFIG does not flood the message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _parse_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
     if not isinstance(cluster, Mapping) or not cluster:
-        raise _fail("'cluster' must be a non-empty object of address lists", f"cluster={_clip(cluster)!r}",
+        raise _fail("'cluster' must be a non-empty object of address lists", f"cluster={_show(cluster)}",
                     f'list addresses by task type, e.g. {{"worker": ["host1:2222"]}}')
     addresses: dict[str, tuple[str, ...]] = {}
     for kind, addrs in cluster.items():
@@ -88,7 +89,7 @@ def _parse_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
             hint = " ('master' is TensorFlow 1's name for the chief: rename it 'chief')" if kind == "master" else ""
             raise _fail(f"has an unknown task type in 'cluster'{hint}", repr(kind), f"use only {list(TASK_TYPES)}")
         if not isinstance(addrs, list):
-            raise _fail(f"cluster[{kind!r}] is not a list of addresses", f"{kind}={_clip(addrs)!r}",
+            raise _fail(f"cluster[{kind!r}] is not a list of addresses", f"{kind}={_show(addrs)}",
                         f'write it as a list, e.g. "{kind}": ["host:2222"]')
         for position, address in enumerate(addrs):
             split_address(address, where=f"cluster[{kind!r}][{position}]")
@@ -113,7 +114,7 @@ def _parse_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
 
 def _parse_task(task: Any, addresses: Mapping[str, tuple[str, ...]]) -> tuple[str, int]:
     if not isinstance(task, Mapping):
-        raise _fail("'task' must be an object with 'type' and 'index'", f"task={_clip(task)!r}",
+        raise _fail("'task' must be an object with 'type' and 'index'", f"task={_show(task)}",
                     'add "task": {"type": "worker", "index": 0}')
     unknown = [key for key in task if key not in _TASK_KEYS]
     missing = [key for key in _TASK_KEYS if key not in task]
@@ -148,11 +149,11 @@ def parse_tf_config(config: Mapping[str, Any] | str, *, source: str = "TF_CONFIG
     """
     config = _load(config)
     if "cluster" not in config:
-        raise _fail("has no 'cluster'", repr(_clip(dict(config))),
+        raise _fail("has no 'cluster'", _show(dict(config)),
                     f"give the cluster, e.g. {_EXAMPLE}, or unset TF_CONFIG for a single process")
     addresses = _parse_cluster(config["cluster"])
     if "task" not in config:
-        raise _fail("has no 'task'", repr(_clip(dict(config))),
+        raise _fail("has no 'task'", _show(dict(config)),
                     'say which task this process is, e.g. "task": {"type": "worker", "index": 0}')
     kind, index = _parse_task(config["task"], addresses)
     rpc_layer = config.get("rpc_layer")

@@ -1,0 +1,67 @@
+"""Multi-process test helpers: free loopback ports and ranks run in spawned processes with a timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank's function returned, or the exception it raised (type name and message)."""
+
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+
+
+def _entry(fn: Callable[..., Any], rank: int, args: tuple[Any, ...], results: Any) -> None:
+    try:
+        results.put(RankOutcome(rank, value=fn(rank, *args)))
+    except BaseException as exc:  # report every failure to the parent instead of dying silently
+        results.put(RankOutcome(rank, error_type=type(exc).__name__, error=f"{exc}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn: Callable[..., Any], ranks: Sequence[int], *, args: tuple[Any, ...] = (),
+              timeout: float) -> dict[int, RankOutcome]:
+    """Run ``fn(rank, *args)`` for each rank in its own spawned process; fail if any is not done in ``timeout`` s.
+
+    ``fn`` must be importable (defined at module level). Ranks left running at the deadline are
+    killed and named in the AssertionError, so a hang fails the test instead of stalling it.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = {rank: context.Process(target=_entry, args=(fn, rank, args, results), daemon=True) for rank in ranks}
+    for process in processes.values():
+        process.start()
+    outcomes: dict[int, RankOutcome] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < len(processes):
+            try:
+                outcome = results.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(processes) - set(outcomes))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout} s") from None
+            outcomes[outcome.rank] = outcome
+    finally:
+        for process in processes.values():
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return outcomes
