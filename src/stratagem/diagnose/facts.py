@@ -197,6 +197,11 @@ def _proc_driver_version() -> str | None:
             text = file.read()
     except OSError:
         return None
+    return parse_proc_driver_version(text)
+
+
+def parse_proc_driver_version(text: str) -> str | None:
+    """The driver release in ``/proc/driver/nvidia/version`` (proprietary or open kernel module)."""
     match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
     return match[1] if match else None
 
