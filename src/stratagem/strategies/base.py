@@ -122,7 +122,8 @@ class Strategy(abc.ABC):
         op = ReduceOp.parse(op)
         if axis not in (None, 0):
             raise InputError(f"reduce supports axis=None or axis=0. Received: axis={axis!r}.")
-        return map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
+        with torch.no_grad():  # a reduced value is a report, not part of the graph
+            return map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
 
     def _reduce_device(self) -> torch.device:
         return self._local_devices[0]

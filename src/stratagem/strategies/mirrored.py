@@ -221,6 +221,9 @@ class MirroredStrategy(Strategy):
             try:
                 with torch.set_grad_enabled(grad_enabled), _device_guard(self._devices[replica]):
                     return fn(*select_replica(args, replica), **select_replica(kwargs, replica))
+            except BaseException as error:
+                self._barrier.abort(error)  # before finish(): waiting replicas must see the cause, not an early exit
+                raise
             finally:
                 enter_replica(previous)
                 self._barrier.finish(replica)

@@ -130,6 +130,7 @@ class ReplicaPool:
         self._inboxes: list[queue.SimpleQueue] = []
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._generation = 0
         for r in range(1, len(names)):
             inbox: queue.SimpleQueue = queue.SimpleQueue()
             thread = threading.Thread(
@@ -142,13 +143,14 @@ class ReplicaPool:
     def _serve(self, replica: int, inbox: queue.SimpleQueue, setup: Callable[[int], None]) -> None:
         setup(replica)
         while True:
-            job = inbox.get()
-            if job is None:
+            item = inbox.get()
+            if item is None:
                 return
+            generation, job = item
             try:
-                self._outbox.put((replica, True, job(replica)))
+                self._outbox.put((generation, replica, True, job(replica)))
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
-                self._outbox.put((replica, False, error))
+                self._outbox.put((generation, replica, False, error))
 
     def run(self, job: Callable[[int], Any], on_error: Callable[[BaseException], None]) -> list[Any]:
         """Runs `job(r)` for every replica; returns the results in replica order.
@@ -157,8 +159,10 @@ class ReplicaPool:
         replica has stopped; `on_error` is called as soon as it happens so that replicas waiting
         at a barrier give up at once.
         """
+        self._generation += 1
+        generation = self._generation
         for inbox in self._inboxes:
-            inbox.put(job)
+            inbox.put((generation, job))
         results: list[Any] = [None] * len(self._names)
         errors: list[tuple[int, BaseException]] = []
         try:
@@ -170,13 +174,17 @@ class ReplicaPool:
         pending = set(range(1, len(self._names)))
         while pending:
             try:
-                replica, ok, value = self._outbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                item_generation, replica, ok, value = self._outbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 stuck = ", ".join(f"replica {r} ({self._names[r]})" for r in sorted(pending))
+                if errors:
+                    break  # the first error says more than "still running"; the stuck replicas are abandoned
                 raise CollectiveTimeoutError(
                     f"Timed out after {self._timeout:g} s waiting for {stuck} to return from the step function. "
                     "Raise `timeout=` on the strategy if a step is legitimately this slow."
                 ) from None
+            if item_generation != generation:
+                continue  # a late result of an earlier, abandoned run
             pending.discard(replica)
             if ok:
                 results[replica] = value

@@ -1,0 +1,1 @@
+"""Throughput measurements of the strategies on the reference workloads (MLP and CNN)."""

@@ -1,0 +1,114 @@
+"""Samples per second of one configuration (plain PyTorch or a stratagem strategy) on a workload.
+
+Each configuration runs in its own process (`python -m stratagem.bench.throughput ...`) so thread
+settings and allocator state of one do not leak into the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stratagem.bench.workloads import WORKLOADS, Workload
+
+
+@dataclass(frozen=True)
+class Measurement:
+    config: str
+    workload: str
+    replicas: int
+    steps: int
+    elapsed_s: float
+    samples_per_s: float
+    final_loss: float
+    threads: int
+
+
+def measure_plain(workload: Workload, warmup: int, steps: int) -> Measurement:
+    model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
+    batches = workload.make_batches()
+    loss = torch.zeros(())
+    t0 = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            t0 = time.perf_counter()
+        x, y = batches[step % len(batches)]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - t0
+    return Measurement("plain", workload.name, 1, steps, elapsed, steps * workload.global_batch / elapsed,
+                       float(loss), torch.get_num_threads())
+
+
+def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int, steps: int) -> Measurement:
+    import stratagem as sg
+
+    if config == "one_device":
+        strategy = sg.OneDeviceStrategy("cpu")
+    else:
+        strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)], registry=_registry(replicas))
+    model, optimizer = _distribute(strategy, workload)
+    dataset = list(strategy.distribute_dataset(workload.make_batches()))
+
+    def train_step(x, y):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    loss = None
+    t0 = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            t0 = time.perf_counter()
+        loss = strategy.run(train_step, args=dataset[step % len(dataset)])
+    elapsed = time.perf_counter() - t0
+    final = float(strategy.reduce("mean", loss))
+    return Measurement(config, workload.name, replicas, steps, elapsed, steps * workload.global_batch / elapsed,
+                       final, torch.get_num_threads())
+
+
+def _distribute(strategy, workload: Workload):
+    model = workload.build_model()
+    return strategy.distribute(model, workload.build_optimizer(model))
+
+
+def _registry(replicas: int):
+    from stratagem.devices import DeviceRegistry
+
+    registry = DeviceRegistry()
+    registry.set_logical_device_configuration("cpu", max(replicas, os.cpu_count() or 1))
+    return registry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("config", choices=["plain", "one_device", "mirrored"])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    if args.config == "plain":
+        result = measure_plain(workload, args.warmup, args.steps)
+    else:
+        result = measure_strategy(args.config, workload, args.replicas, args.warmup, args.steps)
+    json.dump(asdict(result), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
