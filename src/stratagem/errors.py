@@ -37,6 +37,10 @@ class ClusterError(StratagemError, ValueError):
     """The cluster description (TF_CONFIG, torchrun or SLURM variables) is malformed."""
 
 
+class RendezvousError(StratagemError, RuntimeError):
+    """Processes could not meet: a peer (usually the chief) went away during the rendezvous."""
+
+
 class MemoryEstimateError(StratagemError, RuntimeError):
     """A device does not have the memory the model needs; the message has both numbers."""
 

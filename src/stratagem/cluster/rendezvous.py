@@ -14,12 +14,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from stratagem.cluster.spec import Cluster
-from stratagem.errors import ClusterError, CollectiveTimeoutError
+from stratagem.errors import ClusterError, CollectiveTimeoutError, RendezvousError
 
 logger = logging.getLogger(__name__)
 
 _ARRIVED = "stratagem/arrived/{rank}"
 _TOKEN = "stratagem/token/{rank}"
+_CHECKED = "stratagem/checked/{rank}"
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:
@@ -54,6 +55,14 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta) -> dist.TCPStore:
         ) from exc
 
 
+def _lost_chief(cluster: Cluster, rank: int, exc: Exception) -> RendezvousError:
+    return RendezvousError(
+        f"Rank {rank} ({cluster.task_name}) lost the connection to the chief (rank 0, "
+        f"{cluster.task_for_rank(0)}) at {cluster.master_addr}:{cluster.master_port} during the rendezvous. "
+        f"Received: {str(exc).splitlines()[0]} Fix: the chief probably exited; read its log for the cause."
+    )
+
+
 def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta) -> None:
     keys = [_ARRIVED.format(rank=r) for r in range(cluster.world_size)]
     try:
@@ -67,20 +76,34 @@ def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: ti
             f"{len(missing)} of {cluster.world_size} ranks did not arrive. Missing: {names}. "
             "Fix: start the missing tasks (check their logs for an earlier crash), or raise the timeout."
         ) from exc
+    except dist.DistNetworkError as exc:
+        raise _lost_chief(cluster, rank, exc) from exc
 
 
-def _check_tokens(store: dist.TCPStore, cluster: Cluster) -> None:
+def _check_tokens(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta) -> None:
     """Every rank checks every token, so all of them fail at once rather than hang in init."""
-    digests = [store.get(_TOKEN.format(rank=r)).decode() for r in range(cluster.world_size)]
+    try:
+        digests = [d.decode() for d in store.multi_get([_TOKEN.format(rank=r) for r in range(cluster.world_size)])]
+        store.set(_CHECKED.format(rank=rank), "1")
+    except dist.DistNetworkError as exc:
+        raise _lost_chief(cluster, rank, exc) from exc
     strangers = [r for r, digest in enumerate(digests) if digest != digests[0]]
-    if strangers:
-        names = ", ".join(f"rank {r} ({cluster.task_for_rank(r)})" for r in strangers)
-        raise ClusterError(
-            f"Ranks with a different cluster token from the chief's joined the rendezvous at "
-            f"{cluster.master_addr}:{cluster.master_port}: {names}. Received: token digests {digests}. "
-            "Fix: a process from another launch is using this address; stop it, or give every task "
-            "the same STRATAGEM_CLUSTER_TOKEN."
-        )
+    if not strangers:
+        return
+    if rank == 0:
+        # The store lives in the chief: keep it up until every rank has read the tokens,
+        # so each of them reports the mismatch instead of a lost connection.
+        try:
+            store.wait([_CHECKED.format(rank=r) for r in range(cluster.world_size)], timeout)
+        except dist.DistStoreError:
+            pass  # a rank that has gone quiet will time out on its own
+    names = ", ".join(f"rank {r} ({cluster.task_for_rank(r)})" for r in strangers)
+    raise ClusterError(
+        f"Ranks with a different cluster token from the chief's joined the rendezvous at "
+        f"{cluster.master_addr}:{cluster.master_port}: {names}. Received: token digests {digests}. "
+        "Fix: a process from another launch is using this address; stop it, or give every task "
+        "the same STRATAGEM_CLUSTER_TOKEN."
+    )
 
 
 def init_process_group(
@@ -93,7 +116,7 @@ def init_process_group(
     """Meet every rank of ``cluster`` at the chief's TCP store and initialize torch.distributed.
 
     Raises ``CollectiveTimeoutError`` naming the ranks and tasks that did not arrive within
-    ``timeout``, and ``ClusterError`` when this task has no rank (``ps``, ``evaluator``), the
+    ``timeout``, ``RendezvousError`` when the chief goes away meanwhile, and ``ClusterError`` when this task has no rank (``ps``, ``evaluator``), the
     backend is not built into torch, or ``token`` (``STRATAGEM_CLUSTER_TOKEN``) differs from
     the chief's. Returns the store, which stays usable for later coordination.
 
@@ -128,6 +151,6 @@ def init_process_group(
     logger.info("%s (rank %d) arrived at %s:%d; waiting for %d ranks", cluster.task_name, rank,
                 cluster.master_addr, cluster.master_port, cluster.world_size)
     _wait_for_all(store, cluster, rank, wait)
-    _check_tokens(store, cluster)
+    _check_tokens(store, cluster, rank, wait)
     dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait)
     return store
