@@ -125,8 +125,13 @@ print("cluster", json.dumps(json.loads(os.environ["TF_CONFIG"])["cluster"]))
 print("token", os.environ["STRATAGEM_CLUSTER_TOKEN"], "restart", os.environ["STRATAGEM_RESTART_COUNT"],
       "devices", os.environ.get("STRATAGEM_DEVICES_PER_WORKER"))
 print("to stderr", name, file=sys.stderr)
+ready = os.path.join(os.path.dirname(__file__), "ps_ready")
 if task["type"] == "ps":
+    open(ready, "w").close()
     time.sleep(60)  # a parameter server serves until the launcher stops it
+deadline = time.time() + 10  # workers use the parameter server: wait until it is up
+while "ps" in json.loads(os.environ["TF_CONFIG"])["cluster"] and not os.path.exists(ready) and time.time() < deadline:
+    time.sleep(0.02)
 """
 
 
