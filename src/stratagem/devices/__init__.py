@@ -4,7 +4,8 @@ Example:
     >>> import stratagem as sg
     >>> sg.devices.parse_device("/device:GPU:1").torch_name
     'cuda:1'
-    >>> [d.name for d in sg.devices.resolve_devices(["cpu:0"])]
+    >>> registry = sg.devices.DeviceRegistry()           # tests use their own; programs the default
+    >>> [d.name for d in sg.devices.resolve_devices(["/cpu:0"], registry)]
     ['cpu:0']
 """
 

@@ -110,7 +110,9 @@ class DeviceRegistry:
     def physical_devices(self) -> list[PhysicalDevice]:
         with self._lock:
             if self._physical is None:
-                self._physical = physical_devices()
+                # Names, counts and total memory only: free memory would open a CUDA context on
+                # every GPU, in every process of a multi-worker job.
+                self._physical = physical_devices(free_memory=False)
             return list(self._physical)
 
     @property
@@ -188,9 +190,14 @@ def set_logical_device_configuration(device: str | PhysicalDevice, configs: CpuC
 
     Example:
         >>> import stratagem as sg
-        >>> sg.devices.set_logical_device_configuration("cpu", 4)          # cpu:0..cpu:3
-        >>> sg.devices.set_logical_device_configuration(                   # two logical GPUs per GPU
-        ...     "cuda", [sg.devices.LogicalDeviceConfiguration(memory_limit=20 * 2**30)] * 2)
+        >>> registry = sg.devices.DeviceRegistry()       # or leave registry out: the program's own
+        >>> sg.devices.set_logical_device_configuration("cpu", 4, registry=registry)
+        >>> [d.name for d in sg.devices.get_logical_devices("cpu", registry=registry)]
+        ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']
+
+        On a GPU machine, ``set_logical_device_configuration("cuda",
+        [LogicalDeviceConfiguration(memory_limit=20 * 2**30)] * 2)`` makes two 20 GiB logical
+        GPUs of each physical GPU.
 
     Raises:
         DeviceConfigurationError: a strategy already used the registry's devices.

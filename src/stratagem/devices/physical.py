@@ -53,12 +53,18 @@ class PhysicalDevice:
         return {**dataclasses.asdict(self), "torch_name": self.torch_name}
 
 
-def physical_devices() -> list[PhysicalDevice]:
+def physical_devices(*, free_memory: bool = True) -> list[PhysicalDevice]:
     """The CPU, then each CUDA GPU torch can see (with name, memory and capability).
 
-    With a CPU-only torch build no CUDA call is made; with a CUDA build, reading free memory
-    creates a CUDA context on each GPU.
+    With a CPU-only torch build no CUDA call is made. With a CUDA build, reading free memory
+    creates a CUDA context on each GPU; ``free_memory=False`` skips it (and leaves
+    ``free_memory`` None), as a process that will use only some GPUs should.
+
+    Example:
+        >>> [d.torch_name for d in physical_devices()][:1]
+        ['cpu']
     """
     cpu = PhysicalDevice(device_type="cpu", name=platform.processor() or platform.machine(),
                          core_count=cpu_count())
-    return [cpu] + [PhysicalDevice.from_gpu_facts(gpu) for gpu in probe_gpus()]
+    gpus = probe_gpus(free_memory=free_memory)
+    return [cpu] + [PhysicalDevice.from_gpu_facts(gpu) for gpu in gpus]

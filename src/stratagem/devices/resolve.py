@@ -32,7 +32,7 @@ def resolve_devices(names: Sequence[DeviceName], registry: DeviceRegistry | None
     ``local_task`` is this process's (job, task), for TensorFlow names qualified with one.
 
     Example:
-        >>> registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2)])
+        >>> registry = DeviceRegistry.from_facts(EnvironmentFacts(torch_version="2.3.0+cpu", cpu_count=2))
         >>> [d.name for d in resolve_devices(["/cpu:0", "cpu:1"], registry)]
         ['cpu:0', 'cpu:1']
 
@@ -81,8 +81,8 @@ def default_devices(registry: DeviceRegistry | None = None,
     diagnosis (e.g. "torch 2.13.0+cpu is a CPU-only build").
 
     Example:
-        >>> registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2)])
-        >>> devices, decision = default_devices(registry, EnvironmentFacts(torch_version="2.3.0+cpu"))
+        >>> facts = EnvironmentFacts(torch_version="2.3.0+cpu", cpu_count=2)
+        >>> devices, decision = default_devices(DeviceRegistry.from_facts(facts), facts)
         >>> [d.name for d in devices], decision.choice
         (['cpu:0'], 'cpu:0')
     """

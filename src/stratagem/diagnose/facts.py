@@ -136,8 +136,12 @@ def cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def probe_gpus(count: int | None = None) -> list[GpuFacts]:
-    """Name, memory and capability of each GPU torch can see; empty for a CPU-only build."""
+def probe_gpus(count: int | None = None, *, free_memory: bool = True) -> list[GpuFacts]:
+    """Name, memory and capability of each GPU torch can see; empty for a CPU-only build.
+
+    ``free_memory=False`` leaves ``free_memory`` unread: reading it creates a CUDA context
+    (hundreds of MiB) on every GPU, which a process that will use one GPU must not do.
+    """
     if torch.version.cuda is None:
         return []
     count = _torch_device_count() if count is None else count
@@ -146,7 +150,8 @@ def probe_gpus(count: int | None = None) -> list[GpuFacts]:
         props = torch.cuda.get_device_properties(index)
         free = None
         try:
-            free, _ = torch.cuda.mem_get_info(index)
+            if free_memory:
+                free, _ = torch.cuda.mem_get_info(index)
         except RuntimeError as error:  # e.g. a GPU in exclusive-process mode held by another process
             logger.warning("could not read free memory of cuda:%d: %s", index, error)
         gpus.append(GpuFacts(index=index, name=props.name, total_memory=int(props.total_memory),
