@@ -15,6 +15,7 @@ COMMANDS = [
     ("devices", "devices"),
     ("doctor", "doctor"),
     ("train", "train"),
+    ("launch", "launch"),
 ]
 
 

@@ -1,0 +1,85 @@
+"""``stratagem launch``: run a script as a local cluster, one process per task.
+
+    stratagem launch --workers 2 train.py --epochs 3
+    stratagem launch --workers 2 --ps 1 --max-restarts 1 --timeout 600 -m mypackage.train
+
+Worker 0 is the chief. Every output line is prefixed with its task (``[worker:1] ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stratagem import environ
+from stratagem.cluster import OutputLine, launch
+from stratagem.errors import StratagemError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a script as a local cluster (workers, parameter servers) on this machine",
+        description=(
+            "Start one process per task on 127.0.0.1 with free ports, set TF_CONFIG and torchrun's "
+            "variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for "
+            "each, prefix each output line with its task, and stop everything at the first failure. "
+            "Worker 0 is the chief."
+        ),
+    )
+    parser.add_argument("--workers", type=int, required=True, metavar="N", help="number of worker processes")
+    parser.add_argument("--devices-per-worker", type=int, metavar="K",
+                        help="devices each worker uses (exported as STRATAGEM_DEVICES_PER_WORKER)")
+    parser.add_argument("--ps", type=int, default=0, metavar="P", help="number of parameter-server processes")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="restart the whole group at most R times when a task fails (sets STRATAGEM_RESTART_COUNT)")
+    parser.add_argument("--timeout", type=float, metavar="S",
+                        help="stop everything and fail (exit 124) if the run takes longer than S seconds")
+    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping tasks (default 5)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
+    mode.add_argument("--no-python", action="store_true", help="SCRIPT is an executable, run without python")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, or executable)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    return parser
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    if args.module:
+        return [sys.executable, "-m", args.script, *args.script_args]
+    if args.no_python:
+        return [args.script, *args.script_args]
+    return [sys.executable, args.script, *args.script_args]
+
+
+def _print_line(line: OutputLine) -> None:
+    stream = sys.stdout if line.stream == "stdout" else sys.stderr
+    print(f"[{line.task}] {line.text}", file=stream, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (args.module or args.no_python) and not Path(args.script).is_file():
+        print(f"stratagem launch: error: no such script. Received: {args.script!r}. "
+              "Fix: give the path of a Python file, or use -m for a module.", file=sys.stderr)
+        return 2
+    try:
+        result = launch(
+            _command(args), workers=args.workers, env=environ.current(), sink=_print_line, ps=args.ps,
+            devices_per_worker=args.devices_per_worker, max_restarts=args.max_restarts,
+            timeout=args.timeout, grace_period=args.grace_period,
+        )
+    except StratagemError as exc:
+        print(f"stratagem launch: error: {exc}", file=sys.stderr)
+        return 2
+    if result.ok:
+        if result.restarts:
+            print(f"stratagem launch: {result.explain()}", file=sys.stderr)
+        return 0
+    print(f"stratagem launch: {result.failed_task or 'launch'} {result.reason}; "
+          f"stopped the other tasks (exit code {result.exit_code})", file=sys.stderr)
+    for failure in result.failures[:-1]:
+        print(f"stratagem launch: restarted after attempt {failure.attempt}: {failure.task} {failure.reason}",
+              file=sys.stderr)
+    return result.exit_code

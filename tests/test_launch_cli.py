@@ -1,0 +1,83 @@
+"""``stratagem launch``: argument parsing, prefixed output, the failure summary and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stratagem.cli import launch as launch_cli
+from stratagem.cli.main import COMMANDS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="stratagem")
+    launch_cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["launch", *argv])
+
+
+def write(tmp_path, body: str) -> str:
+    path = tmp_path / "task.py"
+    path.write_text("import os, sys\n" + body)
+    return str(path)
+
+
+def test_launch_is_a_registered_command():
+    assert ("launch", "launch") in COMMANDS
+
+
+def test_script_arguments_pass_through():
+    args = parse(["--workers", "2", "--ps", "1", "--max-restarts", "3", "--timeout", "9", "train.py", "--lr", "0.1", "-v"])
+    assert (args.workers, args.ps, args.max_restarts, args.timeout, args.grace_period) == (2, 1, 3, 9.0, 5.0)
+    assert launch_cli._command(args) == [sys.executable, "train.py", "--lr", "0.1", "-v"]
+    assert launch_cli._command(parse(["--workers", "1", "-m", "pkg.train", "x"])) == [sys.executable, "-m", "pkg.train", "x"]
+    assert launch_cli._command(parse(["--workers", "1", "--no-python", "./run.sh"])) == ["./run.sh"]
+
+
+def test_output_is_prefixed_with_the_task(tmp_path, capsys):
+    script = write(tmp_path, 'print("hello", os.environ["RANK"], sys.argv[1:])\n'
+                             'print("oops", file=sys.stderr)\n')
+    assert launch_cli.run(parse(["--workers", "2", "--timeout", "20", script, "--flag"])) == 0
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == ["[worker:0] hello 0 ['--flag']", "[worker:1] hello 1 ['--flag']"]
+    assert sorted(err.splitlines()) == ["[worker:0] oops", "[worker:1] oops"]
+
+
+def test_failure_is_summarised_with_task_and_exit_code(tmp_path, capsys):
+    script = write(tmp_path, 'import time\nif os.environ["RANK"] == "1": sys.exit(3)\ntime.sleep(60)\n')
+    code = launch_cli.run(parse(["--workers", "2", "--timeout", "20", "--grace-period", "1", script]))
+    assert code == 3
+    assert "stratagem launch: worker:1 exit code 3; stopped the other tasks (exit code 3)" in capsys.readouterr().err
+
+
+def test_restarts_are_reported(tmp_path, capsys):
+    script = write(tmp_path, 'sys.exit(1 if os.environ["STRATAGEM_RESTART_COUNT"] == "0" else 0)\n')
+    assert launch_cli.run(parse(["--workers", "1", "--max-restarts", "1", "--timeout", "20", script])) == 0
+    err = capsys.readouterr().err
+    assert "attempt 0: worker:0 exit code 1" in err and "all workers exited normally after 1 restart(s)" in err
+
+
+def test_missing_script(tmp_path, capsys):
+    assert launch_cli.run(parse(["--workers", "2", str(tmp_path / "nope.py")])) == 2
+    assert "no such script. Received: " in capsys.readouterr().err
+
+
+def test_invalid_options_are_reported_not_raised(tmp_path, capsys):
+    assert launch_cli.run(parse(["--workers", "0", write(tmp_path, "")])) == 2
+    assert "stratagem launch: error: At least one worker is needed. Received: workers=0" in capsys.readouterr().err
+
+
+def test_end_to_end_through_python_m_stratagem_cli(tmp_path):
+    # The real entry point, as a user runs it; output arrives prefixed on the parent's streams.
+    script = write(tmp_path, 'print("rank", os.environ["RANK"])\n')
+    done = subprocess.run([sys.executable, "-m", "stratagem.cli", "launch", "--workers", "2", "--timeout", "30", script],
+                          capture_output=True, text=True, timeout=50, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if "No module named 'stratagem.cli." in done.stderr:
+        pytest.skip(f"another sub-command module is not written yet: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[worker:0] rank 0", "[worker:1] rank 1"]
