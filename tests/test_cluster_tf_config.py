@@ -155,7 +155,24 @@ def test_to_tf_config_needs_addresses():
         cluster.to_tf_config()
 
 
-def test_unknown_source_is_rejected():
-    with pytest.raises(ClusterError, match=r"Unknown cluster source\. Received: source='mpi'"):
-        Cluster(task_type="worker", task_index=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                chief_address="h:1", master_addr="h", master_port=1, source="mpi")
+def _cluster(**changes) -> Cluster:
+    fields = dict(task_type="worker", task_index=0, rank=0, world_size=2, local_rank=0, local_world_size=1,
+                  chief_address="h:1", master_addr="h", master_port=1, source="explicit")
+    return Cluster(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"source": "mpi"}, r"Unknown cluster source\. Received: source='mpi'\. Fix: use one of"),
+    ({"task_type": "boss"}, r"Unknown task type\. Received: task_type='boss'"),
+    ({"addresses": {"workers": ["h:1"]}}, r"Unknown task type in addresses\. Received: \['workers'\]"),
+    ({"rank": 2}, r"rank must be in 0\.\.world_size-1\. Received: rank=2, world_size=2"),
+    ({"world_size": 0}, r"rank must be in 0\.\.world_size-1\. Received: rank=0, world_size=0"),
+    ({"task_type": "ps"}, r"Only the chief and workers have a rank\. Received: task_type='ps', rank=0"),
+    ({"rank": None}, r"Only the chief and workers have a rank\. Received: task_type='worker', rank=None"),
+    ({"local_rank": 1}, r"local_rank must be in 0\.\.local_world_size-1\. Received: local_rank=1, local_world_size=1"),
+    ({"master_port": 70000}, r"master_port is not a port\. Received: master_port=70000"),
+])
+def test_constructed_cluster_is_validated(changes, message):
+    assert _cluster().rank == 0
+    with pytest.raises(ClusterError, match=message):
+        _cluster(**changes)

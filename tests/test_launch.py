@@ -278,3 +278,24 @@ def test_relaunch_refuses_to_nest():
     with pytest.raises(ClusterError, match=r"Already running inside a task of `stratagem launch`, so relaunching "
                                            r"would start 2 more processes per task\. Received: STRATAGEM_CLUSTER_TOKEN set"):
         relaunch(["train"], workers=2, env=env, sink=print)
+
+
+def test_launched_workers_resolve_their_cluster_and_all_reduce(tmp_path):
+    # The path MultiWorkerMirroredStrategy takes: launcher env -> resolve_cluster -> rendezvous -> gloo.
+    body = """
+import torch, torch.distributed as dist
+from stratagem import environ
+from stratagem.cluster import init_process_group, resolve_cluster
+env = environ.current()
+cluster = resolve_cluster(env=env)
+init_process_group(cluster, "gloo", timeout=20, token=env["STRATAGEM_CLUSTER_TOKEN"])
+tensor = torch.tensor([cluster.rank + 1.0])
+dist.all_reduce(tensor)
+print(cluster.source, cluster.task_name, cluster.rank, cluster.is_chief, tensor.item())
+dist.destroy_process_group()
+"""
+    result, sink, _ = run(tmp_path, body, workers=2, timeout=40)
+    assert result.ok, [line.text for line in sink.lines]
+    # 1 + 2 = 3 on both ranks.
+    assert sink.texts("worker:0") == ["TF_CONFIG worker:0 0 True 3.0"]
+    assert sink.texts("worker:1") == ["TF_CONFIG worker:1 1 False 3.0"]

@@ -9,6 +9,7 @@ Worker 0 is the chief. Every output line is prefixed with its task (``[worker:1]
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -59,11 +60,19 @@ def _print_line(line: OutputLine) -> None:
     print(f"[{line.task}] {line.text}", file=stream, flush=True)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    print("stratagem launch: received SIGTERM; stopping every task", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         print(f"stratagem launch: error: no such script. Received: {args.script!r}. "
               "Fix: give the path of a Python file, or use -m for a module.", file=sys.stderr)
         return 2
+    # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it
+    # into SystemExit, which unwinds through launch() and stops every task on the way out.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         result = launch(
             _command(args), workers=args.workers, env=environ.current(), sink=_print_line, ps=args.ps,
@@ -73,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     except StratagemError as exc:
         print(f"stratagem launch: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if result.ok:
         if result.restarts:
             print(f"stratagem launch: {result.explain()}", file=sys.stderr)

@@ -67,13 +67,31 @@ class Cluster:
     """The inputs that decided it, one line each (``RANK=1``, ``TF_CONFIG task = worker:0``...)."""
 
     def __post_init__(self) -> None:
+        unknown = [kind for kind in self.addresses if kind not in TASK_TYPES]
+        checks = [
+            (self.source in SOURCES, "Unknown cluster source", f"source={self.source!r}", f"use one of {SOURCES}"),
+            (self.task_type in TASK_TYPES, "Unknown task type", f"task_type={self.task_type!r}",
+             f"use one of {TASK_TYPES}"),
+            (not unknown, "Unknown task type in addresses", f"{unknown}", f"use only {TASK_TYPES}"),
+            (self.world_size >= 1 and (self.rank is None or 0 <= self.rank < self.world_size),
+             "rank must be in 0..world_size-1", f"rank={self.rank}, world_size={self.world_size}",
+             "give each of the world_size processes a distinct rank"),
+            ((self.rank is None) == (self.task_type not in COLLECTIVE_TASK_TYPES),
+             "Only the chief and workers have a rank", f"task_type={self.task_type!r}, rank={self.rank}",
+             "set rank=None for ps and evaluator tasks, and a rank for the others"),
+            (self.local_rank is None or 0 <= self.local_rank < self.local_world_size,
+             "local_rank must be in 0..local_world_size-1",
+             f"local_rank={self.local_rank}, local_world_size={self.local_world_size}",
+             "count local ranks among the processes of this host"),
+            (0 <= self.master_port <= 65535, "master_port is not a port", f"master_port={self.master_port}",
+             "use 1..65535, or 0 to pick a free port (single process only)"),
+        ]
+        for ok, what, received, fix in checks:
+            if not ok:
+                raise ClusterError(f"{what}. Received: {received}. Fix: {fix}.")
         # Freeze the address lists so a Cluster can be shared between threads without copies.
         frozen = {kind: tuple(self.addresses[kind]) for kind in TASK_TYPES if kind in self.addresses}
         object.__setattr__(self, "addresses", frozen)
-        if self.source not in SOURCES:
-            raise ClusterError(
-                f"Unknown cluster source. Received: source={self.source!r}. Use one of {SOURCES}."
-            )
 
     # -- derived facts ---------------------------------------------------------------------
 
