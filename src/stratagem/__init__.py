@@ -16,6 +16,7 @@ from stratagem.errors import (
 )
 from stratagem.strategies import (
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ReplicaContext,
     Strategy,
@@ -32,6 +33,7 @@ __all__ = [
     "InputContext",
     "InputError",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",

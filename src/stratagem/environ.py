@@ -13,3 +13,11 @@ from collections.abc import Mapping
 def current() -> Mapping[str, str]:
     """A snapshot of the process environment."""
     return dict(os.environ)
+
+
+def set_default(name: str, value: str) -> None:
+    """Sets an environment variable for this process and its children unless it is already set.
+
+    Used for settings that libraries read from the environment only (GLOO_SOCKET_IFNAME).
+    """
+    os.environ.setdefault(name, value)

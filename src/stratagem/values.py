@@ -46,6 +46,8 @@ class PerReplica:
 
     values: tuple[Any, ...]
     batch_sizes: tuple[int, ...] | None = None
+    global_size: int | None = None
+    """Examples in the global batch across every worker (None: the sum of `batch_sizes`)."""
 
     def __len__(self) -> int:
         return len(self.values)
@@ -78,7 +80,7 @@ def select_replica(structure: Any, replica: int) -> Any:
     return map_structure(lambda v: v.values[replica] if isinstance(v, PerReplica) else v, structure)
 
 
-def stack_replicas(results: Sequence[Any], batch_sizes: tuple[int, ...] | None) -> Any:
+def stack_replicas(results: Sequence[Any], batch_sizes: tuple[int, ...] | None, global_size: int | None = None) -> Any:
     """Turns one result per replica into one result of `PerReplica` leaves.
 
     Results that are not nests of the same shape become one `PerReplica` of the whole results.
@@ -89,8 +91,8 @@ def stack_replicas(results: Sequence[Any], batch_sizes: tuple[int, ...] | None) 
         if any(len(leaves) != len(leaves_per_replica[0]) for leaves in leaves_per_replica):
             raise ValueError
     except ValueError:
-        return PerReplica(tuple(results), batch_sizes)
+        return PerReplica(tuple(results), batch_sizes, global_size)
     if not isinstance(first, (tuple, list, dict)):
-        return PerReplica(tuple(results), batch_sizes)
+        return PerReplica(tuple(results), batch_sizes, global_size)
     columns = iter(zip(*leaves_per_replica))
-    return map_structure(lambda _: PerReplica(tuple(next(columns)), batch_sizes), first)
+    return map_structure(lambda _: PerReplica(tuple(next(columns)), batch_sizes, global_size), first)

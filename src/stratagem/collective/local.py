@@ -62,7 +62,11 @@ class InMemoryReduce:
         if not mine[0]:
             return
         acc = mine[replica]
-        if weights[replica] > 0:
+        if not active:
+            # Every local replica has an empty slice (other workers hold the examples): contribute zeros.
+            torch._foreach_zero_(acc)
+            others: list[int] = []
+        elif weights[replica] > 0:
             if weights[replica] != 1.0:
                 torch._foreach_mul_(acc, weights[replica])
             others = [k for k in active if k != replica]

@@ -3,6 +3,7 @@
 from stratagem.strategies.base import DistributedDataset, Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.replicas import ReplicaContext, current_replica_context
 
@@ -10,6 +11,7 @@ __all__ = [
     "DistributedDataset",
     "Explanation",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ReplicaContext",
     "Strategy",

@@ -174,13 +174,15 @@ class MirroredStrategy(Strategy):
             optimizers = [optimizer] + [
                 replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]
             ]
+        self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        self._prepare_replicas(replicas)
+        if self._needs_gradient_sync():
+            for r, params in enumerate(self._replica_params):
+                for i, p in enumerate(params):
+                    p.register_post_accumulate_grad_hook(self._make_grad_hook(r, i))
         if len(replicas) == 1:
             self._model = model  # type: ignore[assignment]
             return model if optimizer is None else (model, optimizer)
-        self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
-        for r, params in enumerate(self._replica_params):
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(r))
         self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         distributed = DistributedModel(replicas, self)
         self._model = distributed
@@ -202,18 +204,20 @@ class MirroredStrategy(Strategy):
         num_replicas = len(self._devices)
         batch_sizes = _batch_sizes(args, kwargs, num_replicas)
         self._step += 1
+        self._run_state = _RunState(self._step, self._replica_weights(batch_sizes, _global_size(args, kwargs)))
+        self._queued = [False] * num_replicas
+        self._begin_step(self._run_state)
         if num_replicas == 1:
-            return self._run_one(fn, args, kwargs)
+            try:
+                result = self._run_one(fn, args, kwargs)
+            finally:
+                self._run_state = None
+            if self.num_replicas_in_sync == 1:
+                return result
+            return stack_replicas([result], batch_sizes, _global_size(args, kwargs))
         if self._pool is None:
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
-        if batch_sizes is not None:
-            total = sum(batch_sizes)
-            weights = [n / total for n in batch_sizes]
-        else:
-            weights = [1.0 / num_replicas] * num_replicas
-        self._run_state = _RunState(self._step, weights)
         self._barrier.reset()
-        self._queued = [False] * num_replicas
         grad_enabled = torch.is_grad_enabled()
 
         def job(replica: int) -> Any:
@@ -237,7 +241,18 @@ class MirroredStrategy(Strategy):
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
             self._run_state = None
-        return stack_replicas(results, batch_sizes)
+        return stack_replicas(results, batch_sizes, _global_size(args, kwargs))
+
+    def _replica_weights(self, batch_sizes: tuple[int, ...] | None, global_size: int | None) -> list[float]:
+        """Each local replica's share of the global batch (equal shares when the batch is unknown)."""
+        num_replicas = len(self._devices)
+        if batch_sizes is None:
+            return [1.0 / self.num_replicas_in_sync] * num_replicas
+        total = global_size if global_size is not None else sum(batch_sizes)
+        return [n / total for n in batch_sizes]
+
+    def _begin_step(self, state: _RunState) -> None:
+        """Called at the start of each run (multi-worker: heartbeat, bucket reset)."""
 
     def _run_one(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         previous = enter_replica(ReplicaContext(0, self.num_replicas_in_sync, self._devices[0], self))
@@ -255,8 +270,19 @@ class MirroredStrategy(Strategy):
             torch.cuda.set_device(device)
 
     # ---- gradient combination at the end of backward -------------------------------------------
-    def _make_grad_hook(self, replica: int) -> Callable[[torch.Tensor], None]:
+    def _needs_gradient_sync(self) -> bool:
+        """Whether replicas must combine gradients at the end of backward."""
+        return len(self._devices) > 1
+
+    def _prepare_replicas(self, replicas: list[nn.Module]) -> None:
+        """Called once the replicas exist, before hooks are registered (multi-worker: broadcast, buckets)."""
+
+    def _grad_ready(self, replica: int, index: int) -> None:
+        """Called as soon as gradient `index` of `replica` has been accumulated (multi-worker: buckets)."""
+
+    def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
+            self._grad_ready(replica, index)
             if not self._queued[replica]:
                 self._queued[replica] = True
                 # Runs once when this backward pass has finished, before backward() returns.
@@ -292,6 +318,13 @@ class MirroredStrategy(Strategy):
         if lists[0]:
             self._reducer.combine_(replica, lists, state.weights)
         self._barrier.wait(replica, "gradient combination", state.step)
+        if lists[0] and self._combine_across_workers(replica, lists, state.step):
+            self._barrier.wait(replica, "gradient combination across workers", state.step)
+
+    def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
+        """After the local combination: sum across worker processes. Returns True when it did work
+        that the other local replicas must wait for."""
+        return False
 
     def _fill_missing_grads(self, replica: int, slots: list[list[Any]], step: int) -> list[int]:
         """A parameter some replicas gave no gradient: zeros there; one no replica touched stays None."""
@@ -310,6 +343,13 @@ class MirroredStrategy(Strategy):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+def _global_size(args: tuple, kwargs: dict) -> int | None:
+    for leaf in flatten((args, kwargs)):
+        if isinstance(leaf, PerReplica) and leaf.global_size is not None:
+            return leaf.global_size
+    return None
 
 
 def _batch_sizes(args: tuple, kwargs: dict, num_replicas: int) -> tuple[int, ...] | None:

@@ -1,0 +1,149 @@
+"""Collectives across worker processes, every wait bounded, every failure naming who is missing.
+
+Waits go through futures with a done-callback and an Event (no polling). Before the timeout
+runs out a stall warning is logged with the step each rank last reported; when a collective
+fails or times out, the surviving ranks hold a roll call through the TCP store so the error
+names the task(s) that are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem.errors import CollectiveTimeoutError, ReplicaError
+
+logger = logging.getLogger(__name__)
+
+_STEP = "stratagem/step/{rank}"
+_ROLL_CALL = "stratagem/rollcall/{step}/{rank}"
+
+
+class CrossWorker:
+    """This process's view of the collective world: rank, task names, timeouts, heartbeats.
+
+    Example:
+        >>> cw = CrossWorker(store, rank=0, task_names=["worker:0", "worker:1"], timeout=60)
+        >>> cw.all_reduce_([tensor], what="loss", step=3)
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        rank: int,
+        task_names: Sequence[str],
+        timeout: float,
+        stall_warning_after: float | None = None,
+        roll_call_seconds: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.task_names = list(task_names)
+        self.world_size = len(self.task_names)
+        self.timeout = float(timeout)
+        self.stall_warning_after = stall_warning_after if stall_warning_after is not None else self.timeout / 4
+        self.roll_call_seconds = roll_call_seconds
+        self._last_step_reported = -1
+
+    @property
+    def task_name(self) -> str:
+        return self.task_names[self.rank]
+
+    def heartbeat(self, step: int) -> None:
+        """Records the step this rank has reached (read back by stall warnings and failures)."""
+        if step != self._last_step_reported:
+            self.store.set(_STEP.format(rank=self.rank), str(step))
+            self._last_step_reported = step
+
+    def steps_reached(self) -> dict[str, int | None]:
+        """The last step each task reported, as far as the store knows."""
+        out: dict[str, int | None] = {}
+        for rank, name in enumerate(self.task_names):
+            key = _STEP.format(rank=rank)
+            try:
+                out[name] = int(self.store.get(key).decode()) if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001 - the store itself may be gone; that is reported elsewhere
+                out[name] = None
+        return out
+
+    # ---- collectives ------------------------------------------------------------------------
+    def all_reduce_async(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """Starts a SUM all-reduce of each tensor, in order; returns the work handles."""
+        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> None:
+        """SUM all-reduce in place, waiting at most `timeout`."""
+        self.wait(self.all_reduce_async(tensors), what=what, step=step)
+
+    def wait(self, works: Sequence[Any], *, what: str, step: int) -> None:
+        """Waits for work handles; raises an error naming the missing tasks on failure or timeout."""
+        if not works:
+            return
+        done = threading.Event()
+        future = torch.futures.collect_all([w.get_future() for w in works])
+        future.add_done_callback(lambda _: done.set())
+        start = time.monotonic()
+        if not done.wait(min(self.stall_warning_after, self.timeout)):
+            logger.warning(
+                "%s has waited %.0f s for the %s of step %d; steps reached: %s",
+                self.task_name, time.monotonic() - start, what, step, self._format_steps(),
+            )
+            if not done.wait(max(0.0, self.timeout - (time.monotonic() - start))):
+                raise self._failure(what, step, None)
+        try:
+            for result in future.value():
+                result.value()  # re-raises the error of a failed collective
+        except Exception as error:  # noqa: BLE001 - translated into an error that names the missing task
+            raise self._failure(what, step, error) from error
+
+    # ---- failure reports ----------------------------------------------------------------------
+    def _format_steps(self) -> str:
+        return ", ".join(f"{name}: {'-' if s is None else s}" for name, s in self.steps_reached().items())
+
+    def _failure(self, what: str, step: int, error: Exception | None) -> Exception:
+        missing, store_ok = self._roll_call(step)
+        cause = "timed out" if error is None else f"failed ({_first_line(error)})"
+        if not store_ok:
+            who = f"the chief ({self.task_names[0]}), which hosts the rendezvous store, is unreachable"
+        elif missing:
+            who = "lost: " + ", ".join(f"{self.task_names[r]} (rank {r})" for r in missing)
+        else:
+            who = "every task answered the roll call, so one is stuck rather than gone"
+        message = (
+            f"{self.task_name} (rank {self.rank}): the {what} of step {step} {cause} after waiting for the other "
+            f"workers; {who}. Steps last reached: {self._format_steps() if store_ok else 'unknown'}. Restart the job "
+            "(stratagem launch --max-restarts restarts the group) and resume from the last checkpoint."
+        )
+        if error is None:
+            return CollectiveTimeoutError(message)
+        return ReplicaError(message)
+
+    def _roll_call(self, step: int) -> tuple[list[int], bool]:
+        """Which ranks are still alive: each survivor signs in, then reads who else did."""
+        try:
+            self.store.set(_ROLL_CALL.format(step=step, rank=self.rank), "here")
+            deadline = time.monotonic() + self.roll_call_seconds
+            keys = [_ROLL_CALL.format(step=step, rank=r) for r in range(self.world_size)]
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            while missing and time.monotonic() < deadline:
+                try:
+                    self.store.wait([keys[r] for r in missing], timedelta(seconds=max(0.05, deadline - time.monotonic())))
+                except Exception:  # noqa: BLE001 - a store wait that runs out just means someone is missing
+                    pass
+                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            return missing, True
+        except Exception:  # noqa: BLE001 - the store is gone with the chief
+            return [0] if self.rank != 0 else [], False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__

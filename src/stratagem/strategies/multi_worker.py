@@ -1,0 +1,327 @@
+"""MultiWorkerMirroredStrategy: synchronous data parallelism across worker processes.
+
+Each worker process holds one replica per local device, exactly as MirroredStrategy does;
+across processes gradients are summed with `torch.distributed` (Gloo on CPU, NCCL on GPU).
+With one local replica, gradients are copied (and weighted) into buckets as backward
+produces them and each bucket's all-reduce starts at once, overlapping the rest of the
+backward pass; with several, the local replicas combine first and replica 0 then sums
+across workers. Every replica is weighted by its share of the GLOBAL batch, so the result
+equals one device trained on the global batch, whatever the split.
+
+The same training script as under MirroredStrategy runs unchanged; start one process per
+worker with `stratagem launch --workers N script.py`, torchrun, SLURM or a TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem import environ
+from stratagem.cluster import Cluster, init_process_group, resolve_cluster
+from stratagem.collective.buckets import GradientBuckets
+from stratagem.collective.cross_worker import CrossWorker
+from stratagem.data.split import batch_size_of, split_batch, split_sizes
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import InputError
+from stratagem.strategies.base import _check_iterable, stack_batch
+from stratagem.strategies.explain import Explanation
+from stratagem.strategies.mirrored import MirroredStrategy, _RunState
+from stratagem.values import map_structure
+
+logger = logging.getLogger(__name__)
+
+SHARD_POLICIES = ("data", "off")
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """Mirrored replicas on every worker process, kept identical by all-reduce (tf.distribute's MWMS).
+
+    Args:
+        devices: this worker's local devices (default: every visible GPU, else one CPU device).
+        cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from TF_CONFIG,
+            torchrun's or SLURM's variables.
+        timeout: seconds any wait (rendezvous, collective, local replicas) may last before an
+            error naming the missing task(s); a stall warning is logged at a quarter of it.
+        bucket_mb: size of the gradient buckets (the first one is `first_bucket_mb`).
+
+    Example:
+        >>> strategy = sg.MultiWorkerMirroredStrategy()       # under `stratagem launch --workers 2`
+        >>> model, optimizer = strategy.distribute(Net(), torch.optim.SGD(...))
+        >>> for x, y in strategy.distribute_dataset(loader):   # every worker iterates the same global batches
+        ...     strategy.run(train_step, args=(x, y))
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str | torch.device] | None = None,
+        *,
+        cluster: Cluster | Mapping[str, Any] | None = None,
+        timeout: float = 300.0,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        intra_op_threads: int | None = None,
+        registry: Any = None,
+    ) -> None:
+        env = environ.current()
+        self._cluster = resolve_cluster(cluster, env=env)
+        super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads, registry=registry)
+        self._bucket_bytes = int(bucket_mb * 1024 * 1024)
+        self._first_bucket_bytes = int(first_bucket_mb * 1024 * 1024)
+        backend, why = self._choose_backend()
+        self._backend = backend
+        self._decisions.append(PlacementDecision(subject="cross-worker backend", choice=backend, reason=why))
+        if self._cluster.master_addr in ("127.0.0.1", "localhost"):
+            # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
+            environ.set_default("GLOO_SOCKET_IFNAME", "lo")
+        store = init_process_group(self._cluster, backend, timeout, token=env.get("STRATAGEM_CLUSTER_TOKEN"))
+        world = self._cluster.world_size
+        self._cw = CrossWorker(
+            store,
+            rank=self._cluster.rank,
+            task_names=[self._cluster.task_for_rank(r) for r in range(world)],
+            timeout=timeout,
+        )
+        self._check_same_local_replicas()
+        self._buckets: GradientBuckets | None = None
+
+    # ---- placement ----------------------------------------------------------------------------
+    def _choose_backend(self) -> tuple[str, str]:
+        if all(d.type == "cuda" for d in self._devices) and dist.is_nccl_available():
+            return "nccl", "every local replica is on a GPU and torch has NCCL"
+        if all(d.type == "cuda" for d in self._devices):
+            return "gloo", "torch was built without NCCL, so GPU gradients cross workers through Gloo (slower)"
+        return "gloo", "the replicas are on the CPU, where torch.distributed uses Gloo"
+
+    def _check_same_local_replicas(self) -> None:
+        counts = [None] * self._cluster.world_size
+        dist.all_gather_object(counts, len(self._devices))
+        if len(set(counts)) != 1:
+            detail = ", ".join(f"{self._cw.task_names[r]}: {c}" for r, c in enumerate(counts))
+            raise InputError(
+                f"Every worker must hold the same number of local replicas. Received: {detail}. "
+                "Give every worker the same devices= (stratagem launch --devices-per-worker K)."
+            )
+
+    @property
+    def cluster(self) -> Cluster:
+        return self._cluster
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices) * self._cluster.world_size
+
+    def _input_pipeline(self) -> tuple[int, int]:
+        return self._cluster.world_size, int(self._cluster.rank)
+
+    def _needs_gradient_sync(self) -> bool:
+        return True
+
+    def explain(self) -> Explanation:
+        base = super().explain()
+        details = dict(base.details)
+        details["cluster"] = f"{self._cluster.task_name}, rank {self._cluster.rank} of {self._cluster.world_size} (from {self._cluster.source})"
+        if self._buckets is not None:
+            sizes = ", ".join(f"{b / 2**20:.2f}" for b in self._buckets.sizes_bytes)
+            details["gradient buckets (MiB)"] = sizes
+        details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch across all workers"
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, base.replicas, base.decisions, details)
+
+    # ---- distribute ---------------------------------------------------------------------------
+    def _prepare_replicas(self, replicas: list[nn.Module]) -> None:
+        self._check_same_model(replicas[0])
+        self._broadcast_from_chief(replicas)
+        if len(replicas) == 1:
+            self._buckets = GradientBuckets(
+                self._replica_params[0], bucket_bytes=self._bucket_bytes, first_bucket_bytes=self._first_bucket_bytes
+            )
+
+    def _check_same_model(self, model: nn.Module) -> None:
+        signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict().items()]
+        gathered: list[Any] = [None] * self._cluster.world_size
+        dist.all_gather_object(gathered, signature)
+        chief = gathered[0]
+        for rank, theirs in enumerate(gathered[1:], start=1):
+            if theirs == chief:
+                continue
+            who = self._cw.task_names[rank]
+            for (name_c, shape_c, dtype_c), (name_t, shape_t, dtype_t) in zip(chief, theirs):
+                if (name_c, shape_c, dtype_c) != (name_t, shape_t, dtype_t):
+                    raise InputError(
+                        f"The workers' models differ: {who} has '{name_t}' of shape {shape_t} ({dtype_t}) where the "
+                        f"chief ({self._cw.task_names[0]}) has '{name_c}' of shape {shape_c} ({dtype_c}). Every worker "
+                        "must build the same model before strategy.distribute()."
+                    )
+            raise InputError(
+                f"The workers' models differ: {who} has {len(theirs)} parameters and buffers, the chief has "
+                f"{len(chief)}. Every worker must build the same model before strategy.distribute()."
+            )
+
+    def _broadcast_from_chief(self, replicas: list[nn.Module]) -> None:
+        tensors = [t for t in replicas[0].state_dict(keep_vars=True).values()]
+        with torch.no_grad():
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for group in by_dtype.values():
+                flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+                work = dist.broadcast(flat, src=0, async_op=True)
+                self._cw.wait([work], what="broadcast of the chief's parameters", step=0)
+                for t, value in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                    t.detach().copy_(value)
+            for replica in replicas[1:]:
+                replica.load_state_dict(replicas[0].state_dict())
+
+    # ---- each step ----------------------------------------------------------------------------
+    def _begin_step(self, state: _RunState) -> None:
+        self._cw.heartbeat(state.step)
+        if self._buckets is not None:
+            self._buckets.start(state.weights[0])
+
+    def _grad_ready(self, replica: int, index: int) -> None:
+        if self._buckets is not None and self._run_state is not None:
+            self._buckets.mark_ready(index, self._launch)
+
+    def _launch(self, flat: torch.Tensor) -> Any:
+        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+
+    def _on_backward_end(self, replica: int) -> None:
+        if self._buckets is None:
+            super()._on_backward_end(replica)
+            return
+        self._queued[replica] = False
+        state = self._run_state
+        if state is None:
+            super()._on_backward_end(replica)  # raises the "backward outside run" error
+            return
+        works = self._buckets.finish(self._launch)
+        self._cw.wait(works, what="gradient all-reduce", step=state.step)
+        self._buckets.copy_out()
+        self._buckets.start(state.weights[0])  # ready for a second backward in the same step
+
+    def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
+        if replica == 0:
+            grads = list(lists[0])
+            flat = torch._utils._flatten_dense_tensors(grads)
+            self._cw.all_reduce_([flat], what="gradient all-reduce", step=step)
+            summed = torch._utils._unflatten_dense_tensors(flat, grads)
+            for k in range(len(lists)):
+                torch._foreach_copy_(list(lists[k]), list(summed))
+        return True
+
+    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        self._cw.all_reduce_([out], what="reduce", step=self._step)
+        return out
+
+    # ---- input --------------------------------------------------------------------------------
+    def distribute_dataset(self, dataset: Iterable[Any], shard: str = "data") -> "MultiWorkerDataset":  # type: ignore[override]
+        """Distributes a loader across workers and their local replicas.
+
+        shard="data" (default): every worker iterates the same GLOBAL batches and keeps its
+        contiguous part, so the split is the one a single process with all replicas would make.
+        shard="off": each worker's loader already yields this worker's part of each step.
+        Either way the workers agree at every step that each of them has a batch; when one runs
+        out they all stop at the same step, and the examples left unused are logged.
+        """
+        _check_iterable(dataset, "distribute_dataset")
+        if shard not in SHARD_POLICIES:
+            raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")
+        return MultiWorkerDataset(self, dataset, shard)
+
+    def close(self) -> None:
+        super().close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class MultiWorkerDataset:
+    """Per-step batches for this worker's replicas, with an end-of-data agreement across workers."""
+
+    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str) -> None:
+        self._strategy = strategy
+        self._dataset = dataset
+        self._shard = shard
+        self.unused_examples = 0
+        """Examples this worker had fetched but did not train on because another worker ran out."""
+        self.steps = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        strategy = self._strategy
+        cw = strategy._cw
+        iterator = iter(self._dataset)
+        pending, agreement, work = self._fetch(iterator, 0)
+        step = 0
+        while True:
+            cw.wait([work], what="end-of-data agreement", step=step)
+            have, total = int(agreement[0]), int(agreement[1])
+            if have < cw.world_size:
+                if pending is not None:
+                    self.unused_examples = batch_size_of(pending) if self._shard == "off" else self._my_share(pending)
+                    logger.warning(
+                        "%s stops after %d steps because %d of %d workers ran out of data; %d example(s) this worker "
+                        "had fetched were left unused.", cw.task_name, step, cw.world_size - have, cw.world_size,
+                        self.unused_examples,
+                    )
+                self.steps = step
+                return
+            current = pending
+            # Fetch and agree on the next step now, so the agreement overlaps this step's compute.
+            pending, agreement, work = self._fetch(iterator, step + 1)
+            yield self._distribute(current, total, step)
+            step += 1
+
+    def _fetch(self, iterator: Iterator[Any], step: int) -> tuple[Any, torch.Tensor, Any]:
+        try:
+            batch = next(iterator)
+            size = batch_size_of(batch)
+        except StopIteration:
+            batch, size = None, 0
+        except InputError as error:
+            raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
+        if batch is not None and size == 0:
+            raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
+        count = size if self._shard == "off" else (size if self._strategy._cw.rank == 0 else 0)
+        device = self._strategy._devices[0] if self._strategy._backend == "nccl" else torch.device("cpu")
+        agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
+        return batch, agreement, dist.all_reduce(agreement, op=dist.ReduceOp.SUM, async_op=True)
+
+    def _my_share(self, batch: Any) -> int:
+        sizes = self._global_sizes(batch_size_of(batch))
+        return sum(sizes)
+
+    def _global_sizes(self, global_size: int) -> list[int]:
+        strategy = self._strategy
+        local = len(strategy._devices)
+        rank = int(strategy._cluster.rank)
+        all_sizes = split_sizes(global_size, strategy.num_replicas_in_sync)
+        return all_sizes[rank * local:(rank + 1) * local]
+
+    def _distribute(self, batch: Any, global_size: int, step: int) -> Any:
+        strategy = self._strategy
+        devices = strategy._devices
+        if self._shard == "off":
+            sizes = split_sizes(batch_size_of(batch), len(devices))
+            pieces = split_batch(batch, sizes, devices)
+        else:
+            local_sizes = self._global_sizes(global_size)
+            start = sum(split_sizes(global_size, strategy.num_replicas_in_sync)[: int(strategy._cluster.rank) * len(devices)])
+            mine = map_structure(
+                lambda t: t[start:start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
+            )
+            pieces = split_batch(mine, local_sizes, devices)
+        stacked = stack_batch(pieces)
+        return map_structure(lambda v: _with_global(v, global_size), stacked)
+
+
+def _with_global(value: Any, global_size: int) -> Any:
+    from stratagem.values import PerReplica
+
+    if isinstance(value, PerReplica):
+        return PerReplica(value.values, value.batch_sizes, global_size)
+    return value

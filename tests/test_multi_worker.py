@@ -1,0 +1,111 @@
+"""MultiWorkerMirroredStrategy across real processes on 127.0.0.1: equivalence and faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cases import BATCH_SIZES, TOL, build, make_batches, train_reference
+from helpers import free_port
+from stratagem import environ
+from stratagem.cluster import launch
+
+WORKER = str(Path(__file__).parent / "workers" / "mwms_train.py")
+pytestmark = [pytest.mark.multiprocess]
+
+
+def run_launched(tmp_path, workers: int, **settings) -> tuple[int, list[str], dict]:
+    out = tmp_path / "result.pt"
+    env = dict(environ.current())
+    env.update({k: str(v) for k, v in settings.items()})
+    env["MW_OUT"] = str(out)
+    lines: list[str] = []
+    result = launch([sys.executable, WORKER], workers=workers, env=env,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=120, grace_period=2)
+    saved = torch.load(out) if out.exists() else {}
+    return result.exit_code, lines, saved
+
+
+def reference_state(model_name, opt_name, dtype, sizes=BATCH_SIZES):
+    reference, ref_opt, shape = build(model_name, opt_name, dtype)
+    train_reference(reference, ref_opt, make_batches(shape, dtype, sizes=sizes))
+    return reference.state_dict()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "workers,local,model_name,opt_name",
+    [(2, 1, "mlp", "sgd_momentum"), (3, 1, "conv", "adam"), (2, 2, "mlp", "adam")],
+    ids=["2x1-mlp-sgd", "3x1-conv-adam", "2x2-mlp-adam"],
+)
+def test_workers_match_one_device(tmp_path, workers, local, model_name, opt_name):
+    code, lines, saved = run_launched(tmp_path, workers, MW_MODEL=model_name, MW_OPT=opt_name, MW_LOCAL=local)
+    assert code == 0, "\n".join(lines[-30:])
+    expected = reference_state(model_name, opt_name, torch.float64)
+    for key, value in expected.items():
+        torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64])
+    assert saved["steps"] == len(BATCH_SIZES)
+    assert f"{workers * local} replica(s) in sync" in saved["explain"]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_runs_out_of_data_stops_everyone_at_the_same_step(tmp_path):
+    code, lines, saved = run_launched(tmp_path, 2, MW_SHORT_RANK=1)
+    assert code == 0, "\n".join(lines[-30:])
+    assert saved["steps"] == len(BATCH_SIZES) - 1
+    # The chief held the last global batch (5 examples, split 3 / 2 over two workers): its 3 went unused.
+    assert saved["unused"] == 3
+    assert any("ran out of data" in line and "[worker:0]" in line for line in lines)
+    expected = reference_state("mlp", "sgd_momentum", torch.float64, sizes=BATCH_SIZES[:-1])
+    for key, value in expected.items():
+        torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64])
+
+
+def _tf_config_env(ports, index, **settings):
+    env = dict(environ.current())
+    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                   "task": {"type": "worker", "index": index}})
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env.update({k: str(v) for k, v in settings.items()})
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_training_is_named_by_the_survivor(tmp_path):
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, WORKER], env=_tf_config_env(ports, i, MW_KILL_RANK=1, MW_KILL_STEP=2,
+                                                                          MW_TIMEOUT=30),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    start = time.monotonic()
+    _, err0 = procs[0].communicate(timeout=90)
+    procs[1].wait(timeout=30)
+    assert procs[1].returncode == -9
+    assert procs[0].returncode != 0
+    assert time.monotonic() - start < 60, "the survivor should not wait out its whole timeout"
+    assert "worker:1 (rank 1)" in err0, err0[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_never_starts_is_named_at_rendezvous(tmp_path):
+    ports = [free_port(), free_port()]
+    proc = subprocess.run([sys.executable, "-c", (
+        "import stratagem as sg\n"
+        "sg.MultiWorkerMirroredStrategy(timeout=3)\n")],
+        env=_tf_config_env(ports, 0), capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0
+    assert "CollectiveTimeoutError" in proc.stderr and "worker:1" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_workers_with_different_models_get_an_error_naming_the_first_mismatch(tmp_path):
+    code, lines, _ = run_launched(tmp_path, 2, MW_WIDE_RANK=1)
+    assert code != 0
+    text = "\n".join(lines)
+    assert "worker:1 has '2.weight' of shape (17, 16)" in text and "(16, 16)" in text, text[-3000:]
