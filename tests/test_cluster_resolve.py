@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 
 import pytest
@@ -189,3 +191,9 @@ def test_expand_nodelist_errors(nodelist, message):
 def test_expand_tasks_per_node():
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert expand_tasks_per_node("8") == [8]
+
+
+@pytest.mark.parametrize("module", ["spec", "tf_config", "nodelist", "resolve", "processes", "launch"])
+def test_docstring_examples_run(module):
+    failures, _ = doctest.testmod(importlib.import_module(f"stratagem.cluster.{module}"))
+    assert failures == 0
