@@ -9,6 +9,9 @@ SLURM rendezvous port: ``STRATAGEM_MASTER_PORT``, else ``MASTER_PORT``, else
 coordination, sits below Linux's ephemeral range (32768-60999) so the kernel does not hand it to
 an outgoing connection, and differs between jobs that share a node unless their ids are 10000
 apart; set ``STRATAGEM_MASTER_PORT`` when that matters.
+
+Start SLURM tasks with ``srun``: a batch script run without it is one process that may still see
+``SLURM_NTASKS > 1``; its rendezvous then times out naming the ranks that never started.
 """
 
 from __future__ import annotations
