@@ -299,3 +299,14 @@ dist.destroy_process_group()
     # 1 + 2 = 3 on both ranks.
     assert sink.texts("worker:0") == ["TF_CONFIG worker:0 0 True 3.0"]
     assert sink.texts("worker:1") == ["TF_CONFIG worker:1 1 False 3.0"]
+
+
+def test_a_failing_sink_does_not_hang_the_task(tmp_path, caplog):
+    def broken_sink(line: OutputLine) -> None:
+        raise ValueError("terminal gone")
+
+    # 200 KB of output would fill a pipe that nobody drains, blocking the task forever.
+    body = 'for i in range(2000):\n    print("x" * 100)\n'
+    result = launch(script(tmp_path, body), workers=1, env=BASE_ENV, sink=broken_sink, timeout=20)
+    assert result.ok
+    assert "the output sink failed on a line of worker:0 stdout; dropping its further output" in caplog.text

@@ -6,6 +6,7 @@ Each process leads its own session, so stopping a task also stops whatever it st
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,11 +110,20 @@ class TaskGroup:
             self._readers.append(thread)
 
     def _read(self, task: str, stream: str, pipe: IO[bytes]) -> None:
+        sink_failed = False
         with pipe:
+            # Keep reading even if the sink fails: a task blocked on a full pipe would hang.
             for raw in iter(pipe.readline, b""):
+                if sink_failed:
+                    continue
                 line = OutputLine(task, stream, raw.decode(errors="replace").rstrip("\r\n"))
-                with self._sink_lock:
-                    self._sink(line)
+                try:
+                    with self._sink_lock:
+                        self._sink(line)
+                except Exception:
+                    sink_failed = True
+                    logger.exception("the output sink failed on a line of %s %s; dropping its further output",
+                                     task, stream)
 
     def _wait(self, task: str, process: subprocess.Popen[bytes]) -> None:
         self.exits.put((task, process.wait()))
