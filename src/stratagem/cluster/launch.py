@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stratagem.cluster.processes import OutputLine, Sink, TaskGroup, describe_exit
+from stratagem.cluster.processes import Sink, TaskGroup, describe_exit
 from stratagem.errors import ClusterError
 
 logger = logging.getLogger(__name__)
@@ -279,6 +279,3 @@ def relaunch(command: Sequence[str], *, workers: int, env: Mapping[str, str], si
         )
     return launch([sys.executable, "-m", "stratagem", *command], workers=workers, env=env, sink=sink, **options)
 
-
-__all__ = ["LaunchResult", "OutputLine", "TaskFailure", "free_ports", "launch", "launched_by_stratagem",
-           "relaunch", "task_environments"]
