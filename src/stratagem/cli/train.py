@@ -67,14 +67,17 @@ def run(args: argparse.Namespace) -> int:
                            f"{config.epochs} epoch(s), seed {config.seed}", style="bold"))
         console.print(Text(f"devices: {decision.choice} ({decision.reason})"))
         console.print(Text(str(strategy.explain())))
-    show_progress = not args.json and console.is_terminal
+    progress = _EpochProgress(console, config.epochs, show_bar=not args.json and console.is_terminal,
+                              print_lines=not args.json)
     try:
-        report = train_digits(config, strategy, decision, **_progress_callbacks(console, config.epochs, show_progress,
-                                                                                 print_epochs=not args.json))
+        report = train_digits(config, strategy, decision, on_epoch_start=progress.on_epoch_start,
+                              on_step=progress.on_step, on_epoch_end=progress.on_epoch_end)
     except (StratagemError, ImportError) as error:
+        progress.close()
         print(f"stratagem train: training failed: {error}", file=sys.stderr)
         return 1
     finally:
+        progress.close()
         strategy.close()
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -83,32 +86,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_callbacks(console: Console, epochs: int, show_progress: bool, print_epochs: bool) -> dict:
-    """on_epoch_start / on_step / on_epoch_end for train_digits: a transient bar per epoch, then its result line."""
-    state: dict = {}
+class _EpochProgress:
+    """A transient progress bar per epoch (TTY only), replaced by the epoch's result line when it ends."""
 
-    def on_epoch_start(epoch: int, num_examples: int) -> None:
-        if not show_progress:
+    def __init__(self, console: Console, epochs: int, *, show_bar: bool, print_lines: bool) -> None:
+        self._console = console
+        self._epochs = epochs
+        self._width = len(str(epochs))
+        self._show_bar = show_bar
+        self._print_lines = print_lines
+        self._progress: Progress | None = None
+        self._task = None
+
+    def on_epoch_start(self, epoch: int, num_examples: int) -> None:
+        if not self._show_bar:
             return
-        # Transient: the bar disappears when the epoch ends and its result line takes its place.
-        progress = Progress(TextColumn(f"epoch {epoch:>{len(str(epochs))}}/{epochs}"), BarColumn(),
-                            MofNCompleteColumn(), TextColumn("examples"), TimeElapsedColumn(),
-                            console=console, transient=True)
-        progress.start()
-        state["progress"], state["task"] = progress, progress.add_task("train", total=num_examples)
+        self._progress = Progress(TextColumn(f"epoch {epoch:>{self._width}}/{self._epochs}"), BarColumn(),
+                                  MofNCompleteColumn(), TextColumn("examples"), TimeElapsedColumn(),
+                                  console=self._console, transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=num_examples)
 
-    def on_step(num: int, so_far: int) -> None:
-        if "progress" in state:
-            state["progress"].update(state["task"], completed=so_far)
+    def on_step(self, num_examples: int, so_far: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=so_far)
 
-    def on_epoch_end(result: EpochResult) -> None:
-        if "progress" in state:
-            state.pop("progress").stop()
-        if print_epochs:
-            console.print(Text(f"epoch {result.epoch:>{len(str(epochs))}}/{epochs}  loss {result.loss:.4f}  "
-                               f"accuracy {result.accuracy:6.2%}  ({result.elapsed_s:.1f} s)"))
+    def on_epoch_end(self, result: EpochResult) -> None:
+        self.close()
+        if self._print_lines:
+            self._console.print(Text(f"epoch {result.epoch:>{self._width}}/{self._epochs}  loss {result.loss:.4f}  "
+                                     f"accuracy {result.accuracy:6.2%}  ({result.elapsed_s:.1f} s)"))
 
-    return {"on_epoch_start": on_epoch_start, "on_step": on_step, "on_epoch_end": on_epoch_end}
+    def close(self) -> None:
+        """Stops the live bar; also called when training fails, so the terminal is left clean."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
 
 
 def _print_summary(console: Console, report: TrainReport) -> None:

@@ -1,0 +1,143 @@
+"""`stratagem train`, run in-process through the real CLI entry point.
+
+Accuracy thresholds were measured on a 2-core CPU: the default run (10 epochs, seed 0) reaches
+98.3% test accuracy; one epoch reaches 88.6% (seed 0) and 84.2% (seed 5), so short runs check 75%.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import stratagem as sg
+from stratagem.cli.main import main
+from stratagem.devices import get_logical_devices
+from stratagem.train import job
+
+pytestmark = pytest.mark.timeout(120)
+
+SUMMARY_FIELDS = {
+    "strategy", "devices", "num_replicas_in_sync", "device_decision", "config", "epochs", "test_loss",
+    "test_accuracy", "num_test_examples", "target_accuracy", "reached_target", "num_train_examples",
+    "train_time_s", "samples_per_s", "elapsed_s", "explanation",
+}
+
+needs_two_cpus = pytest.mark.skipif(len(get_logical_devices("cpu")) < 2, reason="needs two logical CPU devices")
+
+
+def run_json(capsys, *args: str) -> dict:
+    code = main(["train", "--json", *args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_default_run_reaches_95_percent(capsys):
+    summary = run_json(capsys)
+    assert SUMMARY_FIELDS <= summary.keys()
+    assert summary["test_accuracy"] >= 0.95
+    assert summary["reached_target"] is True
+    assert [e["epoch"] for e in summary["epochs"]] == list(range(1, 11))
+    # 10 epochs over the 1437 training images of the fixed 80/20 split.
+    assert summary["num_train_examples"] == 10 * 1437
+    assert summary["num_test_examples"] == 360
+    assert summary["samples_per_s"] == pytest.approx(summary["num_train_examples"] / summary["train_time_s"])
+    assert summary["strategy"] == "MirroredStrategy"
+    # Without a GPU: two logical CPU replicas (or one on a single-core machine), and the reason says why.
+    if summary["devices"][0].startswith("cpu"):
+        assert summary["devices"] == ["cpu:0", "cpu:1"][: len(get_logical_devices("cpu"))]
+        assert "no usable GPU" in summary["device_decision"]["reason"]
+    assert summary["num_replicas_in_sync"] == len(summary["devices"]) == len(summary["explanation"]["replicas"])
+
+
+def test_same_seed_gives_the_same_numbers(capsys):
+    first = run_json(capsys, "--epochs", "1", "--seed", "5")
+    second = run_json(capsys, "--epochs", "1", "--seed", "5")
+    assert first["epochs"] == second["epochs"]
+    assert (first["test_loss"], first["test_accuracy"]) == (second["test_loss"], second["test_accuracy"])
+    assert first["test_accuracy"] > 0.75
+    other_seed = run_json(capsys, "--epochs", "1", "--seed", "6")
+    assert other_seed["epochs"][0]["loss"] != first["epochs"][0]["loss"]
+
+
+@needs_two_cpus
+def test_mirrored_and_one_device_train_the_same_model(capsys):
+    # Exact synchronous semantics: two replicas follow the one-device run up to float rounding.
+    mirrored = run_json(capsys, "--epochs", "1", "--devices", "cpu:0,/cpu:1")
+    one_device = run_json(capsys, "--epochs", "1", "--strategy", "one_device", "--devices", "cpu:0")
+    assert (mirrored["strategy"], mirrored["devices"]) == ("MirroredStrategy", ["cpu:0", "cpu:1"])
+    assert (one_device["strategy"], one_device["devices"]) == ("OneDeviceStrategy", ["cpu:0"])
+    assert mirrored["device_decision"]["reason"] == "given by --devices"
+    for m, o in zip(mirrored["epochs"], one_device["epochs"]):
+        assert m["loss"] == pytest.approx(o["loss"], rel=1e-3)
+    assert one_device["test_accuracy"] > 0.75
+    assert mirrored["test_accuracy"] == pytest.approx(one_device["test_accuracy"], abs=2 / 360)
+
+
+def test_text_output_shows_placement_epochs_and_result(capsys):
+    assert main(["train", "--epochs", "1", "--batch-size", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "replica(s) in sync" in out
+    assert "replica 0: cpu:0" in out or "replica 0: cuda:0" in out
+    assert "devices: " in out
+    assert "epoch 1/1  loss " in out
+    assert "test accuracy " in out and "target" in out
+    assert "samples/s" in out
+    assert "ran on: " in out
+
+
+def test_unknown_device_exits_2_naming_it(capsys):
+    assert main(["train", "--devices", "cpu:0,cpu:9"]) == 2
+    captured = capsys.readouterr()
+    assert "cpu:9" in captured.err and "out of range" in captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_one_device_with_two_devices_exits_2(capsys):
+    assert main(["train", "--strategy", "one_device", "--devices", "cpu:0,cpu:1"]) == 2
+    err = capsys.readouterr().err
+    assert "exactly one device" in err and "['cpu:0', 'cpu:1']" in err
+
+
+def test_unknown_strategy_lists_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--strategy", "nope"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "mirrored" in err and "one_device" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs", "0"], "--epochs: must be a positive integer. Received: '0'"),
+    (["--batch-size", "x"], "--batch-size: must be a positive integer. Received: 'x'"),
+    (["--lr", "-1"], "--lr: must be a positive number. Received: '-1'"),
+    (["--devices", "cpu:0,,cpu:1"], "a device name is empty. Received: 'cpu:0,,cpu:1'"),
+])
+def test_bad_options_exit_2_before_training(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_scikit_learn_fails_with_the_install_command(capsys, monkeypatch):
+    # A None entry in sys.modules makes `import sklearn.datasets` raise ImportError.
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert main(["train", "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "training failed" in err and "pip install 'stratagem[train]'" in err
+    assert "Traceback" not in err
+
+
+def test_a_failing_replica_exits_1_with_its_message(capsys, monkeypatch):
+    def failing_epoch(*args, **kwargs):
+        raise sg.ReplicaError("Replica 1 (cpu:1) raised RuntimeError at step 3: boom")
+
+    monkeypatch.setattr(job, "train_epoch", failing_epoch)
+    assert main(["train", "--json", "--epochs", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "training failed: Replica 1 (cpu:1) raised RuntimeError at step 3: boom" in captured.err
+    assert captured.out == ""
