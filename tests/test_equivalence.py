@@ -15,25 +15,28 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
-from cases import BATCH_SIZES, MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, train_reference, train_with
+from cases import BATCH_SIZES, MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, mlp, train_reference, train_with
 from conftest import cpu_registry
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-@pytest.mark.parametrize("num_replicas", [1, 2, 3])
-def test_mirrored_matches_one_device(num_replicas, model_name, opt_name, dtype):
+@pytest.mark.parametrize("num_replicas,share", [(1, None), (2, None), (3, None), (2, False), (3, False)],
+                         ids=["1", "2-shared", "3-shared", "2-copies", "3-copies"])
+def test_mirrored_matches_one_device(num_replicas, share, model_name, opt_name, dtype):
     reference, ref_opt, shape = build(model_name, opt_name, dtype)
     model, opt, _ = build(model_name, opt_name, dtype)
     batches = make_batches(shape, dtype)
     train_reference(reference, ref_opt, batches)
 
-    strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)], registry=cpu_registry(3))
+    strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)], share_parameters=share,
+                                   registry=cpu_registry(3))
     model, opt, _ = train_with(strategy, model, opt, batches)
 
     assert_same_state(reference, model, dtype)
     ref_state = ref_opt.state_dict()["state"]
-    for replica_opt in getattr(opt, "_optimizers", [opt]):
+    per_replica = [opt] if share is None else getattr(opt, "_optimizers", [opt])
+    for replica_opt in per_replica:
         got_state = replica_opt.state_dict()["state"]
         for index, entries in ref_state.items():
             for name, value in entries.items():
@@ -116,3 +119,47 @@ def test_two_backward_passes_per_step_accumulate_like_one_device():
     strategy.run(backward_only, args=b)
     strategy.run(lambda: dist_opt.step())
     assert_same_state(reference, dist_model, torch.float64)
+
+
+def test_shared_parameters_keep_one_copy_and_one_optimizer_state():
+    model, opt, shape = build("mlp", "adam", torch.float64)
+    numel = sum(p.numel() for p in model.parameters())
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3))
+    model, opt, _ = train_with(strategy, model, opt, make_batches(shape, torch.float64))
+    assert strategy.explain().decision("parameter storage").choice == "shared, update sharded"
+    first, *others = model.replicas
+    for replica in others:
+        for p, q in zip(first.parameters(), replica.parameters()):
+            assert p.data_ptr() == q.data_ptr()
+    shard_state = sum(t.numel() for o in opt._optimizers for entry in o.state.values()
+                      for k, t in entry.items() if k == "exp_avg")
+    assert shard_state == numel  # each element's moment exists once, across all replicas
+
+
+def test_sharded_optimizer_state_dict_round_trips_into_a_plain_optimizer():
+    """A checkpoint of the sharded optimizer loads into the plain optimizer (and back) unchanged."""
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    dist_model, dist_opt, _ = train_with(strategy, model, opt, make_batches(shape, torch.float64))
+    reference, ref_opt, _ = build("mlp", "sgd_momentum", torch.float64)
+    train_reference(reference, ref_opt, make_batches(shape, torch.float64))
+    plain = OPTIMIZERS["sgd_momentum"](reference.parameters())
+    plain.load_state_dict(dist_opt.state_dict())
+    for a, b in zip(plain.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+        torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], **TOL[torch.float64])
+    dist_opt.load_state_dict(ref_opt.state_dict())
+    for a, b in zip(dist_opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+        torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], rtol=0, atol=0)
+
+
+def test_non_elementwise_optimizer_keeps_private_copies_and_says_why():
+    net = mlp().double()
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    strategy.distribute(net, torch.optim.LBFGS(net.parameters()))
+    decision = strategy.explain().decision("parameter storage")
+    assert decision.choice == "a private copy per replica"
+    assert "LBFGS is not known to update each element independently" in decision.reason
+    strict = sg.MirroredStrategy(["cpu:0", "cpu:1"], share_parameters=True, registry=cpu_registry(2))
+    other = mlp().double()
+    with pytest.raises(sg.InputError, match="share_parameters=True, but the replicas cannot share parameters: LBFGS"):
+        strict.distribute(other, torch.optim.LBFGS(other.parameters()))

@@ -62,10 +62,15 @@ class InMemoryReduce:
         if not mine[0]:
             return
         acc = mine[replica]
-        if not active:
+        if len(active) == 2 and replica in active and abs(sum(weights) - 1.0) < 1e-12:
+            # Two shares that add up to one: w_a * a + w_b * b == lerp(a, b, w_b), one pass instead of two.
+            other = active[1] if active[0] == replica else active[0]
+            torch._foreach_lerp_(acc, mine[other], weights[other])
+            others: list[int] = []
+        elif not active:
             # Every local replica has an empty slice (other workers hold the examples): contribute zeros.
             torch._foreach_zero_(acc)
-            others: list[int] = []
+            others = []
         elif weights[replica] > 0:
             if weights[replica] != 1.0:
                 torch._foreach_mul_(acc, weights[replica])

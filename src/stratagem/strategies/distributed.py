@@ -139,6 +139,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._optimizers[0].defaults
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if current_replica_context() is None:
+            raise InputError(
+                "optimizer.step() ran outside strategy.run(), so only replica 0 would be updated and the replicas "
+                "would drift apart. Call it in the function given to strategy.run()."
+            )
         index = _replica_index(self)
         if index:
             for primary, mine in zip(self._optimizers[0].param_groups, self._optimizers[index].param_groups):

@@ -32,6 +32,7 @@ from stratagem.strategies.distributed import (
     replicate_optimizer,
 )
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.sharded import ShardedOptimizer, alias_parameters, why_not_shareable
 from stratagem.strategies.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool, current_replica_context, enter_replica
 from stratagem.values import PerReplica, flatten, select_replica, stack_replicas
 
@@ -54,6 +55,9 @@ class MirroredStrategy(Strategy):
         timeout: seconds any replica waits for the others before failing with an error naming them.
         intra_op_threads: torch intra-op threads per CPU replica (default: the process's threads
             shared evenly among the CPU replicas, at least one each).
+        share_parameters: when every replica is on one physical device (logical CPU devices), keep
+            one copy of the parameters and optimizer state, each replica updating 1/N of it
+            (None: whenever the optimizer allows it; False: a private copy per replica).
 
     Example:
         >>> strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -70,8 +74,10 @@ class MirroredStrategy(Strategy):
         require_gpu: bool = False,
         timeout: float = 300.0,
         intra_op_threads: int | None = None,
+        share_parameters: bool | None = None,
         registry: sg_devices.DeviceRegistry | None = None,
     ) -> None:
+        self._share_parameters = share_parameters
         if timeout <= 0:
             raise InputError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}.")
         self._timeout = float(timeout)
@@ -164,16 +170,25 @@ class MirroredStrategy(Strategy):
         if optimizer is not None:
             check_optimizer_matches(model, optimizer)
         source_params = list(model.parameters())
+        shared = self._decide_sharing(model, optimizer)
         replicas = [model.to(self._devices[0])]
         for device in self._devices[1:]:
             replicas.append(copy.deepcopy(model).to(device))
-        optimizers: list[torch.optim.Optimizer] = []
+        if shared:
+            alias_parameters(replicas)
+        distributed_optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             if optimizer.state and self._devices[0].type != "cpu":
                 optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
-            optimizers = [optimizer] + [
-                replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]
-            ]
+            if shared:
+                distributed_optimizer = ShardedOptimizer(
+                    optimizer, [list(r.parameters()) for r in replicas], self._current_replica, self._after_optimizer_step
+                )
+            elif len(replicas) > 1:
+                distributed_optimizer = DistributedOptimizer(
+                    [optimizer] + [replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]],
+                    self,
+                )
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         self._prepare_replicas(replicas)
         if self._needs_gradient_sync():
@@ -188,7 +203,46 @@ class MirroredStrategy(Strategy):
         self._model = distributed
         if optimizer is None:
             return distributed
-        return distributed, DistributedOptimizer(optimizers, self)
+        return distributed, distributed_optimizer
+
+    def _decide_sharing(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether the replicas share one copy of the parameters (see strategies/sharded.py)."""
+        if len(self._devices) == 1:
+            return False
+        if len(set(self._devices)) != 1:
+            reason: str | None = "the replicas are on different physical devices"
+        else:
+            reason = why_not_shareable(optimizer, model)
+        if self._share_parameters is False:
+            shared, why = False, "share_parameters=False"
+        elif reason is not None:
+            if self._share_parameters:
+                raise InputError(
+                    f"share_parameters=True, but the replicas cannot share parameters: {reason}. "
+                    "Drop share_parameters=True to keep a private copy per replica."
+                )
+            shared, why = False, reason
+        else:
+            shared = True
+            why = (
+                f"all replicas run on {self._devices[0]}, so they read one copy of the parameters and each "
+                f"updates 1/{len(self._devices)} of it (optimizer state exists once); update parameters only "
+                "through the optimizer"
+            )
+        choice = "shared, update sharded" if shared else "a private copy per replica"
+        self._decisions.append(PlacementDecision(subject="parameter storage", choice=choice, reason=why))
+        return shared
+
+    def _current_replica(self) -> int | None:
+        ctx = current_replica_context()
+        if ctx is None or ctx.strategy is not self:
+            return None
+        return ctx.replica_id_in_sync_group
+
+    def _after_optimizer_step(self, replica: int) -> None:
+        state = self._run_state
+        if state is not None:
+            self._barrier.wait(replica, "optimizer step", state.step)
 
     # ---- run ----------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:

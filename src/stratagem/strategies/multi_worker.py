@@ -66,11 +66,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         bucket_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         intra_op_threads: int | None = None,
+        share_parameters: bool | None = None,
         registry: Any = None,
     ) -> None:
         env = environ.current()
         self._cluster = resolve_cluster(cluster, env=env)
-        super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads, registry=registry)
+        super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads,
+                         share_parameters=share_parameters, registry=registry)
         self._bucket_bytes = int(bucket_mb * 1024 * 1024)
         self._first_bucket_bytes = int(first_bucket_mb * 1024 * 1024)
         backend, why = self._choose_backend()

@@ -1,0 +1,119 @@
+"""Throughput of data parallelism across processes: stratagem's MultiWorkerMirroredStrategy against
+PyTorch DistributedDataParallel, same workload, same threads per process, Gloo on 127.0.0.1.
+
+    python -m stratagem.bench.multi_process mwms --workload mlp --world 2
+    python -m stratagem.bench.multi_process ddp  --workload mlp --world 2
+
+Each rank runs in its own process; the clock starts and stops at a barrier, so the figure is
+that of the slowest rank. Rank 0 prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from stratagem.bench.throughput import Measurement
+from stratagem.bench.workloads import WORKLOADS
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int, warmup: int, steps: int,
+               threads: int, queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(threads)
+    workload = WORKLOADS[workload_name]
+    batches = workload.make_batches()
+    if config == "ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(workload.build_model())
+        optimizer = workload.build_optimizer(model)
+        per = workload.global_batch // world
+        data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
+
+        def step(i: int) -> torch.Tensor:
+            x, y = data[i % len(data)]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+    else:
+        import stratagem as sg
+
+        cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
+                   "task": {"type": "worker", "index": rank}}
+        strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
+        net = workload.build_model()
+        model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
+        dataset = list(strategy.distribute_dataset(batches))
+
+        def train_step(x, y):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        def step(i: int) -> torch.Tensor:
+            return strategy.run(train_step, args=dataset[i % len(dataset)]).values[0]
+
+    loss = None
+    t0 = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        loss = step(i)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        queue.put(asdict(Measurement(config, workload_name, world, steps, elapsed,
+                                     steps * workload.global_batch / elapsed, float(loss.detach()), threads)))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("config", choices=["ddp", "mwms"])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / world)")
+    args = parser.parse_args(argv)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, args.config, args.workload, args.world, port, args.warmup,
+                                                  args.steps, threads, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    if any(p.exitcode != 0 for p in procs) or queue.empty():
+        print(f"a rank failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
+        return 1
+    json.dump(queue.get(), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

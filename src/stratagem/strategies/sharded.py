@@ -1,0 +1,192 @@
+"""Replicas that share one copy of the parameters, each updating 1/N of it.
+
+When every replica lives on the same physical device (logical CPU devices), N private copies
+of the parameters, gradients and optimizer state only compete for the same caches and memory
+bandwidth. Instead the replicas' parameters alias one storage; each replica still computes
+its own gradients (and, once they are combined, holds the full combined gradient, so clipping
+works as on one device), but replica r's optimizer updates only elements [lo_r, hi_r) of every
+parameter, and the optimizer state exists once. The replicas meet after the update, before
+any of them reads the parameters again.
+
+This is exact only for optimizers whose update of an element depends on that element alone
+(`ELEMENTWISE_OPTIMIZERS`); others keep private copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.errors import InputError
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
+
+
+def chunk_bounds(numel: int, replica: int, num_replicas: int) -> tuple[int, int]:
+    """Elements [lo, hi) of a flattened tensor that `replica` owns."""
+    return numel * replica // num_replicas, numel * (replica + 1) // num_replicas
+
+
+def alias_parameters(replicas: Sequence[nn.Module]) -> None:
+    """Makes every replica's parameters share replica 0's storage (buffers stay private)."""
+    for replica in replicas[1:]:
+        for mine, primary in zip(replica.parameters(), replicas[0].parameters()):
+            mine.data = primary.data
+
+
+def why_not_shareable(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> str | None:
+    """Why parameters cannot be shared for this optimizer and model, or None when they can."""
+    if optimizer is not None and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        return f"{type(optimizer).__name__} is not known to update each element independently"
+    if any(not p.is_contiguous() for p in model.parameters()):
+        return "the model has non-contiguous parameters"
+    return None
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The optimizer `distribute` returns when replicas share parameters.
+
+    Inside `Strategy.run`, `step()` updates this replica's share of every parameter and then
+    waits for the other replicas; `state_dict()` is in the format of the optimizer given to
+    `distribute`, whole tensors, so checkpoints do not depend on the number of replicas.
+    """
+
+    def __init__(
+        self,
+        template: torch.optim.Optimizer,
+        replica_params: Sequence[Sequence[nn.Parameter]],
+        current_replica: Callable[[], int | None],
+        after_step: Callable[[int], None],
+    ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
+        self._replica_params = [list(ps) for ps in replica_params]
+        self._current = current_replica
+        self._after_step = after_step
+        source = self._replica_params[0]
+        index = {id(p): i for i, p in enumerate(source)}
+        self._order = [index[id(p)] for group in template.param_groups for p in group["params"]]
+        num_replicas = len(self._replica_params)
+        self._bounds = [[chunk_bounds(source[i].numel(), r, num_replicas) for i in self._order] for r in range(num_replicas)]
+        self._optimizers = []
+        for r in range(num_replicas):
+            shards = iter(
+                [nn.Parameter(source[i].data.view(-1)[lo:hi]) for i, (lo, hi) in zip(self._order, self._bounds[r])]
+            )
+            groups = []
+            for group in template.param_groups:
+                copy = {k: v for k, v in group.items() if k != "params"}
+                copy["params"] = [next(shards) for _ in group["params"]]
+                groups.append(copy)
+            self._optimizers.append(type(template)(groups, **template.defaults))
+        if template.state:
+            self.load_state_dict(template.state_dict())
+
+    def _replica(self, action: str) -> int:
+        replica = self._current()
+        if replica is None:
+            if len(self._optimizers) == 1:
+                return 0
+            raise InputError(
+                f"optimizer.{action}() ran outside strategy.run(): each replica updates its share of the parameters "
+                "inside the step function. Call it in the function given to strategy.run()."
+            )
+        return replica
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizers[self._current() or 0].param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizers[0].defaults
+
+    @property
+    def state(self) -> dict[nn.Parameter, dict[str, Any]]:  # type: ignore[override]
+        """The whole state keyed by the parameters of replica 0 (built on demand)."""
+        merged = self.state_dict()["state"]
+        source = self._replica_params[0]
+        return {source[self._order[i]]: entry for i, entry in merged.items()}
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        replica = self._replica("step")
+        optimizer = self._optimizers[replica]
+        if replica:
+            for primary, mine in zip(self._optimizers[0].param_groups, optimizer.param_groups):
+                for key, value in primary.items():
+                    if key != "params":
+                        mine[key] = value
+        params = self._replica_params[replica]
+        shards = [p for group in optimizer.param_groups for p in group["params"]]
+        for shard, i, (lo, hi) in zip(shards, self._order, self._bounds[replica]):
+            grad = params[i].grad
+            shard.grad = None if grad is None else grad.reshape(-1)[lo:hi]
+        result = optimizer.step(closure)
+        self._after_step(replica)  # nobody reads the parameters until every share is updated
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        replica = self._current() or 0
+        for p in self._replica_params[replica]:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        dicts = [opt.state_dict() for opt in self._optimizers]
+        source = self._replica_params[0]
+        merged: dict[int, dict[str, Any]] = {}
+        for i in dicts[0]["state"]:
+            param = source[self._order[i]]
+            entry: dict[str, Any] = {}
+            for key, value in dicts[0]["state"][i].items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    parts = [d["state"][i][key].reshape(-1) for d in dicts]
+                    entry[key] = torch.cat(parts).view_as(param).clone()
+                else:
+                    entry[key] = value
+            merged[i] = entry
+        return {"state": merged, "param_groups": dicts[0]["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        source = self._replica_params[0]
+        for r, optimizer in enumerate(self._optimizers):
+            shard_state: dict[int, dict[str, Any]] = {}
+            for i, entry in state_dict["state"].items():
+                i = int(i)
+                numel = source[self._order[i]].numel()
+                lo, hi = self._bounds[r][i]
+                shard_state[i] = {
+                    key: value.reshape(-1)[lo:hi].clone()
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+                    else value
+                    for key, value in entry.items()
+                }
+            optimizer.load_state_dict({"state": shard_state, "param_groups": state_dict["param_groups"]})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise InputError(
+            "Parameter groups cannot be added to an optimizer after it was distributed. "
+            f"Received: a group with keys {sorted(param_group)}. Add every group before strategy.distribute()."
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(num_replicas={len(self._optimizers)}, optimizer={type(self._optimizers[0]).__name__})"
