@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from stratagem import environ
+from stratagem.cluster import OutputLine, launched_by_stratagem, relaunch
 from stratagem.errors import StratagemError
 from stratagem.train import STRATEGY_NAMES, TARGET_ACCURACY, EpochResult, TrainConfig, TrainReport, build_strategy, train_digits
 
@@ -47,11 +49,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help=f"Adam learning rate (default: {_DEFAULTS.lr})")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                         help=f"seeds the initial weights and the shuffle order (default: {_DEFAULTS.seed})")
+    parser.add_argument("--workers", type=_positive_int, default=1,
+                        help="with --strategy multi_worker: worker processes to start on this machine with "
+                             "`stratagem launch` (default: 1, or the cluster this process already belongs to)")
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    env = environ.current()
+    if args.workers > 1 and args.strategy != "multi_worker":
+        print(f"stratagem train: --workers {args.workers} needs --strategy multi_worker. Received: "
+              f"--strategy {args.strategy}.", file=sys.stderr)
+        return 2
+    if args.strategy == "multi_worker" and args.workers > 1 and not launched_by_stratagem(env):
+        # Start one process per worker running this same command; each becomes a MultiWorkerMirroredStrategy task.
+        def sink(line: OutputLine) -> None:
+            stream = sys.stdout if line.stream == "stdout" else sys.stderr
+            print(f"[{line.task}] {line.text}", file=stream, flush=True)
+
+        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink)
+        if not result.ok:
+            print(f"stratagem train: {result.explain()}", file=sys.stderr)
+        return result.exit_code
     try:
         config = TrainConfig(strategy=args.strategy, devices=args.devices, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed)
@@ -62,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # soft_wrap: long reasons stay on one line when piped to a file, instead of breaking at 80 columns.
     console = Console(highlight=False, soft_wrap=True)
+    chief = getattr(strategy, "cluster", None) is None or strategy.cluster.is_chief
+    if not chief:
+        args.json = True  # workers other than the chief train silently; the chief reports for the job
     if not args.json:
         console.print(Text(f"stratagem train: digits, conv net, Adam lr={config.lr}, global batch {config.batch_size}, "
                            f"{config.epochs} epoch(s), seed {config.seed}", style="bold"))
@@ -79,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
         strategy.close()
+    if not chief:
+        return 0
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -1,19 +1,34 @@
-"""Gradient buckets: fused all-reduces launched while the backward pass is still running.
+"""Gradient buckets: all-reduces launched while the backward pass is still running.
 
-Parameters are grouped in reverse registration order (roughly the order backward produces
-their gradients) into buckets of about `bucket_bytes`, the first one small so communication
-starts early. When every gradient of a bucket has arrived (copied and scaled into the
-bucket's flat buffer in one pass) the bucket's all-reduce is launched, strictly in bucket
-order so every rank issues the same collectives in the same order.
+Parameters are taken in reverse registration order (roughly the order backward produces their
+gradients). Small gradients are fused into flat buckets of about `bucket_bytes` (the first one
+small, so communication starts early): each is copied and weighted into its bucket in one pass
+as soon as it is ready, and copied back at the end. A gradient of at least `direct_bytes` is
+all-reduced in place instead, in chunks of at most `bucket_bytes`, each chunk weighted just
+before its all-reduce starts: no copy in, no copy out, and the weighting of one chunk overlaps
+the communication of the previous one. Buckets launch strictly in order, so every rank issues
+the same collectives in the same order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+Launch = Callable[[torch.Tensor], Any]
+
+
+@dataclass
+class _Bucket:
+    members: list[int]
+    direct: bool
+    flat: torch.Tensor | None = None
+    pending: int = 0
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class GradientBuckets:
@@ -25,36 +40,47 @@ class GradientBuckets:
         *,
         bucket_bytes: int = 25 * 1024 * 1024,
         first_bucket_bytes: int = 1024 * 1024,
+        direct_bytes: int = 1024 * 1024,
     ) -> None:
         self.params = list(params)
-        self.buckets: list[list[int]] = []  # parameter indices per bucket
+        self.bucket_bytes = bucket_bytes
+        self.buckets: list[_Bucket] = []
         limit = first_bucket_bytes
         current: list[int] = []
         size = 0
+
+        def close() -> None:
+            nonlocal current, size, limit
+            if current:
+                self.buckets.append(_Bucket(current, direct=False))
+                current, size, limit = [], 0, bucket_bytes
+
         for i in reversed(range(len(self.params))):
             p = self.params[i]
             nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > limit or p.dtype != self.params[current[0]].dtype or p.device != self.params[current[0]].device):
-                self.buckets.append(current)
-                current, size, limit = [], 0, bucket_bytes
+            if nbytes >= direct_bytes and p.is_contiguous():
+                close()
+                self.buckets.append(_Bucket([i], direct=True))
+                limit = bucket_bytes
+                continue
+            first = self.params[current[0]] if current else None
+            if first is not None and (size + nbytes > limit or p.dtype != first.dtype or p.device != first.device):
+                close()
             current.append(i)
             size += nbytes
-        if current:
-            self.buckets.append(current)
-        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
-        self.flats = [
-            torch.zeros(sum(self.params[i].numel() for i in members), dtype=self.params[members[0]].dtype,
-                        device=self.params[members[0]].device)
-            for members in self.buckets
-        ]
-        self.views: list[torch.Tensor | None] = [None] * len(self.params)
-        for b, members in enumerate(self.buckets):
+        close()
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
+        for bucket in self.buckets:
+            if bucket.direct:
+                continue
+            first = self.params[bucket.members[0]]
+            bucket.flat = torch.zeros(sum(self.params[i].numel() for i in bucket.members), dtype=first.dtype,
+                                      device=first.device)
             offset = 0
-            for i in members:
+            for i in bucket.members:
                 n = self.params[i].numel()
-                self.views[i] = self.flats[b][offset:offset + n].view_as(self.params[i])
+                bucket.views[i] = bucket.flat[offset:offset + n].view_as(self.params[i])
                 offset += n
-        self._pending = [len(m) for m in self.buckets]
         self._arrived = [False] * len(self.params)
         self._next_to_launch = 0
         self._works: list[Any] = []
@@ -62,48 +88,60 @@ class GradientBuckets:
 
     @property
     def sizes_bytes(self) -> list[int]:
-        return [f.numel() * f.element_size() for f in self.flats]
+        """Bytes of each bucket, in launch order."""
+        return [sum(self.params[i].numel() * self.params[i].element_size() for i in b.members) for b in self.buckets]
+
+    def describe(self) -> str:
+        parts = [f"{'direct ' if b.direct else ''}{n / 2**20:.2f}" for b, n in zip(self.buckets, self.sizes_bytes)]
+        return ", ".join(parts)
 
     def start(self, weight: float) -> None:
         """Resets for a backward pass whose gradients are scaled by `weight` (0: contribute zeros)."""
-        self._pending = [len(m) for m in self.buckets]
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.members)
         self._arrived = [False] * len(self.params)
         self._next_to_launch = 0
         self._works = []
         self._weight = weight
 
-    def mark_ready(self, index: int, launch: Callable[[torch.Tensor], Any]) -> None:
-        """Gradient `index` has been accumulated: copy it in, launch every bucket that is now complete."""
+    def mark_ready(self, index: int, launch: Launch) -> None:
+        """Gradient `index` has been accumulated: take it in, launch every bucket that is now complete."""
         if self._arrived[index]:
             return
         self._arrived[index] = True
-        self._copy_in(index)
-        b = self.bucket_of[index]
-        self._pending[b] -= 1
+        bucket = self.buckets[self.bucket_of[index]]
+        if not bucket.direct:
+            self._copy_in(bucket, index)
+        bucket.pending -= 1
         self._launch_ready(launch)
 
-    def finish(self, launch: Callable[[torch.Tensor], Any]) -> list[Any]:
-        """End of backward: buckets with gradients that never came (unused parameters) are launched
-        with zeros there; returns the work handles of every bucket, in order."""
+    def finish(self, launch: Launch) -> list[Any]:
+        """End of backward: gradients that never came (unused parameters) count as zeros; returns the
+        work handles of every launched all-reduce, in order."""
         for i, arrived in enumerate(self._arrived):
             if not arrived:
                 self._arrived[i] = True
-                self._copy_in(i)
-                self._pending[self.bucket_of[i]] -= 1
+                bucket = self.buckets[self.bucket_of[i]]
+                if bucket.direct:
+                    self.params[i].grad = torch.zeros_like(self.params[i])
+                else:
+                    self._copy_in(bucket, i)
+                bucket.pending -= 1
         self._launch_ready(launch)
         return self._works
 
     def copy_out(self) -> None:
-        """Writes the all-reduced buckets back into the parameters' gradients."""
-        for i, p in enumerate(self.params):
-            view = self.views[i]
-            if p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
+        """Writes the all-reduced fused buckets back into the parameters' gradients."""
+        for bucket in self.buckets:
+            for i, view in bucket.views.items():
+                p = self.params[i]
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
-    def _copy_in(self, index: int) -> None:
-        view = self.views[index]
+    def _copy_in(self, bucket: _Bucket, index: int) -> None:
+        view = bucket.views[index]
         grad = self.params[index].grad
         if grad is None or self._weight == 0:
             view.zero_()  # an unused parameter, or an empty slice whose gradient may be NaN
@@ -112,7 +150,26 @@ class GradientBuckets:
         else:
             torch.mul(grad, self._weight, out=view)
 
-    def _launch_ready(self, launch: Callable[[torch.Tensor], Any]) -> None:
-        while self._next_to_launch < len(self.buckets) and self._pending[self._next_to_launch] == 0:
-            self._works.append(launch(self.flats[self._next_to_launch]))
+    def _launch_ready(self, launch: Launch) -> None:
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
+            bucket = self.buckets[self._next_to_launch]
+            if bucket.direct:
+                self._launch_direct(self.params[bucket.members[0]], launch)
+            else:
+                self._works.append(launch(bucket.flat))
             self._next_to_launch += 1
+
+    def _launch_direct(self, param: nn.Parameter, launch: Launch) -> None:
+        grad = param.grad
+        if grad is None or not grad.is_contiguous():
+            # A gradient whose layout differs from the parameter's is replaced by a contiguous copy.
+            param.grad = grad = torch.zeros_like(param) if grad is None else grad.contiguous()
+        flat = grad.view(-1)
+        chunk = max(1, self.bucket_bytes // grad.element_size())
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start:start + chunk]
+            if self._weight == 0:
+                piece.zero_()
+            elif self._weight != 1.0:
+                piece.mul_(self._weight)
+            self._works.append(launch(piece))

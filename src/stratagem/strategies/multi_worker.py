@@ -129,8 +129,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         details = dict(base.details)
         details["cluster"] = f"{self._cluster.task_name}, rank {self._cluster.rank} of {self._cluster.world_size} (from {self._cluster.source})"
         if self._buckets is not None:
-            sizes = ", ".join(f"{b / 2**20:.2f}" for b in self._buckets.sizes_bytes)
-            details["gradient buckets (MiB)"] = sizes
+            details["gradient buckets (MiB, in launch order)"] = self._buckets.describe()
         details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch across all workers"
         return Explanation(type(self).__name__, self.num_replicas_in_sync, base.replicas, base.decisions, details)
 

@@ -90,7 +90,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 copy = {k: v for k, v in group.items() if k != "params"}
                 copy["params"] = [next(shards) for _ in group["params"]]
                 groups.append(copy)
-            self._optimizers.append(type(template)(groups, **template.defaults))
+            self._optimizers.append(type(template)(groups, **_multi_tensor(template.defaults)))
         if template.state:
             self.load_state_dict(template.state_dict())
 
@@ -190,3 +190,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(num_replicas={len(self._optimizers)}, optimizer={type(self._optimizers[0]).__name__})"
+
+
+def _multi_tensor(defaults: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's settings, with torch's multi-tensor (foreach) kernels where the user left the
+    choice to torch: the same arithmetic in fewer, larger operations (torch picks them only on CUDA)."""
+    if defaults.get("foreach") is None and not defaults.get("fused") and "foreach" in defaults:
+        return {**defaults, "foreach": True}
+    return dict(defaults)

@@ -24,11 +24,11 @@ from stratagem import environ
 from stratagem.devices import DeviceRegistry, default_registry
 from stratagem.diagnose import PlacementDecision, collect_facts, gpu_unavailable_reason
 from stratagem.errors import DeviceError, InputError
-from stratagem.strategies import MirroredStrategy, OneDeviceStrategy, Strategy
+from stratagem.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 from stratagem.train.digits import build_digits_model, load_digits_data, make_loader
 from stratagem.train.loop import EpochResult, EvalResult, StepCallback, evaluate, train_epoch
 
-STRATEGY_NAMES = ("mirrored", "one_device")
+STRATEGY_NAMES = ("mirrored", "one_device", "multi_worker")
 """The strategies ``stratagem train`` can build, by their command-line name."""
 
 TARGET_ACCURACY = 0.95
@@ -150,6 +150,8 @@ def build_strategy(name: str, devices: Sequence[str] | None = None, *,
         names, decision = _default_devices(name, registry)
     if name == "one_device":
         return OneDeviceStrategy(names[0], registry=registry), decision
+    if name == "multi_worker":
+        return MultiWorkerMirroredStrategy(names, registry=registry), decision
     return MirroredStrategy(names, registry=registry), decision
 
 
@@ -162,6 +164,10 @@ def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], Pl
     why = gpu_unavailable_reason(collect_facts(environ.current()))
     no_gpu = f"no usable GPU: {why.reason}" if why is not None else "no usable GPU"
     cpus = [d.name for d in registry.get_logical_devices("cpu")]
+    if name == "multi_worker":
+        # One replica per worker process: the workers already share the cores between them.
+        return cpus[:1], PlacementDecision(subject="devices", choice=cpus[0],
+                                           reason=f"{no_gpu} So one CPU replica per worker process.")
     if name == "one_device":
         return cpus[:1], PlacementDecision(subject="devices", choice=cpus[0], reason=f"{no_gpu} So the CPU.")
     chosen = cpus[:DEFAULT_CPU_REPLICAS]
