@@ -140,6 +140,8 @@ def task_environments(
         # and faulthandler turns a segfault into a Python traceback.
         PYTHONUNBUFFERED="1",
         PYTHONFAULTHANDLER="1",
+        # Gloo binds the address the host name resolves to unless told otherwise; a local cluster stays on loopback.
+        GLOO_SOCKET_IFNAME="lo",
     )
     if devices_per_worker is not None:
         common["STRATAGEM_DEVICES_PER_WORKER"] = str(devices_per_worker)

@@ -1,5 +1,6 @@
 """Turning global batches into per-replica batches."""
 
+from stratagem.data.files import FileDataset
 from stratagem.data.split import InputContext, split_batch, split_sizes
 
-__all__ = ["InputContext", "split_batch", "split_sizes"]
+__all__ = ["FileDataset", "InputContext", "split_batch", "split_sizes"]

@@ -26,6 +26,7 @@ from stratagem import environ
 from stratagem.cluster import Cluster, init_process_group, resolve_cluster
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.cross_worker import CrossWorker
+from stratagem.data.files import FileDataset
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
@@ -36,7 +37,7 @@ from stratagem.values import map_structure
 
 logger = logging.getLogger(__name__)
 
-SHARD_POLICIES = ("data", "off")
+SHARD_POLICIES = ("auto", "file", "data", "off")
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
@@ -71,8 +72,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     ) -> None:
         env = environ.current()
         self._cluster = resolve_cluster(cluster, env=env)
+        local_decision = None
+        if devices is None:
+            devices, local_decision = _default_local_devices(self._cluster, env, registry)
         super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads,
                          share_parameters=share_parameters, registry=registry)
+        if local_decision is not None:
+            self._decisions = [d for d in self._decisions if d.subject != "devices"] + [local_decision]
         self._bucket_bytes = int(bucket_mb * 1024 * 1024)
         self._first_bucket_bytes = int(first_bucket_mb * 1024 * 1024)
         backend, why = self._choose_backend()
@@ -221,18 +227,39 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return out
 
     # ---- input --------------------------------------------------------------------------------
-    def distribute_dataset(self, dataset: Iterable[Any], shard: str = "data") -> "MultiWorkerDataset":  # type: ignore[override]
+    def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> "MultiWorkerDataset":  # type: ignore[override]
         """Distributes a loader across workers and their local replicas.
 
-        shard="data" (default): every worker iterates the same GLOBAL batches and keeps its
-        contiguous part, so the split is the one a single process with all replicas would make.
+        shard="data": every worker iterates the same GLOBAL batches and keeps its contiguous part,
+        so the split is the one a single process with all replicas would make (exact equivalence).
+        shard="file": the input is a `sg.data.FileDataset` with at least one file per worker; each
+        worker reads every N-th file, in batches of its share of the global batch size.
+        shard="auto" (default): "file" for a FileDataset with enough files, else "data".
         shard="off": each worker's loader already yields this worker's part of each step.
-        Either way the workers agree at every step that each of them has a batch; when one runs
+        In every case the workers agree at every step that each of them has a batch; when one runs
         out they all stop at the same step, and the examples left unused are logged.
         """
         _check_iterable(dataset, "distribute_dataset")
         if shard not in SHARD_POLICIES:
             raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")
+        world, rank = self._cluster.world_size, int(self._cluster.rank)
+        is_files = isinstance(dataset, FileDataset)
+        if shard == "auto":
+            shard = "file" if is_files and len(dataset.files) >= world else "data"
+            why = ("a FileDataset with at least one file per worker" if shard == "file"
+                   else "every worker reads the same global batches and keeps its part")
+            self._decisions = [d for d in self._decisions if d.subject != "input sharding"]
+            self._decisions.append(PlacementDecision(subject="input sharding", choice=shard, reason=why))
+        if shard == "file":
+            if not is_files or len(dataset.files) < world:
+                received = f"{len(dataset.files)} file(s)" if is_files else type(dataset).__name__
+                raise InputError(
+                    f"shard='file' needs a sg.data.FileDataset with at least one file per worker ({world}). "
+                    f"Received: {received}. Use shard='data', or split the input into more files."
+                )
+            mine = dataset.files[rank::world]
+            dataset = dataset.with_files(mine, split_sizes(dataset.batch_size, world)[rank] or 1)
+            return MultiWorkerDataset(self, dataset, "off")
         return MultiWorkerDataset(self, dataset, shard)
 
     def close(self) -> None:
@@ -326,3 +353,55 @@ def _with_global(value: Any, global_size: int) -> Any:
     if isinstance(value, PerReplica):
         return PerReplica(value.values, value.batch_sizes, global_size)
     return value
+
+
+def _default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: Any) -> tuple[list[str], PlacementDecision]:
+    """This worker's devices when none are given: its share of the GPUs, else CPU devices.
+
+    STRATAGEM_DEVICES_PER_WORKER (set by `stratagem launch --devices-per-worker K`) gives K devices to
+    each worker: GPUs [local_rank * K, (local_rank + 1) * K) or logical CPUs cpu:0..cpu:K-1. Without
+    it: one GPU per local process when several share the machine (as torchrun starts them), every GPU
+    for a single process, or one CPU device.
+    """
+    from stratagem import devices as sg_devices
+
+    registry = registry or sg_devices.default_registry
+    gpus = [d.name for d in registry.get_logical_devices("cuda")]
+    local_rank = cluster.local_rank or 0
+    per_worker_text = env.get("STRATAGEM_DEVICES_PER_WORKER")
+    if per_worker_text is not None:
+        try:
+            per_worker = int(per_worker_text)
+            if per_worker < 1:
+                raise ValueError
+        except ValueError:
+            raise InputError(
+                f"STRATAGEM_DEVICES_PER_WORKER must be a positive integer. Received: {per_worker_text!r}. "
+                "Use stratagem launch --devices-per-worker K."
+            ) from None
+        if gpus:
+            chosen = gpus[local_rank * per_worker:(local_rank + 1) * per_worker]
+            if len(chosen) < per_worker:
+                raise InputError(
+                    f"{cluster.task_name} (local rank {local_rank}) needs {per_worker} GPUs but only {len(gpus)} are "
+                    f"visible for {cluster.local_world_size} local workers. Lower --devices-per-worker or start "
+                    "fewer workers per machine."
+                )
+            why = f"--devices-per-worker {per_worker}: GPUs of local rank {local_rank}"
+        else:
+            chosen = [f"cpu:{i}" for i in range(per_worker)]
+            why = f"--devices-per-worker {per_worker} and no GPU: logical CPU devices"
+        return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
+    if gpus and cluster.local_world_size > 1:
+        if local_rank >= len(gpus):
+            raise InputError(
+                f"{cluster.task_name} is local rank {local_rank} of {cluster.local_world_size} on this machine but only "
+                f"{len(gpus)} GPU(s) are visible. Start at most {len(gpus)} workers per machine."
+            )
+        chosen = [gpus[local_rank]]
+        why = f"one GPU per local worker process (local rank {local_rank} of {cluster.local_world_size})"
+    elif gpus:
+        chosen, why = gpus, f"every visible GPU ({len(gpus)}) for the only worker process on this machine"
+    else:
+        chosen, why = ["cpu:0"], "no visible GPU: one CPU replica per worker process"
+    return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
