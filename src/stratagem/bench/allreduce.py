@@ -66,7 +66,11 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     raw_big = _timed(lambda: dist.all_reduce(big.grad), repeats)
     run, buckets = _bucketed([big], weight)
     bucketed_big = _timed(run, repeats)
+    run_unweighted, _ = _bucketed([big], 1.0)
+    bucketed_big_unweighted = _timed(run_unweighted, repeats)
     results["a_64MiB"] = {"raw_s": raw_big, "bucketed_s": bucketed_big, "bucketed_vs_raw": raw_big / bucketed_big,
+                          "bucketed_unweighted_s": bucketed_big_unweighted,
+                          "bucketed_unweighted_vs_raw": raw_big / bucketed_big_unweighted,
                           "buckets": buckets.describe()}
 
     small = [nn.Parameter(torch.zeros(1024)) for _ in range(500)]  # 500 x 4 KiB
@@ -78,6 +82,8 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
             dist.all_reduce(p.grad)
 
     raw_small = _timed(per_tensor, max(3, repeats // 2))
+    for p in small:
+        p.grad = torch.ones_like(p)
     run, buckets = _bucketed(small, weight)
     bucketed_small = _timed(run, repeats)
     results["b_500x4KiB"] = {"per_tensor_s": raw_small, "bucketed_s": bucketed_small,

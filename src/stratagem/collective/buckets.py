@@ -21,6 +21,11 @@ from torch import nn
 
 Launch = Callable[[torch.Tensor], Any]
 
+# Gloo nears its full loopback bandwidth from about 8 MiB per all-reduce (shared/peers/README.md); chunks of a
+# bucket's size keep the number of calls low while the weighting of one chunk overlaps the previous one.
+_DIRECT_CHUNK_BYTES = 25 * 1024 * 1024
+_FIRST_DIRECT_CHUNK_BYTES = 1 * 1024 * 1024
+
 
 @dataclass
 class _Bucket:
@@ -165,9 +170,14 @@ class GradientBuckets:
             # A gradient whose layout differs from the parameter's is replaced by a contiguous copy.
             param.grad = grad = torch.zeros_like(param) if grad is None else grad.contiguous()
         flat = grad.view(-1)
-        chunk = max(1, self.bucket_bytes // grad.element_size())
-        for start in range(0, flat.numel(), chunk):
-            piece = flat[start:start + chunk]
+        # A small first chunk starts the wire early; later chunks are weighted while earlier ones travel.
+        first = max(1, _FIRST_DIRECT_CHUNK_BYTES // grad.element_size())
+        chunk = max(1, min(self.bucket_bytes, _DIRECT_CHUNK_BYTES) // grad.element_size())
+        start = 0
+        while start < flat.numel():
+            size = first if start == 0 else chunk
+            piece = flat[start:start + size]
+            start += size
             if self._weight == 0:
                 piece.zero_()
             elif self._weight != 1.0:
