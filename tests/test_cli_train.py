@@ -141,3 +141,26 @@ def test_a_failing_replica_exits_1_with_its_message(capsys, monkeypatch):
     captured = capsys.readouterr()
     assert "training failed: Replica 1 (cpu:1) raised RuntimeError at step 3: boom" in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.timeout(180)
+def test_multi_worker_main_job_runs_under_the_launcher_and_matches_mirrored(capsys):
+    """`stratagem train --strategy multi_worker --workers 2` starts two processes; the chief reports,
+    and the numbers are those of two mirrored replicas in one process (same global batches, same weighting)."""
+    code = main(["train", "--strategy", "multi_worker", "--workers", "2", "--epochs", "1", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    chief = "\n".join(line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[worker:0] "))
+    report = json.loads(chief[chief.index("{"):])
+    assert report["strategy"] == "MultiWorkerMirroredStrategy" and report["num_replicas_in_sync"] == 2
+    assert "[worker:1] {" not in out  # only the chief reports
+    code = main(["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--json"])
+    mirrored = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["epochs"][0]["loss"] == pytest.approx(mirrored["epochs"][0]["loss"], rel=1e-5)
+    assert report["test_accuracy"] == pytest.approx(mirrored["test_accuracy"], abs=1e-9)
+
+
+def test_workers_without_multi_worker_is_refused(capsys):
+    assert main(["train", "--workers", "2"]) == 2
+    assert "--workers 2 needs --strategy multi_worker. Received: --strategy mirrored" in capsys.readouterr().err

@@ -109,3 +109,17 @@ def test_workers_with_different_models_get_an_error_naming_the_first_mismatch(tm
     assert code != 0
     text = "\n".join(lines)
     assert "worker:1 has '2.weight' of shape (17, 16)" in text and "(16, 16)" in text, text[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_file_dataset_is_sharded_by_file(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):  # 4 files of 6 examples; 2 workers read 2 files each, 3 examples per step
+        torch.save((torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (6,), generator=g)),
+                   files / f"part-{i}.pt")
+    code, lines, saved = run_launched(tmp_path, 2, MW_FILES=files)
+    assert code == 0, "\n".join(lines[-30:])
+    assert saved["steps"] == 4
+    assert "input sharding: file" in saved["explain"]

@@ -5,6 +5,7 @@
     print(strategy.explain())
 """
 
+from stratagem import data, devices, diagnose
 from stratagem.data.split import InputContext
 from stratagem.errors import (
     CollectiveTimeoutError,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,6 +61,9 @@ def main() -> int:
         opt.zero_grad()
         return loss
 
+    if env.get("MW_FILES"):
+        files = sorted(str(p) for p in Path(env["MW_FILES"]).glob("*.pt"))
+        batches = sg.data.FileDataset(files, torch.load, batch_size=6)
     dataset = strategy.distribute_dataset(batches)
     losses = []
     for i, (x, y) in enumerate(dataset):

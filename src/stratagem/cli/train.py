@@ -159,8 +159,10 @@ def _print_summary(console: Console, report: TrainReport) -> None:
     console.print(Text(f"throughput: {report.samples_per_s:,.0f} samples/s ({report.num_train_examples} training "
                        f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"))
     physical = sorted({r["physical"] for r in report.explanation["replicas"]})
+    in_sync = report.explanation["num_replicas_in_sync"]
+    local = f", {len(report.devices)} on this worker" if in_sync != len(report.devices) else ""
     console.print(Text(f"ran on: {', '.join(report.devices)} ({report.explanation['strategy']}, "
-                       f"{len(report.devices)} replica(s), physical {', '.join(physical)})"))
+                       f"{in_sync} replica(s) in sync{local}, physical {', '.join(physical)})"))
 
 
 def _device_list(text: str) -> tuple[str, ...]:

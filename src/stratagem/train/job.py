@@ -101,7 +101,7 @@ class TrainReport:
         return {
             "strategy": self.explanation["strategy"],
             "devices": self.devices,
-            "num_replicas_in_sync": len(self.devices),
+            "num_replicas_in_sync": self.explanation["num_replicas_in_sync"],
             "device_decision": self.device_decision.to_dict(),
             "config": self.config.to_dict(),
             "epochs": [{"epoch": e.epoch, "loss": e.loss, "accuracy": e.accuracy} for e in self.history],
