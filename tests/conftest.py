@@ -14,6 +14,17 @@ def _deterministic_torch():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that leaves torch.distributed initialized would break every later rendezvous test: fail it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left torch.distributed initialized; close the strategy (strategy.close())")
+
+
 def cpu_registry(num_logical: int) -> DeviceRegistry:
     """A fresh registry whose CPU is split into `num_logical` logical devices."""
     registry = DeviceRegistry()

@@ -122,7 +122,7 @@ def test_default_cpu_devices_are_two_logical_replicas_at_most():
 
 
 def test_build_strategy_refuses_unknown_names_and_several_devices_for_one_device():
-    with pytest.raises(sg.InputError, match=r"Received: 'multi_worker'. Choose one of mirrored, one_device"):
-        build_strategy("multi_worker", registry=cpu_registry(2))
+    with pytest.raises(sg.InputError, match=r"Received: 'parameter_server'. Choose one of mirrored, one_device, multi_worker"):
+        build_strategy("parameter_server", registry=cpu_registry(2))
     with pytest.raises(sg.DeviceError, match=r"exactly one device. Received: devices=\['cpu:0', 'cpu:1'\]"):
         build_strategy("one_device", ["cpu:0", "cpu:1"], registry=cpu_registry(2))

@@ -264,3 +264,14 @@ def test_input_context_rejects_indivisible_global_batch():
     ctx = sg.InputContext(num_replicas_in_sync=3)
     with pytest.raises(sg.InputError, match=r"global batch size \(8\) is not divisible by the number of replicas in sync \(3\)"):
         ctx.get_per_replica_batch_size(8)
+
+
+def test_two_replicas_on_one_physical_gpu_are_refused_before_any_work():
+    """Recorded facts of a one-GPU machine: the check runs on this CPU-only machine too."""
+    from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
+
+    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2),
+                                        PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37)])
+    registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(), LogicalDeviceConfiguration()])
+    with pytest.raises(sg.InputError, match=r"at most one replica per physical GPU. Received: several logical GPUs on cuda:0 \(cuda:0, cuda:1\)"):
+        sg.MirroredStrategy(["cuda:0", "cuda:1"], registry=registry)

@@ -86,6 +86,7 @@ class MirroredStrategy(Strategy):
         self._logical = logical
         self._devices = [d.physical for d in logical]
         self._names = [d.name for d in logical]
+        self._check_one_replica_per_gpu()
         facts = self._facts if hasattr(self, "_facts") else None
         nccl = bool(facts.nccl_available) if facts is not None else _nccl_available()
         self._reducer: LocalReducer
@@ -125,6 +126,17 @@ class MirroredStrategy(Strategy):
             PlacementDecision(subject="devices", choice=", ".join(d.name for d in chosen), reason="given by devices=")
         )
         return chosen
+
+    def _check_one_replica_per_gpu(self) -> None:
+        gpus = [d for d in self._devices if d.type == "cuda"]
+        shared = sorted({str(d) for d in gpus if gpus.count(d) > 1})
+        if shared:
+            raise InputError(
+                f"MirroredStrategy runs at most one replica per physical GPU. Received: several logical GPUs on "
+                f"{', '.join(shared)} ({', '.join(self._names)}). torch runs the backward passes of one GPU on a single "
+                "autograd thread, so replicas sharing it would wait for each other forever at the end of backward. "
+                "Use one logical GPU per physical GPU, or MultiWorkerMirroredStrategy with one process per replica."
+            )
 
     def _choose_threads(self, intra_op_threads: int | None) -> int | None:
         num_cpu = sum(1 for d in self._devices if d.type == "cpu")
@@ -347,8 +359,9 @@ class MirroredStrategy(Strategy):
     def _on_backward_end(self, replica: int) -> None:
         self._queued[replica] = False
         state = self._run_state
-        ctx = current_replica_context()
-        if state is None or ctx is None or ctx.strategy is not self:
+        # Not the thread-local replica context: on a GPU this callback runs on torch's autograd thread
+        # for that device, not on the replica's own thread.
+        if state is None:
             raise InputError(
                 "backward() ran on a distributed model outside strategy.run(), so the replicas cannot combine "
                 "their gradients and would drift apart. Call loss.backward() inside the function given to "
