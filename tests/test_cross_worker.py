@@ -66,7 +66,7 @@ def test_a_failed_collective_names_the_tasks_missing_from_the_roll_call():
     with pytest.raises(ReplicaError, match=r"worker:0 \(rank 0\): the gradient all-reduce of step 7 failed "
                                            r"\(Connection closed by peer .*\) after waiting for the other workers; "
                                            r"lost: worker:1 \(rank 1\)\. "
-                                           r"Steps last reached: worker:0: 7, worker:1: 6, worker:2: -"):
+                                           r"Steps last reported: worker:0: 7, worker:1: 6, worker:2: -"):
         cw.wait([work], what="gradient all-reduce", step=7)
 
 

@@ -71,7 +71,7 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
             return loss
 
         def step(i: int) -> torch.Tensor:
-            return strategy.run(train_step, args=dataset[i % len(dataset)]).values[0]
+            return strategy.experimental_local_results(strategy.run(train_step, args=dataset[i % len(dataset)]))[0]
 
     loss = None
     t0 = 0.0

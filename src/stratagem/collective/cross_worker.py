@@ -43,6 +43,7 @@ class CrossWorker:
         timeout: float,
         stall_warning_after: float | None = None,
         roll_call_seconds: float = 2.0,
+        heartbeat_seconds: float = 1.0,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -51,17 +52,26 @@ class CrossWorker:
         self.timeout = float(timeout)
         self.stall_warning_after = stall_warning_after if stall_warning_after is not None else self.timeout / 4
         self.roll_call_seconds = roll_call_seconds
+        self.heartbeat_seconds = heartbeat_seconds
         self._last_step_reported = -1
+        self._last_report_time = -float("inf")
 
     @property
     def task_name(self) -> str:
         return self.task_names[self.rank]
 
     def heartbeat(self, step: int) -> None:
-        """Records the step this rank has reached (read back by stall warnings and failures)."""
-        if step != self._last_step_reported:
+        """Records the step this rank has reached (read back by stall warnings and failures).
+
+        At most once per `heartbeat_seconds`: each report is a round trip to the chief's store,
+        whose server thread competes for the same cores as the training, so the steps shown in
+        errors are the last ones reported, at most that much behind.
+        """
+        now = time.monotonic()
+        if step != self._last_step_reported and now - self._last_report_time >= self.heartbeat_seconds:
             self.store.set(_STEP.format(rank=self.rank), str(step))
             self._last_step_reported = step
+            self._last_report_time = now
 
     def steps_reached(self) -> dict[str, int | None]:
         """The last step each task reported, as far as the store knows."""
@@ -87,8 +97,12 @@ class CrossWorker:
         """Waits for work handles; raises an error naming the missing tasks on failure or timeout."""
         if not works:
             return
+        futures = [w.get_future() for w in works]
+        if all(f.done() for f in futures):
+            self._raise_if_failed(futures, what, step)  # the common case: nothing to wait for
+            return
         done = threading.Event()
-        future = torch.futures.collect_all([w.get_future() for w in works])
+        future = torch.futures.collect_all(futures)
         future.add_done_callback(lambda _: done.set())
         start = time.monotonic()
         if not done.wait(min(self.stall_warning_after, self.timeout)):
@@ -98,8 +112,11 @@ class CrossWorker:
             )
             if not done.wait(max(0.0, self.timeout - (time.monotonic() - start))):
                 raise self._failure(what, step, None)
+        self._raise_if_failed(futures, what, step)
+
+    def _raise_if_failed(self, futures: Sequence[Any], what: str, step: int) -> None:
         try:
-            for result in future.value():
+            for result in futures:
                 result.value()  # re-raises the error of a failed collective
         except Exception as error:  # noqa: BLE001 - translated into an error that names the missing task
             raise self._failure(what, step, error) from error
@@ -119,7 +136,7 @@ class CrossWorker:
             who = "every task answered the roll call, so one is stuck rather than gone"
         message = (
             f"{self.task_name} (rank {self.rank}): the {what} of step {step} {cause} after waiting for the other "
-            f"workers; {who}. Steps last reached: {self._format_steps() if store_ok else 'unknown'}. Restart the job "
+            f"workers; {who}. Steps last reported: {self._format_steps() if store_ok else 'unknown'}. Restart the job "
             "(stratagem launch --max-restarts restarts the group) and resume from the last checkpoint."
         )
         if error is None:
