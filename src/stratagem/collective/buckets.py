@@ -3,8 +3,8 @@
 Parameters are taken in reverse registration order (roughly the order backward produces their
 gradients). Small gradients are fused into flat buckets of about `bucket_bytes` (the first one
 small, so communication starts early): each is copied and weighted into its bucket in one pass
-as soon as it is ready, and copied back at the end. A gradient of at least `direct_bytes` is
-all-reduced in place instead, in chunks of at most `bucket_bytes`, each chunk weighted just
+as soon as it is ready, and copied back at the end. A gradient of at least `direct_bytes` (a
+whole bucket, by default) is all-reduced in place instead, in chunks of at most `bucket_bytes`, each chunk weighted just
 before its all-reduce starts: no copy in, no copy out, and the weighting of one chunk overlaps
 the communication of the previous one. Buckets launch strictly in order, so every rank issues
 the same collectives in the same order.
@@ -45,8 +45,12 @@ class GradientBuckets:
         *,
         bucket_bytes: int = 25 * 1024 * 1024,
         first_bucket_bytes: int = 1024 * 1024,
-        direct_bytes: int = 1024 * 1024,
+        direct_bytes: int | None = None,
     ) -> None:
+        # A gradient of a whole bucket or more goes direct (None: bucket_bytes). Smaller ones are
+        # fused, since each extra all-reduce costs a round trip (about 0.5 ms with Gloo on loopback)
+        # that outweighs copying a few MiB.
+        direct_bytes = bucket_bytes if direct_bytes is None else direct_bytes
         self.params = list(params)
         self.bucket_bytes = bucket_bytes
         self.buckets: list[_Bucket] = []
