@@ -12,10 +12,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import stratagem as sg
-from cases import BATCH_SIZES, MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, mlp, train_reference, train_with
+from cases import MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, mlp, train_reference, train_with
 from conftest import cpu_registry
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

@@ -275,3 +275,17 @@ def test_two_replicas_on_one_physical_gpu_are_refused_before_any_work():
     registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(), LogicalDeviceConfiguration()])
     with pytest.raises(sg.InputError, match=r"at most one replica per physical GPU. Received: several logical GPUs on cuda:0 \(cuda:0, cuda:1\)"):
         sg.MirroredStrategy(["cuda:0", "cuda:1"], registry=registry)
+
+
+def test_a_model_too_large_for_a_logical_gpu_limit_is_refused_before_anything_is_copied():
+    from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
+
+    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2),
+                                        PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37)])
+    registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(memory_limit=1000)])
+    strategy = sg.MirroredStrategy(["cuda:0"], registry=registry)
+    net = nn.Linear(100, 100)  # 10,100 parameters: 40,400 bytes, as much again for gradients, twice for Adam
+    with pytest.raises(sg.errors.MemoryEstimateError,
+                       match=r"needs at least 157.81 KiB .* the memory limit of logical device cuda:0 is 1000 B"):
+        strategy.distribute(net, torch.optim.Adam(net.parameters()))
+    assert next(net.parameters()).device.type == "cpu"  # nothing was moved

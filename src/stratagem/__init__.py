@@ -28,6 +28,9 @@ from stratagem.values import PerReplica, ReduceOp
 __version__ = "0.1.0"
 
 __all__ = [
+    "data",
+    "devices",
+    "diagnose",
     "CollectiveTimeoutError",
     "DeviceError",
     "GpuUnavailableError",

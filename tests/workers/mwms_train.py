@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from cases import BATCH_SIZES, build, make_batches  # noqa: E402
+from cases import build, make_batches  # noqa: E402
 from stratagem.devices import DeviceRegistry  # noqa: E402
 
 

@@ -18,10 +18,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from stratagem.bench.multi_process import _free_port
+from stratagem.bench.multi_process import spawn_ranks
 from stratagem.collective.buckets import GradientBuckets
 
 
@@ -99,18 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.repeats, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    if any(p.exitcode != 0 for p in procs) or queue.empty():
-        print(f"a rank failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
-        return 1
-    json.dump(queue.get(), sys.stdout, indent=2)
+    json.dump(spawn_ranks(_rank, 2, 2, "PORT", args.repeats), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
 

@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int, warmup: int, steps: int,
-               threads: int, queue) -> None:
+               threads: int, queue) -> None:  # noqa: PLR0913 - one argument per benchmark setting
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]
@@ -98,21 +98,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / world)")
     args = parser.parse_args(argv)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
+    result = spawn_ranks(_rank_main, args.world, args.config, args.workload, args.world, "PORT", args.warmup,
+                         args.steps, threads)
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def spawn_ranks(target, world: int, *args, timeout: float = 600) -> dict:
+    """Runs `target(rank, *args, queue)` in `world` spawned processes ("PORT" in `args` becomes a free
+    loopback port); returns what rank 0 put on the queue, or raises naming the ranks that failed."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.config, args.workload, args.world, port, args.warmup,
-                                                  args.steps, threads, queue)) for r in range(args.world)]
+    args = tuple(port if a == "PORT" else a for a in args)
+    procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=600)
+        p.join(timeout=timeout)
+        if p.exitcode is None:
+            p.kill()
     if any(p.exitcode != 0 for p in procs) or queue.empty():
-        print(f"a rank failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
-        return 1
-    json.dump(queue.get(), sys.stdout)
-    sys.stdout.write("\n")
-    return 0
+        raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
+    return queue.get()
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def _show(value: Any, limit: int = 300) -> str:
 def _parse_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
     if not isinstance(cluster, Mapping) or not cluster:
         raise _fail("'cluster' must be a non-empty object of address lists", f"cluster={_show(cluster)}",
-                    f'list addresses by task type, e.g. {{"worker": ["host1:2222"]}}')
+                    'list addresses by task type, e.g. {"worker": ["host1:2222"]}')
     addresses: dict[str, tuple[str, ...]] = {}
     for kind, addrs in cluster.items():
         if kind not in TASK_TYPES:

@@ -109,7 +109,40 @@ class DistributedModel(nn.Module):
         return f"DistributedModel(num_replicas={len(self._replicas)}, module={self._replicas[0]!r})"
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class ReplicatedOptimizer(torch.optim.Optimizer):
+    """What the optimizers `distribute` returns share: one optimizer per replica in `_optimizers`,
+    replica 0's hyper-parameters copied to the others before each of their steps."""
+
+    _optimizers: list[torch.optim.Optimizer]
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizers[0].defaults
+
+    def _sync_hyperparameters(self, replica: int) -> torch.optim.Optimizer:
+        """Replica `replica`'s optimizer, with replica 0's hyper-parameters (an LR scheduler writes those)."""
+        optimizer = self._optimizers[replica]
+        if replica:
+            for primary, mine in zip(self._optimizers[0].param_groups, optimizer.param_groups):
+                for key, value in primary.items():
+                    if key != "params":
+                        mine[key] = value
+        return optimizer
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise InputError(
+            "Parameter groups cannot be added to an optimizer after it was distributed. "
+            f"Received: a group with keys {sorted(param_group)}. Add every group before strategy.distribute()."
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas={len(self._optimizers)}, optimizer={self._optimizers[0]!r})"
+
+
+class DistributedOptimizer(ReplicatedOptimizer):
     """One optimizer per replica, each updating its own replica's parameters identically.
 
     Hyper-parameters set on it (an LR scheduler writing `param_groups[i]["lr"]`) are those of
@@ -134,23 +167,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizers[0].defaults
-
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if current_replica_context() is None:
             raise InputError(
                 "optimizer.step() ran outside strategy.run(), so only replica 0 would be updated and the replicas "
                 "would drift apart. Call it in the function given to strategy.run()."
             )
-        index = _replica_index(self)
-        if index:
-            for primary, mine in zip(self._optimizers[0].param_groups, self._optimizers[index].param_groups):
-                for key, value in primary.items():
-                    if key != "params":
-                        mine[key] = value
-        return self._optimizers[index].step(closure)
+        return self._sync_hyperparameters(_replica_index(self)).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
@@ -162,17 +185,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for optimizer in self._optimizers:
             optimizer.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise InputError(
-            "Parameter groups cannot be added to an optimizer after it was distributed. "
-            f"Received: a group with keys {sorted(param_group)}. Add every group before strategy.distribute()."
-        )
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.state_dict()
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer(num_replicas={len(self._optimizers)}, optimizer={self._optimizers[0]!r})"
 
 
 def replicate_optimizer(

@@ -23,7 +23,7 @@ from stratagem import devices as sg_devices
 from stratagem import diagnose
 from stratagem.collective.local import LocalReducer, choose_local_reducer
 from stratagem.diagnose import PlacementDecision
-from stratagem.errors import GpuUnavailableError, InputError
+from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import (
     DistributedModel,
@@ -181,6 +181,7 @@ class MirroredStrategy(Strategy):
             )
         if optimizer is not None:
             check_optimizer_matches(model, optimizer)
+        self._check_memory(model, optimizer)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
         replicas = [model.to(self._devices[0])]
@@ -216,6 +217,27 @@ class MirroredStrategy(Strategy):
         if optimizer is None:
             return distributed
         return distributed, distributed_optimizer
+
+    def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Before anything is copied: does each GPU replica have room for the model's training state?"""
+        gpus = [d for d in self._logical if d.physical.type == "cuda"]
+        if not gpus:
+            return
+        estimate = diagnose.estimate_training_memory(model, optimizer)
+        for device in gpus:
+            if device.memory_limit is not None:
+                room, what = device.memory_limit, f"the memory limit of logical device {device.name}"
+            elif torch.cuda.is_available():
+                room, what = torch.cuda.mem_get_info(device.physical)[0], f"the free memory of {device.physical}"
+            else:
+                continue
+            if estimate.total_bytes > room:
+                raise MemoryEstimateError(
+                    f"Replica on {device.name} needs at least {estimate.describe()}, but {what} is "
+                    f"{diagnose.format_bytes(room)}. Options: fewer replicas per GPU or a GPU with more memory, "
+                    "central storage (parameters and optimizer state on one device), or model parallelism "
+                    "(the model split across devices)."
+                )
 
     def _decide_sharing(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether the replicas share one copy of the parameters (see strategies/sharded.py)."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies.distributed import ReplicatedOptimizer
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -56,7 +57,7 @@ def why_not_shareable(optimizer: torch.optim.Optimizer | None, model: nn.Module)
     return None
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ReplicatedOptimizer):
     """The optimizer `distribute` returns when replicas share parameters.
 
     Inside `Strategy.run`, `step()` updates this replica's share of every parameter and then
@@ -110,10 +111,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._optimizers[self._current() or 0].param_groups
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizers[0].defaults
-
-    @property
     def state(self) -> dict[nn.Parameter, dict[str, Any]]:  # type: ignore[override]
         """The whole state keyed by the parameters of replica 0 (built on demand)."""
         merged = self.state_dict()["state"]
@@ -122,12 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         replica = self._replica("step")
-        optimizer = self._optimizers[replica]
-        if replica:
-            for primary, mine in zip(self._optimizers[0].param_groups, optimizer.param_groups):
-                for key, value in primary.items():
-                    if key != "params":
-                        mine[key] = value
+        optimizer = self._sync_hyperparameters(replica)
         params = self._replica_params[replica]
         shards = [p for group in optimizer.param_groups for p in group["params"]]
         for shard, i, (lo, hi) in zip(shards, self._order, self._bounds[replica]):
@@ -178,18 +170,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     for key, value in entry.items()
                 }
             optimizer.load_state_dict({"state": shard_state, "param_groups": state_dict["param_groups"]})
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise InputError(
-            "Parameter groups cannot be added to an optimizer after it was distributed. "
-            f"Received: a group with keys {sorted(param_group)}. Add every group before strategy.distribute()."
-        )
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.state_dict()
-
-    def __repr__(self) -> str:
-        return f"ShardedOptimizer(num_replicas={len(self._optimizers)}, optimizer={type(self._optimizers[0]).__name__})"
 
 
 def _multi_tensor(defaults: dict[str, Any]) -> dict[str, Any]:

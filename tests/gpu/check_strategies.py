@@ -1,0 +1,182 @@
+"""GPU check for the strategies: run on a machine with a CUDA GPU (a few minutes at most).
+
+    python tests/gpu/check_strategies.py
+
+Checks what a CPU-only machine cannot: training on cuda:0 equals a plain loop; MirroredStrategy
+over every GPU (NCCL when there are two or more) and over cuda:0 + cpu:0 (reduction to one
+device, replicas on different devices, gradient combination called from torch's GPU autograd
+thread) equals one device; MultiWorkerMirroredStrategy over NCCL in one process; and the cost of
+OneDevice and Mirrored against plain PyTorch on the MLP workload. Prints one line per check and
+exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+from stratagem.bench.workloads import WORKLOADS
+
+FAILED: list[str] = []
+
+
+def check(name, fn):
+    start = time.perf_counter()
+    try:
+        detail = fn()
+        print(f"[PASS] {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
+    except Exception as error:  # noqa: BLE001 - a check script reports every failure
+        FAILED.append(name)
+        print(f"[FAIL] {name} ({time.perf_counter() - start:.1f}s): {type(error).__name__}: {error}\n"
+              f"{traceback.format_exc(limit=4)}", flush=True)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def batches(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 32, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device))
+            for n in (64, 63, 5, 2)]
+
+
+def reference(device):
+    model = net().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in batches(device):
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def train(strategy):
+    base = net()
+    model, opt = strategy.distribute(base, torch.optim.Adam(base.parameters(), lr=1e-2))
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for x, y in strategy.distribute_dataset(batches()):
+        strategy.run(step, args=(x, y))
+    torch.cuda.synchronize()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def same(got, want, tol=1e-4):
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=tol, atol=tol)
+
+
+def one_device():
+    same(train(sg.OneDeviceStrategy("cuda:0")), reference("cuda:0"))
+    return "OneDeviceStrategy('cuda:0') equals a plain loop on cuda:0"
+
+
+def mirrored_all_gpus():
+    strategy = sg.MirroredStrategy(require_gpu=True)
+    text = str(strategy.explain())
+    same(train(strategy), reference("cuda:0"))
+    strategy.close()
+    return f"{strategy.num_replicas_in_sync} GPU replica(s) equal one device\n{text}"
+
+
+def mirrored_gpu_and_cpu():
+    strategy = sg.MirroredStrategy(["cuda:0", "cpu:0"])
+    text = str(strategy.explain())
+    assert "reduce-to-one-device" in text, text
+    same(train(strategy), reference("cuda:0"))
+    strategy.close()
+    return f"cuda:0 + cpu:0 equal one device\n{text}"
+
+
+def multi_worker_nccl():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}
+    strategy = sg.MultiWorkerMirroredStrategy(["cuda:0"], cluster=cluster, timeout=60)
+    text = str(strategy.explain())
+    assert "nccl" in text, text
+    same(train(strategy), reference("cuda:0"))
+    strategy.close()
+    return f"one NCCL worker equals one device\n{text}"
+
+
+def throughput():
+    workload = WORKLOADS["mlp"]
+    data = [(x.cuda(), y.cuda()) for x, y in workload.make_batches()]
+
+    def timed(step_fn, steps=300):
+        for i in range(20):
+            step_fn(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step_fn(i)
+        torch.cuda.synchronize()
+        return steps * workload.global_batch / (time.perf_counter() - t0)
+
+    model = workload.build_model().cuda()
+    opt = workload.build_optimizer(model)
+
+    def plain(i):
+        x, y = data[i % 8]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    results = {"plain": timed(plain)}
+    for name, strategy in (("one_device", sg.OneDeviceStrategy("cuda:0")), ("mirrored_all_gpus", sg.MirroredStrategy())):
+        base = workload.build_model()
+        m, o = strategy.distribute(base, workload.build_optimizer(base))
+        dataset = list(strategy.distribute_dataset(workload.make_batches()))
+
+        def train_step(x, y, m=m, o=o):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            return loss
+
+        results[name] = timed(lambda i, s=strategy, d=dataset, f=train_step: s.run(f, args=d[i % 8]))
+        strategy.close()
+    return json.dumps({k: round(v) for k, v in results.items()} |
+                      {f"{k}/plain": round(v / results["plain"], 3) for k, v in results.items() if k != "plain"})
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA GPU visible: nothing to check here (run `stratagem doctor` to see why)")
+        return 1
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): "
+          f"{torch.cuda.get_device_name(0)}", flush=True)
+    check("one device on cuda:0", one_device)
+    check("mirrored over every GPU", mirrored_all_gpus)
+    check("mirrored over cuda:0 and cpu:0", mirrored_gpu_and_cpu)
+    check("multi-worker over NCCL, one process", multi_worker_nccl)
+    check("throughput on the MLP workload (samples/s)", throughput)
+    print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all strategy checks passed")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
