@@ -291,8 +291,9 @@ class MirroredStrategy(Strategy):
         args = tuple(args)
         num_replicas = len(self._devices)
         batch_sizes = _batch_sizes(args, kwargs, num_replicas)
+        global_size = _global_size(args, kwargs)
         self._step += 1
-        self._run_state = _RunState(self._step, self._replica_weights(batch_sizes, _global_size(args, kwargs)))
+        self._run_state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
         self._queued = [False] * num_replicas
         self._begin_step(self._run_state)
         if num_replicas == 1:
@@ -302,7 +303,7 @@ class MirroredStrategy(Strategy):
                 self._run_state = None
             if self.num_replicas_in_sync == 1:
                 return result
-            return stack_replicas([result], batch_sizes, _global_size(args, kwargs))
+            return stack_replicas([result], batch_sizes, global_size)
         if self._pool is None:
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         self._barrier.reset()
@@ -329,7 +330,7 @@ class MirroredStrategy(Strategy):
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
             self._run_state = None
-        return stack_replicas(results, batch_sizes, _global_size(args, kwargs))
+        return stack_replicas(results, batch_sizes, global_size)
 
     def _replica_weights(self, batch_sizes: tuple[int, ...] | None, global_size: int | None) -> list[float]:
         """Each local replica's share of the global batch (equal shares when the batch is unknown)."""
