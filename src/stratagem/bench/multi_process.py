@@ -15,15 +15,13 @@ import json
 import os
 import socket
 import sys
-import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
-from stratagem.bench.throughput import Measurement
+from stratagem.bench.throughput import Measurement, make_train_step, timed_steps
 from stratagem.bench.workloads import WORKLOADS
 
 
@@ -46,13 +44,10 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
         per = workload.global_batch // world
         data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
 
+        ddp_step = make_train_step(model, optimizer)
+
         def step(i: int) -> torch.Tensor:
-            x, y = data[i % len(data)]
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            return loss
+            return ddp_step(*data[i % len(data)])
     else:
         import stratagem as sg
 
@@ -63,25 +58,12 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
         model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
         dataset = list(strategy.distribute_dataset(batches))
 
-        def train_step(x, y):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            return loss
+        train_step = make_train_step(model, optimizer)
 
         def step(i: int) -> torch.Tensor:
             return strategy.experimental_local_results(strategy.run(train_step, args=dataset[i % len(dataset)]))[0]
 
-    loss = None
-    t0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
-        loss = step(i)
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
+    elapsed, loss = timed_steps(step, warmup, steps, barrier=dist.barrier)
     if rank == 0:
         queue.put(asdict(Measurement(config, workload_name, world, steps, elapsed,
                                      steps * workload.global_batch / elapsed, float(loss.detach()), threads)))

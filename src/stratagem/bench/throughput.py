@@ -11,7 +11,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,23 +33,44 @@ class Measurement:
     threads: int
 
 
-def measure_plain(workload: Workload, warmup: int, steps: int) -> Measurement:
-    model = workload.build_model()
-    optimizer = workload.build_optimizer(model)
-    batches = workload.make_batches()
-    loss = torch.zeros(())
-    t0 = 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
-            t0 = time.perf_counter()
-        x, y = batches[step % len(batches)]
+def make_train_step(model: Any, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The reference workload's step: zero_grad, cross-entropy, backward, step."""
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-    elapsed = time.perf_counter() - t0
+        return loss
+
+    return train_step
+
+
+def timed_steps(step: Callable[[int], Any], warmup: int, steps: int,
+                barrier: Callable[[], Any] | None = None) -> tuple[float, Any]:
+    """Runs `step(i)` for warm-up then timed steps; returns (seconds of the timed steps, last result).
+    `barrier` runs just before the clock starts and stops, so several ranks time the slowest one."""
+    result = None
+    t0 = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+        result = step(i)
+    if barrier is not None:
+        barrier()
+    return time.perf_counter() - t0, result
+
+
+def measure_plain(workload: Workload, warmup: int, steps: int) -> Measurement:
+    model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
+    batches = workload.make_batches()
+    train_step = make_train_step(model, optimizer)
+    elapsed, loss = timed_steps(lambda i: train_step(*batches[i % len(batches)]), warmup, steps)
     return Measurement("plain", workload.name, 1, steps, elapsed, steps * workload.global_batch / elapsed,
-                       float(loss), torch.get_num_threads())
+                       float(loss.detach()), torch.get_num_threads())
 
 
 def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int, steps: int) -> Measurement:
@@ -60,20 +83,8 @@ def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int
     model, optimizer = _distribute(strategy, workload)
     dataset = list(strategy.distribute_dataset(workload.make_batches()))
 
-    def train_step(x, y):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    loss = None
-    t0 = 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
-            t0 = time.perf_counter()
-        loss = strategy.run(train_step, args=dataset[step % len(dataset)])
-    elapsed = time.perf_counter() - t0
+    train_step = make_train_step(model, optimizer)
+    elapsed, loss = timed_steps(lambda i: strategy.run(train_step, args=dataset[i % len(dataset)]), warmup, steps)
     final = float(strategy.reduce("mean", loss))
     return Measurement(config, workload.name, replicas, steps, elapsed, steps * workload.global_batch / elapsed,
                        final, torch.get_num_threads())
