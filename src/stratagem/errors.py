@@ -51,3 +51,11 @@ class MemoryEstimateInputError(StratagemError, ValueError):
 
 class DeviceConfigurationError(StratagemError, RuntimeError):
     """Logical devices were reconfigured after a strategy started using them."""
+
+
+class WireFormatError(StratagemError, ValueError):
+    """A parameter-server message is malformed (bad framing, header, dtype, shape or length)."""
+
+
+class ParameterServerError(StratagemError, RuntimeError):
+    """A parameter-server or worker task was lost or refused a call; the message names the task."""

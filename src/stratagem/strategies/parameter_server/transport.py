@@ -1,0 +1,220 @@
+"""gRPC plumbing shared by parameter servers and workers: authenticated servers and clients.
+
+Every method is a bidirectional stream of raw byte chunks (no protoc code): a request is one
+``wire`` message cut into chunks, and so is the reply. A server interceptor reads the call's
+metadata before anything else: a call without the cluster token, or with a wrong one, is refused
+with ``UNAUTHENTICATED`` before a byte of its request is read, so nothing from an unknown peer is
+ever parsed. Servers listen on 127.0.0.1 unless given an address; TLS is on when a certificate
+and key are given (clients then need the certificate of the authority that signed them).
+
+    >>> server = Server("stratagem.Echo", {"Echo": lambda op, meta, tensors: (op, meta, tensors)},
+    ...                 security=Security(token="t"))        # doctest: +SKIP
+    >>> client = Client("127.0.0.1:%d" % server.port, "stratagem.Echo", security=Security(token="t"),
+    ...                 task="echo:0")                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from stratagem.errors import (
+    CollectiveTimeoutError,
+    ParameterServerError,
+    WireFormatError,
+)
+from stratagem.strategies.parameter_server import wire
+
+logger = logging.getLogger(__name__)
+
+TOKEN_KEY = "stratagem-cluster-token"
+MAX_MESSAGE_BYTES = wire.CHUNK_BYTES + (1 << 20)
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply.
+Reply = tuple[str, Any, Mapping[str, torch.Tensor]]
+Handler = Callable[[str, Any, dict[str, torch.Tensor]], Reply]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Security:
+    """The cluster token and, optionally, TLS files (PEM paths)."""
+
+    token: str
+    """Shared secret every call must carry; ``stratagem launch`` sets ``STRATAGEM_CLUSTER_TOKEN``."""
+    certificate: str | None = None
+    """Server certificate (servers) and the authority clients trust (clients)."""
+    private_key: str | None = None
+    """The server's private key; with ``certificate`` it turns TLS on for servers."""
+    server_name: str | None = None
+    """Name the certificate was issued for, when it is not the address clients dial."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, str) or not self.token:
+            raise ParameterServerError(
+                f"The cluster token is empty. Received: token={self.token!r}. Fix: pass cluster_token=..., or run "
+                "under `stratagem launch`, which sets STRATAGEM_CLUSTER_TOKEN.")
+        if (self.private_key is None) != (self.certificate is None) and self.private_key is not None:
+            raise ParameterServerError(
+                f"A private key needs its certificate. Received: private_key={self.private_key!r}, certificate=None. "
+                "Fix: pass both certificate= and private_key= for TLS.")
+        for path in (self.certificate, self.private_key):
+            if path is not None and not Path(path).is_file():
+                raise ParameterServerError(f"TLS file not found. Received: {path!r}. Fix: pass the path of a PEM file.")
+
+    @property
+    def tls(self) -> bool:
+        return self.certificate is not None
+
+
+def _refuse(message: str) -> grpc.RpcMethodHandler:
+    def abort(_requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield b""  # never reached: abort raises
+
+    return grpc.stream_stream_rpc_method_handler(abort)
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses a call whose metadata lacks the cluster token before its handler runs."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        given = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
+        if given is None:
+            logger.warning("refused %s: no cluster token", details.method)
+            return _refuse(f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
+                           "Fix: connect with the job's cluster token.")
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        if not hmac.compare_digest(given_bytes, self._token):
+            logger.warning("refused %s: wrong cluster token", details.method)
+            return _refuse(f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
+                           "match this job's. Fix: use the STRATAGEM_CLUSTER_TOKEN of this job.")
+        return continuation(details)
+
+
+class Server:
+    """A gRPC server of one service whose methods take and return ``wire`` messages.
+
+    ``handlers`` maps method names to ``Handler``s. A request that is not a well-formed message
+    is answered with ``INVALID_ARGUMENT``; an exception in a handler with ``INTERNAL``; the server
+    keeps serving either way.
+    """
+
+    def __init__(self, service: str, handlers: Mapping[str, Handler], *, security: Security,
+                 address: str = "127.0.0.1:0", max_workers: int = 8) -> None:
+        self.service = service
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
+                                   interceptors=[_TokenInterceptor(security.token)], options=_CHANNEL_OPTIONS)
+        methods = {name: grpc.stream_stream_rpc_method_handler(self._wrap(name, handler))
+                   for name, handler in handlers.items()}
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, methods)])
+        if security.tls:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(security.private_key).read_bytes(), Path(security.certificate).read_bytes())])
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise ParameterServerError(f"Could not listen. Received: address={address!r}. "
+                                       "Fix: pass a free host:port (port 0 picks one).")
+        self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
+        self._server.start()
+        logger.info("%s serving on %s (tls=%s)", service, self.address, security.tls)
+
+    def _wrap(self, name: str, handler: Handler) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+        def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            try:
+                op, meta, tensors = wire.decode(wire.join_chunks(requests))
+            except WireFormatError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                reply = handler(op, meta, tensors)
+            except WireFormatError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # the caller gets the error; the server goes on serving
+                logger.exception("%s/%s failed", self.service, name)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            yield from wire.chunks(wire.encode(*reply))
+
+        return call
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stops serving (in-flight calls get ``grace`` seconds)."""
+        self._server.stop(grace).wait(grace + 5)
+
+
+class Client:
+    """Calls the methods of one remote ``Server``; errors name the task at the other end."""
+
+    def __init__(self, address: str, service: str, *, security: Security, task: str) -> None:
+        self.address = address
+        self.task = task
+        self._service = service
+        if security.tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(security.certificate).read_bytes())
+            options = list(_CHANNEL_OPTIONS)
+            if security.server_name:
+                options.append(("grpc.ssl_target_name_override", security.server_name))
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._metadata = ((TOKEN_KEY, security.token),)
+        self._methods: dict[str, Any] = {}
+
+    def call(self, method: str, op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None, *,
+             timeout: float, wait_for_ready: bool = False) -> tuple[str, Any, dict[str, torch.Tensor]]:
+        """Sends one message to ``method`` and returns the decoded reply.
+
+        Raises ``ParameterServerError`` naming the task when it cannot be reached or refuses the
+        call, and ``CollectiveTimeoutError`` when no reply came within ``timeout`` seconds.
+        """
+        stub = self._methods.get(method)
+        if stub is None:
+            stub = self._methods[method] = self._channel.stream_stream(f"/{self._service}/{method}")
+        message = wire.encode(op, meta, tensors)
+        try:
+            replies = stub(wire.chunks(message), timeout=timeout, metadata=self._metadata,
+                           wait_for_ready=wait_for_ready)
+            return wire.decode(wire.join_chunks(replies))
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, self.task, self.address, method, timeout) from None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the channel is connected, False after ``timeout`` seconds without it."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def rpc_error(exc: grpc.RpcError, task: str, address: str, method: str, timeout: float) -> Exception:
+    """The stratagem error for a failed call to ``task``."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CollectiveTimeoutError(
+            f"{task} at {address} did not answer {method} within {timeout:g} s. Received: DEADLINE_EXCEEDED. "
+            f"Fix: check that {task} is alive and not overloaded, or raise the timeout.")
+    error = ParameterServerError(
+        f"{task} at {address} failed {method}. Received: {code.name if code else 'error'}: {details}. "
+        f"Fix: check that {task} is running with this job's cluster token (its log says why it stopped).")
+    error.code = code  # type: ignore[attr-defined]
+    error.task = task  # type: ignore[attr-defined]
+    return error

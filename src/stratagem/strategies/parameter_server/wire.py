@@ -1,0 +1,175 @@
+"""The wire format of the parameter-server protocol: a JSON header and raw tensor bytes, never pickle.
+
+One message is::
+
+    b"SGW1" | header length (uint32, big endian) | header (UTF-8 JSON) | payload
+
+The header is ``{"op": str, "meta": <JSON>, "tensors": [[name, dtype, shape, offset], ...]}``;
+each tensor's bytes sit in the payload at ``offset`` (a multiple of 8, so every element is
+aligned), ``numel * itemsize`` long, in the sender's native byte order (both ends must share it; every
+platform torch trains on is little-endian). A message is cut into chunks of ``CHUNK_BYTES`` for
+gRPC streaming (``chunks``) and put back together by ``join_chunks``.
+
+Decoding checks everything before it builds a tensor: the magic, the lengths, that the header is
+a JSON object of the expected form, that each dtype is one of ``DTYPES``, each shape a list of
+non-negative integers, and that every tensor lies inside the payload. A ``bool`` tensor must
+hold only bytes 0 and 1. Anything else raises ``WireFormatError``.
+
+    >>> message = encode("pull", {"step": 3}, {"w": torch.ones(2, 3)})
+    >>> op, meta, tensors = decode(message)
+    >>> op, meta, tensors["w"].shape
+    ('pull', {'step': 3}, torch.Size([2, 3]))
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from stratagem.errors import WireFormatError
+
+MAGIC = b"SGW1"
+_PREFIX = struct.Struct(">4sI")
+MAX_HEADER_BYTES = 64 << 20
+CHUNK_BYTES = 2 << 20
+ALIGN = 8
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None) -> bytearray:
+    """One message: operation name, JSON metadata and named tensors (moved to CPU, made contiguous)."""
+    tensors = tensors or {}
+    entries = []
+    offset = 0
+    cpu = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise WireFormatError(f"Only tensors travel as tensors. Received: {name}={type(tensor).__name__}. "
+                                  "Fix: pass torch.Tensor values, or put plain values in meta.")
+        if tensor.dtype not in _NAMES:
+            raise WireFormatError(f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
+                                  f"Fix: convert it to one of {sorted(DTYPES)}.")
+        t = tensor.detach().to("cpu").contiguous()
+        cpu[name] = t
+        entries.append([name, _NAMES[t.dtype], list(t.shape), offset])
+        offset = _aligned(offset + t.numel() * t.element_size())
+    try:
+        header = json.dumps({"op": op, "meta": meta, "tensors": entries}, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise WireFormatError(f"The metadata is not plain JSON. Received: meta={meta!r:.200} ({exc}). "
+                              "Fix: use numbers, strings, booleans, None, lists and dicts with string keys.") from exc
+    start = _PREFIX.size + len(header)
+    out = bytearray(start + offset)
+    out[:start] = _PREFIX.pack(MAGIC, len(header)) + header
+    flat = torch.frombuffer(out, dtype=torch.uint8) if len(out) else torch.empty(0, dtype=torch.uint8)
+    for (name, _, _, off), t in zip(entries, cpu.values()):
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            flat[start + off:start + off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    return out
+
+
+def _fail(what: str, received: str) -> WireFormatError:
+    return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. "
+                           "Fix: send messages built by stratagem.strategies.parameter_server.wire.encode.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """``(op, meta, tensors)`` from one message; the tensors share the message's memory.
+
+    Raises ``WireFormatError`` for anything that is not a well-formed message.
+    """
+    view = memoryview(message)
+    if len(view) < _PREFIX.size:
+        raise _fail("shorter than its fixed prefix", f"{len(view)} bytes")
+    magic, header_len = _PREFIX.unpack(view[:_PREFIX.size])
+    if magic != MAGIC:
+        raise _fail("wrong magic bytes", f"{bytes(magic)!r}, expected {MAGIC!r}")
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
+        raise _fail("header length out of range", f"header_len={header_len}, message of {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _fail("header is not JSON", str(exc)) from None
+    if not isinstance(header, dict) or set(header) != {"op", "meta", "tensors"} \
+            or not isinstance(header["op"], str) or not isinstance(header["tensors"], list):
+        raise _fail("header is not {op, meta, tensors}", f"{str(header)[:200]}")
+    start = _PREFIX.size + header_len
+    payload_len = len(view) - start
+    # A private, writable copy of the payload: the tensors built on it outlive the gRPC buffers.
+    payload = bytearray(view[start:]) if payload_len else bytearray()
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in header["tensors"]:
+        tensors_entry = _check_entry(entry, payload_len)
+        name, dtype, shape, offset, nbytes = tensors_entry
+        if name in tensors:
+            raise _fail("a tensor name appears twice", f"name={name!r}")
+        if nbytes == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        numel = nbytes // torch.empty(0, dtype=dtype).element_size()
+        tensor = torch.frombuffer(payload, dtype=dtype, count=numel, offset=offset).reshape(shape)
+        if dtype == torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
+            raise _fail("a bool tensor holds bytes other than 0 and 1", f"name={name!r}")
+        tensors[name] = tensor
+    return header["op"], header["meta"], tensors
+
+
+def _check_entry(entry: Any, payload_len: int) -> tuple[str, torch.dtype, list[int], int, int]:
+    if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+            and isinstance(entry[1], str) and isinstance(entry[2], list) and _is_int(entry[3])):
+        raise _fail("a tensor entry is not [name, dtype, shape, offset]", f"{str(entry)[:200]}")
+    name, dtype_name, shape, offset = entry
+    if dtype_name not in DTYPES:
+        raise _fail("unknown dtype", f"{name}: dtype={dtype_name!r}, known {sorted(DTYPES)}")
+    if len(shape) > 32 or not all(_is_int(d) and 0 <= d < 2**48 for d in shape):
+        raise _fail("shape is not a list of at most 32 non-negative integers", f"{name}: shape={shape!r:.200}")
+    dtype = DTYPES[dtype_name]
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if offset < 0 or offset % ALIGN or offset + nbytes > payload_len:
+        raise _fail("tensor bytes lie outside the payload", f"{name}: offset={offset}, {nbytes} bytes, "
+                    f"payload of {payload_len} bytes")
+    return name, dtype, shape, offset, nbytes
+
+
+def chunks(message: bytes | bytearray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """``message`` cut into pieces of at most ``chunk_bytes`` (at least one piece, maybe empty)."""
+    if len(message) <= chunk_bytes:
+        yield bytes(message)
+        return
+    view = memoryview(message)
+    for start in range(0, len(message), chunk_bytes):
+        yield bytes(view[start:start + chunk_bytes])
+
+
+def join_chunks(pieces: Iterable[bytes], max_bytes: int | None = None) -> bytes:
+    """The message the pieces of ``chunks`` came from; refuses to grow past ``max_bytes``."""
+    parts = []
+    total = 0
+    for piece in pieces:
+        total += len(piece)
+        if max_bytes is not None and total > max_bytes:
+            raise _fail("message larger than allowed", f"more than {max_bytes} bytes")
+        parts.append(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

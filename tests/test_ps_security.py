@@ -1,0 +1,139 @@
+"""The parameter-server transport refuses unauthenticated and malformed calls and keeps serving; TLS works."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+
+import grpc
+import pytest
+import torch
+
+from stratagem.errors import ParameterServerError
+from stratagem.strategies.parameter_server import transport, wire
+from stratagem.strategies.parameter_server.transport import Client, Security, Server
+
+SERVICE = "stratagem.test.Echo"
+seen: list[str] = []
+
+
+def _echo(op, meta, tensors):
+    seen.append(op)  # proves whether a handler ran at all
+    return op, meta, {name: t * 2 for name, t in tensors.items()}
+
+
+@pytest.fixture
+def server():
+    seen.clear()
+    srv = Server(SERVICE, {"Echo": _echo}, security=Security(token="right"))
+    yield srv
+    srv.stop()
+
+
+def _assert_still_serving(srv):
+    client = Client(srv.address, SERVICE, security=Security(token="right"), task="echo:0")
+    _, meta, got = client.call("Echo", "ok", {"n": 1}, {"x": torch.ones(3)}, timeout=10)
+    assert meta == {"n": 1} and torch.equal(got["x"], torch.full((3,), 2.0))
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_listens_on_loopback_by_default(server):
+    assert server.address.startswith("127.0.0.1:")
+
+
+@pytest.mark.timeout(30)
+def test_wrong_token_is_refused_before_the_handler_runs(server):
+    client = Client(server.address, SERVICE, security=Security(token="wrong"), task="echo:0")
+    with pytest.raises(ParameterServerError, match="UNAUTHENTICATED: Wrong cluster token") as info:
+        client.call("Echo", "attack", None, {"x": torch.ones(2)}, timeout=10)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "echo:0" in str(info.value)
+    assert seen == []
+    _assert_still_serving(server)
+
+
+@pytest.mark.timeout(30)
+def test_missing_token_is_refused_and_request_never_read(server):
+    channel = grpc.insecure_channel(server.address)
+    consumed = []
+
+    def requests():
+        consumed.append(1)
+        yield b"this is not even a message"
+
+    stub = channel.stream_stream(f"/{SERVICE}/Echo")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub(requests(), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "No cluster token" in info.value.details()
+    assert seen == []
+    channel.close()
+    _assert_still_serving(server)
+
+
+@pytest.mark.timeout(30)
+def test_malformed_message_gets_invalid_argument_and_server_keeps_serving(server):
+    channel = grpc.insecure_channel(server.address)
+    stub = channel.stream_stream(f"/{SERVICE}/Echo")
+    forged = struct.pack(">4sI", b"SGW1", 2) + b"{}"
+    for payload in (b"\x80\x04pickled", forged):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(iter([payload]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Malformed parameter-server message" in info.value.details()
+    assert seen == []
+    channel.close()
+    _assert_still_serving(server)
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_task_is_named():
+    from stratagem.cluster import free_ports
+
+    client = Client(f"127.0.0.1:{free_ports(1)[0]}", SERVICE, security=Security(token="t"), task="ps:3")
+    with pytest.raises(ParameterServerError, match="ps:3 at 127.0.0.1:.* failed Echo. Received: UNAVAILABLE"):
+        client.call("Echo", "x", timeout=5)
+
+
+def test_bad_security_settings_are_refused(tmp_path):
+    with pytest.raises(ParameterServerError, match="cluster token is empty"):
+        Security(token="")
+    with pytest.raises(ParameterServerError, match="TLS file not found"):
+        Security(token="t", certificate=str(tmp_path / "missing.pem"))
+    with pytest.raises(ParameterServerError, match="private key needs its certificate"):
+        Security(token="t", private_key=str(tmp_path / "key.pem"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_tls_round_trip_with_a_self_signed_certificate(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=30)
+    security = Security(token="right", certificate=str(cert), private_key=str(key))
+    srv = Server(SERVICE, {"Echo": _echo}, security=security)
+    try:
+        client = Client(srv.address, SERVICE, security=Security(token="right", certificate=str(cert)), task="echo:0")
+        _, _, got = client.call("Echo", "tls", None, {"x": torch.arange(4.0)}, timeout=20)
+        assert torch.equal(got["x"], torch.arange(4.0) * 2)
+        # A plaintext client cannot talk to a TLS server.
+        plain = Client(srv.address, SERVICE, security=Security(token="right"), task="echo:0")
+        with pytest.raises(ParameterServerError, match="UNAVAILABLE"):
+            plain.call("Echo", "plain", timeout=5)
+    finally:
+        srv.stop()
+
+
+def test_wire_error_from_handler_is_invalid_argument():
+    def bad(op, meta, tensors):
+        raise wire.WireFormatError("bad shard name. Received: x. Fix: y.")
+
+    srv = Server(SERVICE, {"Echo": bad}, security=Security(token="t"))
+    try:
+        client = Client(srv.address, SERVICE, security=Security(token="t"), task="ps:0")
+        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: bad shard name"):
+            client.call("Echo", "x", timeout=10)
+    finally:
+        srv.stop()

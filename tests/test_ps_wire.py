@@ -1,0 +1,108 @@
+"""Wire format of the parameter-server protocol: round trips over dtypes and shapes, and refusal of malformed input."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stratagem.errors import WireFormatError
+from stratagem.strategies.parameter_server import wire
+
+DTYPES = sorted(wire.DTYPES)
+
+
+@st.composite
+def tensors(draw):
+    dtype = wire.DTYPES[draw(st.sampled_from(DTYPES))]
+    shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=4))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=8), tensors(), max_size=5),
+       st.recursive(st.none() | st.booleans() | st.integers(-10**9, 10**9) | st.text(max_size=10),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                    max_leaves=8))
+def test_round_trip_keeps_names_dtypes_shapes_and_bytes(named, meta):
+    op, got_meta, got = wire.decode(wire.encode("push", meta, named))
+    assert op == "push" and got_meta == meta and list(got) == list(named)
+    for name, tensor in named.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8) if tensor.numel() else got[name],
+                           tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_are_refused_cleanly(data):
+    with pytest.raises(WireFormatError, match="Malformed parameter-server message"):
+        wire.decode(data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 200))
+def test_truncated_messages_are_refused(cut):
+    message = bytes(wire.encode("pull", {"a": 1}, {"w": torch.arange(20, dtype=torch.float32)}))
+    cut = min(cut, len(message) - 1)
+    with pytest.raises(WireFormatError, match="Malformed"):
+        wire.decode(message[:cut])
+
+
+def test_chunks_join_back_and_large_tensors_are_cut():
+    big = torch.randn(2 * wire.CHUNK_BYTES // 4 + 17)  # two chunks and a bit
+    message = wire.encode("push", None, {"big": big})
+    pieces = list(wire.chunks(message))
+    assert len(pieces) == 3 and all(len(p) <= wire.CHUNK_BYTES for p in pieces)
+    assert torch.equal(wire.decode(wire.join_chunks(pieces))[2]["big"], big)
+    with pytest.raises(WireFormatError, match="larger than allowed"):
+        wire.join_chunks(pieces, max_bytes=wire.CHUNK_BYTES)
+
+
+def _forged(header: object, payload: bytes = b"") -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack(">4sI", b"SGW1", len(text)) + text + payload
+
+
+@pytest.mark.parametrize("header, payload, match", [
+    ({"op": "x", "meta": None, "tensors": [["w", "pickle", [1], 0]]}, b"\0" * 8, "unknown dtype"),
+    ({"op": "x", "meta": None, "tensors": [["w", "float32", [-1], 0]]}, b"", "shape is not"),
+    ({"op": "x", "meta": None, "tensors": [["w", "float32", [4], 0]]}, b"\0" * 8, "outside the payload"),
+    ({"op": "x", "meta": None, "tensors": [["w", "float32", [1], 3]]}, b"\0" * 16, "outside the payload"),
+    ({"op": "x", "meta": None, "tensors": [["w", "bool", [2], 0]]}, b"\x01\x07" + b"\0" * 6, "bool tensor"),
+    ({"op": "x", "meta": None, "tensors": [["w", "int8", [1], 0], ["w", "int8", [1], 8]]}, b"\0" * 16, "twice"),
+    ({"op": "x", "tensors": []}, b"", r"not \{op, meta, tensors\}"),
+    (["op"], b"", r"not \{op, meta, tensors\}"),
+    ({"op": "x", "meta": None, "tensors": ["w"]}, b"", "not \\[name, dtype, shape, offset\\]"),
+])
+def test_forged_headers_are_refused(header, payload, match):
+    with pytest.raises(WireFormatError, match=match):
+        wire.decode(_forged(header, payload))
+
+
+def test_bad_magic_and_lengths_are_refused():
+    with pytest.raises(WireFormatError, match="wrong magic"):
+        wire.decode(b"PKL1" + b"\0" * 12)
+    with pytest.raises(WireFormatError, match="header length out of range"):
+        wire.decode(struct.pack(">4sI", b"SGW1", 10**6) + b"{}")
+    with pytest.raises(WireFormatError, match="header is not JSON"):
+        wire.decode(struct.pack(">4sI", b"SGW1", 3) + b"\xff\xfe{")
+
+
+def test_encode_refuses_what_cannot_travel():
+    with pytest.raises(WireFormatError, match="Only tensors travel"):
+        wire.encode("x", None, {"w": [1.0]})
+    with pytest.raises(WireFormatError, match="not plain JSON"):
+        wire.encode("x", {"f": object()})
+    with pytest.raises(WireFormatError, match="not plain JSON"):
+        wire.encode("x", {"f": float("nan")})
