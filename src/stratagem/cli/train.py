@@ -19,13 +19,22 @@ import json
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from stratagem import environ
 from stratagem.cluster import OutputLine, launched_by_stratagem, relaunch
 from stratagem.errors import StratagemError
-from stratagem.train import STRATEGY_NAMES, TARGET_ACCURACY, EpochResult, TrainConfig, TrainReport, build_strategy, train_digits
+from stratagem.train import (
+    STRATEGY_NAMES,
+    TARGET_ACCURACY,
+    BackupAndRestore,
+    Callback,
+    ProgressBar,
+    TrainConfig,
+    TrainReport,
+    build_strategy,
+    train_digits,
+)
 
 _DEFAULTS = TrainConfig()
 
@@ -52,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--workers", type=_positive_int, default=1,
                         help="with --strategy multi_worker: worker processes to start on this machine with "
                              "`stratagem launch` (default: 1, or the cluster this process already belongs to)")
+    parser.add_argument("--backup-dir", metavar="DIR",
+                        help="back the run up in DIR after every epoch; a rerun of the same command (or a restart by "
+                             "`stratagem launch --max-restarts`) resumes from it; removed when training finishes")
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
@@ -75,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(strategy=args.strategy, devices=args.devices, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+        callbacks: list[Callback] = [BackupAndRestore(args.backup_dir, save_freq="epoch")] if args.backup_dir else []
         strategy, decision = build_strategy(config.strategy, config.devices)
     except StratagemError as error:
         # Bad input to the command (a device this machine lacks, a bad value): say so, exit like argparse.
@@ -90,17 +103,14 @@ def run(args: argparse.Namespace) -> int:
                            f"{config.epochs} epoch(s), seed {config.seed}", style="bold"))
         console.print(Text(f"devices: {decision.choice} ({decision.reason})"))
         console.print(Text(str(strategy.explain())))
-    progress = _EpochProgress(console, config.epochs, show_bar=not args.json and console.is_terminal,
-                              print_lines=not args.json)
+    # The progress bar is drawn only on a terminal; the per-epoch lines go to pipes too (not with --json).
+    callbacks.append(ProgressBar(console, show_bar=not args.json and console.is_terminal, print_lines=not args.json))
     try:
-        report = train_digits(config, strategy, decision, on_epoch_start=progress.on_epoch_start,
-                              on_step=progress.on_step, on_epoch_end=progress.on_epoch_end)
+        report = train_digits(config, strategy, decision, callbacks=callbacks)
     except (StratagemError, ImportError) as error:
-        progress.close()
         print(f"stratagem train: training failed: {error}", file=sys.stderr)
         return 1
     finally:
-        progress.close()
         strategy.close()
     if not chief:
         return 0
@@ -111,51 +121,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _EpochProgress:
-    """A transient progress bar per epoch (TTY only), replaced by the epoch's result line when it ends."""
-
-    def __init__(self, console: Console, epochs: int, *, show_bar: bool, print_lines: bool) -> None:
-        self._console = console
-        self._epochs = epochs
-        self._width = len(str(epochs))
-        self._show_bar = show_bar
-        self._print_lines = print_lines
-        self._progress: Progress | None = None
-        self._task = None
-
-    def on_epoch_start(self, epoch: int, num_examples: int) -> None:
-        if not self._show_bar:
-            return
-        self._progress = Progress(TextColumn(f"epoch {epoch:>{self._width}}/{self._epochs}"), BarColumn(),
-                                  MofNCompleteColumn(), TextColumn("examples"), TimeElapsedColumn(),
-                                  console=self._console, transient=True)
-        self._progress.start()
-        self._task = self._progress.add_task("train", total=num_examples)
-
-    def on_step(self, num_examples: int, so_far: int) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, completed=so_far)
-
-    def on_epoch_end(self, result: EpochResult) -> None:
-        self.close()
-        if self._print_lines:
-            self._console.print(Text(f"epoch {result.epoch:>{self._width}}/{self._epochs}  loss {result.loss:.4f}  "
-                                     f"accuracy {result.accuracy:6.2%}  ({result.elapsed_s:.1f} s)"))
-
-    def close(self) -> None:
-        """Stops the live bar; also called when training fails, so the terminal is left clean."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
 def _print_summary(console: Console, report: TrainReport) -> None:
     test = report.test
-    correct = round(test.accuracy * test.num_examples)
+    correct = round(test["accuracy"] * test.num_examples)
     verdict = (Text(f"reached the {TARGET_ACCURACY:.0%} target", style="green") if report.reached_target
                else Text(f"below the {TARGET_ACCURACY:.0%} target", style="bold red"))
-    console.print(Text.assemble(f"test accuracy {test.accuracy:.2%} ({correct}/{test.num_examples}), "
-                                f"loss {test.loss:.4f}: ", verdict))
+    console.print(Text.assemble(f"test accuracy {test['accuracy']:.2%} ({correct}/{test.num_examples}), "
+                                f"loss {test['loss']:.4f}: ", verdict))
     console.print(Text(f"throughput: {report.samples_per_s:,.0f} samples/s ({report.num_train_examples} training "
                        f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"))
     physical = sorted({r["physical"] for r in report.explanation["replicas"]})

@@ -1,15 +1,33 @@
-"""Training on top of the strategies: the digits example job, epoch and evaluation loops.
+"""Training on top of the strategies: `fit`, metrics, callbacks, checkpoints, and the digits job.
 
 Example:
-    >>> from stratagem.train import TrainConfig, build_strategy, train_digits
-    >>> config = TrainConfig(epochs=3)
-    >>> strategy, decision = build_strategy("mirrored", ["cpu:0", "cpu:1"])
-    >>> report = train_digits(config, strategy, decision)
-    >>> report.test.accuracy
+    >>> from stratagem.train import fit, BackupAndRestore
+    >>> history = fit(strategy, net, optimizer, F.cross_entropy, (x, y), batch_size=64, epochs=3,
+    ...               metrics=["accuracy"], callbacks=[BackupAndRestore("/tmp/backup")])
+    >>> history.history["accuracy"]
 """
 
-from stratagem.train.digits import DigitsData, build_digits_model, load_digits_data, make_loader
+from stratagem.train.callbacks import (
+    BackupAndRestore,
+    Callback,
+    ProgressBar,
+    format_epoch_line,
+)
+from stratagem.train.checkpoint import (
+    capture_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from stratagem.train.digits import (
+    DigitsData,
+    build_digits_model,
+    load_digits_data,
+    make_loader,
+)
+from stratagem.train.fit import EpochLog, History, TrainingContext, fit, is_chief
 from stratagem.train.job import (
+    STRATEGY_BUILDERS,
     STRATEGY_NAMES,
     TARGET_ACCURACY,
     TrainConfig,
@@ -17,21 +35,60 @@ from stratagem.train.job import (
     build_strategy,
     train_digits,
 )
-from stratagem.train.loop import EpochResult, EvalResult, evaluate, train_epoch
+from stratagem.train.loop import (
+    FIT_HOOK,
+    Evaluation,
+    evaluate,
+    run_steps,
+    run_steps_synchronously,
+)
+from stratagem.train.metrics import (
+    METRICS,
+    Accuracy,
+    BinaryAccuracy,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    Metric,
+    MetricSet,
+    get_metrics,
+)
 
 __all__ = [
-    "DigitsData",
-    "EpochResult",
-    "EvalResult",
+    "FIT_HOOK",
+    "METRICS",
+    "STRATEGY_BUILDERS",
     "STRATEGY_NAMES",
     "TARGET_ACCURACY",
+    "Accuracy",
+    "BackupAndRestore",
+    "BinaryAccuracy",
+    "Callback",
+    "DigitsData",
+    "EpochLog",
+    "Evaluation",
+    "History",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "Metric",
+    "MetricSet",
+    "ProgressBar",
     "TrainConfig",
     "TrainReport",
+    "TrainingContext",
     "build_digits_model",
     "build_strategy",
+    "capture_rng_state",
     "evaluate",
+    "fit",
+    "format_epoch_line",
+    "get_metrics",
+    "is_chief",
+    "load_checkpoint",
     "load_digits_data",
     "make_loader",
+    "restore_rng_state",
+    "run_steps",
+    "run_steps_synchronously",
+    "save_checkpoint",
     "train_digits",
-    "train_epoch",
 ]

@@ -19,16 +19,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from stratagem import environ
+from stratagem.data.resume import ShuffledBatches
 from stratagem.devices import DeviceRegistry, default_registry
 from stratagem.diagnose import PlacementDecision, collect_facts, gpu_unavailable_reason
 from stratagem.errors import DeviceError, InputError
-from stratagem.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
+from stratagem.strategies import (
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    OneDeviceStrategy,
+    Strategy,
+)
+from stratagem.train.callbacks import Callback
 from stratagem.train.digits import build_digits_model, load_digits_data, make_loader
-from stratagem.train.loop import EpochResult, EvalResult, StepCallback, evaluate, train_epoch
+from stratagem.train.fit import EpochLog, fit
+from stratagem.train.loop import Evaluation, evaluate
 
-STRATEGY_NAMES = ("mirrored", "one_device", "multi_worker")
+StrategyBuilder = Callable[[list[str], DeviceRegistry], Strategy]
+
+STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
+    "mirrored": lambda names, registry: MirroredStrategy(names, registry=registry),
+    "one_device": lambda names, registry: OneDeviceStrategy(names[0], registry=registry),
+    "multi_worker": lambda names, registry: MultiWorkerMirroredStrategy(names, registry=registry),
+}
+"""How ``stratagem train`` builds each strategy from its devices; add an entry (and, if its default
+devices differ, a branch in `_default_devices`) to offer another strategy."""
+
+STRATEGY_NAMES = tuple(STRATEGY_BUILDERS)
 """The strategies ``stratagem train`` can build, by their command-line name."""
 
 TARGET_ACCURACY = 0.95
@@ -80,8 +99,8 @@ class TrainReport:
     device_decision: PlacementDecision
     explanation: dict[str, Any]
     """``strategy.explain().to_dict()``."""
-    history: list[EpochResult]
-    test: EvalResult
+    history: list[EpochLog]
+    test: Evaluation
     train_time_s: float
     """Wall time of the training steps alone (no evaluation, no set-up)."""
     elapsed_s: float
@@ -95,7 +114,7 @@ class TrainReport:
 
     @property
     def reached_target(self) -> bool:
-        return self.test.accuracy >= TARGET_ACCURACY
+        return self.test["accuracy"] >= TARGET_ACCURACY
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,9 +123,10 @@ class TrainReport:
             "num_replicas_in_sync": self.explanation["num_replicas_in_sync"],
             "device_decision": self.device_decision.to_dict(),
             "config": self.config.to_dict(),
-            "epochs": [{"epoch": e.epoch, "loss": e.loss, "accuracy": e.accuracy} for e in self.history],
-            "test_loss": self.test.loss,
-            "test_accuracy": self.test.accuracy,
+            "epochs": [{"epoch": e.epoch, "loss": e.metrics["loss"], "accuracy": e.metrics["accuracy"]}
+                       for e in self.history],
+            "test_loss": self.test["loss"],
+            "test_accuracy": self.test["accuracy"],
             "num_test_examples": self.test.num_examples,
             "target_accuracy": TARGET_ACCURACY,
             "reached_target": self.reached_target,
@@ -148,11 +168,7 @@ def build_strategy(name: str, devices: Sequence[str] | None = None, *,
         decision = PlacementDecision(subject="devices", choice=", ".join(names), reason="given by --devices")
     else:
         names, decision = _default_devices(name, registry)
-    if name == "one_device":
-        return OneDeviceStrategy(names[0], registry=registry), decision
-    if name == "multi_worker":
-        return MultiWorkerMirroredStrategy(names, registry=registry), decision
-    return MirroredStrategy(names, registry=registry), decision
+    return STRATEGY_BUILDERS[name](names, registry), decision
 
 
 def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], PlacementDecision]:
@@ -177,40 +193,29 @@ def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], Pl
 
 
 def train_digits(config: TrainConfig, strategy: Strategy, device_decision: PlacementDecision, *,
-                 on_epoch_start: Callable[[int, int], None] | None = None,
-                 on_step: StepCallback | None = None,
-                 on_epoch_end: Callable[[EpochResult], None] | None = None) -> TrainReport:
-    """Trains the digits conv net with Adam under ``strategy`` and evaluates it on the test split.
+                 callbacks: Sequence[Callback] = ()) -> TrainReport:
+    """Trains the digits conv net with Adam under ``strategy`` with `fit`, then evaluates it on the test split.
 
-    ``on_epoch_start(epoch, num_train_examples)``, ``on_step`` and ``on_epoch_end(result)`` let a
-    caller show progress; they are called on the caller's thread.
+    ``callbacks`` go to `fit` (the CLI passes a progress bar, and a backup with ``--backup-dir``).
     """
     start = time.perf_counter()
     data = load_digits_data()
     net = build_digits_model(config.seed)
-    model, optimizer = strategy.distribute(net, torch.optim.Adam(net.parameters(), lr=config.lr))
+    # The order of each epoch depends only on (seed, epoch): the same run repeats exactly, and resumes exactly.
+    train = ShuffledBatches((data.train_x, data.train_y), config.batch_size, seed=config.seed)
+    history = fit(strategy, net, torch.optim.Adam(net.parameters(), lr=config.lr), F.cross_entropy, train,
+                  epochs=config.epochs, metrics=["accuracy"], callbacks=callbacks)
     test_loader = make_loader(data.test_x, data.test_y, config.batch_size, shuffle=False)
-    history: list[EpochResult] = []
-    for epoch in range(1, config.epochs + 1):
-        # A new loader per epoch, seeded by (seed, epoch): the order differs each epoch yet repeats run to run.
-        loader = make_loader(data.train_x, data.train_y, config.batch_size, shuffle=True,
-                             seed=config.seed * 1_000_003 + epoch)
-        if on_epoch_start is not None:
-            on_epoch_start(epoch, len(data.train_y))
-        result = train_epoch(strategy, model, optimizer, loader, epoch=epoch, on_step=on_step)
-        history.append(result)
-        if on_epoch_end is not None:
-            on_epoch_end(result)
-    test = evaluate(strategy, model, test_loader)
+    test = evaluate(strategy, history.model, test_loader, F.cross_entropy, metrics=["accuracy"])
     explanation = strategy.explain()
     return TrainReport(
         config=config,
         devices=[r.device for r in explanation.replicas],
         device_decision=device_decision,
         explanation=explanation.to_dict(),
-        history=history,
+        history=history.epochs,
         test=test,
-        train_time_s=sum(e.elapsed_s for e in history),
+        train_time_s=sum(e.elapsed_s for e in history.epochs),
         elapsed_s=time.perf_counter() - start,
-        num_train_examples=sum(e.num_examples for e in history),
+        num_train_examples=sum(e.num_examples for e in history.epochs),
     )

@@ -1,145 +1,166 @@
-"""One training epoch and one evaluation pass of a classifier, through any strategy.
+"""The step loop that `fit` and `evaluate` drive, and the extension point strategies can override.
 
-Metrics are exact over the global batch whatever the split among replicas: each replica returns
-sums (loss times examples, correct predictions, examples) and the strategy adds them up, so an
-accuracy is never an average of per-replica accuracies (which would be wrong for uneven splits).
+A step function runs once per replica on its slice of a global ``(inputs, targets)`` batch and
+returns the replica's metric STATE (sums, see `stratagem.train.metrics`). The step loop feeds the
+global batches to the strategy and hands every step's state, summed over every replica and
+worker, to ``on_step``.
+
+Extension point: a strategy that runs steps its own way (the parameter server's
+``ClusterCoordinator.schedule``/``join``) defines a method
+
+    def fit_steps(self, step_fn, batches, on_step) -> None
+
+with the contract of `run_steps_synchronously`: iterate the GLOBAL batches of `batches` lazily,
+run ``step_fn(inputs, targets)`` on a replica for each one, call ``on_step(state)`` exactly once
+per batch with that step's state summed over replicas (a CPU float64 tensor; the order of calls
+may differ from the order of batches for an asynchronous strategy), and return only when every
+step has been applied (after ``join``). `run_steps` uses it when the strategy has it.
 
 Example:
-    >>> strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
-    >>> model, optimizer = strategy.distribute(net, torch.optim.Adam(net.parameters()))
-    >>> epoch = train_epoch(strategy, model, optimizer, train_loader, epoch=1)
-    >>> epoch.loss, epoch.accuracy
-    >>> evaluate(strategy, model, test_loader).accuracy
+    >>> totals = []
+    >>> run_steps(strategy, step_fn, loader, totals.append)
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
+from stratagem.train.metrics import Metric, MetricSet, get_metrics
 
-StepCallback = Callable[[int, int], None]
-"""Called after each training step with (examples in this step, examples so far in the epoch)."""
+StepFn = Callable[[Any, Any], torch.Tensor]
+"""``step_fn(inputs, targets)`` on one replica -> that replica's metric state vector."""
 
+OnStep = Callable[[torch.Tensor], None]
+"""Called once per step with the state vector summed over every replica and worker (CPU, float64)."""
 
-@dataclass(frozen=True)
-class EpochResult:
-    """What one training epoch measured, over every example it saw."""
+FIT_HOOK = "fit_steps"
+"""The name of the method a strategy defines to run the step loop its own way."""
 
-    epoch: int
-    """1-based epoch number."""
-    loss: float
-    """Mean cross-entropy over the epoch's examples, as computed during training (before each update)."""
-    accuracy: float
-    """Correct predictions / examples, counted during training."""
-    num_examples: int
-    elapsed_s: float
-    """Wall time of the epoch's training steps."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "loss": self.loss, "accuracy": self.accuracy,
-                "num_examples": self.num_examples, "elapsed_s": self.elapsed_s}
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class EvalResult:
-    """Loss and accuracy of a model over a whole data set."""
-
-    loss: float
-    accuracy: float
-    num_examples: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss, "accuracy": self.accuracy, "num_examples": self.num_examples}
+def run_steps(strategy: Strategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
+    """Runs `step_fn` over every global batch: the strategy's own `fit_steps` if it has one, else in lockstep."""
+    hook = getattr(strategy, FIT_HOOK, None)
+    if hook is not None:
+        hook(step_fn, batches, on_step)
+        return
+    run_steps_synchronously(strategy, step_fn, batches, on_step)
 
 
-def train_epoch(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[Any], *,
-                epoch: int, on_step: StepCallback | None = None) -> EpochResult:
-    """Trains ``model`` for one pass over ``loader`` (GLOBAL ``(x, y)`` batches) with cross-entropy.
-
-    ``model`` and ``optimizer`` are the pair ``strategy.distribute`` returned.
+def run_steps_synchronously(strategy: Strategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
+    """The default step loop of synchronous strategies: distribute, run on every replica, sum the states.
 
     Raises:
-        InputError: the loader yielded no batch.
+        InputError: a batch is not an ``(inputs, targets)`` pair.
     """
-    model.train()
+    for index, batch in enumerate(strategy.distribute_dataset(batches)):
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise InputError(
+                f"Batch {index} is not an (inputs, targets) pair. Received: {_describe(batch)}. "
+                "Make the loader yield (x, y) tuples, e.g. DataLoader(TensorDataset(x, y), batch_size=64)."
+            )
+        per_replica = strategy.run(step_fn, args=tuple(batch))
+        on_step(strategy.reduce("sum", per_replica).detach().to("cpu", torch.float64))
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-        loss.backward()  # returns with the gradients combined across replicas
+
+def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn, metric_set: MetricSet, *,
+                    clip_grad_norm: float | None = None) -> StepFn:
+    """One training step on one replica: forward, mean loss, backward (combined gradients), step."""
+
+    def train_step(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        outputs = model(inputs)
+        loss_value = loss(outputs, targets)
+        _check_scalar_loss(loss_value)
+        loss_value.backward()  # returns with the gradients combined across replicas
+        if clip_grad_norm is not None:
+            # After backward, so the norm is that of the global gradient, as on one device.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
-        return _sums(logits.detach(), y, loss.detach())
+        return metric_set.state(outputs.detach(), targets, loss_value.detach())
 
-    start = time.perf_counter()
-    totals = _Totals()
-    for x, y in strategy.distribute_dataset(loader):
-        num = totals.add(strategy, strategy.run(step, args=(x, y)))
-        if on_step is not None:
-            on_step(num, totals.count)
-    elapsed = time.perf_counter() - start
-    loss, accuracy = totals.result("the training loader")
-    return EpochResult(epoch=epoch, loss=loss, accuracy=accuracy, num_examples=totals.count, elapsed_s=elapsed)
+    return train_step
 
 
-def evaluate(strategy: Strategy, model: nn.Module, loader: Iterable[Any]) -> EvalResult:
-    """Cross-entropy and accuracy of ``model`` over every ``(x, y)`` batch of ``loader``, without training.
+def make_eval_step(model: nn.Module, loss: LossFn, metric_set: MetricSet) -> StepFn:
+    """One evaluation step on one replica: forward and metric state, no gradients."""
 
-    Raises:
-        InputError: the loader yielded no batch.
-    """
-    model.eval()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def eval_step(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         # no_grad inside the step: it runs on each replica's own thread, where the caller's mode does not reach.
         with torch.no_grad():
-            logits = model(x)
-            return _sums(logits, y, F.cross_entropy(logits, y))
+            outputs = model(inputs)
+            loss_value = loss(outputs, targets)
+            _check_scalar_loss(loss_value)
+            return metric_set.state(outputs, targets, loss_value)
 
-    totals = _Totals()
-    for x, y in strategy.distribute_dataset(loader):
-        totals.add(strategy, strategy.run(step, args=(x, y)))
-    loss, accuracy = totals.result("the evaluation loader")
-    return EvalResult(loss=loss, accuracy=accuracy, num_examples=totals.count)
+    return eval_step
 
 
-def _sums(logits: torch.Tensor, y: torch.Tensor, mean_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss summed over this replica's examples, correct predictions, examples), all float64."""
-    num = torch.tensor(float(y.shape[0]), dtype=torch.float64, device=y.device)
-    if y.shape[0] == 0:
-        # An empty slice (fewer examples than replicas): its mean loss is NaN, its sums are zero.
-        zero = torch.zeros((), dtype=torch.float64, device=y.device)
-        return zero, zero, num
-    correct = (logits.argmax(dim=1) == y).sum().to(torch.float64)
-    return mean_loss.to(torch.float64) * num, correct, num
+@dataclass(frozen=True)
+class Evaluation:
+    """Loss and metrics of a model over a whole data set."""
+
+    metrics: dict[str, float]
+    """``{"loss": ..., "accuracy": ...}``: exact over every example, whatever the split."""
+    num_examples: int
+
+    def __getitem__(self, name: str) -> float:
+        return self.metrics[name]
+
+    @property
+    def loss(self) -> float:
+        return self.metrics["loss"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.metrics, "num_examples": self.num_examples}
 
 
-class _Totals:
-    """Running sums of loss, correct predictions and examples, reduced across replicas."""
+def evaluate(strategy: Strategy, model: nn.Module, data: Iterable[Any], loss: LossFn, *,
+             metrics: Sequence[str | Metric] | None = ("accuracy",)) -> Evaluation:
+    """The mean `loss` and the `metrics` of `model` over every global ``(x, y)`` batch of `data`.
 
-    def __init__(self) -> None:
-        self.loss_sum = 0.0
-        self.correct = 0
-        self.count = 0
+    `model` is the one `strategy.distribute` returned (or `fit`'s ``history.model``).
 
-    def add(self, strategy: Strategy, per_replica: Any) -> int:
-        loss_sum, correct, num = strategy.reduce("sum", per_replica)
-        num_examples = int(num.item())
-        self.loss_sum += float(loss_sum.item())
-        self.correct += int(correct.item())
-        self.count += num_examples
-        return num_examples
+    Example:
+        >>> sg.evaluate(strategy, history.model, test_loader, F.cross_entropy).metrics
+        {'loss': 0.08, 'accuracy': 0.97}
 
-    def result(self, what: str) -> tuple[float, float]:
-        if self.count == 0:
-            raise InputError(f"{what} yielded no examples, so there is nothing to measure. Received: 0 batches.")
-        return self.loss_sum / self.count, self.correct / self.count
+    Raises:
+        InputError: `data` yielded no example.
+    """
+    metric_set = MetricSet(get_metrics(metrics))
+    model.train(False)
+    totals = torch.zeros(metric_set.size, dtype=torch.float64)
+
+    def add(state: torch.Tensor) -> None:
+        totals.add_(state)
+
+    run_steps(strategy, make_eval_step(model, loss, metric_set), data, add)
+    count = int(totals[1])
+    if count == 0:
+        raise InputError("The evaluation data yielded no examples, so there is nothing to measure. "
+                         "Received: 0 batches. Pass a loader that yields (x, y) batches.")
+    return Evaluation(metric_set.results(totals), count)
+
+
+def _check_scalar_loss(loss_value: Any) -> None:
+    if not isinstance(loss_value, torch.Tensor) or loss_value.dim() != 0:
+        shape = tuple(loss_value.shape) if isinstance(loss_value, torch.Tensor) else type(loss_value).__name__
+        raise InputError(
+            f"The loss must be a scalar tensor, the mean over the replica's examples. Received: {shape}. "
+            "Use a reduction='mean' loss such as torch.nn.functional.cross_entropy."
+        )
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, (tuple, list)):
+        return f"a {type(batch).__name__} of {len(batch)} element(s)"
+    return type(batch).__name__

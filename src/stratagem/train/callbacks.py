@@ -1,0 +1,209 @@
+"""Callbacks of `fit`: hooks around epochs and steps, backups for restarts, a progress bar.
+
+A callback receives the `TrainingContext` of the run (strategy, model, optimizer, counters,
+chief or not); `BackupAndRestore` uses its ``state_dict``/``load_state_dict`` to save and
+restore everything a run needs to continue exactly.
+
+Example:
+    >>> history = sg.fit(strategy, model, optimizer, F.cross_entropy, data, epochs=5,
+    ...                  callbacks=[sg.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)])
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
+
+from stratagem.errors import InputError
+from stratagem.train.checkpoint import (
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from stratagem.train.fit import EpochLog, History, TrainingContext
+
+logger = logging.getLogger(__name__)
+
+
+class Callback:
+    """Base class: override the hooks you need; each receives the run's `TrainingContext`.
+
+    Hooks run on every worker (check ``context.is_chief`` for what only one process should do),
+    in the order the callbacks were given.
+
+    Example:
+        >>> class StopAtLoss(Callback):
+        ...     def on_epoch_end(self, context, log):
+        ...         context.stop_training = log.metrics["loss"] < 0.1
+    """
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        """Before the first step (a restored run: after `BackupAndRestore` restored it, if listed first)."""
+
+    def on_epoch_begin(self, context: TrainingContext) -> None:
+        """At the start of epoch ``context.epoch`` (0-based), possibly mid-epoch after a restore."""
+
+    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
+        """After each step; ``context.step`` steps are done, this one had `num_examples` global examples."""
+
+    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
+        """After an epoch and its validation; `log` is also in ``context.history`` already."""
+
+    def on_train_end(self, context: TrainingContext, history: History) -> None:
+        """After training finished normally (not called when it raised)."""
+
+
+class BackupAndRestore(Callback):
+    """Backs the run up so that a restarted job resumes where the last backup left it, mid-epoch included.
+
+    At the start of training, if `backup_dir` holds a backup, the model, optimizer, counters,
+    random states and data position are restored from it (on every worker; the workers must see
+    the same directory). During training the chief alone writes a backup every `save_freq`
+    steps or at the end of each epoch (``"epoch"``), atomically. When training finishes, the
+    backup is deleted (`delete_checkpoint`), so a later job starts afresh.
+
+    Example:
+        >>> backup = sg.callbacks.BackupAndRestore("/shared/run1/backup", save_freq="epoch")
+        >>> sg.fit(strategy, model, optimizer, loss, data, epochs=10, callbacks=[backup])
+    """
+
+    FILE_NAME = "backup.pt"
+
+    def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch", *,
+                 delete_checkpoint: bool = True) -> None:
+        if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
+            raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise InputError(f"save_freq must be 'epoch' or a positive number of steps. Received: save_freq={save_freq!r}. "
+                             "Use e.g. save_freq=100.")
+        self.backup_dir = Path(backup_dir)
+        if self.backup_dir.exists() and not self.backup_dir.is_dir():
+            raise InputError(f"backup_dir must be a directory. Received: backup_dir={str(backup_dir)!r}, which is a file. "
+                             "Choose a directory path.")
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.restored_from: dict[str, int] | None = None
+        """``{"epoch", "step"}`` of the backup this run resumed from, or None for a fresh start."""
+
+    @property
+    def path(self) -> Path:
+        return self.backup_dir / self.FILE_NAME
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        if context.is_chief:
+            remove_stale_temporaries(self.backup_dir)  # a save the previous attempt did not finish
+        if not self.path.exists():
+            return
+        state = load_checkpoint(self.path)
+        context.load_state_dict(state)
+        self.restored_from = {"epoch": context.epoch, "step": context.step}
+        logger.info("Resumed from %s: epoch %d, step %d (%d into the epoch).", self.path, context.epoch + 1,
+                    context.step, context.step_in_epoch)
+
+    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
+        if isinstance(self.save_freq, int) and context.step % self.save_freq == 0:
+            self._save(context)
+
+    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
+        if self.save_freq == "epoch":
+            self._save(context)
+
+    def on_train_end(self, context: TrainingContext, history: History) -> None:
+        if context.is_chief and self.delete_checkpoint:
+            self.path.unlink(missing_ok=True)
+            remove_stale_temporaries(self.backup_dir)
+            try:
+                self.backup_dir.rmdir()  # only when empty: the directory may hold the user's own files
+            except OSError:
+                pass
+
+    def _save(self, context: TrainingContext) -> None:
+        # Every worker builds the state (cheap) but only the chief writes: one writer, no torn files.
+        if context.is_chief:
+            save_checkpoint(self.path, context.state_dict())
+
+
+class ProgressBar(Callback):
+    """A progress bar per epoch on the chief (examples, samples/s), then one line of metrics per epoch.
+
+    The library never shows progress on its own: pass ``ProgressBar()`` in `callbacks` (or
+    ``fit(verbose=True)``). Workers other than the chief show nothing, so a multi-worker job
+    prints one bar, not one per process.
+
+    Args:
+        console: where to draw (default: a new ``rich.console.Console()``, standard output).
+        show_bar: draw the live bar (default: only when the console is a terminal).
+        print_lines: print each epoch's metrics line.
+    """
+
+    def __init__(self, console: Console | None = None, *, show_bar: bool | None = None, print_lines: bool = True) -> None:
+        self._console = console or Console(highlight=False, soft_wrap=True)
+        self._show_bar = self._console.is_terminal if show_bar is None else show_bar
+        self._print_lines = print_lines
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._started = 0.0
+        self._seen = 0
+        self._width = 1
+        self._epochs = 1
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        self._epochs = context.epochs
+        self._width = len(str(context.epochs))
+
+    def on_epoch_begin(self, context: TrainingContext) -> None:
+        self._started, self._seen = time.perf_counter(), 0
+        if not (context.is_chief and self._show_bar):
+            return
+        total = context.examples_per_epoch
+        self._progress = Progress(
+            TextColumn(f"epoch {context.epoch + 1:>{self._width}}/{self._epochs}"), BarColumn(),
+            MofNCompleteColumn(), TextColumn("examples"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+            console=self._console, transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total, rate="")
+
+    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
+        self._seen += num_examples
+        if self._progress is not None:
+            elapsed = time.perf_counter() - self._started
+            rate = f"{self._seen / elapsed:,.0f} samples/s" if elapsed > 0 else ""
+            self._progress.update(self._task, advance=num_examples, rate=rate)
+
+    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
+        self.close()
+        if context.is_chief and self._print_lines:
+            self._console.print(Text(format_epoch_line(log, self._epochs)))
+
+    def on_train_end(self, context: TrainingContext, history: History) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops the live bar; also called when training fails, so the terminal is left clean."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def format_epoch_line(log: EpochLog, epochs: int) -> str:
+    """``epoch 2/10  loss 0.1234  accuracy 96.50%  val_loss ...  (1.2 s, 12,345 samples/s)``."""
+    width = len(str(epochs))
+    parts = [f"epoch {log.epoch:>{width}}/{epochs}"]
+    for name, value in log.metrics.items():
+        parts.append(f"{name} {value:6.2%}" if name.endswith("accuracy") else f"{name} {value:.4f}")
+    return "  ".join(parts) + f"  ({log.elapsed_s:.1f} s, {log.samples_per_s:,.0f} samples/s)"

@@ -1,0 +1,425 @@
+"""`fit`: one high-level training loop that every strategy runs unchanged.
+
+`fit` distributes the model with the strategy it is given, feeds it GLOBAL batches, reports the
+loss and the metrics of each epoch exactly (states summed over replicas and workers, then
+read), evaluates on validation data, and calls callbacks (backups, progress). It uses only the
+`Strategy` base class (`distribute`, `distribute_dataset`, `run`, `reduce`), so every strategy
+runs it; a strategy that runs steps its own way plugs in through ``fit_steps`` (see
+`stratagem.train.loop`).
+
+Example:
+    >>> strategy = sg.MirroredStrategy()
+    >>> net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    >>> history = sg.fit(strategy, net, torch.optim.Adam(net.parameters()), F.cross_entropy,
+    ...                  (x, y), batch_size=256, epochs=5, metrics=["accuracy"], validation_data=(vx, vy))
+    >>> history.history["val_accuracy"]
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.data.resume import ShuffledBatches
+from stratagem.errors import InputError
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.distributed import DistributedModel
+from stratagem.train.callbacks import Callback, ProgressBar
+from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
+from stratagem.train.loop import LossFn, evaluate, make_train_step, run_steps
+from stratagem.train.metrics import Metric, MetricSet, get_metrics
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_KIND = "fit"
+
+
+@dataclass(frozen=True)
+class EpochLog:
+    """What one epoch measured: metrics over every example it trained on, then validation ones."""
+
+    epoch: int
+    """1-based epoch number."""
+    metrics: dict[str, float]
+    """``loss``, the metrics, then ``val_loss`` and ``val_<metric>`` when there is validation data.
+    The training metrics are computed during the epoch, each step's before its update."""
+    num_examples: int
+    elapsed_s: float
+    """Wall time of the epoch's training steps (no validation); after a restore, of the steps since."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.num_examples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "metrics": dict(self.metrics), "num_examples": self.num_examples,
+                "elapsed_s": self.elapsed_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EpochLog:
+        return cls(int(data["epoch"]), {k: float(v) for k, v in data["metrics"].items()},
+                   int(data["num_examples"]), float(data["elapsed_s"]))
+
+
+@dataclass
+class History:
+    """What `fit` returns: one `EpochLog` per epoch and the distributed model and optimizer it trained."""
+
+    epochs: list[EpochLog]
+    model: nn.Module
+    """The model `strategy.distribute` returned; pass it to `evaluate` or to another `fit`."""
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def history(self) -> dict[str, list[float]]:
+        """Keras' shape: ``{"loss": [epoch 1, epoch 2, ...], "accuracy": [...], ...}``."""
+        out: dict[str, list[float]] = {}
+        for log in self.epochs:
+            for name, value in log.metrics.items():
+                out.setdefault(name, []).append(value)
+        return out
+
+
+@dataclass
+class TrainingContext:
+    """The state of a `fit` run that callbacks see and that a backup saves and restores."""
+
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data: Any
+    """The training data source (a `ShuffledBatches` when `fit` was given a data set and a batch size)."""
+    epochs: int
+    steps_per_epoch: int | None
+    is_chief: bool
+    metric_set: MetricSet
+    epoch: int = 0
+    """0-based epoch in progress (the next one, once an epoch has ended)."""
+    step: int = 0
+    """Steps done since training began, across epochs and restarts."""
+    step_in_epoch: int = 0
+    """Batches of the current epoch already trained on: where the data resumes."""
+    totals: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    """The current epoch's metric states summed so far (loss * examples, examples, metric sums)."""
+    epoch_elapsed_s: float = 0.0
+    history: list[EpochLog] = field(default_factory=list)
+    stop_training: bool = False
+    """Set by a callback to stop after the current step."""
+
+    @property
+    def examples_per_epoch(self) -> int | None:
+        """Examples in one epoch when the data says (``num_examples`` or a ``dataset``), else None."""
+        num = getattr(self.data, "num_examples", None)
+        if num is None and hasattr(getattr(self.data, "dataset", None), "__len__"):
+            num = len(self.data.dataset)
+        return num if self.steps_per_epoch is None else None
+
+    def running_metrics(self) -> dict[str, float]:
+        """The current epoch's metrics so far."""
+        return self.metric_set.results(self.totals)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: parameters, buffers, optimizer state, counters,
+        the epoch's metric sums, the history, random states and the data position."""
+        return {
+            "kind": CHECKPOINT_KIND,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "step_in_epoch": self.step_in_epoch,
+            "totals": self.totals.clone(),
+            "epoch_elapsed_s": self.epoch_elapsed_s,
+            "history": [log.to_dict() for log in self.history],
+            "metric_names": self.metric_set.names,
+            "rng": capture_rng_state(),
+            "data": self.data.state_dict() if _is_resumable(self.data) else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a `state_dict` into this run (the model reaches every replica).
+
+        Raises:
+            InputError: the state is not a fit checkpoint, or its model, optimizer or metrics
+                do not match this run's.
+        """
+        if state.get("kind") != CHECKPOINT_KIND:
+            raise InputError(f"This checkpoint was not written by fit. Received: kind={state.get('kind')!r}. "
+                             "Restore it by hand, or point BackupAndRestore at a fit backup directory.")
+        if list(state["metric_names"]) != self.metric_set.names:
+            raise InputError(f"The backup tracked metrics {list(state['metric_names'])} but this run tracks "
+                             f"{self.metric_set.names}. Received: metrics={self.metric_set.names[1:]}. Pass the same "
+                             "metrics as the interrupted run, or remove the backup to start afresh.")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise InputError(f"The backup does not fit this model or optimizer: {error}. Received: a backup of a "
+                             "different model. Build the same model and optimizer as the interrupted run, or remove "
+                             "the backup to start afresh.") from error
+        if state["data"] is not None and _is_resumable(self.data):
+            self.data.load_state_dict(state["data"])
+        self.epoch = int(state["epoch"])
+        self.step = int(state["step"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.totals = state["totals"].to(torch.float64).clone()
+        self.epoch_elapsed_s = float(state["epoch_elapsed_s"])
+        self.history = [EpochLog.from_dict(d) for d in state["history"]]
+        restore_rng_state(state["rng"])
+
+
+# The pair `distribute` returned for each (strategy, model) fit has seen, so that calling fit again
+# with the same model continues training it instead of distributing it a second time.
+_DISTRIBUTED: weakref.WeakKeyDictionary[Strategy, list[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+def fit(
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: LossFn,
+    data: Any,
+    *,
+    epochs: int = 1,
+    batch_size: int | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_data: Any = None,
+    validation_batch_size: int | None = None,
+    metrics: Sequence[str | Metric] | None = None,
+    callbacks: Sequence[Callback] | None = None,
+    clip_grad_norm: float | None = None,
+    verbose: bool = False,
+) -> History:
+    """Trains `model` with `optimizer` on `data` under `strategy` and returns the history per epoch.
+
+    Args:
+        strategy: any stratagem strategy.
+        model, optimizer: the plain model and its optimizer (fit distributes them), or the pair
+            `strategy.distribute` (or an earlier fit, ``history.model``) returned.
+        loss: ``loss(outputs, targets)``, the MEAN over the examples it is given (as
+            ``F.cross_entropy``), so replicas' losses combine into the global batch's mean.
+        data: an iterable of GLOBAL ``(inputs, targets)`` batches (a DataLoader, a list, a
+            `sg.data.ShuffledBatches`), or with `batch_size` a data set: a tuple ``(x, y)`` of
+            tensors or a map-style data set, batched by a `ShuffledBatches(seed=seed, shuffle=shuffle)`.
+        epochs: passes over `data`.
+        steps_per_epoch: stop each epoch after this many batches (needed for endless iterables).
+        validation_data, validation_batch_size: evaluated after each epoch (``val_`` metrics).
+        metrics: names from `stratagem.train.metrics.METRICS` (``"accuracy"``...) or `Metric` objects.
+        callbacks: `Callback` objects, e.g. ``BackupAndRestore`` (list it first so the others see
+            the restored state).
+        clip_grad_norm: clip the (combined, global) gradient to this norm before each update.
+        verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
+
+    Example:
+        >>> history = sg.fit(sg.MirroredStrategy(), net, torch.optim.SGD(net.parameters(), lr=0.1),
+        ...                  F.cross_entropy, loader, epochs=3, metrics=["accuracy"])
+        >>> history.history["accuracy"]
+
+    Raises:
+        InputError: a bad argument (checked before any work starts), or a backup that does not
+            match this run.
+    """
+    _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
+    metric_set = MetricSet(get_metrics(metrics))
+    train_data = _as_batches(data, batch_size, shuffle, seed, "data")
+    val_data = None if validation_data is None else _as_batches(validation_data, validation_batch_size,
+                                                                False, seed, "validation_data")
+    callbacks = list(callbacks or [])
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise InputError(f"Every callback must be a stratagem.train.Callback. Received: {type(callback).__name__}. "
+                             "Subclass Callback and override the hooks you need.")
+    if verbose and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(ProgressBar())
+    model, optimizer = _ensure_distributed(strategy, model, optimizer)
+    context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
+                              steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
+                              totals=torch.zeros(metric_set.size, dtype=torch.float64))
+    try:
+        history = _train(context, callbacks, make_train_step(model, optimizer, loss, metric_set,
+                                                             clip_grad_norm=clip_grad_norm), val_data, loss)
+    except BaseException:
+        for callback in callbacks:
+            close = getattr(callback, "close", None)
+            if callable(close):
+                close()
+        raise
+    return history
+
+
+def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any, val_data: Any, loss: LossFn) -> History:
+    for callback in callbacks:
+        callback.on_train_begin(context)
+    _check_workers_agree(context)
+    while context.epoch < context.epochs and not context.stop_training:
+        context.model.train(True)
+        for callback in callbacks:
+            callback.on_epoch_begin(context)
+        started = time.perf_counter()
+        elapsed_before = context.epoch_elapsed_s
+
+        def on_step(state: torch.Tensor, started: float = started, elapsed_before: float = elapsed_before) -> None:
+            context.totals.add_(state)
+            context.step += 1
+            context.step_in_epoch += 1
+            context.epoch_elapsed_s = elapsed_before + time.perf_counter() - started
+            for callback in callbacks:
+                callback.on_train_batch_end(context, int(state[1]))
+            if context.stop_training:
+                raise _StopEpoch
+
+        try:
+            run_steps(context.strategy, train_step, _epoch_batches(context), on_step)
+        except _StopEpoch:
+            pass
+        log = _end_epoch(context, val_data, loss)
+        for callback in callbacks:
+            callback.on_epoch_end(context, log)
+    history = History(list(context.history), context.model, context.optimizer)
+    for callback in callbacks:
+        callback.on_train_end(context, history)
+    return history
+
+
+class _StopEpoch(Exception):
+    """A callback set stop_training: leave the step loop at once."""
+
+
+def _end_epoch(context: TrainingContext, val_data: Any, loss: LossFn) -> EpochLog:
+    count = int(context.totals[1])
+    if count == 0:
+        raise InputError(f"Epoch {context.epoch + 1} had no training example. Received: data that yielded no batch "
+                         f"(steps_per_epoch={context.steps_per_epoch}). Check that the loader is not exhausted "
+                         "(a generator can be iterated only once: pass a list or a DataLoader).")
+    metrics = context.metric_set.results(context.totals)
+    if val_data is not None:
+        evaluation = evaluate(context.strategy, context.model, val_data, loss, metrics=context.metric_set.metrics)
+        metrics.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
+    log = EpochLog(context.epoch + 1, metrics, count, context.epoch_elapsed_s)
+    context.history.append(log)
+    context.epoch += 1
+    context.step_in_epoch = 0
+    context.totals = torch.zeros_like(context.totals)
+    context.epoch_elapsed_s = 0.0
+    return log
+
+
+def _epoch_batches(context: TrainingContext) -> Iterable[Any]:
+    """The global batches of the current epoch, from the batch where it stands (after a restore)."""
+    data, epoch, offset = context.data, context.epoch, context.step_in_epoch
+    limit = None if context.steps_per_epoch is None else max(0, context.steps_per_epoch - offset)
+    if _is_resumable(data):
+        data.set_position(epoch, offset)
+        return data if limit is None else itertools.islice(data, limit)
+    set_epoch = getattr(data, "set_epoch", None) or getattr(getattr(data, "sampler", None), "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)  # the DistributedSampler convention: a new order each epoch, fixed by the epoch
+    if offset:
+        # A source without a position: re-read and drop the batches already trained on (exact when
+        # the order of an epoch is fixed, e.g. by set_epoch).
+        logger.info("Skipping %d batch(es) of epoch %d already trained on before the restart.", offset, epoch + 1)
+    end = None if limit is None else offset + limit
+    return itertools.islice(data, offset, end) if (offset or end is not None) else data
+
+
+def is_chief(strategy: Strategy) -> bool:
+    """Whether this process is the chief of `strategy`'s cluster (True for single-process strategies)."""
+    cluster = getattr(strategy, "cluster", None)
+    return cluster is None or bool(cluster.is_chief)
+
+
+def _check_workers_agree(context: TrainingContext) -> None:
+    """Every worker must start at the same step (they restored the same backup, or none)."""
+    cluster = getattr(context.strategy, "cluster", None)
+    if cluster is None or cluster.world_size <= 1:
+        return
+    mine = torch.tensor([float(context.step), float(context.step) ** 2], dtype=torch.float64)
+    # reduce("sum") of a value that is not per-replica counts it once per replica, on every worker.
+    sums = context.strategy.reduce("sum", mine).to("cpu") / context.strategy.num_replicas_in_sync
+    mean, mean_square = float(sums[0]), float(sums[1])
+    if abs(mean - context.step) > 1e-6 or abs(mean_square - mean * mean) > 1e-6:
+        raise InputError(
+            f"The workers start from different steps: {cluster.task_name} is at step {context.step}, the mean over "
+            f"workers is {mean:g}. Received: backups that differ between workers. Give every worker the same "
+            "backup_dir on a shared file system, or remove the backups to start afresh."
+        )
+
+
+def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    for raw_model, raw_opt, dist_model, dist_opt in _DISTRIBUTED.get(strategy, []):
+        if model is raw_model or model is dist_model:
+            if optimizer is not raw_opt and optimizer is not dist_opt:
+                raise InputError(
+                    "This model was distributed with another optimizer by an earlier fit. Received: an optimizer that "
+                    "is not the one fit distributed with it. Pass history.optimizer of the earlier fit.")
+            return dist_model, dist_opt
+    if (isinstance(model, DistributedModel) and model._strategy is strategy) or getattr(strategy, "_model", None) is model:
+        return model, optimizer  # the user already called strategy.distribute
+    if isinstance(model, DistributedModel):
+        raise InputError("The model was distributed by another strategy. Received: a DistributedModel of "
+                         f"{type(model._strategy).__name__}. Pass the plain model, or use that strategy.")
+    result = strategy.distribute(model, optimizer)
+    dist_model, dist_opt = result
+    _DISTRIBUTED.setdefault(strategy, []).append((model, optimizer, dist_model, dist_opt))
+    return dist_model, dist_opt
+
+
+def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, name: str) -> Any:
+    if batch_size is not None:
+        if hasattr(data, "__iter__") and not hasattr(data, "__getitem__") or isinstance(data, ShuffledBatches):
+            raise InputError(
+                f"{name} is already an iterable of batches, so a batch size cannot apply to it. Received: "
+                f"{type(data).__name__} with a batch size of {batch_size}. Drop the batch size, or pass the data set itself.")
+        if _is_loader(data):
+            raise InputError(f"{name} is a DataLoader, which has its own batch size. Received: batch size {batch_size}. "
+                             "Drop the batch size, or pass loader.dataset.")
+        return ShuffledBatches(data, batch_size, shuffle=shuffle, seed=seed)
+    if isinstance(data, (torch.Tensor, str, bytes, dict)) or not isinstance(data, Iterable):
+        raise InputError(
+            f"{name} must be an iterable of GLOBAL (inputs, targets) batches, or a data set with a batch size. "
+            f"Received: {type(data).__name__}. Pass e.g. a DataLoader, or (x, y) with batch_size=64."
+        )
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        raise InputError(f"{name} is a pair of tensors: give a batch size to batch it. Received: tensors of shapes "
+                         f"{[tuple(t.shape) for t in data]} and no batch size. Add batch_size=64 (or validation_batch_size).")
+    if iter(data) is data:
+        logger.info("%s is an iterator: it can be read only once, so it serves one epoch.", name)
+    return data
+
+
+def _is_loader(data: Any) -> bool:
+    return isinstance(data, torch.utils.data.DataLoader)
+
+
+def _is_resumable(data: Any) -> bool:
+    return all(callable(getattr(data, name, None)) for name in ("set_position", "state_dict", "load_state_dict"))
+
+
+def _check_arguments(strategy: Any, optimizer: Any, loss: Any, epochs: Any, steps_per_epoch: Any,
+                     clip_grad_norm: Any) -> None:
+    if not isinstance(strategy, Strategy):
+        raise InputError(f"fit needs a stratagem strategy first. Received: {type(strategy).__name__}. "
+                         "Use e.g. sg.MirroredStrategy() or sg.OneDeviceStrategy('cpu:0').")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError(f"fit needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}. "
+                         "Build one from model.parameters(), e.g. torch.optim.Adam(model.parameters()).")
+    if not callable(loss):
+        raise InputError(f"loss must be a function of (outputs, targets). Received: {type(loss).__name__}. "
+                         "Use e.g. torch.nn.functional.cross_entropy.")
+    for name, value in (("epochs", epochs), ("steps_per_epoch", steps_per_epoch)):
+        if value is None and name == "steps_per_epoch":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer. Received: {name}={value!r}.")
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        raise InputError(f"clip_grad_norm must be a positive number or None. Received: clip_grad_norm={clip_grad_norm!r}.")
