@@ -23,6 +23,9 @@ from stratagem.strategies import (
     Strategy,
     current_replica_context,
 )
+from stratagem.train import callbacks, metrics
+from stratagem.train.fit import History, fit
+from stratagem.train.loop import evaluate
 from stratagem.values import PerReplica, ReduceOp
 
 __version__ = "0.1.0"
@@ -34,6 +37,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DeviceError",
     "GpuUnavailableError",
+    "History",
     "InputContext",
     "InputError",
     "MirroredStrategy",
@@ -46,4 +50,8 @@ __all__ = [
     "StratagemError",
     "Strategy",
     "current_replica_context",
+    "callbacks",
+    "evaluate",
+    "fit",
+    "metrics",
 ]

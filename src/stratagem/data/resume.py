@@ -32,8 +32,8 @@ import torch
 
 from stratagem.errors import InputError
 
-# The seed of epoch e's order: a large prime keeps (seed, epoch) pairs from colliding for any
-# realistic number of epochs, and it matches the order `stratagem train` used before it ran on fit.
+# The seed of epoch e's order: a large prime stride keeps (seed, epoch) pairs from colliding for any
+# realistic number of epochs.
 _EPOCH_STRIDE = 1_000_003
 
 
