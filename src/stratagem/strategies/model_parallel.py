@@ -1,0 +1,525 @@
+"""ModelParallelStrategy: one model split across devices, for a model too large for one.
+
+Two ways to give the split:
+
+- `stages=[...]`: the layers of an `nn.Sequential` are cut into consecutive stages, one per
+  device (where to cut: `split_points`, or by default balanced by parameter count). A batch can be
+  cut into `num_micro_batches` that flow through the stages concurrently on the GPipe schedule
+  (see strategies/pipeline.py): stage s works on micro-batch m while stage s+1 works on m-1.
+- `placement={"encoder": "cuda:0", "head": "cuda:1"}`: named sub-modules of any model go to
+  devices. Each placed module computes on its device: its inputs are moved there, its outputs are
+  moved back to the device of the code that called it (the enclosing placed module's, or the
+  model's own). The model's forward runs as written, so there are no stages to pipeline.
+
+There is one copy of the model, so `num_replicas_in_sync` is 1 and the training step is the one
+every other strategy runs. The model's output is on the last stage's device (the model's own
+device with `placement=`), and `distribute_dataset` puts batches there too, so targets meet the
+output; the model moves its input to the first stage itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import devices as sg_devices
+from stratagem import diagnose
+from stratagem.diagnose import MemoryEstimate, PlacementDecision
+from stratagem.errors import InputError, MemoryEstimateError
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.distributed import check_optimizer_matches
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.pipeline import Pipeline, ScheduleEvent, balanced_split_points
+from stratagem.strategies.replicas import ReplicaContext, enter_replica
+from stratagem.values import map_structure, select_replica
+
+_Group = tuple[sg_devices.LogicalDevice, list[str], list[nn.Parameter]]
+"""A stage: its device, the names of its modules, its parameters."""
+
+logger = logging.getLogger(__name__)
+
+ROOT = ""
+"""The placement key of the model itself (where code not in a placed module runs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """One stage of the split: its device, its modules, its parameters and the memory they need.
+
+    Example:
+        >>> [(s.device, s.modules, s.num_parameters) for s in strategy.stage_map()]
+        [('cpu:0', ('0', '1'), 112), ('cpu:1', ('2', '3', '4'), 340)]
+    """
+
+    stage: int
+    device: str
+    """The logical device, e.g. "cuda:1" or "cpu:0"."""
+    physical: str
+    """The torch device the stage really runs on."""
+    modules: tuple[str, ...]
+    """The names of the modules of this stage, as in the model's `named_modules()` ("" is the model itself)."""
+    num_parameters: int
+    memory: MemoryEstimate | None
+    """Parameters + gradients + optimizer state on this device (None before `distribute`)."""
+    parameters: tuple[nn.Parameter, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    def describe(self) -> str:
+        where = self.device if self.physical == self.device else f"{self.device} (runs on {self.physical})"
+        if not self.modules:
+            return f"{where}: modules assigned when a model is distributed"
+        names = ", ".join(repr(m) if m else "(the model itself)" for m in self.modules)
+        memory = f"; {self.memory.describe()}" if self.memory is not None else ""
+        return f"{where}: modules {names}; {self.num_parameters:,} parameters{memory}"
+
+
+class ModelParallelStrategy(Strategy):
+    """Splits one model across devices; optionally pipelines micro-batches through the stages (GPipe).
+
+    Args:
+        stages: one device per stage of an `nn.Sequential` (TF or torch spelling).
+        split_points: with `stages`, the index of the layer each stage after the first starts at
+            (`[2]`: layers 0-1, then 2-end). Default: balanced by parameter count.
+        placement: instead of `stages`, a mapping of module names (as in `named_modules()`) to
+            devices, for any model; `""` names the model itself (default: the first device given).
+        num_micro_batches: with `stages`, how many micro-batches each batch is cut into (a batch
+            smaller than this gives one example per micro-batch). 1: the stages run one after another.
+        timeout: seconds to wait for a stage before failing with an error naming it.
+        intra_op_threads: torch intra-op threads per CPU stage thread (default: the process's
+            threads shared among the CPU stages).
+
+    Example:
+        >>> strategy = sg.ModelParallelStrategy(["cuda:0", "cuda:1"], num_micro_batches=4)
+        >>> model, optimizer = strategy.distribute(nn.Sequential(...), torch.optim.Adam(...))
+        >>> for x, y in strategy.distribute_dataset(loader):     # batches on cuda:1, with the output
+        ...     loss = strategy.run(train_step, args=(x, y))
+        >>> print(strategy.explain())                              # the stage map
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[str | torch.device] | None = None,
+        *,
+        split_points: Sequence[int] | None = None,
+        placement: Mapping[str, str | torch.device] | None = None,
+        num_micro_batches: int = 1,
+        timeout: float = 300.0,
+        intra_op_threads: int | None = None,
+        registry: sg_devices.DeviceRegistry | None = None,
+    ) -> None:
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise InputError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}.")
+        if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+            raise InputError(
+                f"num_micro_batches must be a whole number >= 1. Received: num_micro_batches={num_micro_batches!r}. "
+                "Use 1 for no pipelining, or e.g. 4 to cut each batch into 4 micro-batches."
+            )
+        if (stages is None) == (placement is None):
+            raise InputError(
+                "ModelParallelStrategy needs exactly one way to split the model. Received: "
+                f"stages={_show(stages)}, placement={_show(placement)}. Give stages=['cuda:0', 'cuda:1'] for the "
+                "layers of an nn.Sequential, or placement={'encoder': 'cuda:0', 'head': 'cuda:1'} for any model."
+            )
+        self._timeout = float(timeout)
+        self._num_micro_batches = num_micro_batches
+        self._decisions: list[PlacementDecision] = []
+        self._placement: dict[str, sg_devices.LogicalDevice] | None = None
+        self._split_points = None
+        if stages is not None:
+            self._stage_devices = sg_devices.resolve_devices(stages, registry=registry)
+            self._split_points = self._check_split_points(split_points)
+            self._check_one_stage_per_gpu()
+            self._output = self._stage_devices[-1]
+            self._decisions.append(PlacementDecision(
+                subject="stages", choice=", ".join(d.name for d in self._stage_devices), reason="given by stages="))
+        else:
+            self._placement = self._resolve_placement(placement, split_points, registry)
+            self._stage_devices = list({d.name: d for d in self._placement.values()}.values())
+            self._output = self._placement[ROOT]
+        self._decisions.append(self._micro_batch_decision())
+        self._decisions.append(PlacementDecision(
+            subject="input and output device", choice=self._output.name,
+            reason=(("the last stage's device, where the model's output is" if stages is not None else
+                     "the model's own device, where its forward returns its output")
+                    + "; distribute_dataset puts batches (inputs and targets) there, and the model moves its "
+                    "input to the modules that need it")))
+        self._threads_per_stage = self._choose_threads(intra_op_threads)
+        self._stages: list[StageInfo] = [
+            StageInfo(s, d.name, str(d.physical), (), 0, None) for s, d in enumerate(self._stage_devices)]
+        self._pipeline: Pipeline | None = None
+        self._hooks: list[Any] = []
+        self._model: nn.Module | None = None
+
+    # ---- construction checks ------------------------------------------------------------------
+    def _check_split_points(self, split_points: Sequence[int] | None) -> list[int] | None:
+        if split_points is None:
+            return None
+        num_stages = len(self._stage_devices)
+        points = list(split_points) if isinstance(split_points, Sequence) and not isinstance(split_points, str) else None
+        if (points is None or len(points) != num_stages - 1
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in points)
+                or any(b <= a for a, b in zip([0] + points, points))):
+            raise InputError(
+                f"split_points must list, in increasing order, the layer index where each of stages 1..{num_stages - 1} "
+                f"starts: {num_stages - 1} whole number(s) >= 1 for {num_stages} stages. Received: "
+                f"split_points={split_points!r}. E.g. split_points=[2] puts layers 0-1 on {self._stage_devices[0].name} "
+                "and the rest on the next stage; leave it out to balance by parameter count."
+            )
+        return points
+
+    def _check_one_stage_per_gpu(self) -> None:
+        gpus = [d.physical for d in self._stage_devices if d.physical.type == "cuda"]
+        shared = sorted({str(g) for g in gpus if gpus.count(g) > 1})
+        if shared:
+            names = ", ".join(d.name for d in self._stage_devices)
+            raise InputError(
+                f"A pipeline runs at most one stage per physical GPU. Received: stages on logical GPUs that share "
+                f"{', '.join(shared)} ({names}). torch runs the backward passes of one GPU on a single thread, so two "
+                "stages there cannot overlap and would wait for each other. Merge those stages into one, or put "
+                "them on different GPUs."
+            )
+
+    def _resolve_placement(self, placement: Any, split_points: Any,
+                           registry: sg_devices.DeviceRegistry | None) -> dict[str, sg_devices.LogicalDevice]:
+        if not isinstance(placement, Mapping) or not placement or not all(isinstance(k, str) for k in placement):
+            raise InputError(
+                f"placement must map module names to devices. Received: placement={placement!r}. Use e.g. "
+                "placement={'encoder': 'cuda:0', 'head': 'cuda:1'} (names as in model.named_modules())."
+            )
+        if split_points is not None:
+            raise InputError(
+                f"split_points cuts the layers of stages=, not a placement. Received: split_points={split_points!r} "
+                "with placement=. Drop split_points, or give stages= for an nn.Sequential."
+            )
+        if self._num_micro_batches > 1:
+            raise InputError(
+                "Micro-batches flow through the stages of an nn.Sequential; with placement= the model's own forward "
+                f"runs, which has no stages to pipeline. Received: num_micro_batches={self._num_micro_batches} with "
+                "placement=. Use num_micro_batches=1, or stages=[...] with the model written as an nn.Sequential."
+            )
+        resolved = {name: sg_devices.resolve_devices([device], registry=registry)[0] for name, device in placement.items()}
+        if ROOT in resolved:
+            why = "given by placement['']"
+        else:
+            first = next(iter(resolved.values()))
+            resolved = {ROOT: first, **resolved}
+            why = ("the first device of placement=; the model's own code and any module not named in placement= "
+                   "run there (add '' to placement= to choose)")
+        self._decisions.append(PlacementDecision(
+            subject="placement", choice=", ".join(f"{n or '(the model itself)'} -> {d.name}" for n, d in resolved.items()),
+            reason=f"given by placement=; the model itself on {resolved[ROOT].name}: {why}"))
+        return resolved
+
+    def _micro_batch_decision(self) -> PlacementDecision:
+        m = self._num_micro_batches
+        if self._placement is not None:
+            return PlacementDecision(subject="micro-batches", choice="1",
+                                     reason="placement= runs the model's own forward: modules run one after another")
+        if m == 1:
+            reason = ("num_micro_batches=1: each batch goes through the stages whole, one stage after another "
+                      "(no overlap; give num_micro_batches > 1 to pipeline)")
+        else:
+            reason = (f"num_micro_batches={m}: GPipe schedule, every forward then every backward; stage s works on "
+                      "micro-batch m while stage s+1 works on m-1, and gradients accumulate over the micro-batches. "
+                      "The loss is computed on the whole output, so the update equals one device's")
+        return PlacementDecision(subject="micro-batches", choice=str(m), reason=reason)
+
+    def _choose_threads(self, intra_op_threads: int | None) -> int | None:
+        num_cpu = sum(1 for d in self._stage_devices if d.physical.type == "cpu")
+        if num_cpu == 0 or self._placement is not None:
+            return None
+        if intra_op_threads is not None:
+            if isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int) or intra_op_threads < 1:
+                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads!r}.")
+            threads, why = intra_op_threads, "given by intra_op_threads="
+        else:
+            total = torch.get_num_threads()
+            threads = max(1, total // num_cpu)
+            why = (f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU stage(s), so stages "
+                   "running at once do not oversubscribe the cores")
+        self._decisions.append(PlacementDecision(subject="intra-op threads per CPU stage", choice=str(threads), reason=why))
+        return threads
+
+    # ---- the Strategy vocabulary --------------------------------------------------------------
+    @property
+    def _local_devices(self) -> list[torch.device]:
+        return [self._output.physical]
+
+    def stage_map(self) -> list[StageInfo]:
+        """Per stage (per device with `placement=`): device, modules, parameter count and memory."""
+        return list(self._stages)
+
+    def last_schedule(self) -> list[ScheduleEvent]:
+        """The events of the last forward and backward pass, in the order they happened (empty before one)."""
+        run = self._pipeline.last_run if self._pipeline is not None else None
+        return list(run.events) if run is not None else []
+
+    def explain(self) -> Explanation:
+        details: dict[str, Any] = {}
+        label = "stage" if self._placement is None else "device"
+        for info in self._stages:
+            details[f"{label} {info.stage}"] = info.describe()
+        replicas = [ReplicaPlacement(0, self._output.name, str(self._output.physical))]
+        return Explanation(type(self).__name__, 1, replicas, list(self._decisions), details)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs `fn(*args, **kwargs)` once (one model copy); the model inside it runs across the stages."""
+        if not callable(fn):
+            raise InputError(f"run() needs a function to call. Received: {type(fn).__name__}.")
+        previous = enter_replica(ReplicaContext(0, 1, self._output.physical, self))
+        caller_threads = torch.get_num_threads()
+        if self._threads_per_stage is not None and self._output.physical.type == "cpu":
+            # The caller's thread runs the last stage's backward while the stage threads work.
+            torch.set_num_threads(self._threads_per_stage)
+        try:
+            return fn(*select_replica(tuple(args), 0), **select_replica(dict(kwargs or {}), 0))
+        finally:
+            enter_replica(previous)
+            if torch.get_num_threads() != caller_threads:
+                torch.set_num_threads(caller_threads)
+
+    def close(self) -> None:
+        """Stops the stage threads (the model stays usable: they start again when it is called)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    # ---- distribute ---------------------------------------------------------------------------
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Moves each part of `model` to its device; returns `(model, optimizer)` (the model alone without one).
+
+        With `stages=` the model returned runs the pipeline and has the same `state_dict()` keys as
+        the `nn.Sequential` given; with `placement=` it is the model given, with its placed modules moved.
+        """
+        if not isinstance(model, nn.Module):
+            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
+        if self._model is not None:
+            raise InputError(
+                "This strategy already holds a distributed model; a strategy distributes one model. "
+                "Build a second strategy for a second model."
+            )
+        if optimizer is not None:
+            check_optimizer_matches(model, optimizer)
+        if self._placement is None:
+            groups = self._split_sequential(model)
+        else:
+            groups = _group_placement(model, self._placement)
+        self._stages = [self._stage_info(s, device, names, params, optimizer)
+                        for s, (device, names, params) in enumerate(groups)]
+        self._check_memory()
+        if self._placement is None:
+            distributed = self._build_pipeline(model)
+        else:
+            distributed = self._place(model, self._placement)
+        if optimizer is not None and optimizer.state and any(d.physical.type != "cpu" for d in self._stage_devices):
+            optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to its parameter
+        self._model = distributed
+        return distributed if optimizer is None else (distributed, optimizer)
+
+    def _split_sequential(self, model: nn.Module) -> list[_Group]:
+        num_stages = len(self._stage_devices)
+        if not isinstance(model, nn.Sequential):
+            raise InputError(
+                f"stages= cuts the layers of an nn.Sequential into consecutive stages. Received: a "
+                f"{type(model).__name__}. Write the model as an nn.Sequential of its layers, or use "
+                "placement={'module name': 'device', ...}, which places named modules of any model."
+            )
+        layers = list(model.named_children())
+        if len(layers) < num_stages:
+            raise InputError(
+                f"{num_stages} stages need at least {num_stages} layers to cut. Received: an nn.Sequential of "
+                f"{len(layers)} layer(s) and stages={[d.name for d in self._stage_devices]}. Use fewer stages."
+            )
+        if self._num_micro_batches > 1:
+            norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            if norms:
+                raise InputError(
+                    f"BatchNorm layers {norms} would normalise each micro-batch with its own statistics, so training "
+                    f"would differ from one device on the whole batch. Received: num_micro_batches="
+                    f"{self._num_micro_batches}. Use num_micro_batches=1 (exact), or a per-example normalisation "
+                    "(nn.GroupNorm, nn.LayerNorm)."
+                )
+        counts = [sum(p.numel() for p in layer.parameters()) for _, layer in layers]
+        if self._split_points is not None:
+            points, why = self._split_points, f"given by split_points={self._split_points}"
+            if points[-1] >= len(layers):
+                raise InputError(
+                    f"split_points must be layer indices between 1 and {len(layers) - 1} for this nn.Sequential of "
+                    f"{len(layers)} layers. Received: split_points={points}. Every stage needs at least one layer."
+                )
+        else:
+            points = balanced_split_points(counts, num_stages)
+            why = ("balanced by parameter count (the largest stage as small as possible; an activation stays "
+                   "with the layer before it); set split_points= to choose")
+        bounds = [0, *points, len(layers)]
+        stage_counts = [sum(counts[a:b]) for a, b in itertools.pairwise(bounds)]
+        self._decisions.append(PlacementDecision(
+            subject="split", choice=f"stages start at layers {bounds[:-1]}",
+            reason=f"{why}; parameters per stage {stage_counts}"))
+        groups = []
+        for device, (a, b) in zip(self._stage_devices, itertools.pairwise(bounds)):
+            names = [name for name, _ in layers[a:b]]
+            params = _unique([p for _, layer in layers[a:b] for p in layer.parameters()])
+            groups.append((device, names, params))
+        _check_not_shared(groups)
+        return groups
+
+    def _stage_info(self, stage: int, device: sg_devices.LogicalDevice, names: list[str],
+                    params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> StageInfo:
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        state = diagnose.estimate_training_memory(trainable, optimizer)
+        memory = MemoryEstimate(parameter_bytes=param_bytes, gradient_bytes=trainable,
+                                optimizer_state_bytes=state.optimizer_state_bytes, optimizer=state.optimizer)
+        return StageInfo(stage, device.name, str(device.physical), tuple(names), sum(p.numel() for p in params),
+                         memory, tuple(params))
+
+    def _check_memory(self) -> None:
+        """Before anything is copied: does each GPU have room for its stage's training state?"""
+        devices = {d.name: d for d in self._stage_devices}
+        for info in self._stages:
+            device = devices[info.device]
+            if device.physical.type != "cuda" or info.memory is None:
+                continue
+            if device.memory_limit is not None:
+                room, what = device.memory_limit, f"the memory limit of logical device {device.name}"
+            elif torch.cuda.is_available():
+                room, what = torch.cuda.mem_get_info(device.physical)[0], f"the free memory of {device.physical}"
+            else:
+                continue
+            if info.memory.total_bytes > room:
+                raise MemoryEstimateError(
+                    f"Stage {info.stage} on {device.name} (modules {list(info.modules)}) needs at least "
+                    f"{info.memory.describe()}, but {what} is {diagnose.format_bytes(room)}. Options: more stages, "
+                    "a split that moves layers to a GPU with room (split_points= or placement=), or an optimizer "
+                    "with less state (SGD keeps none)."
+                )
+
+    def _build_pipeline(self, model: nn.Module) -> nn.Module:
+        children = dict(model.named_children())
+        stage_modules = []
+        for info, device in zip(self._stages, self._stage_devices):
+            stage = nn.Sequential(collections.OrderedDict((name, children[name]) for name in info.modules))
+            stage_modules.append(stage.to(device.physical))
+        self._pipeline = Pipeline(
+            stage_modules, [d.physical for d in self._stage_devices], [d.name for d in self._stage_devices],
+            num_micro_batches=self._num_micro_batches, timeout=self._timeout,
+            threads_per_stage=self._threads_per_stage, strategy=self)
+        return PipelineModel(model, self._pipeline)
+
+    def _place(self, model: nn.Module, placement: dict[str, sg_devices.LogicalDevice]) -> nn.Module:
+        modules = dict(model.named_modules())
+        # Shallow first, so that a module placed inside another placed module ends up on its own device.
+        for name in sorted(placement, key=lambda n: (n.count(".") + bool(n), n)):
+            modules[name].to(placement[name].physical)
+        for name, device in placement.items():
+            parent = placement[_owner(name.rpartition(".")[0], placement)]
+            if name == ROOT or parent.name == device.name:
+                continue
+            module = modules[name]
+            self._hooks.append(module.register_forward_pre_hook(_move_inputs(device.physical), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(_move_outputs(parent.physical)))
+        return model
+
+
+class PipelineModel(nn.Module):
+    """The layers of the user's `nn.Sequential`, run as a pipeline: same names, same `state_dict()` keys.
+
+    Example:
+        >>> model, optimizer = strategy.distribute(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)), opt)
+        >>> out = model(x)              # on the last stage's device
+    """
+
+    def __init__(self, layers: nn.Sequential, pipeline: Pipeline) -> None:
+        super().__init__()
+        for name, layer in layers.named_children():
+            self.add_module(name, layer)
+        self.train(layers.training)
+        object.__setattr__(self, "_pipeline", pipeline)  # a plain attribute: not a sub-module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pipeline.forward(x)
+
+    def to(self, *args: Any, **kwargs: Any) -> PipelineModel:
+        raise InputError(
+            "A model split across devices stays on the devices its strategy chose; it cannot be moved with .to(). "
+            f"Received: .to({', '.join(map(repr, args))}). Choose devices with the strategy's stages= instead."
+        )
+
+
+def _group_placement(model: nn.Module, placement: dict[str, sg_devices.LogicalDevice]) -> list[_Group]:
+    """Which parameters each device holds: a parameter goes with the longest placed prefix of its module."""
+    modules = dict(model.named_modules())
+    unknown = [name for name in placement if name not in modules]
+    if unknown:
+        valid = [name for name in modules if name]
+        shown = ", ".join(map(repr, valid[:40])) + (f", ... ({len(valid)} in all)" if len(valid) > 40 else "")
+        raise InputError(
+            f"placement names modules that this {type(model).__name__} does not have: {unknown}. Valid names "
+            f"(as in model.named_modules()): {shown}; '' is the model itself."
+        )
+    by_device: dict[str, tuple[sg_devices.LogicalDevice, list[str], list[nn.Parameter]]] = {}
+    for name, device in placement.items():
+        by_device.setdefault(device.name, (device, [], []))[1].append(name)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = _owner(name.rpartition(".")[0], placement)
+        by_device[placement[owner].name][2].append(param)
+    groups = [(d, names, _unique(params)) for d, names, params in by_device.values()]
+    _check_not_shared(groups)
+    return groups
+
+
+def _owner(module_name: str, placement: Mapping[str, Any]) -> str:
+    """The placed module whose device `module_name` runs on: the longest placed prefix ("" at worst)."""
+    best = ROOT
+    for name in placement:
+        if name and (module_name == name or module_name.startswith(name + ".")) and len(name) > len(best):
+            best = name
+    return best
+
+
+def _move_inputs(device: torch.device) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _to(args, device), _to(kwargs, device)
+
+    return hook
+
+
+def _move_outputs(device: torch.device) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        return _to(output, device)
+
+    return hook
+
+
+def _to(structure: Any, device: torch.device) -> Any:
+    return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
+
+
+def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def _check_not_shared(groups: Sequence[_Group]) -> None:
+    """A parameter used by modules on two devices can live on only one of them: refuse the split."""
+    seen: dict[int, str] = {}
+    for device, names, params in groups:
+        for p in params:
+            other = seen.setdefault(id(p), device.name)
+            if other != device.name:
+                raise InputError(
+                    f"A parameter of shape {tuple(p.shape)} is shared by modules on {other} and {device.name} (tied "
+                    f"weights), but it can live on one device only. Received: modules {names} on {device.name}. Put "
+                    "the modules that share it on the same device."
+                )
+
+
+def _show(value: Any) -> str:
+    return "None" if value is None else repr(value)
