@@ -16,7 +16,9 @@ from stratagem.errors import (
     StratagemError,
 )
 from stratagem.strategies import (
+    CentralStorageStrategy,
     MirroredStrategy,
+    ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ReplicaContext,
@@ -34,6 +36,7 @@ __all__ = [
     "data",
     "devices",
     "diagnose",
+    "CentralStorageStrategy",
     "CollectiveTimeoutError",
     "DeviceError",
     "GpuUnavailableError",
@@ -41,6 +44,7 @@ __all__ = [
     "InputContext",
     "InputError",
     "MirroredStrategy",
+    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",

@@ -1,16 +1,20 @@
 """The strategy family."""
 
 from stratagem.strategies.base import DistributedDataset, Strategy
+from stratagem.strategies.central_storage import CentralStorageStrategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.model_parallel import ModelParallelStrategy
 from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.replicas import ReplicaContext, current_replica_context
 
 __all__ = [
+    "CentralStorageStrategy",
     "DistributedDataset",
     "Explanation",
     "MirroredStrategy",
+    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ReplicaContext",

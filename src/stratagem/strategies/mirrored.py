@@ -170,17 +170,7 @@ class MirroredStrategy(Strategy):
 
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        if not isinstance(model, nn.Module):
-            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
-        if self._model is not None:
-            raise InputError(
-                "This strategy already holds a distributed model; a strategy distributes one model. "
-                "Build a second strategy for a second model."
-            )
-        if optimizer is not None:
-            check_optimizer_matches(model, optimizer)
+        self._check_distribute_args(model, optimizer)
         self._check_memory(model, optimizer)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
@@ -217,6 +207,20 @@ class MirroredStrategy(Strategy):
         if optimizer is None:
             return distributed
         return distributed, distributed_optimizer
+
+    def _check_distribute_args(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """The checks every strategy of this family makes before `distribute` copies anything."""
+        if not isinstance(model, nn.Module):
+            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
+        if self._model is not None:
+            raise InputError(
+                "This strategy already holds a distributed model; a strategy distributes one model. "
+                "Build a second strategy for a second model."
+            )
+        if optimizer is not None:
+            check_optimizer_matches(model, optimizer)
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: does each GPU replica have room for the model's training state?"""

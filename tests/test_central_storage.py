@@ -1,0 +1,327 @@
+"""CentralStorageStrategy: parameters and optimizer state once on a central device, replicas compute.
+
+Expected values come from the plain one-device loop of tests/cases.py (or a plain module run by
+hand); GPU placements are checked on constructed machines (no CUDA call is made before
+`distribute` copies anything), the real GPU paths in tests/gpu/check_strategies.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+from cases import MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, mlp, train_reference, train_with
+from conftest import cpu_registry
+from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
+from stratagem.errors import DeviceError, MemoryEstimateError
+
+
+def central(num_replicas: int, **kwargs) -> sg.CentralStorageStrategy:
+    return sg.CentralStorageStrategy([f"cpu:{i}" for i in range(num_replicas)], registry=cpu_registry(3), **kwargs)
+
+
+def gpu_machine(num_gpus: int, memory_limit: int | None = None) -> DeviceRegistry:
+    """A constructed machine with GPUs: placement is decided and checked without any CUDA call."""
+    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2)] + [
+        PhysicalDevice(device_type="cuda", index=i, name="H200", total_memory=2**37) for i in range(num_gpus)])
+    if memory_limit is not None:
+        registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(memory_limit=memory_limit)])
+    return registry
+
+
+def grad_norm(model) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+
+
+# ---- equivalence with one device -------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("num_replicas,share", [(1, True), (2, True), (3, True), (2, False), (3, False)],
+                         ids=["1", "2-in-place", "3-in-place", "2-copies", "3-copies"])
+def test_central_storage_matches_one_device(num_replicas, share, model_name, opt_name, dtype):
+    """Uneven splits, a last short batch, a batch smaller than 3 replicas, clipping between backward and step."""
+    reference, ref_opt, shape = build(model_name, opt_name, dtype)
+    model, opt, _ = build(model_name, opt_name, dtype)
+    batches = make_batches(shape, dtype)
+    train_reference(reference, ref_opt, batches)
+
+    strategy = central(num_replicas, share_parameters=share)
+    dist_model, dist_opt, losses = train_with(strategy, model, opt, batches)
+    strategy.close()
+
+    assert_same_state(reference, dist_model.central, dtype)
+    assert_same_state(reference, model, dtype)  # the user's own module is the central copy
+    got_state, ref_state = dist_opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got_state.keys() == ref_state.keys()
+    for index, entries in ref_state.items():
+        for name, value in entries.items():
+            torch.testing.assert_close(torch.as_tensor(got_state[index][name]), torch.as_tensor(value), **TOL[dtype])
+    for (x, y), loss in zip(batches, losses):
+        assert torch.isfinite(loss)
+
+
+def test_clipping_in_every_replica_scales_the_global_gradient_once():
+    """Each replica clips what it sees; if a gradient were shared and clipped by every replica, the norm
+    after clipping would fall below max_norm and the update would differ from one device."""
+    max_norm = 0.05
+    reference, ref_opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    batches = make_batches(shape, torch.float64, sizes=[12, 7, 2])
+    ref_norms = []
+    for x, y in batches:
+        F.cross_entropy(reference(x), y).backward()
+        before = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_norms.append((before, grad_norm(reference)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(before > 2 * max_norm for before, _ in ref_norms)  # clipping really engages
+
+    for share in (True, False):
+        model, opt, _ = build("mlp", "sgd_momentum", torch.float64)
+        strategy = central(3, share_parameters=share)
+        model, opt = strategy.distribute(model, opt)
+
+        def step(x, y):
+            F.cross_entropy(model(x), y).backward()
+            before = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            after = grad_norm(model)
+            opt.step()
+            opt.zero_grad()
+            return before, after
+
+        for batch, (want_before, want_after) in zip(strategy.distribute_dataset(batches), ref_norms):
+            before, after = strategy.run(step, args=batch)
+            for got in strategy.experimental_local_results(before):
+                torch.testing.assert_close(got, want_before, rtol=1e-9, atol=0)
+            for got in strategy.experimental_local_results(after):
+                torch.testing.assert_close(got, want_after, rtol=1e-9, atol=0)
+        strategy.close()
+        assert_same_state(reference, model.central, torch.float64)
+
+
+def test_lr_scheduler_on_the_returned_optimizer_drives_the_central_update():
+    reference, ref_opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    model, opt, _ = build("mlp", "sgd_momentum", torch.float64)
+    batches = make_batches(shape, torch.float64, sizes=[6, 5, 4])
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for x, y in batches:
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+
+    strategy = central(2)
+    model, opt = strategy.distribute(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for batch in strategy.distribute_dataset(batches):
+        strategy.run(step, args=batch)
+        sched.step()
+    strategy.close()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert_same_state(reference, model.central, torch.float64)
+
+
+# ---- storage: once, on the central device ----------------------------------------------------
+
+def test_parameters_and_optimizer_state_exist_once_and_the_update_runs_once_per_step():
+    model, user_opt, shape = build("mlp", "adam", torch.float64)
+    num_params = len(list(model.parameters()))
+    batches = make_batches(shape, torch.float64)
+    updates = []
+    user_opt.register_step_post_hook(lambda *_: updates.append(1))
+    strategy = central(3)
+    dist_model, dist_opt, _ = train_with(strategy, model, user_opt, batches)
+    strategy.close()
+
+    assert len(updates) == len(batches)  # once per step, not once per replica
+    assert dist_opt.optimizer is user_opt and dist_opt.state is user_opt.state
+    assert len(user_opt.state) == num_params
+    for param, entry in user_opt.state.items():
+        assert param.device == strategy.parameter_device == torch.device("cpu")
+        assert entry["exp_avg"].shape == param.shape and entry["exp_avg"].device == param.device
+    storages = {p.data_ptr() for m in [dist_model.central, *dist_model.replicas] for p in m.parameters()}
+    assert len(storages) == num_params  # the three replicas read the central parameters in place
+
+    reference, ref_opt, _ = build("mlp", "adam", torch.float64)
+    train_reference(reference, ref_opt, batches)
+    plain = OPTIMIZERS["adam"](reference.parameters())
+    plain.load_state_dict(dist_opt.state_dict())  # a checkpoint in the plain optimizer's own format
+    for a, b in zip(plain.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], **TOL[torch.float64])
+
+
+def test_replicas_with_their_own_copy_receive_the_central_parameters_every_step():
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    strategy = central(2, share_parameters=False)
+    model, opt = strategy.distribute(model, opt)
+    storages = {p.data_ptr() for m in [model.central, *model.replicas] for p in m.parameters()}
+    assert len(storages) == 3 * len(list(model.central.parameters()))
+    assert strategy.explain().decision("parameter copies").choice == "one per step to 2 replica(s)"
+
+    def step_and_report(x, y):
+        seen = [p.detach().clone() for p in model.parameters()]  # this replica's copy, before the update
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        return seen
+
+    for batch in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=[5, 4])):
+        expected = [p.detach().clone() for p in model.parameters()]  # outside run: the central copy
+        seen = strategy.run(step_and_report, args=batch)
+        for per_replica, want in zip(seen, expected):
+            for got in strategy.experimental_local_results(per_replica):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    loaded = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)  # outside run: into the central copy, handed to the replicas
+    for replica in model.replicas:
+        assert all(torch.count_nonzero(p) == 0 for p in replica.parameters())
+    strategy.close()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["in-place", "copies"])
+def test_central_copy_keeps_the_buffers_replica_0_computed(share):
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()
+    plain = copy.deepcopy(net)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    strategy = central(2, share_parameters=share)
+    model = strategy.distribute(net)
+    (batch,) = list(strategy.distribute_dataset([x]))
+    strategy.run(lambda piece: model(piece).sum().backward(), args=(batch,))
+    strategy.close()
+    plain(x[:3])  # replica 0's slice of 5 examples over 2 replicas
+    for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        torch.testing.assert_close(model.state_dict()[name], plain.state_dict()[name], rtol=1e-12, atol=1e-12)
+
+
+# ---- placement and explain() -----------------------------------------------------------------
+
+def test_explain_on_logical_cpus_says_where_parameters_live_why_and_how_gradients_combine():
+    strategy = central(3)
+    explanation = strategy.explain()
+    storage = explanation.decision("parameter storage")
+    assert storage.choice == "once, on cpu"
+    assert "3 compute devices (cpu:0, cpu:1, cpu:2)" in storage.reason and "tf.distribute's rule" in storage.reason
+    copies = explanation.decision("parameter copies")
+    assert copies.choice == "none" and "read its parameters in place (no copy)" in copies.reason
+    combination = explanation.decision("gradient combination")
+    assert combination.choice == "in-memory, on cpu" and "weighted gradient" in combination.reason
+    update = explanation.decision("optimizer update")
+    assert update.choice == "once per step, on cpu" and "replica 0 (cpu:0) applies" in update.reason
+    text = str(explanation)
+    assert text.startswith("CentralStorageStrategy: 3 replica(s) in sync")
+    assert "gradient weighting: each replica's gradient weighted by its share of the global batch" in text
+    net = mlp()
+    strategy.distribute(net)
+    # 6*16+16 + 16*16+16 + 16*4+4 = 452 values in the MLP's six tensors
+    assert "6 tensors, 452 values, trained once on cpu" in str(strategy.explain())
+    strategy.close()
+
+
+def test_one_gpu_holds_parameters_and_computes():
+    strategy = sg.CentralStorageStrategy(registry=gpu_machine(1))
+    assert strategy.parameter_device == torch.device("cuda", 0)
+    explanation = strategy.explain()
+    assert [r.device for r in explanation.replicas] == ["cuda:0"]
+    assert explanation.decision("parameter storage").choice == "once, on cuda:0"
+    assert "one compute device (cuda:0)" in explanation.decision("parameter storage").reason
+    assert explanation.decision("parameter copies").choice == "none"
+
+
+def test_several_gpus_compute_and_the_cpu_holds_the_parameters():
+    strategy = sg.CentralStorageStrategy(registry=gpu_machine(2))
+    explanation = strategy.explain()
+    assert [r.device for r in explanation.replicas] == ["cuda:0", "cuda:1"]
+    assert strategy.parameter_device == torch.device("cpu")
+    assert explanation.decision("parameter copies").choice == "one per step to 2 replica(s)"
+    assert "they compute on another device than cpu" in explanation.decision("parameter copies").reason
+    combination = explanation.decision("gradient combination")
+    assert combination.choice == "reduce onto cpu" and "copied back to every replica" in combination.reason
+
+
+def test_parameter_device_given_explicitly():
+    strategy = central(2, parameter_device="/cpu:1")
+    assert strategy.explain().decision("parameter storage").reason == "given by parameter_device="
+    assert strategy.explain().details["parameter device"] == "cpu:1 (runs on cpu)"
+    gpu_central = sg.CentralStorageStrategy(["cpu:0"], parameter_device="cuda:0", registry=gpu_machine(1))
+    assert gpu_central.parameter_device == torch.device("cuda", 0)
+    assert gpu_central.explain().decision("gradient combination").choice == "reduce onto cuda:0"
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,message", [
+    (3, r"parameter_device must be one device name. Received: parameter_device=3 \(int\)"),
+    (["cpu"], r"parameter_device must be one device name. Received: parameter_device=\['cpu'\] \(list\)"),
+    ("tpu:0", r"parameter_device='tpu:0' cannot hold the parameters: .*tpu:0"),
+    ("cpu:7", r"parameter_device='cpu:7' cannot hold the parameters: Device 'cpu:7' is out of range: this machine "
+              r"has 3 logical CPU devices"),
+    ("cuda:0", r"parameter_device='cuda:0' cannot hold the parameters: Device 'cuda:0' is a GPU, but no GPU is visible"),
+    ("/job:worker/task:1/device:CPU:0", r"cannot hold the parameters: Device '/job:worker/task:1/device:CPU:0' is on "
+                                        r"task worker:1"),
+])
+def test_bad_parameter_device_is_refused(value, message):
+    with pytest.raises(DeviceError, match=message):
+        central(2, parameter_device=value)
+
+
+def test_bad_share_parameters_and_require_gpu_without_gpu():
+    with pytest.raises(sg.InputError, match=r"share_parameters must be True or False. Received: share_parameters='no'"):
+        central(2, share_parameters="no")
+    with pytest.raises(sg.GpuUnavailableError, match=r"the devices given are not GPUs. Received: devices=\['cpu:0'\]"):
+        central(1, require_gpu=True)
+    with pytest.raises(sg.GpuUnavailableError, match=r"no GPU can be used, so CentralStorageStrategy would compute on"):
+        sg.CentralStorageStrategy(require_gpu=True, registry=cpu_registry(2))
+
+
+def test_models_too_large_for_a_gpu_are_refused_before_anything_is_copied():
+    net = nn.Linear(100, 100)  # 40,400 bytes of parameters, as much for gradients, twice that for Adam's state
+    strategy = sg.CentralStorageStrategy(registry=gpu_machine(1, memory_limit=1000))
+    with pytest.raises(MemoryEstimateError, match=r"The central copy \(parameters, gradients and optimizer state\) on "
+                       r"cuda:0 needs at least 157.81 KiB .* limit of logical device cuda:0 is 1000 B. Keep the "
+                       r"parameters on the CPU \(parameter_device='cpu'\)"):
+        strategy.distribute(net, torch.optim.Adam(net.parameters()))
+    compute_only = sg.CentralStorageStrategy(["cuda:0"], parameter_device="cpu", registry=gpu_machine(1, 1000))
+    with pytest.raises(MemoryEstimateError, match=r"A replica's compute copy \(parameters and gradients\) on cuda:0 "
+                       r"needs at least 78.91 KiB"):
+        compute_only.distribute(net, torch.optim.Adam(net.parameters()))
+    assert next(net.parameters()).device.type == "cpu"
+
+
+def test_step_outside_run_with_a_closure_or_in_one_replica_only_is_an_error():
+    net = mlp().double()
+    strategy = central(2)
+    model, opt = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(sg.InputError, match=r"optimizer.step\(\) ran outside strategy.run\(\).*Received: a call with 2 "
+                                            r"replicas and no step running"):
+        opt.step()
+    with pytest.raises(sg.InputError, match=r"a closure that re-evaluates the loss cannot run on every replica. "
+                                            r"Received: closure="):
+        strategy.run(lambda: opt.step(lambda: 0.0))
+    x, y = make_batches((6,), torch.float64, sizes=[4])[0]
+
+    def step_in_replica_0_only(a, b):
+        F.cross_entropy(model(a), b).backward()
+        if sg.current_replica_context().replica_id_in_sync_group == 0:
+            opt.step()
+
+    (batch,) = list(strategy.distribute_dataset([(x, y)]))
+    with pytest.raises(sg.ReplicaError, match=r"waiting at the optimizer step of step \d+, but replica 1 \(cpu:1\) "
+                                              r"returned from the step function"):
+        strategy.run(step_in_replica_0_only, args=batch)
+    with pytest.raises(sg.InputError, match="already holds a distributed model"):
+        strategy.distribute(mlp())
+    strategy.close()
