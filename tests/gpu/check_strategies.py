@@ -120,6 +120,24 @@ def multi_worker_nccl():
     return f"one NCCL worker equals one device\n{text}"
 
 
+def model_parallel():
+    """Stages on cuda:0 and the CPU (and on two GPUs when there are): real device boundaries both ways."""
+    lines = []
+    splits = [["cuda:0", "cpu:0"], ["cpu:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else [])
+    for stages in splits:
+        strategy = sg.ModelParallelStrategy(stages, num_micro_batches=3)
+        same(train(strategy), reference("cuda:0"))
+        for info in strategy.stage_map():
+            devices = {str(p.device) for p in info.parameters}
+            assert devices == {info.physical}, f"stage {info.stage} on {info.physical} holds parameters on {devices}"
+        strategy.close()
+        lines.append(f"stages {stages}, 3 micro-batches: equal to one device, each stage's parameters on its device")
+    strategy = sg.ModelParallelStrategy(placement={"0": "cuda:0", "2": "cpu:0"})
+    same(train(strategy), reference("cuda:0"))
+    lines.append("placement {'0': 'cuda:0', '2': 'cpu:0'}: equal to one device")
+    return "\n".join(lines) + f"\n{strategy.explain()}"
+
+
 def throughput():
     workload = WORKLOADS["mlp"]
     data = [(x.cuda(), y.cuda()) for x, y in workload.make_batches()]
@@ -173,6 +191,7 @@ def main() -> int:
     check("mirrored over every GPU", mirrored_all_gpus)
     check("mirrored over cuda:0 and cpu:0", mirrored_gpu_and_cpu)
     check("multi-worker over NCCL, one process", multi_worker_nccl)
+    check("model parallel: stages and placement across cuda:0 and the CPU", model_parallel)
     check("throughput on the MLP workload (samples/s)", throughput)
     print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all strategy checks passed")
     return 1 if FAILED else 0
