@@ -40,6 +40,10 @@ MAX_MESSAGE_BYTES = wire.CHUNK_BYTES + (1 << 20)
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A restarted task is found again within about a second (gRPC's default backoff grows to 2 minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply.
 Reply = tuple[str, Any, Mapping[str, torch.Tensor]]

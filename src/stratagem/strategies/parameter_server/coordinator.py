@@ -1,0 +1,347 @@
+"""``ClusterCoordinator``: the chief schedules functions on workers, as tf.distribute's coordinator does.
+
+    strategy = sg.ParameterServerStrategy()
+    model, optimizer = strategy.distribute(Net(), torch.optim.Adam(...))
+    coordinator = sg.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(make_dataset))   # make_dataset: module level
+
+    def train_step(iterator):                  # module level: workers find it by name
+        x, y = next(iterator)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()                       # pushes the gradients to the parameter servers
+        optimizer.zero_grad()
+        return loss
+
+    losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(100)]
+    coordinator.join()
+    print([loss.fetch() for loss in losses])
+
+``schedule`` never blocks: it queues the function and returns a ``RemoteValue``. One thread per
+worker takes functions from the queue and runs them there, one at a time. ``join`` waits for
+everything scheduled; ``done`` polls; ``fetch`` waits for values. The first error raised by a
+scheduled function is re-raised by ``join``, ``done``, ``fetch`` and ``schedule``; the functions
+still queued are cancelled (their values raise the same error); after ``join`` has raised it the
+coordinator can be used again.
+
+Faults: a worker that cannot be reached (it died) gives its in-flight function back to the queue,
+so another worker runs it (at least once; a function can run twice if the worker died after
+applying its update); the worker's thread then waits up to ``worker_recovery_timeout`` for it to
+come back (a restarted task on the same address) and goes on; a worker that does not come back is
+dropped, and if no worker is left the coordinator fails naming them. A parameter server that cannot
+be reached is an error naming it (``ps:0``), raised at once: the job is then restarted and resumes
+from its last checkpoint (``strategy.save`` / ``strategy.restore``).
+
+On a worker task the same script reaches ``schedule`` (or ``join``/``done``/``fetch``) and serves
+there until the chief ends the job, then exits (``SystemExit(0)``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.strategies.parameter_server import functions
+from stratagem.strategies.parameter_server.transport import Client
+from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
+
+if TYPE_CHECKING:
+    from stratagem.strategies.parameter_server.strategy import ParameterServerStrategy
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteValue:
+    """The future result of one scheduled function (tf.distribute's ``RemoteValue``)."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self._name = name
+        self._timeout = timeout
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+    def done(self) -> bool:
+        """True once the function has finished (or failed, or was cancelled)."""
+        return self._event.is_set()
+
+    def fetch(self, timeout: float | None = None) -> Any:
+        """Waits for the result and returns it; re-raises the function's error (or the one that cancelled it)."""
+        wait = self._timeout if timeout is None else timeout
+        if not self._event.wait(wait):
+            raise CollectiveTimeoutError(f"{self._name} has no result after {wait:g} s. Received: it is still queued "
+                                         "or running. Fix: coordinator.join() first, or pass a longer timeout.")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    get = fetch
+
+    def __repr__(self) -> str:
+        return f"RemoteValue({self._name}, done={self.done()})"
+
+
+class PerWorkerDataset:
+    """A dataset built on each worker by ``dataset_fn`` (called there with no argument)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, fn_ref: dict[str, Any]) -> None:
+        self.id = f"dataset-{next(self._ids)}"
+        self.fn_ref = fn_ref
+
+    def __iter__(self) -> PerWorkerIterator:
+        return PerWorkerIterator(self)
+
+
+class PerWorkerIterator:
+    """Stands for each worker's own iterator over its ``PerWorkerDataset``; pass it to ``schedule``."""
+
+    def __init__(self, dataset: PerWorkerDataset) -> None:
+        self.dataset = dataset
+
+    def __next__(self) -> Any:
+        raise ParameterServerError("A per-worker iterator is read on the workers. Received: next() on the chief. "
+                                   "Fix: pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
+
+
+class _Closure:
+    def __init__(self, number: int, fn: Callable[..., Any], fn_ref: dict[str, Any], args: Sequence[Any],
+                 kwargs: Mapping[str, Any], timeout: float) -> None:
+        self.number = number
+        self.name = f"{getattr(fn, '__qualname__', 'function')} #{number}"
+        self.fn_ref, self.args, self.kwargs = fn_ref, args, kwargs
+        self.value = RemoteValue(self.name, timeout)
+        self.attempts = 0
+
+
+def _iterator_ref(datasets: dict[str, Any]) -> Callable[[Any], Any]:
+    def ref(value: Any) -> Any:
+        if isinstance(value, PerWorkerDataset):
+            value = iter(value)
+        if isinstance(value, PerWorkerIterator):
+            datasets[value.dataset.id] = value.dataset.fn_ref
+            return {"$iter": value.dataset.id}
+        return None
+
+    return ref
+
+
+class ClusterCoordinator:
+    """Schedules functions on the workers of a ``ParameterServerStrategy`` (see the module docstring)."""
+
+    def __init__(self, strategy: ParameterServerStrategy, *, worker_recovery_timeout: float = 60.0,
+                 closure_timeout: float = 600.0) -> None:
+        for name, value in (("worker_recovery_timeout", worker_recovery_timeout), ("closure_timeout", closure_timeout)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ParameterServerError(f"{name} must be a positive number of seconds. Received: {name}={value!r}. "
+                                           "Fix: pass seconds > 0.")
+        self.strategy = strategy
+        self.worker_recovery_timeout = float(worker_recovery_timeout)
+        self.closure_timeout = float(closure_timeout)
+        self._numbers = itertools.count()
+        self._queue: collections.deque[_Closure] = collections.deque()
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._lost: list[str] = []
+        self._threads: list[threading.Thread] = []
+        if not strategy._is_coordinator:
+            return  # a worker task: schedule() serves instead
+        workers = strategy._worker_addresses()
+        self._live = len(workers)
+        for task, address in workers:
+            client = Client(address, WORKER_SERVICE, security=strategy._security, task=task)
+            thread = threading.Thread(target=self._dispatch, args=(client,), name=f"coordinator-{task}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        strategy._on_shutdown(self._close)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers that take scheduled functions (lost ones no longer count)."""
+        return len(self._threads) - len(self._lost)
+
+    # ---- user API ----------------------------------------------------------------------------
+    def create_per_worker_dataset(self, dataset_fn: Callable[[], Any]) -> PerWorkerDataset:
+        """A dataset made on every worker by calling ``dataset_fn()`` there (a module-level function)."""
+        return PerWorkerDataset(functions.function_ref(dataset_fn, local_ok=self.strategy._workers_in_process))
+
+    def schedule(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+                 ) -> RemoteValue:
+        """Queues ``fn(*args, **kwargs)`` for a worker and returns its ``RemoteValue`` at once.
+
+        Example:
+            >>> loss = coordinator.schedule(train_step, args=(iterator,))   # doctest: +SKIP
+        """
+        if not self.strategy._is_coordinator:
+            self.strategy._serve_as_worker()
+        kwargs = dict(kwargs or {})
+        fn_ref = functions.function_ref(fn, local_ok=self.strategy._workers_in_process)
+        # Refuse values that cannot travel now, before any work starts (RemoteValues are resolved later).
+        checker = functions.Encoder(lambda v: {} if isinstance(v, (RemoteValue, PerWorkerIterator,
+                                                                   PerWorkerDataset)) else None)
+        checker.encode(tuple(args), "args")
+        checker.encode(kwargs, "kwargs")
+        with self._cv:
+            self._raise_error(clear=False)
+            if self._closed:
+                raise ParameterServerError("The coordinator is shut down. Received: a schedule() after "
+                                           "strategy.shutdown(). Fix: schedule before shutting down.")
+            closure = _Closure(next(self._numbers), fn, fn_ref, tuple(args), kwargs, self.closure_timeout)
+            self._queue.append(closure)
+            self._inflight += 1
+            self._cv.notify_all()
+        return closure.value
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits until every scheduled function has finished; re-raises the first error (once)."""
+        if not self.strategy._is_coordinator:
+            self.strategy._serve_as_worker()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._inflight and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"join() timed out after {timeout:g} s. Received: {self._inflight} functions still queued or "
+                        f"running on {self.num_workers} workers. Fix: wait longer, or check the workers' logs.")
+                self._cv.wait(remaining)
+            self._raise_error(clear=True)
+
+    def done(self) -> bool:
+        """True when nothing scheduled is left; re-raises the first error."""
+        if not self.strategy._is_coordinator:
+            self.strategy._serve_as_worker()
+        with self._cv:
+            self._raise_error(clear=True)
+            return self._inflight == 0
+
+    def fetch(self, values: Any) -> Any:
+        """The results of a structure of ``RemoteValue``s (waits for each)."""
+        if not self.strategy._is_coordinator:
+            self.strategy._serve_as_worker()
+        if isinstance(values, RemoteValue):
+            return values.fetch()
+        if isinstance(values, (list, tuple)):
+            return type(values)(self.fetch(v) for v in values)
+        if isinstance(values, dict):
+            return {k: self.fetch(v) for k, v in values.items()}
+        return values
+
+    # ---- inside ------------------------------------------------------------------------------
+    def _raise_error(self, *, clear: bool) -> None:
+        error = self._error
+        if error is not None:
+            if clear:
+                self._error = None
+            raise error
+
+    def _fail(self, error: BaseException, closure: _Closure | None) -> None:
+        """Records the first error and cancels every queued function (called with ``_cv`` held)."""
+        if closure is not None:
+            closure.value._set(error=error)
+            self._inflight -= 1
+        if self._error is None:
+            self._error = error
+        while self._queue:
+            self._queue.popleft().value._set(error=error)
+            self._inflight -= 1
+        self._cv.notify_all()
+
+    def _next(self) -> _Closure | None:
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            return None if self._closed else self._queue.popleft()
+
+    def _finish(self, closure: _Closure, value: Any) -> None:
+        with self._cv:
+            closure.value._set(value)
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def _dispatch(self, client: Client) -> None:
+        """One worker's thread: take a function, run it there, record the result; survive the worker's loss."""
+        while True:
+            closure = self._next()
+            if closure is None:
+                return
+            try:
+                reply = self._run_on(client, closure)
+            except ParameterServerError as exc:
+                if getattr(exc, "code", None) is None or exc.code.name != "UNAVAILABLE":  # type: ignore[attr-defined]
+                    with self._cv:
+                        self._fail(exc, closure)
+                    continue
+                with self._cv:
+                    self._queue.appendleft(closure)  # another worker (or this one, back) runs it again
+                    self._cv.notify_all()
+                logger.warning("%s unreachable; %s goes back to the queue; waiting up to %g s for it to return",
+                               client.task, closure.name, self.worker_recovery_timeout)
+                if not client.wait_ready(self.worker_recovery_timeout):
+                    self._lose(client)
+                    return
+                logger.info("%s is back", client.task)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a value that cannot travel, a timeout: fail the job clearly
+                with self._cv:
+                    self._fail(exc, closure)
+                continue
+            op, meta, tensors = reply
+            if op == "result":
+                try:
+                    value = functions.decode(meta["value"], tensors)
+                except ParameterServerError as exc:
+                    with self._cv:
+                        self._fail(exc, closure)
+                    continue
+                self._finish(closure, value)
+            else:
+                where = f"{closure.name} on {client.task}"
+                if meta.get("ps_lost"):
+                    error: BaseException = ParameterServerError(
+                        f"Parameter server {meta['ps_lost']} was lost while {where} ran. Received: "
+                        f"{meta.get('message')}. Fix: restart the job; it resumes from the last checkpoint "
+                        "(strategy.save / strategy.restore).")
+                else:
+                    error = functions.rebuild_error(meta, where)
+                with self._cv:
+                    self._fail(error, closure)
+
+    def _run_on(self, client: Client, closure: _Closure) -> tuple[str, Any, dict[str, Any]]:
+        datasets: dict[str, Any] = {}
+        encoder = functions.Encoder(_iterator_ref(datasets))
+        args = [a.fetch() if isinstance(a, RemoteValue) else a for a in closure.args]
+        kwargs = {k: v.fetch() if isinstance(v, RemoteValue) else v for k, v in closure.kwargs.items()}
+        meta = {"fn": closure.fn_ref, "args": encoder.encode(args, "args"), "kwargs": encoder.encode(kwargs, "kwargs"),
+                "datasets": datasets}
+        closure.attempts += 1
+        return client.call("Run", "run", meta, encoder.tensors, timeout=self.closure_timeout)
+
+    def _lose(self, client: Client) -> None:
+        with self._cv:
+            self._lost.append(client.task)
+            if len(self._lost) == len(self._threads):
+                self._fail(ParameterServerError(
+                    f"Every worker was lost. Received: {', '.join(self._lost)} did not come back within "
+                    f"{self.worker_recovery_timeout:g} s. Fix: restart the workers (same TF_CONFIG) or the job."), None)
+        logger.error("%s did not come back within %g s; it gets no more functions", client.task,
+                     self.worker_recovery_timeout)
+
+    def _close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+

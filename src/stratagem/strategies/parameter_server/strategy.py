@@ -1,0 +1,326 @@
+"""``ParameterServerStrategy``: variables on parameter-server tasks, steps scheduled on workers.
+
+The same script runs on every task of the cluster (TF_CONFIG, or ``stratagem launch --workers N --ps P``):
+
+- on a ``ps`` task, constructing the strategy starts the parameter server and serves until the
+  chief ends the job, then exits the process (``SystemExit(0)``);
+- on a ``worker`` task, the script runs on until its first ``coordinator.schedule`` (by then its
+  functions exist), serves scheduled functions there until the chief ends the job, then exits;
+- on the chief (task ``chief``, else ``worker:0``, which then also works as a worker in a
+  background thread, as ``stratagem launch`` has no separate chief) the script runs the
+  training loop: ``distribute`` places the variables on the parameter servers and
+  ``ClusterCoordinator`` schedules the steps.
+
+Example (run it under ``stratagem launch --workers 2 --ps 1 train.py``):
+
+    strategy = sg.ParameterServerStrategy(partitioner=sg.MinSizePartitioner(max_shards=2))
+    model, optimizer = strategy.distribute(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+    coordinator = sg.ClusterCoordinator(strategy)
+    ... coordinator.schedule(train_step, args=(iterator,)) ...
+    coordinator.join()
+    strategy.save("ckpt.pt")                   # variables and optimizer state
+
+Every call between tasks carries the cluster token (``STRATAGEM_CLUSTER_TOKEN``, set by
+``stratagem launch``, or ``cluster_token=``); TLS is on with ``certificate``/``private_key``.
+``InProcessCluster`` runs parameter servers and workers as threads of this process on
+127.0.0.1, for tests and for trying a script out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import environ
+from stratagem.cluster import Cluster, free_ports, resolve_cluster
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import ParameterServerError
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.explain import Explanation
+from stratagem.strategies.parameter_server.partitioners import Partitioner, place
+from stratagem.strategies.parameter_server.server import ParameterServer
+from stratagem.strategies.parameter_server.transport import Client, Security
+from stratagem.strategies.parameter_server.variables import ShardedVariables
+from stratagem.strategies.parameter_server.worker import (
+    SERVICE as WORKER_SERVICE,
+)
+from stratagem.strategies.parameter_server.worker import (
+    ParameterServerModel,
+    ParameterServerOptimizer,
+    WorkerService,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVE_TIMEOUT = 7 * 24 * 3600.0
+
+
+class InProcessCluster:
+    """Parameter servers and workers as gRPC servers in this process, on 127.0.0.1 free ports.
+
+    Example:
+        >>> with InProcessCluster(num_workers=2, num_ps=1) as cluster:          # doctest: +SKIP
+        ...     strategy = ParameterServerStrategy(cluster_resolver=cluster)
+    """
+
+    def __init__(self, num_workers: int = 2, num_ps: int = 1, *, token: str | None = None) -> None:
+        for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
+            if not isinstance(value, int) or value < 1:
+                raise ParameterServerError(f"{name} must be at least 1. Received: {name}={value!r}. Fix: pass an int >= 1.")
+        self.token = token or secrets.token_hex(16)
+        self.security = Security(token=self.token)
+        self.ps = [ParameterServer(security=self.security, task=f"ps:{i}") for i in range(num_ps)]
+        self.workers = [WorkerService(f"worker:{i}", security=self.security) for i in range(num_workers)]
+        config = {"cluster": {"chief": [f"127.0.0.1:{free_ports(1)[0]}"],
+                              "worker": [w.address for w in self.workers], "ps": [p.address for p in self.ps]},
+                  "task": {"type": "chief", "index": 0}}
+        self.cluster = Cluster.from_tf_config(config)
+
+    def kill_worker(self, index: int) -> None:
+        """Stops worker ``index`` at once, as if its process died."""
+        self.workers[index].stop()
+
+    def restart_worker(self, index: int) -> None:
+        """Starts worker ``index`` again on its address, with a fresh replica and fresh iterators."""
+        self.workers[index] = WorkerService(f"worker:{index}", security=self.security,
+                                            address=self.workers[index].address)
+
+    def kill_ps(self, index: int) -> None:
+        """Stops parameter server ``index`` at once, as if its process died."""
+        self.ps[index].stop()
+
+    def stop(self) -> None:
+        for server in [*self.workers, *self.ps]:
+            server.stop()
+
+    def __enter__(self) -> InProcessCluster:  # noqa: PYI034 - Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous training with variables on parameter servers (tf.distribute's ``ParameterServerStrategy``).
+
+    Args:
+        cluster_resolver: a ``Cluster``, a TF_CONFIG dict, an ``InProcessCluster``, or None to read the
+            environment (TF_CONFIG, as ``stratagem launch --ps P`` sets it).
+        partitioner: how to cut parameters into shards (``FixedShardsPartitioner``, ``MinSizePartitioner``,
+            ``MaxSizePartitioner``); None places whole tensors round-robin.
+        cluster_token: the shared secret of the job; defaults to ``STRATAGEM_CLUSTER_TOKEN``.
+        certificate, private_key, server_name: TLS (PEM paths); every task of the job uses the same ones.
+        rpc_timeout: seconds a pull, push or checkpoint call may take.
+        serve_timeout: seconds a ps or worker task serves before it gives up on the chief.
+
+    See the module docstring for how the same script runs on every task.
+    """
+
+    def __init__(self, cluster_resolver: Cluster | Mapping[str, Any] | InProcessCluster | None = None,
+                 partitioner: Partitioner | Callable[..., int] | None = None, *, cluster_token: str | None = None,
+                 certificate: str | None = None, private_key: str | None = None, server_name: str | None = None,
+                 rpc_timeout: float = 60.0, serve_timeout: float = DEFAULT_SERVE_TIMEOUT,
+                 env: Mapping[str, str] | None = None) -> None:
+        env = environ.current() if env is None else env
+        self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
+        if isinstance(cluster_resolver, InProcessCluster):
+            cluster = cluster_resolver.cluster
+            cluster_token = cluster_token or cluster_resolver.token
+        else:
+            cluster = resolve_cluster(cluster_resolver, env=env)
+        if partitioner is not None and not callable(partitioner):
+            raise ParameterServerError(f"partitioner must be callable as partitioner(shape, dtype). Received: "
+                                       f"{partitioner!r}. Fix: pass FixedShardsPartitioner(n), MinSizePartitioner() "
+                                       "or MaxSizePartitioner(bytes), or None.")
+        self.cluster = cluster
+        self.partitioner = partitioner
+        self.rpc_timeout = rpc_timeout
+        self.serve_timeout = serve_timeout
+        self._ps_addresses = list(cluster.addresses.get("ps", ()))
+        if not self._ps_addresses:
+            raise ParameterServerError(
+                f"ParameterServerStrategy needs at least one parameter-server task. Received: a cluster from "
+                f"{cluster.source} with tasks {dict(cluster.addresses)}. Fix: run under `stratagem launch --workers 2 "
+                "--ps 1`, or give TF_CONFIG a 'ps' list.")
+        if not cluster.addresses.get("worker"):
+            raise ParameterServerError(f"ParameterServerStrategy needs at least one worker task. Received: "
+                                       f"{dict(cluster.addresses)}. Fix: add a 'worker' list to the cluster.")
+        token = cluster_token or env.get("STRATAGEM_CLUSTER_TOKEN")
+        if not token:
+            raise ParameterServerError(
+                "No cluster token. Received: neither cluster_token= nor STRATAGEM_CLUSTER_TOKEN. Fix: run under "
+                "`stratagem launch` (it makes one), or give every task the same secret in STRATAGEM_CLUSTER_TOKEN.")
+        self._security = Security(token=token, certificate=certificate, private_key=private_key,
+                                  server_name=server_name)
+        self._model: ParameterServerModel | None = None
+        self._shutdown_hooks: list[Callable[[], None]] = []
+        self._worker_service: WorkerService | None = None
+        self._is_coordinator = cluster.task_type == "chief" or (cluster.is_chief and cluster.task_type == "worker")
+        task = cluster.task_name
+        if cluster.task_type == "ps":
+            self._serve_as_ps()
+        elif cluster.task_type == "evaluator":
+            raise ParameterServerError(f"This strategy has no evaluator role. Received: task {task}. "
+                                       "Fix: run evaluation in the chief's script.")
+        elif cluster.task_type == "worker" and not self._workers_in_process:
+            # Worker 0 inside the chief (no 'chief' task) is ready at once: the chief's script is already running.
+            self._worker_service = WorkerService(task, security=self._security,
+                                                 address=cluster.addresses["worker"][cluster.task_index],
+                                                 ready=self._is_coordinator)
+        if self._is_coordinator:
+            atexit.register(self.shutdown)
+        logger.info("ParameterServerStrategy on %s: %d ps, %d workers, coordinator=%s", task,
+                    len(self._ps_addresses), len(cluster.addresses["worker"]), self._is_coordinator)
+
+    # ---- roles --------------------------------------------------------------------------------
+    def _serve_as_ps(self) -> None:
+        index = self.cluster.task_index
+        server = ParameterServer(security=self._security, address=self._ps_addresses[index],
+                                 task=self.cluster.task_name)
+        try:
+            server.wait_for_shutdown(self.serve_timeout)
+        finally:
+            server.stop()
+        raise SystemExit(0)
+
+    def _serve_as_worker(self) -> None:
+        service = self._worker_service
+        if service is None:  # pragma: no cover - only a worker task gets here
+            raise ParameterServerError(f"{self.cluster.task_name} has no worker service. Received: a call that serves "
+                                       "on a task that is not a worker. Fix: report this as a bug.")
+        if self._model is None:
+            raise ParameterServerError(f"{self.cluster.task_name} reached coordinator.schedule before "
+                                       "strategy.distribute(model, optimizer). Received: no distributed model. Fix: "
+                                       "distribute the model before scheduling, in the script every task runs.")
+        service.ready.set()
+        logger.info("%s serving scheduled functions", self.cluster.task_name)
+        try:
+            service.wait_for_shutdown(self.serve_timeout)
+        finally:
+            service.stop()
+        raise SystemExit(0)
+
+    def _worker_addresses(self) -> list[tuple[str, str]]:
+        return [(f"worker:{i}", address) for i, address in enumerate(self.cluster.addresses["worker"])]
+
+    def _on_shutdown(self, hook: Callable[[], None]) -> None:
+        self._shutdown_hooks.append(hook)
+
+    # ---- the user's view ------------------------------------------------------------------------
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Places the model's parameters on the parameter servers (the chief sends their values and the optimizer).
+
+        Returns ``(model, optimizer)``: the model runs each worker's replica inside scheduled functions;
+        ``optimizer.step()`` pushes gradients, which the servers apply with ``optimizer``'s class,
+        hyper-parameters and state.
+        """
+        if not isinstance(model, nn.Module):
+            raise ParameterServerError(f"distribute needs a torch.nn.Module. Received: {type(model).__name__}. "
+                                       "Fix: pass the model itself.")
+        if self._model is not None:
+            raise ParameterServerError("This strategy already holds a model. Received: a second distribute() call. "
+                                       "Fix: use one ParameterServerStrategy per model.")
+        named = list(model.named_parameters())
+        groups: dict[int, int] = {}
+        if optimizer is not None:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ParameterServerError(f"optimizer must be a torch.optim.Optimizer. Received: "
+                                           f"{type(optimizer).__name__}. Fix: build it over model.parameters().")
+            groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+            strangers = [name for name, p in named if id(p) not in groups]
+            if len(groups) != len(named) or strangers:
+                raise ParameterServerError(
+                    f"The optimizer must hold exactly the model's parameters. Received: {len(groups)} optimizer "
+                    f"parameters, {len(named)} model parameters, not in the optimizer: {strangers[:5]}. "
+                    "Fix: build the optimizer over model.parameters().")
+        shards = place([(name, p, groups.get(id(p), 0)) for name, p in named], len(self._ps_addresses),
+                       self.partitioner)
+        variables = ShardedVariables(shards, self._ps_addresses, security=self._security, rpc_timeout=self.rpc_timeout)
+        if self._is_coordinator:
+            variables.create(dict(named), optimizer)
+        self._model = ParameterServerModel(model, shards, self._ps_addresses, variables, self.rpc_timeout)
+        if optimizer is None:
+            return self._model
+        return self._model, ParameterServerOptimizer(optimizer, self._model)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs ``fn`` on this worker's replica (one replica per worker); use it inside scheduled functions."""
+        return fn(*args, **(kwargs or {}))
+
+    @property
+    def _local_devices(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    @property
+    def num_workers(self) -> int:
+        """Worker tasks that run scheduled functions."""
+        return len(self.cluster.addresses["worker"])
+
+    @property
+    def num_ps(self) -> int:
+        """Parameter-server tasks."""
+        return len(self._ps_addresses)
+
+    def save(self, path: str) -> None:
+        """Writes every variable and its optimizer state to ``path`` (on the chief; other tasks do nothing)."""
+        if self._is_coordinator:
+            self._require_model("save").save(path)
+
+    def restore(self, path: str) -> None:
+        """Puts variables and optimizer state from ``path`` back on the parameter servers (chief only)."""
+        if self._is_coordinator:
+            self._require_model("restore").restore(path)
+            self._model.pull()  # type: ignore[union-attr]
+
+    def _require_model(self, what: str) -> ShardedVariables:
+        if self._model is None:
+            raise ParameterServerError(f"{what} needs a distributed model. Received: none yet. "
+                                       "Fix: call strategy.distribute(model, optimizer) first.")
+        return self._model._variables
+
+    def shutdown(self) -> None:
+        """Ends the job (chief): the coordinator stops, workers and parameter servers are told to exit."""
+        if not self._is_coordinator:
+            return
+        for hook in self._shutdown_hooks:
+            hook()
+        self._shutdown_hooks.clear()
+        if not self._workers_in_process:
+            for task, address in self._worker_addresses():
+                client = Client(address, WORKER_SERVICE, security=self._security, task=task)
+                try:
+                    client.call("Shutdown", "shutdown", timeout=5)
+                except Exception as exc:  # noqa: BLE001 - a worker already gone is fine at shutdown
+                    logger.info("%s: %s", task, exc)
+                client.close()
+            if self._model is not None:
+                self._model._variables.shutdown()
+            else:
+                ShardedVariables([], self._ps_addresses, security=self._security).shutdown()
+        if self._worker_service is not None:
+            self._worker_service.stop()
+        atexit.unregister(self.shutdown)
+
+    def explain(self) -> Explanation:
+        """Tasks, where the variables live and why."""
+        shards = self._model._shards if self._model is not None else []
+        placement = (f"whole tensors round-robin over {self.num_ps} parameter servers" if self.partitioner is None
+                     else f"cut by {self.partitioner!r}, shards round-robin over {self.num_ps} parameter servers")
+        decisions = [
+            PlacementDecision(subject="task", choice=self.cluster.task_name,
+                              reason=f"cluster from {self.cluster.source}"),
+            PlacementDecision(subject="variables", choice=f"{len(shards)} shards", reason=placement),
+            PlacementDecision(subject="updates", choice="asynchronous",
+                              reason="each parameter server applies a worker's gradients when they arrive"),
+        ]
+        details = {"workers": list(self.cluster.addresses["worker"]), "ps": self._ps_addresses,
+                   "tls": self._security.tls,
+                   "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}}
+        return Explanation(strategy="ParameterServerStrategy", num_replicas_in_sync=1, replicas=[],
+                           decisions=decisions, details=details)

@@ -1,0 +1,245 @@
+"""ParameterServerStrategy + ClusterCoordinator on an in-process cluster (servers on 127.0.0.1, threads)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cases import TOL, build, make_batches, train_reference
+
+from stratagem.cluster import Cluster
+from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.strategies.parameter_server import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    InProcessCluster,
+    ParameterServerStrategy,
+)
+from stratagem.strategies.parameter_server.functions import function_ref
+
+
+@pytest.fixture
+def cluster2():
+    with InProcessCluster(num_workers=2, num_ps=2) as cluster:
+        yield cluster
+
+
+def _step_fn(model, optimizer):
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the worker replica's gradients
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    return step
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
+def test_one_worker_equals_plain_training(opt_name):
+    model, optimizer, shape = build("mlp", opt_name, torch.float64)
+    reference = copy.deepcopy(model)
+    ref_opt = type(optimizer)(reference.parameters(), **optimizer.defaults)
+    batches = make_batches(shape, torch.float64)
+    train_reference(reference, ref_opt, batches)
+    with InProcessCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = ParameterServerStrategy(cluster, partitioner=FixedShardsPartitioner(2))
+        ps_model, ps_optimizer = strategy.distribute(model, optimizer)
+        coordinator = ClusterCoordinator(strategy)
+        step = _step_fn(ps_model, ps_optimizer)
+        losses = [coordinator.schedule(step, args=(x, y)) for x, y in batches]  # one worker: run in order
+        coordinator.join()
+        assert all(loss.done() for loss in losses)
+        ps_model.pull()
+        for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(got, want, **TOL[torch.float64], msg=lambda m, n=name: f"{n}: {m}")
+        assert "4 shards" not in str(strategy.explain())  # 3 linear layers, 2 tensors each, each cut in 2
+        assert "12 shards" in str(strategy.explain())
+        strategy.shutdown()
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=g)
+    while True:
+        x = torch.randn(16, 6, generator=g)
+        yield x, (x @ w).argmax(dim=1)
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_train_asynchronously_with_per_worker_datasets(cluster2):
+    torch.manual_seed(0)
+    model, optimizer, _ = build("mlp", "adam", torch.float32)
+    strategy = ParameterServerStrategy(cluster2)
+    model, optimizer = strategy.distribute(model, optimizer)
+    coordinator = ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(_dataset))
+    seen_workers = set()
+
+    def step(iterator):
+        from stratagem.strategies.parameter_server.worker import current_worker
+        seen_workers.add(current_worker().task)
+        x, y = next(iterator)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return {"loss": loss, "n": len(x)}
+
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(60)]
+    coordinator.join()
+    assert coordinator.done()
+    values = coordinator.fetch(results)
+    assert all(v["n"] == 16 for v in values)
+    first, last = sum(v["loss"] for v in values[:10]) / 10, sum(v["loss"] for v in values[-10:]) / 10
+    assert last < 0.8 * first, (first, last)
+    assert seen_workers == {"worker:0", "worker:1"}
+    strategy.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_first_error_is_reraised_and_pending_work_cancelled(cluster2):
+    model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+    strategy = ParameterServerStrategy(cluster2)
+    model, optimizer = strategy.distribute(model, optimizer)
+    coordinator = ClusterCoordinator(strategy)
+    gate, later = threading.Event(), threading.Event()
+
+    def slow(i):
+        gate.wait(10)
+        return i
+
+    def slower(i):
+        later.wait(10)  # holds the other worker, so the queue still has work when the error lands
+        return i
+
+    def boom():
+        raise ValueError("boom from a step")
+
+    first = [coordinator.schedule(slow, args=(i,)) for i in range(2)]  # both workers busy
+    failing = coordinator.schedule(boom)
+    queued = [coordinator.schedule(slower, args=(i,)) for i in range(5)]
+    gate.set()
+    with pytest.raises(ValueError, match="boom from a step"):
+        coordinator.join()
+    later.set()
+    assert [v.fetch() for v in first] == [0, 1]
+    with pytest.raises(ValueError, match="boom from a step"):
+        failing.fetch()
+    cancelled = 0
+    for value in queued:
+        try:
+            value.fetch()
+        except ValueError:
+            cancelled += 1
+    assert cancelled >= 4  # at most one could have been taken by a worker before the error arrived
+    # After join raised it, the coordinator works again.
+    again = coordinator.schedule(slow, args=(7,))
+    coordinator.join()
+    assert again.fetch() == 7
+    strategy.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_lost_parameter_server_is_named_promptly(cluster2):
+    model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+    strategy = ParameterServerStrategy(cluster2)
+    model, optimizer = strategy.distribute(model, optimizer)
+    coordinator = ClusterCoordinator(strategy)
+    step = _step_fn(model, optimizer)
+    x, y = make_batches((6,), torch.float32, sizes=[8])[0]
+    coordinator.schedule(step, args=(x, y))
+    coordinator.join()
+    cluster2.kill_ps(1)
+    started = time.monotonic()
+    values = [coordinator.schedule(step, args=(x, y)) for _ in range(20)]
+    with pytest.raises(ParameterServerError, match="Parameter server ps:1 was lost"):
+        coordinator.join()
+    assert time.monotonic() - started < 10
+    with pytest.raises(ParameterServerError, match="ps:1"):
+        values[-1].fetch()
+    strategy.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_lost_worker_functions_run_elsewhere_and_it_comes_back(cluster2):
+    torch.manual_seed(0)
+    model, optimizer, _ = build("mlp", "adam", torch.float32)
+    strategy = ParameterServerStrategy(cluster2)
+    model, optimizer = strategy.distribute(model, optimizer)
+    coordinator = ClusterCoordinator(strategy, worker_recovery_timeout=20)
+    iterator = iter(coordinator.create_per_worker_dataset(_dataset))
+    ran_on: list[str] = []
+
+    def step(iterator):
+        from stratagem.strategies.parameter_server.worker import current_worker
+        x, y = next(iterator)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        time.sleep(0.01)
+        optimizer.step()
+        optimizer.zero_grad()
+        ran_on.append(current_worker().task)
+        return loss
+
+    values = [coordinator.schedule(step, args=(iterator,)) for _ in range(80)]
+    while sum(v.done() for v in values) < 10:
+        time.sleep(0.01)
+    cluster2.kill_worker(0)
+    time.sleep(0.5)
+    cluster2.restart_worker(0)
+    coordinator.join()
+    losses = [v.fetch() for v in values]
+    assert len(losses) == 80
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+    assert ran_on[-20:].count("worker:0") > 0, "the restarted worker got work again"
+    strategy.shutdown()
+
+
+def test_schedule_refuses_what_cannot_travel(cluster2):
+    model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+    strategy = ParameterServerStrategy(cluster2)
+    strategy.distribute(model, optimizer)
+    coordinator = ClusterCoordinator(strategy)
+    with pytest.raises(ParameterServerError, match="cannot travel between tasks. Received: args\\[0\\] of type object"):
+        coordinator.schedule(print, args=(object(),))
+    with pytest.raises(ParameterServerError, match="Only functions can be scheduled"):
+        coordinator.schedule(3)
+    with pytest.raises(ParameterServerError, match="needs a module-level name"):
+        function_ref(lambda: 1, local_ok=False)
+    with pytest.raises(ParameterServerError, match="closure_timeout must be a positive number"):
+        ClusterCoordinator(strategy, closure_timeout=0)
+    with pytest.raises(CollectiveTimeoutError, match="has no result after 0.01 s"):
+        coordinator.schedule(time.sleep, args=(1.0,)).fetch(timeout=0.01)
+    coordinator.join()
+    strategy.shutdown()
+
+
+def test_strategy_refuses_incomplete_clusters():
+    no_ps = Cluster.from_tf_config({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+                                    "task": {"type": "chief", "index": 0}})
+    with pytest.raises(ParameterServerError, match="needs at least one parameter-server task"):
+        ParameterServerStrategy(no_ps, cluster_token="t", env={})
+    with_ps = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+               "task": {"type": "chief", "index": 0}}
+    with pytest.raises(ParameterServerError, match="No cluster token"):
+        ParameterServerStrategy(with_ps, env={})
+    with pytest.raises(ParameterServerError, match="partitioner must be callable"):
+        ParameterServerStrategy(with_ps, partitioner=3, cluster_token="t", env={})
+
+
+def test_distribute_refuses_a_foreign_optimizer(cluster2):
+    model, _, _ = build("mlp", "sgd_momentum", torch.float32)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    strategy = ParameterServerStrategy(cluster2)
+    with pytest.raises(ParameterServerError, match="must hold exactly the model's parameters"):
+        strategy.distribute(model, other)
+    strategy.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ParameterServerError, match="already holds a model"):
+        strategy.distribute(model)
+    strategy.shutdown()
