@@ -7,16 +7,28 @@ from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.model_parallel import ModelParallelStrategy
 from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
+from stratagem.strategies.parameter_server import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+)
 from stratagem.strategies.replicas import ReplicaContext, current_replica_context
 
 __all__ = [
     "CentralStorageStrategy",
+    "ClusterCoordinator",
     "DistributedDataset",
     "Explanation",
+    "FixedShardsPartitioner",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
     "MirroredStrategy",
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "ReplicaContext",
     "Strategy",
     "current_replica_context",
