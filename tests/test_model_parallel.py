@@ -356,6 +356,8 @@ def test_a_stage_too_large_for_its_gpu_is_refused_before_anything_is_copied():
                              r"logical device cuda:0 is 1000 B"):
         strategy.distribute(net, torch.optim.Adam(net.parameters()))
     assert all(p.device.type == "cpu" for p in net.parameters())  # nothing was moved
+    assert strategy.stage_map()[1].modules == () and strategy.explain().decision("split") is None  # nor recorded
+    assert repr(strategy) == "ModelParallelStrategy(stages=['cpu:0', 'cuda:0'], num_micro_batches=1)"
 
 
 def test_distribute_errors_name_the_model_and_the_fix():

@@ -284,6 +284,12 @@ class ModelParallelStrategy(Strategy):
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
 
+    def __repr__(self) -> str:
+        if self._placement is not None:
+            return f"ModelParallelStrategy(placement={ {n: d.name for n, d in self._placement.items()} })"
+        return (f"ModelParallelStrategy(stages={[d.name for d in self._stage_devices]}, "
+                f"num_micro_batches={self._num_micro_batches})")
+
     def close(self) -> None:
         """Stops the stage threads (the model stays usable: they start again when it is called)."""
         if self._pipeline is not None:
@@ -307,13 +313,17 @@ class ModelParallelStrategy(Strategy):
             )
         if optimizer is not None:
             check_optimizer_matches(model, optimizer)
+        decisions: list[PlacementDecision] = []
         if self._placement is None:
-            groups = self._split_sequential(model)
+            groups = self._split_sequential(model, decisions)
         else:
             groups = _group_placement(model, self._placement)
-        self._stages = [self._stage_info(s, device, names, params, optimizer)
-                        for s, (device, names, params) in enumerate(groups)]
-        self._check_memory()
+        stages = [self._stage_info(s, device, names, params, optimizer)
+                  for s, (device, names, params) in enumerate(groups)]
+        self._check_memory(stages)
+        # Recorded only now: a refused model leaves the strategy as it was.
+        self._stages = stages
+        self._decisions.extend(decisions)
         if self._placement is None:
             distributed = self._build_pipeline(model)
         else:
@@ -323,7 +333,7 @@ class ModelParallelStrategy(Strategy):
         self._model = distributed
         return distributed if optimizer is None else (distributed, optimizer)
 
-    def _split_sequential(self, model: nn.Module) -> list[_Group]:
+    def _split_sequential(self, model: nn.Module, decisions: list[PlacementDecision]) -> list[_Group]:
         num_stages = len(self._stage_devices)
         if not isinstance(model, nn.Sequential):
             raise InputError(
@@ -360,7 +370,7 @@ class ModelParallelStrategy(Strategy):
                    "with the layer before it); set split_points= to choose")
         bounds = [0, *points, len(layers)]
         stage_counts = [sum(counts[a:b]) for a, b in itertools.pairwise(bounds)]
-        self._decisions.append(PlacementDecision(
+        decisions.append(PlacementDecision(
             subject="split", choice=f"stages start at layers {bounds[:-1]}",
             reason=f"{why}; parameters per stage {stage_counts}"))
         groups = []
@@ -381,10 +391,10 @@ class ModelParallelStrategy(Strategy):
         return StageInfo(stage, device.name, str(device.physical), tuple(names), sum(p.numel() for p in params),
                          memory, tuple(params))
 
-    def _check_memory(self) -> None:
+    def _check_memory(self, stages: list[StageInfo]) -> None:
         """Before anything is copied: does each GPU have room for its stage's training state?"""
         devices = {d.name: d for d in self._stage_devices}
-        for info in self._stages:
+        for info in stages:
             device = devices[info.device]
             if device.physical.type != "cuda" or info.memory is None:
                 continue
