@@ -1,0 +1,169 @@
+"""BackupAndRestore: a run killed with SIGKILL mid-epoch and restarted ends with the parameters of an
+uninterrupted run, for OneDevice, Mirrored (2 logical CPUs) and MultiWorkerMirrored (2 workers under
+the launcher with max_restarts=1); the backup is gone once training finishes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cases import TOL, train_reference
+from conftest import cpu_registry
+from workers.fit_resume import (
+    BATCH_SIZE,
+    EPOCHS,
+    NUM_EXAMPLES,
+    SHUFFLE_SEED,
+    build_model,
+    data,
+)
+
+import stratagem as sg
+from stratagem import environ
+from stratagem.cluster import launch
+
+WORKER = str(Path(__file__).parent / "workers" / "fit_resume.py")
+F64 = torch.float64
+# 40 examples in batches of 12: 4 steps per epoch, 8 in all. Backups after steps 3 and 6; the kill
+# after step 7 (epoch 2, batch 3) makes the restart resume mid-epoch at step 6 and redo step 7.
+SAVE_FREQ, KILL_AFTER = 3, 7
+
+
+def reference_state(dropout: bool = False) -> dict[str, torch.Tensor]:
+    """A plain one-device loop over the documented order of ShuffledBatches: epoch e is
+    torch.randperm(n) from a generator seeded seed * 1_000_003 + e + 1."""
+    x, y = data()
+    batches = []
+    for epoch in range(EPOCHS):
+        order = torch.randperm(NUM_EXAMPLES, generator=torch.Generator().manual_seed(SHUFFLE_SEED * 1_000_003 + epoch + 1))
+        batches += [(x[idx], y[idx]) for idx in order.split(BATCH_SIZE)]
+    model, optimizer = build_model(dropout)
+    train_reference(model, optimizer, batches)
+    return model.state_dict()
+
+
+def assert_matches(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert saved.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(saved[key], value, **TOL[F64], msg=lambda m, k=key: f"{k}: {m}")
+
+
+def run_worker(tmp_path: Path, kind: str, **settings: object) -> subprocess.CompletedProcess[bytes]:
+    env = dict(environ.current())
+    env.update({"FIT_STRATEGY": kind, "FIT_BACKUP": str(tmp_path / "backup"), "FIT_OUT": str(tmp_path / "out.pt"),
+                "FIT_SAVE_FREQ": str(SAVE_FREQ)})
+    env.update({k: str(v) for k, v in settings.items()})
+    return subprocess.run([sys.executable, WORKER], env=env, capture_output=True, timeout=90, check=False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind, dropout", [("one_device", True), ("mirrored", False)])
+def test_a_killed_single_process_run_resumes_mid_epoch_and_ends_like_an_uninterrupted_one(tmp_path, kind, dropout):
+    # Dropout only on one device: there the random state decides the masks, so restoring it is tested too
+    # (mirrored replicas draw from one generator on two threads, in no fixed order).
+    first = run_worker(tmp_path, kind, FIT_KILL_AFTER=KILL_AFTER, FIT_DROPOUT=int(dropout))
+    assert first.returncode == -signal.SIGKILL, first.stderr.decode()[-3000:]
+    assert (tmp_path / "backup" / "backup.pt").exists() and not (tmp_path / "out.pt").exists()
+    second = run_worker(tmp_path, kind, FIT_DROPOUT=int(dropout))
+    assert second.returncode == 0, second.stderr.decode()[-3000:]
+    saved = torch.load(tmp_path / "out.pt")
+    assert saved["restored_from"] == {"epoch": 1, "step": 6}
+    assert not (tmp_path / "backup").exists()  # removed once training finished
+    assert_matches(saved["state"], reference_state(dropout))
+    assert saved["num_examples"] == [NUM_EXAMPLES] * EPOCHS
+    if kind == "one_device":
+        # The history too: the interrupted epoch's metric sums travelled in the backup.
+        model, optimizer = build_model(dropout)
+        x, y = data()
+        uninterrupted = sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, optimizer,
+                               F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED, epochs=EPOCHS,
+                               metrics=["accuracy"], validation_data=(x, y), validation_batch_size=16,
+                               clip_grad_norm=1.0)
+        for got, expected in zip(saved["history"], (log.metrics for log in uninterrupted.epochs)):
+            assert got.keys() == expected.keys()
+            for name in expected:
+                assert got[name] == pytest.approx(expected[name], rel=1e-12), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_multi_worker_run_whose_chief_is_killed_is_restarted_by_the_launcher_and_resumes(tmp_path):
+    env = dict(environ.current())
+    env.update({"FIT_STRATEGY": "multi_worker", "FIT_BACKUP": str(tmp_path / "backup"),
+                "FIT_OUT": str(tmp_path / "out.pt"), "FIT_SAVE_FREQ": str(SAVE_FREQ), "FIT_KILL_AFTER": str(KILL_AFTER)})
+    lines: list[str] = []
+    result = launch([sys.executable, WORKER], workers=2, env=env, max_restarts=1, timeout=150, grace_period=2,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"))
+    assert result.exit_code == 0, result.explain() + "\n" + "\n".join(lines[-40:])
+    assert result.restarts == 1 and result.failures[0].task == "worker:0"
+    assert "SIGKILL" in result.failures[0].reason
+    saved = torch.load(tmp_path / "out.pt")
+    assert saved["restored_from"] == {"epoch": 1, "step": 6}
+    assert any("[worker:1] rank 1 done, restored from {'epoch': 1, 'step': 6}" in line for line in lines)
+    assert not (tmp_path / "backup").exists()
+    assert_matches(saved["state"], reference_state())
+
+
+class FailAtStep(sg.callbacks.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, context, num_examples):
+        if context.step == self.step:
+            raise RuntimeError(f"failure at step {self.step}")
+
+
+def _fit(backup, callbacks, strategy=None):
+    model, optimizer = build_model(False)
+    x, y = data()
+    return sg.fit(strategy or sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, optimizer,
+                  F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED, epochs=EPOCHS,
+                  clip_grad_norm=1.0, callbacks=[backup, *callbacks])
+
+
+def test_epoch_backups_resume_at_the_start_of_the_interrupted_epoch(tmp_path):
+    with pytest.raises(RuntimeError, match="failure at step 6"):
+        _fit(sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq="epoch"), [FailAtStep(6)])
+    backup = sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq="epoch")
+    history = _fit(backup, [])
+    assert backup.restored_from == {"epoch": 1, "step": 4}
+    assert [log.epoch for log in history.epochs] == [1, 2]
+    assert_matches(history.model.state_dict(), reference_state())
+    assert not (tmp_path / "b").exists()
+
+
+def test_keeping_the_backup_and_a_directory_with_other_files(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    _fit(sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2), [])
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["notes.txt"]  # only the backup went
+    kept = sg.callbacks.BackupAndRestore(tmp_path / "k", save_freq=2, delete_checkpoint=False)
+    _fit(kept, [])
+    assert kept.path.exists()
+    # A finished run's backup restores to the end: nothing is trained again.
+    again = sg.callbacks.BackupAndRestore(tmp_path / "k", save_freq=2, delete_checkpoint=False)
+    history = _fit(again, [])
+    assert again.restored_from == {"epoch": EPOCHS - 1, "step": 8}
+    assert_matches(history.model.state_dict(), reference_state())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"backup_dir": "", "save_freq": "epoch"}, r"backup_dir must be a directory path. Received: backup_dir=''"),
+    ({"backup_dir": "b", "save_freq": 0}, r"save_freq must be 'epoch' or a positive number of steps. Received: save_freq=0"),
+    ({"backup_dir": "b", "save_freq": "batch"}, r"Received: save_freq='batch'"),
+])
+def test_bad_backup_settings_are_refused(tmp_path, monkeypatch, kwargs, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sg.InputError, match=message):
+        sg.callbacks.BackupAndRestore(**kwargs)
+
+
+def test_a_backup_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(sg.InputError, match=r"backup_dir must be a directory. Received: .*which is a file"):
+        sg.callbacks.BackupAndRestore(tmp_path / "f")
