@@ -424,6 +424,12 @@ def test_errors_while_running_name_the_stage():
     with pytest.raises(sg.InputError, match=r"stage 1 \(cpu:1\) must return one tensor whose first dimension is the "
                                             r"micro-batch's 4 examples.* Received: a tensor of shape \(\) for micro-batch 0"):
         model(torch.randn(4, 2))
+    strategy.close()
+    strategy = strategy_of(2, split_points=[1], num_micro_batches=2)
+    model = strategy.distribute(nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)))
+    with pytest.raises(sg.InputError, match=r"stage 1 \(cpu:1\) changes its input in place.* Received: stage 1 starting "
+                                            r"at layer '1' \(ReLU\). Move the split"):
+        model(torch.randn(4, 4))
     with pytest.raises(sg.InputError, match=r"takes one tensor with a batch dimension. Received: a tuple"):
         model((torch.randn(4, 2),))
     with pytest.raises(sg.InputError, match=r"cannot be moved with .to\(\). Received: .to\('cpu'\)"):

@@ -94,6 +94,11 @@ class ModelParallelStrategy(Strategy):
         intra_op_threads: torch intra-op threads per CPU stage thread (default: the process's
             threads shared among the CPU stages).
 
+    With micro-batches, every layer must treat the examples of a batch independently and keep the
+    batch dimension first (BatchNorm is refused; use num_micro_batches=1 or GroupNorm/LayerNorm);
+    random layers such as dropout draw their numbers in the order the stage threads run, so they
+    do not repeat one device's draws.
+
     Example:
         >>> strategy = sg.ModelParallelStrategy(["cuda:0", "cuda:1"], num_micro_batches=4)
         >>> model, optimizer = strategy.distribute(nn.Sequential(...), torch.optim.Adam(...))

@@ -203,7 +203,7 @@ class Pipeline:
                     x = x.requires_grad_()
                     if last:
                         x.register_hook(lambda grad: self._send_grad(run, stage, micro, grad))
-                out = self._stages[stage](x)
+                out = self._run_stage(stage, x)
             self._check_output(stage, micro, x, out)
             run.record("forward", stage, micro, "end")
             if run.grad_enabled:
@@ -223,6 +223,20 @@ class Pipeline:
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
             _add_note(error, f"(raised in {self._describe(stage)}, forward of micro-batch {micro})")
             run.fail(error)
+
+    def _run_stage(self, stage: int, x: torch.Tensor) -> Any:
+        try:
+            return self._stages[stage](x)
+        except RuntimeError as error:
+            if stage == 0 or "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+                raise
+            first = next(iter(self._stages[stage].named_children()), ("?", None))
+            raise InputError(
+                f"{self._describe(stage)} changes its input in place, but a stage's input is where the gradient "
+                f"is handed back to the previous stage, so it must stay intact. Received: stage {stage} starting at "
+                f"layer {first[0]!r} ({type(first[1]).__name__}). Move the split (split_points=) so the stage starts "
+                "with a layer that does not work in place, or build that layer with inplace=False."
+            ) from error
 
     def _check_output(self, stage: int, micro: int, x: torch.Tensor, out: Any) -> None:
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != x.shape[0]:
