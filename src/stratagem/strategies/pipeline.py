@@ -55,7 +55,7 @@ class ScheduleEvent:
 class _StageThread:
     """A persistent thread that runs one stage's jobs in the order they arrive."""
 
-    def __init__(self, stage: int, name: str, setup: Callable[[], None]) -> None:
+    def __init__(self, name: str, setup: Callable[[], None]) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, args=(setup,), name=name, daemon=True)
         self.thread.start()
@@ -146,7 +146,7 @@ class Pipeline:
         with self._lock:
             if self._threads is None:  # started on first use, and again after close()
                 self._threads = [
-                    _StageThread(s, f"stratagem-stage-{s}", lambda s=s: self._setup_thread(s))
+                    _StageThread(f"stratagem-stage-{s}", lambda s=s: self._setup_thread(s))
                     for s in range(self.num_stages)
                 ]
             return self._threads
@@ -187,6 +187,7 @@ class Pipeline:
             chunk = chunk.to(self._devices[0])
             threads[0].submit(lambda m=m, chunk=chunk: self._forward(run, 0, m, chunk))
         outputs = self._wait_for_outputs(run)
+        run.outputs[-1] = [None] * len(sizes)  # the graph holds what backward needs; the run need not
         if not run.grad_enabled or not any(o.requires_grad for o in outputs):
             return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return _GatherOutputs.apply(self, run, *outputs)
@@ -206,15 +207,13 @@ class Pipeline:
                 out = self._run_stage(stage, x)
             self._check_output(stage, micro, x, out)
             run.record("forward", stage, micro, "end")
-            if run.grad_enabled:
-                run.inputs[stage][micro] = x
             if last:
                 if run.grad_enabled and out.requires_grad:
                     out.register_hook(lambda grad: self._backward_started(run, stage, micro, grad))
                 run.outputs[stage][micro] = out
             else:
-                if run.grad_enabled:
-                    run.outputs[stage][micro] = out
+                if run.grad_enabled:  # kept for this stage's backward
+                    run.inputs[stage][micro], run.outputs[stage][micro] = x, out
                 moved = out.detach().to(self._devices[stage + 1])
                 self._stage_threads()[stage + 1].submit(lambda: self._forward(run, stage + 1, micro, moved))
             with run.cond:
@@ -303,8 +302,6 @@ class Pipeline:
     def finish_backward(self, run: _Run) -> None:
         """Runs when the autograd engine has finished the last stage: waits for the other stages."""
         last = self.num_stages - 1
-        run.outputs[last] = [None] * len(run.sizes)
-        run.inputs[last] = [None] * len(run.sizes)
         if last == 0:
             return
         for micro, sent in enumerate(run.grad_sent):
