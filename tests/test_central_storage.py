@@ -12,11 +12,21 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import (
+    MODELS,
+    OPTIMIZERS,
+    TOL,
+    assert_same_state,
+    build,
+    make_batches,
+    mlp,
+    train_reference,
+    train_with,
+)
+from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from cases import MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, mlp, train_reference, train_with
-from conftest import cpu_registry
 from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
 from stratagem.errors import DeviceError, MemoryEstimateError
 
@@ -67,9 +77,10 @@ def test_central_storage_matches_one_device(num_replicas, share, model_name, opt
         assert torch.isfinite(loss)
 
 
-def test_clipping_in_every_replica_scales_the_global_gradient_once():
+@pytest.mark.parametrize("share", [True, False], ids=["in-place", "copies"])
+def test_clipping_in_every_replica_scales_the_global_gradient_once(share):
     """Each replica clips what it sees; if a gradient were shared and clipped by every replica, the norm
-    after clipping would fall below max_norm and the update would differ from one device."""
+    after clipping would fall below the one-device norm and the update would differ from one device."""
     max_norm = 0.05
     reference, ref_opt, shape = build("mlp", "sgd_momentum", torch.float64)
     batches = make_batches(shape, torch.float64, sizes=[12, 7, 2])
@@ -82,27 +93,26 @@ def test_clipping_in_every_replica_scales_the_global_gradient_once():
         ref_opt.zero_grad()
     assert all(before > 2 * max_norm for before, _ in ref_norms)  # clipping really engages
 
-    for share in (True, False):
-        model, opt, _ = build("mlp", "sgd_momentum", torch.float64)
-        strategy = central(3, share_parameters=share)
-        model, opt = strategy.distribute(model, opt)
+    model, opt, _ = build("mlp", "sgd_momentum", torch.float64)
+    strategy = central(3, share_parameters=share)
+    model, opt = strategy.distribute(model, opt)
 
-        def step(x, y):
-            F.cross_entropy(model(x), y).backward()
-            before = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            after = grad_norm(model)
-            opt.step()
-            opt.zero_grad()
-            return before, after
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        before = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        after = grad_norm(model)
+        opt.step()
+        opt.zero_grad()
+        return before, after
 
-        for batch, (want_before, want_after) in zip(strategy.distribute_dataset(batches), ref_norms):
-            before, after = strategy.run(step, args=batch)
-            for got in strategy.experimental_local_results(before):
-                torch.testing.assert_close(got, want_before, rtol=1e-9, atol=0)
-            for got in strategy.experimental_local_results(after):
-                torch.testing.assert_close(got, want_after, rtol=1e-9, atol=0)
-        strategy.close()
-        assert_same_state(reference, model.central, torch.float64)
+    for batch, (want_before, want_after) in zip(strategy.distribute_dataset(batches), ref_norms):
+        before, after = strategy.run(step, args=batch)
+        for got in strategy.experimental_local_results(before):
+            torch.testing.assert_close(got, want_before, rtol=1e-9, atol=0)
+        for got in strategy.experimental_local_results(after):
+            torch.testing.assert_close(got, want_after, rtol=1e-9, atol=0)
+    strategy.close()
+    assert_same_state(reference, model.central, torch.float64)
 
 
 def test_lr_scheduler_on_the_returned_optimizer_drives_the_central_update():
@@ -267,11 +277,11 @@ def test_parameter_device_given_explicitly():
     (3, r"parameter_device must be one device name. Received: parameter_device=3 \(int\)"),
     (["cpu"], r"parameter_device must be one device name. Received: parameter_device=\['cpu'\] \(list\)"),
     ("tpu:0", r"parameter_device='tpu:0' cannot hold the parameters: .*tpu:0"),
-    ("cpu:7", r"parameter_device='cpu:7' cannot hold the parameters: Device 'cpu:7' is out of range: this machine "
-              r"has 3 logical CPU devices"),
+    ("cpu:7", (r"parameter_device='cpu:7' cannot hold the parameters: Device 'cpu:7' is out of range: this machine "
+               r"has 3 logical CPU devices")),
     ("cuda:0", r"parameter_device='cuda:0' cannot hold the parameters: Device 'cuda:0' is a GPU, but no GPU is visible"),
-    ("/job:worker/task:1/device:CPU:0", r"cannot hold the parameters: Device '/job:worker/task:1/device:CPU:0' is on "
-                                        r"task worker:1"),
+    ("/job:worker/task:1/device:CPU:0", (r"cannot hold the parameters: Device '/job:worker/task:1/device:CPU:0' "
+                                         r"is on task worker:1")),
 ])
 def test_bad_parameter_device_is_refused(value, message):
     with pytest.raises(DeviceError, match=message):
@@ -325,3 +335,47 @@ def test_step_outside_run_with_a_closure_or_in_one_replica_only_is_an_error():
     with pytest.raises(sg.InputError, match="already holds a distributed model"):
         strategy.distribute(mlp())
     strategy.close()
+
+
+def test_one_replica_computing_on_its_own_copy_matches_one_device():
+    """The path of one GPU computing with the parameters on the CPU: copy in, gradient out, update centrally."""
+    reference, ref_opt, shape = build("conv", "adam", torch.float64)
+    model, opt, _ = build("conv", "adam", torch.float64)
+    batches = make_batches(shape, torch.float64)
+    train_reference(reference, ref_opt, batches)
+    strategy = central(1, share_parameters=False)
+    dist_model, opt, _ = train_with(strategy, model, opt, batches)
+    assert dist_model.replicas[0] is not dist_model.central
+    assert_same_state(reference, dist_model.central, torch.float64)
+
+    # Outside strategy.run, one replica's model and optimizer are the central ones, as on one device.
+    (x, y), = make_batches(shape, torch.float64, sizes=[6], seed=2)
+    F.cross_entropy(reference(x), y).backward()
+    ref_opt.step()
+    F.cross_entropy(dist_model(x), y).backward()
+    opt.step()
+    assert_same_state(reference, dist_model.central, torch.float64)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["in-place", "copies"])
+def test_gradients_accumulated_over_two_runs_then_one_update_match_one_device(share):
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    reference = copy.deepcopy(model)
+    ref_opt = OPTIMIZERS["sgd_momentum"](reference.parameters())
+    first, second = make_batches(shape, torch.float64, sizes=[9, 5])
+    (F.cross_entropy(reference(first[0]), first[1]) * 0.5).backward()
+    (F.cross_entropy(reference(second[0]), second[1]) * 0.5).backward()
+    ref_opt.step()
+
+    strategy = central(3, share_parameters=share)
+    dist_model, dist_opt = strategy.distribute(model, opt)
+    a, b = list(strategy.distribute_dataset([first, second]))
+
+    def backward_only(x, y):
+        (F.cross_entropy(dist_model(x), y) * 0.5).backward()
+
+    strategy.run(backward_only, args=a)
+    strategy.run(backward_only, args=b)
+    strategy.run(lambda: dist_opt.step())
+    strategy.close()
+    assert_same_state(reference, dist_model.central, torch.float64)

@@ -1,11 +1,14 @@
 """GPU check for the strategies: run on a machine with a CUDA GPU (a few minutes at most).
 
-    python tests/gpu/check_strategies.py
+    python tests/gpu/check_strategies.py              # every check
+    python tests/gpu/check_strategies.py central      # only the checks whose name holds a word given
 
 Checks what a CPU-only machine cannot: training on cuda:0 equals a plain loop; MirroredStrategy
 over every GPU (NCCL when there are two or more) and over cuda:0 + cpu:0 (reduction to one
 device, replicas on different devices, gradient combination called from torch's GPU autograd
-thread) equals one device; MultiWorkerMirroredStrategy over NCCL in one process; and the cost of
+thread) equals one device; MultiWorkerMirroredStrategy over NCCL in one process; CentralStorageStrategy
+with the parameters on the computing GPU, on the CPU (copied to the GPU every step) and over cuda:0 +
+cpu:0 equals one device, its optimizer state on the central device; and the cost of
 OneDevice and Mirrored against plain PyTorch on the MLP workload. Prints one line per check and
 exits 1 if any failed.
 """
@@ -27,9 +30,12 @@ import stratagem as sg
 from stratagem.bench.workloads import WORKLOADS
 
 FAILED: list[str] = []
+ONLY: list[str] = []  # words from the command line: run only the checks whose name holds one
 
 
 def check(name, fn):
+    if ONLY and not any(word in name for word in ONLY):
+        return
     start = time.perf_counter()
     try:
         detail = fn()
@@ -62,9 +68,11 @@ def reference(device):
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
-def train(strategy):
+def train(strategy, kept=None):
     base = net()
     model, opt = strategy.distribute(base, torch.optim.Adam(base.parameters(), lr=1e-2))
+    if kept is not None:
+        kept.append(opt)  # for checks of where the optimizer state lives
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
@@ -138,6 +146,28 @@ def model_parallel():
     return "\n".join(lines) + f"\n{strategy.explain()}"
 
 
+def central_storage():
+    """Parameters on the GPU that computes; on the CPU, copied to the GPU every step; over cuda:0 + cpu:0
+    (the CPU replica reads the central parameters in place, the GPU one gets copies); every GPU when several."""
+    cases = [(["cuda:0"], None, "cuda:0"), (["cuda:0"], "cpu", "cpu"), (["cuda:0", "cpu:0"], None, "cpu")]
+    if torch.cuda.device_count() > 1:
+        cases.append((None, None, "cpu"))
+    lines = []
+    for devices, parameter_device, home in cases:
+        strategy = sg.CentralStorageStrategy(devices, parameter_device=parameter_device)
+        kept = []
+        same(train(strategy, kept), reference("cuda:0"))
+        state = kept[0].state
+        tensors = [t for entry in state.values() for t in entry.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        assert len(state) == 4 and tensors, f"expected one Adam state per parameter (4), got {len(state)}"
+        assert all(t.device == torch.device(home) for t in tensors), f"state on {sorted({str(t.device) for t in tensors})}"
+        text = str(strategy.explain())
+        strategy.close()
+        lines.append(f"devices={devices}, parameter_device={parameter_device}: equal to one device, "
+                     f"optimizer state once on {home}\n{text}")
+    return "\n".join(lines)
+
+
 def throughput():
     workload = WORKLOADS["mlp"]
     data = [(x.cuda(), y.cuda()) for x, y in workload.make_batches()]
@@ -162,7 +192,10 @@ def throughput():
         opt.step()
 
     results = {"plain": timed(plain)}
-    for name, strategy in (("one_device", sg.OneDeviceStrategy("cuda:0")), ("mirrored_all_gpus", sg.MirroredStrategy())):
+    strategies = (("one_device", sg.OneDeviceStrategy("cuda:0")), ("mirrored_all_gpus", sg.MirroredStrategy()),
+                  ("central_storage", sg.CentralStorageStrategy()),
+                  ("central_storage_parameters_on_cpu", sg.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")))
+    for name, strategy in strategies:
         base = workload.build_model()
         m, o = strategy.distribute(base, workload.build_optimizer(base))
         dataset = list(strategy.distribute_dataset(workload.make_batches()))
@@ -185,6 +218,7 @@ def main() -> int:
         print("no CUDA GPU visible: nothing to check here (run `stratagem doctor` to see why)")
         return 1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ONLY.extend(sys.argv[1:])
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): "
           f"{torch.cuda.get_device_name(0)}", flush=True)
     check("one device on cuda:0", one_device)
@@ -192,6 +226,7 @@ def main() -> int:
     check("mirrored over cuda:0 and cpu:0", mirrored_gpu_and_cpu)
     check("multi-worker over NCCL, one process", multi_worker_nccl)
     check("model parallel: stages and placement across cuda:0 and the CPU", model_parallel)
+    check("central storage: parameters on the GPU, on the CPU, and over cuda:0 + cpu:0", central_storage)
     check("throughput on the MLP workload (samples/s)", throughput)
     print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all strategy checks passed")
     return 1 if FAILED else 0

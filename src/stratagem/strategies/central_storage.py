@@ -282,9 +282,9 @@ class CentralStorageStrategy(MirroredStrategy):
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Runs `fn` once per replica, in parallel, each with its slice of the distributed inputs
         (see `MirroredStrategy.run`); the central copy keeps the buffers of replica 0 (e.g. batch-norm
-        statistics)."""
+        statistics), as MirroredStrategy reports replica 0's."""
         result = super().run(fn, args, kwargs)
-        if self._central is not None and self._anchor is None:
+        if self._central is not None and self._anchor != 0:
             self._copy_buffers(self._replicas[0], self._central)
         return result
 
@@ -335,7 +335,8 @@ class CentralStorageStrategy(MirroredStrategy):
             self._barrier.wait(replica, "optimizer step", state.step)
         result = None
         if replica == self._applier:
-            self._stage_gradients()
+            if state is not None:  # outside a step (one replica) the central gradients are the user's own
+                self._stage_gradients()
             result = optimizer.step()
         if together:
             # Nobody reads the parameters (or steps again) before the update is complete.
