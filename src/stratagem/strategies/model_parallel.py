@@ -329,6 +329,8 @@ class ModelParallelStrategy(Strategy):
         # Recorded only now: a refused model leaves the strategy as it was.
         self._stages = stages
         self._decisions.extend(decisions)
+        for info in stages:
+            logger.info("%s %d: %s", "stage" if self._placement is None else "device", info.stage, info.describe())
         if self._placement is None:
             distributed = self._build_pipeline(model)
         else:
