@@ -61,12 +61,14 @@ def test_pipeline_matches_one_device(num_stages, num_micro_batches, opt_name, dt
     assert_same_optimizer_state(ref_opt, opt, dtype)
 
 
-def test_conv_pipeline_matches_one_device():
+@pytest.mark.parametrize("num_stages", [1, 3])
+def test_conv_pipeline_matches_one_device(num_stages):
+    """One stage with micro-batches is plain gradient accumulation; three stages cut the conv net."""
     reference, ref_opt, shape = build("conv", "adam", torch.float32)
     model, opt, _ = build("conv", "adam", torch.float32)
     batches = make_batches(shape, torch.float32)
     train_reference(reference, ref_opt, batches)
-    strategy = strategy_of(3, num_micro_batches=4)
+    strategy = strategy_of(num_stages, num_micro_batches=4)
     model, opt, _ = train_with(strategy, model, opt, batches)
     strategy.close()
     assert_same_state(reference, model, torch.float32)
@@ -400,6 +402,9 @@ def test_placement_errors_list_the_valid_names():
         sg.ModelParallelStrategy(placement={"head": "cpu:1"}, split_points=[1], registry=registry)
     with pytest.raises(sg.InputError, match=r"placement must map module names to devices. Received: placement=\{\}"):
         sg.ModelParallelStrategy(placement={}, registry=registry)
+    with pytest.raises(sg.InputError, match=r"with placement= the model runs on the caller's thread. Received: "
+                                            r"intra_op_threads=2 with placement="):
+        sg.ModelParallelStrategy(placement={"head": "cpu:1"}, intra_op_threads=2, registry=registry)
     with pytest.raises(sg.InputError, match=r"Received: placement=\['cpu:0'\]"):
         sg.ModelParallelStrategy(placement=["cpu:0"], registry=registry)
 

@@ -236,12 +236,19 @@ class ModelParallelStrategy(Strategy):
         return PlacementDecision(subject="micro-batches", choice=str(m), reason=reason)
 
     def _choose_threads(self, intra_op_threads: int | None) -> int | None:
+        if intra_op_threads is not None:
+            if isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int) or intra_op_threads < 1:
+                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads!r}.")
+            if self._placement is not None:
+                raise InputError(
+                    "intra_op_threads sets the torch threads of each pipeline stage's thread; with placement= the "
+                    f"model runs on the caller's thread. Received: intra_op_threads={intra_op_threads} with placement=. "
+                    "Drop it, and call torch.set_num_threads() yourself if needed."
+                )
         num_cpu = sum(1 for d in self._stage_devices if d.physical.type == "cpu")
         if num_cpu == 0 or self._placement is not None:
             return None
         if intra_op_threads is not None:
-            if isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int) or intra_op_threads < 1:
-                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads!r}.")
             threads, why = intra_op_threads, "given by intra_op_threads="
         else:
             total = torch.get_num_threads()
