@@ -472,13 +472,19 @@ def test_a_stuck_stage_times_out_with_its_name():
     release = threading.Event()
 
     class Stuck(nn.Module):
+        armed = False
+
         def forward(self, x):
-            release.wait(timeout=20)
+            if self.armed:
+                release.wait(timeout=20)
             return x
 
-    strategy = strategy_of(2, split_points=[1], timeout=0.3)
-    model = strategy.distribute(nn.Sequential(nn.Linear(2, 2), Stuck()))
-    with pytest.raises(sg.CollectiveTimeoutError, match=r"Timed out after 0.3 s waiting for the forward pass: stage 1 "
+    stuck = Stuck()
+    strategy = strategy_of(2, split_points=[1], timeout=1.0)
+    model = strategy.distribute(nn.Sequential(nn.Linear(2, 2), stuck))
+    model(torch.randn(3, 2))  # the stage threads are up: the wait below is for the stuck layer only
+    stuck.armed = True
+    with pytest.raises(sg.CollectiveTimeoutError, match=r"Timed out after 1 s waiting for the forward pass: stage 1 "
                                                         r"\(cpu:1\) finished 0 of 1 micro-batches.* raise `timeout=`"):
         model(torch.randn(3, 2))
     release.set()
