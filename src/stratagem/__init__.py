@@ -7,11 +7,13 @@
 
 from stratagem import data, devices, diagnose
 from stratagem.data.split import InputContext
+from stratagem.diagnose.placement import log_placement, soft_placement
 from stratagem.errors import (
     CollectiveTimeoutError,
     DeviceError,
     GpuUnavailableError,
     InputError,
+    PlacementError,
     ReplicaError,
     StratagemError,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "PlacementError",
     "ReduceOp",
     "ReplicaContext",
     "ReplicaError",
@@ -67,5 +70,7 @@ __all__ = [
     "callbacks",
     "evaluate",
     "fit",
+    "log_placement",
     "metrics",
+    "soft_placement",
 ]

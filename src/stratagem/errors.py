@@ -59,3 +59,11 @@ class WireFormatError(StratagemError, ValueError):
 
 class ParameterServerError(StratagemError, RuntimeError):
     """A parameter-server or worker task was lost or refused a call; the message names the task."""
+
+
+class PlacementError(StratagemError, NotImplementedError):
+    """An operation has no kernel on the device its inputs are on; the message names both and the fix.
+
+    It derives from ``NotImplementedError``, which torch raises for the same problem, so code
+    that catches torch's error keeps working.
+    """

@@ -35,19 +35,38 @@ from stratagem.diagnose.memory import (
     estimate_training_memory,
     format_bytes,
 )
+from stratagem.diagnose.placement import (
+    CapturedPlacement,
+    PlacementLog,
+    apply_placement,
+    capture_placement,
+    log_placement,
+    note_replica,
+    soft_placement,
+)
+from stratagem.diagnose.placement_report import CopySummary, OffDeviceOp, PlacementSummary
 from stratagem.diagnose.report import DoctorReport, SmokeResult, blocking_checks, exit_code
+from stratagem.diagnose.soft_placement import SoftPlacement
 
 __all__ = [
     "MIN_DRIVER_FOR_CUDA_MAJOR",
+    "CapturedPlacement",
     "Check",
+    "CopySummary",
     "DoctorReport",
     "EnvironmentFacts",
     "GpuFacts",
     "MemoryEstimate",
+    "OffDeviceOp",
     "PlacementDecision",
+    "PlacementLog",
+    "PlacementSummary",
     "SmokeResult",
+    "SoftPlacement",
     "Verdict",
+    "apply_placement",
     "blocking_checks",
+    "capture_placement",
     "check_cuda_visible_devices",
     "check_cudnn",
     "check_device_index",
@@ -65,6 +84,9 @@ __all__ = [
     "exit_code",
     "format_bytes",
     "gpu_unavailable_reason",
+    "log_placement",
+    "note_replica",
     "probe_gpus",
+    "soft_placement",
     "visible_by_cuda_visible_devices",
 ]

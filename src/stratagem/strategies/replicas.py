@@ -16,6 +16,12 @@ from typing import Any
 
 import torch
 
+from stratagem.diagnose.placement import (
+    apply_placement,
+    capture_placement,
+    note_replica,
+)
+from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 
 _context = threading.local()
@@ -146,9 +152,11 @@ class ReplicaPool:
             item = inbox.get()
             if item is None:
                 return
-            generation, job = item
+            generation, job, placement = item
             try:
-                self._outbox.put((generation, replica, True, job(replica)))
+                with apply_placement(placement):  # the caller's placement log / soft placement, if any
+                    result = job(replica)
+                self._outbox.put((generation, replica, True, result))
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
                 self._outbox.put((generation, replica, False, error))
 
@@ -161,8 +169,9 @@ class ReplicaPool:
         """
         self._generation += 1
         generation = self._generation
+        placement = capture_placement()  # None unless a placement log or soft placement is active
         for inbox in self._inboxes:
-            inbox.put((generation, job))
+            inbox.put((generation, job, placement))
         results: list[Any] = [None] * len(self._names)
         errors: list[tuple[int, BaseException]] = []
         try:
@@ -196,6 +205,10 @@ class ReplicaPool:
             replica, error = (real or errors)[0]
             if isinstance(error, _Aborted) and error.__cause__ is not None:
                 error = error.__cause__
+            translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
+            if translated is not None:
+                translated.add_note(f"(raised in replica {replica} on {self._names[replica]})")
+                raise translated from error
             if hasattr(error, "add_note") and not isinstance(error, (CollectiveTimeoutError, ReplicaError)):
                 error.add_note(f"(raised in replica {replica} on {self._names[replica]})")
             raise error
@@ -212,4 +225,8 @@ def enter_replica(ctx: ReplicaContext | None) -> ReplicaContext | None:
     """Sets this thread's replica context; returns the previous one."""
     previous = getattr(_context, "value", None)
     _context.value = ctx
+    if ctx is None:
+        note_replica(None)
+    else:
+        note_replica(ctx.replica_id_in_sync_group, ctx.device)
     return previous
