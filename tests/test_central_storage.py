@@ -184,7 +184,8 @@ def test_replicas_with_their_own_copy_receive_the_central_parameters_every_step(
     model, opt = strategy.distribute(model, opt)
     storages = {p.data_ptr() for m in [model.central, *model.replicas] for p in m.parameters()}
     assert len(storages) == 3 * len(list(model.central.parameters()))
-    assert strategy.explain().decision("parameter copies").choice == "one per step to 2 replica(s)"
+    copies = strategy.explain().decision("parameter copies")
+    assert copies.choice == "one per step to 2 replica(s)" and "(share_parameters=False)" in copies.reason
 
     def step_and_report(x, y):
         seen = [p.detach().clone() for p in model.parameters()]  # this replica's copy, before the update
@@ -263,7 +264,8 @@ def test_several_gpus_compute_and_the_cpu_holds_the_parameters():
     assert [r.device for r in explanation.replicas] == ["cuda:0", "cuda:1"]
     assert strategy.parameter_device == torch.device("cpu")
     assert explanation.decision("parameter copies").choice == "one per step to 2 replica(s)"
-    assert "they compute on another device than cpu" in explanation.decision("parameter copies").reason
+    assert ("replica(s) 0 (cuda:0), 1 (cuda:1) compute on another device than cpu, so they receive a copy of every "
+            "parameter at the start of each step") == explanation.decision("parameter copies").reason
     combination = explanation.decision("gradient combination")
     assert combination.choice == "reduce onto cpu" and "copied back to every replica" in combination.reason
 
@@ -272,9 +274,10 @@ def test_parameter_device_given_explicitly():
     strategy = central(2, parameter_device="/cpu:1")
     assert strategy.explain().decision("parameter storage").reason == "given by parameter_device="
     assert strategy.explain().details["parameter device"] == "cpu:1 (runs on cpu)"
-    gpu_central = sg.CentralStorageStrategy(["cpu:0"], parameter_device="cuda:0", registry=gpu_machine(1))
+    gpu_central = sg.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cuda:0", registry=gpu_machine(1))
     assert gpu_central.parameter_device == torch.device("cuda", 0)
     assert gpu_central.explain().decision("gradient combination").choice == "reduce onto cuda:0"
+    assert gpu_central.explain().decision("parameter copies").choice == "one per step to 2 replica(s)"
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -352,6 +355,7 @@ def test_one_replica_computing_on_its_own_copy_matches_one_device():
     strategy = central(1, share_parameters=False)
     dist_model, opt, _ = train_with(strategy, model, opt, batches)
     assert dist_model.replicas[0] is not dist_model.central
+    assert strategy.explain().decision("gradient combination").choice == "none (one replica)"
     assert_same_state(reference, dist_model.central, torch.float64)
 
     # Outside strategy.run, one replica's model and optimizer are the central ones, as on one device.

@@ -107,7 +107,8 @@ class CentralStorageStrategy(MirroredStrategy):
         self._central: nn.Module | None = None
         self._central_params: list[nn.Parameter] = []
         self._replicas: list[nn.Module] = []
-        mine = [storage, self._copies_decision(), self._choose_reducer(), self._update_decision()]
+        chosen = [storage, self._copies_decision(), self._choose_reducer(), self._update_decision()]
+        mine = [d for d in chosen if d is not None]
         inherited = [d for d in self._decisions if d.subject != "gradient combination"]
         self._decisions = [d for d in inherited if d.subject == "devices"] + mine + [
             d for d in inherited if d.subject != "devices"]
@@ -151,22 +152,32 @@ class CentralStorageStrategy(MirroredStrategy):
     def _copies_decision(self) -> PlacementDecision:
         central = self._central_device
         in_place = [r for r, a in enumerate(self._aliased) if a]
-        copied = [r for r, a in enumerate(self._aliased) if not a]
+        by_choice = [r for r, d in enumerate(self._devices) if d == central and not self._aliased[r]]
+        elsewhere = [r for r, d in enumerate(self._devices) if d != central]
         parts = []
         if in_place:
             parts.append(f"{self._describe(in_place)} compute on {central}, the central device, and read its "
                          "parameters in place (no copy)")
-        if copied:
-            why = "share_parameters=False" if not self._share_parameters and any(
-                d == central for d in self._devices) else f"they compute on another device than {central}"
-            parts.append(f"{self._describe(copied)} receive a copy of every parameter at the start of each step "
-                         f"({why})")
-        choice = "none" if not copied else f"one per step to {len(copied)} replica(s)"
+        if by_choice:
+            parts.append(f"{self._describe(by_choice)} receive a copy of every parameter at the start of each step "
+                         "(share_parameters=False)")
+        if elsewhere:
+            parts.append(f"{self._describe(elsewhere)} compute on another device than {central}, so they receive a "
+                         "copy of every parameter at the start of each step")
+        copied = len(by_choice) + len(elsewhere)
+        choice = "none" if not copied else f"one per step to {copied} replica(s)"
         return PlacementDecision(subject="parameter copies", choice=choice, reason="; ".join(parts))
 
-    def _choose_reducer(self) -> PlacementDecision:
+    def _choose_reducer(self) -> PlacementDecision | None:
         central = self._central_device
-        if len(self._devices) > 1 and all(self._aliased):
+        if len(self._devices) == 1:
+            if self._aliased[0]:
+                return None  # one replica computing on the central parameters: nothing to combine or move
+            return PlacementDecision(
+                subject="gradient combination", choice="none (one replica)",
+                reason=f"the replica's gradient is copied to {central} when optimizer.step() runs",
+            )
+        if all(self._aliased):
             # Every replica is a logical device of the central CPU: MirroredStrategy's in-memory reduction
             # already forms the weighted sum in the central memory, spread over the replica threads.
             return PlacementDecision(
