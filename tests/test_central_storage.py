@@ -341,6 +341,12 @@ def test_step_outside_run_with_a_closure_or_in_one_replica_only_is_an_error():
     with pytest.raises(sg.ReplicaError, match=r"waiting at the optimizer step of step \d+, but replica 1 \(cpu:1\) "
                                               r"returned from the step function"):
         strategy.run(step_in_replica_0_only, args=batch)
+    assert all(p.grad is not None for replica in model.replicas for p in replica.parameters())
+    opt.zero_grad()  # outside run: every replica's gradients (and the central ones)
+    assert all(p.grad is None for replica in model.replicas for p in replica.parameters())
+    with pytest.raises(sg.InputError, match=r"Parameter groups cannot be added to an optimizer after it was "
+                                            r"distributed. Received: a group with keys \['params'\]"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     with pytest.raises(sg.InputError, match="already holds a distributed model"):
         strategy.distribute(mlp())
     strategy.close()
