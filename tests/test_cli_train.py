@@ -1,7 +1,8 @@
 """`stratagem train`, run in-process through the real CLI entry point.
 
-Accuracy thresholds were measured on a 2-core CPU: the default run (10 epochs, seed 0) reaches
-98.3% test accuracy; one epoch reaches 88.6% (seed 0) and 84.2% (seed 5), so short runs check 75%.
+Accuracy thresholds were measured on a 2-core CPU since the job runs on `fit` (batches from
+sg.data.ShuffledBatches): the default run (10 epochs, seed 0) reaches 98.1% test accuracy; one epoch
+reaches 88.9% (seed 0) and 86.1% (seed 5), so short runs check 75%.
 """
 
 from __future__ import annotations
@@ -133,10 +134,10 @@ def test_missing_scikit_learn_fails_with_the_install_command(capsys, monkeypatch
 
 
 def test_a_failing_replica_exits_1_with_its_message(capsys, monkeypatch):
-    def failing_epoch(*args, **kwargs):
+    def failing_fit(*args, **kwargs):
         raise sg.ReplicaError("Replica 1 (cpu:1) raised RuntimeError at step 3: boom")
 
-    monkeypatch.setattr(job, "train_epoch", failing_epoch)
+    monkeypatch.setattr(job, "fit", failing_fit)
     assert main(["train", "--json", "--epochs", "1"]) == 1
     captured = capsys.readouterr()
     assert "training failed: Replica 1 (cpu:1) raised RuntimeError at step 3: boom" in captured.err
@@ -159,6 +160,43 @@ def test_multi_worker_main_job_runs_under_the_launcher_and_matches_mirrored(caps
     assert code == 0
     assert report["epochs"][0]["loss"] == pytest.approx(mirrored["epochs"][0]["loss"], rel=1e-5)
     assert report["test_accuracy"] == pytest.approx(mirrored["test_accuracy"], abs=1e-9)
+
+
+def test_backup_dir_resumes_a_finished_epoch_and_is_removed_at_the_end(capsys, tmp_path):
+    """A rerun with --backup-dir continues from the last epoch backed up; here the backup of a first,
+    interrupted run is made by hand: a one-epoch run that keeps its backup. On one device: Adam under
+    two mirrored replicas does not resume exactly yet (see SHARED_STEP_BUG in test_backup_restore.py)."""
+    from stratagem.train import BackupAndRestore
+
+    class KeepBackup(BackupAndRestore):
+        def on_train_end(self, context, history):  # leave the backup behind, as a killed run would
+            pass
+
+    original = job.fit
+
+    def fit_keeping_backup(*args, callbacks=(), **kwargs):
+        callbacks = [KeepBackup(tmp_path / "b") if isinstance(c, BackupAndRestore) else c for c in callbacks]
+        return original(*args, callbacks=callbacks, **kwargs)
+
+    job.fit = fit_keeping_backup
+    try:
+        first = run_json(capsys, "--epochs", "1", "--seed", "5", "--batch-size", "256", "--strategy", "one_device", "--backup-dir", str(tmp_path / "b"))
+    finally:
+        job.fit = original
+    assert (tmp_path / "b" / "backup.pt").exists()
+    resumed = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "one_device", "--backup-dir", str(tmp_path / "b"))
+    assert resumed["epochs"][0] == first["epochs"][0]  # restored from the backup, not trained again
+    assert resumed["num_train_examples"] == 2 * 1437
+    assert not (tmp_path / "b").exists()
+    uninterrupted = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "one_device")
+    assert resumed["epochs"][1]["loss"] == pytest.approx(uninterrupted["epochs"][1]["loss"], rel=1e-6)
+    assert resumed["test_accuracy"] == pytest.approx(uninterrupted["test_accuracy"], abs=1 / 360)
+
+
+def test_a_backup_dir_that_is_a_file_exits_2(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    assert main(["train", "--backup-dir", str(tmp_path / "f")]) == 2
+    assert "backup_dir must be a directory" in capsys.readouterr().err
 
 
 def test_workers_without_multi_worker_is_refused(capsys):

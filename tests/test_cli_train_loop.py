@@ -1,22 +1,24 @@
-"""The pieces behind `stratagem train`: digits data, model, exact metrics, config and strategy choice."""
+"""The pieces behind `stratagem train`: digits data, model, exact metrics through fit and evaluate,
+config and strategy choice."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from conftest import cpu_registry
 from stratagem.train import (
+    Callback,
     TrainConfig,
     build_digits_model,
     build_strategy,
     evaluate,
+    fit,
     load_digits_data,
     make_loader,
-    train_epoch,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,39 +65,46 @@ def test_evaluate_counts_correct_over_the_global_batch_not_per_replica():
     # Batch 2 (2 examples) splits 1, 1, 0: replica 2 has an empty slice and must count for nothing.
     batches = [(logits[:5], labels[:5]), (logits[5:], labels[5:])]
     try:
-        result = evaluate(strategy, nn.Identity(), batches)
+        result = evaluate(strategy, nn.Identity(), batches, F.cross_entropy, metrics=["accuracy"])
     finally:
         strategy.close()
     assert result.num_examples == 7
-    assert result.accuracy == pytest.approx(4 / 7)  # rows 0, 4, 5, 6 are right
-    assert result.loss == pytest.approx(float(F.cross_entropy(logits, labels)), rel=1e-6)
+    assert result["accuracy"] == pytest.approx(4 / 7)  # rows 0, 4, 5, 6 are right
+    assert result["loss"] == pytest.approx(float(F.cross_entropy(logits, labels)), rel=1e-6)
 
 
-def test_train_epoch_reports_each_step_and_matches_one_device():
+class StepRecorder(Callback):
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, context, num_examples):
+        self.steps.append((num_examples, context.step))
+
+
+def test_fit_on_digits_reports_each_step_and_matches_one_device():
     data = load_digits_data()
     x, y = data.train_x[:23], data.train_y[:23]
-    results, steps = [], []
+    results, recorder = [], StepRecorder()
     for devices in (["cpu:0"], ["cpu:0", "cpu:1", "cpu:2"]):
         strategy = sg.MirroredStrategy(devices, registry=cpu_registry(3))
         net = build_digits_model(0)
-        model, optimizer = strategy.distribute(net, torch.optim.Adam(net.parameters(), lr=1e-3))
         try:
-            on_step = (lambda num, so_far: steps.append((num, so_far))) if len(devices) == 3 else None
-            results.append(train_epoch(strategy, model, optimizer, make_loader(x, y, 10, shuffle=False),
-                                       epoch=1, on_step=on_step))
+            callbacks = [recorder] if len(devices) == 3 else []
+            results.append(fit(strategy, net, torch.optim.Adam(net.parameters(), lr=1e-3), F.cross_entropy,
+                               make_loader(x, y, 10, shuffle=False), metrics=["accuracy"], callbacks=callbacks))
         finally:
             strategy.close()
-    one, three = results
-    assert steps == [(10, 10), (10, 20), (3, 23)]
+    one, three = (r.epochs[0] for r in results)
+    assert recorder.steps == [(10, 1), (10, 2), (3, 3)]
     assert (one.epoch, one.num_examples, three.num_examples) == (1, 23, 23)
-    assert three.loss == pytest.approx(one.loss, rel=1e-5)
-    assert three.accuracy == one.accuracy
+    assert three.metrics["loss"] == pytest.approx(one.metrics["loss"], rel=1e-5)
+    assert three.metrics["accuracy"] == one.metrics["accuracy"]
 
 
 def test_an_empty_loader_is_an_error():
     strategy = sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1))
-    with pytest.raises(sg.InputError, match="the evaluation loader yielded no examples"):
-        evaluate(strategy, nn.Identity(), [])
+    with pytest.raises(sg.InputError, match="The evaluation data yielded no examples"):
+        evaluate(strategy, nn.Identity(), [], F.cross_entropy)
 
 
 @pytest.mark.parametrize("kwargs, message", [
