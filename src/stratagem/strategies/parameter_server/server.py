@@ -13,7 +13,7 @@ tensors, which is what placement without a partitioner gives.
 ``Save`` returns every shard and its optimizer state; ``Load`` puts them back (checkpoints).
 
     >>> ps = ParameterServer(security=Security(token="t"), task="ps:0")   # doctest: +SKIP
-    >>> ps.wait_for_shutdown(timeout=None)                                 # serves until the chief ends the job
+    >>> ps.stopped(timeout=60.0)                                           # True once the chief ended the job
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from stratagem.errors import (
-    CollectiveTimeoutError,
     ParameterServerError,
     WireFormatError,
 )
@@ -203,11 +202,9 @@ class ParameterServer:
         return "pong", {"task": self.task, "shards": len(self._shards), "version": self._num_updates}, {}
 
     # ---- life cycle ----------------------------------------------------------------------------
-    def wait_for_shutdown(self, timeout: float | None) -> None:
-        """Serves until the chief sends Shutdown; ``timeout`` (seconds, or None for the job's life) bounds it."""
-        if not self._shutdown.wait(timeout):
-            raise CollectiveTimeoutError(f"{self.task} was not told to shut down within {timeout} s. Received: "
-                                         "no Shutdown from the chief. Fix: check that the chief is alive.")
+    def stopped(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the chief's Shutdown; True once it came."""
+        return self._shutdown.wait(timeout)
 
     def stop(self) -> None:
         """Stops serving at once (tests use it to simulate a lost parameter server)."""

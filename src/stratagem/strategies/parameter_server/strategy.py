@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,12 +41,12 @@ from torch import nn
 from stratagem import environ
 from stratagem.cluster import Cluster, free_ports, resolve_cluster
 from stratagem.diagnose import PlacementDecision
-from stratagem.errors import ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.parameter_server.partitioners import Partitioner, place
 from stratagem.strategies.parameter_server.server import ParameterServer
-from stratagem.strategies.parameter_server.transport import Client, Security
+from stratagem.strategies.parameter_server.transport import Client, Security, Server
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 from stratagem.strategies.parameter_server.worker import (
     SERVICE as WORKER_SERVICE,
@@ -58,7 +59,8 @@ from stratagem.strategies.parameter_server.worker import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SERVE_TIMEOUT = 7 * 24 * 3600.0
+CHIEF_SERVICE = "stratagem.Chief"
+CHIEF_CHECK_SECONDS = 2.0
 
 
 class InProcessCluster:
@@ -117,7 +119,11 @@ class ParameterServerStrategy(Strategy):
         cluster_token: the shared secret of the job; defaults to ``STRATAGEM_CLUSTER_TOKEN``.
         certificate, private_key, server_name: TLS (PEM paths); every task of the job uses the same ones.
         rpc_timeout: seconds a pull, push or checkpoint call may take.
-        serve_timeout: seconds a ps or worker task serves before it gives up on the chief.
+        chief_timeout: seconds a ps or worker task keeps serving while the chief cannot be reached (it
+            checks every few seconds); then it fails with an error naming the chief, so no task is left behind.
+        ps_exit_delay: seconds a parameter server waits, once the chief has ended the job, before its
+            process exits; a launcher that stops parameter servers after the workers (``stratagem launch``
+            counts an early exit as a failure) stops it first.
 
     See the module docstring for how the same script runs on every task.
     """
@@ -125,8 +131,8 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, cluster_resolver: Cluster | Mapping[str, Any] | InProcessCluster | None = None,
                  partitioner: Partitioner | Callable[..., int] | None = None, *, cluster_token: str | None = None,
                  certificate: str | None = None, private_key: str | None = None, server_name: str | None = None,
-                 rpc_timeout: float = 60.0, serve_timeout: float = DEFAULT_SERVE_TIMEOUT,
-                 env: Mapping[str, str] | None = None) -> None:
+                 rpc_timeout: float = 60.0, chief_timeout: float = 60.0,
+                 ps_exit_delay: float = 10.0, env: Mapping[str, str] | None = None) -> None:
         env = environ.current() if env is None else env
         self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
         if isinstance(cluster_resolver, InProcessCluster):
@@ -141,7 +147,8 @@ class ParameterServerStrategy(Strategy):
         self.cluster = cluster
         self.partitioner = partitioner
         self.rpc_timeout = rpc_timeout
-        self.serve_timeout = serve_timeout
+        self.chief_timeout = chief_timeout
+        self.ps_exit_delay = ps_exit_delay
         self._ps_addresses = list(cluster.addresses.get("ps", ()))
         if not self._ps_addresses:
             raise ParameterServerError(
@@ -173,6 +180,11 @@ class ParameterServerStrategy(Strategy):
             self._worker_service = WorkerService(task, security=self._security,
                                                  address=cluster.addresses["worker"][cluster.task_index],
                                                  ready=self._is_coordinator)
+        self._chief_server: Server | None = None
+        if cluster.task_type == "chief" and not self._workers_in_process:
+            # Parameter servers and workers ping it, so they stop serving when the chief is gone.
+            self._chief_server = Server(CHIEF_SERVICE, {"Ping": lambda op, meta, tensors: ("pong", None, {})},
+                                        security=self._security, address=cluster.addresses["chief"][0])
         if self._is_coordinator:
             atexit.register(self.shutdown)
         logger.info("ParameterServerStrategy on %s: %d ps, %d workers, coordinator=%s", task,
@@ -184,9 +196,10 @@ class ParameterServerStrategy(Strategy):
         server = ParameterServer(security=self._security, address=self._ps_addresses[index],
                                  task=self.cluster.task_name)
         try:
-            server.wait_for_shutdown(self.serve_timeout)
+            self._serve_while_chief_lives(server.stopped)
         finally:
             server.stop()
+        time.sleep(self.ps_exit_delay)
         raise SystemExit(0)
 
     def _serve_as_worker(self) -> None:
@@ -201,10 +214,33 @@ class ParameterServerStrategy(Strategy):
         service.ready.set()
         logger.info("%s serving scheduled functions", self.cluster.task_name)
         try:
-            service.wait_for_shutdown(self.serve_timeout)
+            self._serve_while_chief_lives(service.stopped)
         finally:
             service.stop()
         raise SystemExit(0)
+
+    def _serve_while_chief_lives(self, stopped: Callable[[float], bool]) -> None:
+        """Returns when the chief ends the job; raises when it has been unreachable for ``chief_timeout`` s."""
+        if "chief" in self.cluster.addresses:
+            chief_task, address, service = "chief:0", self.cluster.addresses["chief"][0], CHIEF_SERVICE
+        else:
+            chief_task, address, service = "worker:0", self.cluster.addresses["worker"][0], WORKER_SERVICE
+        chief = Client(address, service, security=self._security, task=chief_task)
+        last_seen = time.monotonic()
+        try:
+            while not stopped(CHIEF_CHECK_SECONDS):
+                try:
+                    chief.call("Ping", "ping", timeout=CHIEF_CHECK_SECONDS)
+                    last_seen = time.monotonic()
+                except (ParameterServerError, CollectiveTimeoutError) as exc:
+                    silent = time.monotonic() - last_seen
+                    if silent > self.chief_timeout:
+                        raise CollectiveTimeoutError(
+                            f"{self.cluster.task_name} lost the chief: {chief_task} at {address} has not answered for "
+                            f"{silent:.0f} s. Received: {exc}. Fix: the chief died or ended without telling this task; "
+                            "restart the job (it resumes from its last checkpoint).") from None
+        finally:
+            chief.close()
 
     def _worker_addresses(self) -> list[tuple[str, str]]:
         return [(f"worker:{i}", address) for i, address in enumerate(self.cluster.addresses["worker"])]
@@ -305,6 +341,8 @@ class ParameterServerStrategy(Strategy):
                 ShardedVariables([], self._ps_addresses, security=self._security).shutdown()
         if self._worker_service is not None:
             self._worker_service.stop()
+        if self._chief_server is not None:
+            self._chief_server.stop()
         atexit.unregister(self.shutdown)
 
     def explain(self) -> Explanation:

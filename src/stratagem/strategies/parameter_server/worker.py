@@ -222,11 +222,9 @@ class WorkerService:
     def _ping(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         return "pong", {"task": self.task, "ready": self.ready.is_set()}, {}
 
-    def wait_for_shutdown(self, timeout: float | None) -> None:
-        """Serves until the chief sends Shutdown, at most ``timeout`` seconds (None: the job's life)."""
-        if not self._shutdown.wait(timeout):
-            raise CollectiveTimeoutError(f"{self.task} was not told to shut down within {timeout} s. Received: no "
-                                         "Shutdown from the chief. Fix: check that the chief is alive.")
+    def stopped(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the chief's Shutdown; True once it came."""
+        return self._shutdown.wait(timeout)
 
     def stop(self) -> None:
         """Stops serving at once (tests use it to simulate a lost worker)."""
