@@ -395,3 +395,16 @@ def test_gradients_accumulated_over_two_runs_then_one_update_match_one_device(sh
     strategy.run(lambda: dist_opt.step())
     strategy.close()
     assert_same_state(reference, dist_model.central, torch.float64)
+
+
+def test_fit_trains_under_central_storage_like_the_plain_loop():
+    reference, ref_opt, shape = build("mlp", "adam", torch.float64)
+    model, opt, _ = build("mlp", "adam", torch.float64)
+    batches = make_batches(shape, torch.float64)
+    for _ in range(2):
+        train_reference(reference, ref_opt, batches)  # clips at 1.0, as fit(clip_grad_norm=1.0) does
+    strategy = central(3)
+    history = sg.fit(strategy, model, opt, F.cross_entropy, batches, epochs=2, clip_grad_norm=1.0)
+    strategy.close()
+    assert len(history.history["loss"]) == 2
+    assert_same_state(reference, model, torch.float64)
