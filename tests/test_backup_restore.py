@@ -34,16 +34,16 @@ F64 = torch.float64
 SAVE_FREQ, KILL_AFTER = 3, 7
 
 
-def reference_state(dropout: bool = False) -> dict[str, torch.Tensor]:
+def reference_state(dropout: bool = False, epochs: int = EPOCHS, lr_decay: float = 1.0) -> dict[str, torch.Tensor]:
     """A plain one-device loop over the documented order of ShuffledBatches: epoch e is
-    torch.randperm(n) from a generator seeded seed * 1_000_003 + e + 1."""
+    torch.randperm(n) from a generator seeded seed * 1_000_003 + e + 1. The learning rate of
+    epoch e is 0.1 * lr_decay ** e."""
     x, y = data()
-    batches = []
-    for epoch in range(EPOCHS):
-        order = torch.randperm(NUM_EXAMPLES, generator=torch.Generator().manual_seed(SHUFFLE_SEED * 1_000_003 + epoch + 1))
-        batches += [(x[idx], y[idx]) for idx in order.split(BATCH_SIZE)]
     model, optimizer = build_model(dropout)
-    train_reference(model, optimizer, batches)
+    for epoch in range(epochs):
+        order = torch.randperm(NUM_EXAMPLES, generator=torch.Generator().manual_seed(SHUFFLE_SEED * 1_000_003 + epoch + 1))
+        optimizer.param_groups[0]["lr"] = 0.1 * lr_decay**epoch
+        train_reference(model, optimizer, [(x[idx], y[idx]) for idx in order.split(BATCH_SIZE)])
     return model.state_dict()
 
 
@@ -165,6 +165,43 @@ def test_adam_resumes_exactly_from_a_mid_epoch_backup(tmp_path, kind):
     resumed = run([sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=SAVE_FREQ)])
     uninterrupted = run([])
     assert_matches(resumed.model.state_dict(), uninterrupted.model.state_dict())
+
+
+def test_a_learning_rate_schedule_resumes_with_the_run(tmp_path):
+    def run(with_schedule: bool, *extra):
+        model, optimizer = build_model(False)
+        strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+        model, optimizer = strategy.distribute(model, optimizer)  # the scheduler must adjust this optimizer
+        schedule = [sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))]
+        x, y = data()
+        try:
+            return sg.fit(strategy, model, optimizer, F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED,
+                          epochs=3, clip_grad_norm=1.0, callbacks=[*(schedule if with_schedule else []), *extra])
+        finally:
+            strategy.close()
+
+    with pytest.raises(RuntimeError, match="failure at step 6"):
+        run(True, sg.callbacks.BackupAndRestore(tmp_path / "b"), FailAtStep(6))
+    with pytest.raises(sg.InputError, match=r"The backup holds the state of callbacks \['0:LearningRateScheduler'\] but"):
+        run(False, sg.callbacks.BackupAndRestore(tmp_path / "b"))
+    resumed = run(True, sg.callbacks.BackupAndRestore(tmp_path / "b"))
+    assert_matches(resumed.model.state_dict(), reference_state(epochs=3, lr_decay=0.5))
+
+
+def test_a_scheduler_of_an_optimizer_fit_does_not_train_with_is_refused():
+    model, optimizer = build_model(False)
+    schedule = sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    x, y = data()
+    try:
+        with pytest.raises(sg.InputError, match=r"The scheduler adjusts an optimizer that fit does not train with"):
+            sg.fit(strategy, model, optimizer, F.cross_entropy, (x, y), batch_size=BATCH_SIZE, callbacks=[schedule])
+    finally:
+        strategy.close()
+    with pytest.raises(sg.InputError, match=r"needs a torch.optim.lr_scheduler scheduler. Received: float"):
+        sg.callbacks.LearningRateScheduler(0.1)
+    with pytest.raises(sg.InputError, match=r"interval must be 'epoch' or 'step'. Received: interval='batch'"):
+        sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1), interval="batch")
 
 
 def test_keeping_the_backup_and_a_directory_with_other_files(tmp_path):

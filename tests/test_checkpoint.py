@@ -139,11 +139,12 @@ def test_shuffled_batches_refuse_bad_input(make, message):
 # ---- a backup that does not fit the run --------------------------------------------------------
 
 def _backup_of(tmp_path, model, **fit_args):
-    """Runs one epoch that fails after step 1, leaving a backup behind; returns the backup directory."""
+    """Runs one epoch that fails at step 2, leaving the backup of step 1 behind; returns the backup directory."""
 
     class Fail(sg.callbacks.Callback):
         def on_train_batch_end(self, context, num_examples):
-            raise RuntimeError("interrupted")
+            if context.step == 2:
+                raise RuntimeError("interrupted")
 
     backup = tmp_path / "backup"
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))

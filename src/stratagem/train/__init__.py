@@ -10,6 +10,7 @@ Example:
 from stratagem.train.callbacks import (
     BackupAndRestore,
     Callback,
+    LearningRateScheduler,
     ProgressBar,
     format_epoch_line,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "EpochLog",
     "Evaluation",
     "History",
+    "LearningRateScheduler",
     "MeanAbsoluteError",
     "MeanSquaredError",
     "Metric",

@@ -44,7 +44,8 @@ class Callback:
     """Base class: override the hooks you need; each receives the run's `TrainingContext`.
 
     Hooks run on every worker (check ``context.is_chief`` for what only one process should do),
-    in the order the callbacks were given.
+    in the order the callbacks were given, except that `BackupAndRestore` restores before the
+    others begin and saves after the others ran for the step or epoch.
 
     Example:
         >>> class StopAtLoss(Callback):
@@ -53,7 +54,7 @@ class Callback:
     """
 
     def on_train_begin(self, context: TrainingContext) -> None:
-        """Before the first step (a restored run: after `BackupAndRestore` restored it, if listed first)."""
+        """Before the first step (in a restored run, after `BackupAndRestore` restored it)."""
 
     def on_epoch_begin(self, context: TrainingContext) -> None:
         """At the start of epoch ``context.epoch`` (0-based), possibly mid-epoch after a restore."""
@@ -138,6 +139,49 @@ class BackupAndRestore(Callback):
             save_checkpoint(self.path, context.state_dict())
 
 
+class LearningRateScheduler(Callback):
+    """Steps a torch LR scheduler after every epoch (``interval="epoch"``) or step; its state travels in backups.
+
+    Build the scheduler on the optimizer that trains: the one `strategy.distribute` returned (with
+    several replicas sharing parameters, the optimizer given to `distribute` no longer trains).
+
+    Example:
+        >>> model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> schedule = sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 2))
+        >>> sg.fit(strategy, model, optimizer, loss, data, epochs=6, callbacks=[backup, schedule])
+    """
+
+    def __init__(self, scheduler: Any, interval: str = "epoch") -> None:
+        if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "optimizer")):
+            raise InputError(f"LearningRateScheduler needs a torch.optim.lr_scheduler scheduler. "
+                             f"Received: {type(scheduler).__name__}. Use e.g. torch.optim.lr_scheduler.StepLR(optimizer, 10).")
+        if interval not in ("epoch", "step"):
+            raise InputError(f"interval must be 'epoch' or 'step'. Received: interval={interval!r}.")
+        self.scheduler = scheduler
+        self.interval = interval
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        if self.scheduler.optimizer is not context.optimizer:
+            raise InputError(
+                "The scheduler adjusts an optimizer that fit does not train with. Received: a scheduler of "
+                f"{type(self.scheduler.optimizer).__name__}, fit trains with {type(context.optimizer).__name__}. Build "
+                "the scheduler on the optimizer strategy.distribute returned, and pass that pair to fit.")
+
+    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
+        if self.interval == "step":
+            self.scheduler.step()
+
+    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
+        if self.interval == "epoch":
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
 class ProgressBar(Callback):
     """A progress bar per epoch on the chief (examples, samples/s), then one line of metrics per epoch.
 
@@ -176,7 +220,8 @@ class ProgressBar(Callback):
             MofNCompleteColumn(), TextColumn("examples"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
             console=self._console, transient=True)
         self._progress.start()
-        self._task = self._progress.add_task("train", total=total, rate="")
+        # After a restore mid-epoch, the examples already trained on count as done.
+        self._task = self._progress.add_task("train", total=total, completed=int(context.totals[1]), rate="")
 
     def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
         self._seen += num_examples

@@ -32,7 +32,7 @@ from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import DistributedModel
-from stratagem.train.callbacks import Callback, ProgressBar
+from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
 from stratagem.train.loop import LossFn, evaluate, make_train_step, run_steps
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
@@ -74,9 +74,9 @@ class History:
     """What `fit` returns: one `EpochLog` per epoch and the distributed model and optimizer it trained."""
 
     epochs: list[EpochLog]
-    model: nn.Module
+    model: nn.Module = field(repr=False)
     """The model `strategy.distribute` returned; pass it to `evaluate` or to another `fit`."""
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer = field(repr=False)
 
     @property
     def history(self) -> dict[str, list[float]]:
@@ -113,6 +113,8 @@ class TrainingContext:
     history: list[EpochLog] = field(default_factory=list)
     stop_training: bool = False
     """Set by a callback to stop after the current step."""
+    callbacks: list[Callback] = field(default_factory=list)
+    """The run's callbacks; those with ``state_dict``/``load_state_dict`` travel in backups."""
 
     @property
     def examples_per_epoch(self) -> int | None:
@@ -142,7 +144,13 @@ class TrainingContext:
             "metric_names": self.metric_set.names,
             "rng": capture_rng_state(),
             "data": self.data.state_dict() if _is_resumable(self.data) else None,
+            "callbacks": {key: callback.state_dict() for key, callback in self._stateful_callbacks().items()},
         }
+
+    def _stateful_callbacks(self) -> dict[str, Any]:
+        stateful = [c for c in self.callbacks if callable(getattr(c, "state_dict", None))
+                    and callable(getattr(c, "load_state_dict", None))]
+        return {f"{i}:{type(c).__name__}": c for i, c in enumerate(stateful)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a `state_dict` into this run (the model reaches every replica).
@@ -167,6 +175,14 @@ class TrainingContext:
                              "the backup to start afresh.") from error
         if state["data"] is not None and _is_resumable(self.data):
             self.data.load_state_dict(state["data"])
+        stateful = self._stateful_callbacks()
+        saved = state.get("callbacks", {})
+        if sorted(saved) != sorted(stateful):
+            raise InputError(f"The backup holds the state of callbacks {sorted(saved)} but this run has {sorted(stateful)}. "
+                             f"Received: callbacks={[type(c).__name__ for c in self.callbacks]}. Pass the same stateful "
+                             "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup.")
+        for key, callback in stateful.items():
+            callback.load_state_dict(saved[key])
         self.epoch = int(state["epoch"])
         self.step = int(state["step"])
         self.step_in_epoch = int(state["step_in_epoch"])
@@ -215,8 +231,8 @@ def fit(
         steps_per_epoch: stop each epoch after this many batches (needed for endless iterables).
         validation_data, validation_batch_size: evaluated after each epoch (``val_`` metrics).
         metrics: names from `stratagem.train.metrics.METRICS` (``"accuracy"``...) or `Metric` objects.
-        callbacks: `Callback` objects, e.g. ``BackupAndRestore`` (list it first so the others see
-            the restored state).
+        callbacks: `Callback` objects, e.g. ``BackupAndRestore`` (it restores before the others
+            start and backs up after the others ran for the step or epoch), ``LearningRateScheduler``.
         clip_grad_norm: clip the (combined, global) gradient to this norm before each update.
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
 
@@ -244,7 +260,7 @@ def fit(
     model, optimizer = _ensure_distributed(strategy, model, optimizer)
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
-                              totals=torch.zeros(metric_set.size, dtype=torch.float64))
+                              totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
     try:
         history = _train(context, callbacks, make_train_step(model, optimizer, loss, metric_set,
                                                              clip_grad_norm=clip_grad_norm), val_data, loss)
@@ -258,12 +274,17 @@ def fit(
 
 
 def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any, val_data: Any, loss: LossFn) -> History:
-    for callback in callbacks:
+    # Backups restore before any other callback starts and save after every other callback has
+    # run for the step or epoch (a scheduler's step included), so a backup holds the state that follows.
+    backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
+    others = [c for c in callbacks if not isinstance(c, BackupAndRestore)]
+    first, last = backups + others, others + backups
+    for callback in first:
         callback.on_train_begin(context)
     _check_workers_agree(context)
     while context.epoch < context.epochs and not context.stop_training:
         context.model.train(True)
-        for callback in callbacks:
+        for callback in first:
             callback.on_epoch_begin(context)
         started = time.perf_counter()
         elapsed_before = context.epoch_elapsed_s
@@ -273,7 +294,7 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
             context.step += 1
             context.step_in_epoch += 1
             context.epoch_elapsed_s = elapsed_before + time.perf_counter() - started
-            for callback in callbacks:
+            for callback in last:
                 callback.on_train_batch_end(context, int(state[1]))
             if context.stop_training:
                 raise _StopEpoch
@@ -283,10 +304,10 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
         except _StopEpoch:
             pass
         log = _end_epoch(context, val_data, loss)
-        for callback in callbacks:
+        for callback in last:
             callback.on_epoch_end(context, log)
     history = History(list(context.history), context.model, context.optimizer)
-    for callback in callbacks:
+    for callback in last:
         callback.on_train_end(context, history)
     return history
 
