@@ -243,3 +243,36 @@ def test_distribute_refuses_a_foreign_optimizer(cluster2):
     with pytest.raises(ParameterServerError, match="already holds a model"):
         strategy.distribute(model)
     strategy.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_job_resumes_from_the_checkpoint(tmp_path):
+    model, optimizer, shape = build("mlp", "adam", torch.float64)
+    reference = copy.deepcopy(model)
+    train_reference(reference, torch.optim.Adam(reference.parameters(), lr=0.01), make_batches(shape, torch.float64))
+    batches = make_batches(shape, torch.float64)
+
+    def job(model, optimizer, batches, restore):
+        with InProcessCluster(num_workers=1, num_ps=2) as cluster:
+            strategy = ParameterServerStrategy(cluster, partitioner=FixedShardsPartitioner(2))
+            ps_model, ps_optimizer = strategy.distribute(model, optimizer)
+            if restore:
+                strategy.restore(str(tmp_path / "ckpt.pt"))
+            coordinator = ClusterCoordinator(strategy)
+            step = _step_fn(ps_model, ps_optimizer)
+            for x, y in batches:
+                coordinator.schedule(step, args=(x, y))
+            coordinator.join()
+            strategy.save(str(tmp_path / "ckpt.pt"))
+            strategy.shutdown()
+            return ps_model.pull()
+
+    job(model, optimizer, batches[:2], restore=False)
+    torch.manual_seed(123)  # the new job builds a differently initialised model: the checkpoint must win
+    fresh, fresh_optimizer, _ = build("mlp", "adam", torch.float64)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    resumed = job(fresh, fresh_optimizer, batches[2:], restore=True)
+    for (name, got), want in zip(resumed.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, **TOL[torch.float64], msg=lambda m, n=name: f"{n}: {m}")

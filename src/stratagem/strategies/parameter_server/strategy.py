@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 CHIEF_SERVICE = "stratagem.Chief"
 CHIEF_CHECK_SECONDS = 2.0
+STOP_GRACE_SECONDS = 1.0
 
 
 class InProcessCluster:
@@ -198,7 +199,7 @@ class ParameterServerStrategy(Strategy):
         try:
             self._serve_while_chief_lives(server.stopped)
         finally:
-            server.stop()
+            server.stop(grace=STOP_GRACE_SECONDS)  # the chief's Shutdown call gets its reply
         time.sleep(self.ps_exit_delay)
         raise SystemExit(0)
 
@@ -216,7 +217,7 @@ class ParameterServerStrategy(Strategy):
         try:
             self._serve_while_chief_lives(service.stopped)
         finally:
-            service.stop()
+            service.stop(grace=STOP_GRACE_SECONDS)
         raise SystemExit(0)
 
     def _serve_while_chief_lives(self, stopped: Callable[[float], bool]) -> None:
@@ -340,9 +341,9 @@ class ParameterServerStrategy(Strategy):
             else:
                 ShardedVariables([], self._ps_addresses, security=self._security).shutdown()
         if self._worker_service is not None:
-            self._worker_service.stop()
+            self._worker_service.stop(grace=STOP_GRACE_SECONDS)
         if self._chief_server is not None:
-            self._chief_server.stop()
+            self._chief_server.stop(grace=STOP_GRACE_SECONDS)
         atexit.unregister(self.shutdown)
 
     def explain(self) -> Explanation:

@@ -125,12 +125,15 @@ class Server:
         methods = {name: grpc.stream_stream_rpc_method_handler(self._wrap(name, handler))
                    for name, handler in handlers.items()}
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, methods)])
-        if security.tls:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(security.private_key).read_bytes(), Path(security.certificate).read_bytes())])
-            self.port = self._server.add_secure_port(address, credentials)
-        else:
-            self.port = self._server.add_insecure_port(address)
+        try:
+            if security.tls:
+                credentials = grpc.ssl_server_credentials(
+                    [(Path(security.private_key).read_bytes(), Path(security.certificate).read_bytes())])
+                self.port = self._server.add_secure_port(address, credentials)
+            else:
+                self.port = self._server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises where older versions returned port 0
+            self.port = 0
         if self.port == 0:
             raise ParameterServerError(f"Could not listen. Received: address={address!r}. "
                                        "Fix: pass a free host:port (port 0 picks one).")

@@ -226,8 +226,8 @@ class WorkerService:
         """Waits up to ``timeout`` seconds for the chief's Shutdown; True once it came."""
         return self._shutdown.wait(timeout)
 
-    def stop(self) -> None:
-        """Stops serving at once (tests use it to simulate a lost worker)."""
+    def stop(self, grace: float = 0.0) -> None:
+        """Stops serving; calls in flight get ``grace`` seconds (0: at once, as if the process died)."""
         self._shutdown.set()
-        self._server.stop(grace=0)
+        self._server.stop(grace=grace)
         self.runtime.close()

@@ -1,0 +1,246 @@
+"""Every refusal of the parameter-server package says what is wrong; tasks never wait forever for a lost chief."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from cases import build
+
+from stratagem.cluster import free_ports
+from stratagem.errors import (
+    CollectiveTimeoutError,
+    ParameterServerError,
+    ReplicaError,
+    WireFormatError,
+)
+from stratagem.strategies.parameter_server import (
+    ClusterCoordinator,
+    InProcessCluster,
+    ParameterServerStrategy,
+    functions,
+    wire,
+)
+from stratagem.strategies.parameter_server import (
+    strategy as strategy_module,
+)
+from stratagem.strategies.parameter_server.server import SERVICE as PS_SERVICE
+from stratagem.strategies.parameter_server.server import ParameterServer, optimizer_spec
+from stratagem.strategies.parameter_server.transport import Client, Security, Server
+from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
+from stratagem.strategies.parameter_server.worker import WorkerService
+
+SECURITY = Security(token="errors")
+
+
+def _cluster(kind: str, index: int = 0) -> dict:
+    ports = free_ports(3)
+    return {"cluster": {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"],
+                        "ps": [f"127.0.0.1:{ports[2]}"]}, "task": {"type": kind, "index": index}}
+
+
+def test_wire_refuses_dtypes_it_cannot_carry():
+    with pytest.raises(WireFormatError, match="This dtype cannot travel. Received: w of dtype torch.uint16"):
+        wire.encode("x", None, {"w": torch.zeros(2, dtype=torch.uint16)})
+
+
+def test_server_reports_an_address_it_cannot_listen_on():
+    with pytest.raises(ParameterServerError, match="Could not listen. Received: address='256.1.1.1:0'"):
+        Server("stratagem.test", {}, security=SECURITY, address="256.1.1.1:0")
+
+
+@pytest.mark.timeout(30)
+def test_a_call_that_outlives_its_timeout_names_the_task():
+    server = Server("stratagem.test", {"Slow": lambda op, meta, t: (time.sleep(1.0), ("ok", None, {}))[1]},
+                    security=SECURITY)
+    try:
+        client = Client(server.address, "stratagem.test", security=SECURITY, task="ps:5")
+        with pytest.raises(CollectiveTimeoutError, match="ps:5 at .* did not answer Slow within 0.2 s"):
+            client.call("Slow", "x", timeout=0.2)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_parameter_server_refuses_malformed_requests():
+    ps = ParameterServer(security=SECURITY)
+    client = Client(ps.address, PS_SERVICE, security=SECURITY, task="ps:0")
+    try:
+        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Create needs a group for every shard"):
+            client.call("Create", "create", {"groups": {}}, {"w": torch.ones(2)}, timeout=10)
+        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Shard names must be a list of strings"):
+            client.call("Pull", "pull", {"names": "w"}, timeout=10)
+        with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: ps:0 holds no shard named \['w'\]"):
+            client.call("Pull", "pull", {"names": ["w"]}, timeout=10)
+        assert client.call("Ping", "ping", timeout=10)[1]["shards"] == 0  # still serving
+    finally:
+        client.close()
+        ps.stop()
+
+
+def test_optimizer_hyper_parameters_must_be_plain_values():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer.param_groups[0]["schedule"] = object()
+    with pytest.raises(ParameterServerError, match=r"hyper-parameter cannot be sent.*param_groups\[0\]\['schedule'\]"):
+        optimizer_spec(optimizer)
+
+
+def test_function_references_are_checked_on_arrival():
+    with pytest.raises(ParameterServerError, match="Malformed function reference"):
+        functions.resolve_function({"code": "print(1)"})
+    with pytest.raises(ParameterServerError, match="Module 'no_such_module' is not loaded on this worker"):
+        functions.resolve_function({"module": "no_such_module", "qualname": "f"})
+    with pytest.raises(ParameterServerError, match=f"No function {__name__}.nothing on this worker"):
+        functions.resolve_function({"module": __name__, "qualname": "nothing"})
+    with pytest.raises(ParameterServerError, match="cannot run a function defined inside another function"):
+        functions.resolve_function({"process": "another", "local": 0})
+    with pytest.raises(ParameterServerError, match="Unknown reference in a message"):
+        functions.decode({"$x": 1}, {})
+
+
+def test_values_round_trip_and_errors_come_back_typed():
+    encoder = functions.Encoder()
+    value = {"a": (1, float("nan"), [torch.ones(2), None]), "b": "s"}
+    back = functions.decode(encoder.encode(value), encoder.tensors)
+    assert back["b"] == "s" and back["a"][0] == 1 and back["a"][1] != back["a"][1]
+    assert torch.equal(back["a"][2][0], torch.ones(2)) and isinstance(back["a"], tuple)
+    error = functions.rebuild_error({"module": "builtins", "type": "KeyError", "message": "k"}, "f on worker:0")
+    assert isinstance(error, KeyError)
+    unknown = functions.rebuild_error({"module": "user_mod", "type": "Oops", "message": "bad", "traceback": "tb"},
+                                      "step #3 on worker:1")
+    assert isinstance(unknown, ReplicaError)
+    assert "step #3 on worker:1. Received: user_mod.Oops: bad" in str(unknown)
+
+
+@pytest.mark.timeout(30)
+def test_worker_refuses_to_run_before_its_script_is_ready():
+    service = WorkerService("worker:3", security=SECURITY, ready=False, ready_timeout=0.2)
+    client = Client(service.address, WORKER_SERVICE, security=SECURITY, task="worker:3")
+    try:
+        with pytest.raises(ParameterServerError, match="worker:3 never reached coordinator.schedule"):
+            client.call("Run", "run", {"fn": {}, "args": [], "kwargs": {}, "datasets": {}}, timeout=10)
+    finally:
+        client.close()
+        service.stop()
+
+
+@pytest.mark.timeout(60)
+def test_chief_side_misuse_is_refused():
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ParameterServerStrategy(cluster)
+        with pytest.raises(ParameterServerError, match="save needs a distributed model"):
+            strategy.save("x.pt")
+        with pytest.raises(ParameterServerError, match="distribute needs a torch.nn.Module. Received: str"):
+            strategy.distribute("model")
+        model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+        with pytest.raises(ParameterServerError, match="optimizer must be a torch.optim.Optimizer. Received: dict"):
+            strategy.distribute(model, {"lr": 0.1})
+        model, optimizer = strategy.distribute(model, optimizer)
+        with pytest.raises(ParameterServerError, match="runs inside a scheduled function.*on the chief"):
+            optimizer.step()
+        coordinator = ClusterCoordinator(strategy)
+        iterator = iter(coordinator.create_per_worker_dataset(_numbers))
+        with pytest.raises(ParameterServerError, match="per-worker iterator is read on the workers"):
+            next(iterator)
+        assert coordinator.fetch(coordinator.schedule(_next_number, args=(iterator,))) == 0
+        with pytest.raises(ParameterServerError, match="optimizer.step\\(\\) before the model ran on worker:0"):
+            coordinator.schedule(lambda: optimizer.step())  # in-process workers take closures
+            coordinator.join()
+        blocker = threading.Event()
+        coordinator.schedule(blocker.wait, args=(5.0,))
+        with pytest.raises(CollectiveTimeoutError, match="join\\(\\) timed out after 0.1 s. Received: 1 functions"):
+            coordinator.join(timeout=0.1)
+        blocker.set()
+        coordinator.join()
+        strategy.shutdown()
+        with pytest.raises(ParameterServerError, match="The coordinator is shut down"):
+            coordinator.schedule(_next_number, args=(iterator,))
+
+
+def _numbers():
+    return iter(range(100))
+
+
+def _next_number(iterator):
+    return next(iterator)
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_lost_fails_the_coordinator():
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ParameterServerStrategy(cluster)
+        strategy.distribute(*build("mlp", "sgd_momentum", torch.float32)[:2])
+        coordinator = ClusterCoordinator(strategy, worker_recovery_timeout=0.5)
+        cluster.kill_worker(0)
+        value = coordinator.schedule(_numbers)
+        with pytest.raises(ParameterServerError, match="Every worker was lost. Received: worker:0 did not come back "
+                                                       "within 0.5 s"):
+            coordinator.join()
+        with pytest.raises(ParameterServerError, match="Every worker was lost"):
+            value.fetch()
+        strategy.shutdown()
+
+
+def test_cluster_and_role_errors():
+    with pytest.raises(ParameterServerError, match="num_ps must be at least 1. Received: num_ps=0"):
+        InProcessCluster(num_workers=1, num_ps=0)
+    config = _cluster("chief")
+    config["cluster"]["evaluator"] = ["127.0.0.1:1"]
+    config["task"] = {"type": "evaluator", "index": 0}
+    with pytest.raises(ParameterServerError, match="no evaluator role. Received: task evaluator:0"):
+        ParameterServerStrategy(config, cluster_token="t", env={})
+    no_workers = _cluster("chief")
+    del no_workers["cluster"]["worker"]
+    with pytest.raises(ParameterServerError, match="needs at least one worker task"):
+        ParameterServerStrategy(no_workers, cluster_token="t", env={})
+
+
+@pytest.mark.timeout(60)
+def test_worker_task_refuses_to_serve_before_distribute_and_stops_when_the_chief_is_gone(monkeypatch):
+    monkeypatch.setattr(strategy_module, "CHIEF_CHECK_SECONDS", 0.1)
+    strategy = ParameterServerStrategy(_cluster("worker"), cluster_token="t", chief_timeout=0.5, env={})
+    coordinator = ClusterCoordinator(strategy)
+    with pytest.raises(ParameterServerError, match="worker:0 reached coordinator.schedule before strategy.distribute"):
+        coordinator.schedule(_numbers)
+    strategy.distribute(torch.nn.Linear(2, 2))  # a worker task sends nothing to the parameter servers
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="worker:0 lost the chief: chief:0 at 127.0.0.1:.* has not answered"):
+        coordinator.join()
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+def test_ps_task_serves_until_the_chief_ends_the_job(monkeypatch):
+    monkeypatch.setattr(strategy_module, "CHIEF_CHECK_SECONDS", 0.1)
+    config = _cluster("ps")
+    outcome: list[BaseException] = []
+
+    def ps_task() -> None:
+        try:
+            ParameterServerStrategy(config, cluster_token="t", ps_exit_delay=0, chief_timeout=30, env={})
+        except BaseException as exc:  # noqa: BLE001 - the test reads what the task ended with
+            outcome.append(exc)
+
+    chief = Server(strategy_module.CHIEF_SERVICE, {"Ping": lambda op, meta, t: ("pong", None, {})},
+                   security=Security(token="t"), address=config["cluster"]["chief"][0])
+    thread = threading.Thread(target=ps_task)
+    thread.start()
+    client = Client(config["cluster"]["ps"][0], PS_SERVICE, security=Security(token="t"), task="ps:0")
+    try:
+        assert client.call("Ping", "ping", timeout=20, wait_for_ready=True)[1]["task"] == "ps:0"
+        client.call("Shutdown", "shutdown", timeout=10)  # the reply arrives before the server stops
+        thread.join(20)
+        assert isinstance(outcome[0], SystemExit) and outcome[0].code == 0
+    finally:
+        client.close()
+        chief.stop()
+
+
+@pytest.mark.timeout(60)
+def test_ps_task_without_a_chief_fails_naming_it(monkeypatch):
+    monkeypatch.setattr(strategy_module, "CHIEF_CHECK_SECONDS", 0.1)
+    with pytest.raises(CollectiveTimeoutError, match="ps:0 lost the chief: chief:0"):
+        ParameterServerStrategy(_cluster("ps"), cluster_token="t", chief_timeout=0.3, env={})
