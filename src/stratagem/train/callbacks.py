@@ -134,7 +134,7 @@ class BackupAndRestore(Callback):
                 pass
 
     def _save(self, context: TrainingContext) -> None:
-        # Every worker builds the state (cheap) but only the chief writes: one writer, no torn files.
+        # Only the chief builds and writes the state: one writer, and every worker holds the same values.
         if context.is_chief:
             save_checkpoint(self.path, context.state_dict())
 

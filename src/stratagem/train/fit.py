@@ -166,6 +166,14 @@ class TrainingContext:
             raise InputError(f"The backup tracked metrics {list(state['metric_names'])} but this run tracks "
                              f"{self.metric_set.names}. Received: metrics={self.metric_set.names[1:]}. Pass the same "
                              "metrics as the interrupted run, or remove the backup to start afresh.")
+        stateful = self._stateful_callbacks()
+        saved = state.get("callbacks", {})
+        if sorted(saved) != sorted(stateful):
+            raise InputError(f"The backup holds the state of callbacks {sorted(saved)} but this run has {sorted(stateful)}. "
+                             f"Received: callbacks={[type(c).__name__ for c in self.callbacks]}. Pass the same stateful "
+                             "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup.")
+        if state["data"] is not None and _is_resumable(self.data):
+            self.data.load_state_dict(state["data"])  # checks the batching first: nothing else is touched yet
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -173,14 +181,6 @@ class TrainingContext:
             raise InputError(f"The backup does not fit this model or optimizer: {error}. Received: a backup of a "
                              "different model. Build the same model and optimizer as the interrupted run, or remove "
                              "the backup to start afresh.") from error
-        if state["data"] is not None and _is_resumable(self.data):
-            self.data.load_state_dict(state["data"])
-        stateful = self._stateful_callbacks()
-        saved = state.get("callbacks", {})
-        if sorted(saved) != sorted(stateful):
-            raise InputError(f"The backup holds the state of callbacks {sorted(saved)} but this run has {sorted(stateful)}. "
-                             f"Received: callbacks={[type(c).__name__ for c in self.callbacks]}. Pass the same stateful "
-                             "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup.")
         for key, callback in stateful.items():
             callback.load_state_dict(saved[key])
         self.epoch = int(state["epoch"])
