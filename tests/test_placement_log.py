@@ -130,6 +130,32 @@ def test_a_captured_log_follows_work_to_another_thread():
         assert torch._C._len_torch_dispatch_stack() == 0
 
 
+def test_a_stage_thread_counts_for_the_replica_and_is_judged_against_its_device():
+    # A pipeline stage's thread: the work belongs to the caller's replica, its device is the stage's.
+    with sg.log_placement() as log:
+        previous = enter_replica(ReplicaContext(0, 1, torch.device("cpu"), None))
+        try:
+            captured = capture_placement()
+
+            def stage():
+                with apply_placement(captured, device=torch.device("meta")):
+                    torch.ones(2, device="meta").exp()   # on the stage's device
+                    torch.ones(2).exp()                  # on the CPU: off the stage's device
+
+            thread = threading.Thread(target=stage)
+            thread.start()
+            thread.join(timeout=30)
+        finally:
+            enter_replica(previous)
+    assert captured.replica == 0
+    assert log.count(op="aten::exp", device="meta", replica=0) == 1
+    assert log.count(op="aten::exp", device="cpu", replica=0) == 1
+    assert log.summary().off_device == [
+        OffDeviceOp(op="aten::exp", device="cpu", replica_device="meta", count=1),
+        OffDeviceOp(op="aten::ones", device="cpu", replica_device="meta", count=1),
+    ]
+
+
 def test_errors():
     log = sg.log_placement()
     with log:
@@ -142,6 +168,10 @@ def test_errors():
         sg.log_placement(device="gpu zero")
     with pytest.raises(InputError, match=r"takes what capture_placement\(\) returned. Received: str"):
         apply_placement("logs")
+    with sg.log_placement():
+        captured = capture_placement()
+    with pytest.raises(InputError, match=r"apply_placement\(device=\) takes a torch.device. Received: 'cuda:1'"):
+        apply_placement(captured, device="cuda:1")
 
 
 # ---- on a second device (sgdev), in a fresh process (see tests/placement_device.py) ---------------

@@ -199,25 +199,33 @@ class CapturedPlacement:
 
     logs: tuple[PlacementLog, ...]
     soft: tuple[fallback.SoftPlacement, ...]
+    replica: int | None
+    """The replica the capturing thread ran (None outside `strategy.run`)."""
 
 
 def capture_placement() -> CapturedPlacement | None:
     """What this thread logs and soft-places, to hand to threads doing its work; None when nothing is active.
 
     Example (a strategy's worker threads):
-        >>> captured = capture_placement()          # on the thread that hands out the work
-        >>> with apply_placement(captured):         # on the worker thread
+        >>> captured = capture_placement()                          # on the thread that hands out the work
+        >>> with apply_placement(captured, device=stage_device):    # on the worker thread
         ...     run_stage()
     """
     mode = getattr(_thread, "mode", None)
     if mode is None or not (mode.logs or mode.soft):
         return None
-    return CapturedPlacement(mode.logs, mode.soft)
+    return CapturedPlacement(mode.logs, mode.soft, None if mode.replica is None else mode.replica.replica)
 
 
-def apply_placement(captured: CapturedPlacement | None) -> contextlib.AbstractContextManager:
+def apply_placement(
+    captured: CapturedPlacement | None, device: torch.device | None = None
+) -> contextlib.AbstractContextManager:
     """On another thread, logs and soft-places as the thread that called `capture_placement()` did.
-    ``apply_placement(None)`` does nothing (no dispatch mode is entered)."""
+
+    With `device` (a pipeline stage's device), this thread's operations count for the capturing
+    thread's replica and are judged against `device`; without it, against the replica context this
+    thread enters itself (as replica threads do). ``apply_placement(None)`` enters nothing.
+    """
     if captured is None:
         return contextlib.nullcontext()
     if not isinstance(captured, CapturedPlacement):
@@ -225,7 +233,13 @@ def apply_placement(captured: CapturedPlacement | None) -> contextlib.AbstractCo
             "apply_placement() takes what capture_placement() returned. "
             f"Received: {type(captured).__name__}. Call capture_placement() on the thread that starts the work."
         )
-    return _join(logs=captured.logs, soft=captured.soft)
+    if device is None:
+        return _join(logs=captured.logs, soft=captured.soft)
+    if not isinstance(device, torch.device):
+        raise InputError(
+            f"apply_placement(device=) takes a torch.device. Received: {device!r}. Use e.g. torch.device('cuda', 1)."
+        )
+    return _join(logs=captured.logs, soft=captured.soft, replica=_Replica(captured.replica or 0, device))
 
 
 def note_replica(replica: int | None, device: torch.device | None = None) -> None:
@@ -246,7 +260,9 @@ def note_replica(replica: int | None, device: torch.device | None = None) -> Non
 
 
 @contextlib.contextmanager
-def _join(logs: tuple[PlacementLog, ...] = (), soft: tuple[fallback.SoftPlacement, ...] = ()) -> Iterator[None]:
+def _join(
+    logs: tuple[PlacementLog, ...] = (), soft: tuple[fallback.SoftPlacement, ...] = (), replica: _Replica | None = None
+) -> Iterator[None]:
     """Adds logs and soft-placement regions to this thread's placement mode, entering one if it has none.
 
     One mode per thread, whatever the nesting: its handler records into every open log, so
@@ -254,14 +270,15 @@ def _join(logs: tuple[PlacementLog, ...] = (), soft: tuple[fallback.SoftPlacemen
     """
     mode: _PlacementMode | None = getattr(_thread, "mode", None)
     if mode is not None:
-        saved = mode.logs, mode.soft
+        saved = mode.logs, mode.soft, mode.replica
         mode.logs, mode.soft = mode.logs + logs, mode.soft + soft
+        mode.replica = replica or mode.replica
         try:
             yield
         finally:
-            mode.logs, mode.soft = saved
+            mode.logs, mode.soft, mode.replica = saved
         return
-    mode = _PlacementMode(getattr(_thread, "replica", None))
+    mode = _PlacementMode(replica or getattr(_thread, "replica", None))
     mode.logs, mode.soft = logs, soft
     _thread.mode = mode
     try:
