@@ -44,7 +44,7 @@ class CentralModel(DistributedModel):
     """
 
     def __init__(self, central: nn.Module, replicas: Sequence[nn.Module], strategy: _CentralOwner) -> None:
-        # Set before DistributedModel.__init__: nn.Module's own __setattr__ would register it as a sub-module.
+        # Not registered as a sub-module (nn.Module's __setattr__ would): parameters() lists one copy's parameters.
         object.__setattr__(self, "_central", central)
         super().__init__(replicas, strategy)
 
