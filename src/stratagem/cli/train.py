@@ -10,6 +10,10 @@ training itself failed (a replica raised, a wait timed out, scikit-learn is miss
     $ stratagem train
     $ stratagem train --strategy one_device --devices cpu:0
     $ stratagem train --devices cpu:0,cpu:1 --epochs 5 --json
+    $ stratagem train --backup-dir /tmp/digits-backup     # rerun the same command after a crash to resume
+
+The job runs on `stratagem.fit`; with ``--backup-dir`` it backs up after every epoch (chief only)
+and a rerun resumes from the last backup, which is removed once training finishes.
 """
 
 from __future__ import annotations
