@@ -197,6 +197,8 @@ def test_soft_placement_enters_a_mode_only_inside():
 def test_other_errors_are_not_placement_errors():
     assert as_placement_error(RuntimeError("Could not run 'x::y' with arguments from the 'CUDA' backend")) is None
     assert as_placement_error(NotImplementedError("something else")) is None
+    # A missing CPU kernel: soft placement would run it on the CPU, so it is not a placement problem.
+    assert as_placement_error(NotImplementedError("Could not run 'x::y' with arguments from the 'CPU' backend.")) is None
     error = as_placement_error(NotImplementedError("Could not run 'x::y' with arguments from the 'CUDA' backend. More."))
     assert isinstance(error, PlacementError)
     with pytest.raises(PlacementError, match=r"Operation x::y has no kernel for CUDA \(torch: Could not run 'x::y' "

@@ -26,6 +26,7 @@ log's `device=`, else unknown (no operation is then judged off its device).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -364,6 +365,7 @@ def _copy_of(func: Any, args: tuple, out: Any) -> fallback.Copy | None:
     return fallback.Copy(str(source.device), str(destination.device), fallback.nbytes(source))
 
 
+@functools.lru_cache(maxsize=256)
 def _same_device(device: str, expected: torch.device) -> bool:
     ran = torch.device(device)
     if ran.type != expected.type:

@@ -57,6 +57,8 @@ def missing_kernel(error: BaseException, tensors: Sequence[torch.Tensor] = ()) -
     if match is None:
         return None
     where = match.group("backend")
+    if where.endswith("CPU"):  # CPU, SparseCPU, QuantizedCPU...: the CPU is where soft placement would run it
+        return None
     if tensors:
         off_cpu = [t.device for t in tensors if t.device.type != "cpu"]
         if not off_cpu:
