@@ -1,7 +1,8 @@
 """Every script in examples/ runs as a user would run it and learns the toy problem.
 
-The mirrored and multi-worker examples train the same network on the same global batches with the
-same optimizer, so they must print the same losses: the examples double as an equivalence check.
+The mirrored, central storage, model parallel and multi-worker examples train the same network on
+the same global batches with the same optimizer, so they must print the same losses: the examples
+double as an equivalence check.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def test_one_device_example_learns() -> None:
 @pytest.mark.timeout(150)
 def test_mirrored_example_learns(mirrored_losses: list[float]) -> None:
     assert_learns(mirrored_losses)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["central_storage", "model_parallel"])
+def test_synchronous_example_matches_mirrored(name: str, mirrored_losses: list[float]) -> None:
+    # Same network, data and optimizer as examples/mirrored.py: synchronous strategies must agree.
+    assert run_example(sys.executable, str(EXAMPLES / f"{name}.py")) == pytest.approx(mirrored_losses, abs=2e-4)
 
 
 @pytest.mark.multiprocess
