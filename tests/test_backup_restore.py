@@ -204,6 +204,29 @@ def test_a_scheduler_of_an_optimizer_fit_does_not_train_with_is_refused():
         sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1), interval="batch")
 
 
+class OneOfTwoWorkers(sg.OneDeviceStrategy):
+    """This process as worker 0 of two whose peer restored nothing: the peer adds zeros to every sum."""
+
+    def _input_pipeline(self):
+        return 2, 0
+
+    @property
+    def num_replicas_in_sync(self):
+        return 2
+
+    def _cross_worker_sum(self, tensor):
+        return tensor + torch.zeros_like(tensor)  # the peer's contribution: step 0
+
+
+def test_workers_that_restored_different_backups_are_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="failure at step 3"):
+        _fit(sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1), [FailAtStep(3)])
+    strategy = OneOfTwoWorkers("cpu:0", registry=cpu_registry(1))
+    with pytest.raises(sg.InputError, match=r"The workers start from different steps: process 0 is at step 2, the mean "
+                                            r"over the 2 workers is 1. Received: backups that differ between workers"):
+        _fit(sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1), [], strategy=strategy)
+
+
 def test_keeping_the_backup_and_a_directory_with_other_files(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "notes.txt").write_text("mine")

@@ -360,19 +360,22 @@ def is_chief(strategy: Strategy) -> bool:
 
 
 def _check_workers_agree(context: TrainingContext) -> None:
-    """Every worker must start at the same step (they restored the same backup, or none)."""
-    cluster = getattr(context.strategy, "cluster", None)
-    if cluster is None or cluster.world_size <= 1:
+    """Every process running this fit must start at the same step (they restored the same backup, or none)."""
+    # One input pipeline per process that runs the training loop (MultiWorkerMirrored: every worker).
+    num_processes, process_id = context.strategy._input_pipeline()
+    if num_processes <= 1:
         return
     mine = torch.tensor([float(context.step), float(context.step) ** 2], dtype=torch.float64)
-    # reduce("sum") of a value that is not per-replica counts it once per replica, on every worker.
+    # reduce("sum") of a value that is not per-replica counts it once per replica, in every process.
     sums = context.strategy.reduce("sum", mine).to("cpu") / context.strategy.num_replicas_in_sync
     mean, mean_square = float(sums[0]), float(sums[1])
     if abs(mean - context.step) > 1e-6 or abs(mean_square - mean * mean) > 1e-6:
+        cluster = getattr(context.strategy, "cluster", None)
+        who = cluster.task_name if cluster is not None else f"process {process_id}"
         raise InputError(
-            f"The workers start from different steps: {cluster.task_name} is at step {context.step}, the mean over "
-            f"workers is {mean:g}. Received: backups that differ between workers. Give every worker the same "
-            "backup_dir on a shared file system, or remove the backups to start afresh."
+            f"The workers start from different steps: {who} is at step {context.step}, the mean over the "
+            f"{num_processes} workers is {mean:g}. Received: backups that differ between workers. Give every worker "
+            "the same backup_dir on a shared file system, or remove the backups to start afresh."
         )
 
 
