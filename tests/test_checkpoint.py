@@ -125,6 +125,7 @@ def test_shuffled_batches_depend_only_on_seed_and_epoch_and_resume_mid_epoch():
     (lambda: ShuffledBatches(_data(0), 2), r"needs at least one example. Received: an empty data set"),
     (lambda: ShuffledBatches((torch.ones(3), torch.ones(4)), 2), r"share their first \(example\) dimension"),
     (lambda: ShuffledBatches({"x": 1}, 2), r"needs a tensor, a tuple of tensors.*Received: dict"),
+    (lambda: ShuffledBatches(torch.tensor(3.0), 2), r"A data tensor needs a first \(example\) dimension. Received: shape \(\)"),
     (lambda: ShuffledBatches(_data(3), 4, drop_last=True), r"drop_last=True leaves no batch"),
     (lambda: ShuffledBatches(_data(), 3).set_position(0, 5), r"offset must be between 0 and the 4 batches"),
     (lambda: ShuffledBatches(_data(), 3).set_position(-1), r"epoch must be a non-negative integer. Received: epoch=-1"),

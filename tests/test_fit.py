@@ -130,6 +130,9 @@ def test_fit_again_continues_training_the_same_model():
         strategy.close()
     assert last.model is first.model
     assert_same_state(reference, last.model, F64)
+    with pytest.raises(sg.InputError, match=r"The model was distributed by another strategy. Received: a DistributedModel "
+                                            r"of MirroredStrategy"):
+        sg.fit(make_strategy(1), first.model, first.optimizer, F.cross_entropy, batches)
 
 
 class ReversingStrategy(sg.OneDeviceStrategy):

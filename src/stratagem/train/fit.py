@@ -400,13 +400,12 @@ def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.o
 
 def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, name: str) -> Any:
     if batch_size is not None:
-        if hasattr(data, "__iter__") and not hasattr(data, "__getitem__") or isinstance(data, ShuffledBatches):
+        if (hasattr(data, "__iter__") and not hasattr(data, "__getitem__")) or isinstance(data, ShuffledBatches):
+            # A DataLoader, a generator, a ShuffledBatches: already batched.
             raise InputError(
                 f"{name} is already an iterable of batches, so a batch size cannot apply to it. Received: "
-                f"{type(data).__name__} with a batch size of {batch_size}. Drop the batch size, or pass the data set itself.")
-        if _is_loader(data):
-            raise InputError(f"{name} is a DataLoader, which has its own batch size. Received: batch size {batch_size}. "
-                             "Drop the batch size, or pass loader.dataset.")
+                f"{type(data).__name__} with a batch size of {batch_size}. Drop the batch size, or pass the data set "
+                "itself (for a DataLoader: loader.dataset).")
         return ShuffledBatches(data, batch_size, shuffle=shuffle, seed=seed)
     if isinstance(data, (torch.Tensor, str, bytes, dict)) or not isinstance(data, Iterable):
         raise InputError(
@@ -419,10 +418,6 @@ def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, nam
     if iter(data) is data:
         logger.info("%s is an iterator: it can be read only once, so it serves one epoch.", name)
     return data
-
-
-def _is_loader(data: Any) -> bool:
-    return isinstance(data, torch.utils.data.DataLoader)
 
 
 def _is_resumable(data: Any) -> bool:
