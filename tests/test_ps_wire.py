@@ -61,9 +61,10 @@ def test_truncated_messages_are_refused(cut):
 
 def test_chunks_join_back_and_large_tensors_are_cut():
     big = torch.randn(2 * wire.CHUNK_BYTES // 4 + 17)  # two chunks and a bit
-    message = wire.encode("push", None, {"big": big})
-    pieces = list(wire.chunks(message))
+    pieces = wire.encode_chunks("push", None, {"big": big})
     assert len(pieces) == 3 and all(len(p) <= wire.CHUNK_BYTES for p in pieces)
+    small = wire.encode_chunks("pull", None, {f"t{i}": torch.ones(1024) for i in range(100)})
+    assert len(small) == 1  # 100 tensors of 4 KiB share one piece
     assert torch.equal(wire.decode(wire.join_chunks(pieces))[2]["big"], big)
     with pytest.raises(WireFormatError, match="larger than allowed"):
         wire.join_chunks(pieces, max_bytes=wire.CHUNK_BYTES)
@@ -71,6 +72,7 @@ def test_chunks_join_back_and_large_tensors_are_cut():
 
 def _forged(header: object, payload: bytes = b"") -> bytes:
     text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # a well-aligned payload, so the check under test is reached
     return struct.pack(">4sI", b"SGW1", len(text)) + text + payload
 
 
@@ -96,7 +98,9 @@ def test_bad_magic_and_lengths_are_refused():
     with pytest.raises(WireFormatError, match="header length out of range"):
         wire.decode(struct.pack(">4sI", b"SGW1", 10**6) + b"{}")
     with pytest.raises(WireFormatError, match="header is not JSON"):
-        wire.decode(struct.pack(">4sI", b"SGW1", 3) + b"\xff\xfe{")
+        wire.decode(struct.pack(">4sI", b"SGW1", 8) + b"\xff\xfe{     ")
+    with pytest.raises(WireFormatError, match="payload does not start at a multiple of 8"):
+        wire.decode(struct.pack(">4sI", b"SGW1", 2) + b"{}")
 
 
 def test_encode_refuses_what_cannot_travel():

@@ -30,6 +30,7 @@ from stratagem.errors import (
     ParameterServerError,
     WireFormatError,
 )
+from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.transport import Reply, Security, Server
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,18 @@ def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Opti
     return target
 
 
+def _build(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The optimizer over this server's shards, with torch's foreach kernels where the user left the choice
+    to torch (same arithmetic, one call over many shards instead of a Python loop; torch picks the loop
+    on a CPU)."""
+    if all(g.get("foreach", False) is None and not g.get("fused") and not g.get("differentiable") for g in groups):
+        try:
+            return cls([{**g, "foreach": True} for g in groups])
+        except (RuntimeError, TypeError, ValueError):
+            pass  # this optimizer has no foreach kernel
+    return cls(groups)
+
+
 class ParameterServer:
     """One parameter-server task: a gRPC service over the shards it holds."""
 
@@ -112,7 +125,7 @@ class ParameterServer:
                 params = [shards[name] for name in tensors if groups_of[name] == index]
                 if params:
                     groups.append({"params": params, **_hyper_from_json(hyper)})
-            optimizer = cls(groups)
+            optimizer = _build(cls, groups)
         with self._lock:
             self._shards, self._optimizer, self._num_updates = shards, optimizer, 0
         logger.info("%s holds %d shards (%d elements), optimizer %s", self.task, len(shards),
@@ -133,10 +146,9 @@ class ParameterServer:
     def _pull(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
             names = self._known(meta.get("names") if isinstance(meta, dict) else None)
-            # Copies taken under the lock: a push running meanwhile cannot tear a read.
-            values = {name: self._shards[name].detach().clone() for name in names}
-            version = self._num_updates
-        return "values", {"version": version}, values
+            # Encoded under the lock (the one copy of the values), so a push cannot tear a read.
+            return wire.encode_chunks("values", {"version": self._num_updates},
+                                      {name: self._shards[name].detach() for name in names})
 
     def _push(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:

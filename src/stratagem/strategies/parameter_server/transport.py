@@ -45,8 +45,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-# A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply.
-Reply = tuple[str, Any, Mapping[str, torch.Tensor]]
+# A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply, or the reply
+# already cut by wire.encode_chunks (a parameter server encodes under its lock, saving a copy).
+Reply = tuple[str, Any, Mapping[str, torch.Tensor]] | list[bytes]
 Handler = Callable[[str, Any, dict[str, torch.Tensor]], Reply]
 
 
@@ -154,7 +155,7 @@ class Server:
             except Exception as exc:  # the caller gets the error; the server goes on serving
                 logger.exception("%s/%s failed", self.service, name)
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            yield from wire.chunks(wire.encode(*reply))
+            yield from reply if isinstance(reply, list) else wire.encode_chunks(*reply)
 
         return call
 
@@ -191,9 +192,9 @@ class Client:
         stub = self._methods.get(method)
         if stub is None:
             stub = self._methods[method] = self._channel.stream_stream(f"/{self._service}/{method}")
-        message = wire.encode(op, meta, tensors)
+        pieces = wire.encode_chunks(op, meta, tensors)
         try:
-            replies = stub(wire.chunks(message), timeout=timeout, metadata=self._metadata,
+            replies = stub(iter(pieces), timeout=timeout, metadata=self._metadata,
                            wait_for_ready=wait_for_ready)
             return wire.decode(wire.join_chunks(replies))
         except grpc.RpcError as exc:

@@ -92,9 +92,9 @@ class ShardedVariables:
         def call(ps: int, shards: list[Shard]) -> None:
             _, _, values = self._clients[ps].call("Pull", "pull", {"names": [s.name for s in shards]},
                                                   timeout=self.rpc_timeout)
-            with torch.no_grad():
-                for shard in shards:
-                    shard_of(parameters[shard.parameter], shard).copy_(values[shard.name])
+            with torch.no_grad():  # one foreach call instead of a Python loop over many small shards
+                torch._foreach_copy_([shard_of(parameters[s.parameter], s) for s in shards],
+                                     [values[s.name] for s in shards])
 
         self._each_ps(call)
 

@@ -8,7 +8,7 @@ The header is ``{"op": str, "meta": <JSON>, "tensors": [[name, dtype, shape, off
 each tensor's bytes sit in the payload at ``offset`` (a multiple of 8, so every element is
 aligned), ``numel * itemsize`` long, in the sender's native byte order (both ends must share it; every
 platform torch trains on is little-endian). A message is cut into chunks of ``CHUNK_BYTES`` for
-gRPC streaming (``chunks``) and put back together by ``join_chunks``.
+gRPC streaming (``encode_chunks``) and put back together by ``join_chunks``.
 
 Decoding checks everything before it builds a tensor: the magic, the lengths, that the header is
 a JSON object of the expected form, that each dtype is one of ``DTYPES``, each shape a list of
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,18 +44,24 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None) -> bytearray:
-    """One message: operation name, JSON metadata and named tensors (moved to CPU, made contiguous)."""
+def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None,
+                  chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
+    """One message (operation name, JSON metadata, named tensors) cut into pieces of at most ``chunk_bytes``.
+
+    Each piece is built straight from the tensors' memory with one copy (gRPC needs ``bytes``),
+    so a message is never assembled whole on the sending side; small tensors share pieces.
+    """
     tensors = tensors or {}
     entries = []
+    segments: list[memoryview | bytes] = []
     offset = 0
-    cpu = {}
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise WireFormatError(f"Only tensors travel as tensors. Received: {name}={type(tensor).__name__}. "
@@ -64,28 +70,49 @@ def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None
             raise WireFormatError(f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
                                   f"Fix: convert it to one of {sorted(DTYPES)}.")
         t = tensor.detach().to("cpu").contiguous()
-        cpu[name] = t
+        nbytes = t.numel() * t.element_size()
         entries.append([name, _NAMES[t.dtype], list(t.shape), offset])
-        offset = _aligned(offset + t.numel() * t.element_size())
+        if nbytes:
+            # A uint8 view of the tensor's own memory: numpy has no bfloat16, every dtype has bytes.
+            segments.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        padding = _aligned(nbytes) - nbytes
+        if padding:
+            segments.append(bytes(padding))
+        offset += nbytes + padding
     try:
         header = json.dumps({"op": op, "meta": meta, "tensors": entries}, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise WireFormatError(f"The metadata is not plain JSON. Received: meta={meta!r:.200} ({exc}). "
                               "Fix: use numbers, strings, booleans, None, lists and dicts with string keys.") from exc
-    start = _PREFIX.size + len(header)
-    out = bytearray(start + offset)
-    out[:start] = _PREFIX.pack(MAGIC, len(header)) + header
-    flat = torch.frombuffer(out, dtype=torch.uint8) if len(out) else torch.empty(0, dtype=torch.uint8)
-    for (name, _, _, off), t in zip(entries, cpu.values()):
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            flat[start + off:start + off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
-    return out
+    # Spaces after the JSON put the payload at a multiple of ALIGN, so tensors decode in place, aligned.
+    header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+    segments.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
+    pieces: list[bytes] = []
+    parts: list[memoryview | bytes] = []
+    room = chunk_bytes
+    for segment in segments:
+        view = memoryview(segment)
+        while len(view):
+            take = view[:room]
+            parts.append(take)
+            view = view[len(take):]
+            room -= len(take)
+            if room == 0:
+                pieces.append(b"".join(parts))  # the one copy
+                parts, room = [], chunk_bytes
+    if parts or not pieces:
+        pieces.append(b"".join(parts))
+    return pieces
+
+
+def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None) -> bytearray:
+    """One whole message (``encode_chunks`` joined)."""
+    return join_chunks(encode_chunks(op, meta, tensors))
 
 
 def _fail(what: str, received: str) -> WireFormatError:
     return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. "
-                           "Fix: send messages built by stratagem.strategies.parameter_server.wire.encode.")
+                           "Fix: send messages built by stratagem.strategies.parameter_server.wire.encode_chunks.")
 
 
 def _is_int(value: Any) -> bool:
@@ -105,6 +132,8 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
         raise _fail("wrong magic bytes", f"{bytes(magic)!r}, expected {MAGIC!r}")
     if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
         raise _fail("header length out of range", f"header_len={header_len}, message of {len(view)} bytes")
+    if (_PREFIX.size + header_len) % ALIGN:
+        raise _fail(f"payload does not start at a multiple of {ALIGN}", f"header_len={header_len}")
     try:
         header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -114,8 +143,9 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
         raise _fail("header is not {op, meta, tensors}", f"{str(header)[:200]}")
     start = _PREFIX.size + header_len
     payload_len = len(view) - start
-    # A private, writable copy of the payload: the tensors built on it outlive the gRPC buffers.
-    payload = bytearray(view[start:]) if payload_len else bytearray()
+    # The tensors are views of the message itself: a writable bytearray (join_chunks gives one)
+    # is used in place; anything else is copied once.
+    buffer = message if isinstance(message, bytearray) else bytearray(view)
     tensors: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
         tensors_entry = _check_entry(entry, payload_len)
@@ -125,8 +155,8 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
         if nbytes == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
-        numel = nbytes // torch.empty(0, dtype=dtype).element_size()
-        tensor = torch.frombuffer(payload, dtype=dtype, count=numel, offset=offset).reshape(shape)
+        numel = nbytes // _ITEMSIZE[dtype]
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start + offset).reshape(shape)
         if dtype == torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
             raise _fail("a bool tensor holds bytes other than 0 and 1", f"name={name!r}")
         tensors[name] = tensor
@@ -146,25 +176,15 @@ def _check_entry(entry: Any, payload_len: int) -> tuple[str, torch.dtype, list[i
     numel = 1
     for d in shape:
         numel *= d
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * _ITEMSIZE[dtype]
     if offset < 0 or offset % ALIGN or offset + nbytes > payload_len:
         raise _fail("tensor bytes lie outside the payload", f"{name}: offset={offset}, {nbytes} bytes, "
                     f"payload of {payload_len} bytes")
     return name, dtype, shape, offset, nbytes
 
 
-def chunks(message: bytes | bytearray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """``message`` cut into pieces of at most ``chunk_bytes`` (at least one piece, maybe empty)."""
-    if len(message) <= chunk_bytes:
-        yield bytes(message)
-        return
-    view = memoryview(message)
-    for start in range(0, len(message), chunk_bytes):
-        yield bytes(view[start:start + chunk_bytes])
-
-
-def join_chunks(pieces: Iterable[bytes], max_bytes: int | None = None) -> bytes:
-    """The message the pieces of ``chunks`` came from; refuses to grow past ``max_bytes``."""
+def join_chunks(pieces: Iterable[bytes], max_bytes: int | None = None) -> bytearray:
+    """The message the pieces of ``encode_chunks`` came from (one copy); refuses to grow past ``max_bytes``."""
     parts = []
     total = 0
     for piece in pieces:
@@ -172,4 +192,4 @@ def join_chunks(pieces: Iterable[bytes], max_bytes: int | None = None) -> bytes:
         if max_bytes is not None and total > max_bytes:
             raise _fail("message larger than allowed", f"more than {max_bytes} bytes")
         parts.append(piece)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return bytearray().join(parts)

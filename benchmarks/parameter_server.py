@@ -1,0 +1,229 @@
+"""Issue 4's benchmarks: parameter-server transport against a bare gRPC echo, and training samples/s.
+
+    .venv/bin/python benchmarks/parameter_server.py                       # everything
+    .venv/bin/python benchmarks/parameter_server.py --repeats 5 --steps 60 --skip-training
+
+Transport: one parameter server in its own process; this process is the worker. One round is a
+pull of every shard (one call) plus a push of a gradient for every shard (one call; the server
+applies plain SGD), so 2x the model's bytes cross loopback. The echo, served by the same process
+with grpcio alone (no token, no wire format), sends the same bytes in the same chunks and gets
+them back. Two models: 64 MiB (16 tensors of 4 MiB) and 500 tensors of 4 KiB. Goal: >= 0.8x echo.
+
+Training: the MLP workload of shared/peers/README.md (global batch 256, SGD momentum 0.9) under
+``stratagem launch --workers W --ps 1`` (worker 0 works inside the chief), W = 1 and 2, against a
+plain PyTorch loop in this process in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server.partitioners import place
+from stratagem.strategies.parameter_server.server import ParameterServer
+from stratagem.strategies.parameter_server.transport import _CHANNEL_OPTIONS, Security
+from stratagem.strategies.parameter_server.variables import ShardedVariables
+
+ECHO = "/bench.Echo/Echo"
+TOKEN = "bench-token"
+
+
+def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """The parameter-server process: one ParameterServer and one bare echo service."""
+    from concurrent import futures
+
+    torch.set_num_threads(1)
+    ps = ParameterServer(security=Security(token=TOKEN), task="ps:0")
+    echo = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_CHANNEL_OPTIONS)
+    echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests)})])
+    port = echo.add_insecure_port("127.0.0.1:0")
+    echo.start()
+    ready.put((ps.address, f"127.0.0.1:{port}"))
+    stop.wait(3600)
+    echo.stop(0)
+    ps.stop()
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: connections, allocations
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def transport(repeats: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Queue(), context.Event()
+    server = context.Process(target=_serve, args=(ready, stop), daemon=True)
+    server.start()
+    try:
+        ps_address, echo_address = ready.get(timeout=120)
+        channel = grpc.insecure_channel(echo_address, options=_CHANNEL_OPTIONS)
+        echo = channel.stream_stream(ECHO)
+        out = {}
+        for name, shapes in (("64MiB_16x4MiB", [(1024, 1024)] * 16), ("500x4KiB", [(1024,)] * 500)):
+            params = {f"p{i}": torch.randn(shape) for i, shape in enumerate(shapes)}
+            model_bytes = sum(p.numel() * 4 for p in params.values())
+            shards = place([(n, p, 0) for n, p in params.items()], 1, None)
+            variables = ShardedVariables(shards, [ps_address], security=Security(token=TOKEN), rpc_timeout=120)
+            variables.create(params, torch.optim.SGD(list(params.values()), lr=1e-6))
+            grads = {n: torch.randn_like(p) * 1e-3 for n, p in params.items()}
+            local = {n: torch.empty_like(p) for n, p in params.items()}
+
+            def round_trip(variables=variables, local=local, grads=grads) -> None:
+                variables.pull_into(local)
+                variables.push(grads)
+
+            pieces = wire.encode_chunks("push", None, grads)  # the pieces one push carries
+            payload_bytes = sum(len(piece) for piece in pieces)
+
+            def echo_trip(pieces=pieces, payload_bytes=payload_bytes) -> None:
+                got = sum(len(piece) for piece in echo(iter(pieces), timeout=120))
+                assert got == payload_bytes
+
+            ps_s = _median_seconds(round_trip, repeats)
+            echo_s = _median_seconds(echo_trip, repeats)
+            out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "echo_s": echo_s,
+                         "ps_bytes_per_s": 2 * model_bytes / ps_s, "echo_bytes_per_s": 2 * payload_bytes / echo_s,
+                         "ratio": (2 * model_bytes / ps_s) / (2 * payload_bytes / echo_s)}
+            print(f"{name}: pull+push {ps_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, "
+                  f"ratio {out[name]['ratio']:.3f}", file=sys.stderr)
+            variables.close()
+        channel.close()
+        return out
+    finally:
+        stop.set()
+        server.join(30)
+
+
+# ---- training: this file is also the script every task of the launched cluster runs ----------
+def mlp_batches():
+    from stratagem.bench.workloads import WORKLOADS
+
+    return itertools.cycle(WORKLOADS["mlp"].make_batches())
+
+
+def _train_task() -> None:
+    """Runs on every task under `stratagem launch`; the chief writes samples/s to BENCH_PS_OUT."""
+    global _model, _optimizer
+    import stratagem as sg
+    from stratagem.bench.workloads import WORKLOADS
+
+    workload = WORKLOADS["mlp"]
+    warmup, steps = int(os.environ["BENCH_PS_WARMUP"]), int(os.environ["BENCH_PS_STEPS"])
+    net = workload.build_model()
+    strategy = sg.ParameterServerStrategy(ps_exit_delay=5.0)
+    _model, _optimizer = strategy.distribute(net, workload.build_optimizer(net))
+    coordinator = sg.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(mlp_batches))
+    for _ in range(warmup):
+        coordinator.schedule(train_step, args=(iterator,))  # workers start serving here
+    coordinator.join()
+    start = time.perf_counter()
+    losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(steps)]
+    coordinator.join()
+    elapsed = time.perf_counter() - start
+    Path(os.environ["BENCH_PS_OUT"]).write_text(json.dumps({
+        "workers": strategy.num_workers, "samples_per_s": steps * workload.global_batch / elapsed,
+        "last_loss": float(losses[-1].fetch())}))
+    strategy.shutdown()
+
+
+_model = _optimizer = None  # the distributed model and optimizer, set by _train_task on every task
+
+
+def train_step(iterator):
+    import torch.nn.functional as F
+
+    x, y = next(iterator)
+    loss = F.cross_entropy(_model(x), y)
+    loss.backward()
+    _optimizer.step()
+    _optimizer.zero_grad()
+    return loss
+
+
+def plain_samples_per_s(warmup: int, steps: int) -> float:
+    import torch.nn.functional as F
+
+    from stratagem.bench.workloads import WORKLOADS
+
+    workload = WORKLOADS["mlp"]
+    model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
+    batches = itertools.cycle(workload.make_batches())
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        x, y = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return steps * workload.global_batch / (time.perf_counter() - start)
+
+
+def training(workers: int, warmup: int, steps: int) -> dict:
+    from stratagem import environ
+    from stratagem.cluster import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = dict(environ.current(), BENCH_PS_OUT=str(out), BENCH_PS_WARMUP=str(warmup), BENCH_PS_STEPS=str(steps))
+        lines: list[str] = []
+        result = launch([sys.executable, __file__, "--train-task"], workers=workers, ps=1, env=env,
+                        sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=900)
+        if not result.ok:
+            raise RuntimeError(result.explain() + "\n" + "\n".join(lines[-30:]))
+        return json.loads(out.read_text())
+
+
+def main() -> int:
+    if "--train-task" in sys.argv:
+        _train_task()
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/parameter_server.json"))
+    args = parser.parse_args()
+    results: dict = {"transport": transport(args.repeats)}
+    lines = ["| model | pull+push | bare gRPC echo | ratio (goal >= 0.8) |", "|---|---|---|---|"]
+    for name, r in results["transport"].items():
+        lines.append(f"| {name} | {r['ps_bytes_per_s'] / 2**20:.0f} MiB/s ({r['ps_s'] * 1e3:.1f} ms) | "
+                     f"{r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | {r['ratio']:.3f} |")
+    if not args.skip_training:
+        plain = plain_samples_per_s(args.warmup, args.steps)
+        results["training"] = {"plain": plain}
+        lines += ["", "| MLP training | samples/s | vs plain PyTorch |", "|---|---|---|",
+                  f"| plain PyTorch, one process | {plain:.0f} | 1.000 |"]
+        for workers in (1, 2):
+            r = training(workers, args.warmup, args.steps)
+            results["training"][f"workers_{workers}"] = r
+            lines.append(f"| parameter server, {workers} worker(s), 1 ps | {r['samples_per_s']:.0f} | "
+                         f"{r['samples_per_s'] / plain:.3f} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
