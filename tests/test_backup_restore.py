@@ -137,16 +137,7 @@ def test_epoch_backups_resume_at_the_start_of_the_interrupted_epoch(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-SHARED_STEP_BUG = (
-    "strategies/sharded.py: ShardedOptimizer.load_state_dict gives the same 0-dim 'step' tensor to every shard's "
-    "optimizer, so after a restore Adam counts each step once per replica. Fix there: clone per shard."
-)
-
-
-@pytest.mark.parametrize("kind", [
-    "one_device",
-    pytest.param("mirrored", marks=pytest.mark.xfail(strict=True, reason=SHARED_STEP_BUG)),
-])
+@pytest.mark.parametrize("kind", ["one_device", "mirrored"])
 def test_adam_resumes_exactly_from_a_mid_epoch_backup(tmp_path, kind):
     # Adam keeps a step count per parameter: a restore that miscounts it changes every later update.
     def run(callbacks):

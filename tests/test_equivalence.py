@@ -152,6 +152,30 @@ def test_sharded_optimizer_state_dict_round_trips_into_a_plain_optimizer():
         torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], rtol=0, atol=0)
 
 
+def test_sharded_adam_resumes_exactly_from_a_loaded_state_dict():
+    """A checkpoint loaded into the sharded optimizer resumes Adam exactly: each shard keeps its own step
+    count (a step tensor shared by the shards would be counted once per replica after the load)."""
+    reference, ref_opt, shape = build("mlp", "adam", torch.float64)
+    batches = make_batches(shape, torch.float64)
+    train_reference(reference, ref_opt, batches[:2])
+    model, opt, _ = build("mlp", "adam", torch.float64)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    dist_model, dist_opt = strategy.distribute(model, opt)
+    dist_model.load_state_dict(reference.state_dict())
+    dist_opt.load_state_dict(ref_opt.state_dict())
+
+    def step(x, y):
+        F.cross_entropy(dist_model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(dist_model.parameters(), 1.0)
+        dist_opt.step()
+        dist_opt.zero_grad()
+
+    for x, y in strategy.distribute_dataset(batches[2:]):
+        strategy.run(step, args=(x, y))
+    train_reference(reference, ref_opt, batches[2:])
+    assert_same_state(reference, dist_model, torch.float64)
+
+
 def test_non_elementwise_optimizer_keeps_private_copies_and_says_why():
     net = mlp().double()
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))

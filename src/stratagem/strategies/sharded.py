@@ -166,15 +166,21 @@ class ShardedOptimizer(ReplicatedOptimizer):
                 i = int(i)
                 numel = source[self._order[i]].numel()
                 lo, hi = self._bounds[r][i]
-                shard_state[i] = {
-                    key: value.reshape(-1)[lo:hi].clone()
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
-                    else value
-                    for key, value in entry.items()
-                }
+                shard_state[i] = {key: _shard_of(value, numel, lo, hi) for key, value in entry.items()}
             flags = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
             groups = [{**group, **mine} for group, mine in zip(state_dict["param_groups"], flags)]
             optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
+
+
+def _shard_of(value: Any, numel: int, lo: int, hi: int) -> Any:
+    """A shard's own copy of one state entry: its slice of a per-element tensor, a clone of any other
+    tensor. Scalar tensors (Adam's `step`) must not be shared: torch's load_state_dict keeps a tensor
+    that is already of the right dtype and device, and every shard would then count each step."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() > 0 and value.numel() == numel:
+        return value.reshape(-1)[lo:hi].clone()
+    return value.clone()
 
 
 def _build_optimizer(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
