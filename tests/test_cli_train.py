@@ -77,6 +77,18 @@ def test_mirrored_and_one_device_train_the_same_model(capsys):
     assert mirrored["test_accuracy"] == pytest.approx(one_device["test_accuracy"], abs=2 / 360)
 
 
+@needs_two_cpus
+@pytest.mark.parametrize(("strategy", "name"), [("central_storage", "CentralStorageStrategy"),
+                                                ("model_parallel", "ModelParallelStrategy")])
+def test_every_synchronous_strategy_trains_the_one_device_model(capsys, strategy, name):
+    # The same job, unchanged, under central storage and model parallelism: the one-device numbers.
+    got = run_json(capsys, "--epochs", "1", "--strategy", strategy)
+    one_device = run_json(capsys, "--epochs", "1", "--strategy", "one_device", "--devices", "cpu:0")
+    assert (got["strategy"], got["devices"]) == (name, ["cpu:0", "cpu:1"])
+    assert got["epochs"][0]["loss"] == pytest.approx(one_device["epochs"][0]["loss"], rel=1e-3)
+    assert got["test_accuracy"] == pytest.approx(one_device["test_accuracy"], abs=2 / 360)
+
+
 def test_text_output_shows_placement_epochs_and_result(capsys):
     assert main(["train", "--epochs", "1", "--batch-size", "500"]) == 0
     out = capsys.readouterr().out

@@ -136,8 +136,10 @@ def _print_summary(console: Console, report: TrainReport) -> None:
                        f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"))
     physical = sorted({r["physical"] for r in report.explanation["replicas"]})
     in_sync = report.explanation["num_replicas_in_sync"]
-    local = f", {len(report.devices)} on this worker" if in_sync != len(report.devices) else ""
-    console.print(Text(f"ran on: {', '.join(report.devices)} ({report.explanation['strategy']}, "
+    stages = report.explanation["strategy"] == "ModelParallelStrategy"
+    local = f", {len(report.devices)} on this worker" if in_sync != len(report.devices) and not stages else ""
+    where = f"stages on {', '.join(report.devices)}" if stages else ", ".join(report.devices)
+    console.print(Text(f"ran on: {where} ({report.explanation['strategy']}, "
                        f"{in_sync} replica(s) in sync{local}, physical {', '.join(physical)})"))
 
 

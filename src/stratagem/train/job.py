@@ -27,7 +27,9 @@ from stratagem.devices import DeviceRegistry, default_registry
 from stratagem.diagnose import PlacementDecision, collect_facts, gpu_unavailable_reason
 from stratagem.errors import DeviceError, InputError
 from stratagem.strategies import (
+    CentralStorageStrategy,
     MirroredStrategy,
+    ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     Strategy,
@@ -43,6 +45,10 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     "mirrored": lambda names, registry: MirroredStrategy(names, registry=registry),
     "one_device": lambda names, registry: OneDeviceStrategy(names[0], registry=registry),
     "multi_worker": lambda names, registry: MultiWorkerMirroredStrategy(names, registry=registry),
+    "central_storage": lambda names, registry: CentralStorageStrategy(names, registry=registry),
+    # Two micro-batches per global batch, so the stages really work at the same time (GPipe).
+    "model_parallel": lambda names, registry: ModelParallelStrategy(
+        stages=names, num_micro_batches=MODEL_PARALLEL_MICRO_BATCHES, registry=registry),
 }
 """How ``stratagem train`` builds each strategy from its devices; add an entry (and, if its default
 devices differ, a branch in `_default_devices`) to offer another strategy."""
@@ -52,6 +58,8 @@ STRATEGY_NAMES = tuple(STRATEGY_BUILDERS)
 
 TARGET_ACCURACY = 0.95
 """The test accuracy the default run must reach."""
+
+MODEL_PARALLEL_MICRO_BATCHES = 2
 
 # Two logical CPU replicas on a CPU-only machine: the smallest setup that really exercises the
 # gradient combination, and more replicas than cores would only oversubscribe them.
@@ -95,7 +103,7 @@ class TrainReport:
 
     config: TrainConfig
     devices: list[str]
-    """The logical device of each replica, in replica order."""
+    """The logical device of each replica, in replica order (of each stage, for model parallelism)."""
     device_decision: PlacementDecision
     explanation: dict[str, Any]
     """``strategy.explain().to_dict()``."""
@@ -187,8 +195,9 @@ def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], Pl
     if name == "one_device":
         return cpus[:1], PlacementDecision(subject="devices", choice=cpus[0], reason=f"{no_gpu} So the CPU.")
     chosen = cpus[:DEFAULT_CPU_REPLICAS]
-    reason = (f"{no_gpu} So {len(chosen)} logical CPU replica(s) out of the {len(cpus)} logical CPU device(s), "
-              "to train mirrored on the CPU. Choose others with --devices.")
+    what = "stage(s)" if name == "model_parallel" else "replica(s)"
+    reason = (f"{no_gpu} So {len(chosen)} logical CPU {what} out of the {len(cpus)} logical CPU device(s), "
+              f"to train {name} on the CPU. Choose others with --devices.")
     return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=reason)
 
 
@@ -210,7 +219,7 @@ def train_digits(config: TrainConfig, strategy: Strategy, device_decision: Place
     explanation = strategy.explain()
     return TrainReport(
         config=config,
-        devices=[r.device for r in explanation.replicas],
+        devices=_devices_used(strategy, explanation),
         device_decision=device_decision,
         explanation=explanation.to_dict(),
         history=history.epochs,
@@ -219,3 +228,9 @@ def train_digits(config: TrainConfig, strategy: Strategy, device_decision: Place
         elapsed_s=time.perf_counter() - start,
         num_train_examples=sum(e.num_examples for e in history.epochs),
     )
+
+
+def _devices_used(strategy: Strategy, explanation: Any) -> list[str]:
+    if isinstance(strategy, ModelParallelStrategy):  # one replica, spread over the stages' devices
+        return [stage.device for stage in strategy.stage_map()]
+    return [r.device for r in explanation.replicas]
