@@ -16,6 +16,7 @@ COMMANDS = [
     ("doctor", "doctor"),
     ("train", "train"),
     ("launch", "launch"),
+    ("bench", "bench"),
 ]
 
 

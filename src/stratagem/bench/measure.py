@@ -1,0 +1,162 @@
+"""One measurement of `stratagem bench`, run inside a freshly spawned process (one per replica for
+strategies whose replicas are processes), so no thread setting or allocator state leaks from one
+configuration into the next.
+
+`measure_rank` is the target `stratagem.bench.multi_process.spawn_ranks` starts: rank 0 puts a
+`Measurement` (as a dict) on the queue; a rank that fails writes why into `error_dir/rank<N>.txt`
+and exits with status 1, so the parent can say what went wrong instead of only an exit code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.bench.registry import (
+    BENCH_STRATEGIES,
+    BenchStrategy,
+    process_device,
+    replica_devices,
+)
+from stratagem.bench.throughput import (
+    Measurement,
+    make_train_step,
+    measure_plain,
+    timed_steps,
+)
+from stratagem.bench.workloads import WORKLOADS, Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureRequest:
+    """One configuration to time: a strategy (None for plain PyTorch) on N replicas of a device kind."""
+
+    strategy: str | None
+    kind: str
+    replicas: int
+    workload: str
+    warmup: int
+    steps: int
+    timeout_s: float
+
+    @property
+    def label(self) -> str:
+        return "plain" if self.strategy is None else f"{self.strategy} x{self.replicas}"
+
+
+def error_file(error_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes why it failed."""
+    return Path(error_dir) / f"rank{rank}.txt"
+
+
+def measure_rank(rank: int, request: MeasureRequest, ports: Sequence[int], error_dir: str, queue: Any) -> None:
+    """Runs the measurement of `request` as rank `rank`; rank 0 puts the result on `queue`."""
+    try:
+        result = _measure(rank, request, ports)
+    except BaseException as error:  # noqa: BLE001 - any failure becomes the reason shown in the table
+        error_file(error_dir, rank).write_text(f"{type(error).__name__}: {error}")
+        raise SystemExit(1) from None
+    if rank == 0:
+        queue.put(asdict(result))
+
+
+def _measure(rank: int, request: MeasureRequest, ports: Sequence[int]) -> Measurement:
+    workload = WORKLOADS[request.workload]
+    if request.strategy is None:
+        if request.kind == "cpu":
+            return measure_plain(workload, request.warmup, request.steps)
+        return _measure_plain_gpu(workload, request)
+    spec = BENCH_STRATEGIES[request.strategy]
+    if spec.one_process_per_replica:
+        return _measure_process_rank(spec, rank, workload, request, ports)
+    return _measure_in_process(spec, workload, request)
+
+
+def _measure_plain_gpu(workload: Workload, request: MeasureRequest) -> Measurement:
+    device = torch.device("cuda:0")
+    model = workload.build_model().to(device)
+    optimizer = workload.build_optimizer(model)
+    batches = [(x.to(device), y.to(device)) for x, y in workload.make_batches()]
+    train_step = make_train_step(model, optimizer)
+    elapsed, loss = timed_steps(lambda i: train_step(*batches[i % len(batches)]), request.warmup, request.steps,
+                                barrier=_cuda_synchronizer(1))
+    return _result(request, workload, elapsed, float(loss.detach()))
+
+
+def _measure_in_process(spec: BenchStrategy, workload: Workload, request: MeasureRequest) -> Measurement:
+    options: dict[str, Any] = {"timeout": request.timeout_s}
+    if request.kind == "cpu":
+        options["registry"] = _cpu_registry(request.replicas)
+    strategy = spec.build(spec.strategy_class(), replica_devices(request.kind, request.replicas), options)
+    try:
+        net = workload.build_model()
+        model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
+        dataset = list(strategy.distribute_dataset(workload.make_batches()))
+        train_step = make_train_step(model, optimizer)
+        barrier = _cuda_synchronizer(request.replicas) if request.kind == "gpu" else None
+        elapsed, loss = timed_steps(lambda i: strategy.run(train_step, args=dataset[i % len(dataset)]),
+                                    request.warmup, request.steps, barrier=barrier)
+        final_loss = float(strategy.reduce("mean", loss))
+    finally:
+        strategy.close()
+    return _result(request, workload, elapsed, final_loss)
+
+
+def _measure_process_rank(spec: BenchStrategy, rank: int, workload: Workload, request: MeasureRequest,
+                          ports: Sequence[int]) -> Measurement:
+    import torch.distributed as dist
+
+    world = request.replicas
+    if request.kind == "cpu":
+        # The processes share the cores: each gets its share of intra-op threads, as DDP users set it.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports[:world]]},
+               "task": {"type": "worker", "index": rank}}
+    strategy = spec.build(spec.strategy_class(), [process_device(request.kind, rank)],
+                          {"timeout": request.timeout_s, "cluster": cluster})
+    try:
+        net = workload.build_model()
+        model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
+        dataset = list(strategy.distribute_dataset(workload.make_batches()))
+        train_step = make_train_step(model, optimizer)
+        sync = _cuda_synchronizer(1, first=rank) if request.kind == "gpu" else None
+
+        def barrier() -> None:
+            # The clock starts and stops when every rank is there, so the figure is the slowest rank's.
+            if sync is not None:
+                sync()
+            dist.barrier()
+
+        elapsed, loss = timed_steps(lambda i: strategy.run(train_step, args=dataset[i % len(dataset)]),
+                                    request.warmup, request.steps, barrier=barrier)
+        final_loss = float(strategy.reduce("mean", loss))
+    finally:
+        strategy.close()
+    return _result(request, workload, elapsed, final_loss)
+
+
+def _result(request: MeasureRequest, workload: Workload, elapsed: float, final_loss: float) -> Measurement:
+    return Measurement(request.label, workload.name, request.replicas, request.steps, elapsed,
+                       request.steps * workload.global_batch / elapsed, final_loss, torch.get_num_threads())
+
+
+def _cuda_synchronizer(count: int, first: int = 0) -> Callable[[], None]:
+    # CUDA kernels run asynchronously: the clock may only read once the devices are done.
+    def synchronize() -> None:
+        for index in range(first, first + count):
+            torch.cuda.synchronize(index)
+
+    return synchronize
+
+
+def _cpu_registry(replicas: int):
+    from stratagem.devices import DeviceRegistry
+
+    registry = DeviceRegistry()
+    registry.set_logical_device_configuration("cpu", max(replicas, os.cpu_count() or 1))
+    return registry

@@ -1,0 +1,147 @@
+"""The strategies `stratagem bench` knows how to measure: one small entry per strategy.
+
+A strategy joins the benchmark with one `BenchStrategy` entry in `BENCH_STRATEGIES`: where its
+class lives, how to build it on a list of devices, and whether its replicas are threads of one
+process or one process each. An entry whose class is not importable (a strategy still being
+built) stays listed and is reported as unavailable with the import error, never dropped.
+
+Example:
+    >>> spec = BENCH_STRATEGIES["mirrored"]
+    >>> spec.unavailable_reason("cpu", 2, BenchMachine(cpu_devices=2)) is None
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEVICE_KINDS = ("cpu", "gpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchMachine:
+    """What the benchmark can place replicas on: logical CPU devices and CUDA GPUs.
+
+    Example:
+        >>> BenchMachine(cpu_devices=2, gpu_devices=0).max_replicas("gpu")
+        0
+    """
+
+    cpu_devices: int
+    """Logical CPU devices of the default registry (one per core unless configured otherwise)."""
+    gpu_devices: int = 0
+    """CUDA GPUs torch can see."""
+    gloo: bool = True
+    """torch.distributed with the Gloo backend (cross-process collectives on the CPU)."""
+    nccl: bool = False
+    """torch.distributed with the NCCL backend (cross-process collectives on GPUs)."""
+
+    @classmethod
+    def detect(cls) -> BenchMachine:
+        """The machine this process runs on."""
+        from stratagem.devices import get_logical_devices
+
+        has_dist = dist.is_available()
+        return cls(
+            cpu_devices=len(get_logical_devices("cpu")),
+            gpu_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            gloo=has_dist and dist.is_gloo_available(),
+            nccl=has_dist and dist.is_nccl_available(),
+        )
+
+    def max_replicas(self, kind: str) -> int:
+        """How many replicas of one kind this machine can hold (0 when it has none of that kind)."""
+        return self.cpu_devices if kind == "cpu" else self.gpu_devices
+
+    def device_kinds(self) -> tuple[str, ...]:
+        """The kinds present: always "cpu", then "gpu" when there is a GPU."""
+        return tuple(kind for kind in DEVICE_KINDS if self.max_replicas(kind) > 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu_devices": self.cpu_devices, "gpu_devices": self.gpu_devices, "gloo": self.gloo,
+                "nccl": self.nccl}
+
+
+def replica_devices(kind: str, replicas: int) -> list[str]:
+    """The device names N in-process replicas of a kind run on (`cpu:0, cpu:1, ...` or `cuda:0, ...`)."""
+    prefix = "cpu" if kind == "cpu" else "cuda"
+    return [f"{prefix}:{i}" for i in range(replicas)]
+
+
+def process_device(kind: str, rank: int) -> str:
+    """The one device of rank `rank` when each replica is a process: the CPU, or that rank's GPU."""
+    return "cpu:0" if kind == "cpu" else f"cuda:{rank}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchStrategy:
+    """How to build and run one strategy in the benchmark."""
+
+    name: str
+    """Its name on the command line and in the results."""
+    class_path: str
+    """`module:Class` of the strategy, imported only when it is measured."""
+    build: Callable[[type, list[str], Mapping[str, Any]], Any]
+    """`build(cls, devices, options)` returns the strategy; `options` holds `timeout` and `registry`
+    (in-process) or `timeout` and `cluster` (one process per replica)."""
+    one_process_per_replica: bool = False
+    """Each replica is its own process (collectives through torch.distributed) instead of a thread."""
+    max_replicas: int | None = None
+    """A fixed limit of the strategy itself (OneDeviceStrategy: 1); None for as many as the devices."""
+
+    def strategy_class(self) -> type:
+        """Imports the strategy class; ImportError or AttributeError when it is not in this build."""
+        module_name, _, class_name = self.class_path.partition(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+    def unavailable_reason(self, kind: str, replicas: int, machine: BenchMachine) -> str | None:
+        """Why this strategy cannot run `replicas` replicas of `kind` here, or None when it can."""
+        if self.max_replicas is not None and replicas > self.max_replicas:
+            return f"{self.name} runs at most {self.max_replicas} replica(s)"
+        have = machine.max_replicas(kind)
+        if replicas > have:
+            unit = "logical CPU device(s)" if kind == "cpu" else "GPU(s)"
+            return f"this machine has {have} {unit}, fewer than {replicas} replicas"
+        if self.one_process_per_replica:
+            backend, present = ("gloo", machine.gloo) if kind == "cpu" else ("nccl", machine.nccl)
+            if not present:
+                return f"torch.distributed has no {backend} backend in this torch build"
+        try:
+            self.strategy_class()
+        except (ImportError, AttributeError) as error:
+            return f"{self.class_path.replace(':', '.')} is not in this build ({type(error).__name__}: {error})"
+        return None
+
+
+def _one_device(cls: type, devices: list[str], options: Mapping[str, Any]) -> Any:
+    return cls(devices[0], timeout=options["timeout"], registry=options.get("registry"))
+
+
+def _in_process(cls: type, devices: list[str], options: Mapping[str, Any]) -> Any:
+    return cls(devices, timeout=options["timeout"], registry=options.get("registry"))
+
+
+def _multi_worker(cls: type, devices: list[str], options: Mapping[str, Any]) -> Any:
+    return cls(devices, cluster=options["cluster"], timeout=options["timeout"])
+
+
+BENCH_STRATEGIES: dict[str, BenchStrategy] = {
+    spec.name: spec
+    for spec in (
+        BenchStrategy(name="one_device", class_path="stratagem.strategies.one_device:OneDeviceStrategy",
+                      build=_one_device, max_replicas=1),
+        BenchStrategy(name="mirrored", class_path="stratagem.strategies.mirrored:MirroredStrategy",
+                      build=_in_process),
+        BenchStrategy(name="central_storage",
+                      class_path="stratagem.strategies.central_storage:CentralStorageStrategy",
+                      build=_in_process),
+        BenchStrategy(name="multi_worker", class_path="stratagem.strategies.multi_worker:MultiWorkerMirroredStrategy",
+                      build=_multi_worker, one_process_per_replica=True),
+    )
+}
