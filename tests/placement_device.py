@@ -169,8 +169,9 @@ def register(*cases: Any) -> None:
         _cases[f"{case.__module__}.{case.__name__}"] = (case.__module__, case.__name__)
 
 
-def _run_cases(rank: int, cases: list[tuple[str, str]]) -> dict[str, tuple[bool, Any]]:
+def _run_cases(rank: int, cases: list[tuple[str, str]]) -> bytes:
     import importlib
+    import pickle
     import traceback
 
     setup()  # first thing in the process, before any backward pass
@@ -180,19 +181,23 @@ def _run_cases(rank: int, cases: list[tuple[str, str]]) -> dict[str, tuple[bool,
             results[f"{module}.{name}"] = (True, getattr(importlib.import_module(module), name)())
         except Exception:  # noqa: BLE001 - reported by the test that reads this case
             results[f"{module}.{name}"] = (False, traceback.format_exc())
-    return results
+    # Pickled here, by value: the queue's pickler would share tensors through file descriptors
+    # that vanish with this process before the parent reads them.
+    return pickle.dumps(results)
 
 
 def result(case: Any) -> Any:
     """What `case` returned in the sgdev process (every registered case runs on the first call)."""
     global _results
     if _results is None:
+        import pickle
+
         from helpers import run_ranks
 
         outcome = run_ranks(_run_cases, [0], args=(sorted(_cases.values()),), timeout=150)[0]
         if outcome.error is not None:
             raise AssertionError(f"the sgdev process failed: {outcome.error_type}: {outcome.error}")
-        _results = outcome.value
+        _results = pickle.loads(outcome.value)
     ok, value = _results[f"{case.__module__}.{case.__name__}"]
     if not ok:
         raise AssertionError(f"{case.__name__} failed in the sgdev process:\n{value}")

@@ -91,6 +91,20 @@ def test_mirrored_replica_threads_are_logged_and_nothing_is_entered_without_a_lo
     assert set(log.summary().operations_per_replica) == {"replica 0", "replica 1", "no replica"}
 
 
+def test_central_storage_replicas_are_logged():
+    strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    try:
+        train = _trainer(strategy)
+        with sg.log_placement() as log:
+            train([8, 5])
+    finally:
+        strategy.close()
+    assert log.steps == 2
+    for replica in (0, 1):
+        for op in ("aten::addmm", "aten::threshold_backward", "aten::tanh_backward"):
+            assert log.count(op=op, device="cpu", replica=replica) == 2 * PER_STEP[op], (op, replica)
+
+
 def test_empty_log():
     with sg.log_placement() as log:
         pass

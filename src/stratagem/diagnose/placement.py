@@ -35,7 +35,6 @@ from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.diagnose import soft_placement as fallback
@@ -306,7 +305,7 @@ class _PlacementMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         logs, regions, replica = self.logs, self.soft, self.replica
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs.values())
 
         placed: list[str] = []
 
@@ -331,14 +330,26 @@ def _op_device(inputs: list[torch.Tensor], out: Any) -> str:
     """Where an operation ran: its first tensor input's device, skipping CPU scalars (torch lets a
     0-dim CPU tensor join a GPU operation), else its output's (factories)."""
     for t in inputs:
-        if not (t.device.type == "cpu" and t.dim() == 0):
-            return str(t.device)
+        device = t.device
+        if device.type != "cpu" or t.dim() != 0:
+            return str(device)
     if inputs:
         return str(inputs[0].device)
-    for t in pytree.tree_leaves(out):
-        if isinstance(t, torch.Tensor):
-            return str(t.device)
-    return "no tensors"
+    outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,))
+    return str(outputs[0].device) if outputs else "no tensors"
+
+
+def _tensors(*groups: Any) -> list[torch.Tensor]:
+    """The tensors among operator arguments: plain, or in a tensor list (an aten schema nests no deeper).
+    Cheaper than a pytree walk, and this runs for every operation."""
+    found: list[torch.Tensor] = []
+    for group in groups:
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
 
 
 def _copy_of(func: Any, args: tuple, out: Any) -> fallback.Copy | None:
