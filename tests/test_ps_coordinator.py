@@ -58,8 +58,9 @@ def test_one_worker_equals_plain_training(opt_name):
         ps_model.pull()
         for (name, got), want in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(got, want, **TOL[torch.float64], msg=lambda m, n=name: f"{n}: {m}")
-        assert "4 shards" not in str(strategy.explain())  # 3 linear layers, 2 tensors each, each cut in 2
-        assert "12 shards" in str(strategy.explain())
+        explanation = strategy.explain()
+        assert explanation.decision("variables").choice == "12 shards"  # 3 layers x (weight, bias), each cut in 2
+        assert explanation.details["shards"]["0.weight/part_1"] == "ps:1 rows 8:16"
         strategy.shutdown()
 
 

@@ -192,6 +192,10 @@ def test_cluster_and_role_errors():
     config["task"] = {"type": "evaluator", "index": 0}
     with pytest.raises(ParameterServerError, match="no evaluator role. Received: task evaluator:0"):
         ParameterServerStrategy(config, cluster_token="t", env={})
+    with pytest.raises(ParameterServerError, match="rpc_timeout must be a number of seconds > 0. Received: rpc_timeout=0"):
+        ParameterServerStrategy(_cluster("chief"), cluster_token="t", rpc_timeout=0, env={})
+    with pytest.raises(ParameterServerError, match="ps_exit_delay must be a number of seconds >= 0"):
+        ParameterServerStrategy(_cluster("chief"), cluster_token="t", ps_exit_delay=-1, env={})
     no_workers = _cluster("chief")
     del no_workers["cluster"]["worker"]
     with pytest.raises(ParameterServerError, match="needs at least one worker task"):

@@ -135,6 +135,11 @@ class ParameterServerStrategy(Strategy):
                  rpc_timeout: float = 60.0, chief_timeout: float = 60.0,
                  ps_exit_delay: float = 10.0, env: Mapping[str, str] | None = None) -> None:
         env = environ.current() if env is None else env
+        for name, value, least in (("rpc_timeout", rpc_timeout, 1e-9), ("chief_timeout", chief_timeout, 1e-9),
+                                   ("ps_exit_delay", ps_exit_delay, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
+                raise ParameterServerError(f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
+                                           f"Received: {name}={value!r}. Fix: pass a non-negative number of seconds.")
         self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
         if isinstance(cluster_resolver, InProcessCluster):
             cluster = cluster_resolver.cluster
