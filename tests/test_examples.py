@@ -7,6 +7,7 @@ double as an equivalence check.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -60,3 +61,20 @@ def test_multi_worker_example_matches_mirrored(mirrored_losses: list[float]) -> 
                            str(EXAMPLES / "multi_worker.py"), timeout=180)
     assert_learns(launched)
     assert launched == pytest.approx(mirrored_losses, abs=2e-4)
+
+
+FIT_SUMMARY = re.compile(r"losses \[(.*)\], final validation accuracy (\d\.\d+)")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["one_device", "model_parallel"])
+def test_fit_example_runs_every_strategy(strategy: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "fit.py"), strategy], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    summary = FIT_SUMMARY.search(done.stdout)
+    assert summary, done.stdout
+    losses = [float(v) for v in summary.group(1).split(",")]
+    assert_learns(losses)
+    assert float(summary.group(2)) > 0.9
+    assert not (tmp_path / "stratagem-example-fit").exists()  # the backup is removed when training finishes
