@@ -215,7 +215,8 @@ def call_or_fall_back(
         try:
             out, copies = run_on_cpu(func, args, kwargs, device)
         except Exception as cpu_error:
-            cpu_error.add_note(f"(soft placement ran {op} on the CPU because it has no kernel for {device})")
+            if hasattr(cpu_error, "add_note"):  # Python 3.11+
+                cpu_error.add_note(f"(soft placement ran {op} on the CPU because it has no kernel for {device})")
             raise
         for region in soft:
             region._record(op, str(device))

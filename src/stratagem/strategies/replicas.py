@@ -207,8 +207,8 @@ class ReplicaPool:
                 error = error.__cause__
             translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
             if translated is not None:
-                translated.add_note(f"(raised in replica {replica} on {self._names[replica]})")
-                raise translated from error
+                translated.__cause__ = error
+                error = translated
             if hasattr(error, "add_note") and not isinstance(error, (CollectiveTimeoutError, ReplicaError)):
                 error.add_note(f"(raised in replica {replica} on {self._names[replica]})")
             raise error
