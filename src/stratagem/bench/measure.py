@@ -89,7 +89,7 @@ def _measure_plain_gpu(workload: Workload, request: MeasureRequest) -> Measureme
 
 
 def _measure_in_process(spec: BenchStrategy, workload: Workload, request: MeasureRequest) -> Measurement:
-    options: dict[str, Any] = {"timeout": request.timeout_s}
+    options: dict[str, Any] = {"timeout": _wait_timeout(request)}
     if request.kind == "cpu":
         options["registry"] = _cpu_registry(request.replicas)
     strategy = spec.build(spec.strategy_class(), replica_devices(request.kind, request.replicas), options)
@@ -118,7 +118,7 @@ def _measure_process_rank(spec: BenchStrategy, rank: int, workload: Workload, re
     cluster = {"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports[:world]]},
                "task": {"type": "worker", "index": rank}}
     strategy = spec.build(spec.strategy_class(), [process_device(request.kind, rank)],
-                          {"timeout": request.timeout_s, "cluster": cluster})
+                          {"timeout": _wait_timeout(request), "cluster": cluster})
     try:
         net = workload.build_model()
         model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
@@ -138,6 +138,12 @@ def _measure_process_rank(spec: BenchStrategy, rank: int, workload: Workload, re
     finally:
         strategy.close()
     return _result(request, workload, elapsed, final_loss)
+
+
+def _wait_timeout(request: MeasureRequest) -> float:
+    # Half the configuration's budget per wait: a rank left waiting for a dead peer then has time to
+    # write the error naming it before the parent stops the configuration at the full timeout.
+    return request.timeout_s / 2
 
 
 def _result(request: MeasureRequest, workload: Workload, elapsed: float, final_loss: float) -> Measurement:

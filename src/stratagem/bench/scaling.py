@@ -81,7 +81,8 @@ class ScalingConfig:
     rounds: int = 1
     """Times every configuration is measured; figures are medians over rounds."""
     timeout_s: float = 300.0
-    """Seconds one configuration may take from process start to result; longer and it is stopped."""
+    """Seconds one configuration may take from process start to result; longer and it is stopped. Each
+    wait inside it (for another replica or rank) gives up after half of this, naming who was missing."""
 
     @classmethod
     def quick(cls, **overrides: Any) -> ScalingConfig:
