@@ -50,7 +50,10 @@ _thread = threading.local()  # .mode: the _PlacementMode this thread entered; .r
 
 @dataclass(frozen=True)
 class _Replica:
-    replica: int
+    """Whose work a thread does: a replica (None: no replica, e.g. a stage thread outside
+    `strategy.run`) and the device its operations belong on (None: unknown)."""
+
+    replica: int | None
     device: torch.device | None
 
 
@@ -239,7 +242,7 @@ def apply_placement(
         raise InputError(
             f"apply_placement(device=) takes a torch.device. Received: {device!r}. Use e.g. torch.device('cuda', 1)."
         )
-    return _join(logs=captured.logs, soft=captured.soft, replica=_Replica(captured.replica or 0, device))
+    return _join(logs=captured.logs, soft=captured.soft, replica=_Replica(captured.replica, device))
 
 
 def note_replica(replica: int | None, device: torch.device | None = None) -> None:
