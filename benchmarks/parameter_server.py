@@ -159,12 +159,23 @@ def train_step(iterator):
     return loss
 
 
-def plain_samples_per_s(warmup: int, steps: int) -> float:
+def plain_samples_per_s(warmup: int, steps: int, threads: int | None = None) -> float:
+    """A plain PyTorch loop on the same workload in this process (``threads``: torch's intra-op threads)."""
     import torch.nn.functional as F
 
     from stratagem.bench.workloads import WORKLOADS
 
-    workload = WORKLOADS["mlp"]
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _plain_loop(WORKLOADS["mlp"], warmup, steps, F)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _plain_loop(workload, warmup: int, steps: int, F) -> float:
+
     model = workload.build_model()
     optimizer = workload.build_optimizer(model)
     batches = itertools.cycle(workload.make_batches())
@@ -211,9 +222,11 @@ def main() -> int:
                      f"{r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | {r['ratio']:.3f} |")
     if not args.skip_training:
         plain = plain_samples_per_s(args.warmup, args.steps)
-        results["training"] = {"plain": plain}
-        lines += ["", "| MLP training | samples/s | vs plain PyTorch |", "|---|---|---|",
-                  f"| plain PyTorch, one process | {plain:.0f} | 1.000 |"]
+        plain_1 = plain_samples_per_s(args.warmup, args.steps, threads=1)
+        results["training"] = {"plain": plain, "plain_1_thread": plain_1}
+        lines += ["", "| MLP training | samples/s | vs plain PyTorch (default threads) |", "|---|---|---|",
+                  f"| plain PyTorch, one process, {torch.get_num_threads()} threads | {plain:.0f} | 1.000 |",
+                  f"| plain PyTorch, one process, 1 thread | {plain_1:.0f} | {plain_1 / plain:.3f} |"]
         for workers in (1, 2):
             r = training(workers, args.warmup, args.steps)
             results["training"][f"workers_{workers}"] = r

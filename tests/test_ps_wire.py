@@ -110,3 +110,29 @@ def test_encode_refuses_what_cannot_travel():
         wire.encode("x", {"f": object()})
     with pytest.raises(WireFormatError, match="not plain JSON"):
         wire.encode("x", {"f": float("nan")})
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=8), tensors(), min_size=1, max_size=5), st.integers(8, 64))
+def test_decode_into_streams_tensors_into_destinations(named, chunk_bytes):
+    pieces = wire.encode_chunks("values", {"v": 1}, named, chunk_bytes=chunk_bytes)  # tiny pieces: tensors span them
+    destinations = {name: torch.empty_like(t) for name, t in named.items()}
+    assert wire.decode_into(pieces, destinations) == ("values", {"v": 1})
+    for name, tensor in named.items():
+        assert torch.equal(destinations[name].reshape(-1).view(torch.uint8) if tensor.numel() else destinations[name],
+                           tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor)
+
+
+def test_decode_into_refuses_mismatches_and_short_or_long_payloads():
+    named = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    pieces = wire.encode_chunks("values", None, named, chunk_bytes=16)
+    with pytest.raises(WireFormatError, match="tensors do not match the destinations"):
+        wire.decode_into(pieces, {"w": torch.empty(2, 3), "b": torch.empty(4)})
+    with pytest.raises(WireFormatError, match="tensors do not match the destinations"):
+        wire.decode_into(pieces, {"w": torch.empty(2, 3), "b": torch.empty(3), "extra": torch.empty(1)})
+    with pytest.raises(WireFormatError, match="payload shorter than its tensors"):
+        wire.decode_into(pieces[:-1], {"w": torch.empty(2, 3), "b": torch.empty(3)})
+    with pytest.raises(WireFormatError, match="payload longer than its tensors"):
+        wire.decode_into([*pieces, b"\0" * 8], {"w": torch.empty(2, 3), "b": torch.empty(3)})
+    with pytest.raises(WireFormatError, match="wrong magic"):
+        wire.decode_into([b"PKL1\0\0\0\0"], {})

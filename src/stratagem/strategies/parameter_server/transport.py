@@ -200,6 +200,18 @@ class Client:
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.task, self.address, method, timeout) from None
 
+    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor], *,
+                  timeout: float) -> tuple[str, Any]:
+        """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
+        stub = self._methods.get(method)
+        if stub is None:
+            stub = self._methods[method] = self._channel.stream_stream(f"/{self._service}/{method}")
+        try:
+            replies = stub(iter(wire.encode_chunks(op, meta)), timeout=timeout, metadata=self._metadata)
+            return wire.decode_into(replies, destinations)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc, self.task, self.address, method, timeout) from None
+
     def wait_ready(self, timeout: float) -> bool:
         """True once the channel is connected, False after ``timeout`` seconds without it."""
         try:

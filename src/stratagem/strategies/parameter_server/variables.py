@@ -90,8 +90,13 @@ class ShardedVariables:
     def pull_into(self, parameters: Mapping[str, torch.Tensor]) -> None:
         """Copies the current value of every shard into ``parameters`` (one call per server)."""
         def call(ps: int, shards: list[Shard]) -> None:
-            _, _, values = self._clients[ps].call("Pull", "pull", {"names": [s.name for s in shards]},
-                                                  timeout=self.rpc_timeout)
+            names = {"names": [s.name for s in shards]}
+            views = {s.name: shard_of(parameters[s.parameter], s).detach() for s in shards}
+            if all(v.is_contiguous() and v.device.type == "cpu" for v in views.values()):
+                # The fast path: received bytes go straight into the parameters, one copy.
+                self._clients[ps].call_into("Pull", "pull", names, views, timeout=self.rpc_timeout)
+                return
+            _, _, values = self._clients[ps].call("Pull", "pull", names, timeout=self.rpc_timeout)
             with torch.no_grad():  # one foreach call instead of a Python loop over many small shards
                 torch._foreach_copy_([shard_of(parameters[s.parameter], s) for s in shards],
                                      [values[s.name] for s in shards])

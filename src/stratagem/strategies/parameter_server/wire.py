@@ -28,6 +28,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy
 import torch
 
 from stratagem.errors import WireFormatError
@@ -119,12 +120,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """``(op, meta, tensors)`` from one message; the tensors share the message's memory.
-
-    Raises ``WireFormatError`` for anything that is not a well-formed message.
-    """
-    view = memoryview(message)
+def _parse_header(view: memoryview) -> tuple[dict[str, Any], int]:
+    """The header of a message that starts ``view`` (the payload may be partly there) and the payload's start."""
     if len(view) < _PREFIX.size:
         raise _fail("shorter than its fixed prefix", f"{len(view)} bytes")
     magic, header_len = _PREFIX.unpack(view[:_PREFIX.size])
@@ -141,15 +138,28 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
     if not isinstance(header, dict) or set(header) != {"op", "meta", "tensors"} \
             or not isinstance(header["op"], str) or not isinstance(header["tensors"], list):
         raise _fail("header is not {op, meta, tensors}", f"{str(header)[:200]}")
-    start = _PREFIX.size + header_len
+    return header, _PREFIX.size + header_len
+
+
+def _check_bool(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype == torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
+        raise _fail("a bool tensor holds bytes other than 0 and 1", f"name={name!r}")
+
+
+def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """``(op, meta, tensors)`` from one message; the tensors share the message's memory.
+
+    Raises ``WireFormatError`` for anything that is not a well-formed message.
+    """
+    view = memoryview(message)
+    header, start = _parse_header(view)
     payload_len = len(view) - start
     # The tensors are views of the message itself: a writable bytearray (join_chunks gives one)
     # is used in place; anything else is copied once.
     buffer = message if isinstance(message, bytearray) else bytearray(view)
     tensors: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
-        tensors_entry = _check_entry(entry, payload_len)
-        name, dtype, shape, offset, nbytes = tensors_entry
+        name, dtype, shape, offset, nbytes = _check_entry(entry, payload_len)
         if name in tensors:
             raise _fail("a tensor name appears twice", f"name={name!r}")
         if nbytes == 0:
@@ -157,13 +167,69 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
             continue
         numel = nbytes // _ITEMSIZE[dtype]
         tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start + offset).reshape(shape)
-        if dtype == torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
-            raise _fail("a bool tensor holds bytes other than 0 and 1", f"name={name!r}")
+        _check_bool(name, tensor)
         tensors[name] = tensor
     return header["op"], header["meta"], tensors
 
 
-def _check_entry(entry: Any, payload_len: int) -> tuple[str, torch.dtype, list[int], int, int]:
+def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor]) -> tuple[str, Any]:
+    """Streams a message's tensors straight into ``destinations`` as its pieces arrive; returns ``(op, meta)``.
+
+    Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape, and the
+    message must carry exactly those tensors. One copy, from the received bytes into the tensors,
+    and the message is never held whole: the fast path of a pull.
+    """
+    pieces = iter(pieces)
+    head = bytearray()
+    for piece in pieces:
+        head += piece
+        if len(head) >= _PREFIX.size and len(head) >= _PREFIX.size + _PREFIX.unpack_from(head)[1]:
+            break
+        if len(head) > _PREFIX.size + MAX_HEADER_BYTES:
+            break
+    header, start = _parse_header(memoryview(head))
+    targets = []
+    for entry in header["tensors"]:
+        name, dtype, shape, offset, nbytes = _check_entry(entry, None)
+        dest = destinations.get(name)
+        if dest is None or dest.dtype != dtype or list(dest.shape) != shape:
+            raise _fail("tensors do not match the destinations", f"{name} {dtype} {shape}, destination "
+                        f"{None if dest is None else (dest.dtype, list(dest.shape))}")
+        flat = dest.detach().reshape(-1).view(torch.uint8).numpy() if nbytes else None
+        targets.append((offset, nbytes, flat, name))
+    if len(targets) != len(destinations) or len({t[3] for t in targets}) != len(targets):
+        raise _fail("tensors do not match the destinations", f"{len(targets)} tensors for {len(destinations)}")
+    targets.sort(key=lambda t: t[0])
+    expected = max((_aligned(off + n) for off, n, _, _ in targets), default=0)
+    position, first = 0, 0  # payload offset of the next byte; first target not yet filled
+
+    def take(block: memoryview) -> None:
+        nonlocal position, first
+        end = position + len(block)
+        if end > expected:
+            raise _fail("payload longer than its tensors", f"more than {expected} bytes")
+        index = first
+        while index < len(targets) and targets[index][0] < end:
+            off, nbytes, flat, _ = targets[index]
+            lo, hi = max(off, position), min(off + nbytes, end)
+            if lo < hi:
+                flat[lo - off:hi - off] = numpy.frombuffer(block, numpy.uint8, hi - lo, lo - position)
+            if off + nbytes <= end:
+                first = index + 1
+            index += 1
+        position = end
+
+    take(memoryview(head)[start:])
+    for piece in pieces:
+        take(memoryview(piece))
+    if position != expected:
+        raise _fail("payload shorter than its tensors", f"{position} of {expected} bytes")
+    for name, dest in destinations.items():
+        _check_bool(name, dest)
+    return header["op"], header["meta"]
+
+
+def _check_entry(entry: Any, payload_len: int | None) -> tuple[str, torch.dtype, list[int], int, int]:
     if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
             and isinstance(entry[1], str) and isinstance(entry[2], list) and _is_int(entry[3])):
         raise _fail("a tensor entry is not [name, dtype, shape, offset]", f"{str(entry)[:200]}")
@@ -177,7 +243,7 @@ def _check_entry(entry: Any, payload_len: int) -> tuple[str, torch.dtype, list[i
     for d in shape:
         numel *= d
     nbytes = numel * _ITEMSIZE[dtype]
-    if offset < 0 or offset % ALIGN or offset + nbytes > payload_len:
+    if offset < 0 or offset % ALIGN or (payload_len is not None and offset + nbytes > payload_len):
         raise _fail("tensor bytes lie outside the payload", f"{name}: offset={offset}, {nbytes} bytes, "
                     f"payload of {payload_len} bytes")
     return name, dtype, shape, offset, nbytes
