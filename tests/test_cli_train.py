@@ -214,3 +214,18 @@ def test_a_backup_dir_that_is_a_file_exits_2(capsys, tmp_path):
 def test_workers_without_multi_worker_is_refused(capsys):
     assert main(["train", "--workers", "2"]) == 2
     assert "--workers 2 needs --strategy multi_worker. Received: --strategy mirrored" in capsys.readouterr().err
+
+
+@needs_two_cpus
+def test_log_placement_reports_where_the_main_job_ran(capsys):
+    summary = run_json(capsys, "--epochs", "1", "--batch-size", "256", "--log-placement")
+    placement = summary["placement"]
+    # 6 training steps (1437 examples in batches of 256) and 2 evaluation steps (360 in batches of 256).
+    assert placement["steps"] == 8
+    assert set(placement["operations_per_device"]) == {"cpu"}
+    per_replica = placement["operations_per_replica"]
+    assert per_replica["replica 0"] == per_replica["replica 1"] > 0  # the same step on both replicas
+    assert placement["num_copies"] == 0 and placement["num_off_device"] == 0  # all on the CPU: nothing moves
+    main(["train", "--epochs", "1", "--batch-size", "256", "--strategy", "one_device", "--log-placement"])
+    text = capsys.readouterr().out
+    assert "Placement log: 8 steps" in text and "Copies between devices: none" in text

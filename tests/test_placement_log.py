@@ -105,6 +105,22 @@ def test_central_storage_replicas_are_logged():
             assert log.count(op=op, device="cpu", replica=replica) == 2 * PER_STEP[op], (op, replica)
 
 
+def test_model_parallel_stage_threads_are_logged_for_the_one_replica():
+    strategy = sg.ModelParallelStrategy(stages=["cpu:0", "cpu:1"], num_micro_batches=2, registry=cpu_registry(2))
+    try:
+        train = _trainer(strategy)
+        train([8])  # the stage threads exist before the log opens: they must pick it up per run
+        with sg.log_placement() as log:
+            train([8, 5])
+    finally:
+        strategy.close()
+    assert log.steps == 2
+    # Two micro-batches per step, each through the whole MLP: every per-step count doubles.
+    for op, n in PER_STEP.items():
+        assert log.count(op=op, device="cpu", replica=0) == 2 * 2 * n, op
+    assert log.count(replica=1) == 0
+
+
 def test_empty_log():
     with sg.log_placement() as log:
         pass

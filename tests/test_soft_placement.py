@@ -204,3 +204,13 @@ def test_other_errors_are_not_placement_errors():
     with pytest.raises(PlacementError, match=r"Operation x::y has no kernel for CUDA \(torch: Could not run 'x::y' "
                                              r"with arguments from the 'CUDA' backend.\)"):
         raise error
+
+
+def test_a_one_device_step_raises_the_placement_error_with_the_fix():
+    # One replica runs on the caller's thread, outside the replica pool: it must translate too.
+    def step():
+        raise NotImplementedError("Could not run 'x::y' with arguments from the 'CUDA' backend. More.")
+
+    with pytest.raises(PlacementError, match=r"Operation x::y has no kernel for CUDA.*sg.soft_placement") as raised:
+        sg.OneDeviceStrategy("cpu").run(step)
+    assert isinstance(raised.value.__cause__, NotImplementedError)

@@ -19,6 +19,7 @@ and a rerun resumes from the last backup, which is removed once training finishe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -27,6 +28,7 @@ from rich.text import Text
 
 from stratagem import environ
 from stratagem.cluster import OutputLine, launched_by_stratagem, relaunch
+from stratagem.diagnose import log_placement
 from stratagem.errors import StratagemError
 from stratagem.train import (
     STRATEGY_NAMES,
@@ -68,6 +70,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--backup-dir", metavar="DIR",
                         help="back the run up in DIR after every epoch; a rerun of the same command (or a restart by "
                              "`stratagem launch --max-restarts`) resumes from it; removed when training finishes")
+    parser.add_argument("--log-placement", action="store_true",
+                        help="record where every operation of the run ran and print a summary: operations per "
+                             "device and replica, copies per step with their bytes, operations that ran off their "
+                             "replica's device (slows training down while it records)")
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
@@ -109,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(Text(str(strategy.explain())))
     # The progress bar is drawn only on a terminal; the per-epoch lines go to pipes too (not with --json).
     callbacks.append(ProgressBar(console, show_bar=not args.json and console.is_terminal, print_lines=not args.json))
+    log = log_placement() if args.log_placement else None
     try:
-        report = train_digits(config, strategy, decision, callbacks=callbacks)
+        with log if log is not None else contextlib.nullcontext():
+            report = train_digits(config, strategy, decision, callbacks=callbacks)
     except (StratagemError, ImportError) as error:
         print(f"stratagem train: training failed: {error}", file=sys.stderr)
         return 1
@@ -119,9 +127,14 @@ def run(args: argparse.Namespace) -> int:
     if not chief:
         return 0
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        summary = report.to_dict()
+        if log is not None:
+            summary["placement"] = log.summary().to_dict()
+        print(json.dumps(summary, indent=2))
     else:
         _print_summary(console, report)
+        if log is not None:
+            console.print(Text(str(log.summary())))
     return 0
 
 

@@ -23,6 +23,7 @@ from stratagem import devices as sg_devices
 from stratagem import diagnose
 from stratagem.collective.local import LocalReducer, choose_local_reducer
 from stratagem.diagnose import PlacementDecision
+from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import (
@@ -352,6 +353,11 @@ class MirroredStrategy(Strategy):
         try:
             with _device_guard(self._devices[0]):
                 return fn(*select_replica(args, 0), **select_replica(kwargs, 0))
+        except NotImplementedError as error:
+            translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
+            if translated is None:
+                raise
+            raise translated from error
         finally:
             enter_replica(previous)
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from stratagem.data.split import split_sizes
+from stratagem.diagnose.placement import apply_placement, capture_placement
 from stratagem.errors import CollectiveTimeoutError, InputError
 from stratagem.strategies.replicas import ReplicaContext, enter_replica
 
@@ -94,6 +95,8 @@ class _Run:
         # Autocast is thread-local: the stage threads must compute as the caller's thread would.
         self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu")
                          if torch.is_autocast_enabled(kind)]
+        # So is the placement log (sg.log_placement): the stages' work counts for the caller's replica.
+        self.placement = capture_placement()
 
     def record(self, phase: Literal["forward", "backward"], stage: int, micro: int, edge: Literal["start", "end"]) -> None:
         with self.cond:
@@ -105,8 +108,9 @@ class _Run:
                 self.error = error
             self.cond.notify_all()
 
-    def modes(self) -> contextlib.ExitStack:
+    def modes(self, device: torch.device) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        stack.enter_context(apply_placement(self.placement, device=device))
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for kind, dtype in self.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype))
@@ -198,7 +202,7 @@ class Pipeline:
         try:
             run.record("forward", stage, micro, "start")
             last = stage == self.num_stages - 1
-            with run.modes():
+            with run.modes(self._devices[stage]):
                 if stage > 0 and run.grad_enabled and x.is_floating_point():
                     # A leaf of this stage's own graph: its gradient is what the previous stage needs.
                     x = x.requires_grad_()
@@ -286,7 +290,8 @@ class Pipeline:
             run.outputs[stage][micro] = None  # the graph is freed by this backward; the tensor need not live on
             if grad is not None and out is not None and out.requires_grad:
                 run.record("backward", stage, micro, "start")
-                torch.autograd.backward(out, grad)
+                with apply_placement(run.placement, device=self._devices[stage]):
+                    torch.autograd.backward(out, grad)
                 run.record("backward", stage, micro, "end")
             if stage > 0:
                 x = run.inputs[stage][micro]
