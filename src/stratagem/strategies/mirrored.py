@@ -33,8 +33,18 @@ from stratagem.strategies.distributed import (
     replicate_optimizer,
 )
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.sharded import ShardedOptimizer, alias_parameters, why_not_shareable
-from stratagem.strategies.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool, current_replica_context, enter_replica
+from stratagem.strategies.replicas import (
+    ReplicaBarrier,
+    ReplicaContext,
+    ReplicaPool,
+    current_replica_context,
+    enter_replica,
+)
+from stratagem.strategies.sharded import (
+    ShardedOptimizer,
+    alias_parameters,
+    why_not_shareable,
+)
 from stratagem.values import PerReplica, flatten, select_replica, stack_replicas
 
 logger = logging.getLogger(__name__)
@@ -475,7 +485,7 @@ class _NullGuard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
