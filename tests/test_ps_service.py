@@ -125,7 +125,7 @@ def test_push_errors_name_the_problem(servers):
     with pytest.raises(ParameterServerError, match="has no optimizer"):
         variables.push({n: torch.zeros_like(p) for n, p in model.named_parameters()})
     variables.create(dict(model.named_parameters()), optimizer)
-    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Gradient does not match its shard"):
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Malformed parameter-server message: tensors do not match the destinations"):
         variables.push({n: torch.zeros(1) for n, _ in model.named_parameters()})
     servers[1].stop()
     with pytest.raises(ParameterServerError, match="ps:1 at .* failed Pull. Received: UNAVAILABLE"):

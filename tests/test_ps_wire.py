@@ -117,7 +117,7 @@ def test_encode_refuses_what_cannot_travel():
 def test_decode_into_streams_tensors_into_destinations(named, chunk_bytes):
     pieces = wire.encode_chunks("values", {"v": 1}, named, chunk_bytes=chunk_bytes)  # tiny pieces: tensors span them
     destinations = {name: torch.empty_like(t) for name, t in named.items()}
-    assert wire.decode_into(pieces, destinations) == ("values", {"v": 1})
+    assert wire.decode_into(pieces, destinations) == ("values", {"v": 1}, list(named))
     for name, tensor in named.items():
         assert torch.equal(destinations[name].reshape(-1).view(torch.uint8) if tensor.numel() else destinations[name],
                            tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +32,12 @@ from stratagem.errors import (
     WireFormatError,
 )
 from stratagem.strategies.parameter_server import wire
-from stratagem.strategies.parameter_server.transport import Reply, Security, Server
+from stratagem.strategies.parameter_server.transport import (
+    Reply,
+    Security,
+    Server,
+    Streaming,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +107,11 @@ class ParameterServer:
         self._lock = threading.Lock()
         self._shards: dict[str, nn.Parameter] = {}
         self._optimizer: torch.optim.Optimizer | None = None
+        self._grads: dict[str, torch.Tensor] = {}
         self._num_updates = 0
         self._shutdown = threading.Event()
         self._server = Server(SERVICE, {
-            "Create": self._create, "Pull": self._pull, "Push": self._push, "Save": self._save,
+            "Create": self._create, "Pull": self._pull, "Push": Streaming(self._push), "Save": self._save,
             "Load": self._load, "Shutdown": self._stop, "Ping": self._ping,
         }, security=security, address=address)
         self.address = self._server.address
@@ -126,8 +133,9 @@ class ParameterServer:
                 if params:
                     groups.append({"params": params, **_hyper_from_json(hyper)})
             optimizer = _build(cls, groups)
+        grads = {name: torch.empty_like(param) for name, param in shards.items()} if optimizer is not None else {}
         with self._lock:
-            self._shards, self._optimizer, self._num_updates = shards, optimizer, 0
+            self._shards, self._optimizer, self._grads, self._num_updates = shards, optimizer, grads, 0
         logger.info("%s holds %d shards (%d elements), optimizer %s", self.task, len(shards),
                     sum(p.numel() for p in shards.values()), type(optimizer).__name__ if optimizer else None)
         return "created", {"shards": len(shards)}, {}
@@ -150,20 +158,17 @@ class ParameterServer:
             return wire.encode_chunks("values", {"version": self._num_updates},
                                       {name: self._shards[name].detach() for name in names})
 
-    def _push(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
+    def _push(self, pieces: Iterator[bytes]) -> Reply:
+        # The gradient bytes stream straight into buffers kept per shard (one copy, no page faults of a
+        # fresh message); the lock is held from the first byte, so pushes apply one after another.
         with self._lock:
             if self._optimizer is None:
                 raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
                                            "push before Create. Fix: distribute(model, optimizer) on the chief first.")
-            params = []
-            for name in self._known(list(tensors)):
-                param, grad = self._shards[name], tensors[name]
-                if grad.shape != param.shape or grad.dtype != param.dtype:
-                    raise WireFormatError(f"Gradient does not match its shard. Received: {name} gradient "
-                                          f"{tuple(grad.shape)} {grad.dtype}, shard {tuple(param.shape)} "
-                                          f"{param.dtype}. Fix: push the gradient of that shard.")
-                param.grad = grad
-                params.append(param)
+            _, _, names = wire.decode_into(pieces, self._grads, exact=False)
+            params = [self._shards[name] for name in names]
+            for name, param in zip(names, params):
+                param.grad = self._grads[name]
             try:
                 self._optimizer.step()
             finally:

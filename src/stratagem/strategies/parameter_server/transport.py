@@ -51,6 +51,13 @@ Reply = tuple[str, Any, Mapping[str, torch.Tensor]] | list[bytes]
 Handler = Callable[[str, Any, dict[str, torch.Tensor]], Reply]
 
 
+@dataclass(frozen=True)
+class Streaming:
+    """A handler that reads the request's pieces itself (``wire.decode_into``) instead of a decoded message."""
+
+    handler: Callable[[Iterator[bytes]], Reply]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Security:
     """The cluster token and, optionally, TLS files (PEM paths)."""
@@ -118,7 +125,7 @@ class Server:
     keeps serving either way.
     """
 
-    def __init__(self, service: str, handlers: Mapping[str, Handler], *, security: Security,
+    def __init__(self, service: str, handlers: Mapping[str, Handler | Streaming], *, security: Security,
                  address: str = "127.0.0.1:0", max_workers: int = 8) -> None:
         self.service = service
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
@@ -142,14 +149,15 @@ class Server:
         self._server.start()
         logger.info("%s serving on %s (tls=%s)", service, self.address, security.tls)
 
-    def _wrap(self, name: str, handler: Handler) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+    def _wrap(self, name: str, handler: Handler | Streaming
+              ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
         def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
-                op, meta, tensors = wire.decode(wire.join_chunks(requests))
-            except WireFormatError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            try:
-                reply = handler(op, meta, tensors)
+                if isinstance(handler, Streaming):
+                    reply = handler.handler(requests)
+                else:
+                    op, meta, tensors = wire.decode(wire.join_chunks(requests))
+                    reply = handler(op, meta, tensors)
             except WireFormatError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # the caller gets the error; the server goes on serving
@@ -208,7 +216,8 @@ class Client:
             stub = self._methods[method] = self._channel.stream_stream(f"/{self._service}/{method}")
         try:
             replies = stub(iter(wire.encode_chunks(op, meta)), timeout=timeout, metadata=self._metadata)
-            return wire.decode_into(replies, destinations)
+            reply_op, reply_meta, _ = wire.decode_into(replies, destinations)
+            return reply_op, reply_meta
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.task, self.address, method, timeout) from None
 

@@ -48,6 +48,21 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
+def _bytes_view(tensor: torch.Tensor) -> numpy.ndarray:
+    """The bytes of a tensor's memory as a flat, writable uint8 array (a copy only for a non-contiguous
+    or non-CPU tensor). Numpy calls are far cheaper than torch calls per tensor, which matters for
+    messages of many small tensors; numpy has no bfloat16, so that one goes through a torch view."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.reshape(-1).view(torch.uint8).numpy()
+    return tensor.numpy().reshape(-1).view(numpy.uint8)
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -70,12 +85,10 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor]
         if tensor.dtype not in _NAMES:
             raise WireFormatError(f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
                                   f"Fix: convert it to one of {sorted(DTYPES)}.")
-        t = tensor.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        entries.append([name, _NAMES[t.dtype], list(t.shape), offset])
+        nbytes = tensor.nbytes
+        entries.append([name, _NAMES[tensor.dtype], list(tensor.shape), offset])
         if nbytes:
-            # A uint8 view of the tensor's own memory: numpy has no bfloat16, every dtype has bytes.
-            segments.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            segments.append(_bytes_view(tensor))
         padding = _aligned(nbytes) - nbytes
         if padding:
             segments.append(bytes(padding))
@@ -172,12 +185,14 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
     return header["op"], header["meta"], tensors
 
 
-def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor]) -> tuple[str, Any]:
-    """Streams a message's tensors straight into ``destinations`` as its pieces arrive; returns ``(op, meta)``.
+def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor], *,
+                exact: bool = True) -> tuple[str, Any, list[str]]:
+    """Streams a message's tensors straight into ``destinations`` as its pieces arrive.
 
-    Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape, and the
-    message must carry exactly those tensors. One copy, from the received bytes into the tensors,
-    and the message is never held whole: the fast path of a pull.
+    Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape; the
+    message must carry exactly those tensors (``exact``) or some of them. One copy, from the
+    received bytes into the tensors, and the message is never held whole: the fast path of pulls
+    and pushes. Returns ``(op, meta, names of the tensors written)``.
     """
     pieces = iter(pieces)
     head = bytearray()
@@ -195,10 +210,12 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
         if dest is None or dest.dtype != dtype or list(dest.shape) != shape:
             raise _fail("tensors do not match the destinations", f"{name} {dtype} {shape}, destination "
                         f"{None if dest is None else (dest.dtype, list(dest.shape))}")
-        flat = dest.detach().reshape(-1).view(torch.uint8).numpy() if nbytes else None
+        flat = _bytes_view(dest) if nbytes else None
         targets.append((offset, nbytes, flat, name))
-    if len(targets) != len(destinations) or len({t[3] for t in targets}) != len(targets):
-        raise _fail("tensors do not match the destinations", f"{len(targets)} tensors for {len(destinations)}")
+    names = [t[3] for t in targets]
+    if (exact and len(targets) != len(destinations)) or len(set(names)) != len(names):
+        raise _fail("tensors do not match the destinations", f"{len(targets)} tensors ({len(set(names))} names) "
+                    f"for {len(destinations)} destinations")
     targets.sort(key=lambda t: t[0])
     expected = max((_aligned(off + n) for off, n, _, _ in targets), default=0)
     position, first = 0, 0  # payload offset of the next byte; first target not yet filled
@@ -224,9 +241,9 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
         take(memoryview(piece))
     if position != expected:
         raise _fail("payload shorter than its tensors", f"{position} of {expected} bytes")
-    for name, dest in destinations.items():
-        _check_bool(name, dest)
-    return header["op"], header["meta"]
+    for name in names:
+        _check_bool(name, destinations[name])
+    return header["op"], header["meta"], names
 
 
 def _check_entry(entry: Any, payload_len: int | None) -> tuple[str, torch.dtype, list[int], int, int]:
