@@ -188,6 +188,34 @@ def test_output_paths_are_checked_before_measuring(capsys, tmp_path):
 
 # ---- failures become rows with their reason ------------------------------------------------------
 
+def test_the_table_shows_figures_and_the_reason_of_every_row_not_measured():
+    from rich.console import Console
+
+    from stratagem.bench.scaling import ScalingReport
+    from stratagem.cli.bench import _table
+
+    rows = [
+        ScalingRow(workload="mlp", strategy="plain", kind="cpu", replicas=1, devices=["cpu"], status="ok",
+                   samples_per_s_runs=[10000.0, 9000.0], ratios_runs=[1.0], final_loss=0.5),
+        ScalingRow(workload="mlp", strategy="mirrored", kind="cpu", replicas=2, devices=["cpu:0", "cpu:1"],
+                   status="ok", samples_per_s_runs=[8550.0], ratios_runs=[0.9], final_loss=0.5, speedup=0.95,
+                   ideal_speedup=1, scaling_efficiency=0.95),
+        ScalingRow(workload="mlp", strategy="multi_worker", kind="cpu", replicas=2, devices=["cpu:0", "cpu:0"],
+                   status="failed", reason="rank 1: CollectiveTimeoutError: worker:0 (rank 0) missing"),
+        ScalingRow(workload="mlp", strategy="one_device", kind="cpu", replicas=2, devices=["cpu:0", "cpu:1"],
+                   status="unavailable", reason="one_device runs at most 1 replica(s)"),
+    ]
+    report = ScalingReport(config=ScalingConfig(), machine=BenchMachine(cpu_devices=2), rows=rows, elapsed_s=1.0)
+    console = Console(width=250, record=True)
+    console.print(_table(report))
+    lines = console.export_text().splitlines()
+    assert any("plain" in line and "9,500" in line and "1.000" in line and "baseline" in line for line in lines)
+    assert any("mirrored" in line and "8,550" in line and "0.900" in line and "0.95" in line for line in lines)
+    assert any("failed: rank 1: CollectiveTimeoutError: worker:0 (rank 0) missing" in line for line in lines)
+    assert any("unavailable: one_device runs at most 1 replica(s)" in line for line in lines)
+    assert report.failed == [rows[2]]
+
+
 def test_a_rank_that_raises_leaves_its_reason_for_the_table(tmp_path):
     request = MeasureRequest(strategy="mirrored", kind="cpu", replicas=1, workload="nope", warmup=0, steps=1,
                              timeout_s=10)
@@ -220,6 +248,7 @@ def test_bench_measures_writes_png_and_json_and_matches_plain_losses(capsys, tmp
     assert json.loads((tmp_path / "stratagem-bench.json").read_text()) == printed
     assert {"config", "machine", "definitions", "results", "elapsed_s", "files"} <= printed.keys()
     assert printed["config"]["steps"] == 2 and printed["machine"]["cpu_devices"] >= 2
+    assert printed["machine"]["gpu_devices"] > 0 or "CPU" in printed["machine"]["no_gpu_reason"]
     rows = {(r["strategy"], r["replicas"]): r for r in printed["results"] if r["device_kind"] == "cpu"}
     assert set(rows) == {("plain", 1), ("mirrored", 1), ("mirrored", 2), ("multi_worker", 1), ("multi_worker", 2)}
     plain = rows[("plain", 1)]

@@ -41,18 +41,25 @@ class BenchMachine:
     """torch.distributed with the Gloo backend (cross-process collectives on the CPU)."""
     nccl: bool = False
     """torch.distributed with the NCCL backend (cross-process collectives on GPUs)."""
+    no_gpu_reason: str | None = None
+    """Why no GPU is measured (the `stratagem doctor` diagnosis), when there is none."""
 
     @classmethod
     def detect(cls) -> BenchMachine:
         """The machine this process runs on."""
+        from stratagem import environ
         from stratagem.devices import get_logical_devices
+        from stratagem.diagnose import collect_facts, gpu_unavailable_reason
 
         has_dist = dist.is_available()
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        no_gpu = gpu_unavailable_reason(collect_facts(environ.current())) if gpus == 0 else None
         return cls(
             cpu_devices=len(get_logical_devices("cpu")),
-            gpu_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            gpu_devices=gpus,
             gloo=has_dist and dist.is_gloo_available(),
             nccl=has_dist and dist.is_nccl_available(),
+            no_gpu_reason=None if no_gpu is None else no_gpu.reason,
         )
 
     def max_replicas(self, kind: str) -> int:
@@ -65,7 +72,7 @@ class BenchMachine:
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu_devices": self.cpu_devices, "gpu_devices": self.gpu_devices, "gloo": self.gloo,
-                "nccl": self.nccl}
+                "nccl": self.nccl, "no_gpu_reason": self.no_gpu_reason}
 
 
 def replica_devices(kind: str, replicas: int) -> list[str]:

@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     except StratagemError as error:  # a replica count this machine cannot hold: bad input, found before any work
         print(f"stratagem bench: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the measuring processes share the terminal's Ctrl-C and stop with it
+        print("stratagem bench: interrupted; nothing written.", file=sys.stderr)
+        return 130
     # Import here: matplotlib takes a while to load and only this command needs it.
     from stratagem.bench.plot import write_plot
 
@@ -111,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         console.print(_table(report))
+        if report.machine.no_gpu_reason:
+            console.print(Text(f"No GPU rows: {report.machine.no_gpu_reason}", style="yellow"))
         for name in ("ratio_vs_plain", "scaling_efficiency", "ideal_speedup"):
             console.print(Text(f"{name}: {DEFINITIONS[name]}", style="dim"))
         console.print(f"wrote {json_path} and {plot_path} ({report.elapsed_s:.0f} s)")
