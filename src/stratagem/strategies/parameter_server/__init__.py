@@ -6,9 +6,35 @@
     loss = coordinator.schedule(train_step, args=(iterator,))
     coordinator.join()
 
-Modules: ``wire`` (tensors as raw bytes), ``transport`` (authenticated gRPC), ``partitioners``,
-``server`` (the parameter-server task), ``variables`` (pull, push, checkpoints), ``functions``
-(how functions and arguments travel), ``worker``, ``coordinator``, ``strategy``.
+How it fits together (each module's docstring has the details):
+
+- ``wire``: a message is a JSON header plus raw tensor bytes (dtype, shape, offset), never pickle;
+  it travels as a stream of chunks built straight from tensor memory, and pulls and pushes are
+  written straight into parameters and gradient buffers as the chunks arrive.
+- ``transport``: every method is a gRPC stream of bytes with generic handlers (no protoc). A
+  server interceptor refuses a call without the cluster token, or with a wrong one, with
+  ``UNAUTHENTICATED`` before any of its bytes are read; servers listen on 127.0.0.1 unless told
+  otherwise; TLS with certificate and key paths.
+- ``partitioners``: tf.distribute's fixed-shards, min-size and max-size rules along dimension 0,
+  shards dealt round-robin over the parameter servers.
+- ``server``: a parameter server holds shards and applies the user's optimizer class, with its
+  hyper-parameters and state, to the shards a push names; ``variables`` is the client side (one
+  call per server for a pull or a push, checkpoints that survive a new placement).
+- ``functions``: a scheduled function travels as its module and qualified name and is found in the
+  worker's own copy of the script (the same script runs on every task); arguments and results are
+  tensors, plain JSON values, and references to per-worker iterators. Only an authenticated peer
+  gets that far, and nothing it sends is executed except functions the worker's script defines.
+- ``worker``: runs scheduled functions; inside one, the distributed model is the worker's replica
+  (pulled at its first forward pass) and ``optimizer.step()`` pushes the gradients.
+- ``coordinator``: ``schedule`` / ``join`` / ``done`` / ``fetch``, first error re-raised and pending
+  work cancelled, functions of a lost worker run again elsewhere, a lost parameter server named.
+- ``strategy``: the roles of the tasks, ``distribute``, checkpoints (``save`` / ``restore``), and
+  ``InProcessCluster`` (servers as threads on 127.0.0.1) for tests and trials.
+
+Known limits: a function may run twice when its worker dies after pushing (at least once, as in
+tf.distribute); a restarted worker starts its per-worker dataset from the beginning; an optimizer
+whose update looks across a whole tensor (LBFGS) needs placement without a partitioner; learning
+rate schedulers on the chief do not reach the parameter servers.
 """
 
 from stratagem.strategies.parameter_server.coordinator import (

@@ -18,8 +18,8 @@ tensors, which is what placement without a partitioner gives.
 
 from __future__ import annotations
 
-import importlib
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -74,13 +74,13 @@ def _hyper_from_json(hyper: dict[str, Any]) -> dict[str, Any]:
 
 def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Optimizer]:
     """The optimizer class named by ``module`` and ``qualname``; refuses anything else."""
-    try:
-        target: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise ParameterServerError(f"Cannot find the optimizer class on this task. Received: {module}.{qualname} "
-                                   f"({exc}). Fix: define it in a module every task imports.") from None
+    # Only modules this task has already imported: a message never makes a task import (run) new code.
+    target: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    if target is None:
+        raise ParameterServerError(f"Cannot find the optimizer class on this task. Received: {module}.{qualname}. "
+                                   "Fix: define it in a module every task imports (the same script runs everywhere).")
     if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
         raise ParameterServerError(f"Not a torch optimizer class. Received: {module}.{qualname}={target!r:.80}. "
                                    "Fix: pass a torch.optim.Optimizer.")
