@@ -38,6 +38,18 @@ def _assert_still_serving(srv):
     client.close()
 
 
+@pytest.fixture
+def self_signed(tmp_path):
+    """A self-signed certificate for 127.0.0.1 and its key, made by the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate (the cryptography package is absent)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=30)
+    return cert, key
+
+
 @pytest.mark.timeout(30)
 def test_listens_on_loopback_by_default(server):
     assert server.address.startswith("127.0.0.1:")
@@ -106,12 +118,8 @@ def test_bad_security_settings_are_refused(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
-def test_tls_round_trip_with_a_self_signed_certificate(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=30)
+def test_tls_round_trip_with_a_self_signed_certificate(self_signed):
+    cert, key = self_signed
     security = Security(token="right", certificate=str(cert), private_key=str(key))
     srv = Server(SERVICE, {"Echo": _echo}, security=security)
     try:
@@ -137,3 +145,35 @@ def test_wire_error_from_handler_is_invalid_argument():
             client.call("Echo", "x", timeout=10)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(60)
+def test_training_over_tls(self_signed):
+    import torch.nn.functional as F
+
+    from stratagem.strategies.parameter_server import (
+        ClusterCoordinator,
+        InProcessCluster,
+        ParameterServerStrategy,
+    )
+
+    cert, key = self_signed
+    with InProcessCluster(num_workers=1, num_ps=1, certificate=str(cert), private_key=str(key)) as cluster:
+        strategy = ParameterServerStrategy(cluster)
+        assert strategy.explain().details["tls"] is True
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2)
+        model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        coordinator = ClusterCoordinator(strategy)
+        x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+
+        def step():
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        losses = coordinator.fetch([coordinator.schedule(step) for _ in range(10)])
+        assert losses[-1] < losses[0]
+        strategy.shutdown()

@@ -72,12 +72,15 @@ class InProcessCluster:
         ...     strategy = ParameterServerStrategy(cluster_resolver=cluster)
     """
 
-    def __init__(self, num_workers: int = 2, num_ps: int = 1, *, token: str | None = None) -> None:
+    def __init__(self, num_workers: int = 2, num_ps: int = 1, *, token: str | None = None,
+                 certificate: str | None = None, private_key: str | None = None,
+                 server_name: str | None = None) -> None:
         for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
             if not isinstance(value, int) or value < 1:
                 raise ParameterServerError(f"{name} must be at least 1. Received: {name}={value!r}. Fix: pass an int >= 1.")
         self.token = token or secrets.token_hex(16)
-        self.security = Security(token=self.token)
+        self.security = Security(token=self.token, certificate=certificate, private_key=private_key,
+                                 server_name=server_name)
         self.ps = [ParameterServer(security=self.security, task=f"ps:{i}") for i in range(num_ps)]
         self.workers = [WorkerService(f"worker:{i}", security=self.security) for i in range(num_workers)]
         config = {"cluster": {"chief": [f"127.0.0.1:{free_ports(1)[0]}"],
@@ -144,6 +147,8 @@ class ParameterServerStrategy(Strategy):
         if isinstance(cluster_resolver, InProcessCluster):
             cluster = cluster_resolver.cluster
             cluster_token = cluster_token or cluster_resolver.token
+            if certificate is None:  # the in-process servers' TLS settings, unless given here
+                certificate, server_name = cluster_resolver.security.certificate, cluster_resolver.security.server_name
         else:
             cluster = resolve_cluster(cluster_resolver, env=env)
         if partitioner is not None and not callable(partitioner):
