@@ -277,3 +277,16 @@ def test_a_restarted_job_resumes_from_the_checkpoint(tmp_path):
     resumed = job(fresh, fresh_optimizer, batches[2:], restore=True)
     for (name, got), want in zip(resumed.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, **TOL[torch.float64], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.timeout(60)
+def test_remote_values_can_be_arguments_of_later_functions(cluster2):
+    strategy = ParameterServerStrategy(cluster2)
+    strategy.distribute(*build("mlp", "sgd_momentum", torch.float32)[:2])
+    coordinator = ClusterCoordinator(strategy)
+    first = coordinator.schedule(torch.ones, args=(3,))
+    second = coordinator.schedule(lambda pair: pair["a"][0] * 2 + pair["b"], args=({"a": [first], "b": 1.0},))
+    coordinator.join()
+    assert torch.equal(second.fetch(), torch.full((3,), 3.0))
+    assert coordinator.fetch({"x": [first]})["x"][0].tolist() == [1.0, 1.0, 1.0]
+    strategy.shutdown()

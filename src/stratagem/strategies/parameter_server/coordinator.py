@@ -18,7 +18,8 @@
     print([loss.fetch() for loss in losses])
 
 ``schedule`` never blocks: it queues the function and returns a ``RemoteValue``. One thread per
-worker takes functions from the queue and runs them there, one at a time. ``join`` waits for
+worker takes functions from the queue and runs them there, one at a time. A ``RemoteValue`` can
+be an argument of a later function: its result is fetched first and sent along. ``join`` waits for
 everything scheduled; ``done`` polls; ``fetch`` waits for values. The first error raised by a
 scheduled function is re-raised by ``join``, ``done``, ``fetch`` and ``schedule``; the functions
 still queued are cancelled (their values raise the same error); after ``join`` has raised it the
@@ -137,6 +138,17 @@ def _iterator_ref(datasets: dict[str, Any]) -> Callable[[Any], Any]:
     return ref
 
 
+def _fetched(value: Any) -> Any:
+    """``value`` with every ``RemoteValue`` in it replaced by its result (waits for each)."""
+    if isinstance(value, RemoteValue):
+        return value.fetch()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fetched(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fetched(v) for k, v in value.items()}
+    return value
+
+
 class ClusterCoordinator:
     """Schedules functions on the workers of a ``ParameterServerStrategy`` (see the module docstring)."""
 
@@ -232,13 +244,7 @@ class ClusterCoordinator:
         """The results of a structure of ``RemoteValue``s (waits for each)."""
         if not self.strategy._is_coordinator:
             self.strategy._serve_as_worker()
-        if isinstance(values, RemoteValue):
-            return values.fetch()
-        if isinstance(values, (list, tuple)):
-            return type(values)(self.fetch(v) for v in values)
-        if isinstance(values, dict):
-            return {k: self.fetch(v) for k, v in values.items()}
-        return values
+        return _fetched(values)
 
     # ---- inside ------------------------------------------------------------------------------
     def _raise_error(self, *, clear: bool) -> None:
@@ -323,8 +329,8 @@ class ClusterCoordinator:
     def _run_on(self, client: Client, closure: _Closure) -> tuple[str, Any, dict[str, Any]]:
         datasets: dict[str, Any] = {}
         encoder = functions.Encoder(_iterator_ref(datasets))
-        args = [a.fetch() if isinstance(a, RemoteValue) else a for a in closure.args]
-        kwargs = {k: v.fetch() if isinstance(v, RemoteValue) else v for k, v in closure.kwargs.items()}
+        args = _fetched(list(closure.args))
+        kwargs = _fetched(closure.kwargs)
         meta = {"fn": closure.fn_ref, "args": encoder.encode(args, "args"), "kwargs": encoder.encode(kwargs, "kwargs"),
                 "datasets": datasets}
         closure.attempts += 1
