@@ -56,7 +56,7 @@ def test_sigkilled_worker_functions_run_again_and_training_completes(tmp_path):
     base = {k: v for k, v in environ.current().items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     base.update(STRATAGEM_CLUSTER_TOKEN="sigkill-test", PYTHONUNBUFFERED="1", PS_TEST_STEPS="50",
-                PS_TEST_STEP_SLEEP="0.15", PS_TEST_PS_EXIT_DELAY="0", PS_TEST_OUT=str(tmp_path / "losses.json"))
+                PS_TEST_STEP_SLEEP="0.2", PS_TEST_PS_EXIT_DELAY="0", PS_TEST_CHIEF_TIMEOUT="8", PS_TEST_OUT=str(tmp_path / "losses.json"))
 
     def env_for(kind: str, index: int) -> dict[str, str]:
         return dict(base, TF_CONFIG=json.dumps({"cluster": addresses, "task": {"type": kind, "index": index}}))
@@ -72,6 +72,7 @@ def test_sigkilled_worker_functions_run_again_and_training_completes(tmp_path):
             task, line = output.get(timeout=max(0.1, deadline - time.monotonic()))
             log.append(f"[{task}] {line}")
             done_on_1 += "step done on worker:1" in line
+        killed_at = len(log)
         processes["worker:1"].send_signal(signal.SIGKILL)
         processes["worker:1"].wait(10)
         time.sleep(1.0)
@@ -83,15 +84,23 @@ def test_sigkilled_worker_functions_run_again_and_training_completes(tmp_path):
         losses = json.loads((tmp_path / "losses.json").read_text())["losses"]
         assert len(losses) == 50
         assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
-        after_restart = log[log.index(next(line for line in log if "step done on worker:1" in line)):]
-        assert any("step done on worker:0" in line for line in after_restart)
+        after_kill = log[killed_at:]
+        assert any("[chief:0] worker:1 unreachable; train_step" in line and "goes back to the queue" in line
+                   for line in after_kill), "\n".join(log[-60:])
+        assert any("step done on worker:0" in line for line in after_kill)
         codes = {}
         for name in ("worker:0", "worker:1", "ps:0"):
             try:
                 codes[name] = processes[name].wait(30)
             except subprocess.TimeoutExpired:
                 codes[name] = "still running"
-        assert set(codes.values()) == {0}, f"{codes}\n" + "\n".join(log[-60:])
+        while not output.empty():
+            log.append("[{}] {}".format(*output.get()))
+        # The restarted worker:1 exits when the chief ends the job; if it came up only after the chief had
+        # finished (a loaded machine), it exits on its own once the chief is unreachable, naming it.
+        lost_chief = any(line.startswith("[worker:1]") and "worker:1 lost the chief: chief:0" in line for line in log)
+        assert codes["worker:0"] == 0 and codes["ps:0"] == 0, f"{codes}\n" + "\n".join(log[-60:])
+        assert codes["worker:1"] == 0 or (codes["worker:1"] == 1 and lost_chief), f"{codes}\n" + "\n".join(log[-60:])
     finally:
         for process in processes.values():
             if process.poll() is None:

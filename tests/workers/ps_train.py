@@ -3,7 +3,7 @@
 Settings come from the environment: PS_TEST_STEPS (functions to schedule), PS_TEST_OUT (the chief
 writes its losses there as JSON), PS_TEST_CHECKPOINT (restored when it exists, written at the end),
 PS_TEST_STEP_SLEEP (seconds each step sleeps, so a test can kill a worker mid-training),
-PS_TEST_PS_EXIT_DELAY (the strategy's ps_exit_delay).
+PS_TEST_PS_EXIT_DELAY and PS_TEST_CHIEF_TIMEOUT (the strategy's ps_exit_delay and chief_timeout).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ OUT = os.environ.get("PS_TEST_OUT")
 CHECKPOINT = os.environ.get("PS_TEST_CHECKPOINT")
 STEP_SLEEP = float(os.environ.get("PS_TEST_STEP_SLEEP", "0"))
 PS_EXIT_DELAY = float(os.environ.get("PS_TEST_PS_EXIT_DELAY", "5"))
+CHIEF_TIMEOUT = float(os.environ.get("PS_TEST_CHIEF_TIMEOUT", "60"))
 TASK = json.loads(os.environ["TF_CONFIG"])["task"]
 
 
@@ -37,7 +38,8 @@ def make_dataset():
 
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
-strategy = sg.ParameterServerStrategy(partitioner=sg.FixedShardsPartitioner(2), ps_exit_delay=PS_EXIT_DELAY)
+strategy = sg.ParameterServerStrategy(partitioner=sg.FixedShardsPartitioner(2), ps_exit_delay=PS_EXIT_DELAY,
+                                      chief_timeout=CHIEF_TIMEOUT)
 model, optimizer = strategy.distribute(net, torch.optim.Adam(net.parameters(), lr=0.02))
 if CHECKPOINT and os.path.exists(CHECKPOINT):
     strategy.restore(CHECKPOINT)
