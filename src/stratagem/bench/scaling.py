@@ -86,8 +86,8 @@ class ScalingConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> ScalingConfig:
-        """The `--quick` preset: the MLP only, 5 warm-up and 30 timed steps, one round."""
-        return cls(**{"workloads": ("mlp",), "warmup": 5, "steps": 30, "timeout_s": 120.0, **overrides})
+        """The `--quick` preset: the MLP only, 10 warm-up and 50 timed steps, one round."""
+        return cls(**{"workloads": ("mlp",), "warmup": 10, "steps": 50, "timeout_s": 120.0, **overrides})
 
     def __post_init__(self) -> None:
         _check_names("workloads", self.workloads, WORKLOADS)

@@ -8,7 +8,7 @@ plot and a JSON file. A configuration that cannot run here or fails is listed wi
 Exit code: 0 when every configuration ran or cannot run on this machine (said why), 1 when one
 that should run failed or timed out, 2 for bad options.
 
-    $ stratagem bench --quick                      # MLP only, 5 + 30 steps: under a minute on 2 cores
+    $ stratagem bench --quick                      # MLP only, 10 + 50 steps: under a minute on 2 cores
     $ stratagem bench --workloads cnn --strategies mirrored,multi_worker --replicas 1,2
     $ stratagem bench --out results/ --json
 """
