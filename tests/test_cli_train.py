@@ -213,7 +213,7 @@ def test_a_backup_dir_that_is_a_file_exits_2(capsys, tmp_path):
 
 def test_workers_without_multi_worker_is_refused(capsys):
     assert main(["train", "--workers", "2"]) == 2
-    assert "--workers 2 needs --strategy multi_worker. Received: --strategy mirrored" in capsys.readouterr().err
+    assert "--workers 2 needs --strategy multi_worker or parameter_server. Received: --strategy mirrored" in capsys.readouterr().err
 
 
 @needs_two_cpus
@@ -229,3 +229,20 @@ def test_log_placement_reports_where_the_main_job_ran(capsys):
     main(["train", "--epochs", "1", "--batch-size", "256", "--strategy", "one_device", "--log-placement"])
     text = capsys.readouterr().out
     assert "Placement log: 8 steps" in text and "Copies between devices: none" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_parameter_server_main_job_runs_under_the_launcher(capfd):
+    # Two workers and one parameter server on 127.0.0.1; worker 0 is the chief and prints the JSON summary.
+    code = main(["train", "--strategy", "parameter_server", "--workers", "2", "--ps", "1", "--epochs", "2",
+                 "--batch-size", "128", "--json"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    text = "\n".join(line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[worker:0] "))
+    summary = json.loads(text[text.index("{"):])
+    assert summary["strategy"] == "ParameterServerStrategy"
+    assert summary["devices"] == ["worker:0", "worker:1"]
+    assert summary["num_train_examples"] == 2 * 1437  # every step ran exactly once
+    assert summary["epochs"][1]["loss"] < summary["epochs"][0]["loss"]
+    assert summary["test_accuracy"] > 0.6

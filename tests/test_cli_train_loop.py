@@ -111,7 +111,7 @@ def test_an_empty_loader_is_an_error():
     ({"epochs": 0}, r"epochs must be a positive integer. Received: epochs=0"),
     ({"batch_size": 2.5}, r"batch_size must be a positive integer. Received: batch_size=2.5"),
     ({"lr": float("nan")}, r"lr must be a positive finite number. Received: lr=nan"),
-    ({"strategy": "parameter_server"}, r"Received: strategy='parameter_server'. Choose one of mirrored, one_device"),
+    ({"strategy": "sync_sgd"}, r"Received: strategy='sync_sgd'. Choose one of mirrored, one_device"),
 ])
 def test_train_config_refuses_bad_values(kwargs, message):
     with pytest.raises(sg.InputError, match=message):
@@ -131,7 +131,7 @@ def test_default_cpu_devices_are_two_logical_replicas_at_most():
 
 
 def test_build_strategy_refuses_unknown_names_and_several_devices_for_one_device():
-    with pytest.raises(sg.InputError, match=r"Received: 'parameter_server'. Choose one of mirrored, one_device, multi_worker"):
-        build_strategy("parameter_server", registry=cpu_registry(2))
+    with pytest.raises(sg.InputError, match=r"Received: 'sync_sgd'. Choose one of mirrored, one_device, multi_worker"):
+        build_strategy("sync_sgd", registry=cpu_registry(2))
     with pytest.raises(sg.DeviceError, match=r"exactly one device. Received: devices=\['cpu:0', 'cpu:1'\]"):
         build_strategy("one_device", ["cpu:0", "cpu:1"], registry=cpu_registry(2))

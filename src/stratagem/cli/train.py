@@ -67,6 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--workers", type=_positive_int, default=1,
                         help="with --strategy multi_worker: worker processes to start on this machine with "
                              "`stratagem launch` (default: 1, or the cluster this process already belongs to)")
+    parser.add_argument("--ps", type=_positive_int, default=1,
+                        help="with --strategy parameter_server: parameter-server processes to start (default: 1)")
     parser.add_argument("--backup-dir", metavar="DIR",
                         help="back the run up in DIR after every epoch; a rerun of the same command (or a restart by "
                              "`stratagem launch --max-restarts`) resumes from it; removed when training finishes")
@@ -80,17 +82,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     env = environ.current()
-    if args.workers > 1 and args.strategy != "multi_worker":
-        print(f"stratagem train: --workers {args.workers} needs --strategy multi_worker. Received: "
-              f"--strategy {args.strategy}.", file=sys.stderr)
+    if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server"):
+        print(f"stratagem train: --workers {args.workers} needs --strategy multi_worker or parameter_server. "
+              f"Received: --strategy {args.strategy}.", file=sys.stderr)
         return 2
-    if args.strategy == "multi_worker" and args.workers > 1 and not launched_by_stratagem(env):
-        # Start one process per worker running this same command; each becomes a MultiWorkerMirroredStrategy task.
+    parameter_server = args.strategy == "parameter_server"
+    if (parameter_server or (args.strategy == "multi_worker" and args.workers > 1)) and not launched_by_stratagem(env):
+        # Start one process per task running this same command; each becomes a task of the strategy's cluster.
         def sink(line: OutputLine) -> None:
             stream = sys.stdout if line.stream == "stdout" else sys.stderr
             print(f"[{line.task}] {line.text}", file=stream, flush=True)
 
-        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink)
+        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=args.ps if parameter_server else 0)
         if not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
         return result.exit_code
@@ -147,6 +150,11 @@ def _print_summary(console: Console, report: TrainReport) -> None:
                                 f"loss {test['loss']:.4f}: ", verdict))
     console.print(Text(f"throughput: {report.samples_per_s:,.0f} samples/s ({report.num_train_examples} training "
                        f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"))
+    if report.explanation["strategy"] == "ParameterServerStrategy":
+        num_ps = len(report.explanation["details"]["ps"])
+        console.print(Text(f"ran on: {', '.join(report.devices)} (ParameterServerStrategy, asynchronous updates "
+                           f"applied by {num_ps} parameter server(s))"))
+        return
     physical = sorted({r["physical"] for r in report.explanation["replicas"]})
     in_sync = report.explanation["num_replicas_in_sync"]
     stages = report.explanation["strategy"] == "ModelParallelStrategy"

@@ -34,7 +34,14 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import DistributedModel
 from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
-from stratagem.train.loop import LossFn, evaluate, make_train_step, run_steps
+from stratagem.train.loop import (
+    PREPARE_HOOK,
+    LossFn,
+    evaluate_with,
+    make_eval_step,
+    make_train_step,
+    run_steps,
+)
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 
 logger = logging.getLogger(__name__)
@@ -261,9 +268,15 @@ def fit(
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
+    train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
+    eval_step = make_eval_step(model, loss, metric_set)
+    prepare = getattr(strategy, PREPARE_HOOK, None)
+    if prepare is not None:
+        # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
+        # worker) serves from here until the chief ends the job.
+        prepare({"train": train_step, "eval": eval_step}, model)
     try:
-        history = _train(context, callbacks, make_train_step(model, optimizer, loss, metric_set,
-                                                             clip_grad_norm=clip_grad_norm), val_data, loss)
+        history = _train(context, callbacks, train_step, eval_step, val_data)
     except BaseException:
         for callback in callbacks:
             close = getattr(callback, "close", None)
@@ -273,7 +286,8 @@ def fit(
     return history
 
 
-def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any, val_data: Any, loss: LossFn) -> History:
+def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any, eval_step: Any,
+           val_data: Any) -> History:
     # Backups restore before any other callback starts and save after every other callback has
     # run for the step or epoch (a scheduler's step included), so a backup holds the state that follows.
     backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
@@ -303,7 +317,7 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
             run_steps(context.strategy, train_step, _epoch_batches(context), on_step)
         except _StopEpoch:
             pass
-        log = _end_epoch(context, val_data, loss)
+        log = _end_epoch(context, val_data, eval_step)
         for callback in last:
             callback.on_epoch_end(context, log)
     history = History(list(context.history), context.model, context.optimizer)
@@ -316,7 +330,7 @@ class _StopEpoch(Exception):
     """A callback set stop_training: leave the step loop at once."""
 
 
-def _end_epoch(context: TrainingContext, val_data: Any, loss: LossFn) -> EpochLog:
+def _end_epoch(context: TrainingContext, val_data: Any, eval_step: Any) -> EpochLog:
     count = int(context.totals[1])
     if count == 0:
         raise InputError(f"Epoch {context.epoch + 1} had no training example. Received: data that yielded no batch "
@@ -324,7 +338,7 @@ def _end_epoch(context: TrainingContext, val_data: Any, loss: LossFn) -> EpochLo
                          "(a generator can be iterated only once: pass a list or a DataLoader).")
     metrics = context.metric_set.results(context.totals)
     if val_data is not None:
-        evaluation = evaluate(context.strategy, context.model, val_data, loss, metrics=context.metric_set.metrics)
+        evaluation = evaluate_with(context.strategy, context.model, eval_step, context.metric_set, val_data)
         metrics.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
     log = EpochLog(context.epoch + 1, metrics, count, context.epoch_elapsed_s)
     context.history.append(log)

@@ -32,6 +32,7 @@ from stratagem.strategies import (
     ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ParameterServerStrategy,
     Strategy,
 )
 from stratagem.train.callbacks import Callback
@@ -49,6 +50,8 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     # Two micro-batches per global batch, so the stages really work at the same time (GPipe).
     "model_parallel": lambda names, registry: ModelParallelStrategy(
         stages=names, num_micro_batches=MODEL_PARALLEL_MICRO_BATCHES, registry=registry),
+    # The cluster (chief, workers, parameter servers) comes from TF_CONFIG, as `stratagem launch --ps` sets it.
+    "parameter_server": lambda names, registry: ParameterServerStrategy(),
 }
 """How ``stratagem train`` builds each strategy from its devices; add an entry (and, if its default
 devices differ, a branch in `_default_devices`) to offer another strategy."""
@@ -188,7 +191,7 @@ def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], Pl
     why = gpu_unavailable_reason(collect_facts(environ.current()))
     no_gpu = f"no usable GPU: {why.reason}" if why is not None else "no usable GPU"
     cpus = [d.name for d in registry.get_logical_devices("cpu")]
-    if name == "multi_worker":
+    if name in ("multi_worker", "parameter_server"):
         # One replica per worker process: the workers already share the cores between them.
         return cpus[:1], PlacementDecision(subject="devices", choice=cpus[0],
                                            reason=f"{no_gpu} So one CPU replica per worker process.")
@@ -233,4 +236,6 @@ def train_digits(config: TrainConfig, strategy: Strategy, device_decision: Place
 def _devices_used(strategy: Strategy, explanation: Any) -> list[str]:
     if isinstance(strategy, ModelParallelStrategy):  # one replica, spread over the stages' devices
         return [stage.device for stage in strategy.stage_map()]
+    if isinstance(strategy, ParameterServerStrategy):  # each worker task runs steps on its CPU
+        return [f"worker:{index}" for index in range(strategy.num_workers)]
     return [r.device for r in explanation.replicas]

@@ -10,6 +10,10 @@ Extension point: a strategy that runs steps its own way (the parameter server's
 
     def fit_steps(self, step_fn, batches, on_step) -> None
 
+and, when its steps run in other processes that must know them, `PREPARE_HOOK`:
+``prepare_fit_steps(steps, model)``, which `fit` calls on every task with its step functions by
+role (``{"train": ..., "eval": ...}``) before the first step;
+
 with the contract of `run_steps_synchronously`: iterate the GLOBAL batches of `batches` lazily,
 run ``step_fn(inputs, targets)`` on a replica for each one, call ``on_step(state)`` exactly once
 per batch with that step's state summed over replicas (a CPU float64 tensor; the order of calls
@@ -42,6 +46,9 @@ OnStep = Callable[[torch.Tensor], None]
 
 FIT_HOOK = "fit_steps"
 """The name of the method a strategy defines to run the step loop its own way."""
+
+PREPARE_HOOK = "prepare_fit_steps"
+"""The name of the method a strategy defines to learn `fit`'s step functions on every task."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -137,13 +144,19 @@ def evaluate(strategy: Strategy, model: nn.Module, data: Iterable[Any], loss: Lo
         InputError: `data` yielded no example.
     """
     metric_set = MetricSet(get_metrics(metrics))
+    return evaluate_with(strategy, model, make_eval_step(model, loss, metric_set), metric_set, data)
+
+
+def evaluate_with(strategy: Strategy, model: nn.Module, eval_step: StepFn, metric_set: MetricSet,
+                  data: Iterable[Any]) -> Evaluation:
+    """`evaluate` with a step function built beforehand (`fit` builds its own once, for every task)."""
     model.train(False)
     totals = torch.zeros(metric_set.size, dtype=torch.float64)
 
     def add(state: torch.Tensor) -> None:
         totals.add_(state)
 
-    run_steps(strategy, make_eval_step(model, loss, metric_set), data, add)
+    run_steps(strategy, eval_step, data, add)
     count = int(totals[1])
     if count == 0:
         raise InputError("The evaluation data yielded no examples, so there is nothing to measure. "

@@ -44,6 +44,8 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
+from stratagem.strategies.parameter_server import fit_steps as fit_support
+from stratagem.strategies.parameter_server.coordinator import ClusterCoordinator
 from stratagem.strategies.parameter_server.partitioners import Partitioner, place
 from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
@@ -177,6 +179,7 @@ class ParameterServerStrategy(Strategy):
         self._security = Security(token=token, certificate=certificate, private_key=private_key,
                                   server_name=server_name)
         self._model: ParameterServerModel | None = None
+        self._fit_coordinator: ClusterCoordinator | None = None
         self._shutdown_hooks: list[Callable[[], None]] = []
         self._worker_service: WorkerService | None = None
         self._is_coordinator = cluster.task_type == "chief" or (cluster.is_chief and cluster.task_type == "worker")
@@ -313,6 +316,23 @@ class ParameterServerStrategy(Strategy):
     def num_ps(self) -> int:
         """Parameter-server tasks."""
         return len(self._ps_addresses)
+
+    # ---- sg.fit (see fit_steps.py) ----------------------------------------------------------------
+    def prepare_fit_steps(self, steps: Mapping[str, Callable[..., Any]], model: Any) -> None:
+        """`fit`'s step functions, on every task; a worker task serves them from here until the job ends."""
+        fit_support.prepare_fit_steps(self, steps, model)
+
+    def fit_steps(self, step_fn: Callable[..., Any], batches: Any, on_step: Callable[[torch.Tensor], None]) -> None:
+        """`fit`'s step loop on the chief: each global batch a step scheduled on a worker."""
+        if self._fit_coordinator is None:
+            self._fit_coordinator = ClusterCoordinator(self)
+        fit_support.fit_steps(self._fit_coordinator, step_fn, batches, on_step)
+        if self._model is not None:
+            self._model.pull()  # the chief's copy (history.model) shows the trained values
+
+    def close(self) -> None:
+        """Ends the job, as `shutdown` (the name every stratagem strategy answers to)."""
+        self.shutdown()
 
     def save(self, path: str) -> None:
         """Writes every variable and its optimizer state to ``path`` (on the chief; other tasks do nothing)."""
