@@ -63,6 +63,13 @@ def test_multi_worker_example_matches_mirrored(mirrored_losses: list[float]) -> 
     assert launched == pytest.approx(mirrored_losses, abs=2e-4)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_parameter_server_example_learns_on_a_local_cluster() -> None:
+    assert_learns(run_example(sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--ps", "1",
+                              str(EXAMPLES / "parameter_server.py"), timeout=180))
+
+
 FIT_SUMMARY = re.compile(r"losses \[(.*)\], final validation accuracy (\d\.\d+)")
 
 
