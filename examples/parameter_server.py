@@ -15,7 +15,7 @@ import stratagem as sg
 
 strategy = sg.ParameterServerStrategy(partitioner=sg.FixedShardsPartitioner(2))   # each weight in 2 shards
 net = make_net()
-model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
 coordinator = sg.ClusterCoordinator(strategy)
 
 

@@ -71,6 +71,17 @@ class LogicalDevice:
     def device_type(self) -> DeviceType:
         return "cpu" if self.name.startswith("cpu") else "cuda"
 
+    def memory_room(self) -> tuple[int, str] | None:
+        """The bytes a GPU device has room for, and what that figure is: the logical device's memory
+        limit, else its physical GPU's free memory; None for a CPU, or a GPU torch cannot query."""
+        if self.physical.type != "cuda":
+            return None
+        if self.memory_limit is not None:
+            return self.memory_limit, f"the memory limit of logical device {self.name}"
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info(self.physical)[0], f"the free memory of {self.physical}"
+        return None
+
     @property
     def index(self) -> int:
         return int(self.name.split(":")[1])

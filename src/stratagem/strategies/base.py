@@ -24,6 +24,7 @@ from torch import nn
 
 from stratagem.data.split import InputContext, batch_size_of, split_batch, split_sizes
 from stratagem.errors import InputError
+from stratagem.strategies.distributed import check_optimizer_matches
 from stratagem.strategies.explain import Explanation
 from stratagem.values import PerReplica, ReduceOp, map_structure
 
@@ -124,6 +125,20 @@ class Strategy(abc.ABC):
             raise InputError(f"reduce supports axis=None or axis=0. Received: axis={axis!r}.")
         with torch.no_grad():  # a reduced value is a report, not part of the graph
             return map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
+
+    def _check_distribute_args(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, held: Any) -> None:
+        """The checks a strategy makes before `distribute` copies anything (`held`: the model it already holds)."""
+        if not isinstance(model, nn.Module):
+            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
+        if held is not None:
+            raise InputError(
+                "This strategy already holds a distributed model; a strategy distributes one model. "
+                "Build a second strategy for a second model."
+            )
+        if optimizer is not None:
+            check_optimizer_matches(model, optimizer)
 
     def _reduce_device(self) -> torch.device:
         return self._local_devices[0]

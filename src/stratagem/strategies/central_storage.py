@@ -227,7 +227,7 @@ class CentralStorageStrategy(MirroredStrategy):
         """Places `model` on the central device, with a compute copy per replica; returns `(model,
         optimizer)` (the model alone without an optimizer). The optimizer given stays the one that
         updates: its state lives on the central device."""
-        self._check_distribute_args(model, optimizer)
+        self._check_distribute_args(model, optimizer, self._model)
         self._check_memory(model, optimizer)
         central = model.to(self._central_device)
         if optimizer is not None and optimizer.state:
@@ -277,12 +277,10 @@ class CentralStorageStrategy(MirroredStrategy):
                               ("Compute on GPUs with more free memory, or split the model across devices (model "
                                "parallelism).")))
         for device, estimate, what, fix in needs:
-            if device.memory_limit is not None:
-                room, where = device.memory_limit, f"the memory limit of logical device {device.name}"
-            elif torch.cuda.is_available():
-                room, where = torch.cuda.mem_get_info(device.physical)[0], f"the free memory of {device.physical}"
-            else:
+            known = device.memory_room()
+            if known is None:
                 continue
+            room, where = known
             if estimate.total_bytes > room:
                 raise MemoryEstimateError(
                     f"{what} on {device.name} needs at least {estimate.describe()}, but {where} is "

@@ -29,7 +29,6 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import (
     DistributedModel,
     DistributedOptimizer,
-    check_optimizer_matches,
     replicate_optimizer,
 )
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
@@ -181,7 +180,7 @@ class MirroredStrategy(Strategy):
 
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        self._check_distribute_args(model, optimizer)
+        self._check_distribute_args(model, optimizer, self._model)
         self._check_memory(model, optimizer)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
@@ -219,20 +218,6 @@ class MirroredStrategy(Strategy):
             return distributed
         return distributed, distributed_optimizer
 
-    def _check_distribute_args(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """The checks every strategy of this family makes before `distribute` copies anything."""
-        if not isinstance(model, nn.Module):
-            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
-        if self._model is not None:
-            raise InputError(
-                "This strategy already holds a distributed model; a strategy distributes one model. "
-                "Build a second strategy for a second model."
-            )
-        if optimizer is not None:
-            check_optimizer_matches(model, optimizer)
-
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: does each GPU replica have room for the model's training state?"""
         gpus = [d for d in self._logical if d.physical.type == "cuda"]
@@ -240,12 +225,10 @@ class MirroredStrategy(Strategy):
             return
         estimate = diagnose.estimate_training_memory(model, optimizer)
         for device in gpus:
-            if device.memory_limit is not None:
-                room, what = device.memory_limit, f"the memory limit of logical device {device.name}"
-            elif torch.cuda.is_available():
-                room, what = torch.cuda.mem_get_info(device.physical)[0], f"the free memory of {device.physical}"
-            else:
+            known = device.memory_room()
+            if known is None:
                 continue
+            room, what = known
             if estimate.total_bytes > room:
                 raise MemoryEstimateError(
                     f"Replica on {device.name} needs at least {estimate.describe()}, but {what} is "

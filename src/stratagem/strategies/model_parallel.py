@@ -34,7 +34,6 @@ from stratagem import diagnose
 from stratagem.diagnose import MemoryEstimate, PlacementDecision
 from stratagem.errors import InputError, MemoryEstimateError
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.distributed import check_optimizer_matches
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.pipeline import Pipeline, ScheduleEvent, balanced_split_points
 from stratagem.strategies.replicas import ReplicaContext, enter_replica
@@ -314,17 +313,7 @@ class ModelParallelStrategy(Strategy):
         With `stages=` the model returned runs the pipeline and has the same `state_dict()` keys as
         the `nn.Sequential` given; with `placement=` it is the model given, with its placed modules moved.
         """
-        if not isinstance(model, nn.Module):
-            raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
-        if self._model is not None:
-            raise InputError(
-                "This strategy already holds a distributed model; a strategy distributes one model. "
-                "Build a second strategy for a second model."
-            )
-        if optimizer is not None:
-            check_optimizer_matches(model, optimizer)
+        self._check_distribute_args(model, optimizer, self._model)
         decisions: list[PlacementDecision] = []
         if self._placement is None:
             groups = self._split_sequential(model, decisions)
@@ -409,18 +398,13 @@ class ModelParallelStrategy(Strategy):
         """Before anything is copied: does each GPU have room for its stage's training state?"""
         devices = {d.name: d for d in self._stage_devices}
         for info in stages:
-            device = devices[info.device]
-            if device.physical.type != "cuda" or info.memory is None:
+            known = devices[info.device].memory_room()
+            if known is None or info.memory is None:
                 continue
-            if device.memory_limit is not None:
-                room, what = device.memory_limit, f"the memory limit of logical device {device.name}"
-            elif torch.cuda.is_available():
-                room, what = torch.cuda.mem_get_info(device.physical)[0], f"the free memory of {device.physical}"
-            else:
-                continue
+            room, what = known
             if info.memory.total_bytes > room:
                 raise MemoryEstimateError(
-                    f"Stage {info.stage} on {device.name} (modules {list(info.modules)}) needs at least "
+                    f"Stage {info.stage} on {info.device} (modules {list(info.modules)}) needs at least "
                     f"{info.memory.describe()}, but {what} is {diagnose.format_bytes(room)}. Options: more stages, "
                     "a split that moves layers to a GPU with room (split_points= or placement=), or an optimizer "
                     "with less state (SGD keeps none)."
