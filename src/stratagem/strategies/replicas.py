@@ -98,10 +98,12 @@ class ReplicaBarrier:
                     raise _Aborted() from self._error
                 gone = sorted(self._finished - self._arrived)
                 if gone:
+                    # The meeting points of an update are reached through optimizer.step(), the others through backward().
+                    call = "optimizer.step()" if "optimizer step" in what else "backward()"
                     error = ReplicaError(
                         f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
                         f"{self._describe(gone)} returned from the step function without getting there. Every "
-                        "replica must call backward() the same number of times in each step, even on an empty slice."
+                        f"replica must call {call} the same number of times in each step, even on an empty slice."
                     )
                     self._error = error
                     self._cond.notify_all()
