@@ -8,12 +8,11 @@ Prints a Markdown table of samples/s and ratios to plain PyTorch (same run), and
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from stratagem.bench.suite import Config, render_markdown, run_suite
+from stratagem.bench.suite import Config, render_markdown, run_suite, suite_parser
 
 CONFIGS = [
     Config("one_device", ("one_device",)),
@@ -23,13 +22,7 @@ CONFIGS = [
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="mlp,cnn")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--json", type=Path, default=Path("bench-results/core.json"))
-    args = parser.parse_args()
+    args = suite_parser(__doc__, Path("bench-results/core.json")).parse_args()
     rows = run_suite(CONFIGS, args.workloads.split(","), rounds=args.rounds, warmup=args.warmup, steps=args.steps,
                      progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(render_markdown(rows))

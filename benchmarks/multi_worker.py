@@ -10,12 +10,13 @@ Each round runs DDP, MWMS, DDP (ratios against the mean of the two DDP runs of t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from stratagem.bench.suite import suite_parser
 
 
 def run(argv: list[str]) -> dict:
@@ -26,13 +27,7 @@ def run(argv: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="mlp,cnn")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--json", type=Path, default=Path("bench-results/multi_worker.json"))
-    args = parser.parse_args()
+    args = suite_parser(__doc__, Path("bench-results/multi_worker.json")).parse_args()
     out: dict = {"training": {}, "allreduce": None}
     lines = ["| workload | DDP samples/s (median) | MWMS samples/s (median) | MWMS / DDP (median) | per round |",
              "|---|---|---|---|---|"]

@@ -15,32 +15,16 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
+from harness import Checks, expect
 from torch import nn
 
 import stratagem as sg
 from stratagem.diagnose.soft_placement import as_placement_error
 
-FAILED: list[str] = []
-
-
-def check(name, fn):
-    start = time.perf_counter()
-    try:
-        detail = fn()
-        print(f"[PASS] {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
-    except Exception as error:  # noqa: BLE001 - a check script reports every failure
-        FAILED.append(name)
-        print(f"[FAIL] {name} ({time.perf_counter() - start:.1f}s): {type(error).__name__}: {error}\n"
-              f"{traceback.format_exc(limit=6)}", flush=True)
-
-
-def expect(condition: bool, what: str) -> None:
-    if not condition:
-        raise AssertionError(what)
+CHECKS = Checks()
 
 
 # ---- a CPU-only custom operation (no CUDA kernel), with a backward through another CPU-only op ----
@@ -220,13 +204,12 @@ def main() -> int:
         print("no CUDA GPU visible: nothing to check here (run `stratagem doctor` to see why)")
         return 1
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
-    check("placement log, OneDevice on cuda:0: copies, autograd thread, CPU op in a GPU replica", one_device_log)
-    check("placement log, Mirrored over cuda:0 + cpu:0: replica threads", mirrored_gpu_and_cpu_log)
-    check("soft placement of a CPU-only op on CUDA tensors: error, values, gradient, copies", soft_placement_on_cuda)
-    check("soft placement in Mirrored replica threads (cuda:0 + cpu:0)", soft_placement_in_mirrored)
-    check("cost of the placement log per step (informative)", log_overhead)
-    print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all placement checks passed")
-    return 1 if FAILED else 0
+    CHECKS.run("placement log, OneDevice on cuda:0: copies, autograd thread, CPU op in a GPU replica", one_device_log)
+    CHECKS.run("placement log, Mirrored over cuda:0 + cpu:0: replica threads", mirrored_gpu_and_cpu_log)
+    CHECKS.run("soft placement of a CPU-only op on CUDA tensors: error, values, gradient, copies", soft_placement_on_cuda)
+    CHECKS.run("soft placement in Mirrored replica threads (cuda:0 + cpu:0)", soft_placement_in_mirrored)
+    CHECKS.run("cost of the placement log per step (informative)", log_overhead)
+    return CHECKS.summary("placement")
 
 
 if __name__ == "__main__":

@@ -20,30 +20,16 @@ import os
 import socket
 import sys
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
+from harness import Checks
 from torch import nn
 
 import stratagem as sg
 from stratagem.bench.workloads import WORKLOADS
 
-FAILED: list[str] = []
-ONLY: list[str] = []  # words from the command line: run only the checks whose name holds one
-
-
-def check(name, fn):
-    if ONLY and not any(word in name for word in ONLY):
-        return
-    start = time.perf_counter()
-    try:
-        detail = fn()
-        print(f"[PASS] {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
-    except Exception as error:  # noqa: BLE001 - a check script reports every failure
-        FAILED.append(name)
-        print(f"[FAIL] {name} ({time.perf_counter() - start:.1f}s): {type(error).__name__}: {error}\n"
-              f"{traceback.format_exc(limit=4)}", flush=True)
+CHECKS = Checks()
 
 
 def net() -> nn.Module:
@@ -218,18 +204,17 @@ def main() -> int:
         print("no CUDA GPU visible: nothing to check here (run `stratagem doctor` to see why)")
         return 1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ONLY.extend(sys.argv[1:])
+    CHECKS.only.extend(sys.argv[1:])
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): "
           f"{torch.cuda.get_device_name(0)}", flush=True)
-    check("one device on cuda:0", one_device)
-    check("mirrored over every GPU", mirrored_all_gpus)
-    check("mirrored over cuda:0 and cpu:0", mirrored_gpu_and_cpu)
-    check("multi-worker over NCCL, one process", multi_worker_nccl)
-    check("model parallel: stages and placement across cuda:0 and the CPU", model_parallel)
-    check("central storage: parameters on the GPU, on the CPU, and over cuda:0 + cpu:0", central_storage)
-    check("throughput on the MLP workload (samples/s)", throughput)
-    print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all strategy checks passed")
-    return 1 if FAILED else 0
+    CHECKS.run("one device on cuda:0", one_device)
+    CHECKS.run("mirrored over every GPU", mirrored_all_gpus)
+    CHECKS.run("mirrored over cuda:0 and cpu:0", mirrored_gpu_and_cpu)
+    CHECKS.run("multi-worker over NCCL, one process", multi_worker_nccl)
+    CHECKS.run("model parallel: stages and placement across cuda:0 and the CPU", model_parallel)
+    CHECKS.run("central storage: parameters on the GPU, on the CPU, and over cuda:0 + cpu:0", central_storage)
+    CHECKS.run("throughput on the MLP workload (samples/s)", throughput)
+    return CHECKS.summary("strategy")
 
 
 if __name__ == "__main__":

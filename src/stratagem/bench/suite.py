@@ -7,12 +7,14 @@ same round, so slow drift of a shared machine affects both sides alike.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -44,6 +46,17 @@ class Row:
         return {"workload": self.workload, "config": self.config, "samples_per_s": self.samples_per_s,
                 "ratios_vs_plain": self.ratios, "median_ratio": self.median_ratio,
                 "median_samples_per_s": self.median_samples_per_s, "final_loss": self.final_loss}
+
+
+def suite_parser(description: str, json_default: Path) -> argparse.ArgumentParser:
+    """The options every round-based benchmark script takes: workloads, rounds, warm-up, steps, JSON path."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="mlp,cnn")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", type=Path, default=json_default)
+    return parser
 
 
 def run_one(config: Config, workload: str, warmup: int, steps: int, timeout: float = 600) -> dict[str, Any]:

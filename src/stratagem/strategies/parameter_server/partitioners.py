@@ -20,6 +20,7 @@ parameter order (whole tensors when there is no partitioner).
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,11 +42,12 @@ def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None
                                    f"Fix: pass an int >= 1{' or None' if allow_none else ''}.")
 
 
-class Partitioner:
+class Partitioner(abc.ABC):
     """Base: ``partitioner(shape, dtype)`` is the number of shards along dimension 0."""
 
-    def _shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """The shard count this rule asks for; `__call__` bounds it by the rows there are."""
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         shape = tuple(shape)
