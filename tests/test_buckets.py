@@ -33,6 +33,20 @@ def test_buckets_follow_reverse_order_with_a_small_first_bucket_and_direct_large
     assert buckets.describe() == "0.00, direct 0.00, 0.00, direct 0.00"
 
 
+def test_a_bucket_closes_once_it_reaches_its_limit_so_a_large_gradient_starts_early():
+    ps = params(500, 10, 1000, 10, 10)  # the MLP's shape: small last layer, large middle layer
+    buckets = GradientBuckets(ps, bucket_bytes=10**6, first_bucket_bytes=100, direct_bytes=10**9)
+    # Reverse order: 40 + 40 B stay under the first limit; the 4000 B gradient joins that bucket, which is
+    # then full and launches as soon as it arrives, while the first layer's gradient is still being computed.
+    assert [b.members for b in buckets.buckets] == [[4, 3, 2], [1, 0]]
+    record = Recorder()
+    buckets.start(1.0)
+    for i in (4, 3, 2):
+        ps[i].grad = torch.ones_like(ps[i])
+        buckets.mark_ready(i, record)
+    assert record.launched == [1020]
+
+
 def test_buckets_launch_in_order_only_when_complete_and_weight_each_gradient():
     ps = params(4, 4, 4)
     for i, p in enumerate(ps):

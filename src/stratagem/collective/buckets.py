@@ -2,7 +2,7 @@
 
 Parameters are taken in reverse registration order (roughly the order backward produces their
 gradients). Small gradients are fused into flat buckets of about `bucket_bytes` (the first one
-small, so communication starts early): each is copied and weighted into its bucket in one pass
+small, so communication starts early; a bucket closes once it holds its limit or more): each is copied and weighted into its bucket in one pass
 as soon as it is ready, and copied back at the end. A gradient of at least `direct_bytes` (a
 whole bucket, by default) is all-reduced in place instead, in chunks of at most `bucket_bytes`, each chunk weighted just
 before its all-reduce starts: no copy in, no copy out, and the weighting of one chunk overlaps
@@ -53,31 +53,15 @@ class GradientBuckets:
         direct_bytes = bucket_bytes if direct_bytes is None else direct_bytes
         self.params = list(params)
         self.bucket_bytes = bucket_bytes
-        self.buckets: list[_Bucket] = []
-        limit = first_bucket_bytes
-        current: list[int] = []
-        size = 0
+        self.buckets = _assign(self.params, bucket_bytes, first_bucket_bytes, direct_bytes)
+        self._allocate()
+        self._arrived = [False] * len(self.params)
+        self._next_to_launch = 0
+        self._works: list[Any] = []
+        self._weight = 1.0
 
-        def close() -> None:
-            nonlocal current, size, limit
-            if current:
-                self.buckets.append(_Bucket(current, direct=False))
-                current, size, limit = [], 0, bucket_bytes
-
-        for i in reversed(range(len(self.params))):
-            p = self.params[i]
-            nbytes = p.numel() * p.element_size()
-            if nbytes >= direct_bytes and p.is_contiguous():
-                close()
-                self.buckets.append(_Bucket([i], direct=True))
-                limit = bucket_bytes
-                continue
-            first = self.params[current[0]] if current else None
-            if first is not None and (size + nbytes > limit or p.dtype != first.dtype or p.device != first.device):
-                close()
-            current.append(i)
-            size += nbytes
-        close()
+    def _allocate(self) -> None:
+        """The flat tensor of every fused bucket, and each member gradient's view into it."""
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.members}
         for bucket in self.buckets:
             if bucket.direct:
@@ -90,10 +74,6 @@ class GradientBuckets:
                 n = self.params[i].numel()
                 bucket.views[i] = bucket.flat[offset:offset + n].view_as(self.params[i])
                 offset += n
-        self._arrived = [False] * len(self.params)
-        self._next_to_launch = 0
-        self._works: list[Any] = []
-        self._weight = 1.0
 
     @property
     def sizes_bytes(self) -> list[int]:
@@ -187,3 +167,41 @@ class GradientBuckets:
             elif self._weight != 1.0:
                 piece.mul_(self._weight)
             self._works.append(launch(piece))
+
+
+def _assign(params: Sequence[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int, direct_bytes: int) -> list[_Bucket]:
+    """Parameters in reverse order, fused into buckets; a gradient of `direct_bytes` or more goes alone.
+
+    A bucket closes as soon as it holds its limit or more (as DDP's do), not before the gradient that
+    would overflow it: on the MLP workload the first bucket then holds the last two layers (4 MiB) and
+    is on the wire while backward still computes the first layer's gradient, where closing before the
+    overflow left one 6 MiB bucket that could only start once backward had finished.
+    """
+    buckets: list[_Bucket] = []
+    limit = first_bucket_bytes
+    current: list[int] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal current, size, limit
+        if current:
+            buckets.append(_Bucket(current, direct=False))
+            current, size, limit = [], 0, bucket_bytes
+
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if nbytes >= direct_bytes and p.is_contiguous():
+            close()
+            buckets.append(_Bucket([i], direct=True))
+            limit = bucket_bytes
+            continue
+        first = params[current[0]] if current else None
+        if first is not None and (p.dtype != first.dtype or p.device != first.device):
+            close()
+        current.append(i)
+        size += nbytes
+        if size >= limit:
+            close()
+    close()
+    return buckets
