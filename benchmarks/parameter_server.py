@@ -85,6 +85,7 @@ def transport(repeats: int) -> dict:
             variables.create(params, torch.optim.SGD(list(params.values()), lr=1e-6))
             grads = {n: torch.randn_like(p) * 1e-3 for n, p in params.items()}
             local = {n: torch.empty_like(p) for n, p in params.items()}
+            variables.arrange(local)  # as a worker keeps its copy of the model: one buffer per bucket
 
             def round_trip(variables=variables, local=local, grads=grads) -> None:
                 variables.pull_into(local)

@@ -68,12 +68,30 @@ def test_parameter_server_refuses_malformed_requests():
     ps = ParameterServer(security=SECURITY)
     client = Client(ps.address, PS_SERVICE, security=SECURITY, task="ps:0")
     try:
-        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Create needs a group for every shard"):
+        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Create needs a group index for every shard"):
             client.call("Create", "create", {"groups": {}}, {"w": torch.ones(2)}, timeout=10)
-        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Shard names must be a list of strings"):
-            client.call("Pull", "pull", {"names": "w"}, timeout=10)
+        with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: ps:0 holds a different set of shards than "
+                                                       r"the caller expects. Received: layout 'abc'"):
+            client.call("Pull", "pull", {"layout": "abc"}, timeout=10)
         with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: ps:0 holds no shard named \['w'\]"):
-            client.call("Pull", "pull", {"names": ["w"]}, timeout=10)
+            client.call("Load", "load", {}, {"w": torch.ones(2)}, timeout=10)
+        assert client.call("Ping", "ping", timeout=10)[1]["shards"] == 0  # still serving
+        spec = optimizer_spec(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        layout = client.call("Create", "create", {"groups": {"w": 0, "b": 0}, "optimizer": spec},
+                             {"w": torch.ones(2), "b": torch.ones(3)}, timeout=10)[1]["layout"]
+        with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: A push carries a shard twice. Received: "):
+            client.call("Push", "push", {"layout": layout}, {"@0": torch.ones(5), "w": torch.ones(2)}, timeout=10)
+        with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: Malformed .* tensors do not match the "
+                                                       r"destinations. Received: @0 torch.float32 \[4\]"):
+            client.call("Push", "push", {"layout": layout}, {"@0": torch.ones(4)}, timeout=10)
+        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: ps:0 holds a different set of shards"):
+            client.call("Push", "push", {"layout": "stale"}, {"@0": torch.ones(5)}, timeout=10)
+        client.call("Push", "push", {"layout": layout}, {"@0": torch.ones(5)}, timeout=10)
+        values = client.call("Pull", "pull", {"layout": layout}, timeout=10)[2]
+        assert torch.equal(values["@0"], torch.full((5,), 0.9))  # 1 - 0.1 * 1, the one push that was valid
+        ps_meta = client.call("Ping", "ping", timeout=10)[1]
+        assert ps_meta["shards"] == 2 and ps_meta["version"] == 1  # refused pushes changed nothing
+        client.call("Create", "create", {"groups": {}}, {}, timeout=10)
         assert client.call("Ping", "ping", timeout=10)[1]["shards"] == 0  # still serving
     finally:
         client.close()

@@ -178,6 +178,6 @@ def place(parameters: Iterable[tuple[str, torch.Tensor, int]], num_ps: int,
 
 def shard_of(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
     """The rows of ``tensor`` that ``shard`` holds (a view; the whole tensor for a scalar)."""
-    if tensor.dim() == 0:
+    if tensor.dim() == 0 or (shard.start == 0 and shard.stop == tensor.shape[0]):
         return tensor
     return tensor[shard.start:shard.stop]

@@ -25,13 +25,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from stratagem.errors import (
     ParameterServerError,
     WireFormatError,
 )
 from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server.store import ShardStore, bucket_name
 from stratagem.strategies.parameter_server.transport import (
     Reply,
     Security,
@@ -100,14 +100,12 @@ def _build(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> to
 
 
 class ParameterServer:
-    """One parameter-server task: a gRPC service over the shards it holds."""
+    """One parameter-server task: a gRPC service over the shards it holds (a ``ShardStore``)."""
 
     def __init__(self, *, security: Security, address: str = "127.0.0.1:0", task: str = "ps:0") -> None:
         self.task = task
         self._lock = threading.Lock()
-        self._shards: dict[str, nn.Parameter] = {}
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._grads: dict[str, torch.Tensor] = {}
+        self._store = ShardStore({}, {}, None, [])
         self._num_updates = 0
         self._shutdown = threading.Event()
         self._server = Server(SERVICE, {
@@ -120,94 +118,90 @@ class ParameterServer:
     def _create(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         groups_of = meta.get("groups", {}) if isinstance(meta, dict) else {}
         spec = meta.get("optimizer") if isinstance(meta, dict) else None
-        if set(groups_of) != set(tensors):
-            raise WireFormatError(f"Create needs a group for every shard. Received: shards {sorted(tensors)[:5]}, "
-                                  f"groups for {sorted(groups_of)[:5]}. Fix: send both.")
-        shards = {name: nn.Parameter(value.clone()) for name, value in tensors.items()}
-        optimizer = None
-        if spec is not None and shards:
+        if set(groups_of) != set(tensors) or not all(isinstance(g, int) and g >= 0 for g in groups_of.values()):
+            raise WireFormatError(f"Create needs a group index for every shard. Received: shards {sorted(tensors)[:5]}, "
+                                  f"groups {dict(list(groups_of.items())[:5])}. Fix: send both.")
+        cls, hypers = None, []
+        if spec is not None and tensors:
             cls = resolve_optimizer_class(spec["module"], spec["qualname"])
-            groups = []
-            for index, hyper in enumerate(spec["groups"]):
-                params = [shards[name] for name in tensors if groups_of[name] == index]
-                if params:
-                    groups.append({"params": params, **_hyper_from_json(hyper)})
-            optimizer = _build(cls, groups)
-        grads = {name: torch.empty_like(param) for name, param in shards.items()} if optimizer is not None else {}
+            hypers = [_hyper_from_json(hyper) for hyper in spec["groups"]]
+            if max(groups_of.values()) >= len(hypers):
+                raise WireFormatError(f"A shard names a parameter group the optimizer lacks. Received: group "
+                                      f"{max(groups_of.values())} of {len(hypers)}. Fix: send every group's hyper-parameters.")
+        store = ShardStore(tensors, groups_of, cls, hypers, build=_build)
         with self._lock:
-            self._shards, self._optimizer, self._grads, self._num_updates = shards, optimizer, grads, 0
-        logger.info("%s holds %d shards (%d elements), optimizer %s", self.task, len(shards),
-                    sum(p.numel() for p in shards.values()), type(optimizer).__name__ if optimizer else None)
-        return "created", {"shards": len(shards)}, {}
+            self._store, self._num_updates = store, 0
+        logger.info("%s holds %d shards in %d buckets (%d elements), optimizer %s over %s", self.task,
+                    len(store.shards), len(store.buckets), sum(p.numel() for p in store.shards.values()),
+                    cls.__name__ if cls else None, "buckets" if store.flat else "shards")
+        return "created", {"shards": len(store.shards), "layout": store.fingerprint}, {}
 
-    def _known(self, names: Any) -> list[str]:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise WireFormatError(f"Shard names must be a list of strings. Received: {names!r:.120}. "
-                                  "Fix: send meta={'names': [...]}.")
-        unknown = [n for n in names if n not in self._shards]
-        if unknown:
-            raise WireFormatError(f"{self.task} holds no shard named {unknown[:3]}. Received: {len(names)} names. "
-                                  f"Fix: pull only shards placed on {self.task} (it holds {len(self._shards)}); "
-                                  "was the model distributed by this job's chief?")
-        return names
+    def _check_layout(self, meta: Any) -> None:
+        given = meta.get("layout") if isinstance(meta, dict) else None
+        if given != self._store.fingerprint:
+            raise WireFormatError(
+                f"{self.task} holds a different set of shards than the caller expects. Received: layout {given!r}, "
+                f"this server's is {self._store.fingerprint!r} ({len(self._store.shards)} shards). Fix: run the same "
+                "model on every task, and distribute it on the chief before workers pull (a restarted chief "
+                "creates the shards again).")
 
     def _pull(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
-            names = self._known(meta.get("names") if isinstance(meta, dict) else None)
+            self._check_layout(meta)
             # Encoded under the lock (the one copy of the values), so a push cannot tear a read.
             return wire.encode_chunks("values", {"version": self._num_updates},
-                                      {name: self._shards[name].detach() for name in names})
+                                      {bucket_name(i): b.param.detach() for i, b in enumerate(self._store.buckets)})
 
     def _push(self, pieces: Iterator[bytes]) -> Reply:
-        # The gradient bytes stream straight into buffers kept per shard (one copy, no page faults of a
-        # fresh message); the lock is held from the first byte, so pushes apply one after another.
+        # The gradient bytes stream straight into the buckets' gradient buffers (one copy, into memory
+        # already paged in); the lock is held from the first byte, so pushes apply one after another.
         with self._lock:
-            if self._optimizer is None:
+            store = self._store
+            if store.optimizer is None:
                 raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
                                            "push before Create. Fix: distribute(model, optimizer) on the chief first.")
-            _, _, names = wire.decode_into(pieces, self._grads, exact=False)
-            params = [self._shards[name] for name in names]
-            for name, param in zip(names, params):
-                param.grad = self._grads[name]
-            try:
-                self._optimizer.step()
-            finally:
-                for param in params:
-                    param.grad = None
+            _, meta, names = wire.decode_into(pieces, store.destinations(), exact=False)
+            self._check_layout(meta)
+            store.apply(names)
             self._num_updates += 1
             return "applied", {"version": self._num_updates}, {}
 
+    def _known(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self._store.shards]
+        if unknown:
+            raise WireFormatError(f"{self.task} holds no shard named {unknown[:3]}. Received: {len(names)} names. "
+                                  f"Fix: send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
+                                  "was the model distributed by this job's chief?")
+
     def _save(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
-            out = {name: p.detach().clone() for name, p in self._shards.items()}
+            out = {name: p.detach().clone() for name, p in self._store.shards.items()}
             scalars: dict[str, dict[str, Any]] = {}
-            if self._optimizer is not None:
-                for name, param in self._shards.items():
-                    for key, value in self._optimizer.state.get(param, {}).items():
-                        if isinstance(value, torch.Tensor):
-                            out[f"{name}{STATE_SEPARATOR}{key}"] = value.detach().clone()
-                        else:
-                            scalars.setdefault(name, {})[key] = value
+            for name in self._store.shards:
+                for key, value in self._store.shard_state(name).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"{name}{STATE_SEPARATOR}{key}"] = value.detach().clone()
+                    else:
+                        scalars.setdefault(name, {})[key] = value
             return "saved", {"scalars": scalars, "version": self._num_updates}, out
 
     def _load(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
             values = {n: t for n, t in tensors.items() if STATE_SEPARATOR not in n}
             self._known(list(values))
-            for name, value in values.items():
-                self._shards[name].data.copy_(value)
-            if self._optimizer is not None:
-                for name in self._shards:
-                    self._optimizer.state.pop(self._shards[name], None)
-                for key, value in tensors.items():
-                    if STATE_SEPARATOR in key:
-                        name, state_key = key.split(STATE_SEPARATOR, 1)
-                        self._known([name])
-                        self._optimizer.state[self._shards[name]][state_key] = value.clone()
-                scalars = meta.get("scalars", {}) if isinstance(meta, dict) else {}
-                for name, state in scalars.items():
-                    self._known([name])
-                    self._optimizer.state[self._shards[name]].update(state)
+            states: dict[str, dict[str, Any]] = {}
+            for key, value in tensors.items():
+                if STATE_SEPARATOR in key:
+                    name, state_key = key.split(STATE_SEPARATOR, 1)
+                    states.setdefault(name, {})[state_key] = value.clone()
+            scalars = meta.get("scalars", {}) if isinstance(meta, dict) else {}
+            for name, state in scalars.items():
+                states.setdefault(name, {}).update(state)
+            self._known(list(states))
+            with torch.no_grad():
+                for name, value in values.items():
+                    self._store.shards[name].copy_(value)
+            self._store.load_state(states)
         return "loaded", {"shards": len(values)}, {}
 
     def _stop(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
@@ -216,7 +210,7 @@ class ParameterServer:
         return "stopping", None, {}
 
     def _ping(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
-        return "pong", {"task": self.task, "shards": len(self._shards), "version": self._num_updates}, {}
+        return "pong", {"task": self.task, "shards": len(self._store.shards), "version": self._num_updates}, {}
 
     # ---- life cycle ----------------------------------------------------------------------------
     def stopped(self, timeout: float) -> bool:

@@ -23,11 +23,17 @@ from typing import Any
 import torch
 
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.server import (
     SERVICE,
     STATE_SEPARATOR,
     optimizer_spec,
+)
+from stratagem.strategies.parameter_server.store import (
+    bucket_layout,
+    bucket_name,
+    fingerprint,
 )
 from stratagem.strategies.parameter_server.transport import Client, Security
 
@@ -48,6 +54,7 @@ class ShardedVariables:
         self._by_ps: dict[int, list[Shard]] = {}
         for shard in self.shards:
             self._by_ps.setdefault(shard.ps, []).append(shard)
+        self._layouts: dict[int, _Layout] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="ps-client")
 
     def _each_ps(self, call: Any) -> dict[int, Any]:
@@ -87,19 +94,59 @@ class ShardedVariables:
         return missed
 
     # ---- workers -------------------------------------------------------------------------------
+    def _layout(self, ps: int, shards: list[Shard], tensors: Mapping[str, torch.Tensor]) -> _Layout:
+        """The buckets of ``ps`` as its server keeps them (``store.bucket_layout``), worked out once."""
+        layout = self._layouts.get(ps)
+        if layout is None:
+            missing = [s.parameter for s in shards if tensors.get(s.parameter) is None]
+            if missing:
+                raise ParameterServerError(
+                    f"Cannot tell the dtypes of the shards on ps:{ps}. Received: no tensor for {missing[:3]}. "
+                    "Fix: pull the values (run the model) before the first push.")
+            entries = [(s.name, s.group, tensors[s.parameter].dtype, shard_of(tensors[s.parameter], s).numel())
+                       for s in shards]
+            by_name = {s.name: s for s in shards}
+            buckets = [[by_name[name] for name, _ in members] for members in bucket_layout(entries)]
+            layout = self._layouts[ps] = _Layout(fingerprint(entries), buckets)
+        return layout
+
+    def arrange(self, parameters: Mapping[str, torch.Tensor]) -> None:
+        """Moves ``parameters`` (a worker's own copy) into one buffer per bucket, in the servers' order.
+
+        Each parameter held whole by one server becomes a view of its bucket's buffer (values kept),
+        so a pull writes each bucket's bytes in one block instead of one copy per tensor. Parameters
+        split over servers stay as they are.
+        """
+        with torch.no_grad():
+            for ps, shards in self._by_ps.items():
+                for bucket in self._layout(ps, shards, parameters).buckets:
+                    whole = [parameters[s.parameter] for s in bucket
+                             if shard_of(parameters[s.parameter], s) is parameters[s.parameter]]
+                    if len(whole) < 2 or whole[0].device.type != "cpu":
+                        continue
+                    buffer = torch._C._nn.flatten_dense_tensors([t.detach() for t in whole])
+                    for tensor, view in zip(whole, torch._C._nn.unflatten_dense_tensors(buffer, whole)):
+                        tensor.data = view
+
     def pull_into(self, parameters: Mapping[str, torch.Tensor]) -> None:
-        """Copies the current value of every shard into ``parameters`` (one call per server)."""
+        """Copies the current value of every shard into ``parameters`` (one call per server, one block of
+        bytes per bucket, written straight into the parameters)."""
         def call(ps: int, shards: list[Shard]) -> None:
-            names = {"names": [s.name for s in shards]}
-            views = {s.name: shard_of(parameters[s.parameter], s).detach() for s in shards}
-            if all(v.is_contiguous() and v.device.type == "cpu" for v in views.values()):
-                # The fast path: received bytes go straight into the parameters, one copy.
-                self._clients[ps].call_into("Pull", "pull", names, views, timeout=self.rpc_timeout)
+            layout = self._layout(ps, shards, parameters)
+            meta = {"layout": layout.fingerprint}
+            destinations = layout.destinations(parameters)
+            if destinations is not None:
+                self._clients[ps].call_into("Pull", "pull", meta, destinations, timeout=self.rpc_timeout)
                 return
-            _, _, values = self._clients[ps].call("Pull", "pull", names, timeout=self.rpc_timeout)
-            with torch.no_grad():  # one foreach call instead of a Python loop over many small shards
-                torch._foreach_copy_([shard_of(parameters[s.parameter], s) for s in shards],
-                                     [values[s.name] for s in shards])
+            # Parameters on a GPU or not contiguous: receive the buckets, then one foreach copy.
+            _, _, values = self._clients[ps].call("Pull", "pull", meta, timeout=self.rpc_timeout)
+            targets, sources = [], []
+            for index, bucket in enumerate(layout.buckets):
+                views = [shard_of(parameters[s.parameter], s) for s in bucket]
+                targets.extend(views)
+                sources.extend(torch._C._nn.unflatten_dense_tensors(values[bucket_name(index)], views))
+            with torch.no_grad():
+                torch._foreach_copy_(targets, sources)
 
         self._each_ps(call)
 
@@ -110,10 +157,17 @@ class ShardedVariables:
         optimizer state does not move, as torch's optimizers skip it.
         """
         def call(ps: int, shards: list[Shard]) -> None:
-            tensors = {s.name: shard_of(gradients[s.parameter], s) for s in shards
-                       if gradients.get(s.parameter) is not None}
+            layout = self._layout(ps, shards, gradients)
+            tensors: dict[str, torch.Tensor | wire.Flat] = {}
+            for index, bucket in enumerate(layout.buckets):
+                grads = [gradients.get(s.parameter) for s in bucket]
+                if all(g is not None for g in grads):
+                    tensors[bucket_name(index)] = wire.Flat(shard_of(g, s) for g, s in zip(grads, bucket))
+                else:
+                    tensors.update((s.name, shard_of(g, s)) for g, s in zip(grads, bucket) if g is not None)
             if tensors:
-                self._clients[ps].call("Push", "push", None, tensors, timeout=self.rpc_timeout)
+                self._clients[ps].call("Push", "push", {"layout": layout.fingerprint}, tensors,
+                                       timeout=self.rpc_timeout)
 
         self._each_ps(call)
 
@@ -182,6 +236,30 @@ class ShardedVariables:
         self._pool.shutdown(wait=False)
         for client in self._clients:
             client.close()
+
+
+class _Layout:
+    """One server's buckets seen from a worker, and the ``wire.Flat`` destinations of the last parameters pulled."""
+
+    def __init__(self, fingerprint: str, buckets: list[list[Shard]]) -> None:
+        self.fingerprint = fingerprint
+        self.buckets = buckets
+        self._pulled: list[tuple[torch.Tensor, int]] = []
+        self._destinations: dict[str, wire.Flat] | None = None
+
+    def destinations(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, wire.Flat] | None:
+        """A ``Flat`` of the parameters' shard views per bucket (kept while the same tensors are pulled into),
+        or None when some are not contiguous CPU tensors."""
+        tensors = [parameters[s.parameter] for bucket in self.buckets for s in bucket]
+        if self._destinations is not None and len(tensors) == len(self._pulled) and all(
+                a is b and a.data_ptr() == ptr for a, (b, ptr) in zip(tensors, self._pulled)):
+            return self._destinations
+        views = [[shard_of(parameters[s.parameter], s).detach() for s in bucket] for bucket in self.buckets]
+        if not all(v.device.type == "cpu" and v.is_contiguous() for bucket in views for v in bucket):
+            return None
+        self._destinations = {bucket_name(i): wire.Flat(bucket) for i, bucket in enumerate(views)}
+        self._pulled = [(t, t.data_ptr()) for t in tensors]
+        return self._destinations
 
 
 def _join(parts: list[torch.Tensor]) -> torch.Tensor:

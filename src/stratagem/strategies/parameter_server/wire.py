@@ -10,6 +10,10 @@ aligned), ``numel * itemsize`` long, in the sender's native byte order (both end
 platform torch trains on is little-endian). A message is cut into chunks of ``CHUNK_BYTES`` for
 gRPC streaming (``encode_chunks``) and put back together by ``join_chunks``.
 
+Many tensors can travel as one: a ``Flat`` of tensors of one dtype is sent as one 1-D tensor
+(their elements one after another) and received straight into its parts, so a message of 500
+small shards costs a header entry and a few copies, not 500 of each.
+
 Decoding checks everything before it builds a tensor: the magic, the lengths, that the header is
 a JSON object of the expected form, that each dtype is one of ``DTYPES``, each shape a list of
 non-negative integers, and that every tensor lies inside the payload. A ``bool`` tensor must
@@ -67,7 +71,110 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None,
+SMALL_PART_BYTES = 64 << 10
+"""Parts smaller than this that do not lie next to each other in memory are gathered with one torch
+call (and scattered back with one), instead of costing Python work each."""
+
+
+class Flat:
+    """Tensors of one dtype that travel as one 1-D tensor: every element of ``parts[0]``, then ``parts[1]``...
+
+    Sending (``gather``) reads large parts where they lie and copies runs of small ones together
+    with one ``torch`` call. Receiving (``decode_into``) writes each part in place: parts that
+    follow each other in one storage (views of one buffer) take one block of the message, runs of
+    small scattered parts are received together and scattered with one call. Destinations must be
+    contiguous CPU tensors; a ``Flat`` of persistent tensors (a model's parameters) can be kept and
+    reused, which saves working out its blocks again. Not for use by two threads at once.
+
+        >>> flat = Flat([torch.zeros(2, 2), torch.ones(3)])
+        >>> flat.numel, decode(encode("v", None, {"all": flat}))[2]["all"].tolist()
+        (7, [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    """
+
+    def __init__(self, parts: Iterable[torch.Tensor]) -> None:
+        self.parts = list(parts)
+        if not self.parts:
+            raise WireFormatError("A Flat needs at least one tensor. Received: none. Fix: leave it out of the message.")
+        self.dtype = self.parts[0].dtype
+        if any(p.dtype != self.dtype for p in self.parts):
+            raise WireFormatError(f"The parts of a Flat must share one dtype. Received: "
+                                  f"{sorted({str(p.dtype) for p in self.parts})}. Fix: one Flat per dtype.")
+        self.numel = sum(p.numel() for p in self.parts)
+        self._blocks: list[tuple[torch.Tensor, list[torch.Tensor] | None]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _ITEMSIZE[self.dtype]
+
+    def gather(self) -> list[torch.Tensor]:
+        """The 1-D blocks to send, in order: large parts as they are, runs of small ones copied together."""
+        out: list[torch.Tensor] = []
+        small: list[torch.Tensor] = []
+        for part in self.parts:
+            if part.nbytes < SMALL_PART_BYTES:
+                small.append(part)
+                continue
+            if small:
+                out.append(torch._C._nn.flatten_dense_tensors(small))
+                small = []
+            out.append(part.reshape(-1))
+        if small:
+            out.append(torch._C._nn.flatten_dense_tensors(small))
+        return out
+
+    def blocks(self) -> list[tuple[torch.Tensor, list[torch.Tensor] | None]]:
+        """Where received bytes go, in order: ``(block, None)`` is memory of the parts themselves, written
+        in place; ``(block, parts)`` is a buffer for small scattered parts, copied out by ``scatter``."""
+        if self._blocks is None:
+            self._blocks = self._find_blocks()
+        return self._blocks
+
+    def _find_blocks(self) -> list[tuple[torch.Tensor, list[torch.Tensor] | None]]:
+        runs: list[list[torch.Tensor]] = []  # parts that follow each other in one storage
+        end = None
+        for part in self.parts:
+            if part.requires_grad or part.device.type != "cpu" or not part.is_contiguous():
+                raise WireFormatError(
+                    f"Received tensors are written into contiguous CPU tensors that do not require grad. Received: "
+                    f"a destination on {part.device} (contiguous: {part.is_contiguous()}, requires_grad: "
+                    f"{part.requires_grad}). Fix: pass detached, contiguous CPU tensors, or decode then copy.")
+            if part.numel() == 0:
+                continue
+            storage = part.untyped_storage().data_ptr()
+            if runs and (storage, part.storage_offset()) == end:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+            end = (storage, part.storage_offset() + part.numel())
+        blocks: list[tuple[torch.Tensor, list[torch.Tensor] | None]] = []
+        scattered: list[torch.Tensor] = []
+        for run in runs:
+            if len(run) == 1 and run[0].nbytes < SMALL_PART_BYTES:
+                scattered.append(run[0])
+                continue
+            if scattered:
+                blocks.append((torch.empty(sum(p.numel() for p in scattered), dtype=self.dtype), scattered))
+                scattered = []
+            first = run[0]
+            block = torch.empty(0, dtype=self.dtype).set_(first.untyped_storage(), first.storage_offset(),
+                                                          (sum(p.numel() for p in run),))
+            blocks.append((block, None))
+        if scattered:
+            blocks.append((torch.empty(sum(p.numel() for p in scattered), dtype=self.dtype), scattered))
+        return blocks
+
+    @staticmethod
+    def scatter(blocks: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
+        """Copies received buffers of small scattered parts out to their parts (one call for all)."""
+        sources, targets = [], []
+        for block, parts in blocks:
+            sources.extend(torch._C._nn.unflatten_dense_tensors(block, parts))
+            targets.extend(parts)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+
+def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None,
                   chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
     """One message (operation name, JSON metadata, named tensors) cut into pieces of at most ``chunk_bytes``.
 
@@ -79,16 +186,20 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor]
     segments: list[memoryview | bytes] = []
     offset = 0
     for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (torch.Tensor, Flat)):
             raise WireFormatError(f"Only tensors travel as tensors. Received: {name}={type(tensor).__name__}. "
                                   "Fix: pass torch.Tensor values, or put plain values in meta.")
         if tensor.dtype not in _NAMES:
             raise WireFormatError(f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
                                   f"Fix: convert it to one of {sorted(DTYPES)}.")
         nbytes = tensor.nbytes
-        entries.append([name, _NAMES[tensor.dtype], list(tensor.shape), offset])
-        if nbytes:
-            segments.append(_bytes_view(tensor))
+        if isinstance(tensor, Flat):
+            entries.append([name, _NAMES[tensor.dtype], [tensor.numel], offset])
+            segments.extend(_bytes_view(block) for block in tensor.gather())
+        else:
+            entries.append([name, _NAMES[tensor.dtype], list(tensor.shape), offset])
+            if nbytes:
+                segments.append(_bytes_view(tensor))
         padding = _aligned(nbytes) - nbytes
         if padding:
             segments.append(bytes(padding))
@@ -119,7 +230,7 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor]
     return pieces
 
 
-def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None) -> bytearray:
+def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None) -> bytearray:
     """One whole message (``encode_chunks`` joined)."""
     return join_chunks(encode_chunks(op, meta, tensors))
 
@@ -185,14 +296,15 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
     return header["op"], header["meta"], tensors
 
 
-def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor], *,
+def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor | Flat], *,
                 exact: bool = True) -> tuple[str, Any, list[str]]:
     """Streams a message's tensors straight into ``destinations`` as its pieces arrive.
 
-    Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape; the
-    message must carry exactly those tensors (``exact``) or some of them. One copy, from the
-    received bytes into the tensors, and the message is never held whole: the fast path of pulls
-    and pushes. Returns ``(op, meta, names of the tensors written)``.
+    Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape, or a
+    ``Flat`` of the same dtype and element count; the message must carry exactly those tensors
+    (``exact``) or some of them. One copy, from the received bytes into the tensors, and the
+    message is never held whole: the fast path of pulls and pushes. Returns ``(op, meta, names of
+    the tensors written)``.
     """
     pieces = iter(pieces)
     head = bytearray()
@@ -203,21 +315,32 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
         if len(head) > _PREFIX.size + MAX_HEADER_BYTES:
             break
     header, start = _parse_header(memoryview(head))
-    targets = []
+    targets = []  # (payload offset, bytes, flat uint8 view to fill)
+    names = []
+    gathered = []  # Flat blocks received whole, to scatter to their parts at the end
     for entry in header["tensors"]:
         name, dtype, shape, offset, nbytes = _check_entry(entry, None)
         dest = destinations.get(name)
-        if dest is None or dest.dtype != dtype or list(dest.shape) != shape:
+        if isinstance(dest, Flat):
+            if dest.dtype != dtype or [dest.numel] != shape:
+                raise _fail("tensors do not match the destinations", f"{name} {dtype} {shape}, destination "
+                            f"{dest.dtype} [{dest.numel}] (flat)")
+            for block, parts in dest.blocks():
+                targets.append((offset, block.nbytes, _bytes_view(block)))
+                offset += block.nbytes
+                if parts:
+                    gathered.append((block, parts))
+        elif dest is None or dest.dtype != dtype or list(dest.shape) != shape:
             raise _fail("tensors do not match the destinations", f"{name} {dtype} {shape}, destination "
                         f"{None if dest is None else (dest.dtype, list(dest.shape))}")
-        flat = _bytes_view(dest) if nbytes else None
-        targets.append((offset, nbytes, flat, name))
-    names = [t[3] for t in targets]
-    if (exact and len(targets) != len(destinations)) or len(set(names)) != len(names):
-        raise _fail("tensors do not match the destinations", f"{len(targets)} tensors ({len(set(names))} names) "
+        elif nbytes:
+            targets.append((offset, nbytes, _bytes_view(dest)))
+        names.append(name)
+    if (exact and len(names) != len(destinations)) or len(set(names)) != len(names):
+        raise _fail("tensors do not match the destinations", f"{len(names)} tensors ({len(set(names))} names) "
                     f"for {len(destinations)} destinations")
     targets.sort(key=lambda t: t[0])
-    expected = max((_aligned(off + n) for off, n, _, _ in targets), default=0)
+    expected = max((_aligned(off + n) for off, n, _ in targets), default=0)
     position, first = 0, 0  # payload offset of the next byte; first target not yet filled
 
     def take(block: memoryview) -> None:
@@ -227,7 +350,7 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
             raise _fail("payload longer than its tensors", f"more than {expected} bytes")
         index = first
         while index < len(targets) and targets[index][0] < end:
-            off, nbytes, flat, _ = targets[index]
+            off, nbytes, flat = targets[index]
             lo, hi = max(off, position), min(off + nbytes, end)
             if lo < hi:
                 flat[lo - off:hi - off] = numpy.frombuffer(block, numpy.uint8, hi - lo, lo - position)
@@ -241,8 +364,11 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
         take(memoryview(piece))
     if position != expected:
         raise _fail("payload shorter than its tensors", f"{position} of {expected} bytes")
+    Flat.scatter(gathered)
     for name in names:
-        _check_bool(name, destinations[name])
+        dest = destinations[name]
+        for tensor in dest.parts if isinstance(dest, Flat) else (dest,):
+            _check_bool(name, tensor)
     return header["op"], header["meta"], names
 
 

@@ -131,7 +131,9 @@ class WorkerRuntime:
         if key not in self._replicas:
             variables = ShardedVariables(model._shards, model._ps_addresses, security=self._security,
                                          rpc_timeout=model._rpc_timeout)
-            self._replicas[key] = (copy.deepcopy(model.module), variables)
+            replica = copy.deepcopy(model.module)
+            variables.arrange(dict(replica.named_parameters()))
+            self._replicas[key] = (replica, variables)
         replica, variables = self._replicas[key]
         if pull and key not in self._pulled:
             variables.pull_into(dict(replica.named_parameters()))

@@ -1,0 +1,257 @@
+"""How a parameter server keeps its shards: flat buckets, and the user's optimizer over them.
+
+A bucket holds the shards of one optimizer parameter group and one dtype, in the order they were
+created, as views into one flat tensor, with a flat gradient buffer beside it. ``bucket_layout``
+gives a worker and its server the same buckets from the same shard list, and ``fingerprint`` lets
+the server check that they agree, so a pull or a push names whole buckets (``@0``, ``@1``...)
+rather than every shard: one header entry and one block of bytes for 500 small shards.
+
+For the optimizers torch ships that update each element from its own gradient and state alone
+(``ELEMENTWISE``: SGD, Adam, AdamW...), the optimizer runs over the buckets themselves, one
+parameter per bucket, so an update of 500 shards is a few kernel calls instead of thousands, with
+the same arithmetic for every element. Any other optimizer runs over the shards, one parameter
+each. A push that carries some shards of a bucket but not all (a parameter that the step did not
+use, whose optimizer state torch would leave alone) switches the store for good to per-shard
+updates: the buckets' optimizer state is split into per-shard views, and nothing is lost.
+
+    >>> store = ShardStore({"w": torch.ones(2, 3), "b": torch.zeros(3)}, {"w": 0, "b": 0},
+    ...                    torch.optim.SGD, [{"lr": 0.5}])
+    >>> store.flat, [b.names for b in store.buckets]
+    (True, [['w', 'b']])
+    >>> store.buckets[0].grad.fill_(1.0) is not None and store.apply(["@0"]) is None
+    True
+    >>> store.shards["w"].tolist()
+    [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.errors import WireFormatError
+
+logger = logging.getLogger(__name__)
+
+BUCKET_PREFIX = "@"
+
+ELEMENTWISE: frozenset[type[torch.optim.Optimizer]] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+})
+"""Optimizers whose update of an element reads only that element's value, gradient and state (and
+scalars such as the step count), so one step over a concatenation equals steps over its pieces.
+Exact classes only: a subclass may change the arithmetic."""
+
+
+def bucket_layout(entries: Iterable[tuple[str, int, torch.dtype, int]]) -> list[list[tuple[str, int]]]:
+    """``(name, group, dtype, numel)`` of each shard, in creation order, grouped into buckets: one per
+    (group, dtype), in order of first appearance, each a list of ``(name, numel)``."""
+    buckets: dict[tuple[int, torch.dtype], list[tuple[str, int]]] = {}
+    for name, group, dtype, numel in entries:
+        buckets.setdefault((group, dtype), []).append((name, numel))
+    return list(buckets.values())
+
+
+def fingerprint(entries: Iterable[tuple[str, int, torch.dtype, int]]) -> str:
+    """A short digest of the shards' names, groups, dtypes and sizes in order: equal on both ends of a
+    pull or push exactly when they mean the same buckets."""
+    text = json.dumps([[name, group, str(dtype), numel] for name, group, dtype, numel in entries])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def bucket_name(index: int) -> str:
+    return f"{BUCKET_PREFIX}{index}"
+
+
+@dataclass
+class Bucket:
+    """The shards of one group and dtype as views of one flat tensor."""
+
+    group: int
+    names: list[str]
+    spans: list[tuple[int, int]]
+    """Each shard's ``[start, stop)`` in the flat tensor."""
+    param: nn.Parameter
+    grad: torch.Tensor
+    shapes: list[torch.Size] = field(default_factory=list)
+
+
+class ShardStore:
+    """The shards one parameter server holds, their gradient buffers and the optimizer over them.
+
+    Not thread-safe: the server calls it under its lock.
+    """
+
+    def __init__(self, values: Mapping[str, torch.Tensor], groups: Mapping[str, int],
+                 optimizer_class: type[torch.optim.Optimizer] | None, hypers: Sequence[dict[str, Any]],
+                 build: Any = None) -> None:
+        self._class = optimizer_class
+        self._hypers = list(hypers)
+        self._build = build or (lambda cls, param_groups: cls(param_groups))
+        entries = [(name, groups[name], value.dtype, value.numel()) for name, value in values.items()]
+        self.fingerprint = fingerprint(entries)
+        self.buckets: list[Bucket] = []
+        self.shards: dict[str, nn.Parameter] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self._bucket_of: dict[str, int] = {}
+        for index, members in enumerate(bucket_layout(entries)):
+            numel = sum(n for _, n in members)
+            first = values[members[0][0]]
+            flat = torch.empty(numel, dtype=first.dtype)
+            grad = torch.zeros(numel, dtype=first.dtype) if optimizer_class is not None else torch.empty(0)
+            spans, shapes, start = [], [], 0
+            for name, n in members:
+                value = values[name]
+                flat[start:start + n].copy_(value.reshape(-1))
+                spans.append((start, start + n))
+                shapes.append(value.shape)
+                self.shards[name] = nn.Parameter(flat[start:start + n].view(value.shape))
+                if optimizer_class is not None:
+                    self.grads[name] = grad[start:start + n].view(value.shape)
+                self._bucket_of[name] = index
+                start += n
+            self.buckets.append(Bucket(groups[members[0][0]], [name for name, _ in members], spans,
+                                       nn.Parameter(flat), grad, shapes))
+        self.flat = optimizer_class in ELEMENTWISE
+        self.optimizer = self._new_optimizer() if optimizer_class is not None and self.shards else None
+
+    # ---- the optimizer -------------------------------------------------------------------------
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        param_groups = []
+        for index, hyper in enumerate(self._hypers):
+            if self.flat:
+                params = [b.param for b in self.buckets if b.group == index]
+            else:
+                params = [self.shards[n] for b in self.buckets if b.group == index for n in b.names]
+            if params:
+                param_groups.append({"params": params, **hyper})
+        return self._build(self._class, param_groups)
+
+    def destinations(self) -> dict[str, torch.Tensor]:
+        """Where a push's tensors go: each bucket's gradient buffer (``@i``) and each shard's view of it."""
+        return {**{bucket_name(i): b.grad for i, b in enumerate(self.buckets)}, **self.grads}
+
+    def apply(self, names: Sequence[str]) -> None:
+        """One optimizer step with the gradients just written for ``names`` (buckets or shards)."""
+        covered: list[set[str]] = [set() for _ in self.buckets]
+        for name in names:
+            if name.startswith(BUCKET_PREFIX):
+                index = int(name[len(BUCKET_PREFIX):])
+                members = self.buckets[index].names
+            else:
+                index, members = self._bucket_of[name], [name]
+            if covered[index].intersection(members):
+                raise WireFormatError(f"A push carries a shard twice. Received: {name!r} and a bucket or shard that "
+                                      "holds the same rows. Fix: send each shard once, by bucket or by name.")
+            covered[index].update(members)
+        if self.optimizer is None:
+            raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
+                                  "shards with an optimizer (distribute(model, optimizer) on the chief).")
+        if self.flat and any(0 < len(c) < len(b.names) for c, b in zip(covered, self.buckets)):
+            self._split()
+        if self.flat:
+            params = [b.param for c, b in zip(covered, self.buckets) if c]
+            for c, b in zip(covered, self.buckets):
+                if c:
+                    b.param.grad = b.grad
+        else:
+            params = [self.shards[n] for c in covered for n in c]
+            for param, name in ((self.shards[n], n) for c in covered for n in c):
+                param.grad = self.grads[name]
+        try:
+            self.optimizer.step()
+        finally:
+            for param in params:
+                param.grad = None
+
+    def _split(self) -> None:
+        """Switches to one optimizer parameter per shard, carrying the buckets' state over as views."""
+        logger.info("a push left out part of a bucket (a parameter without a gradient): updating shard by shard "
+                    "from now on, as torch leaves such a parameter's state alone")
+        old = self.optimizer
+        self.flat = False
+        self.optimizer = self._new_optimizer()
+        for bucket in self.buckets:
+            state = old.state.get(bucket.param)
+            if state:
+                for name, span, shape in zip(bucket.names, bucket.spans, bucket.shapes):
+                    self.optimizer.state[self.shards[name]] = _slice_state(state, span, shape, bucket.param.numel())
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def shard_state(self, name: str) -> dict[str, Any]:
+        """The optimizer state of one shard (views of a bucket's state in flat mode)."""
+        if self.optimizer is None:
+            return {}
+        if not self.flat:
+            return dict(self.optimizer.state.get(self.shards[name], {}))
+        bucket = self.buckets[self._bucket_of[name]]
+        state = self.optimizer.state.get(bucket.param)
+        if not state:
+            return {}
+        position = bucket.names.index(name)
+        return _slice_state(state, bucket.spans[position], bucket.shapes[position], bucket.param.numel())
+
+    def load_state(self, states: Mapping[str, dict[str, Any]]) -> None:
+        """Replaces the optimizer state with per-shard ``states`` (shards not named start fresh)."""
+        if self.optimizer is None:
+            return
+        self.optimizer.state.clear()
+        if self.flat:
+            merged = [_merge_state([states.get(n, {}) for n in b.names], b) for b in self.buckets]
+            if all(m is not None for m in merged):
+                for bucket, state in zip(self.buckets, merged):
+                    if state:
+                        self.optimizer.state[bucket.param] = state
+                return
+            self.flat = False  # shards at different points (step counts differ): per-shard from here on
+            self.optimizer = self._new_optimizer()
+        for name, state in states.items():
+            if state:
+                self.optimizer.state[self.shards[name]] = dict(state)
+
+
+def _slice_state(state: Mapping[str, Any], span: tuple[int, int], shape: torch.Size, numel: int) -> dict[str, Any]:
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel:
+            out[key] = value[span[0]:span[1]].view(shape)  # per-element state
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.clone()  # a scalar such as Adam's step count, one per shard from here on
+        else:
+            out[key] = value
+    return out
+
+
+def _merge_state(states: list[dict[str, Any]], bucket: Bucket) -> dict[str, Any] | None:
+    """One bucket's state from its shards' (per-element tensors joined, scalars equal), or None when
+    the shards do not agree on their scalars or keys."""
+    if not any(states):
+        return {}
+    if any(set(s) != set(states[0]) for s in states):
+        return None
+    merged: dict[str, Any] = {}
+    for key, first in states[0].items():
+        values = [s[key] for s in states]
+        if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and v.shape == shape
+                                                   for v, shape in zip(values, bucket.shapes)) \
+                and any(v.dim() > 0 for v in values):
+            merged[key] = torch.cat([v.reshape(-1) for v in values]).to(first.dtype)
+        elif all(_equal(v, first) for v in values):
+            merged[key] = first.clone() if isinstance(first, torch.Tensor) else first
+        else:
+            return None
+    return merged
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
