@@ -56,10 +56,11 @@ def test_listens_on_loopback_by_default(server):
 
 
 @pytest.mark.timeout(30)
-def test_wrong_token_is_refused_before_the_handler_runs(server):
+@pytest.mark.parametrize("numel", [2, wire.CHUNK_BYTES // 4 + 10], ids=["one-piece", "streamed"])
+def test_wrong_token_is_refused_before_the_handler_runs(server, numel):
     client = Client(server.address, SERVICE, security=Security(token="wrong"), task="echo:0")
     with pytest.raises(ParameterServerError, match="UNAUTHENTICATED: Wrong cluster token") as info:
-        client.call("Echo", "attack", None, {"x": torch.ones(2)}, timeout=10)
+        client.call("Echo", "attack", None, {"x": torch.ones(numel)}, timeout=10)
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "echo:0" in str(info.value)
     assert seen == []
     _assert_still_serving(server)
@@ -79,6 +80,10 @@ def test_missing_token_is_refused_and_request_never_read(server):
         list(stub(requests(), timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "No cluster token" in info.value.details()
+    single = channel.unary_stream(f"/{SERVICE}/Echo{transport.SINGLE}")  # the one-piece form of the method
+    with pytest.raises(grpc.RpcError) as info:
+        list(single(b"this is not even a message", timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "No cluster token" in info.value.details()
     assert seen == []
     channel.close()
     _assert_still_serving(server)
@@ -89,11 +94,14 @@ def test_malformed_message_gets_invalid_argument_and_server_keeps_serving(server
     channel = grpc.insecure_channel(server.address)
     stub = channel.stream_stream(f"/{SERVICE}/Echo")
     forged = struct.pack(">4sI", b"SGW1", 2) + b"{}"
+    single = channel.unary_stream(f"/{SERVICE}/Echo{transport.SINGLE}")
     for payload in (b"\x80\x04pickled", forged):
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub(iter([payload]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),)))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "Malformed parameter-server message" in info.value.details()
+        for call in (lambda p: stub(iter([p]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),)),
+                     lambda p: single(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))):
+            with pytest.raises(grpc.RpcError) as info:
+                list(call(payload))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "Malformed parameter-server message" in info.value.details()
     assert seen == []
     channel.close()
     _assert_still_serving(server)

@@ -16,6 +16,7 @@ and key are given (clients then need the certificate of the authority that signe
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -36,6 +37,8 @@ from stratagem.strategies.parameter_server import wire
 logger = logging.getLogger(__name__)
 
 TOKEN_KEY = "stratagem-cluster-token"
+SINGLE = "_1"
+"""Suffix of the method that takes a request of one piece (unary request, streamed reply)."""
 MAX_MESSAGE_BYTES = wire.CHUNK_BYTES + (1 << 20)
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -89,12 +92,16 @@ class Security:
         return self.certificate is not None
 
 
-def _refuse(message: str) -> grpc.RpcMethodHandler:
-    def abort(_requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+def _refuse(message: str, kind: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``kind`` (streaming or not) that refuses the call without reading it."""
+    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield b""  # never reached: abort raises
 
-    return grpc.stream_stream_rpc_method_handler(abort)
+    if kind is not None and not kind.request_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort) if kind.response_streaming else \
+            grpc.unary_unary_rpc_method_handler(abort)
+    return grpc.stream_unary_rpc_method_handler(abort) if kind is not None and not kind.response_streaming else \
+        grpc.stream_stream_rpc_method_handler(abort)
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):
@@ -108,12 +115,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         if given is None:
             logger.warning("refused %s: no cluster token", details.method)
             return _refuse(f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
-                           "Fix: connect with the job's cluster token.")
+                           "Fix: connect with the job's cluster token.", continuation(details))
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
         if not hmac.compare_digest(given_bytes, self._token):
             logger.warning("refused %s: wrong cluster token", details.method)
             return _refuse(f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
-                           "match this job's. Fix: use the STRATAGEM_CLUSTER_TOKEN of this job.")
+                           "match this job's. Fix: use the STRATAGEM_CLUSTER_TOKEN of this job.", continuation(details))
         return continuation(details)
 
 
@@ -130,8 +137,13 @@ class Server:
         self.service = service
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
                                    interceptors=[_TokenInterceptor(security.token)], options=_CHANNEL_OPTIONS)
-        methods = {name: grpc.stream_stream_rpc_method_handler(self._wrap(name, handler))
-                   for name, handler in handlers.items()}
+        methods = {}
+        for name, handler in handlers.items():
+            call = self._wrap(name, handler)
+            methods[name] = grpc.stream_stream_rpc_method_handler(call)
+            # A request of one piece comes as a unary request: gRPC then needs no thread to feed it.
+            methods[name + SINGLE] = grpc.unary_stream_rpc_method_handler(
+                lambda request, context, call=call: call(iter((request,)), context))
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, methods)])
         try:
             if security.tls:
@@ -197,25 +209,32 @@ class Client:
         Raises ``ParameterServerError`` naming the task when it cannot be reached or refuses the
         call, and ``CollectiveTimeoutError`` when no reply came within ``timeout`` seconds.
         """
-        stub = self._methods.get(method)
-        if stub is None:
-            stub = self._methods[method] = self._channel.stream_stream(f"/{self._service}/{method}")
-        pieces = wire.encode_chunks(op, meta, tensors)
         try:
-            replies = stub(iter(pieces), timeout=timeout, metadata=self._metadata,
-                           wait_for_ready=wait_for_ready)
+            replies = self._send(method, wire.stream_chunks(op, meta, tensors), timeout, wait_for_ready)
             return wire.decode(wire.join_chunks(replies))
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.task, self.address, method, timeout) from None
 
-    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor], *,
-                  timeout: float) -> tuple[str, Any]:
-        """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
+    def _send(self, method: str, pieces: Iterator[bytes], timeout: float, wait_for_ready: bool) -> Iterator[bytes]:
+        """Starts a call with the request ``pieces`` (made while gRPC sends them); returns the reply's pieces."""
+        first = next(pieces)
+        second = next(pieces, None)
+        if second is None:  # one piece: a unary request, which costs gRPC no thread to feed
+            stub = self._methods.get(method + SINGLE)
+            if stub is None:
+                stub = self._methods[method + SINGLE] = self._channel.unary_stream(f"/{self._service}/{method}{SINGLE}")
+            return stub(first, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready)
         stub = self._methods.get(method)
         if stub is None:
             stub = self._methods[method] = self._channel.stream_stream(f"/{self._service}/{method}")
+        return stub(itertools.chain((first, second), pieces), timeout=timeout, metadata=self._metadata,
+                    wait_for_ready=wait_for_ready)
+
+    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor], *,
+                  timeout: float) -> tuple[str, Any]:
+        """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
         try:
-            replies = stub(iter(wire.encode_chunks(op, meta)), timeout=timeout, metadata=self._metadata)
+            replies = self._send(method, wire.stream_chunks(op, meta), timeout, False)
             reply_op, reply_meta, _ = wire.decode_into(replies, destinations)
             return reply_op, reply_meta
         except grpc.RpcError as exc:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy
@@ -181,6 +181,14 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
     Each piece is built straight from the tensors' memory with one copy (gRPC needs ``bytes``),
     so a message is never assembled whole on the sending side; small tensors share pieces.
     """
+    return list(stream_chunks(op, meta, tensors, chunk_bytes))
+
+
+def stream_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None,
+                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """``encode_chunks`` as an iterator: everything is checked now, and each piece is copied out of the
+    tensors only when it is asked for, so gRPC sends one piece while the next is made. The tensors
+    must not change until the last piece is taken."""
     tensors = tensors or {}
     entries = []
     segments: list[memoryview | bytes] = []
@@ -212,7 +220,10 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
     # Spaces after the JSON put the payload at a multiple of ALIGN, so tensors decode in place, aligned.
     header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
     segments.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
-    pieces: list[bytes] = []
+    return _pieces(segments, chunk_bytes)
+
+
+def _pieces(segments: list[memoryview | bytes], chunk_bytes: int) -> Iterator[bytes]:
     parts: list[memoryview | bytes] = []
     room = chunk_bytes
     for segment in segments:
@@ -223,11 +234,10 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
             view = view[len(take):]
             room -= len(take)
             if room == 0:
-                pieces.append(b"".join(parts))  # the one copy
+                yield b"".join(parts)  # the one copy
                 parts, room = [], chunk_bytes
-    if parts or not pieces:
-        pieces.append(b"".join(parts))
-    return pieces
+    if parts:  # the header is never empty, so every message has at least one piece
+        yield b"".join(parts)
 
 
 def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None) -> bytearray:
@@ -307,9 +317,13 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
     the tensors written)``.
     """
     pieces = iter(pieces)
-    head = bytearray()
+    head: bytes | bytearray = b""
     for piece in pieces:
-        head += piece
+        if not head:
+            head = piece  # used as it is when it holds the whole header, as it nearly always does (no copy)
+        else:
+            head = head if isinstance(head, bytearray) else bytearray(head)
+            head += piece
         if len(head) >= _PREFIX.size and len(head) >= _PREFIX.size + _PREFIX.unpack_from(head)[1]:
             break
         if len(head) > _PREFIX.size + MAX_HEADER_BYTES:
