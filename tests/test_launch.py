@@ -86,6 +86,16 @@ def test_task_environments_by_hand():
     assert "RANK" not in ps and "MASTER_PORT" not in ps
 
 
+def test_tasks_share_the_cores_unless_the_user_chose_a_thread_count(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    envs = task_environments(BASE_ENV, workers=3, ps=2, ports=[1, 2, 3, 4, 5], token="t")
+    assert [envs[t]["OMP_NUM_THREADS"] for t in ("worker:0", "worker:2", "ps:0", "ps:1")] == ["2", "2", "1", "1"]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert task_environments(BASE_ENV, workers=4, ports=[1, 2, 3, 4], token="t")["worker:3"]["OMP_NUM_THREADS"] == "1"
+    chosen = task_environments({**BASE_ENV, "OMP_NUM_THREADS": "3"}, workers=2, ps=1, ports=[1, 2, 3], token="t")
+    assert {env["OMP_NUM_THREADS"] for env in chosen.values()} == {"3"}
+
+
 def test_task_environments_needs_one_port_per_task():
     with pytest.raises(ClusterError, match=r"Need one port per task\. Received: 2 ports for 2 workers and 1 ps tasks"):
         task_environments({}, workers=2, ps=1, ports=[1, 2], token="t")
@@ -196,7 +206,7 @@ def _assert_stopped(tmp_path: Path, ranks) -> None:
 
 
 def test_failing_worker_is_reported_and_the_others_stopped(tmp_path):
-    result, sink, elapsed = run(tmp_path, STOPPABLE.format(action="sys.exit(3)"), workers=3, grace_period=0.5)
+    result, _, elapsed = run(tmp_path, STOPPABLE.format(action="sys.exit(3)"), workers=3, grace_period=0.5)
     assert (result.exit_code, result.failed_task, result.reason, result.restarts) == (3, "worker:1", "exit code 3", 0)
     assert elapsed < 10
     _assert_stopped(tmp_path, [0, 2])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -150,6 +151,11 @@ def task_environments(
         for index in range(len(addrs)):
             env = dict(common)
             env["TF_CONFIG"] = json.dumps({"cluster": addresses, "task": {"type": kind, "index": index}})
+            if "OMP_NUM_THREADS" not in base_env:
+                # The tasks share this machine's cores: each worker gets its share for intra-op threads, and a
+                # parameter server (elementwise updates, bound by memory) one, so no task's OpenMP threads spin
+                # against another's. A value the user set is kept.
+                env["OMP_NUM_THREADS"] = "1" if kind == "ps" else str(max(1, (os.cpu_count() or 1) // workers))
             if kind == "worker":
                 env.update(RANK=str(index), WORLD_SIZE=str(workers), LOCAL_RANK=str(index),
                            LOCAL_WORLD_SIZE=str(workers), MASTER_ADDR=HOST, MASTER_PORT=str(ports[0]))

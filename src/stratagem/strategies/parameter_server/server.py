@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -99,6 +99,14 @@ def _build(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> to
     return cls(groups)
 
 
+def _then(pieces: Iterator[bytes], done: Callable[[], None]) -> Iterator[bytes]:
+    """``pieces``, then ``done()`` once they are all sent or the call ended early."""
+    try:
+        yield from pieces
+    finally:
+        done()
+
+
 class ParameterServer:
     """One parameter-server task: a gRPC service over the shards it holds (a ``ShardStore``)."""
 
@@ -148,9 +156,17 @@ class ParameterServer:
     def _pull(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
             self._check_layout(meta)
-            # Encoded under the lock (the one copy of the values), so a push cannot tear a read.
-            return wire.encode_chunks("values", {"version": self._num_updates},
-                                      {bucket_name(i): b.param.detach() for i, b in enumerate(self._store.buckets)})
+            # A snapshot under the lock, so a push cannot tear a read; it is sent after the lock is released,
+            # each piece made as gRPC asks for it, into memory freed by the piece before (no fresh pages).
+            store, version = self._store, self._num_updates
+            snapshot = store.snapshot()
+        try:
+            pieces = wire.stream_chunks("values", {"version": version},
+                                        {bucket_name(i): t for i, t in enumerate(snapshot)})
+        except BaseException:
+            store.release(snapshot)
+            raise
+        return _then(pieces, lambda: store.release(snapshot))
 
     def _push(self, pieces: Iterator[bytes]) -> Reply:
         # The gradient bytes stream straight into the buckets' gradient buffers (one copy, into memory

@@ -120,8 +120,23 @@ class ShardStore:
                 start += n
             self.buckets.append(Bucket(groups[members[0][0]], [name for name, _ in members], spans,
                                        nn.Parameter(flat), grad, shapes))
+        self._spare: list[list[torch.Tensor]] = []  # snapshot buffers for pulls (list.pop/append are atomic)
         self.flat = optimizer_class in ELEMENTWISE
         self.optimizer = self._new_optimizer() if optimizer_class is not None and self.shards else None
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of every bucket's values, in buffers reused from earlier pulls (give them back with
+        ``release``); the caller holds the lock that keeps pushes out while it is taken."""
+        buffers = self._spare.pop() if self._spare else [torch.empty_like(b.param) for b in self.buckets]
+        for buffer, bucket in zip(buffers, self.buckets):
+            buffer.copy_(bucket.param.detach())
+        return buffers
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        """Takes back a snapshot's buffers for later pulls (a few are kept; thread-safe)."""
+        if len(self._spare) < 4:
+            self._spare.append(buffers)
 
     # ---- the optimizer -------------------------------------------------------------------------
     def _new_optimizer(self) -> torch.optim.Optimizer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +48,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-# A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply, or the reply
-# already cut by wire.encode_chunks (a parameter server encodes under its lock, saving a copy).
-Reply = tuple[str, Any, Mapping[str, torch.Tensor]] | list[bytes]
+# A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply, or the reply's
+# pieces (wire.encode_chunks or wire.stream_chunks: a parameter server sends a snapshot taken under its lock).
+Reply = tuple[str, Any, Mapping[str, torch.Tensor]] | Iterable[bytes]
 Handler = Callable[[str, Any, dict[str, torch.Tensor]], Reply]
 
 
@@ -175,7 +175,7 @@ class Server:
             except Exception as exc:  # the caller gets the error; the server goes on serving
                 logger.exception("%s/%s failed", self.service, name)
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            yield from reply if isinstance(reply, list) else wire.encode_chunks(*reply)
+            yield from wire.encode_chunks(*reply) if isinstance(reply, tuple) else reply
 
         return call
 
