@@ -8,6 +8,7 @@ pull of every shard (one call) plus a push of a gradient for every shard (one ca
 applies plain SGD), so 2x the model's bytes cross loopback. The echo, served by the same process
 with grpcio alone (no token, no wire format), sends the same bytes in the same chunks and gets
 them back. Two models: 64 MiB (16 tensors of 4 MiB) and 500 tensors of 4 KiB. Goal: >= 0.8x echo.
+Rounds of the two alternate; the ratio is the median over pairs of neighbouring rounds.
 
 Training: the MLP workload of shared/peers/README.md (global batch 256, SGD momentum 0.9) under
 ``stratagem launch --workers W --ps 1`` (worker 0 works inside the chief), W = 1 and 2, against a
@@ -57,14 +58,16 @@ def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     ps.stop()
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: connections, allocations
-    times = []
+def _alternating_seconds(first, second, repeats: int) -> tuple[list[float], list[float]]:
+    """Times of ``first`` and ``second`` run in turn, so a change of load on the machine hits both."""
+    first(), second()  # warm-up: connections, allocations
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, out in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times
 
 
 def transport(repeats: int) -> dict:
@@ -98,11 +101,14 @@ def transport(repeats: int) -> dict:
                 got = sum(len(piece) for piece in echo(iter(pieces), timeout=120))
                 assert got == payload_bytes
 
-            ps_s = _median_seconds(round_trip, repeats)
-            echo_s = _median_seconds(echo_trip, repeats)
+            ps_times, echo_times = _alternating_seconds(round_trip, echo_trip, repeats)
+            ps_s, echo_s = statistics.median(ps_times), statistics.median(echo_times)
+            # The ratio of each pair of neighbouring rounds, then the median: noise on a shared machine
+            # comes in bursts, which this keeps from landing on one side only.
+            pair_ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(ps_times, echo_times)]
             out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "echo_s": echo_s,
                          "ps_bytes_per_s": 2 * model_bytes / ps_s, "echo_bytes_per_s": 2 * payload_bytes / echo_s,
-                         "ratio": (2 * model_bytes / ps_s) / (2 * payload_bytes / echo_s)}
+                         "ratio": statistics.median(pair_ratios), "pair_ratios": pair_ratios}
             print(f"{name}: pull+push {ps_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, "
                   f"ratio {out[name]['ratio']:.3f}", file=sys.stderr)
             variables.close()
@@ -210,7 +216,7 @@ def main() -> int:
         _train_task()
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--skip-training", action="store_true")
