@@ -8,6 +8,7 @@ gradient clipping between backward and step, and compares every parameter and op
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -187,3 +188,49 @@ def test_non_elementwise_optimizer_keeps_private_copies_and_says_why():
     other = mlp().double()
     with pytest.raises(sg.InputError, match="share_parameters=True, but the replicas cannot share parameters: LBFGS"):
         strict.distribute(other, torch.optim.LBFGS(other.parameters()))
+
+
+class _SlowBackwardOnReplica1(torch.autograd.Function):
+    """Identity whose backward pauses in replica 1 only, so replica 0 finishes backward first."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from stratagem.strategies.replicas import current_replica_context
+
+        context = current_replica_context()
+        if context is not None and context.replica_id_in_sync_group == 1:
+            time.sleep(0.2)
+        return grad
+
+
+class _Pause(torch.nn.Module):
+    def forward(self, x):
+        return _SlowBackwardOnReplica1.apply(x)
+
+
+def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_have_ready_exactly():
+    """Replica 0 waits while replica 1 pauses before the first layer's gradient; meanwhile it combines
+    both shares of the later layers' gradients. The result still equals one device (uneven splits)."""
+    def model_with_pause():
+        torch.manual_seed(42)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), _Pause(), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                   torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.float64)
+
+    reference = model_with_pause()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    batches = make_batches((6,), torch.float64)
+    train_reference(reference, ref_opt, batches)
+
+    model = model_with_pause()
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    model, _, _ = train_with(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batches)
+
+    assert_same_state(reference, model, torch.float64)
+    # Parameters 2-5 (the last two layers) were ready in both replicas while replica 0 waited: both of
+    # their shares were combined then, in the one backward pass of the last step.
+    assert [strategy._claimed[i] for i in range(2, 6)] == [[1, 1]] * 4
+    strategy.close()

@@ -13,6 +13,7 @@ mean over its own slice.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 import torch
@@ -45,11 +46,14 @@ class InMemoryReduce:
     name = "in-memory reduction (each replica thread sums 1/N of every gradient)"
     prescale = False
 
-    def combine_(self, replica: int, grads: Grads, weights: Sequence[float]) -> None:
+    def combine_(self, replica: int, grads: Grads, weights: Sequence[float], skip: AbstractSet[int] = frozenset()) -> None:
+        """Combines this replica's share of every gradient but those in `skip` (shares already combined)."""
         num_replicas = len(grads)
         active = _active(weights)
         mine: list[list[torch.Tensor]] = [[] for _ in range(num_replicas)]
         for i, g0 in enumerate(grads[0]):
+            if i in skip:
+                continue
             if all(g[i].is_contiguous() for g in (grads[k] for k in range(num_replicas))):
                 n = g0.numel()
                 lo, hi = n * replica // num_replicas, n * (replica + 1) // num_replicas

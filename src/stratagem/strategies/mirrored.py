@@ -21,7 +21,11 @@ from torch import nn
 
 from stratagem import devices as sg_devices
 from stratagem import diagnose
-from stratagem.collective.local import LocalReducer, choose_local_reducer
+from stratagem.collective.local import (
+    InMemoryReduce,
+    LocalReducer,
+    choose_local_reducer,
+)
 from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
@@ -110,6 +114,15 @@ class MirroredStrategy(Strategy):
         self._replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self._devices)
         self._grad_slots: list[Any] = [None] * len(self._devices)
+        # Work stealing at the end of backward (in-memory reduction only): a replica that finishes its
+        # backward pass first combines, while it waits, shares of the parameters whose gradients every
+        # replica already has. _ready[r][i] / _claimed[i][k] hold the number of the backward pass (per run)
+        # in which replica r produced gradient i / share k of gradient i was combined, so nothing needs
+        # clearing between passes.
+        self._steal = False
+        self._passes: list[int] = []
+        self._ready: list[list[int]] = []
+        self._claimed: list[int] = []
         self._run_state: _RunState | None = None
         self._step = 0
 
@@ -204,6 +217,8 @@ class MirroredStrategy(Strategy):
                 )
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         self._prepare_replicas(replicas)
+        self._steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
+        self._reset_steal_state()
         if self._needs_gradient_sync():
             for r, params in enumerate(self._replica_params):
                 for i, p in enumerate(params):
@@ -305,6 +320,7 @@ class MirroredStrategy(Strategy):
         if self._pool is None:
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         self._barrier.reset()
+        self._reset_steal_state()
         grad_enabled = torch.is_grad_enabled()
 
         def job(replica: int) -> Any:
@@ -372,8 +388,17 @@ class MirroredStrategy(Strategy):
     def _grad_ready(self, replica: int, index: int) -> None:
         """Called as soon as gradient `index` of `replica` has been accumulated (multi-worker: buckets)."""
 
+    def _reset_steal_state(self) -> None:
+        num_params = len(self._replica_params[0]) if self._replica_params else 0
+        self._passes = [0] * len(self._devices)
+        self._ready = [[0] * num_params for _ in self._devices]
+        self._claimed = [[0] * len(self._devices) for _ in range(num_params)]
+
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
+            if self._steal:
+                self._ready[replica][index] = self._passes[replica] + 1
+                self._barrier.notify()  # a replica waiting at the end of backward may combine this one now
             self._grad_ready(replica, index)
             if not self._queued[replica]:
                 self._queued[replica] = True
@@ -402,17 +427,43 @@ class MirroredStrategy(Strategy):
                 torch._foreach_zero_(present)  # an empty slice's gradient may be NaN: it must not be scaled
             elif weight != 1.0:
                 torch._foreach_mul_(present, weight)
-        self._barrier.wait(replica, "end of backward", state.step)
+        self._passes[replica] += 1
+        current = self._passes[replica]
+        steal = (lambda: self._claim_combination(replica, current, state.weights)) if self._steal else None
+        self._barrier.wait(replica, "end of backward", state.step, steal=steal)
         slots = self._grad_slots
         keep = range(len(grads))
         if any(g is None for slot in slots for g in slot):
             keep = self._fill_missing_grads(replica, slots, state.step)
         lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
-        if lists[0]:
+        if self._steal and lists[0]:
+            # The claims are final: they were made before the last replica arrived at the barrier.
+            done = {pos for pos, i in enumerate(keep) if self._claimed[i][replica] == current}
+            self._reducer.combine_(replica, lists, state.weights, skip=done)  # type: ignore[call-arg]
+        elif lists[0]:
             self._reducer.combine_(replica, lists, state.weights)
         self._barrier.wait(replica, "gradient combination", state.step)
         if lists[0] and self._combine_across_workers(replica, lists, state.step):
             self._barrier.wait(replica, "gradient combination across workers", state.step)
+
+    def _claim_combination(self, replica: int, current: int, weights: list[float]) -> Callable[[], None] | None:
+        """Called with the barrier's lock held by `replica`, waiting at the end of backward pass `current`:
+        claims one share of a parameter whose gradient every replica has produced (another replica's
+        share first: that one would otherwise do it after the meeting) and returns the job that combines
+        it, with the same arithmetic as after the meeting; None when there is nothing to claim."""
+        num_replicas = len(self._devices)
+        shares = [k for k in range(num_replicas) if k != replica] + [replica]
+        for i in reversed(range(len(self._claimed))):  # backward produces the last layers' gradients first
+            if not all(self._ready[k][i] == current for k in range(num_replicas)):
+                continue
+            grads = [[params[i].grad] for params in self._replica_params]
+            if not all(g[0].is_contiguous() for g in grads):
+                continue  # combined whole by one replica after the meeting, not in shares
+            for share in shares:
+                if self._claimed[i][share] != current:
+                    self._claimed[i][share] = current
+                    return lambda: self._reducer.combine_(share, grads, weights)
+        return None
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
         """After the local combination: sum across worker processes. Returns True when it did work

@@ -80,7 +80,19 @@ class ReplicaBarrier:
             self._finished.add(replica)
             self._cond.notify_all()
 
-    def wait(self, replica: int, what: str, step: int) -> None:
+    def notify(self) -> None:
+        """Wakes the replicas waiting here, so that a `steal` callback can look again for work."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, replica: int, what: str, step: int,
+             steal: Callable[[], Callable[[], None] | None] | None = None) -> None:
+        """Waits until every replica has arrived (or one has failed, returned, or timed out).
+
+        `steal`, called with the barrier's lock held while this replica waits, may hand back a job
+        to run with the lock released (work another replica would otherwise do after the meeting);
+        what it claims is decided before the last replica arrives, never after.
+        """
         n = len(self._names)
         with self._cond:
             if self._error is not None:
@@ -108,6 +120,14 @@ class ReplicaBarrier:
                     self._error = error
                     self._cond.notify_all()
                     raise error
+                job = steal() if steal is not None else None
+                if job is not None:
+                    self._cond.release()  # the job runs while the others may arrive
+                    try:
+                        job()
+                    finally:
+                        self._cond.acquire()
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = sorted(set(range(n)) - self._arrived)
