@@ -136,6 +136,16 @@ def test_shared_parameters_keep_one_copy_and_one_optimizer_state():
     assert shard_state == numel  # each element's moment exists once, across all replicas
 
 
+def test_shards_use_fused_kernels_where_the_user_left_the_choice_to_torch():
+    """The shards' parameter groups, which override the defaults, say fused too; state_dict keeps the user's flags."""
+    model, opt, _ = build("mlp", "sgd_momentum", torch.float64)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    _, dist_opt = strategy.distribute(model, opt)
+    assert [group["fused"] for shard in dist_opt._optimizers for group in shard.param_groups] == [True, True]
+    assert dist_opt.state_dict()["param_groups"][0]["fused"] is None
+    strategy.close()
+
+
 def test_sharded_optimizer_state_dict_round_trips_into_a_plain_optimizer():
     """A checkpoint of the sharded optimizer loads into the plain optimizer (and back) unchanged."""
     model, opt, shape = build("mlp", "sgd_momentum", torch.float64)

@@ -191,8 +191,12 @@ def _build_optimizer(cls: type[torch.optim.Optimizer], groups: list[dict[str, An
     if defaults.get("foreach") is None and not defaults.get("fused") and not defaults.get("differentiable"):
         for fast in ({"fused": True, "foreach": None}, {"foreach": True}):
             if all(key in defaults for key in fast):
+                # On the groups too: a group copied from the user's optimizer carries its own
+                # fused=None / foreach=None, which would override the defaults.
+                fast_groups = [{**group, **{k: v for k, v in fast.items() if k in group or k in defaults}}
+                               for group in groups]
                 try:
-                    return cls(groups, **{**defaults, **fast})
+                    return cls(fast_groups, **{**defaults, **fast})
                 except (RuntimeError, TypeError, ValueError):
                     continue  # this optimizer or device has no such kernel
     return cls(groups, **defaults)
