@@ -27,6 +27,7 @@ from stratagem.collective.local import (
     choose_local_reducer,
 )
 from stratagem.diagnose import PlacementDecision
+from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies.base import Strategy
@@ -120,6 +121,7 @@ class MirroredStrategy(Strategy):
         # in which replica r produced gradient i / share k of gradient i was combined, so nothing needs
         # clearing between passes.
         self._steal = False
+        self._stealing = False  # in this run: not while a placement log records, so each replica logs its own work
         self._passes: list[int] = []
         self._ready: list[list[int]] = []
         self._claimed: list[int] = []
@@ -321,6 +323,7 @@ class MirroredStrategy(Strategy):
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         self._barrier.reset()
         self._reset_steal_state()
+        self._stealing = self._steal and capture_placement() is None
         grad_enabled = torch.is_grad_enabled()
 
         def job(replica: int) -> Any:
@@ -396,7 +399,7 @@ class MirroredStrategy(Strategy):
 
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            if self._steal:
+            if self._stealing:
                 self._ready[replica][index] = self._passes[replica] + 1
                 self._barrier.notify()  # a replica waiting at the end of backward may combine this one now
             self._grad_ready(replica, index)
@@ -429,14 +432,14 @@ class MirroredStrategy(Strategy):
                 torch._foreach_mul_(present, weight)
         self._passes[replica] += 1
         current = self._passes[replica]
-        steal = (lambda: self._claim_combination(replica, current, state.weights)) if self._steal else None
+        steal = (lambda: self._claim_combination(replica, current, state.weights)) if self._stealing else None
         self._barrier.wait(replica, "end of backward", state.step, steal=steal)
         slots = self._grad_slots
         keep = range(len(grads))
         if any(g is None for slot in slots for g in slot):
             keep = self._fill_missing_grads(replica, slots, state.step)
         lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
-        if self._steal and lists[0]:
+        if self._stealing and lists[0]:
             # The claims are final: they were made before the last replica arrived at the barrier.
             done = {pos for pos, i in enumerate(keep) if self._claimed[i][replica] == current}
             self._reducer.combine_(replica, lists, state.weights, skip=done)  # type: ignore[call-arg]
