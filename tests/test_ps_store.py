@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stratagem.strategies.parameter_server import store as store_module
 from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.partitioners import place
-from stratagem.strategies.parameter_server.server import ParameterServer
+from stratagem.strategies.parameter_server.server import ParameterServer, optimizer_spec
 from stratagem.strategies.parameter_server.store import ShardStore
 from stratagem.strategies.parameter_server.transport import Security
 from stratagem.strategies.parameter_server.variables import ShardedVariables
@@ -196,3 +197,37 @@ def test_a_worker_copy_arranged_in_buckets_pulls_in_place_and_skips_unused_param
     finally:
         for ps in servers:
             ps.stop()
+
+
+def test_a_large_push_updates_each_segment_as_soon_as_its_gradient_is_in(monkeypatch):
+    monkeypatch.setattr(store_module, "SEGMENT_BYTES", 64)  # a segment per 8 float64s: many per bucket
+    values = {f"w{i}": torch.randn(4, 3, dtype=torch.float64) for i in range(6)}
+    reference = {n: torch.nn.Parameter(v.clone()) for n, v in values.items()}
+    ref_opt = torch.optim.Adam(reference.values(), lr=0.1)
+    ps = ParameterServer(security=SECURITY)
+    try:
+        spec = optimizer_spec(ref_opt)
+        _, meta, _ = ps._create("create", {"groups": {n: 0 for n in values}, "optimizer": spec}, values)
+        assert len(ps._store.buckets[0].segments) == 6
+        for step in range(3):
+            grads = {n: torch.randn(4, 3, dtype=torch.float64) for n in values}
+            pieces = wire.encode_chunks("push", {"layout": meta["layout"]},
+                                        {"@0": wire.Flat(list(grads.values()))}, chunk_bytes=96)
+            seen_early = []
+
+            def arriving(pieces=pieces, seen_early=seen_early):
+                before = ps._store.shards["w0"].detach().clone()
+                for index, piece in enumerate(pieces):
+                    if index == len(pieces) - 1:  # the last piece is not in yet: the first shard is updated already
+                        seen_early.append(not torch.equal(ps._store.shards["w0"].detach(), before))
+                    yield piece
+
+            ps._push(arriving())
+            for name, param in reference.items():
+                param.grad = grads[name]
+            ref_opt.step()
+            assert seen_early == [True]
+            for name, param in reference.items():
+                torch.testing.assert_close(ps._store.shards[name].detach(), param.detach(), rtol=1e-12, atol=0)
+    finally:
+        ps.stop()

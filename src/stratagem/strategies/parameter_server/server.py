@@ -10,6 +10,10 @@ own gradient and state, so updating a shard equals updating those rows of the wh
 optimizer that looks across a whole tensor (LBFGS, factored second moments) would need whole
 tensors, which is what placement without a partitioner gives.
 
+A push is applied segment by segment as its gradient arrives (``ShardStore.step_ready``), under the
+lock, so a pull never sees half of one; a push cut off mid-way leaves the segments it had fully
+sent updated (as a tf.distribute step that dies after updating some variables).
+
 ``Save`` returns every shard and its optimizer state; ``Load`` puts them back (checkpoints).
 
     >>> ps = ParameterServer(security=Security(token="t"), task="ps:0")   # doctest: +SKIP
@@ -31,7 +35,11 @@ from stratagem.errors import (
     WireFormatError,
 )
 from stratagem.strategies.parameter_server import wire
-from stratagem.strategies.parameter_server.store import ShardStore, bucket_name
+from stratagem.strategies.parameter_server.store import (
+    BUCKET_PREFIX,
+    ShardStore,
+    bucket_name,
+)
 from stratagem.strategies.parameter_server.transport import (
     Reply,
     Security,
@@ -176,11 +184,32 @@ class ParameterServer:
             if store.optimizer is None:
                 raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
                                            "push before Create. Fix: distribute(model, optimizer) on the chief first.")
-            _, meta, names = wire.decode_into(pieces, store.destinations(), exact=False)
+            _, meta, names = wire.decode_into(pieces, store.destinations(), exact=False,
+                                              progress=self._updates_as_received(store))
             self._check_layout(meta)
             store.apply(names)
             self._num_updates += 1
             return "applied", {"version": self._num_updates}, {}
+
+    def _updates_as_received(self, store: ShardStore) -> Callable[[dict[str, Any], int], None]:
+        """A ``progress`` for ``wire.decode_into``: once the header is checked, each segment of a whole-bucket
+        push is updated as soon as its gradient is in, while the rest of the push is still arriving."""
+        plan: list[tuple[int, int, int]] | None = None  # (bucket, payload offset, bytes per element)
+
+        def progress(header: dict[str, Any], received: int) -> None:
+            nonlocal plan
+            if plan is None:
+                self._check_layout(header["meta"])
+                entries = header["tensors"]
+                # Only when the push names whole buckets: one naming shards may switch the store to shards.
+                whole = all(entry[0].startswith(BUCKET_PREFIX) for entry in entries)
+                plan = [(int(name[len(BUCKET_PREFIX):]), offset, store.buckets[int(name[len(BUCKET_PREFIX):])]
+                         .values.element_size()) for name, _, _, offset in entries] if whole else []
+            for index, offset, itemsize in plan:
+                if received > offset:
+                    store.step_ready(index, (received - offset) // itemsize)
+
+        return progress
 
     def _known(self, names: list[str]) -> None:
         unknown = [n for n in names if n not in self._store.shards]

@@ -7,17 +7,18 @@ the server check that they agree, so a pull or a push names whole buckets (``@0`
 rather than every shard: one header entry and one block of bytes for 500 small shards.
 
 For the optimizers torch ships that update each element from its own gradient and state alone
-(``ELEMENTWISE``: SGD, Adam, AdamW...), the optimizer runs over the buckets themselves, one
-parameter per bucket, so an update of 500 shards is a few kernel calls instead of thousands, with
-the same arithmetic for every element. Any other optimizer runs over the shards, one parameter
-each. A push that carries some shards of a bucket but not all (a parameter that the step did not
+(``ELEMENTWISE``: SGD, Adam, AdamW...), the optimizer runs over segments of the buckets (runs of
+whole shards of about ``SEGMENT_BYTES``), so an update of 500 small shards is a few kernel calls
+instead of thousands, with the same arithmetic for every element, and a segment can be updated as
+soon as its gradient has arrived, while the rest of a large push is still on the wire
+(``step_ready``). Any other optimizer runs over the shards, one parameter each. A push that carries some shards of a bucket but not all (a parameter that the step did not
 use, whose optimizer state torch would leave alone) switches the store for good to per-shard
 updates: the buckets' optimizer state is split into per-shard views, and nothing is lost.
 
     >>> store = ShardStore({"w": torch.ones(2, 3), "b": torch.zeros(3)}, {"w": 0, "b": 0},
     ...                    torch.optim.SGD, [{"lr": 0.5}])
-    >>> store.flat, [b.names for b in store.buckets]
-    (True, [['w', 'b']])
+    >>> store.flat, [b.names for b in store.buckets], len(store.buckets[0].segments)
+    (True, [['w', 'b']], 1)
     >>> store.buckets[0].grad.fill_(1.0) is not None and store.apply(["@0"]) is None
     True
     >>> store.shards["w"].tolist()
@@ -41,6 +42,8 @@ from stratagem.errors import WireFormatError
 logger = logging.getLogger(__name__)
 
 BUCKET_PREFIX = "@"
+SEGMENT_BYTES = 4 << 20
+"""A segment closes once it holds this much (a larger shard is a segment of its own)."""
 
 ELEMENTWISE: frozenset[type[torch.optim.Optimizer]] = frozenset({
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -72,16 +75,29 @@ def bucket_name(index: int) -> str:
 
 
 @dataclass
+class Segment:
+    """Consecutive whole shards of a bucket, which the optimizer updates as one parameter."""
+
+    start: int
+    stop: int
+    """``[start, stop)`` in the bucket's flat tensor."""
+    names: list[str] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """Each shard's ``[start, stop)`` within the segment."""
+    shapes: list[torch.Size] = field(default_factory=list)
+    param: nn.Parameter | None = None
+    grad: torch.Tensor | None = None
+
+
+@dataclass
 class Bucket:
     """The shards of one group and dtype as views of one flat tensor."""
 
     group: int
     names: list[str]
-    spans: list[tuple[int, int]]
-    """Each shard's ``[start, stop)`` in the flat tensor."""
-    param: nn.Parameter
+    values: torch.Tensor
     grad: torch.Tensor
-    shapes: list[torch.Size] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
 
 
 class ShardStore:
@@ -102,24 +118,36 @@ class ShardStore:
         self.shards: dict[str, nn.Parameter] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self._bucket_of: dict[str, int] = {}
+        self._segment_of: dict[str, Segment] = {}
         for index, members in enumerate(bucket_layout(entries)):
             numel = sum(n for _, n in members)
-            first = values[members[0][0]]
-            flat = torch.empty(numel, dtype=first.dtype)
-            grad = torch.zeros(numel, dtype=first.dtype) if optimizer_class is not None else torch.empty(0)
-            spans, shapes, start = [], [], 0
+            dtype = values[members[0][0]].dtype
+            flat = torch.empty(numel, dtype=dtype)
+            grad = torch.zeros(numel, dtype=dtype) if optimizer_class is not None else torch.empty(0)
+            bucket = Bucket(groups[members[0][0]], [name for name, _ in members], flat, grad)
+            limit = max(1, SEGMENT_BYTES // flat.element_size())
+            start = 0
             for name, n in members:
                 value = values[name]
                 flat[start:start + n].copy_(value.reshape(-1))
-                spans.append((start, start + n))
-                shapes.append(value.shape)
                 self.shards[name] = nn.Parameter(flat[start:start + n].view(value.shape))
                 if optimizer_class is not None:
                     self.grads[name] = grad[start:start + n].view(value.shape)
                 self._bucket_of[name] = index
+                if not bucket.segments or bucket.segments[-1].stop - bucket.segments[-1].start >= limit:
+                    bucket.segments.append(Segment(start, start))
+                segment = bucket.segments[-1]
+                segment.names.append(name)
+                segment.spans.append((start - segment.start, start - segment.start + n))
+                segment.shapes.append(value.shape)
+                segment.stop = start + n
+                self._segment_of[name] = segment
                 start += n
-            self.buckets.append(Bucket(groups[members[0][0]], [name for name, _ in members], spans,
-                                       nn.Parameter(flat), grad, shapes))
+            for segment in bucket.segments:
+                segment.param = nn.Parameter(flat[segment.start:segment.stop])
+                segment.grad = grad[segment.start:segment.stop] if optimizer_class is not None else None
+            self.buckets.append(bucket)
+        self._stepped: set[int] = set()  # id() of the segments this push has already updated
         self._spare: list[list[torch.Tensor]] = []  # snapshot buffers for pulls (list.pop/append are atomic)
         self.flat = optimizer_class in ELEMENTWISE
         self.optimizer = self._new_optimizer() if optimizer_class is not None and self.shards else None
@@ -128,9 +156,9 @@ class ShardStore:
     def snapshot(self) -> list[torch.Tensor]:
         """A copy of every bucket's values, in buffers reused from earlier pulls (give them back with
         ``release``); the caller holds the lock that keeps pushes out while it is taken."""
-        buffers = self._spare.pop() if self._spare else [torch.empty_like(b.param) for b in self.buckets]
+        buffers = self._spare.pop() if self._spare else [torch.empty_like(b.values) for b in self.buckets]
         for buffer, bucket in zip(buffers, self.buckets):
-            buffer.copy_(bucket.param.detach())
+            buffer.copy_(bucket.values)
         return buffers
 
     def release(self, buffers: list[torch.Tensor]) -> None:
@@ -143,7 +171,7 @@ class ShardStore:
         param_groups = []
         for index, hyper in enumerate(self._hypers):
             if self.flat:
-                params = [b.param for b in self.buckets if b.group == index]
+                params = [seg.param for b in self.buckets if b.group == index for seg in b.segments]
             else:
                 params = [self.shards[n] for b in self.buckets if b.group == index for n in b.names]
             if params:
@@ -154,8 +182,22 @@ class ShardStore:
         """Where a push's tensors go: each bucket's gradient buffer (``@i``) and each shard's view of it."""
         return {**{bucket_name(i): b.grad for i, b in enumerate(self.buckets)}, **self.grads}
 
+    def step_ready(self, bucket: int, received: int) -> None:
+        """Updates, now, the segments of a whole-bucket push whose gradients have fully arrived
+        (``received`` elements of bucket ``bucket``), while the rest is still being received."""
+        if self.flat and self.optimizer is not None:
+            self._step([seg for seg in self.buckets[bucket].segments
+                        if seg.stop <= received and id(seg) not in self._stepped])
+
     def apply(self, names: Sequence[str]) -> None:
-        """One optimizer step with the gradients just written for ``names`` (buckets or shards)."""
+        """One optimizer step with the gradients just written for ``names`` (buckets or shards); segments
+        already updated by ``step_ready`` during this push are not updated again."""
+        try:
+            self._apply(names)
+        finally:
+            self._stepped.clear()
+
+    def _apply(self, names: Sequence[str]) -> None:
         covered: list[set[str]] = [set() for _ in self.buckets]
         for name in names:
             if name.startswith(BUCKET_PREFIX):
@@ -173,32 +215,44 @@ class ShardStore:
         if self.flat and any(0 < len(c) < len(b.names) for c, b in zip(covered, self.buckets)):
             self._split()
         if self.flat:
-            params = [b.param for c, b in zip(covered, self.buckets) if c]
-            for c, b in zip(covered, self.buckets):
-                if c:
-                    b.param.grad = b.grad
-        else:
-            params = [self.shards[n] for c in covered for n in c]
-            for param, name in ((self.shards[n], n) for c in covered for n in c):
-                param.grad = self.grads[name]
+            self._step([seg for c, b in zip(covered, self.buckets) if c for seg in b.segments
+                        if id(seg) not in self._stepped])
+            return
+        params = [self.shards[n] for c in covered for n in c]
+        for name in (n for c in covered for n in c):
+            self.shards[name].grad = self.grads[name]
         try:
             self.optimizer.step()
         finally:
             for param in params:
                 param.grad = None
 
+    def _step(self, segments: list[Segment]) -> None:
+        if not segments:
+            return
+        for segment in segments:
+            segment.param.grad = segment.grad
+            self._stepped.add(id(segment))
+        try:
+            self.optimizer.step()
+        finally:
+            for segment in segments:
+                segment.param.grad = None
+
     def _split(self) -> None:
-        """Switches to one optimizer parameter per shard, carrying the buckets' state over as views."""
+        """Switches to one optimizer parameter per shard, carrying the segments' state over as views."""
         logger.info("a push left out part of a bucket (a parameter without a gradient): updating shard by shard "
                     "from now on, as torch leaves such a parameter's state alone")
         old = self.optimizer
         self.flat = False
         self.optimizer = self._new_optimizer()
         for bucket in self.buckets:
-            state = old.state.get(bucket.param)
-            if state:
-                for name, span, shape in zip(bucket.names, bucket.spans, bucket.shapes):
-                    self.optimizer.state[self.shards[name]] = _slice_state(state, span, shape, bucket.param.numel())
+            for segment in bucket.segments:
+                state = old.state.get(segment.param)
+                if state:
+                    for name, span, shape in zip(segment.names, segment.spans, segment.shapes):
+                        self.optimizer.state[self.shards[name]] = _slice_state(state, span, shape,
+                                                                               segment.param.numel())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def shard_state(self, name: str) -> dict[str, Any]:
@@ -207,12 +261,12 @@ class ShardStore:
             return {}
         if not self.flat:
             return dict(self.optimizer.state.get(self.shards[name], {}))
-        bucket = self.buckets[self._bucket_of[name]]
-        state = self.optimizer.state.get(bucket.param)
+        segment = self._segment_of[name]
+        state = self.optimizer.state.get(segment.param)
         if not state:
             return {}
-        position = bucket.names.index(name)
-        return _slice_state(state, bucket.spans[position], bucket.shapes[position], bucket.param.numel())
+        position = segment.names.index(name)
+        return _slice_state(state, segment.spans[position], segment.shapes[position], segment.param.numel())
 
     def load_state(self, states: Mapping[str, dict[str, Any]]) -> None:
         """Replaces the optimizer state with per-shard ``states`` (shards not named start fresh)."""
@@ -220,11 +274,12 @@ class ShardStore:
             return
         self.optimizer.state.clear()
         if self.flat:
-            merged = [_merge_state([states.get(n, {}) for n in b.names], b) for b in self.buckets]
+            segments = [seg for b in self.buckets for seg in b.segments]
+            merged = [_merge_state([states.get(n, {}) for n in seg.names], seg) for seg in segments]
             if all(m is not None for m in merged):
-                for bucket, state in zip(self.buckets, merged):
+                for segment, state in zip(segments, merged):
                     if state:
-                        self.optimizer.state[bucket.param] = state
+                        self.optimizer.state[segment.param] = state
                 return
             self.flat = False  # shards at different points (step counts differ): per-shard from here on
             self.optimizer = self._new_optimizer()
@@ -245,8 +300,8 @@ def _slice_state(state: Mapping[str, Any], span: tuple[int, int], shape: torch.S
     return out
 
 
-def _merge_state(states: list[dict[str, Any]], bucket: Bucket) -> dict[str, Any] | None:
-    """One bucket's state from its shards' (per-element tensors joined, scalars equal), or None when
+def _merge_state(states: list[dict[str, Any]], segment: Segment) -> dict[str, Any] | None:
+    """One segment's state from its shards' (per-element tensors joined, scalars equal), or None when
     the shards do not agree on their scalars or keys."""
     if not any(states):
         return {}
@@ -256,7 +311,7 @@ def _merge_state(states: list[dict[str, Any]], bucket: Bucket) -> dict[str, Any]
     for key, first in states[0].items():
         values = [s[key] for s in states]
         if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and v.shape == shape
-                                                   for v, shape in zip(values, bucket.shapes)) \
+                                                   for v, shape in zip(values, segment.shapes)) \
                 and any(v.dim() > 0 for v in values):
             merged[key] = torch.cat([v.reshape(-1) for v in values]).to(first.dtype)
         elif all(_equal(v, first) for v in values):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy
@@ -307,14 +307,16 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
 
 
 def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor | Flat], *,
-                exact: bool = True) -> tuple[str, Any, list[str]]:
+                exact: bool = True, progress: Callable[[dict[str, Any], int], None] | None = None
+                ) -> tuple[str, Any, list[str]]:
     """Streams a message's tensors straight into ``destinations`` as its pieces arrive.
 
     Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape, or a
     ``Flat`` of the same dtype and element count; the message must carry exactly those tensors
     (``exact``) or some of them. One copy, from the received bytes into the tensors, and the
     message is never held whole: the fast path of pulls and pushes. Returns ``(op, meta, names of
-    the tensors written)``.
+    the tensors written)``. ``progress(header, n)``, when given, is called each time the first ``n``
+    bytes of the payload have been written (the header is checked by then).
     """
     pieces = iter(pieces)
     head: bytes | bytearray = b""
@@ -374,8 +376,12 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
         position = end
 
     take(memoryview(head)[start:])
+    if progress is not None:
+        progress(header, position)
     for piece in pieces:
         take(memoryview(piece))
+        if progress is not None:
+            progress(header, position)
     if position != expected:
         raise _fail("payload shorter than its tensors", f"{position} of {expected} bytes")
     Flat.scatter(gathered)
