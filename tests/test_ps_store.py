@@ -231,3 +231,19 @@ def test_a_large_push_updates_each_segment_as_soon_as_its_gradient_is_in(monkeyp
                 torch.testing.assert_close(ps._store.shards[name].detach(), param.detach(), rtol=1e-12, atol=0)
     finally:
         ps.stop()
+
+
+def test_staging_gathers_small_parts_into_a_kept_buffer_and_follows_new_shapes():
+    staging = wire.Staging()
+    big = torch.randn(wire.SMALL_PART_BYTES // 4 + 1)
+    first = [torch.randn(3), torch.randn(2, 2), big, torch.randn(5)]
+    blocks = wire.Flat(first, staging=staging).gather()
+    assert [b.numel() for b in blocks] == [7, big.numel(), 5] and blocks[1].data_ptr() == big.data_ptr()
+    assert torch.equal(torch.cat(blocks), torch.cat([p.reshape(-1) for p in first]))
+    kept = blocks[0].untyped_storage().data_ptr()
+    second = [torch.randn(3), torch.randn(2, 2), big, torch.randn(5)]  # same shapes: the same buffer
+    again = wire.Flat(second, staging=staging).gather()
+    assert again[0].untyped_storage().data_ptr() == kept
+    assert torch.equal(torch.cat(again), torch.cat([p.reshape(-1) for p in second]))
+    other = [torch.randn(4), torch.randn(1)]  # new shapes: a new layout
+    assert torch.equal(torch.cat(wire.Flat(other, staging=staging).gather()), torch.cat(other))

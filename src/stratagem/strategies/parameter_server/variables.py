@@ -162,7 +162,8 @@ class ShardedVariables:
             for index, bucket in enumerate(layout.buckets):
                 grads = [gradients.get(s.parameter) for s in bucket]
                 if all(g is not None for g in grads):
-                    tensors[bucket_name(index)] = wire.Flat(shard_of(g, s) for g, s in zip(grads, bucket))
+                    tensors[bucket_name(index)] = wire.Flat((shard_of(g, s) for g, s in zip(grads, bucket)),
+                                                            staging=layout.staging[index])
                 else:
                     tensors.update((s.name, shard_of(g, s)) for g, s in zip(grads, bucket) if g is not None)
             if tensors:
@@ -244,6 +245,7 @@ class _Layout:
     def __init__(self, fingerprint: str, buckets: list[list[Shard]]) -> None:
         self.fingerprint = fingerprint
         self.buckets = buckets
+        self.staging = [wire.Staging() for _ in buckets]  # for gathering each bucket's small gradients
         self._pulled: list[tuple[torch.Tensor, int]] = []
         self._destinations: dict[str, wire.Flat] | None = None
 
