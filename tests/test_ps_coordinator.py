@@ -49,6 +49,9 @@ def test_one_worker_equals_plain_training(opt_name):
     train_reference(reference, ref_opt, batches)
     with InProcessCluster(num_workers=1, num_ps=2) as cluster:
         strategy = ParameterServerStrategy(cluster, partitioner=FixedShardsPartitioner(2))
+        before = strategy.explain()
+        assert before.decision("variables").choice == "not placed yet"
+        assert before.details["shards"] == "placed by distribute(model, optimizer)"
         ps_model, ps_optimizer = strategy.distribute(model, optimizer)
         coordinator = ClusterCoordinator(strategy)
         step = _step_fn(ps_model, ps_optimizer)

@@ -384,12 +384,16 @@ class ParameterServerStrategy(Strategy):
         decisions = [
             PlacementDecision(subject="task", choice=self.cluster.task_name,
                               reason=f"cluster from {self.cluster.source}"),
-            PlacementDecision(subject="variables", choice=f"{len(shards)} shards", reason=placement),
+            PlacementDecision(subject="variables",
+                              choice=f"{len(shards)} shards" if self._model is not None else "not placed yet",
+                              reason=placement if self._model is not None else f"distribute(model, optimizer) will "
+                              f"place them: {placement}"),
             PlacementDecision(subject="updates", choice="asynchronous",
                               reason="each parameter server applies a worker's gradients when they arrive"),
         ]
         details = {"workers": list(self.cluster.addresses["worker"]), "ps": self._ps_addresses,
                    "tls": self._security.tls,
-                   "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}}
+                   "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}
+                   if self._model is not None else "placed by distribute(model, optimizer)"}
         return Explanation(strategy="ParameterServerStrategy", num_replicas_in_sync=1, replicas=[],
                            decisions=decisions, details=details)
