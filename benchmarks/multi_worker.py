@@ -6,28 +6,97 @@ torch.distributed.all_reduce.
     .venv/bin/python benchmarks/multi_worker.py --rounds 1 --steps 50
 
 Each round runs DDP, MWMS, DDP (ratios against the mean of the two DDP runs of the round).
+
+    .venv/bin/python benchmarks/multi_worker.py --workloads mlp --interleaved 10
+
+--interleaved N runs DDP and MWMS in the same two processes instead (one process group; each rank holds
+a DDP model and a MWMS model), N blocks of 20 steps each, alternating which goes first, every block timed
+between barriers; it prints each side's samples/s and the median of the per-block ratios, so that a
+disturbance from other work on a shared machine hits both sides.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from stratagem.bench.suite import suite_parser
 
 
 def run(argv: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", *argv], check=False, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
+def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, warmup: int, queue) -> None:
+    """One rank of --interleaved: a MWMS model and a DDP model over the same process group, blocks alternating."""
+    import torch
+    import torch.distributed as dist
+
+    import stratagem as sg
+    from stratagem.bench.throughput import make_train_step
+    from stratagem.bench.workloads import WORKLOADS
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    workload = WORKLOADS[workload_name]
+    batches = workload.make_batches()
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
+               "task": {"type": "worker", "index": rank}}
+    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
+    net = workload.build_model()
+    model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
+    dataset = list(strategy.distribute_dataset(batches))
+    mwms_step = make_train_step(model, optimizer)
+    ddp = torch.nn.parallel.DistributedDataParallel(workload.build_model())
+    ddp_step = make_train_step(ddp, workload.build_optimizer(ddp))
+    per = workload.global_batch // 2
+    data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
+    sides = {"ddp": lambda i: ddp_step(*data[i % len(data)]),
+             "mwms": lambda i: strategy.run(mwms_step, args=dataset[i % len(dataset)])}
+    for run in sides.values():
+        for i in range(warmup):
+            run(i)
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for block in range(blocks):
+        for name in (list(sides) if block % 2 == 0 else list(sides)[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(block * 20, (block + 1) * 20):
+                sides[name](i)
+            dist.barrier()  # the slowest rank's time
+            seconds[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        ratios = [d / m for d, m in zip(seconds["ddp"], seconds["mwms"])]
+        queue.put({"workload": workload_name,
+                   "samples_per_s": {n: blocks * 20 * workload.global_batch / sum(t) for n, t in seconds.items()},
+                   "ratio_median": statistics.median(ratios), "ratios": ratios})
+    strategy.close()
+
+
 def main() -> int:
-    args = suite_parser(__doc__, Path("bench-results/multi_worker.json")).parse_args()
+    parser = suite_parser(__doc__, Path("bench-results/multi_worker.json"))
+    parser.add_argument("--interleaved", type=int, metavar="BLOCKS", default=0,
+                        help="DDP vs MWMS in the same two processes, BLOCKS alternating blocks of 20 steps")
+    args = parser.parse_args()
+    if args.interleaved:
+        from stratagem.bench.multi_process import spawn_ranks
+
+        results = [spawn_ranks(_interleaved_rank, 2, w, "PORT", args.interleaved, args.warmup)
+                   for w in args.workloads.split(",")]
+        for r in results:
+            print(f"{r['workload']}: DDP {r['samples_per_s']['ddp']:.0f} samples/s, MWMS {r['samples_per_s']['mwms']:.0f} "
+                  f"samples/s; MWMS / DDP median {r['ratio_median']:.3f} over {len(r['ratios'])} blocks")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        return 0
     out: dict = {"training": {}, "allreduce": None}
     lines = ["| workload | DDP samples/s (median) | MWMS samples/s (median) | MWMS / DDP (median) | per round |",
              "|---|---|---|---|---|"]
@@ -49,10 +118,10 @@ def main() -> int:
     out["allreduce"] = allreduce
     a, b = allreduce["a_64MiB"], allreduce["b_500x4KiB"]
     lines += ["", "| all-reduce (2 processes, Gloo) | raw | bucketed path | ratio |", "|---|---|---|---|",
-              f"| (a) one 64 MiB tensor | {a['raw_s'] * 1e3:.1f} ms | {a['bucketed_s'] * 1e3:.1f} ms | "
-              f"{a['bucketed_vs_raw']:.3f}x raw throughput |",
-              f"| (b) 500 tensors of 4 KiB | {b['per_tensor_s'] * 1e3:.1f} ms (one all_reduce each) | "
-              f"{b['bucketed_s'] * 1e3:.1f} ms | {b['speedup_vs_per_tensor']:.1f}x faster |"]
+              (f"| (a) one 64 MiB tensor | {a['raw_s'] * 1e3:.1f} ms | {a['bucketed_s'] * 1e3:.1f} ms | "
+               f"{a['bucketed_vs_raw']:.3f}x raw throughput |"),
+              (f"| (b) 500 tensors of 4 KiB | {b['per_tensor_s'] * 1e3:.1f} ms (one all_reduce each) | "
+               f"{b['bucketed_s'] * 1e3:.1f} ms | {b['speedup_vs_per_tensor']:.1f}x faster |")]
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
