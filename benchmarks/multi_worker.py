@@ -40,27 +40,14 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
     import torch
     import torch.distributed as dist
 
-    import stratagem as sg
-    from stratagem.bench.throughput import make_train_step
+    from stratagem.bench.multi_process import ddp_side, mwms_side
     from stratagem.bench.workloads import WORKLOADS
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
     workload = WORKLOADS[workload_name]
-    batches = workload.make_batches()
-    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
-               "task": {"type": "worker", "index": rank}}
-    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
-    net = workload.build_model()
-    model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
-    dataset = list(strategy.distribute_dataset(batches))
-    mwms_step = make_train_step(model, optimizer)
-    ddp = torch.nn.parallel.DistributedDataParallel(workload.build_model())
-    ddp_step = make_train_step(ddp, workload.build_optimizer(ddp))
-    per = workload.global_batch // 2
-    data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
-    sides = {"ddp": lambda i: ddp_step(*data[i % len(data)]),
-             "mwms": lambda i: strategy.run(mwms_step, args=dataset[i % len(dataset)])}
+    strategy, mwms = mwms_side(workload, rank, 2, port)  # its process group serves DDP too
+    sides = {"ddp": ddp_side(workload, rank, 2), "mwms": mwms}
     for run in sides.values():
         for i in range(warmup):
             run(i)

@@ -15,7 +15,9 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,38 +33,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def ddp_side(workload: Any, rank: int, world: int) -> Callable[[int], torch.Tensor]:
+    """Step ``i`` of DistributedDataParallel on this rank's slice of the global batches (process group set up)."""
+    model = torch.nn.parallel.DistributedDataParallel(workload.build_model())
+    train_step = make_train_step(model, workload.build_optimizer(model))
+    per = workload.global_batch // world
+    data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in workload.make_batches()]
+    return lambda i: train_step(*data[i % len(data)])
+
+
+def mwms_side(workload: Any, rank: int, world: int, port: int) -> tuple[Any, Callable[[int], torch.Tensor]]:
+    """A MultiWorkerMirroredStrategy over ``world`` ranks on 127.0.0.1 from ``port``, and its step ``i``."""
+    import stratagem as sg
+
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
+               "task": {"type": "worker", "index": rank}}
+    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
+    net = workload.build_model()
+    model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
+    dataset = list(strategy.distribute_dataset(workload.make_batches()))
+    train_step = make_train_step(model, optimizer)
+    return strategy, lambda i: strategy.experimental_local_results(
+        strategy.run(train_step, args=dataset[i % len(dataset)]))[0]
+
+
 def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int, warmup: int, steps: int,
-               threads: int, queue) -> None:  # noqa: PLR0913 - one argument per benchmark setting
+               threads: int, queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]
-    batches = workload.make_batches()
     if config == "ddp":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        model = torch.nn.parallel.DistributedDataParallel(workload.build_model())
-        optimizer = workload.build_optimizer(model)
-        per = workload.global_batch // world
-        data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
-
-        ddp_step = make_train_step(model, optimizer)
-
-        def step(i: int) -> torch.Tensor:
-            return ddp_step(*data[i % len(data)])
+        step = ddp_side(workload, rank, world)
     else:
-        import stratagem as sg
-
-        cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
-                   "task": {"type": "worker", "index": rank}}
-        strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
-        net = workload.build_model()
-        model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
-        dataset = list(strategy.distribute_dataset(batches))
-
-        train_step = make_train_step(model, optimizer)
-
-        def step(i: int) -> torch.Tensor:
-            return strategy.experimental_local_results(strategy.run(train_step, args=dataset[i % len(dataset)]))[0]
-
+        _, step = mwms_side(workload, rank, world, port)
     elapsed, loss = timed_steps(step, warmup, steps, barrier=dist.barrier)
     if rank == 0:
         queue.put(asdict(Measurement(config, workload_name, world, steps, elapsed,
