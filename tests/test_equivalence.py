@@ -13,10 +13,21 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import (
+    MODELS,
+    OPTIMIZERS,
+    TOL,
+    assert_same_state,
+    build,
+    make_batches,
+    mlp,
+    train_reference,
+    train_with,
+)
+from conftest import cpu_registry
 
 import stratagem as sg
-from cases import MODELS, OPTIMIZERS, TOL, assert_same_state, build, make_batches, mlp, train_reference, train_with
-from conftest import cpu_registry
+
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
@@ -58,7 +69,7 @@ def test_one_device_matches_plain_loop(model_name, opt_name):
 @pytest.mark.parametrize("num_replicas", [2, 3])
 def test_mean_loss_equals_global_batch_loss(num_replicas):
     """reduce('mean') of per-replica mean losses is the mean loss over the global batch, uneven splits included."""
-    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    model, _, shape = build("mlp", "sgd_momentum", torch.float64)
     reference = copy.deepcopy(model)
     batches = make_batches(shape, torch.float64, sizes=[7, 2])
     strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)], registry=cpu_registry(3))
@@ -150,7 +161,7 @@ def test_sharded_optimizer_state_dict_round_trips_into_a_plain_optimizer():
     """A checkpoint of the sharded optimizer loads into the plain optimizer (and back) unchanged."""
     model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
-    dist_model, dist_opt, _ = train_with(strategy, model, opt, make_batches(shape, torch.float64))
+    _, dist_opt, _ = train_with(strategy, model, opt, make_batches(shape, torch.float64))
     reference, ref_opt, _ = build("mlp", "sgd_momentum", torch.float64)
     train_reference(reference, ref_opt, make_batches(shape, torch.float64))
     plain = OPTIMIZERS["sgd_momentum"](reference.parameters())
@@ -222,9 +233,12 @@ class _Pause(torch.nn.Module):
         return _SlowBackwardOnReplica1.apply(x)
 
 
-def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_have_ready_exactly():
+def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_have_ready_exactly(monkeypatch):
     """Replica 0 waits while replica 1 pauses before the first layer's gradient; meanwhile it combines
     both shares of the later layers' gradients. The result still equals one device (uneven splits)."""
+    from stratagem.strategies import mirrored
+
+    monkeypatch.setattr(mirrored, "STEAL_MIN_ELEMENTS", 1)  # these layers are tiny: let every share be claimed
     def model_with_pause():
         torch.manual_seed(42)
         return torch.nn.Sequential(torch.nn.Linear(6, 16), _Pause(), torch.nn.ReLU(), torch.nn.Linear(16, 16),
@@ -243,4 +257,19 @@ def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_
     # Parameters 2-5 (the last two layers) were ready in both replicas while replica 0 waited: both of
     # their shares were combined then, in the one backward pass of the last step.
     assert [strategy._claimed[i] for i in range(2, 6)] == [[1, 1]] * 4
+    strategy.close()
+
+
+def test_small_gradients_are_left_for_the_combination_after_the_meeting():
+    """A share of a small gradient costs more Python than it saves: with the default threshold, nothing
+    of these tiny layers is claimed early, and the result is the same."""
+    torch.manual_seed(42)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), _Pause(), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double()
+    reference = copy.deepcopy(model)
+    batches = make_batches((6,), torch.float64)
+    train_reference(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    model, _, _ = train_with(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+    assert_same_state(reference, model, torch.float64)
+    assert strategy._stealable == [False] * 4 and all(c == [0, 0] for c in strategy._claimed)
     strategy.close()

@@ -60,6 +60,10 @@ class _RunState:
     weights: list[float]
 
 
+STEAL_MIN_ELEMENTS = 64 * 1024
+"""A replica waiting at the end of backward combines early only shares of at least this many elements."""
+
+
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism over the devices of one process (tf.distribute.MirroredStrategy).
 
@@ -125,6 +129,8 @@ class MirroredStrategy(Strategy):
         self._passes: list[int] = []
         self._ready: list[list[int]] = []
         self._claimed: list[int] = []
+        self._full: list[int] = []  # gradients every replica has produced in the current pass, to claim from
+        self._stealable: list[bool] = []  # large enough that combining one share early pays for the Python it costs
         self._run_state: _RunState | None = None
         self._step = 0
 
@@ -220,6 +226,9 @@ class MirroredStrategy(Strategy):
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         self._prepare_replicas(replicas)
         self._steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
+        # A share of a small gradient costs more in Python calls than it saves; those are combined after
+        # the meeting, all in one call (a model of 300 small layers ran 30-50% slower stealing them all).
+        self._stealable = [p.numel() // len(replicas) >= STEAL_MIN_ELEMENTS for p in self._replica_params[0]]
         self._reset_steal_state()
         if self._needs_gradient_sync():
             for r, params in enumerate(self._replica_params):
@@ -396,12 +405,19 @@ class MirroredStrategy(Strategy):
         self._passes = [0] * len(self._devices)
         self._ready = [[0] * num_params for _ in self._devices]
         self._claimed = [[0] * len(self._devices) for _ in range(num_params)]
+        self._full = []
+
+    def _mark_ready(self, replica: int, index: int) -> None:
+        """Under the barrier's lock: gradient `index` of `replica` is in; once every replica's is, it can be claimed."""
+        current = self._passes[replica] + 1
+        self._ready[replica][index] = current
+        if all(ready[index] == current for ready in self._ready):
+            self._full.append(index)
 
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            if self._stealing:
-                self._ready[replica][index] = self._passes[replica] + 1
-                self._barrier.notify()  # a replica waiting at the end of backward may combine this one now
+            if self._stealing and self._stealable[index]:  # a replica waiting may combine this one now
+                self._barrier.notify(lambda: self._mark_ready(replica, index))
             self._grad_ready(replica, index)
             if not self._queued[replica]:
                 self._queued[replica] = True
@@ -456,16 +472,15 @@ class MirroredStrategy(Strategy):
         it, with the same arithmetic as after the meeting; None when there is nothing to claim."""
         num_replicas = len(self._devices)
         shares = [k for k in range(num_replicas) if k != replica] + [replica]
-        for i in reversed(range(len(self._claimed))):  # backward produces the last layers' gradients first
-            if not all(self._ready[k][i] == current for k in range(num_replicas)):
-                continue
+        while self._full:  # the gradient that became complete last first: backward produces the last layers first
+            i = self._full[-1]
             grads = [[params[i].grad] for params in self._replica_params]
-            if not all(g[0].is_contiguous() for g in grads):
-                continue  # combined whole by one replica after the meeting, not in shares
-            for share in shares:
-                if self._claimed[i][share] != current:
-                    self._claimed[i][share] = current
-                    return lambda: self._reducer.combine_(share, grads, weights)
+            if all(ready[i] == current for ready in self._ready) and all(g[0].is_contiguous() for g in grads):
+                for share in shares:
+                    if self._claimed[i][share] != current:
+                        self._claimed[i][share] = current
+                        return lambda: self._reducer.combine_(share, grads, weights)
+            self._full.pop()  # every share claimed, from an earlier pass, or combined whole after the meeting
         return None
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:

@@ -80,9 +80,12 @@ class ReplicaBarrier:
             self._finished.add(replica)
             self._cond.notify_all()
 
-    def notify(self) -> None:
-        """Wakes the replicas waiting here, so that a `steal` callback can look again for work."""
+    def notify(self, update: Callable[[], None] | None = None) -> None:
+        """Runs `update` under the barrier's lock (the one `steal` callbacks run under), then wakes the
+        replicas waiting here, so that a `steal` callback can look again for work."""
         with self._cond:
+            if update is not None:
+                update()
             self._cond.notify_all()
 
     def wait(self, replica: int, what: str, step: int,
