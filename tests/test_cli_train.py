@@ -176,8 +176,8 @@ def test_multi_worker_main_job_runs_under_the_launcher_and_matches_mirrored(caps
 
 def test_backup_dir_resumes_a_finished_epoch_and_is_removed_at_the_end(capsys, tmp_path):
     """A rerun with --backup-dir continues from the last epoch backed up; here the backup of a first,
-    interrupted run is made by hand: a one-epoch run that keeps its backup. On one device: Adam under
-    two mirrored replicas does not resume exactly yet (see SHARED_STEP_BUG in test_backup_restore.py)."""
+    interrupted run is made by hand: a one-epoch run that keeps its backup. The main job's strategy
+    (Mirrored, two replicas, Adam): test_backup_restore.py checks that Adam resumes exactly under it."""
     from stratagem.train import BackupAndRestore
 
     class KeepBackup(BackupAndRestore):
@@ -192,15 +192,15 @@ def test_backup_dir_resumes_a_finished_epoch_and_is_removed_at_the_end(capsys, t
 
     job.fit = fit_keeping_backup
     try:
-        first = run_json(capsys, "--epochs", "1", "--seed", "5", "--batch-size", "256", "--strategy", "one_device", "--backup-dir", str(tmp_path / "b"))
+        first = run_json(capsys, "--epochs", "1", "--seed", "5", "--batch-size", "256", "--strategy", "mirrored", "--backup-dir", str(tmp_path / "b"))
     finally:
         job.fit = original
     assert (tmp_path / "b" / "backup.pt").exists()
-    resumed = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "one_device", "--backup-dir", str(tmp_path / "b"))
+    resumed = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "mirrored", "--backup-dir", str(tmp_path / "b"))
     assert resumed["epochs"][0] == first["epochs"][0]  # restored from the backup, not trained again
     assert resumed["num_train_examples"] == 2 * 1437
     assert not (tmp_path / "b").exists()
-    uninterrupted = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "one_device")
+    uninterrupted = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "mirrored")
     assert resumed["epochs"][1]["loss"] == pytest.approx(uninterrupted["epochs"][1]["loss"], rel=1e-6)
     assert resumed["test_accuracy"] == pytest.approx(uninterrupted["test_accuracy"], abs=1 / 360)
 
