@@ -35,7 +35,7 @@ def interleaved(workload_name: str, blocks: int, warmup: int, block_steps: int =
     import torch
 
     import stratagem as sg
-    from stratagem.bench.throughput import _registry, make_train_step
+    from stratagem.bench.throughput import _registry, make_train_step, strategy_steps
     from stratagem.bench.workloads import WORKLOADS
 
     workload = WORKLOADS[workload_name]
@@ -43,12 +43,8 @@ def interleaved(workload_name: str, blocks: int, warmup: int, block_steps: int =
     plain = workload.build_model()
     plain_step = make_train_step(plain, workload.build_optimizer(plain))
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=_registry(2))
-    net = workload.build_model()
-    model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
-    dataset = list(strategy.distribute_dataset(batches))
-    mirrored_step = make_train_step(model, optimizer)
     sides = {"plain": lambda i: plain_step(*batches[i % len(batches)]),
-             "mirrored x2": lambda i: strategy.run(mirrored_step, args=dataset[i % len(dataset)])}
+             "mirrored x2": strategy_steps(strategy, workload)}
     for run in sides.values():
         for i in range(warmup):
             run(i)

@@ -27,6 +27,7 @@ from stratagem.bench.throughput import (
     Measurement,
     make_train_step,
     measure_plain,
+    strategy_steps,
     timed_steps,
 )
 from stratagem.bench.workloads import WORKLOADS, Workload
@@ -94,13 +95,9 @@ def _measure_in_process(spec: BenchStrategy, workload: Workload, request: Measur
         options["registry"] = _cpu_registry(request.replicas)
     strategy = spec.build(spec.strategy_class(), replica_devices(request.kind, request.replicas), options)
     try:
-        net = workload.build_model()
-        model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
-        dataset = list(strategy.distribute_dataset(workload.make_batches()))
-        train_step = make_train_step(model, optimizer)
+        step = strategy_steps(strategy, workload)
         barrier = _cuda_synchronizer(request.replicas) if request.kind == "gpu" else None
-        elapsed, loss = timed_steps(lambda i: strategy.run(train_step, args=dataset[i % len(dataset)]),
-                                    request.warmup, request.steps, barrier=barrier)
+        elapsed, loss = timed_steps(step, request.warmup, request.steps, barrier=barrier)
         final_loss = float(strategy.reduce("mean", loss))
     finally:
         strategy.close()
@@ -120,10 +117,7 @@ def _measure_process_rank(spec: BenchStrategy, rank: int, workload: Workload, re
     strategy = spec.build(spec.strategy_class(), [process_device(request.kind, rank)],
                           {"timeout": _wait_timeout(request), "cluster": cluster})
     try:
-        net = workload.build_model()
-        model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
-        dataset = list(strategy.distribute_dataset(workload.make_batches()))
-        train_step = make_train_step(model, optimizer)
+        step = strategy_steps(strategy, workload)
         sync = _cuda_synchronizer(1, first=rank) if request.kind == "gpu" else None
 
         def barrier() -> None:
@@ -132,8 +126,7 @@ def _measure_process_rank(spec: BenchStrategy, rank: int, workload: Workload, re
                 sync()
             dist.barrier()
 
-        elapsed, loss = timed_steps(lambda i: strategy.run(train_step, args=dataset[i % len(dataset)]),
-                                    request.warmup, request.steps, barrier=barrier)
+        elapsed, loss = timed_steps(step, request.warmup, request.steps, barrier=barrier)
         final_loss = float(strategy.reduce("mean", loss))
     finally:
         strategy.close()

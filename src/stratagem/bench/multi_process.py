@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stratagem.bench.throughput import Measurement, make_train_step, timed_steps
+from stratagem.bench.throughput import (
+    Measurement,
+    make_train_step,
+    strategy_steps,
+    timed_steps,
+)
 from stratagem.bench.workloads import WORKLOADS
 
 
@@ -49,12 +54,8 @@ def mwms_side(workload: Any, rank: int, world: int, port: int) -> tuple[Any, Cal
     cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
                "task": {"type": "worker", "index": rank}}
     strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
-    net = workload.build_model()
-    model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
-    dataset = list(strategy.distribute_dataset(workload.make_batches()))
-    train_step = make_train_step(model, optimizer)
-    return strategy, lambda i: strategy.experimental_local_results(
-        strategy.run(train_step, args=dataset[i % len(dataset)]))[0]
+    step = strategy_steps(strategy, workload)
+    return strategy, lambda i: strategy.experimental_local_results(step(i))[0]
 
 
 def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int, warmup: int, steps: int,

@@ -62,7 +62,7 @@ def suite_parser(description: str, json_default: Path) -> argparse.ArgumentParse
 def run_one(config: Config, workload: str, warmup: int, steps: int, timeout: float = 600) -> dict[str, Any]:
     argv = list(config.command) if config.command else [sys.executable, "-m", "stratagem.bench.throughput", *config.argv]
     argv += ["--workload", workload, "--warmup", str(warmup), "--steps", str(steps)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark {config.name} on {workload} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -46,6 +46,15 @@ def make_train_step(model: Any, optimizer: torch.optim.Optimizer) -> Callable[[t
     return train_step
 
 
+def strategy_steps(strategy: Any, workload: Workload) -> Callable[[int], Any]:
+    """Step ``i`` of ``workload`` under ``strategy``: a fresh model distributed, the batches split, ``run``."""
+    net = workload.build_model()
+    model, optimizer = strategy.distribute(net, workload.build_optimizer(net))
+    dataset = list(strategy.distribute_dataset(workload.make_batches()))
+    train_step = make_train_step(model, optimizer)
+    return lambda i: strategy.run(train_step, args=dataset[i % len(dataset)])
+
+
 def timed_steps(step: Callable[[int], Any], warmup: int, steps: int,
                 barrier: Callable[[], Any] | None = None) -> tuple[float, Any]:
     """Runs `step(i)` for warm-up then timed steps; returns (seconds of the timed steps, last result).
