@@ -147,6 +147,7 @@ class ShardStore:
                 segment.param = nn.Parameter(flat[segment.start:segment.stop])
                 segment.grad = grad[segment.start:segment.stop] if optimizer_class is not None else None
             self.buckets.append(bucket)
+        self._destinations: dict[str, torch.Tensor] | None = None
         self._stepped: set[int] = set()  # id() of the segments this push has already updated
         self._spare: list[list[torch.Tensor]] = []  # snapshot buffers for pulls (list.pop/append are atomic)
         self.flat = optimizer_class in ELEMENTWISE
@@ -179,8 +180,11 @@ class ShardStore:
         return self._build(self._class, param_groups)
 
     def destinations(self) -> dict[str, torch.Tensor]:
-        """Where a push's tensors go: each bucket's gradient buffer (``@i``) and each shard's view of it."""
-        return {**{bucket_name(i): b.grad for i, b in enumerate(self.buckets)}, **self.grads}
+        """Where a push's tensors go: each bucket's gradient buffer (``@i``) and each shard's view of it
+        (the same tensors for the store's life, so worked out once)."""
+        if self._destinations is None:
+            self._destinations = {**{bucket_name(i): b.grad for i, b in enumerate(self.buckets)}, **self.grads}
+        return self._destinations
 
     def step_ready(self, bucket: int, received: int) -> None:
         """Updates, now, the segments of a whole-bucket push whose gradients have fully arrived
