@@ -319,6 +319,9 @@ class MirroredStrategy(Strategy):
         self._step += 1
         self._run_state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
         self._queued = [False] * num_replicas
+        # The last step's gradients must not outlive zero_grad(): held here, they would make backward
+        # take fresh memory every step (page faults) instead of reusing theirs.
+        self._grad_slots = [None] * num_replicas
         self._begin_step(self._run_state)
         if num_replicas == 1:
             try:

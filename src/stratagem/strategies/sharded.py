@@ -128,6 +128,8 @@ class ShardedOptimizer(ReplicatedOptimizer):
             grad = params[i].grad
             shard.grad = None if grad is None else grad.reshape(-1)[lo:hi]
         result = optimizer.step(closure)
+        for shard in shards:
+            shard.grad = None
         self._after_step(replica)  # nobody reads the parameters until every share is updated
         return result
 
