@@ -61,9 +61,35 @@ def test_buckets_launch_in_order_only_when_complete_and_weight_each_gradient():
     buckets.mark_ready(1, record)
     assert record.launched == [4, 4, 4]
     assert buckets.finish(record) == ["work1", "work2", "work3"]
-    buckets.copy_out()
+    buckets.hand_out()
     for i, p in enumerate(ps):  # weighted by 0.25, then "summed" over two ranks
         assert torch.equal(p.grad, torch.full((4,), (i + 1) * 0.25 * 2))
+
+
+def test_gradients_become_views_of_their_bucket_and_in_place_accumulation_is_weighted_in_place():
+    ps = params(3, 5)
+    buckets = GradientBuckets(ps, bucket_bytes=10**6, first_bucket_bytes=10**6, direct_bytes=10**9)
+    (bucket,) = buckets.buckets
+    record = Recorder()
+    buckets.start(0.5)
+    for i, p in enumerate(ps):
+        p.grad = torch.full_like(p, float(i + 1))
+        buckets.mark_ready(i, record)
+    buckets.finish(record)
+    buckets.hand_out()  # no copy back: each gradient is its slice of the bucket
+    for p in ps:
+        assert p.grad.untyped_storage().data_ptr() == bucket.flat.untyped_storage().data_ptr()
+    assert torch.equal(bucket.flat, torch.tensor([2.0] * 5 + [1.0] * 3))  # reverse order, weighted and summed
+    # zero_grad(set_to_none=False) and a backward pass accumulate into the views themselves.
+    for i, p in enumerate(ps):
+        p.grad.zero_()
+        p.grad += 4.0 * (i + 1)
+    buckets.start(0.25)
+    for i in range(len(ps)):
+        buckets.mark_ready(i, record)
+    buckets.finish(record)
+    buckets.hand_out()
+    assert torch.equal(ps[0].grad, torch.full((3,), 2.0)) and torch.equal(ps[1].grad, torch.full((5,), 4.0))
 
 
 def test_a_direct_gradient_is_all_reduced_in_place_in_chunks():
@@ -89,7 +115,7 @@ def test_an_empty_slice_contributes_zeros_even_when_its_gradient_is_nan():
     buckets.mark_ready(1, record)
     buckets.mark_ready(0, record)
     buckets.finish(record)
-    buckets.copy_out()
+    buckets.hand_out()
     assert torch.equal(small.grad, torch.zeros(4)) and torch.equal(big.grad, torch.zeros(2048))
 
 
@@ -102,6 +128,6 @@ def test_an_unused_parameter_contributes_zeros_at_the_end_of_backward():
     buckets.mark_ready(0, record)
     assert record.launched == []  # the bucket also holds the unused parameter
     buckets.finish(record)
-    buckets.copy_out()
+    buckets.hand_out()
     assert record.launched == [8]
     assert torch.equal(used.grad, torch.full((4,), 2.0)) and torch.equal(unused.grad, torch.zeros(4))

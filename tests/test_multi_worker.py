@@ -55,6 +55,17 @@ def test_workers_match_one_device(tmp_path, workers, local, model_name, opt_name
 
 
 @pytest.mark.timeout(120)
+def test_gradients_accumulated_in_place_match_one_device(tmp_path):
+    # zero_grad(set_to_none=False) and two backward passes a step: after the first step each gradient is
+    # a view of its all-reduce bucket, and later passes accumulate into those views in place.
+    code, lines, saved = run_launched(tmp_path, 2, MW_MODEL="mlp", MW_OPT="sgd_momentum", MW_IN_PLACE=1)
+    assert code == 0, "\n".join(lines[-30:])
+    expected = reference_state("mlp", "sgd_momentum", torch.float64)
+    for key, value in expected.items():
+        torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64])
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_that_runs_out_of_data_stops_everyone_at_the_same_step(tmp_path):
     code, lines, saved = run_launched(tmp_path, 2, MW_SHORT_RANK=1)
     assert code == 0, "\n".join(lines[-30:])

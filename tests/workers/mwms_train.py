@@ -8,6 +8,8 @@ MW_TIMEOUT                     the strategy's timeout in seconds
 MW_KILL_RANK, MW_KILL_STEP     this rank SIGKILLs itself at the start of that step
 MW_WIDE_RANK                   this rank builds a model with a different shape
 MW_SHORT_RANK                  this rank's loader yields one batch less (shard="data")
+MW_IN_PLACE                    1: zero_grad(set_to_none=False) and two backward passes of half the loss
+                               per step, so gradients accumulate in place (in the buckets' views)
 """
 
 from __future__ import annotations
@@ -53,12 +55,18 @@ def main() -> int:
     if env.get("MW_SHORT_RANK") == str(rank):
         batches = batches[:-1]
 
+    in_place = env.get("MW_IN_PLACE") == "1"
+
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        if in_place:
+            (loss * 0.5).backward(retain_graph=True)
+            (loss * 0.5).backward()
+        else:
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not in_place)
         return loss
 
     if env.get("MW_FILES"):

@@ -2,8 +2,9 @@
 
 Parameters are taken in reverse registration order (roughly the order backward produces their
 gradients). Small gradients are fused into flat buckets of about `bucket_bytes` (the first one
-small, so communication starts early; a bucket closes once it holds its limit or more): each is copied and weighted into its bucket in one pass
-as soon as it is ready, and copied back at the end. A gradient of at least `direct_bytes` (a
+small, so communication starts early; a bucket closes once it holds its limit or more): each is copied
+and weighted into its bucket in one pass as soon as it is ready, and at the end each parameter's
+gradient becomes its view of the all-reduced bucket (no copy back). A gradient of at least `direct_bytes` (a
 whole bucket, by default) is all-reduced in place instead, in chunks of at most `bucket_bytes`, each chunk weighted just
 before its all-reduce starts: no copy in, no copy out, and the weighting of one chunk overlaps
 the communication of the previous one. Buckets launch strictly in order, so every rank issues
@@ -119,15 +120,17 @@ class GradientBuckets:
         self._launch_ready(launch)
         return self._works
 
-    def copy_out(self) -> None:
-        """Writes the all-reduced fused buckets back into the parameters' gradients."""
+    def hand_out(self) -> None:
+        """Makes each fused gradient its view of the all-reduced bucket, as DDP's `gradient_as_bucket_view`
+        does: no copy back (6.3 MB a step on the MLP workload, about 3% of its step). The view is
+        overwritten by the next step's backward pass; a caller keeping a gradient across steps clones it.
+        A gradient accumulated in place (zero_grad(set_to_none=False), several backward passes) is then
+        already in its bucket, and taking it in is a multiplication in place."""
         for bucket in self.buckets:
             for i, view in bucket.views.items():
                 p = self.params[i]
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+                if p.grad is not view:
+                    p.grad = view
 
     def _copy_in(self, bucket: _Bucket, index: int) -> None:
         view = bucket.views[index]

@@ -208,7 +208,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             return
         works = self._buckets.finish(self._launch)
         self._cw.wait(works, what="gradient all-reduce", step=state.step)
-        self._buckets.copy_out()
+        self._buckets.hand_out()
         self._buckets.start(state.weights[0])  # ready for a second backward in the same step
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
