@@ -36,26 +36,44 @@ class FakeStore:
 
 
 class FakeWork:
+    """A work handle completed through its future; waited on through the future, or (as Gloo's) through
+    wait(timeout), which raises when the time runs out and re-raises the collective's error."""
+
     def __init__(self) -> None:
         self.future = torch.futures.Future()
+        self._done = threading.Event()
+        self.future.add_done_callback(lambda _: self._done.set())
 
     def get_future(self) -> torch.futures.Future:
         return self.future
 
+    def is_completed(self) -> bool:
+        return self.future.done()
 
-def make(store: FakeStore, **kwargs) -> CrossWorker:
-    options = dict(timeout=5.0, roll_call_seconds=0.2)
-    options.update(kwargs)
-    return CrossWorker(store, rank=0, task_names=["worker:0", "worker:1", "worker:2"], **options)
+    def wait(self, timeout: timedelta) -> bool:
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError("Operation timed out!")
+        self.future.value()
+        return True
 
 
-def test_a_completed_collective_returns():
+@pytest.fixture(params=[False, True], ids=["futures", "blocking-waits"])
+def make(request):
+    def build(store: FakeStore, **kwargs) -> CrossWorker:
+        options = dict(timeout=5.0, roll_call_seconds=0.2, blocking_waits=request.param)
+        options.update(kwargs)
+        return CrossWorker(store, rank=0, task_names=["worker:0", "worker:1", "worker:2"], **options)
+
+    return build
+
+
+def test_a_completed_collective_returns(make):
     work = FakeWork()
     work.future.set_result(torch.ones(1))
     make(FakeStore()).wait([work], what="gradient all-reduce", step=1)
 
 
-def test_a_failed_collective_names_the_tasks_missing_from_the_roll_call():
+def test_a_failed_collective_names_the_tasks_missing_from_the_roll_call(make):
     store = FakeStore()
     cw = make(store)
     cw.heartbeat(7)
@@ -70,7 +88,7 @@ def test_a_failed_collective_names_the_tasks_missing_from_the_roll_call():
         cw.wait([work], what="gradient all-reduce", step=7)
 
 
-def test_a_collective_that_never_completes_times_out_and_says_nobody_is_gone():
+def test_a_collective_that_never_completes_times_out_and_says_nobody_is_gone(make):
     store = FakeStore()
     cw = make(store, timeout=0.3)
     store.set("stratagem/rollcall/3/1", "here")
@@ -79,7 +97,7 @@ def test_a_collective_that_never_completes_times_out_and_says_nobody_is_gone():
         cw.wait([FakeWork()], what="reduce", step=3)
 
 
-def test_a_stall_is_warned_about_before_the_timeout(caplog):
+def test_a_stall_is_warned_about_before_the_timeout(make, caplog):
     store = FakeStore()
     cw = make(store, timeout=10.0, stall_warning_after=0.1)
     cw.heartbeat(4)
@@ -91,7 +109,7 @@ def test_a_stall_is_warned_about_before_the_timeout(caplog):
     assert "worker:0 has waited" in caplog.text and "worker:1: 3" in caplog.text
 
 
-def test_a_lost_store_means_the_chief_is_gone():
+def test_a_lost_store_means_the_chief_is_gone(make):
     store = FakeStore()
     cw = make(store)
     store.fail = True

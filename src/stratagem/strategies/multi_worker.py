@@ -94,6 +94,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             rank=self._cluster.rank,
             task_names=[self._cluster.task_for_rank(r) for r in range(world)],
             timeout=timeout,
+            blocking_waits=backend == "gloo",
         )
         self._check_same_local_replicas()
         self._buckets: GradientBuckets | None = None
