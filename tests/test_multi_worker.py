@@ -100,6 +100,7 @@ def test_a_worker_killed_mid_training_is_named_by_the_survivor(tmp_path):
     assert procs[0].returncode != 0
     assert time.monotonic() - start < 60, "the survivor should not wait out its whole timeout"
     assert "worker:1 (rank 1)" in err0, err0[-2000:]
+    assert "failed (" in err0, err0[-2000:]  # Gloo's error, seen as a failure rather than waited out
 
 
 @pytest.mark.timeout(120)
