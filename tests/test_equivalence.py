@@ -211,6 +211,22 @@ def test_non_elementwise_optimizer_keeps_private_copies_and_says_why():
         strict.distribute(other, torch.optim.LBFGS(other.parameters()))
 
 
+@pytest.mark.parametrize("make_optimizer", [lambda ps: torch.optim.Rprop(ps, lr=0.01),
+                                             lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=2)], ids=["rprop", "asgd"])
+def test_rprop_and_asgd_share_parameters_and_match_one_device(make_optimizer):
+    # ASGD's shards keep torch's default kernel: its foreach kernel rounds differently (1.5e-9 in float64).
+    torch.manual_seed(42)
+    reference = mlp().double()
+    model = copy.deepcopy(reference)
+    ref_opt = make_optimizer(reference.parameters())
+    batches = make_batches((6,), torch.float64)
+    train_reference(reference, ref_opt, batches)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    model, _, _ = train_with(strategy, model, make_optimizer(model.parameters()), batches)
+    assert strategy.explain().decision("parameter storage").choice == "shared, update sharded"
+    assert_same_state(reference, model, torch.float64)
+
+
 class _SlowBackwardOnReplica1(torch.autograd.Function):
     """Identity whose backward pauses in replica 1 only, so replica 0 finishes backward first."""
 

@@ -7,7 +7,7 @@ the server check that they agree, so a pull or a push names whole buckets (``@0`
 rather than every shard: one header entry and one block of bytes for 500 small shards.
 
 For the optimizers torch ships that update each element from its own gradient and state alone
-(``ELEMENTWISE``: SGD, Adam, AdamW...), the optimizer runs over segments of the buckets (runs of
+(``sharded.ELEMENTWISE_OPTIMIZERS``: SGD, Adam, AdamW...), the optimizer runs over segments of the buckets (runs of
 whole shards of about ``SEGMENT_BYTES``), so an update of 500 small shards is a few kernel calls
 instead of thousands, with the same arithmetic for every element, and a segment can be updated as
 soon as its gradient has arrived, while the rest of a large push is still on the wire
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import WireFormatError
+from stratagem.strategies.sharded import ELEMENTWISE_OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,6 @@ BUCKET_PREFIX = "@"
 SEGMENT_BYTES = 4 << 20
 """A segment closes once it holds this much (a larger shard is a segment of its own)."""
 
-ELEMENTWISE: frozenset[type[torch.optim.Optimizer]] = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
-})
-"""Optimizers whose update of an element reads only that element's value, gradient and state (and
-scalars such as the step count), so one step over a concatenation equals steps over its pieces.
-Exact classes only: a subclass may change the arithmetic."""
 
 
 def bucket_layout(entries: Iterable[tuple[str, int, torch.dtype, int]]) -> list[list[tuple[str, int]]]:
@@ -150,7 +144,7 @@ class ShardStore:
         self._destinations: dict[str, torch.Tensor] | None = None
         self._stepped: set[int] = set()  # id() of the segments this push has already updated
         self._spare: list[list[torch.Tensor]] = []  # snapshot buffers for pulls (list.pop/append are atomic)
-        self.flat = optimizer_class in ELEMENTWISE
+        self.flat = optimizer_class in ELEMENTWISE_OPTIMIZERS
         self.optimizer = self._new_optimizer() if optimizer_class is not None and self.shards else None
 
     # ---- reads ---------------------------------------------------------------------------------
