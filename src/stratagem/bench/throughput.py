@@ -89,19 +89,10 @@ def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int
         strategy = sg.OneDeviceStrategy("cpu")
     else:
         strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)], registry=_registry(replicas))
-    model, optimizer = _distribute(strategy, workload)
-    dataset = list(strategy.distribute_dataset(workload.make_batches()))
-
-    train_step = make_train_step(model, optimizer)
-    elapsed, loss = timed_steps(lambda i: strategy.run(train_step, args=dataset[i % len(dataset)]), warmup, steps)
+    elapsed, loss = timed_steps(strategy_steps(strategy, workload), warmup, steps)
     final = float(strategy.reduce("mean", loss))
     return Measurement(config, workload.name, replicas, steps, elapsed, steps * workload.global_batch / elapsed,
                        final, torch.get_num_threads())
-
-
-def _distribute(strategy, workload: Workload):
-    model = workload.build_model()
-    return strategy.distribute(model, workload.build_optimizer(model))
 
 
 def _registry(replicas: int):

@@ -128,7 +128,7 @@ class MirroredStrategy(Strategy):
         self._stealing = False  # in this run: not while a placement log records, so each replica logs its own work
         self._passes: list[int] = []
         self._ready: list[list[int]] = []
-        self._claimed: list[int] = []
+        self._claimed: list[list[int]] = []
         self._full: list[int] = []  # gradients every replica has produced in the current pass, to claim from
         self._stealable: list[bool] = []  # large enough that combining one share early pays for the Python it costs
         self._run_state: _RunState | None = None

@@ -184,9 +184,9 @@ class ParameterServer:
             if store.optimizer is None:
                 raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
                                            "push before Create. Fix: distribute(model, optimizer) on the chief first.")
-            _, meta, names = wire.decode_into(pieces, store.destinations(), exact=False,
-                                              progress=self._updates_as_received(store))
-            self._check_layout(meta)
+            # The progress callback checks the layout as soon as the header is in, before any update.
+            _, _, names = wire.decode_into(pieces, store.destinations(), exact=False,
+                                           progress=self._updates_as_received(store))
             store.apply(names)
             self._num_updates += 1
             return "applied", {"version": self._num_updates}, {}
@@ -203,8 +203,9 @@ class ParameterServer:
                 entries = header["tensors"]
                 # Only when the push names whole buckets: one naming shards may switch the store to shards.
                 whole = all(entry[0].startswith(BUCKET_PREFIX) for entry in entries)
-                plan = [(int(name[len(BUCKET_PREFIX):]), offset, store.buckets[int(name[len(BUCKET_PREFIX):])]
-                         .values.element_size()) for name, _, _, offset in entries] if whole else []
+                indices = [int(entry[0][len(BUCKET_PREFIX):]) for entry in entries] if whole else []
+                plan = [(index, entry[3], store.buckets[index].values.element_size())
+                        for index, entry in zip(indices, entries)]
             for index, offset, itemsize in plan:
                 if received > offset:
                     store.step_ready(index, (received - offset) // itemsize)

@@ -216,26 +216,22 @@ class ShardStore:
             self._step([seg for c, b in zip(covered, self.buckets) if c for seg in b.segments
                         if id(seg) not in self._stepped])
             return
-        params = [self.shards[n] for c in covered for n in c]
-        for name in (n for c in covered for n in c):
-            self.shards[name].grad = self.grads[name]
-        try:
-            self.optimizer.step()
-        finally:
-            for param in params:
-                param.grad = None
+        self._step_with([(self.shards[n], self.grads[n]) for c in covered for n in c])
 
     def _step(self, segments: list[Segment]) -> None:
-        if not segments:
-            return
-        for segment in segments:
-            segment.param.grad = segment.grad
-            self._stepped.add(id(segment))
+        if segments:
+            self._stepped.update(id(segment) for segment in segments)
+            self._step_with([(segment.param, segment.grad) for segment in segments])
+
+    def _step_with(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """One optimizer step over exactly these parameters: the others have no gradient, so torch skips them."""
+        for param, grad in pairs:
+            param.grad = grad
         try:
             self.optimizer.step()
         finally:
-            for segment in segments:
-                segment.param.grad = None
+            for param, _ in pairs:
+                param.grad = None
 
     def _split(self) -> None:
         """Switches to one optimizer parameter per shard, carrying the segments' state over as views."""

@@ -246,21 +246,23 @@ class _Layout:
         self.fingerprint = fingerprint
         self.buckets = buckets
         self.staging = [wire.Staging() for _ in buckets]  # for gathering each bucket's small gradients
-        self._pulled: list[tuple[torch.Tensor, int]] = []
+        self._pulled: list[torch.Tensor] = []  # kept alive, so their id()s below cannot be reused
+        self._pulled_key: tuple[list[int], list[int]] = ([], [])
         self._destinations: dict[str, wire.Flat] | None = None
 
     def destinations(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, wire.Flat] | None:
-        """A ``Flat`` of the parameters' shard views per bucket (kept while the same tensors are pulled into),
-        or None when some are not contiguous CPU tensors."""
+        """A ``Flat`` of the parameters' shard views per bucket (kept while the same tensors, with the same
+        memory, are pulled into), or None when some are not contiguous CPU tensors."""
         tensors = [parameters[s.parameter] for bucket in self.buckets for s in bucket]
-        if self._destinations is not None and len(tensors) == len(self._pulled) and all(
-                a is b and a.data_ptr() == ptr for a, (b, ptr) in zip(tensors, self._pulled)):
+        # Lists of ints compare in C: this check runs at every pull, over every shard.
+        key = ([id(t) for t in tensors], [t.data_ptr() for t in tensors])
+        if self._destinations is not None and key == self._pulled_key:
             return self._destinations
         views = [[shard_of(parameters[s.parameter], s).detach() for s in bucket] for bucket in self.buckets]
         if not all(v.device.type == "cpu" and v.is_contiguous() for bucket in views for v in bucket):
             return None
         self._destinations = {bucket_name(i): wire.Flat(bucket) for i, bucket in enumerate(views)}
-        self._pulled = [(t, t.data_ptr()) for t in tensors]
+        self._pulled, self._pulled_key = tensors, key
         return self._destinations
 
 
