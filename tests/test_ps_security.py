@@ -70,11 +70,12 @@ def test_listens_on_loopback_by_default(server):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("numel", [2, wire.CHUNK_BYTES // 4 + 10], ids=["one-piece", "streamed"])
-def test_wrong_token_is_refused_before_the_handler_runs(server, numel):
+@pytest.mark.parametrize(("numel", "small_reply"), [(2, False), (2, True), (wire.CHUNK_BYTES // 4 + 10, False)],
+                         ids=["one-piece", "unary", "streamed"])
+def test_wrong_token_is_refused_before_the_handler_runs(server, numel, small_reply):
     client = Client(server.address, SERVICE, security=Security(token="wrong"), task="echo:0")
     with pytest.raises(ParameterServerError, match="UNAUTHENTICATED: Wrong cluster token") as info:
-        client.call("Echo", "attack", None, {"x": torch.ones(numel)}, timeout=10)
+        client.call("Echo", "attack", None, {"x": torch.ones(numel)}, timeout=10, small_reply=small_reply)
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "echo:0" in str(info.value)
     assert seen == []
     _assert_still_serving(server)
@@ -98,6 +99,10 @@ def test_missing_token_is_refused_and_request_never_read(server):
     with pytest.raises(grpc.RpcError) as info:
         list(single(b"this is not even a message", timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "No cluster token" in info.value.details()
+    unary = channel.unary_unary(f"/{SERVICE}/Echo{transport.UNARY}")  # one piece each way
+    with pytest.raises(grpc.RpcError) as info:
+        unary(b"this is not even a message", timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "No cluster token" in info.value.details()
     assert seen == []
     channel.close()
     _assert_still_serving(server)
@@ -109,16 +114,48 @@ def test_malformed_message_gets_invalid_argument_and_server_keeps_serving(server
     stub = channel.stream_stream(f"/{SERVICE}/Echo")
     forged = struct.pack(">4sI", b"SGW1", 2) + b"{}"
     single = channel.unary_stream(f"/{SERVICE}/Echo{transport.SINGLE}")
+    unary = channel.unary_unary(f"/{SERVICE}/Echo{transport.UNARY}")
     for payload in (b"\x80\x04pickled", forged):
-        for call in (lambda p: stub(iter([p]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),)),
-                     lambda p: single(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))):
+        for call in (lambda p: list(stub(iter([p]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),))),
+                     lambda p: list(single(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))),
+                     lambda p: unary(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))):
             with pytest.raises(grpc.RpcError) as info:
-                list(call(payload))
+                call(payload)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "Malformed parameter-server message" in info.value.details()
     assert seen == []
     channel.close()
     _assert_still_serving(server)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("numel", [3, wire.CHUNK_BYTES // 8], ids=["one-piece", "reply-of-two-pieces"])
+def test_a_unary_call_returns_the_whole_reply(server, numel):
+    # The echo doubles its input, so the reply of a 1/2-chunk float64 request is a chunk and more:
+    # two pieces, joined into the one message of a unary reply.
+    client = Client(server.address, SERVICE, security=Security(token="right"), task="echo:0")
+    x = torch.arange(numel, dtype=torch.float64)
+    _, meta, got = client.call("Echo", "ok", {"n": 2}, {"x": x, "y": x}, timeout=10, small_reply=True)
+    assert meta == {"n": 2} and torch.equal(got["x"], x * 2) and torch.equal(got["y"], x * 2)
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_reply_too_large_for_a_unary_call_is_refused_with_the_fix():
+    def grow(op, meta, tensors):  # a short request, a reply larger than one gRPC message may be
+        return op, meta, {"big": torch.zeros(transport.MAX_MESSAGE_BYTES // 4 + 1)}
+
+    srv = Server(SERVICE, {"Grow": grow, "Echo": _echo}, security=Security(token="right"))
+    client = Client(srv.address, SERVICE, security=Security(token="right"), task="grow:0")
+    try:
+        with pytest.raises(ParameterServerError, match="RESOURCE_EXHAUSTED: The reply is too large") as info:
+            client.call("Grow", "big", timeout=10, small_reply=True)
+        assert "without small_reply=True" in str(info.value) and "grow:0" in str(info.value)
+        assert client.call("Grow", "big", timeout=10)[2]["big"].numel() == transport.MAX_MESSAGE_BYTES // 4 + 1
+        _assert_still_serving(srv)
+    finally:
+        client.close()
+        srv.stop()
 
 
 @pytest.mark.timeout(30)

@@ -168,7 +168,7 @@ class ShardedVariables:
                     tensors.update((s.name, shard_of(g, s)) for g, s in zip(grads, bucket) if g is not None)
             if tensors:
                 self._clients[ps].call("Push", "push", {"layout": layout.fingerprint}, tensors,
-                                       timeout=self.rpc_timeout)
+                                       timeout=self.rpc_timeout, small_reply=True)
 
         self._each_ps(call)
 
