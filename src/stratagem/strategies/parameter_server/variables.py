@@ -160,10 +160,10 @@ class ShardedVariables:
             layout = self._layout(ps, shards, gradients)
             tensors: dict[str, torch.Tensor | wire.Flat] = {}
             for index, bucket in enumerate(layout.buckets):
-                grads = [gradients.get(s.parameter) for s in bucket]
+                grads = list(map(gradients.get, layout.parameters[index]))
                 if all(g is not None for g in grads):
-                    tensors[bucket_name(index)] = wire.Flat((shard_of(g, s) for g, s in zip(grads, bucket)),
-                                                            staging=layout.staging[index])
+                    parts = grads if layout.whole[index] else [shard_of(g, s) for g, s in zip(grads, bucket)]
+                    tensors[bucket_name(index)] = wire.Flat(parts, staging=layout.staging[index])
                 else:
                     tensors.update((s.name, shard_of(g, s)) for g, s in zip(grads, bucket) if g is not None)
             if tensors:
@@ -246,6 +246,8 @@ class _Layout:
         self.fingerprint = fingerprint
         self.buckets = buckets
         self.staging = [wire.Staging() for _ in buckets]  # for gathering each bucket's small gradients
+        self.parameters = [[s.parameter for s in bucket] for bucket in buckets]  # each shard's parameter name
+        self.whole = [all(s.name == s.parameter for s in bucket) for bucket in buckets]  # no parameter split
         self._pulled: list[torch.Tensor] = []  # kept alive, so their id()s below cannot be reused
         self._pulled_key: tuple[list[int], list[int]] = ([], [])
         self._destinations: dict[str, wire.Flat] | None = None

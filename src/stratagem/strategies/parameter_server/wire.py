@@ -97,10 +97,11 @@ class Flat:
         if not self.parts:
             raise WireFormatError("A Flat needs at least one tensor. Received: none. Fix: leave it out of the message.")
         self.dtype = self.parts[0].dtype
-        if any(p.dtype != self.dtype for p in self.parts):
+        dtypes = {p.dtype for p in self.parts}
+        if len(dtypes) > 1:
             raise WireFormatError(f"The parts of a Flat must share one dtype. Received: "
-                                  f"{sorted({str(p.dtype) for p in self.parts})}. Fix: one Flat per dtype.")
-        self.numel = sum(p.numel() for p in self.parts)
+                                  f"{sorted(str(d) for d in dtypes)}. Fix: one Flat per dtype.")
+        self.numel = sum(map(torch.Tensor.numel, self.parts))
         self._blocks: list[tuple[torch.Tensor, list[torch.Tensor] | None]] | None = None
 
     @property
