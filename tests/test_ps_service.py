@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from cases import TOL, build, make_batches, train_reference
 
 from stratagem.errors import ParameterServerError
+from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.partitioners import (
     FixedShardsPartitioner,
     place,
@@ -139,3 +142,54 @@ def test_optimizer_class_must_be_a_torch_optimizer():
         resolve_optimizer_class("os", "system")
     with pytest.raises(ParameterServerError, match="Cannot find the optimizer class"):
         resolve_optimizer_class("torch.optim", "NoSuchOptimizer")
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch):
+    # Each push adds exactly 1 to every element (SGD, lr 1, gradient -1), and pushes and pulls both
+    # span several 2 MiB pieces, so a pull taken while a push is applied would show two values.
+    # Every piece is sent 2 ms after the one before, as over a slow network: a push's updates then
+    # land while a pull is still being sent.
+    pieces = wire._pieces
+
+    def slow_pieces(*args, **kwargs):
+        for piece in pieces(*args, **kwargs):
+            yield piece
+            time.sleep(0.002)
+
+    monkeypatch.setattr(wire, "_pieces", slow_pieces)
+    params = {f"w{i}": torch.zeros(3 << 17) for i in range(3)}  # 1.5 MiB each, one bucket of 4.5 MiB
+    optimizer = torch.optim.SGD(list(params.values()), lr=1.0)
+    shards = place([(n, p, 0) for n, p in params.items()], 1, None)
+
+    def variables():
+        return ShardedVariables(shards, [servers[0].address], security=SECURITY, rpc_timeout=20)
+
+    pusher, puller = variables(), variables()
+    pusher.create(params, optimizer)
+    gradients = {n: torch.full_like(p, -1.0) for n, p in params.items()}
+    pushes, seen, done = 40, set(), threading.Event()
+
+    def push_all():
+        try:
+            for _ in range(pushes):
+                pusher.push(gradients)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=push_all)
+    thread.start()
+    local = {n: torch.empty_like(p) for n, p in params.items()}
+    try:
+        while not done.is_set() or not seen:
+            puller.pull_into(local)
+            values = torch.cat(list(local.values())).unique()
+            assert values.numel() == 1, f"a pull saw a push half applied: values {values.tolist()[:8]}"
+            seen.add(int(values.item()))
+    finally:
+        thread.join(30)
+    puller.pull_into(local)
+    assert all(torch.equal(t, torch.full_like(t, pushes)) for t in local.values())
+    assert len(seen) > 3, f"pulls and pushes did not overlap enough to test anything: saw {sorted(seen)}"
+    pusher.close()
+    puller.close()
