@@ -19,6 +19,7 @@ from stratagem.strategies.parameter_server.partitioners import (
 )
 from stratagem.strategies.parameter_server.server import (
     ParameterServer,
+    optimizer_spec,
     resolve_optimizer_class,
 )
 from stratagem.strategies.parameter_server.transport import Security
@@ -148,16 +149,15 @@ def test_optimizer_class_must_be_a_torch_optimizer():
 def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch):
     # Each push adds exactly 1 to every element (SGD, lr 1, gradient -1), and pushes and pulls both
     # span several 2 MiB pieces, so a pull taken while a push is applied would show two values.
-    # Every piece is sent 2 ms after the one before, as over a slow network: a push's updates then
-    # land while a pull is still being sent.
-    pieces = wire._pieces
+    # Every piece is cut 2 ms late, as if the network were slow: a push's updates then land while a
+    # pull is still being sent.
+    join_piece = wire.join_piece
 
-    def slow_pieces(*args, **kwargs):
-        for piece in pieces(*args, **kwargs):
-            yield piece
-            time.sleep(0.002)
+    def slow_join_piece(*args, **kwargs):
+        time.sleep(0.002)
+        return join_piece(*args, **kwargs)
 
-    monkeypatch.setattr(wire, "_pieces", slow_pieces)
+    monkeypatch.setattr(wire, "join_piece", slow_join_piece)
     params = {f"w{i}": torch.zeros(3 << 17) for i in range(3)}  # 1.5 MiB each, one bucket of 4.5 MiB
     optimizer = torch.optim.SGD(list(params.values()), lr=1.0)
     shards = place([(n, p, 0) for n, p in params.items()], 1, None)
@@ -193,3 +193,28 @@ def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch):
     assert len(seen) > 3, f"pulls and pushes did not overlap enough to test anything: saw {sorted(seen)}"
     pusher.close()
     puller.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("update", ["push", "load"])
+def test_a_pull_under_way_keeps_the_values_it_started_with(update):
+    # White-box and deterministic: the pull's first piece is cut, the values change, the rest follows.
+    ps = ParameterServer(security=SECURITY, task="ps:0")
+    try:
+        before = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB: two pieces
+        optimizer = torch.optim.SGD([torch.nn.Parameter(before.clone())], lr=1.0)
+        _, meta, _ = ps._create("create", {"groups": {"w": 0}, "optimizer": optimizer_spec(optimizer)},
+                                {"w": before.clone()})
+        reply = ps._pull("pull", {"layout": meta["layout"]}, {})
+        first = next(reply)
+        if update == "push":
+            ps._push(iter(wire.encode_chunks("push", {"layout": meta["layout"]}, {"@0": torch.ones_like(before)})))
+        else:
+            ps._load("load", {"scalars": {}}, {"w": torch.zeros_like(before)})
+        _, _, got = wire.decode(wire.join_chunks([first, *reply]))
+        assert torch.equal(got["@0"], before)
+        assert len(ps._reads) == 0  # sent, so forgotten
+        _, _, now = wire.decode(wire.join_chunks(ps._pull("pull", {"layout": meta["layout"]}, {})))
+        assert torch.equal(now["@0"], before - 1 if update == "push" else torch.zeros_like(before))
+    finally:
+        ps.stop()

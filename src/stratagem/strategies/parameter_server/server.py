@@ -11,8 +11,11 @@ optimizer that looks across a whole tensor (LBFGS, factored second moments) woul
 tensors, which is what placement without a partitioner gives.
 
 A push is applied segment by segment as its gradient arrives (``ShardStore.step_ready``), under the
-lock, so a pull never sees half of one; a push cut off mid-way leaves the segments it had fully
-sent updated (as a tf.distribute step that dies after updating some variables).
+lock; a push cut off mid-way leaves the segments it had fully sent updated (as a tf.distribute step
+that dies after updating some variables). A pull starts under the same lock and is sent from the
+live values, piece by piece; an update that comes while a pull is still being sent first copies
+the values for it (copy on write), so a pull never sees half of a push and costs no copy of the
+model when none overlaps it.
 
 ``Save`` returns every shard and its optimizer state; ``Load`` puts them back (checkpoints).
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -107,12 +111,22 @@ def _build(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> to
     return cls(groups)
 
 
-def _then(pieces: Iterator[bytes], done: Callable[[], None]) -> Iterator[bytes]:
-    """``pieces``, then ``done()`` once they are all sent or the call ended early."""
-    try:
-        yield from pieces
-    finally:
-        done()
+class _Read:
+    """A pull being sent. It reads the store's live values, piece by piece, until an update is about to
+    change them: the update first copies them for it (``ParameterServer._keep_reads``), and the pull
+    goes on from that copy. So a pull costs no copy of the model unless an update overlaps it."""
+
+    __slots__ = ("__weakref__", "copied", "meta", "store", "values")
+
+    def __init__(self, store: ShardStore, meta: dict[str, Any]) -> None:
+        self.store = store
+        self.meta = meta
+        self.values = [bucket.values for bucket in store.buckets]
+        self.copied = False
+
+    def parts(self) -> list[Any]:
+        """The reply's parts (``wire.segments``) over the values it reads now."""
+        return wire.segments("values", self.meta, {bucket_name(i): t for i, t in enumerate(self.values)})
 
 
 class ParameterServer:
@@ -121,6 +135,9 @@ class ParameterServer:
     def __init__(self, *, security: Security, address: str = "127.0.0.1:0", task: str = "ps:0") -> None:
         self.task = task
         self._lock = threading.Lock()
+        self._reads_lock = threading.Lock()  # held while a piece is cut from live values, or they are copied
+        # Pulls being sent (a pull whose reply gRPC drops unsent is forgotten with it).
+        self._reads: weakref.WeakSet[_Read] = weakref.WeakSet()
         self._store = ShardStore({}, {}, None, [])
         self._num_updates = 0
         self._shutdown = threading.Event()
@@ -162,19 +179,39 @@ class ParameterServer:
                 "creates the shards again).")
 
     def _pull(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
-        with self._lock:
+        with self._lock:  # no update is under way while a pull starts
             self._check_layout(meta)
-            # A snapshot under the lock, so a push cannot tear a read; it is sent after the lock is released,
-            # each piece made as gRPC asks for it, into memory freed by the piece before (no fresh pages).
-            store, version = self._store, self._num_updates
-            snapshot = store.snapshot()
+            read = _Read(self._store, {"version": self._num_updates})
+            with self._reads_lock:
+                self._reads.add(read)
+        return self._send(read)
+
+    def _send(self, read: _Read) -> Iterator[bytes]:
+        """A pull's pieces, each cut as gRPC asks for it (into memory freed by the piece before), from the
+        values as they were when the pull came: the live ones, or the copy an update made first."""
         try:
-            pieces = wire.stream_chunks("values", {"version": version},
-                                        {bucket_name(i): t for i, t in enumerate(snapshot)})
-        except BaseException:
-            store.release(snapshot)
-            raise
-        return _then(pieces, lambda: store.release(snapshot))
+            parts, copied = read.parts(), False
+            pieces = wire.piece_bounds([memoryview(part).nbytes for part in parts])
+            for index, bounds in enumerate(pieces):
+                with self._reads_lock:
+                    if read.copied and not copied:
+                        parts, copied = read.parts(), True
+                    piece = wire.join_piece(parts, bounds)
+                    if index == len(pieces) - 1:  # every byte is cut: an update need not wait for the send
+                        self._reads.discard(read)
+                yield piece
+        finally:
+            with self._reads_lock:
+                self._reads.discard(read)
+            if read.copied:
+                read.store.release(read.values)
+
+    def _keep_reads(self) -> None:
+        """Before values change (under ``_lock``): pulls still reading them get their own copy first."""
+        with self._reads_lock:
+            for read in list(self._reads):
+                if not read.copied and read.store is self._store:
+                    read.values, read.copied = read.store.snapshot(), True
 
     def _push(self, pieces: Iterator[bytes]) -> Reply:
         # The gradient bytes stream straight into the buckets' gradient buffers (one copy, into memory
@@ -184,6 +221,7 @@ class ParameterServer:
             if store.optimizer is None:
                 raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
                                            "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+            self._keep_reads()
             # The progress callback checks the layout as soon as the header is in, before any update.
             _, _, names = wire.decode_into(pieces, store.destinations(), exact=False,
                                            progress=self._updates_as_received(store))
@@ -244,6 +282,7 @@ class ParameterServer:
             for name, state in scalars.items():
                 states.setdefault(name, {}).update(state)
             self._known(list(states))
+            self._keep_reads()
             with torch.no_grad():
                 for name, value in values.items():
                     self._store.shards[name].copy_(value)

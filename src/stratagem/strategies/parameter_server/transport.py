@@ -57,7 +57,7 @@ _CLIENT_OPTIONS = _CHANNEL_OPTIONS + [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply, or the reply's
-# pieces (wire.encode_chunks or wire.stream_chunks: a parameter server sends a snapshot taken under its lock).
+# pieces (wire.encode_chunks or wire.stream_chunks, or cut as they are sent: a parameter server's pull).
 Reply = tuple[str, Any, Mapping[str, torch.Tensor]] | Iterable[bytes]
 Handler = Callable[[str, Any, dict[str, torch.Tensor]], Reply]
 

@@ -225,9 +225,17 @@ def stream_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
     """``encode_chunks`` as an iterator: everything is checked now, and each piece is copied out of the
     tensors only when it is asked for, so gRPC sends one piece while the next is made. The tensors
     must not change until the last piece is taken."""
+    return _pieces(segments(op, meta, tensors), chunk_bytes)
+
+
+def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None
+             ) -> list[memoryview | bytes]:
+    """The parts a message is made of, in order: its prefix and header, then views of the tensors' bytes
+    and padding (nothing copied yet). Two messages with the same operation, metadata, names, dtypes
+    and shapes have parts of the same lengths, so a piece (``piece_bounds``) can be cut from either."""
     tensors = tensors or {}
     entries = []
-    segments: list[memoryview | bytes] = []
+    parts: list[memoryview | bytes] = []
     offset = 0
     for name, tensor in tensors.items():
         if not isinstance(tensor, (torch.Tensor, Flat)):
@@ -239,14 +247,14 @@ def stream_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
         nbytes = tensor.nbytes
         if isinstance(tensor, Flat):
             entries.append([name, _NAMES[tensor.dtype], [tensor.numel], offset])
-            segments.extend(_bytes_view(block) for block in tensor.gather())
+            parts.extend(_bytes_view(block) for block in tensor.gather())
         else:
             entries.append([name, _NAMES[tensor.dtype], list(tensor.shape), offset])
             if nbytes:
-                segments.append(_bytes_view(tensor))
+                parts.append(_bytes_view(tensor))
         padding = _aligned(nbytes) - nbytes
         if padding:
-            segments.append(bytes(padding))
+            parts.append(bytes(padding))
         offset += nbytes + padding
     try:
         header = json.dumps({"op": op, "meta": meta, "tensors": entries}, allow_nan=False).encode()
@@ -255,25 +263,39 @@ def stream_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
                               "Fix: use numbers, strings, booleans, None, lists and dicts with string keys.") from exc
     # Spaces after the JSON put the payload at a multiple of ALIGN, so tensors decode in place, aligned.
     header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
-    segments.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
-    return _pieces(segments, chunk_bytes)
+    parts.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
+    return parts
 
 
-def _pieces(segments: list[memoryview | bytes], chunk_bytes: int) -> Iterator[bytes]:
-    parts: list[memoryview | bytes] = []
+def piece_bounds(sizes: Iterable[int], chunk_bytes: int = CHUNK_BYTES) -> list[list[tuple[int, int, int]]]:
+    """How parts of these byte lengths are cut into pieces of at most ``chunk_bytes``: for each piece,
+    ``(part index, start, stop)`` of the bytes it takes, in order."""
+    pieces: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
     room = chunk_bytes
-    for segment in segments:
-        view = memoryview(segment)
-        while len(view):
-            take = view[:room]
-            parts.append(take)
-            view = view[len(take):]
-            room -= len(take)
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(room, size - start)
+            current.append((index, start, start + take))
+            start += take
+            room -= take
             if room == 0:
-                yield b"".join(parts)  # the one copy
-                parts, room = [], chunk_bytes
-    if parts:  # the header is never empty, so every message has at least one piece
-        yield b"".join(parts)
+                pieces.append(current)
+                current, room = [], chunk_bytes
+    if current:  # the header is never empty, so every message has at least one piece
+        pieces.append(current)
+    return pieces
+
+
+def join_piece(parts: list[memoryview | bytes], bounds: list[tuple[int, int, int]]) -> bytes:
+    """One piece (``piece_bounds``) copied out of the message's parts: the one copy gRPC needs."""
+    return b"".join([memoryview(parts[index])[start:stop] for index, start, stop in bounds])
+
+
+def _pieces(parts: list[memoryview | bytes], chunk_bytes: int) -> Iterator[bytes]:
+    for bounds in piece_bounds([memoryview(part).nbytes for part in parts], chunk_bytes):
+        yield join_piece(parts, bounds)
 
 
 def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None) -> bytearray:
