@@ -8,7 +8,9 @@ pull of every shard (one call) plus a push of a gradient for every shard (one ca
 applies plain SGD), so 2x the model's bytes cross loopback. The echo, served by the same process
 with grpcio alone (no token, no wire format), sends the same bytes in the same chunks and gets
 them back. Two models: 64 MiB (16 tensors of 4 MiB) and 500 tensors of 4 KiB. Goal: >= 0.8x echo.
-Rounds of the two alternate; the ratio is the median over pairs of neighbouring rounds.
+For reference, the same bytes also go as two calls of bare grpcio, the kinds a pull and a push use
+(a "source" that returns them, a "sink" that takes them): what two calls cost before any work of
+stratagem's. Rounds of the three alternate; each ratio is the median over neighbouring rounds.
 
 Training: the MLP workload of shared/peers/README.md (global batch 256, SGD momentum 0.9) under
 ``stratagem launch --workers W --ps 1`` (worker 0 works inside the chief), W = 1 and 2, against a
@@ -34,7 +36,11 @@ import torch
 from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.partitioners import place
 from stratagem.strategies.parameter_server.server import ParameterServer
-from stratagem.strategies.parameter_server.transport import _CHANNEL_OPTIONS, Security
+from stratagem.strategies.parameter_server.transport import (
+    _CHANNEL_OPTIONS,
+    _CLIENT_OPTIONS,
+    Security,
+)
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 
 ECHO = "/bench.Echo/Echo"
@@ -48,8 +54,18 @@ def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     torch.set_num_threads(1)
     ps = ParameterServer(security=Security(token=TOKEN), task="ps:0")
     echo = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_CHANNEL_OPTIONS)
-    echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests)})])
+    kept: list[bytes] = []  # what the sink took last, which the source sends
+
+    def sink(requests, context) -> bytes:
+        kept[:] = [requests] if isinstance(requests, bytes) else list(requests)
+        return b""
+
+    echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {
+        "Echo": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests),
+        "Sink": grpc.stream_unary_rpc_method_handler(sink),
+        "Sink1": grpc.unary_unary_rpc_method_handler(sink),
+        "Source": grpc.unary_stream_rpc_method_handler(lambda request, context: iter(kept)),
+    })])
     port = echo.add_insecure_port("127.0.0.1:0")
     echo.start()
     ready.put((ps.address, f"127.0.0.1:{port}"))
@@ -58,12 +74,13 @@ def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     ps.stop()
 
 
-def _alternating_seconds(first, second, repeats: int) -> tuple[list[float], list[float]]:
-    """Times of ``first`` and ``second`` run in turn, so a change of load on the machine hits both."""
-    first(), second()  # warm-up: connections, allocations
-    times: tuple[list[float], list[float]] = ([], [])
+def _alternating_seconds(*fns, repeats: int) -> list[list[float]]:
+    """Times of each of ``fns`` run in turn, so a change of load on the machine hits them all."""
+    for fn in fns:  # warm-up: connections, allocations
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in ((first, times[0]), (second, times[1])):
+        for fn, out in zip(fns, times):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
@@ -77,8 +94,10 @@ def transport(repeats: int) -> dict:
     server.start()
     try:
         ps_address, echo_address = ready.get(timeout=120)
-        channel = grpc.insecure_channel(echo_address, options=_CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(echo_address, options=_CLIENT_OPTIONS)
         echo = channel.stream_stream(ECHO)
+        source, sink = channel.unary_stream("/bench.Echo/Source"), channel.stream_unary("/bench.Echo/Sink")
+        sink_1 = channel.unary_unary("/bench.Echo/Sink1")
         out = {}
         for name, shapes in (("64MiB_16x4MiB", [(1024, 1024)] * 16), ("500x4KiB", [(1024,)] * 500)):
             params = {f"p{i}": torch.randn(shape) for i, shape in enumerate(shapes)}
@@ -101,16 +120,26 @@ def transport(repeats: int) -> dict:
                 got = sum(len(piece) for piece in echo(iter(pieces), timeout=120))
                 assert got == payload_bytes
 
-            ps_times, echo_times = _alternating_seconds(round_trip, echo_trip, repeats)
-            ps_s, echo_s = statistics.median(ps_times), statistics.median(echo_times)
-            # The ratio of each pair of neighbouring rounds, then the median: noise on a shared machine
+            def bare_trip(pieces=pieces, payload_bytes=payload_bytes) -> None:
+                if len(pieces) == 1:
+                    sink_1(pieces[0], timeout=120)
+                else:
+                    sink(iter(pieces), timeout=120)
+                assert sum(len(piece) for piece in source(b"", timeout=120)) == payload_bytes  # what the sink took
+
+            ps_times, echo_times, bare_times = _alternating_seconds(round_trip, echo_trip, bare_trip, repeats=repeats)
+            ps_s, echo_s, bare_s = (statistics.median(t) for t in (ps_times, echo_times, bare_times))
+            # The ratio of each set of neighbouring rounds, then the median: noise on a shared machine
             # comes in bursts, which this keeps from landing on one side only.
-            pair_ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(ps_times, echo_times)]
-            out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "echo_s": echo_s,
+            ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(ps_times, echo_times)]
+            bare_ratios = [e / b for e, b in zip(echo_times, bare_times)]
+            out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "echo_s": echo_s, "bare_s": bare_s,
                          "ps_bytes_per_s": 2 * model_bytes / ps_s, "echo_bytes_per_s": 2 * payload_bytes / echo_s,
-                         "ratio": statistics.median(pair_ratios), "pair_ratios": pair_ratios}
-            print(f"{name}: pull+push {ps_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, "
-                  f"ratio {out[name]['ratio']:.3f}", file=sys.stderr)
+                         "ratio": statistics.median(ratios), "pair_ratios": ratios,
+                         "bare_ratio": statistics.median(bare_ratios)}
+            print(f"{name}: pull+push {ps_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, bare source+sink "
+                  f"{bare_s * 1e3:.1f} ms; ratio {out[name]['ratio']:.3f} (bare {out[name]['bare_ratio']:.3f})",
+                  file=sys.stderr)
             variables.close()
         channel.close()
         return out
@@ -223,10 +252,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=Path("bench-results/parameter_server.json"))
     args = parser.parse_args()
     results: dict = {"transport": transport(args.repeats)}
-    lines = ["| model | pull+push | bare gRPC echo | ratio (goal >= 0.8) |", "|---|---|---|---|"]
+    lines = ["| model | pull+push | bare gRPC echo | ratio (goal >= 0.8) | bare source+sink / echo |",
+             "|---|---|---|---|---|"]
     for name, r in results["transport"].items():
         lines.append(f"| {name} | {r['ps_bytes_per_s'] / 2**20:.0f} MiB/s ({r['ps_s'] * 1e3:.1f} ms) | "
-                     f"{r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | {r['ratio']:.3f} |")
+                     f"{r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | {r['ratio']:.3f} | "
+                     f"{r['bare_ratio']:.3f} ({r['bare_s'] * 1e3:.1f} ms) |")
     if not args.skip_training:
         plain = plain_samples_per_s(args.warmup, args.steps)
         plain_1 = plain_samples_per_s(args.warmup, args.steps, threads=1)
