@@ -134,3 +134,54 @@ def test_a_file_dataset_is_sharded_by_file(tmp_path):
     assert code == 0, "\n".join(lines[-30:])
     assert saved["steps"] == 4
     assert "input sharding: file" in saved["explain"]
+
+
+_CLOSE_SCRIPT = """
+import atexit, json, os, sys
+import torch, torch.nn.functional as F
+import stratagem as sg
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def report():  # registered first, so it runs after stratagem's own exit handler
+    print(json.dumps({"start": start, "trained": trained, "closed": threads()}), flush=True)
+
+torch.set_num_threads(1)
+start = threads()
+atexit.register(report)
+strategy = sg.MultiWorkerMirroredStrategy(timeout=60)
+net = torch.nn.Linear(4, 2)
+model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+def step(x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+for batch in strategy.distribute_dataset([(torch.randn(8, 4), torch.randn(8, 2))] * 3):
+    strategy.run(step, args=batch)
+trained = threads()
+if sys.argv[1] == "close":
+    strategy.close()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+@pytest.mark.parametrize("ending", ["close", "exit"], ids=["close()", "no-close-at-exit"])
+def test_the_process_group_is_freed_so_its_threads_end_before_exit(ending):
+    # Gloo's threads must end while Python is alive, at close() or, for a script that never calls it, at
+    # exit: one left running into interpreter shutdown aborts the process when it releases a finished
+    # collective (SIGABRT after a successful run).
+    port = free_port()
+    env = dict(environ.current(), TF_CONFIG=json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}))
+    done = subprocess.run([sys.executable, "-c", _CLOSE_SCRIPT, ending], check=False, env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["trained"] > counts["start"] + 1, counts  # Gloo's threads were there
+    assert counts["closed"] <= counts["start"] + 1, counts  # only the chief's TCP store thread remains

@@ -14,7 +14,9 @@ worker with `stratagem launch --workers N script.py`, torchrun, SLURM or a TF_CO
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -96,6 +98,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             timeout=timeout,
             blocking_waits=backend == "gloo",
         )
+        # A script that never calls close() still frees the process group while Python is alive (see close).
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._check_same_local_replicas()
         self._buckets: GradientBuckets | None = None
 
@@ -264,9 +268,18 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return MultiWorkerDataset(self, dataset, shard)
 
     def close(self) -> None:
+        """Stops the replica threads and frees the process group, whose Gloo threads then end. Runs by itself
+        at exit: a Gloo thread still running when the interpreter shuts down aborts the process if it
+        releases a finished collective then (SIGABRT after a successful run)."""
         super().close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _close_at_exit(ref: weakref.ref[MultiWorkerMirroredStrategy]) -> None:
+    strategy = ref()
+    if strategy is not None:
+        strategy.close()
 
 
 class MultiWorkerDataset:
