@@ -232,7 +232,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return out
 
     # ---- input --------------------------------------------------------------------------------
-    def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> "MultiWorkerDataset":  # type: ignore[override]
+    def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> MultiWorkerDataset:  # type: ignore[override]
         """Distributes a loader across workers and their local replicas.
 
         shard="data": every worker iterates the same GLOBAL batches and keeps its contiguous part,
