@@ -40,7 +40,7 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
     import torch
     import torch.distributed as dist
 
-    from stratagem.bench.multi_process import ddp_side, mwms_side
+    from stratagem.bench.multi_process import ddp_side, free_ddp_models, mwms_side
     from stratagem.bench.workloads import WORKLOADS
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -65,6 +65,8 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
         queue.put({"workload": workload_name,
                    "samples_per_s": {n: blocks * 20 * workload.global_batch / sum(t) for n, t in seconds.items()},
                    "ratio_median": statistics.median(ratios), "ratios": ratios})
+    del sides, run
+    free_ddp_models()  # before the process group goes: see free_ddp_models
     strategy.close()
 
 

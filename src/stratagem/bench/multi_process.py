@@ -11,6 +11,7 @@ that of the slowest rank. Rank 0 prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -30,6 +31,7 @@ from stratagem.bench.throughput import (
     timed_steps,
 )
 from stratagem.bench.workloads import WORKLOADS
+from stratagem.cluster.rendezvous import import_group_defaults
 
 
 def _free_port() -> int:
@@ -64,6 +66,7 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]
     if config == "ddp":
+        import_group_defaults()  # as stratagem's rendezvous does, so destroy_process_group() frees the group
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         step = ddp_side(workload, rank, world)
     else:
@@ -72,7 +75,24 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
     if rank == 0:
         queue.put(asdict(Measurement(config, workload_name, world, steps, elapsed,
                                      steps * workload.global_batch / elapsed, float(loss.detach()), threads)))
+    del step, loss
+    free_ddp_models()
     dist.destroy_process_group()
+
+
+def free_ddp_models() -> None:
+    """Frees the DistributedDataParallel models the caller has let go of, while the process group is still
+    alive: drop every reference to them, call this, then ``destroy_process_group()``.
+
+    A DDP model's reducer holds the process group. If the reducer is the group's last holder, freeing it
+    destroys the group with the GIL held (pybind11 frees the reducer so), and the group's destructor joins
+    Gloo's threads; a Gloo thread that is just then freeing a finished all-reduce launched during backward
+    needs the GIL (the work keeps a Python object torch's backward stashes), so each waits for the other
+    forever. Seen once in about 25 runs of the interleaved benchmark, as a rank that never exits (py-spy:
+    the main thread in ~ProcessGroupGloo under ~Reducer, a Gloo thread in gil_scoped_acquire). Freed
+    first, the reducer only drops a reference, and destroy_process_group then destroys the group with the
+    GIL released."""
+    gc.collect()  # a DDP model in a reference cycle is freed here rather than at some later collection
 
 
 def main(argv: list[str] | None = None) -> int:

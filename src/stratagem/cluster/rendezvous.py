@@ -152,12 +152,12 @@ def init_process_group(
                 cluster.master_addr, cluster.master_port, cluster.world_size)
     _wait_for_all(store, cluster, rank, wait)
     _check_tokens(store, cluster, rank, wait)
-    _import_group_defaults()
+    import_group_defaults()
     dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait)
     return store
 
 
-def _import_group_defaults() -> None:
+def import_group_defaults() -> None:
     """Imports, before there is a process group, the torch module whose functions take ``group=group.WORLD``
     as a default argument. Imported later (torch does so lazily, e.g. from ``load_state_dict``), those
     defaults hold the process group itself, so ``destroy_process_group()`` cannot free it: Gloo's threads
