@@ -235,7 +235,9 @@ def test_log_placement_reports_where_the_main_job_ran(capsys):
 @pytest.mark.timeout(240)
 def test_parameter_server_main_job_runs_under_the_launcher(capfd):
     # Two workers and one parameter server on 127.0.0.1; worker 0 is the chief and prints the JSON summary.
-    code = main(["train", "--strategy", "parameter_server", "--workers", "2", "--ps", "1", "--epochs", "2",
+    # Three epochs: asynchronous training's accuracy after two varied from 0.57 to 0.78 (one CI-like run under
+    # load fell below 0.6); after three it measured 0.86-0.92 in five runs.
+    code = main(["train", "--strategy", "parameter_server", "--workers", "2", "--ps", "1", "--epochs", "3",
                  "--batch-size", "128", "--json"])
     out = capfd.readouterr().out
     assert code == 0, out
@@ -243,6 +245,6 @@ def test_parameter_server_main_job_runs_under_the_launcher(capfd):
     summary = json.loads(text[text.index("{"):])
     assert summary["strategy"] == "ParameterServerStrategy"
     assert summary["devices"] == ["worker:0", "worker:1"]
-    assert summary["num_train_examples"] == 2 * 1437  # every step ran exactly once
-    assert summary["epochs"][1]["loss"] < summary["epochs"][0]["loss"]
+    assert summary["num_train_examples"] == 3 * 1437  # every step ran exactly once
+    assert summary["epochs"][2]["loss"] < summary["epochs"][0]["loss"]
     assert summary["test_accuracy"] > 0.6
