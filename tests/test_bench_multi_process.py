@@ -12,6 +12,8 @@ from helpers import free_port
 
 from stratagem import environ
 
+pytestmark = [pytest.mark.multiprocess]
+
 _SCRIPT = """
 import json, os, sys, time
 import torch, torch.distributed as dist
@@ -33,7 +35,7 @@ if sys.argv[1] == "freed":
     free_ddp_models()
 dist.destroy_process_group()
 print(json.dumps({"start": start, "trained": trained, "destroyed": threads()}), flush=True)
-time.sleep(0.2)  # "kept": Gloo's threads are idle by now, so freeing the model here cannot wait on them
+time.sleep(0.2)  # "kept": the model is freed at exit, after Gloo's threads have gone idle
 """
 
 
