@@ -5,7 +5,9 @@ torch.distributed.all_reduce.
     .venv/bin/python benchmarks/multi_worker.py                  # 3 rounds, 20 warm-up + 200 steps
     .venv/bin/python benchmarks/multi_worker.py --rounds 1 --steps 50
 
-Each round runs DDP, MWMS, DDP (ratios against the mean of the two DDP runs of the round).
+Each round runs DDP, MWMS, DDP (ratios against the mean of the two DDP runs of the round). On one
+machine MWMS sums gradients through shared memory (its default when every worker is on one host);
+--also-gloo adds MWMS with shared_memory=False to each round (DDP, MWMS, MWMS over Gloo, DDP).
 
     .venv/bin/python benchmarks/multi_worker.py --workloads mlp --interleaved 10
 
@@ -74,6 +76,8 @@ def main() -> int:
     parser = suite_parser(__doc__, Path("bench-results/multi_worker.json"))
     parser.add_argument("--interleaved", type=int, metavar="BLOCKS", default=0,
                         help="DDP vs MWMS in the same two processes, BLOCKS alternating blocks of 20 steps")
+    parser.add_argument("--also-gloo", action="store_true",
+                        help="also run MWMS with shared_memory=False (gradients over Gloo) in each round")
     args = parser.parse_args()
     if args.interleaved:
         from stratagem.bench.multi_process import spawn_ranks
@@ -87,30 +91,43 @@ def main() -> int:
         args.json.write_text(json.dumps(results, indent=2))
         return 0
     out: dict = {"training": {}, "allreduce": None}
-    lines = ["| workload | DDP samples/s (median) | MWMS samples/s (median) | MWMS / DDP (median) | per round |",
-             "|---|---|---|---|---|"]
+    lines = ["| workload | DDP samples/s (median) | MWMS samples/s (median) | MWMS / DDP (median) | per round |"
+             + (" MWMS over Gloo / DDP (median) | per round |" if args.also_gloo else ""),
+             "|---|---|---|---|---|" + ("---|---|" if args.also_gloo else "")]
     for workload in args.workloads.split(","):
         common = ["--workload", workload, "--world", "2", "--warmup", str(args.warmup), "--steps", str(args.steps)]
-        ddp, mwms, ratios = [], [], []
+        ddp, mwms, ratios, gloo, gloo_ratios = [], [], [], [], []
         for r in range(args.rounds):
             before = run(["stratagem.bench.multi_process", "ddp", *common])["samples_per_s"]
             ours = run(["stratagem.bench.multi_process", "mwms", *common])["samples_per_s"]
+            over_gloo = run(["stratagem.bench.multi_process", "mwms-gloo", *common])["samples_per_s"] \
+                if args.also_gloo else None
             after = run(["stratagem.bench.multi_process", "ddp", *common])["samples_per_s"]
             ddp += [before, after]
             mwms.append(ours)
             ratios.append(ours / ((before + after) / 2))
-            print(f"{workload} round {r + 1}: DDP {before:.0f}/{after:.0f}, MWMS {ours:.0f} samples/s", file=sys.stderr)
-        out["training"][workload] = {"ddp": ddp, "mwms": mwms, "ratios": ratios}
+            if over_gloo is not None:
+                gloo.append(over_gloo)
+                gloo_ratios.append(over_gloo / ((before + after) / 2))
+            print(f"{workload} round {r + 1}: DDP {before:.0f}/{after:.0f}, MWMS {ours:.0f} samples/s"
+                  + (f", MWMS over Gloo {over_gloo:.0f}" if over_gloo is not None else ""), file=sys.stderr)
+        out["training"][workload] = {"ddp": ddp, "mwms": mwms, "ratios": ratios, "mwms_gloo": gloo,
+                                     "mwms_gloo_ratios": gloo_ratios}
         lines.append(f"| {workload} | {statistics.median(ddp):.0f} | {statistics.median(mwms):.0f} | "
-                     f"{statistics.median(ratios):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} |")
+                     f"{statistics.median(ratios):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} |"
+                     + (f" {statistics.median(gloo_ratios):.3f} | {', '.join(f'{x:.3f}' for x in gloo_ratios)} |"
+                        if gloo_ratios else ""))
     allreduce = run(["stratagem.bench.allreduce"])
     out["allreduce"] = allreduce
     a, b = allreduce["a_64MiB"], allreduce["b_500x4KiB"]
-    lines += ["", "| all-reduce (2 processes, Gloo) | raw | bucketed path | ratio |", "|---|---|---|---|",
+    lines += ["", ("| all-reduce (2 processes) | raw Gloo | bucketed path over Gloo | ratio | bucketed path over shared "
+                   "memory (MWMS's on one host) | ratio |"), "|---|---|---|---|---|---|",
               (f"| (a) one 64 MiB tensor | {a['raw_s'] * 1e3:.1f} ms | {a['bucketed_s'] * 1e3:.1f} ms | "
-               f"{a['bucketed_vs_raw']:.3f}x raw throughput |"),
+               f"{a['bucketed_vs_raw']:.3f}x raw throughput | {a['shared_memory_s'] * 1e3:.1f} ms | "
+               f"{a['shared_memory_vs_raw']:.3f}x raw throughput |"),
               (f"| (b) 500 tensors of 4 KiB | {b['per_tensor_s'] * 1e3:.1f} ms (one all_reduce each) | "
-               f"{b['bucketed_s'] * 1e3:.1f} ms | {b['speedup_vs_per_tensor']:.1f}x faster |")]
+               f"{b['bucketed_s'] * 1e3:.1f} ms | {b['speedup_vs_per_tensor']:.1f}x faster | "
+               f"{b['shared_memory_s'] * 1e3:.1f} ms | {b['shared_memory_speedup_vs_per_tensor']:.1f}x faster |")]
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))

@@ -10,6 +10,7 @@ MW_WIDE_RANK                   this rank builds a model with a different shape
 MW_SHORT_RANK                  this rank's loader yields one batch less (shard="data")
 MW_IN_PLACE                    1: zero_grad(set_to_none=False) and two backward passes of half the loss
                                per step, so gradients accumulate in place (in the buckets' views)
+MW_SHM                         the strategy's shared_memory: 0 (Gloo), 1 (shared memory), unset (its choice)
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def main() -> int:
     local = int(env.get("MW_LOCAL", "1"))
     registry = DeviceRegistry()
     registry.set_logical_device_configuration("cpu", max(local, 2))
+    shared_memory = {"0": False, "1": True}.get(env.get("MW_SHM", ""))
     strategy = sg.MultiWorkerMirroredStrategy(
-        [f"cpu:{i}" for i in range(local)], timeout=float(env.get("MW_TIMEOUT", "60")), registry=registry
+        [f"cpu:{i}" for i in range(local)], timeout=float(env.get("MW_TIMEOUT", "60")), registry=registry,
+        shared_memory=shared_memory,
     )
     rank = strategy.cluster.rank
     model, opt, shape = build(env.get("MW_MODEL", "mlp"), env.get("MW_OPT", "sgd_momentum"), dtype)

@@ -4,7 +4,9 @@
 
 (a) one 64 MiB gradient: raw all_reduce of the tensor vs the bucketed path (weighting included);
 (b) 500 gradients of 4 KiB: one raw all_reduce per tensor vs the bucketed path (fused).
-Each figure is the median over repetitions of the slowest rank's time. Rank 0 prints JSON.
+The bucketed path runs twice: over Gloo, and over the shared-memory sum MultiWorkerMirroredStrategy
+uses when every worker is on one host (``stratagem.collective.shared_memory``), which is what it does
+here. Each figure is the median over repetitions of the slowest rank's time. Rank 0 prints JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.bench.multi_process import spawn_ranks
+from stratagem.collective import shared_memory
 from stratagem.collective.buckets import GradientBuckets
 
 
@@ -38,9 +41,10 @@ def _timed(fn, repeats: int, prepare=None) -> float:
     return statistics.median(times)
 
 
-def _bucketed(params: list[nn.Parameter], weight: float):
+def _bucketed(params: list[nn.Parameter], weight: float, shared=None):
     """The bucketed path's step, and (untimed) what backward after zero_grad() leaves: each parameter's
-    own gradient tensor, to be copied into its bucket (hand_out() makes the gradients bucket views)."""
+    own gradient tensor, to be copied into its bucket (hand_out() makes the gradients bucket views).
+    With ``shared`` (a shared-memory group) each bucket is summed there instead of by Gloo."""
     buckets = GradientBuckets(params)
     own = [p.grad for p in params]
 
@@ -49,6 +53,9 @@ def _bucketed(params: list[nn.Parameter], weight: float):
             p.grad = grad
 
     def launch(t: torch.Tensor):
+        if shared is not None:
+            shared.all_reduce_(t, what="bucket", step=0)
+            return None
         return dist.all_reduce(t, async_op=True)
 
     def run() -> None:
@@ -56,7 +63,8 @@ def _bucketed(params: list[nn.Parameter], weight: float):
         for i in reversed(range(len(params))):
             buckets.mark_ready(i, launch)
         for work in buckets.finish(launch):
-            work.wait()
+            if work is not None:
+                work.wait()
         buckets.hand_out()
 
     return run, prepare, buckets
@@ -65,8 +73,18 @@ def _bucketed(params: list[nn.Parameter], weight: float):
 def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     weight = 1.0 / world
+
+    def failed(what: str, step: int, error: Exception | None) -> Exception:
+        return RuntimeError(f"the shared-memory {what} failed: {error or 'timed out'}")
+
+    shared, why = shared_memory.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
+                                        timeout=120, stall_warning_after=60, on_failure=failed,
+                                        on_stall=lambda *args: None)
+    if shared is None:
+        raise RuntimeError(f"the shared-memory path cannot run here: {why}")
     results = {}
 
     big = nn.Parameter(torch.zeros(16 * 1024 * 1024))  # 64 MiB of float32
@@ -76,9 +94,12 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     bucketed_big = _timed(run, repeats, prepare)
     run_unweighted, prepare, _ = _bucketed([big], 1.0)
     bucketed_big_unweighted = _timed(run_unweighted, repeats, prepare)
+    run, prepare, _ = _bucketed([big], weight, shared)
+    shared_big = _timed(run, repeats, prepare)
     results["a_64MiB"] = {"raw_s": raw_big, "bucketed_s": bucketed_big, "bucketed_vs_raw": raw_big / bucketed_big,
                           "bucketed_unweighted_s": bucketed_big_unweighted,
                           "bucketed_unweighted_vs_raw": raw_big / bucketed_big_unweighted,
+                          "shared_memory_s": shared_big, "shared_memory_vs_raw": raw_big / shared_big,
                           "buckets": buckets.describe()}
 
     small = [nn.Parameter(torch.zeros(1024)) for _ in range(500)]  # 500 x 4 KiB
@@ -94,10 +115,19 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
         p.grad = torch.ones_like(p)
     run, prepare, buckets = _bucketed(small, weight)
     bucketed_small = _timed(run, repeats, prepare)
-    results["b_500x4KiB"] = {"per_tensor_s": raw_small, "bucketed_s": bucketed_small,
-                             "speedup_vs_per_tensor": raw_small / bucketed_small, "buckets": buckets.describe()}
     # The bucketed path's arithmetic: every rank holds ones, weighted by 1/world and summed: ones again.
-    results["check_ok"] = bool(torch.equal(small[0].grad, torch.ones(1024)))
+    check_ok = torch.equal(small[0].grad, torch.ones(1024))
+    for p in small:
+        p.grad = torch.ones_like(p)
+    run, prepare, _ = _bucketed(small, weight, shared)
+    shared_small = _timed(run, repeats, prepare)
+    results["b_500x4KiB"] = {"per_tensor_s": raw_small, "bucketed_s": bucketed_small,
+                             "speedup_vs_per_tensor": raw_small / bucketed_small,
+                             "shared_memory_s": shared_small, "shared_memory_speedup_vs_per_tensor": raw_small / shared_small,
+                             "buckets": buckets.describe()}
+    results["check_ok"] = bool(check_ok and torch.equal(small[0].grad, torch.ones(1024))
+                               and torch.equal(big.grad, torch.ones_like(big)))
+    shared.close()
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()

@@ -3,6 +3,7 @@ PyTorch DistributedDataParallel, same workload, same threads per process, Gloo o
 
     python -m stratagem.bench.multi_process mwms --workload mlp --world 2
     python -m stratagem.bench.multi_process ddp  --workload mlp --world 2
+    python -m stratagem.bench.multi_process mwms-gloo --workload mlp --world 2   # MWMS with shared_memory=False
 
 Each rank runs in its own process; the clock starts and stops at a barrier, so the figure is
 that of the slowest rank. Rank 0 prints one JSON line.
@@ -49,13 +50,14 @@ def ddp_side(workload: Any, rank: int, world: int) -> Callable[[int], torch.Tens
     return lambda i: train_step(*data[i % len(data)])
 
 
-def mwms_side(workload: Any, rank: int, world: int, port: int) -> tuple[Any, Callable[[int], torch.Tensor]]:
+def mwms_side(workload: Any, rank: int, world: int, port: int, shared_memory: bool | None = None
+              ) -> tuple[Any, Callable[[int], torch.Tensor]]:
     """A MultiWorkerMirroredStrategy over ``world`` ranks on 127.0.0.1 from ``port``, and its step ``i``."""
     import stratagem as sg
 
     cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
                "task": {"type": "worker", "index": rank}}
-    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120)
+    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120, shared_memory=shared_memory)
     step = strategy_steps(strategy, workload)
     return strategy, lambda i: strategy.experimental_local_results(step(i))[0]
 
@@ -70,7 +72,7 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         step = ddp_side(workload, rank, world)
     else:
-        _, step = mwms_side(workload, rank, world, port)
+        _, step = mwms_side(workload, rank, world, port, shared_memory=False if config == "mwms-gloo" else None)
     elapsed, loss = timed_steps(step, warmup, steps, barrier=dist.barrier)
     if rank == 0:
         queue.put(asdict(Measurement(config, workload_name, world, steps, elapsed,
@@ -97,7 +99,7 @@ def free_ddp_models() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=["ddp", "mwms"])
+    parser.add_argument("config", choices=["ddp", "mwms", "mwms-gloo"])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20)

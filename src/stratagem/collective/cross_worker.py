@@ -61,6 +61,8 @@ class CrossWorker:
         self.blocking_waits = blocking_waits
         self._last_step_reported = -1
         self._last_report_time = -float("inf")
+        self.shared: Any = None
+        """The shared-memory group (`connect_shared_memory`), or None: every sum goes through the process group."""
 
     @property
     def task_name(self) -> str:
@@ -91,16 +93,44 @@ class CrossWorker:
         return out
 
     # ---- collectives ------------------------------------------------------------------------
-    def all_reduce_async(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
-        """Starts a SUM all-reduce of each tensor, in order; returns the work handles."""
-        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
+    def all_reduce_async(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> list[Any]:
+        """Starts a SUM all-reduce of each tensor, in order; returns the work handles to `wait` for.
+
+        A tensor the shared-memory group takes (`self.shared`: every worker on this host, a CPU tensor)
+        is summed there and then, so it has no handle; the others start on the process group.
+        """
+        works = []
+        for tensor in tensors:
+            if self.shared is not None and self.shared.supports(tensor):
+                self.shared.all_reduce_(tensor, what=what, step=step)
+            else:
+                works.append(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+        return works
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> None:
         """SUM all-reduce in place, waiting at most `timeout`."""
-        self.wait(self.all_reduce_async(tensors), what=what, step=step)
+        self.wait(self.all_reduce_async(tensors, what=what, step=step), what=what, step=step)
+
+    def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> str:
+        """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it);
+        returns the reason either way, in words. `why_not`: this rank's own reason to stay on the process group."""
+        from stratagem.collective import shared_memory
+
+        self.shared, reason = shared_memory.connect(
+            self.store, rank=self.rank, world_size=self.world_size, task_names=self.task_names, timeout=self.timeout,
+            stall_warning_after=self.stall_warning_after, on_failure=self._failure, on_stall=self._warn_stall,
+            why_not=why_not if wanted else "turned off (shared_memory=False)")
+        return reason
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
     def wait(self, works: Sequence[Any], *, what: str, step: int) -> None:
-        """Waits for work handles; raises an error naming the missing tasks on failure or timeout."""
+        """Waits for work handles (None: a collective already done); raises an error naming the missing tasks
+        on failure or timeout."""
+        works = [w for w in works if w is not None]
         if not works:
             return
         if self.blocking_waits:

@@ -52,6 +52,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         timeout: seconds any wait (rendezvous, collective, local replicas) may last before an
             error naming the missing task(s); a stall warning is logged at a quarter of it.
         bucket_mb: size of the gradient buckets (the first one is `first_bucket_mb`).
+        shared_memory: sum CPU tensors across workers through shared memory when every worker runs on
+            this host (None, the default: whenever they can; False: always through Gloo; True: an
+            error unless they can). `explain()` says which, and why.
 
     Example:
         >>> strategy = sg.MultiWorkerMirroredStrategy()       # under `stratagem launch --workers 2`
@@ -70,6 +73,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         first_bucket_mb: float = 1.0,
         intra_op_threads: int | None = None,
         share_parameters: bool | None = None,
+        shared_memory: bool | None = None,
         registry: Any = None,
     ) -> None:
         env = environ.current()
@@ -101,6 +105,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         # A script that never calls close() still frees the process group while Python is alive (see close).
         atexit.register(_close_at_exit, weakref.ref(self))
         self._check_same_local_replicas()
+        self._connect_shared_memory(shared_memory)
         self._buckets: GradientBuckets | None = None
 
     # ---- placement ----------------------------------------------------------------------------
@@ -120,6 +125,22 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 f"Every worker must hold the same number of local replicas. Received: {detail}. "
                 "Give every worker the same devices= (stratagem launch --devices-per-worker K)."
             )
+
+    def _connect_shared_memory(self, wanted: bool | None) -> None:
+        if self._backend == "nccl":
+            if wanted:
+                raise InputError("shared_memory=True sums CPU tensors, but this worker's replicas are on GPUs, which "
+                                 f"use NCCL. Received: devices {[str(d) for d in self._devices]}. Leave shared_memory "
+                                 "unset for GPUs.")
+            return
+        on_cpu = all(d.type == "cpu" for d in self._devices)
+        why = self._cw.connect_shared_memory(
+            wanted=wanted is not False, why_not=None if on_cpu else "the replicas are on GPUs without NCCL")
+        if wanted and self._cw.shared is None:
+            raise InputError(f"shared_memory=True, but the workers cannot sum through shared memory. Received: {why}. "
+                             "Leave shared_memory unset to use Gloo in that case.")
+        choice = "shared memory" if self._cw.shared is not None else "gloo"
+        self._decisions.append(PlacementDecision(subject="cross-worker sums", choice=choice, reason=why))
 
     @property
     def cluster(self) -> Cluster:
@@ -200,7 +221,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._buckets.mark_ready(index, self._launch)
 
     def _launch(self, flat: torch.Tensor) -> Any:
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        step = self._run_state.step if self._run_state is not None else self._step
+        works = self._cw.all_reduce_async([flat], what="gradient all-reduce", step=step)
+        return works[0] if works else None
 
     def _on_backward_end(self, replica: int) -> None:
         if self._buckets is None:
@@ -272,6 +295,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         at exit: a Gloo thread still running when the interpreter shuts down aborts the process if it
         releases a finished collective then (SIGABRT after a successful run)."""
         super().close()
+        cw = getattr(self, "_cw", None)
+        if cw is not None:
+            cw.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -297,10 +323,10 @@ class MultiWorkerDataset:
         strategy = self._strategy
         cw = strategy._cw
         iterator = iter(self._dataset)
-        pending, agreement, work = self._fetch(iterator, 0)
+        pending, agreement, works = self._fetch(iterator, 0)
         step = 0
         while True:
-            cw.wait([work], what="end-of-data agreement", step=step)
+            cw.wait(works, what="end-of-data agreement", step=step)
             have, total = int(agreement[0]), int(agreement[1])
             if have < cw.world_size:
                 if pending is not None:
@@ -314,11 +340,11 @@ class MultiWorkerDataset:
                 return
             current = pending
             # Fetch and agree on the next step now, so the agreement overlaps this step's compute.
-            pending, agreement, work = self._fetch(iterator, step + 1)
+            pending, agreement, works = self._fetch(iterator, step + 1)
             yield self._distribute(current, total, step)
             step += 1
 
-    def _fetch(self, iterator: Iterator[Any], step: int) -> tuple[Any, torch.Tensor, Any]:
+    def _fetch(self, iterator: Iterator[Any], step: int) -> tuple[Any, torch.Tensor, list[Any]]:
         try:
             batch = next(iterator)
             size = batch_size_of(batch)
@@ -331,7 +357,7 @@ class MultiWorkerDataset:
         count = size if self._shard == "off" else (size if self._strategy._cw.rank == 0 else 0)
         device = self._strategy._devices[0] if self._strategy._backend == "nccl" else torch.device("cpu")
         agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
-        return batch, agreement, dist.all_reduce(agreement, op=dist.ReduceOp.SUM, async_op=True)
+        return batch, agreement, self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step)
 
     def _my_share(self, batch: Any) -> int:
         sizes = self._global_sizes(batch_size_of(batch))

@@ -1,0 +1,377 @@
+"""Sums across worker processes of one machine through shared memory instead of Gloo's loopback TCP.
+
+When every worker of a job runs on the same host (a local cluster under ``stratagem launch``, or
+several CPU workers on one node), their tensors need not cross a socket. Each process maps one
+file in ``/dev/shm``; to sum a tensor, every rank copies it into its own slot of the file, then
+sums one slice of all the slots while the others sum theirs, then copies the whole sum back. Gloo
+on loopback moves the same bytes through the kernel and wakes two of its threads per message on
+each side: on a 2-core machine a 0.23 MiB all-reduce took 0.77 ms (median, 4.3 ms at the 90th
+percentile) and a 6.1 MiB one 7.4 ms.
+
+The file::
+
+    header (64 bytes: magic, a nonce every rank checks, the world size and slot size)
+    one 64-byte line per rank: two counters, "arrived" and "summed" (a line each, so ranks never
+        write to the same cache line)
+    world_size slots of ``capacity`` bytes (rank r writes only slot r)
+    one result area of ``capacity`` bytes
+
+Collective number ``s`` (every rank makes the same collectives in the same order, as with any
+process group), for each chunk of at most ``capacity`` bytes:
+
+1. copy the chunk into my slot, then ``arrived[me] = s``;
+2. wait until ``arrived[q] >= s`` for every rank q;
+3. ``result[my slice] = slot[0][slice] + slot[1][slice] + ...``, always in rank order, so every
+   rank ends with the same bits whichever rank summed which slice;
+4. ``summed[me] = s``; wait until ``summed[q] >= s`` for every q;
+5. copy ``result`` back into the chunk.
+
+Why no rank overwrites what another still reads: a rank writes its slot for collective ``s + 1``
+only after step 4 of ``s``, when every rank has finished reading the slots (step 3). A rank writes
+the result of ``s + 1`` only after every rank arrived at ``s + 1``, that is after each finished
+step 5 of ``s``, the last read of the result of ``s``.
+
+Counters are 8-byte aligned stores published after the data, read before it. x86-64 keeps stores
+in order and loads in order (TSO), so a counter seen at ``s`` means the data before it is
+visible; other architectures would need fences Python cannot issue, so they use Gloo (``eligible``).
+A waiting rank spins for a few microseconds, then sleeps on a futex of the counter it waits for;
+the rank that moves a counter wakes its sleepers. Every wait is bounded: it checks twenty times a
+second whether the ranks it waits for are still running (their pids, which the rendezvous
+exchanged) and gives up after the timeout, naming them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import logging
+import mmap
+import os
+import platform
+import secrets
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy
+import torch
+
+from stratagem.errors import CollectiveTimeoutError, ReplicaError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SGSHM001"
+_HEADER = 64
+_LINE = 64  # bytes per rank's counters
+_ARRIVED, _SUMMED = 0, 1
+DEFAULT_CAPACITY = 4 << 20
+"""Bytes of one slot: larger tensors go through in chunks of this size (a 2-worker job maps 12 MiB)."""
+SPIN_SECONDS = 50e-6
+"""How long a waiting rank polls before it sleeps: long enough to catch a peer that is microseconds
+behind, short enough not to take a core from a peer still computing."""
+CHECK_SECONDS = 0.05
+"""How often a sleeping rank wakes to check that the ranks it waits for are alive, and the clock."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+_connections = itertools.count()  # store keys of the n-th group made in this process (every rank makes the same ones)
+
+# Linux x86-64 futex(2): wait while a 32-bit word holds a value, wake the waiters of a word.
+_SYS_FUTEX = 202
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def eligible() -> str | None:
+    """None when this process can sum through shared memory, else why not."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return (f"shared-memory sums need Linux on x86-64 (ordered stores without explicit fences); this is "
+                f"{sys.platform} on {platform.machine()}")
+    return None
+
+
+def host_identity() -> str:
+    """This machine, as ranks compare it: the host name and the kernel's boot id (two containers may share a name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class SharedMemoryGroup:
+    """One rank's side of the shared file (see the module's docstring). Use ``connect`` to make one.
+
+    ``all_reduce_`` sums a contiguous CPU tensor in place across the ranks; on a wait that runs out,
+    or a rank that exited, it raises the error ``on_failure(what, step, error)`` makes (None for a
+    timeout), and the group is then unusable, as a process group is after a failed collective.
+    """
+
+    def __init__(self, mapping: mmap.mmap, *, rank: int, world_size: int, capacity: int, pids: Sequence[int],
+                 task_names: Sequence[str], timeout: float, stall_warning_after: float,
+                 on_failure: Callable[[str, int, Exception | None], Exception],
+                 on_stall: Callable[[str, int, float], None]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.capacity = capacity
+        self.pids = list(pids)
+        self.task_names = list(task_names)
+        self.timeout = timeout
+        self.stall_warning_after = stall_warning_after
+        self._on_failure = on_failure
+        self._on_stall = on_stall
+        self._mapping = mapping
+        self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._counters = numpy.frombuffer(mapping, dtype=numpy.int64, count=world_size * _LINE // 8, offset=_HEADER)
+        self._anchor = ctypes.c_char.from_buffer(mapping)
+        self._base = ctypes.addressof(self._anchor)
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._slots = _HEADER + world_size * _LINE
+        self._results = self._slots + world_size * capacity
+        self._typed: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._seq = 0
+        self._broken: str | None = None
+
+    # ---- the collective -----------------------------------------------------------------------
+    def supports(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.dtype in DTYPES and tensor.is_contiguous()
+
+    def all_reduce_(self, tensor: torch.Tensor, *, what: str, step: int) -> None:
+        """Sums ``tensor`` (contiguous, on the CPU, of a dtype in ``DTYPES``) across the ranks, in place."""
+        if self._broken is not None:
+            raise ReplicaError(f"The shared-memory group is unusable after an earlier failure ({self._broken}). "
+                               "Received: another collective. Restart the job.")
+        flat = tensor.detach().view(-1)
+        per_chunk = self.capacity // flat.element_size()
+        for start in range(0, max(flat.numel(), 1), per_chunk):
+            self._reduce_chunk(flat[start:start + per_chunk], what, step)
+
+    def _reduce_chunk(self, chunk: torch.Tensor, what: str, step: int) -> None:
+        n = chunk.numel()
+        self._seq += 1
+        seq = self._seq
+        slots, results = self._areas(chunk.dtype)
+        slots[self.rank][:n].copy_(chunk)
+        self._publish(_ARRIVED, seq)
+        self._wait_all(_ARRIVED, seq, what, step)
+        result = results[:n]
+        lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
+        if hi > lo:
+            out = result[lo:hi]
+            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
+            for slot in slots[2:]:
+                out.add_(slot[lo:hi])
+        self._publish(_SUMMED, seq)
+        self._wait_all(_SUMMED, seq, what, step)
+        chunk.copy_(result)
+
+    def _areas(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every slot and the result area as 1-D tensors of ``dtype`` (made once per dtype)."""
+        areas = self._typed.get(dtype)
+        if areas is None:
+            def area(offset: int) -> torch.Tensor:
+                return self._bytes[offset:offset + self.capacity].view(dtype)
+
+            areas = self._typed[dtype] = ([area(self._slots + q * self.capacity) for q in range(self.world_size)],
+                                          area(self._results))
+        return areas
+
+    # ---- counters -----------------------------------------------------------------------------
+    def _index(self, rank: int, kind: int) -> int:
+        return rank * (_LINE // 8) + kind
+
+    def _publish(self, kind: int, seq: int) -> None:
+        index = self._index(self.rank, kind)
+        self._counters[index] = seq
+        self._libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._base + _HEADER + index * 8),
+                           ctypes.c_long(_FUTEX_WAKE), ctypes.c_long(2**31 - 1), None, None, ctypes.c_long(0))
+
+    def _wait_all(self, kind: int, seq: int, what: str, step: int) -> None:
+        start = None
+        for q in range(self.world_size):
+            index = self._index(q, kind)
+            if self._counters[index] >= seq:
+                continue
+            if start is None:
+                start = time.monotonic()
+            self._wait_one(q, index, seq, what, step, start)
+
+    def _wait_one(self, q: int, index: int, seq: int, what: str, step: int, start: float) -> None:
+        counters = self._counters
+        spin_until = time.perf_counter() + SPIN_SECONDS
+        while time.perf_counter() < spin_until:
+            if counters[index] >= seq:
+                return
+        address = ctypes.c_void_p(self._base + _HEADER + index * 8)
+        pause = _Timespec(0, int(CHECK_SECONDS * 1e9))
+        warned = False
+        while True:
+            seen = int(counters[index])
+            if seen >= seq:
+                return
+            # Sleeps while the counter's low 32 bits still hold what was just read (a change wakes it at once).
+            self._libc.syscall(ctypes.c_long(_SYS_FUTEX), address, ctypes.c_long(_FUTEX_WAIT),
+                               ctypes.c_long(seen & 0xFFFFFFFF), ctypes.byref(pause), None, ctypes.c_long(0))
+            if counters[index] >= seq:
+                return
+            waited = time.monotonic() - start
+            if not _alive(self.pids[q]):
+                self._broken = f"{self.task_names[q]} exited"
+                raise self._on_failure(what, step, ReplicaError(
+                    f"{self.task_names[q]} (pid {self.pids[q]}) exited during the shared-memory {what}"))
+            if waited >= self.timeout:
+                self._broken = f"timed out waiting for {self.task_names[q]}"
+                raise self._on_failure(what, step, None)
+            if not warned and waited >= self.stall_warning_after:
+                self._on_stall(what, step, start)
+                warned = True
+
+    def close(self) -> None:
+        """Unmaps the file (already unlinked: nothing is left in /dev/shm)."""
+        if self._mapping.closed:
+            return
+        self._bytes = self._counters = self._anchor = None  # type: ignore[assignment]
+        self._typed.clear()
+        try:
+            self._mapping.close()
+        except BufferError:  # a view of it is still referenced somewhere: the mapping goes with it
+            pass
+
+
+def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str], timeout: float,
+            stall_warning_after: float, on_failure: Callable[[str, int, Exception | None], Exception],
+            on_stall: Callable[[str, int, float], None], capacity: int = DEFAULT_CAPACITY,
+            directory: str = "/dev/shm", host: str | None = None, why_not: str | None = None,
+            namespace: str | None = None) -> tuple[SharedMemoryGroup | None, str]:
+    """Meets the other ranks through ``store`` and maps one shared file if every rank can; returns the group
+    (or None) and the reason, in words, for ``explain()``.
+
+    ``why_not``: this rank's own reason to stay out (which keeps every rank out). ``namespace``: the store
+    keys of this meeting (default: one per call in this process, the same on every rank as long as every
+    rank makes the same groups in the same order, as it makes its process groups). Every rank takes part,
+    and every rank gets the same answer: rank 0 decides from what each rank
+    published (its host, its pid, whether it can take part), creates the file, and unlinks it once
+    every rank has mapped it and checked its nonce (so the file is gone even if the job is killed).
+    """
+    prefix = f"stratagem/shm/{next(_connections) if namespace is None else namespace}/"
+    wait = timedelta(seconds=timeout)
+
+    def wait_for(keys: list[str], what: str) -> None:
+        try:
+            store.wait(keys, wait)
+        except Exception as exc:  # noqa: BLE001 - a store wait that runs out: name who did not publish
+            missing = [task_names[r] for r, key in enumerate(keys) if not store.check([key])] if len(keys) > 1 else \
+                [task_names[0]]
+            raise CollectiveTimeoutError(
+                f"{task_names[rank]} (rank {rank}) waited {timeout:g} s for {what} from {', '.join(missing)}. "
+                f"Received: {type(exc).__name__}. Fix: check that every worker is running, or raise the timeout."
+            ) from None
+
+    me = {"host": host or host_identity(), "pid": os.getpid(), "why_not": why_not or eligible()}
+    if me["why_not"] is None and not os.path.isdir(directory):
+        me["why_not"] = f"{directory} does not exist"
+    store.set(f"{prefix}rank/{rank}", json.dumps(me))
+    ranks = [f"{prefix}rank/{r}" for r in range(world_size)]
+    wait_for(ranks, "the shared-memory check-in")
+    infos = [json.loads(value) for value in store.multi_get(ranks)]
+    size = _HEADER + world_size * _LINE + (world_size + 1) * capacity
+    path = None
+    try:
+        if rank == 0:
+            offer = {"path": None, "nonce": secrets.token_hex(16), "why_not": _decide(infos, task_names, world_size)}
+            if offer["why_not"] is None:
+                path, offer["why_not"] = _create(directory, size, bytes.fromhex(offer["nonce"]), world_size, capacity)
+                offer["path"] = path
+            store.set(f"{prefix}file", json.dumps(offer))
+        wait_for([f"{prefix}file"], "the shared file's name")
+        offer = json.loads(store.get(f"{prefix}file"))
+        mapping, problem = None, offer["why_not"]
+        if problem is None:
+            mapping, problem = _open(offer["path"], size, bytes.fromhex(offer["nonce"]))
+            problem = None if problem is None else f"{task_names[rank]}: {problem}"
+        store.set(f"{prefix}mapped/{rank}", json.dumps(problem))
+        mapped = [f"{prefix}mapped/{r}" for r in range(world_size)]
+        wait_for(mapped, "the shared-memory mapping")
+        problems = [json.loads(value) for value in store.multi_get(mapped)]
+    finally:
+        if path is not None:
+            os.unlink(path)
+    refused = [p for p in problems if p is not None]
+    if refused:
+        if mapping is not None:
+            mapping.close()
+        return None, refused[0]
+    group = SharedMemoryGroup(mapping, rank=rank, world_size=world_size, capacity=capacity,
+                              pids=[info["pid"] for info in infos], task_names=task_names, timeout=timeout,
+                              stall_warning_after=stall_warning_after, on_failure=on_failure, on_stall=on_stall)
+    return group, (f"all {world_size} workers run on this host, so gradients are summed through shared memory "
+                   f"({size / 2**20:.1f} MiB in {directory}) instead of Gloo's loopback TCP")
+
+
+def _decide(infos: list[dict[str, Any]], task_names: Sequence[str], world_size: int) -> str | None:
+    """Rank 0's decision from every rank's check-in: None (go ahead) or why not."""
+    if world_size < 2:
+        return "one worker: nothing to sum across processes"
+    reasons = [info["why_not"] for info in infos]
+    if reasons[0] is not None and len(set(reasons)) == 1:
+        return reasons[0]  # the same on every worker
+    for r, why in enumerate(reasons):
+        if why is not None:
+            return f"{task_names[r]}: {why}"
+    hosts = {info["host"] for info in infos}
+    if len(hosts) > 1:
+        return f"the workers run on {len(hosts)} hosts"
+    return None
+
+
+def _create(directory: str, size: int, nonce: bytes, world_size: int, capacity: int) -> tuple[str | None, str | None]:
+    """Rank 0 makes the file, its space reserved (a tmpfs that runs out otherwise kills a writer with SIGBUS)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="stratagem-", dir=directory)
+    except OSError as exc:
+        return None, f"cannot create a file in {directory} ({exc.strerror})"
+    try:
+        os.posix_fallocate(fd, 0, size)
+        os.pwrite(fd, MAGIC + nonce + world_size.to_bytes(8, "little") + capacity.to_bytes(8, "little"), 0)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        return None, f"{directory} has no room for {size / 2**20:.1f} MiB ({exc.strerror})"
+    os.close(fd)
+    return path, None
+
+
+def _open(path: str, size: int, nonce: bytes) -> tuple[mmap.mmap | None, str | None]:
+    """Maps the file rank 0 made, and checks it is that file (its nonce), not a namesake in another /dev/shm."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        return None, f"cannot open {path} ({exc.strerror}), so its /dev/shm is not rank 0's"
+    try:
+        if os.fstat(fd).st_size != size:
+            return None, f"{path} is not the file rank 0 made (size {os.fstat(fd).st_size}, expected {size})"
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if mapping[:len(MAGIC) + len(nonce)] != MAGIC + nonce:
+        mapping.close()
+        return None, f"{path} is not the file rank 0 made (another nonce)"
+    return mapping, None

@@ -1,0 +1,219 @@
+"""The shared-memory sum of co-located workers: ranks are threads of this process, meeting through an
+in-process store, each mapping the shared file on its own (as separate processes do)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stratagem.collective import shared_memory
+from stratagem.collective.shared_memory import SharedMemoryGroup, connect
+from stratagem.errors import ReplicaError
+
+pytestmark = pytest.mark.skipif(shared_memory.eligible() is not None, reason="shared-memory sums need Linux on x86-64")
+
+NAMES = [f"worker:{r}" for r in range(4)]
+
+
+class Failure(Exception):
+    def __init__(self, what: str, step: int, error: Exception | None) -> None:
+        super().__init__(f"{what} of step {step}: {'timed out' if error is None else error}")
+        self.error = error
+
+
+def run_ranks(world: int, body: Callable[[int, SharedMemoryGroup | None, str], Any], *, timeout: float = 10.0,
+              stalls: list | None = None, limit: float = 60.0, **options: Any) -> list[Any]:
+    """``body(rank, group, reason)`` on ``world`` threads that connect through one store; their results, in
+    rank order (an exception in a thread is re-raised here)."""
+    store = dist.HashStore()
+    namespace = uuid.uuid4().hex  # the threads share one process, so its count of groups made is no use
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            per_rank = {k: v[rank] if isinstance(v, list) else v for k, v in options.items()}
+            group, reason = connect(store, rank=rank, world_size=world, task_names=NAMES[:world], timeout=timeout,
+                                    stall_warning_after=timeout / 4, on_failure=Failure,
+                                    on_stall=lambda what, step, start: stalls.append((rank, what, step)) if stalls is not None else None,
+                                    namespace=namespace, **per_rank)
+            try:
+                results[rank] = body(rank, group, reason)
+            finally:
+                if group is not None:
+                    group.close()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(limit)
+        assert not thread.is_alive(), "a rank is still running: a wait did not end"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def rank_order_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.add(tensors[0], tensors[1])
+    for t in tensors[2:]:
+        total = total + t
+    return total
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(2, 3), numel=st.integers(0, 700),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]),
+       capacity=st.sampled_from([64, 256, 4096]), seed=st.integers(0, 2**16))
+def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(world, numel, dtype, capacity, seed):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [(torch.randn(numel, generator=generator) * 100).to(dtype) for _ in range(world)]
+
+    def body(rank, group, reason):
+        assert group is not None, reason
+        tensor = inputs[rank].clone()
+        group.all_reduce_(tensor, what="sum", step=0)
+        return tensor
+
+    results = run_ranks(world, body, capacity=capacity)  # small slots: most tensors go in several chunks
+    expected = rank_order_sum(inputs)
+    for result in results:
+        assert torch.equal(result, expected)
+
+
+def test_many_collectives_in_a_row_at_uneven_speeds_stay_correct():
+    # Ranks that arrive at different times: a fast rank must not copy a sum out before every slice of it is
+    # summed, nor write the next collective's data while a slow rank still sums the last.
+    world, rounds = 3, 60
+
+    def body(rank, group, reason):
+        rng = random.Random(rank)
+        out = []
+        for k in range(rounds):
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 2e-3)
+            tensor = torch.full((k % 7 * 50 + 1,), float(rank + 1) * (k + 1), dtype=torch.float64)
+            group.all_reduce_(tensor, what="sum", step=k)
+            out.append(tensor)
+        return out
+
+    results = run_ranks(world, body, capacity=512)
+    for k in range(rounds):
+        expected = torch.full((k % 7 * 50 + 1,), 6.0 * (k + 1), dtype=torch.float64)
+        for rank in range(world):
+            assert torch.equal(results[rank][k], expected), (rank, k)
+
+
+def test_a_rank_that_never_arrives_is_waited_for_until_the_timeout_with_a_stall_warning():
+    stalls: list = []
+
+    def body(rank, group, reason):
+        if rank == 1:
+            time.sleep(1.5)  # stays connected, never sums
+            return None
+        start = time.monotonic()
+        with pytest.raises(Failure) as caught:
+            group.all_reduce_(torch.ones(4), what="gradient all-reduce", step=7)
+        elapsed = time.monotonic() - start
+        assert caught.value.error is None  # a timeout, not a lost rank
+        assert "gradient all-reduce of step 7: timed out" in str(caught.value)
+        with pytest.raises(ReplicaError, match="unusable after an earlier failure"):
+            group.all_reduce_(torch.ones(4), what="gradient all-reduce", step=8)
+        return elapsed
+
+    elapsed = run_ranks(2, body, timeout=0.6, stalls=stalls)[0]
+    assert 0.6 <= elapsed < 1.5
+    assert stalls == [(0, "gradient all-reduce", 7)]
+
+
+def test_a_rank_whose_process_is_gone_is_named_long_before_the_timeout():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)  # reaped: its pid no longer exists
+
+    def body(rank, group, reason):
+        if rank == 1:
+            return None
+        group.pids[1] = gone.pid
+        start = time.monotonic()
+        with pytest.raises(Failure) as caught:
+            group.all_reduce_(torch.ones(4), what="gradient all-reduce", step=3)
+        assert isinstance(caught.value.error, ReplicaError)
+        assert f"worker:1 (pid {gone.pid}) exited" in str(caught.value.error)
+        return time.monotonic() - start
+
+    assert run_ranks(2, body, timeout=30)[0] < 2.0
+
+
+def test_the_file_is_unlinked_once_every_rank_has_mapped_it(tmp_path):
+    def body(rank, group, reason):
+        assert group is not None, reason
+        tensor = torch.full((10,), float(rank))
+        group.all_reduce_(tensor, what="sum", step=0)
+        return tensor, os.listdir(tmp_path)
+
+    results = run_ranks(2, body, directory=str(tmp_path))
+    for tensor, listing in results:
+        assert torch.equal(tensor, torch.ones(10))
+        assert listing == []
+    assert "shared memory" in run_ranks(2, lambda rank, group, reason: reason, directory=str(tmp_path))[0]
+
+
+def test_workers_on_different_hosts_all_stay_on_the_process_group():
+    reasons = run_ranks(2, lambda rank, group, reason: (group, reason), host=["a/1", "b/2"])
+    assert reasons == [(None, "the workers run on 2 hosts")] * 2
+
+
+def test_one_rank_that_cannot_take_part_keeps_every_rank_out():
+    reasons = run_ranks(3, lambda rank, group, reason: (group, reason),
+                        why_not=[None, "turned off (shared_memory=False)", None])
+    assert reasons == [(None, "worker:1: turned off (shared_memory=False)")] * 3
+
+
+def test_a_single_worker_has_nothing_to_share():
+    assert run_ranks(1, lambda rank, group, reason: (group, reason)) == [(None, "one worker: nothing to sum across processes")]
+
+
+def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    reasons = run_ranks(2, lambda rank, group, reason: (group, reason), directory=str(tmp_path))
+    assert reasons[0][0] is None and reasons[0] == reasons[1]
+    assert f"{tmp_path} has no room for 12.0 MiB" in reasons[0][1]
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_of_the_same_name_from_another_job_is_refused(tmp_path):
+    path, problem = shared_memory._create(str(tmp_path), 4096, b"n" * 16, 2, 1024)
+    assert problem is None
+    mapping, problem = shared_memory._open(path, 4096, b"m" * 16)
+    assert mapping is None and "not the file rank 0 made" in problem
+    mapping, problem = shared_memory._open(path, 8192, b"n" * 16)
+    assert mapping is None and "size 4096, expected 8192" in problem
+    mapping, problem = shared_memory._open(path, 4096, b"n" * 16)
+    assert problem is None
+    mapping.close()
+
+
+def test_a_rank_that_never_checks_in_is_named():
+    store = dist.HashStore()
+    with pytest.raises(Exception, match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1"):
+        connect(store, rank=0, world_size=2, task_names=NAMES[:2], timeout=0.3, stall_warning_after=0.1,
+                on_failure=Failure, on_stall=lambda *a: None)
