@@ -55,3 +55,14 @@ def test_a_ddp_model_freed_first_lets_destroy_process_group_end_gloo_threads(ord
         assert counts["destroyed"] <= counts["start"] + 1, counts  # only the TCP store's thread may remain
     else:
         assert counts["destroyed"] >= counts["trained"] - 1, counts  # the reducer kept the group and its threads
+
+
+@pytest.mark.timeout(180)
+def test_the_all_reduce_benchmark_measures_both_paths_and_checks_their_sums():
+    proc = subprocess.run([sys.executable, "-m", "stratagem.bench.allreduce", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=170, env=dict(environ.current()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["check_ok"] is True
+    for case in ("a_64MiB", "b_500x4KiB"):
+        assert result[case]["bucketed_s"] > 0 and result[case]["shared_memory_s"] > 0
