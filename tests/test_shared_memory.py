@@ -142,22 +142,40 @@ def test_a_rank_that_never_arrives_is_waited_for_until_the_timeout_with_a_stall_
     assert stalls == [(0, "gradient all-reduce", 7)]
 
 
-def test_a_rank_whose_process_is_gone_is_named_long_before_the_timeout():
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait(timeout=30)  # reaped: its pid no longer exists
+def test_a_rank_whose_process_dies_is_named_long_before_the_timeout():
+    # Rank 1's process, as rank 0 sees it, is a child that is killed while rank 0 waits.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def body(rank, group, reason):
+            if rank == 1:
+                return None
+            threading.Timer(0.3, child.kill).start()
+            start = time.monotonic()
+            with pytest.raises(Failure) as caught:
+                group.all_reduce_(torch.ones(4), what="gradient all-reduce", step=3)
+            assert isinstance(caught.value.error, ReplicaError)
+            assert f"worker:1 (pid {child.pid}) exited during the shared-memory gradient all-reduce" in \
+                str(caught.value.error)
+            return time.monotonic() - start
 
+        process = [None, (child.pid, shared_memory.process_start(child.pid))]
+        assert run_ranks(2, body, timeout=30, process=process)[0] < 3.0
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def test_a_rank_whose_process_cannot_be_seen_is_left_to_the_timeout():
+    # Another pid namespace: the pid names no process here (or another one), so only the clock can tell.
     def body(rank, group, reason):
         if rank == 1:
+            time.sleep(1.2)
             return None
-        group.pids[1] = gone.pid
-        start = time.monotonic()
         with pytest.raises(Failure) as caught:
             group.all_reduce_(torch.ones(4), what="gradient all-reduce", step=3)
-        assert isinstance(caught.value.error, ReplicaError)
-        assert f"worker:1 (pid {gone.pid}) exited" in str(caught.value.error)
-        return time.monotonic() - start
+        return caught.value.error
 
-    assert run_ranks(2, body, timeout=30)[0] < 2.0
+    assert run_ranks(2, body, timeout=0.5, process=[None, (os.getpid(), "not-its-start-time")])[0] is None
 
 
 def test_the_file_is_unlinked_once_every_rank_has_mapped_it(tmp_path):

@@ -36,8 +36,9 @@ in order and loads in order (TSO), so a counter seen at ``s`` means the data bef
 visible; other architectures would need fences Python cannot issue, so they use Gloo (``eligible``).
 A waiting rank spins for a few microseconds, then sleeps on a futex of the counter it waits for;
 the rank that moves a counter wakes its sleepers. Every wait is bounded: it checks twenty times a
-second whether the ranks it waits for are still running (their pids, which the rendezvous
-exchanged) and gives up after the timeout, naming them.
+second whether the ranks it waits for are still running (their pid and start time, exchanged when
+the group is made; a peer whose process this one cannot see, in another pid namespace, is left to
+the timeout) and gives up after the timeout, naming them.
 """
 
 from __future__ import annotations
@@ -107,14 +108,17 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie does not)."""
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (field 22 of /proc/<pid>/stat, clock ticks after boot), or None if it is
+    gone or a zombie. With the pid it names one process, even once the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
 
 
 class SharedMemoryGroup:
@@ -125,14 +129,17 @@ class SharedMemoryGroup:
     timeout), and the group is then unusable, as a process group is after a failed collective.
     """
 
-    def __init__(self, mapping: mmap.mmap, *, rank: int, world_size: int, capacity: int, pids: Sequence[int],
-                 task_names: Sequence[str], timeout: float, stall_warning_after: float,
+    def __init__(self, mapping: mmap.mmap, *, rank: int, world_size: int, capacity: int,
+                 processes: Sequence[tuple[int, str | None]], task_names: Sequence[str], timeout: float, stall_warning_after: float,
                  on_failure: Callable[[str, int, Exception | None], Exception],
                  on_stall: Callable[[str, int, float], None]) -> None:
         self.rank = rank
         self.world_size = world_size
         self.capacity = capacity
-        self.pids = list(pids)
+        self.processes = [tuple(p) for p in processes]
+        # A peer in another pid namespace is not visible here (or another process has its number): its death is
+        # then found by the timeout only.
+        self._watched = [start is not None and process_start(pid) == start for pid, start in self.processes]
         self.task_names = list(task_names)
         self.timeout = timeout
         self.stall_warning_after = stall_warning_after
@@ -233,10 +240,11 @@ class SharedMemoryGroup:
             if counters[index] >= seq:
                 return
             waited = time.monotonic() - start
-            if not _alive(self.pids[q]):
+            pid, started = self.processes[q]
+            if self._watched[q] and process_start(pid) != started:
                 self._broken = f"{self.task_names[q]} exited"
                 raise self._on_failure(what, step, ReplicaError(
-                    f"{self.task_names[q]} (pid {self.pids[q]}) exited during the shared-memory {what}"))
+                    f"{self.task_names[q]} (pid {pid}) exited during the shared-memory {what}"))
             if waited >= self.timeout:
                 self._broken = f"timed out waiting for {self.task_names[q]}"
                 raise self._on_failure(what, step, None)
@@ -260,13 +268,15 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
             stall_warning_after: float, on_failure: Callable[[str, int, Exception | None], Exception],
             on_stall: Callable[[str, int, float], None], capacity: int = DEFAULT_CAPACITY,
             directory: str = "/dev/shm", host: str | None = None, why_not: str | None = None,
-            namespace: str | None = None) -> tuple[SharedMemoryGroup | None, str]:
+            namespace: str | None = None, process: tuple[int, str | None] | None = None
+            ) -> tuple[SharedMemoryGroup | None, str]:
     """Meets the other ranks through ``store`` and maps one shared file if every rank can; returns the group
     (or None) and the reason, in words, for ``explain()``.
 
     ``why_not``: this rank's own reason to stay out (which keeps every rank out). ``namespace``: the store
     keys of this meeting (default: one per call in this process, the same on every rank as long as every
-    rank makes the same groups in the same order, as it makes its process groups). Every rank takes part,
+    rank makes the same groups in the same order, as it makes its process groups). ``process``: the pid and
+    start time others watch for this rank (default: this process). Every rank takes part,
     and every rank gets the same answer: rank 0 decides from what each rank
     published (its host, its pid, whether it can take part), creates the file, and unlinks it once
     every rank has mapped it and checked its nonce (so the file is gone even if the job is killed).
@@ -285,7 +295,8 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
                 f"Received: {type(exc).__name__}. Fix: check that every worker is running, or raise the timeout."
             ) from None
 
-    me = {"host": host or host_identity(), "pid": os.getpid(), "why_not": why_not or eligible()}
+    pid, started = process or (os.getpid(), process_start(os.getpid()))
+    me = {"host": host or host_identity(), "pid": pid, "start": started, "why_not": why_not or eligible()}
     if me["why_not"] is None and not os.path.isdir(directory):
         me["why_not"] = f"{directory} does not exist"
     store.set(f"{prefix}rank/{rank}", json.dumps(me))
@@ -320,7 +331,8 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
             mapping.close()
         return None, refused[0]
     group = SharedMemoryGroup(mapping, rank=rank, world_size=world_size, capacity=capacity,
-                              pids=[info["pid"] for info in infos], task_names=task_names, timeout=timeout,
+                              processes=[(info["pid"], info["start"]) for info in infos], task_names=task_names,
+                              timeout=timeout,
                               stall_warning_after=stall_warning_after, on_failure=on_failure, on_stall=on_stall)
     return group, (f"all {world_size} workers run on this host, so gradients are summed through shared memory "
                    f"({size / 2**20:.1f} MiB in {directory}) instead of Gloo's loopback TCP")
