@@ -7,7 +7,8 @@ torch.distributed.all_reduce.
 
 Each round runs DDP, MWMS, DDP (ratios against the mean of the two DDP runs of the round). On one
 machine MWMS sums gradients through shared memory (its default when every worker is on one host);
---also-gloo adds MWMS with shared_memory=False to each round (DDP, MWMS, MWMS over Gloo, DDP).
+--also-gloo adds MWMS with shared_memory=False to each round (DDP, MWMS, MWMS over Gloo, DDP); with
+--interleaved it runs MWMS with shared_memory=False instead of its default.
 
     .venv/bin/python benchmarks/multi_worker.py --workloads mlp --interleaved 10
 
@@ -37,7 +38,8 @@ def run(argv: list[str]) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
-def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, warmup: int, queue) -> None:
+def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, warmup: int, shared_memory: bool | None,
+                      queue) -> None:
     """One rank of --interleaved: a MWMS model and a DDP model over the same process group, blocks alternating."""
     import torch
     import torch.distributed as dist
@@ -48,7 +50,7 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
     workload = WORKLOADS[workload_name]
-    strategy, mwms = mwms_side(workload, rank, 2, port)  # its process group serves DDP too
+    strategy, mwms = mwms_side(workload, rank, 2, port, shared_memory)  # its process group serves DDP too
     sides = {"ddp": ddp_side(workload, rank, 2), "mwms": mwms}
     for run in sides.values():
         for i in range(warmup):
@@ -77,12 +79,14 @@ def main() -> int:
     parser.add_argument("--interleaved", type=int, metavar="BLOCKS", default=0,
                         help="DDP vs MWMS in the same two processes, BLOCKS alternating blocks of 20 steps")
     parser.add_argument("--also-gloo", action="store_true",
-                        help="also run MWMS with shared_memory=False (gradients over Gloo) in each round")
+                        help="also run MWMS with shared_memory=False (gradients over Gloo) in each round; with "
+                             "--interleaved, run MWMS with shared_memory=False instead")
     args = parser.parse_args()
     if args.interleaved:
         from stratagem.bench.multi_process import spawn_ranks
 
-        results = [spawn_ranks(_interleaved_rank, 2, w, "PORT", args.interleaved, args.warmup)
+        results = [spawn_ranks(_interleaved_rank, 2, w, "PORT", args.interleaved, args.warmup,
+                               False if args.also_gloo else None)
                    for w in args.workloads.split(",")]
         for r in results:
             print(f"{r['workload']}: DDP {r['samples_per_s']['ddp']:.0f} samples/s, MWMS {r['samples_per_s']['mwms']:.0f} "
