@@ -130,8 +130,8 @@ class SharedMemoryGroup:
     """
 
     def __init__(self, mapping: mmap.mmap, *, rank: int, world_size: int, capacity: int,
-                 processes: Sequence[tuple[int, str | None]], task_names: Sequence[str], timeout: float, stall_warning_after: float,
-                 on_failure: Callable[[str, int, Exception | None], Exception],
+                 processes: Sequence[tuple[int, str | None]], task_names: Sequence[str], timeout: float,
+                 stall_warning_after: float, on_failure: Callable[[str, int, Exception | None], Exception],
                  on_stall: Callable[[str, int, float], None]) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -175,11 +175,11 @@ class SharedMemoryGroup:
         n = chunk.numel()
         self._seq += 1
         seq = self._seq
-        slots, results = self._areas(chunk.dtype)
+        slots, result_area = self._areas(chunk.dtype)
         slots[self.rank][:n].copy_(chunk)
         self._publish(_ARRIVED, seq)
         self._wait_all(_ARRIVED, seq, what, step)
-        result = results[:n]
+        result = result_area[:n]
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
         if hi > lo:
             out = result[lo:hi]

@@ -1,7 +1,8 @@
 """MultiWorkerMirroredStrategy: synchronous data parallelism across worker processes.
 
 Each worker process holds one replica per local device, exactly as MirroredStrategy does;
-across processes gradients are summed with `torch.distributed` (Gloo on CPU, NCCL on GPU).
+across processes gradients are summed with `torch.distributed` (Gloo on CPU, NCCL on GPU), or,
+when every worker runs on this host, through shared memory (`stratagem.collective.shared_memory`).
 With one local replica, gradients are copied (and weighted) into buckets as backward
 produces them and each bucket's all-reduce starts at once, overlapping the rest of the
 backward pass; with several, the local replicas combine first and replica 0 then sums
@@ -339,7 +340,8 @@ class MultiWorkerDataset:
                 self.steps = step
                 return
             current = pending
-            # Fetch and agree on the next step now, so the agreement overlaps this step's compute.
+            # Fetch and agree on the next step now: over Gloo the agreement overlaps this step's compute; through
+            # shared memory it is done here, at once, since the workers left the last step together.
             pending, agreement, works = self._fetch(iterator, step + 1)
             yield self._distribute(current, total, step)
             step += 1
