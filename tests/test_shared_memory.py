@@ -35,9 +35,9 @@ class Failure(Exception):
         self.error = error
 
 
-def run_ranks(world: int, body: Callable[[int, SharedMemoryGroup | None, str], Any], *, timeout: float = 10.0,
+def run_ranks(world: int, body: Callable[[int, SharedMemoryGroup | None, str, bool], Any], *, timeout: float = 10.0,
               stalls: list | None = None, limit: float = 60.0, **options: Any) -> list[Any]:
-    """``body(rank, group, reason)`` on ``world`` threads that connect through one store; their results, in
+    """``body(rank, group, reason, fell_back)`` on ``world`` threads that connect through one store; their results, in
     rank order (an exception in a thread is re-raised here)."""
     store = dist.HashStore()
     namespace = uuid.uuid4().hex  # the threads share one process, so its count of groups made is no use
@@ -47,12 +47,12 @@ def run_ranks(world: int, body: Callable[[int, SharedMemoryGroup | None, str], A
     def rank_main(rank: int) -> None:
         try:
             per_rank = {k: v[rank] if isinstance(v, list) else v for k, v in options.items()}
-            group, reason = connect(store, rank=rank, world_size=world, task_names=NAMES[:world], timeout=timeout,
+            group, reason, fell_back = connect(store, rank=rank, world_size=world, task_names=NAMES[:world], timeout=timeout,
                                     stall_warning_after=timeout / 4, on_failure=Failure,
                                     on_stall=lambda what, step, start: stalls.append((rank, what, step)) if stalls is not None else None,
                                     namespace=namespace, **per_rank)
             try:
-                results[rank] = body(rank, group, reason)
+                results[rank] = body(rank, group, reason, fell_back)
             finally:
                 if group is not None:
                     group.close()
@@ -85,7 +85,7 @@ def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(world, numel, dtype, 
     generator = torch.Generator().manual_seed(seed)
     inputs = [(torch.randn(numel, generator=generator) * 100).to(dtype) for _ in range(world)]
 
-    def body(rank, group, reason):
+    def body(rank, group, reason, fell_back):
         assert group is not None, reason
         tensor = inputs[rank].clone()
         group.all_reduce_(tensor, what="sum", step=0)
@@ -102,7 +102,7 @@ def test_many_collectives_in_a_row_at_uneven_speeds_stay_correct():
     # summed, nor write the next collective's data while a slow rank still sums the last.
     world, rounds = 3, 60
 
-    def body(rank, group, reason):
+    def body(rank, group, reason, fell_back):
         rng = random.Random(rank)
         out = []
         for k in range(rounds):
@@ -123,7 +123,7 @@ def test_many_collectives_in_a_row_at_uneven_speeds_stay_correct():
 def test_a_rank_that_never_arrives_is_waited_for_until_the_timeout_with_a_stall_warning():
     stalls: list = []
 
-    def body(rank, group, reason):
+    def body(rank, group, reason, fell_back):
         if rank == 1:
             time.sleep(1.5)  # stays connected, never sums
             return None
@@ -146,7 +146,7 @@ def test_a_rank_whose_process_dies_is_named_long_before_the_timeout():
     # Rank 1's process, as rank 0 sees it, is a child that is killed while rank 0 waits.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        def body(rank, group, reason):
+        def body(rank, group, reason, fell_back):
             if rank == 1:
                 return None
             threading.Timer(0.3, child.kill).start()
@@ -167,7 +167,7 @@ def test_a_rank_whose_process_dies_is_named_long_before_the_timeout():
 
 def test_a_rank_whose_process_cannot_be_seen_is_left_to_the_timeout():
     # Another pid namespace: the pid names no process here (or another one), so only the clock can tell.
-    def body(rank, group, reason):
+    def body(rank, group, reason, fell_back):
         if rank == 1:
             time.sleep(1.2)
             return None
@@ -179,7 +179,7 @@ def test_a_rank_whose_process_cannot_be_seen_is_left_to_the_timeout():
 
 
 def test_the_file_is_unlinked_once_every_rank_has_mapped_it(tmp_path):
-    def body(rank, group, reason):
+    def body(rank, group, reason, fell_back):
         assert group is not None, reason
         tensor = torch.full((10,), float(rank))
         group.all_reduce_(tensor, what="sum", step=0)
@@ -189,22 +189,23 @@ def test_the_file_is_unlinked_once_every_rank_has_mapped_it(tmp_path):
     for tensor, listing in results:
         assert torch.equal(tensor, torch.ones(10))
         assert listing == []
-    assert "shared memory" in run_ranks(2, lambda rank, group, reason: reason, directory=str(tmp_path))[0]
+    assert "shared memory" in run_ranks(2, lambda rank, group, reason, fell_back: reason, directory=str(tmp_path))[0]
 
 
 def test_workers_on_different_hosts_all_stay_on_the_process_group():
-    reasons = run_ranks(2, lambda rank, group, reason: (group, reason), host=["a/1", "b/2"])
-    assert reasons == [(None, "the workers run on 2 hosts")] * 2
+    reasons = run_ranks(2, lambda rank, group, reason, fell_back: (group, reason, fell_back), host=["a/1", "b/2"])
+    assert reasons == [(None, "the workers run on 2 hosts", False)] * 2
 
 
 def test_one_rank_that_cannot_take_part_keeps_every_rank_out():
-    reasons = run_ranks(3, lambda rank, group, reason: (group, reason),
+    reasons = run_ranks(3, lambda rank, group, reason, fell_back: (group, reason, fell_back),
                         why_not=[None, "turned off (shared_memory=False)", None])
-    assert reasons == [(None, "worker:1: turned off (shared_memory=False)")] * 3
+    assert reasons == [(None, "worker:1: turned off (shared_memory=False)", False)] * 3
 
 
 def test_a_single_worker_has_nothing_to_share():
-    assert run_ranks(1, lambda rank, group, reason: (group, reason)) == [(None, "one worker: nothing to sum across processes")]
+    assert run_ranks(1, lambda rank, group, reason, fell_back: (group, reason, fell_back)) == \
+        [(None, "one worker: nothing to sum across processes", False)]
 
 
 def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkeypatch):
@@ -212,9 +213,10 @@ def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkey
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    reasons = run_ranks(2, lambda rank, group, reason: (group, reason), directory=str(tmp_path))
+    reasons = run_ranks(2, lambda rank, group, reason, fell_back: (group, reason, fell_back), directory=str(tmp_path))
     assert reasons[0][0] is None and reasons[0] == reasons[1]
     assert f"{tmp_path} has no room for 12.0 MiB" in reasons[0][1]
+    assert reasons[0][2] is True  # one host, nobody turned it off: a slower job the user is told of
     assert os.listdir(tmp_path) == []
 
 

@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     def failed(what: str, step: int, error: Exception | None) -> Exception:
         return RuntimeError(f"the shared-memory {what} failed: {error or 'timed out'}")
 
-    shared, why = shared_memory.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
+    shared, why, _ = shared_memory.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
                                         timeout=120, stall_warning_after=60, on_failure=failed,
                                         on_stall=lambda *args: None)
     if shared is None:

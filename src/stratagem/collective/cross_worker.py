@@ -111,16 +111,17 @@ class CrossWorker:
         """SUM all-reduce in place, waiting at most `timeout`."""
         self.wait(self.all_reduce_async(tensors, what=what, step=step), what=what, step=step)
 
-    def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> str:
-        """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it);
-        returns the reason either way, in words. `why_not`: this rank's own reason to stay on the process group."""
+    def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> tuple[str, bool]:
+        """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it).
+        Returns the reason either way, in words, and whether the sums fell back to the process group although
+        every worker runs on this host. `why_not`: this rank's own reason to stay on the process group."""
         from stratagem.collective import shared_memory
 
-        self.shared, reason = shared_memory.connect(
+        self.shared, reason, fell_back = shared_memory.connect(
             self.store, rank=self.rank, world_size=self.world_size, task_names=self.task_names, timeout=self.timeout,
             stall_warning_after=self.stall_warning_after, on_failure=self._failure, on_stall=self._warn_stall,
-            why_not=why_not if wanted else "turned off (shared_memory=False)")
-        return reason
+            why_not=why_not if wanted else shared_memory.TURNED_OFF)
+        return reason, fell_back
 
     def close(self) -> None:
         if self.shared is not None:

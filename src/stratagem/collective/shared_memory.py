@@ -77,6 +77,7 @@ SPIN_SECONDS = 50e-6
 behind, short enough not to take a core from a peer still computing."""
 CHECK_SECONDS = 0.05
 """How often a sleeping rank wakes to check that the ranks it waits for are alive, and the clock."""
+TURNED_OFF = "turned off (shared_memory=False)"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 
 _connections = itertools.count()  # store keys of the n-th group made in this process (every rank makes the same ones)
@@ -269,9 +270,10 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
             on_stall: Callable[[str, int, float], None], capacity: int = DEFAULT_CAPACITY,
             directory: str = "/dev/shm", host: str | None = None, why_not: str | None = None,
             namespace: str | None = None, process: tuple[int, str | None] | None = None
-            ) -> tuple[SharedMemoryGroup | None, str]:
+            ) -> tuple[SharedMemoryGroup | None, str, bool]:
     """Meets the other ranks through ``store`` and maps one shared file if every rank can; returns the group
-    (or None) and the reason, in words, for ``explain()``.
+    (or None), the reason in words (for ``explain()``), and whether the sums fall back to the process group
+    although every worker runs on this host and none turned this off (a slower job the user should hear of).
 
     ``why_not``: this rank's own reason to stay out (which keeps every rank out). ``namespace``: the store
     keys of this meeting (default: one per call in this process, the same on every rank as long as every
@@ -329,13 +331,14 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
     if refused:
         if mapping is not None:
             mapping.close()
-        return None, refused[0]
+        one_host = world_size > 1 and len({info["host"] for info in infos}) == 1
+        return None, refused[0], one_host and all(info["why_not"] != TURNED_OFF for info in infos)
     group = SharedMemoryGroup(mapping, rank=rank, world_size=world_size, capacity=capacity,
                               processes=[(info["pid"], info["start"]) for info in infos], task_names=task_names,
                               timeout=timeout,
                               stall_warning_after=stall_warning_after, on_failure=on_failure, on_stall=on_stall)
     return group, (f"all {world_size} workers run on this host, so gradients are summed through shared memory "
-                   f"({size / 2**20:.1f} MiB in {directory}) instead of Gloo's loopback TCP")
+                   f"({size / 2**20:.1f} MiB in {directory}) instead of Gloo's loopback TCP"), False
 
 
 def _decide(infos: list[dict[str, Any]], task_names: Sequence[str], world_size: int) -> str | None:

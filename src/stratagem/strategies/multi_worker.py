@@ -135,11 +135,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                                  "unset for GPUs.")
             return
         on_cpu = all(d.type == "cpu" for d in self._devices)
-        why = self._cw.connect_shared_memory(
+        why, fell_back = self._cw.connect_shared_memory(
             wanted=wanted is not False, why_not=None if on_cpu else "the replicas are on GPUs without NCCL")
         if wanted and self._cw.shared is None:
             raise InputError(f"shared_memory=True, but the workers cannot sum through shared memory. Received: {why}. "
                              "Leave shared_memory unset to use Gloo in that case.")
+        if fell_back and self._cluster.rank == 0:
+            logger.warning("Every worker runs on this host, but gradients cross workers through Gloo's loopback TCP, "
+                           "which is slower than shared memory: %s. Fix: make room in /dev/shm (a container's "
+                           "--shm-size), or pass shared_memory=False to keep Gloo without this warning.", why)
         choice = "shared memory" if self._cw.shared is not None else "gloo"
         self._decisions.append(PlacementDecision(subject="cross-worker sums", choice=choice, reason=why))
 
