@@ -261,8 +261,8 @@ class SharedMemoryGroup:
         self._typed.clear()
         try:
             self._mapping.close()
-        except BufferError:  # a view of it is still referenced somewhere: the mapping goes with it
-            pass
+        except BufferError:  # a view of it is still referenced somewhere: the mapping goes when that view does
+            logger.debug("the shared-memory mapping is still viewed; it is unmapped when the last view is freed")
 
 
 def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str], timeout: float,
