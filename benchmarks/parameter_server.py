@@ -5,9 +5,12 @@
 
 Transport: one parameter server in its own process; this process is the worker. One round is a
 pull of every shard (one call) plus a push of a gradient for every shard (one call; the server
-applies plain SGD), so 2x the model's bytes cross loopback. The echo, served by the same process
+applies plain SGD), so 2x the model's bytes move. The echo, served by the same process
 with grpcio alone (no token, no wire format), sends the same bytes in the same chunks and gets
 them back. Two models: 64 MiB (16 tensors of 4 MiB) and 500 tensors of 4 KiB. Goal: >= 0.8x echo.
+The round runs two ways: as a worker on the server's host does by default (through shared memory,
+one small gRPC call each way), and with ``shared_memory=False``, as a worker on another host does
+(every byte in gRPC messages over loopback).
 For reference, the same bytes also go as two calls of bare grpcio, the kinds a pull and a push use
 (a "source" that returns them, a "sink" that takes them): what two calls cost before any work of
 stratagem's. Rounds of the three alternate; each ratio is the median over neighbouring rounds.
@@ -105,11 +108,17 @@ def transport(repeats: int) -> dict:
             shards = place([(n, p, 0) for n, p in params.items()], 1, None)
             variables = ShardedVariables(shards, [ps_address], security=Security(token=TOKEN), rpc_timeout=120)
             variables.create(params, torch.optim.SGD(list(params.values()), lr=1e-6))
+            over_grpc = ShardedVariables(shards, [ps_address], security=Security(token=TOKEN), rpc_timeout=120,
+                                         shared_memory=False)
             grads = {n: torch.randn_like(p) * 1e-3 for n, p in params.items()}
             local = {n: torch.empty_like(p) for n, p in params.items()}
             variables.arrange(local)  # as a worker keeps its copy of the model: one buffer per bucket
 
             def round_trip(variables=variables, local=local, grads=grads) -> None:
+                variables.pull_into(local)
+                variables.push(grads)
+
+            def grpc_trip(variables=over_grpc, local=local, grads=grads) -> None:
                 variables.pull_into(local)
                 variables.push(grads)
 
@@ -127,20 +136,27 @@ def transport(repeats: int) -> dict:
                     sink(iter(pieces), timeout=120)
                 assert sum(len(piece) for piece in source(b"", timeout=120)) == payload_bytes  # what the sink took
 
-            ps_times, echo_times, bare_times = _alternating_seconds(round_trip, echo_trip, bare_trip, repeats=repeats)
-            ps_s, echo_s, bare_s = (statistics.median(t) for t in (ps_times, echo_times, bare_times))
+            ps_times, grpc_times, echo_times, bare_times = _alternating_seconds(
+                round_trip, grpc_trip, echo_trip, bare_trip, repeats=repeats)
+            ps_s, grpc_s, echo_s, bare_s = (statistics.median(t) for t in (ps_times, grpc_times, echo_times, bare_times))
             # The ratio of each set of neighbouring rounds, then the median: noise on a shared machine
             # comes in bursts, which this keeps from landing on one side only.
             ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(ps_times, echo_times)]
+            grpc_ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(grpc_times, echo_times)]
             bare_ratios = [e / b for e, b in zip(echo_times, bare_times)]
-            out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "echo_s": echo_s, "bare_s": bare_s,
-                         "ps_bytes_per_s": 2 * model_bytes / ps_s, "echo_bytes_per_s": 2 * payload_bytes / echo_s,
+            out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "grpc_s": grpc_s, "echo_s": echo_s,
+                         "bare_s": bare_s, "ps_bytes_per_s": 2 * model_bytes / ps_s,
+                         "grpc_bytes_per_s": 2 * model_bytes / grpc_s, "echo_bytes_per_s": 2 * payload_bytes / echo_s,
+                         "transfers": variables.transfers["ps:0"],
                          "ratio": statistics.median(ratios), "pair_ratios": ratios,
+                         "grpc_ratio": statistics.median(grpc_ratios), "grpc_pair_ratios": grpc_ratios,
                          "bare_ratio": statistics.median(bare_ratios)}
-            print(f"{name}: pull+push {ps_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, bare source+sink "
-                  f"{bare_s * 1e3:.1f} ms; ratio {out[name]['ratio']:.3f} (bare {out[name]['bare_ratio']:.3f})",
+            print(f"{name}: pull+push {ps_s * 1e3:.1f} ms ({variables.transfers['ps:0'].split(':')[0]}), over gRPC "
+                  f"{grpc_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, bare source+sink {bare_s * 1e3:.1f} ms; ratio "
+                  f"{out[name]['ratio']:.3f}, over gRPC {out[name]['grpc_ratio']:.3f} (bare {out[name]['bare_ratio']:.3f})",
                   file=sys.stderr)
             variables.close()
+            over_grpc.close()
         channel.close()
         return out
     finally:
@@ -252,11 +268,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=Path("bench-results/parameter_server.json"))
     args = parser.parse_args()
     results: dict = {"transport": transport(args.repeats)}
-    lines = ["| model | pull+push | bare gRPC echo | ratio (goal >= 0.8) | bare source+sink / echo |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | pull+push, same host (shared memory) | ratio (goal >= 0.8) | pull+push over gRPC "
+             "(shared_memory=False) | ratio | bare gRPC echo | bare source+sink / echo |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results["transport"].items():
         lines.append(f"| {name} | {r['ps_bytes_per_s'] / 2**20:.0f} MiB/s ({r['ps_s'] * 1e3:.1f} ms) | "
-                     f"{r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | {r['ratio']:.3f} | "
+                     f"{r['ratio']:.3f} | {r['grpc_bytes_per_s'] / 2**20:.0f} MiB/s ({r['grpc_s'] * 1e3:.1f} ms) | "
+                     f"{r['grpc_ratio']:.3f} | {r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | "
                      f"{r['bare_ratio']:.3f} ({r['bare_s'] * 1e3:.1f} ms) |")
     if not args.skip_training:
         plain = plain_samples_per_s(args.warmup, args.steps)

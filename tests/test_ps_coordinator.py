@@ -51,6 +51,8 @@ def test_one_worker_equals_plain_training(opt_name):
         strategy = ParameterServerStrategy(cluster, partitioner=FixedShardsPartitioner(2))
         before = strategy.explain()
         assert before.decision("variables").choice == "not placed yet"
+        assert before.decision("values between workers and parameter servers").choice == \
+            "shared memory on one host, else gRPC"
         assert before.details["shards"] == "placed by distribute(model, optimizer)"
         ps_model, ps_optimizer = strategy.distribute(model, optimizer)
         coordinator = ClusterCoordinator(strategy)
@@ -63,6 +65,10 @@ def test_one_worker_equals_plain_training(opt_name):
             torch.testing.assert_close(got, want, **TOL[torch.float64], msg=lambda m, n=name: f"{n}: {m}")
         explanation = strategy.explain()
         assert explanation.decision("variables").choice == "12 shards"  # 3 layers x (weight, bias), each cut in 2
+        transfers = explanation.decision("values between workers and parameter servers")
+        assert transfers.choice == "shared memory"
+        for pair in ("worker:0 -> ps:0", "worker:0 -> ps:1", "chief:0 -> ps:1"):  # the chief pulled its copy
+            assert f"{pair}: shared memory: ps:" in transfers.reason
         assert explanation.details["shards"]["0.weight/part_1"] == "ps:1 rows 8:16"
         strategy.shutdown()
 

@@ -36,10 +36,15 @@ def servers():
         ps.stop()
 
 
-def _variables(model, optimizer, servers, partitioner):
+def _variables(model, optimizer, servers, partitioner, shared_memory=None):
     groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     shards = place([(n, p, groups[id(p)]) for n, p in model.named_parameters()], len(servers), partitioner)
-    return ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20)
+    return ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20,
+                            shared_memory=shared_memory)
+
+
+# Values travel through shared memory between tasks of one host (the default), over gRPC otherwise.
+PATHS = pytest.mark.parametrize("shared_memory", [None, False], ids=["shared-memory", "grpc"])
 
 
 def _train(variables, model, batches):
@@ -61,14 +66,15 @@ def _assert_close(a, b, dtype):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
-def test_one_worker_pushing_in_turn_equals_plain_training(servers, opt_name):
+@PATHS
+def test_one_worker_pushing_in_turn_equals_plain_training(servers, opt_name, shared_memory):
     model, optimizer, shape = build("mlp", opt_name, torch.float64)
     reference = copy.deepcopy(model)
     ref_opt = type(optimizer)(reference.parameters(), **optimizer.defaults)
     batches = make_batches(shape, torch.float64)
     train_reference(reference, ref_opt, batches)
 
-    variables = _variables(model, optimizer, servers, FixedShardsPartitioner(3))
+    variables = _variables(model, optimizer, servers, FixedShardsPartitioner(3), shared_memory)
     assert {s.ps for s in variables.shards} == {0, 1}
     variables.create(dict(model.named_parameters()), optimizer)
     worker_model = copy.deepcopy(model)
@@ -77,6 +83,8 @@ def test_one_worker_pushing_in_turn_equals_plain_training(servers, opt_name):
             p.zero_()  # the worker's copy starts wrong: every value it uses must come from a pull
     _train(variables, worker_model, batches)
     _assert_close(worker_model, reference, torch.float64)
+    way = "gRPC" if shared_memory is False else "shared memory"
+    assert [how.split(":")[0] for how in variables.transfers.values()] == [way, way]
     variables.close()
 
 
@@ -132,7 +140,7 @@ def test_push_errors_name_the_problem(servers):
     with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Malformed parameter-server message: tensors do not match the destinations"):
         variables.push({n: torch.zeros(1) for n, _ in model.named_parameters()})
     servers[1].stop()
-    with pytest.raises(ParameterServerError, match="ps:1 at .* failed Pull. Received: UNAVAILABLE"):
+    with pytest.raises(ParameterServerError, match="ps:1 at .* failed (Pull|PullShared|Attach). Received: UNAVAILABLE"):
         variables.pull_into(dict(model.named_parameters()))
     variables.close()
 
@@ -146,7 +154,9 @@ def test_optimizer_class_must_be_a_torch_optimizer():
 
 
 @pytest.mark.timeout(60)
-def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch):
+@pytest.mark.parametrize(("push_shared", "pull_shared"), [(False, False), (None, False), (False, None)],
+                         ids=["grpc-both", "shared-push-grpc-pull", "grpc-push-shared-pull"])
+def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch, push_shared, pull_shared):
     # Each push adds exactly 1 to every element (SGD, lr 1, gradient -1), and pushes and pulls both
     # span several 2 MiB pieces, so a pull taken while a push is applied would show two values.
     # Every piece is cut 2 ms late, as if the network were slow: a push's updates then land while a
@@ -162,10 +172,11 @@ def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch):
     optimizer = torch.optim.SGD(list(params.values()), lr=1.0)
     shards = place([(n, p, 0) for n, p in params.items()], 1, None)
 
-    def variables():
-        return ShardedVariables(shards, [servers[0].address], security=SECURITY, rpc_timeout=20)
+    def variables(shared_memory):
+        return ShardedVariables(shards, [servers[0].address], security=SECURITY, rpc_timeout=20,
+                                shared_memory=shared_memory)
 
-    pusher, puller = variables(), variables()
+    pusher, puller = variables(push_shared), variables(pull_shared)
     pusher.create(params, optimizer)
     gradients = {n: torch.full_like(p, -1.0) for n, p in params.items()}
     pushes, seen, done = 40, set(), threading.Event()

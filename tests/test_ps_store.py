@@ -160,7 +160,8 @@ def test_flat_refuses_mixed_dtypes_and_destinations_it_cannot_write():
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_copy_arranged_in_buckets_pulls_in_place_and_skips_unused_parameters():
+@pytest.mark.parametrize("shared_memory", [None, False], ids=["shared-memory", "grpc"])
+def test_a_worker_copy_arranged_in_buckets_pulls_in_place_and_skips_unused_parameters(shared_memory):
     servers = [ParameterServer(security=SECURITY, task=f"ps:{i}") for i in range(2)]
     try:
         torch.manual_seed(0)
@@ -169,7 +170,8 @@ def test_a_worker_copy_arranged_in_buckets_pulls_in_place_and_skips_unused_param
         reference = copy.deepcopy(model)
         ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
         shards = place([(n, p, 0) for n, p in model.named_parameters()], 2, None)
-        variables = ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20)
+        variables = ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20,
+                                     shared_memory=shared_memory)
         variables.create(dict(model.named_parameters()), optimizer)
         worker = copy.deepcopy(model)
         params = dict(worker.named_parameters())

@@ -220,18 +220,6 @@ def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkey
     assert os.listdir(tmp_path) == []
 
 
-def test_a_file_of_the_same_name_from_another_job_is_refused(tmp_path):
-    path, problem = shared_memory._create(str(tmp_path), 4096, b"n" * 16, 2, 1024)
-    assert problem is None
-    mapping, problem = shared_memory._open(path, 4096, b"m" * 16)
-    assert mapping is None and "not the file rank 0 made" in problem
-    mapping, problem = shared_memory._open(path, 8192, b"n" * 16)
-    assert mapping is None and "size 4096, expected 8192" in problem
-    mapping, problem = shared_memory._open(path, 4096, b"n" * 16)
-    assert problem is None
-    mapping.close()
-
-
 def test_a_rank_that_never_checks_in_is_named():
     store = dist.HashStore()
     with pytest.raises(Exception, match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1"):

@@ -51,9 +51,7 @@ import mmap
 import os
 import platform
 import secrets
-import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -62,6 +60,8 @@ from typing import Any
 import numpy
 import torch
 
+from stratagem.collective import shm_files
+from stratagem.collective.shm_files import host_identity, process_start
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 
 logger = logging.getLogger(__name__)
@@ -99,29 +99,6 @@ def eligible() -> str | None:
     return None
 
 
-def host_identity() -> str:
-    """This machine, as ranks compare it: the host name and the kernel's boot id (two containers may share a name)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
-
-
-def process_start(pid: int) -> str | None:
-    """When process ``pid`` started (field 22 of /proc/<pid>/stat, clock ticks after boot), or None if it is
-    gone or a zombie. With the pid it names one process, even once the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19].decode()
-
-
 class SharedMemoryGroup:
     """One rank's side of the shared file (see the module's docstring). Use ``connect`` to make one.
 
@@ -147,7 +124,7 @@ class SharedMemoryGroup:
         self._on_failure = on_failure
         self._on_stall = on_stall
         self._mapping = mapping
-        self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._bytes = shm_files.as_tensor(mapping)
         self._counters = numpy.frombuffer(mapping, dtype=numpy.int64, count=world_size * _LINE // 8, offset=_HEADER)
         self._anchor = ctypes.c_char.from_buffer(mapping)
         self._base = ctypes.addressof(self._anchor)
@@ -311,14 +288,15 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
         if rank == 0:
             offer = {"path": None, "nonce": secrets.token_hex(16), "why_not": _decide(infos, task_names, world_size)}
             if offer["why_not"] is None:
-                path, offer["why_not"] = _create(directory, size, bytes.fromhex(offer["nonce"]), world_size, capacity)
+                path, offer["why_not"] = shm_files.create(directory, size, _head(offer["nonce"], world_size, capacity))
                 offer["path"] = path
             store.set(f"{prefix}file", json.dumps(offer))
         wait_for([f"{prefix}file"], "the shared file's name")
         offer = json.loads(store.get(f"{prefix}file"))
         mapping, problem = None, offer["why_not"]
         if problem is None:
-            mapping, problem = _open(offer["path"], size, bytes.fromhex(offer["nonce"]))
+            mapping, problem = shm_files.open_mapped(offer["path"], size, _head(offer["nonce"], world_size, capacity),
+                                                     maker="rank 0")
             problem = None if problem is None else f"{task_names[rank]}: {problem}"
         store.set(f"{prefix}mapped/{rank}", json.dumps(problem))
         mapped = [f"{prefix}mapped/{r}" for r in range(world_size)]
@@ -357,36 +335,6 @@ def _decide(infos: list[dict[str, Any]], task_names: Sequence[str], world_size: 
     return None
 
 
-def _create(directory: str, size: int, nonce: bytes, world_size: int, capacity: int) -> tuple[str | None, str | None]:
-    """Rank 0 makes the file, its space reserved (a tmpfs that runs out otherwise kills a writer with SIGBUS)."""
-    try:
-        fd, path = tempfile.mkstemp(prefix="stratagem-", dir=directory)
-    except OSError as exc:
-        return None, f"cannot create a file in {directory} ({exc.strerror})"
-    try:
-        os.posix_fallocate(fd, 0, size)
-        os.pwrite(fd, MAGIC + nonce + world_size.to_bytes(8, "little") + capacity.to_bytes(8, "little"), 0)
-    except OSError as exc:
-        os.close(fd)
-        os.unlink(path)
-        return None, f"{directory} has no room for {size / 2**20:.1f} MiB ({exc.strerror})"
-    os.close(fd)
-    return path, None
-
-
-def _open(path: str, size: int, nonce: bytes) -> tuple[mmap.mmap | None, str | None]:
-    """Maps the file rank 0 made, and checks it is that file (its nonce), not a namesake in another /dev/shm."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        return None, f"cannot open {path} ({exc.strerror}), so its /dev/shm is not rank 0's"
-    try:
-        if os.fstat(fd).st_size != size:
-            return None, f"{path} is not the file rank 0 made (size {os.fstat(fd).st_size}, expected {size})"
-        mapping = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    if mapping[:len(MAGIC) + len(nonce)] != MAGIC + nonce:
-        mapping.close()
-        return None, f"{path} is not the file rank 0 made (another nonce)"
-    return mapping, None
+def _head(nonce: str, world_size: int, capacity: int) -> bytes:
+    """The first bytes of the file: magic, rank 0's nonce, the world size and the slot size."""
+    return MAGIC + bytes.fromhex(nonce) + world_size.to_bytes(8, "little") + capacity.to_bytes(8, "little")

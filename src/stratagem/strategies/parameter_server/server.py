@@ -19,6 +19,10 @@ model when none overlaps it.
 
 ``Save`` returns every shard and its optimizer state; ``Load`` puts them back (checkpoints).
 
+A worker on the same host pulls and pushes through a shared-memory file instead (``shared``):
+``Attach`` maps it, ``PullShared`` copies the values into it under the lock, ``PushShared``
+applies the gradients it holds, ``Detach`` lets it go.
+
     >>> ps = ParameterServer(security=Security(token="t"), task="ps:0")   # doctest: +SKIP
     >>> ps.stopped(timeout=60.0)                                           # True once the chief ended the job
 """
@@ -38,7 +42,7 @@ from stratagem.errors import (
     ParameterServerError,
     WireFormatError,
 )
-from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server import shared, wire
 from stratagem.strategies.parameter_server.store import (
     BUCKET_PREFIX,
     ShardStore,
@@ -139,11 +143,13 @@ class ParameterServer:
         # Pulls being sent (a pull whose reply gRPC drops unsent is forgotten with it).
         self._reads: weakref.WeakSet[_Read] = weakref.WeakSet()
         self._store = ShardStore({}, {}, None, [])
+        self._segments = shared.Segments(task)
         self._num_updates = 0
         self._shutdown = threading.Event()
         self._server = Server(SERVICE, {
             "Create": self._create, "Pull": self._pull, "Push": Streaming(self._push), "Save": self._save,
-            "Load": self._load, "Shutdown": self._stop, "Ping": self._ping,
+            "Load": self._load, "Shutdown": self._stop, "Ping": self._ping, "Attach": self._attach,
+            "Detach": self._detach, "PullShared": self._pull_shared, "PushShared": self._push_shared,
         }, security=security, address=address)
         self.address = self._server.address
 
@@ -164,6 +170,7 @@ class ParameterServer:
         store = ShardStore(tensors, groups_of, cls, hypers, build=_build)
         with self._lock:
             self._store, self._num_updates = store, 0
+            self._segments.clear()  # laid out for the old shards: workers attach again
         logger.info("%s holds %d shards in %d buckets (%d elements), optimizer %s over %s", self.task,
                     len(store.shards), len(store.buckets), sum(p.numel() for p in store.shards.values()),
                     cls.__name__ if cls else None, "buckets" if store.flat else "shards")
@@ -205,6 +212,52 @@ class ParameterServer:
                 self._reads.discard(read)
             if read.copied:
                 read.store.release(read.values)
+
+    # ---- shared memory (a worker on this host) -------------------------------------------------
+    def _attach(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
+        with self._lock:
+            store = self._store
+            buckets = [(b.values.dtype, b.values.numel()) for b in store.buckets]
+            reply, info = self._segments.attach(meta, store.fingerprint, buckets)
+            return reply, info, {}
+
+    def _detach(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
+        with self._lock:
+            return "detached", {"known": self._segments.detach(meta.get("segment") if isinstance(meta, dict) else None)}, {}
+
+    def _attached(self, meta: Any) -> shared.Attached | None:
+        """The file a shared pull or push names (under ``_lock``), or None when this server does not know it."""
+        self._check_layout(meta)
+        return self._segments.get(meta.get("segment"), self._store.fingerprint)
+
+    def _pull_shared(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
+        with self._lock:
+            attached = self._attached(meta)
+            if attached is None:
+                return "unattached", {}, {}
+            for area, bucket in zip(attached.areas.pull, self._store.buckets):
+                area.copy_(bucket.values)
+            return "values", {"version": self._num_updates}, {}
+
+    def _push_shared(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
+        with self._lock:
+            store = self._store
+            if store.optimizer is None:
+                raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
+                                           "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+            attached = self._attached(meta)
+            if attached is None:
+                return "unattached", {}, {}
+            indices = meta.get("buckets")
+            if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
+                raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
+                                      f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Fix: name each "
+                                      "bucket the push carries once.")
+            self._keep_reads()
+            store.apply_buckets({index: attached.areas.push[index] for index in indices})
+            self._num_updates += 1
+            return "applied", {"version": self._num_updates}, {}
 
     def _keep_reads(self) -> None:
         """Before values change (under ``_lock``): pulls still reading them get their own copy first."""

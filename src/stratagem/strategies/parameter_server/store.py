@@ -195,6 +195,20 @@ class ShardStore:
         finally:
             self._stepped.clear()
 
+    def apply_buckets(self, grads: Mapping[int, torch.Tensor]) -> None:
+        """One optimizer step with a gradient for every shard of the buckets named (index to a flat gradient,
+        read where it lies when the optimizer runs over buckets)."""
+        if self.optimizer is None:
+            raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
+                                  "shards with an optimizer (distribute(model, optimizer) on the chief).")
+        if self.flat:
+            self._step_with([(segment.param, grad[segment.start:segment.stop])
+                             for index, grad in grads.items() for segment in self.buckets[index].segments])
+            return
+        for index, grad in grads.items():
+            self.buckets[index].grad.copy_(grad)
+        self.apply([bucket_name(index) for index in grads])
+
     def _apply(self, names: Sequence[str]) -> None:
         covered: list[set[str]] = [set() for _ in self.buckets]
         for name in names:

@@ -130,6 +130,10 @@ class ParameterServerStrategy(Strategy):
         ps_exit_delay: seconds a parameter server waits, once the chief has ended the job, before its
             process exits; a launcher that stops parameter servers after the workers (``stratagem launch``
             counts an early exit as a failure) stops it first.
+        shared_memory: how values travel between a worker and a parameter server on the same host. None
+            (the default): through a shared-memory file where they can (one copy each way, no gRPC
+            message), over gRPC elsewhere, with a warning when one host cannot share memory; False: always
+            over gRPC; True: an error where they cannot. ``explain()`` shows what was chosen.
 
     See the module docstring for how the same script runs on every task.
     """
@@ -138,7 +142,8 @@ class ParameterServerStrategy(Strategy):
                  partitioner: Partitioner | Callable[..., int] | None = None, *, cluster_token: str | None = None,
                  certificate: str | None = None, private_key: str | None = None, server_name: str | None = None,
                  rpc_timeout: float = 60.0, chief_timeout: float = 60.0,
-                 ps_exit_delay: float = 10.0, env: Mapping[str, str] | None = None) -> None:
+                 ps_exit_delay: float = 10.0, shared_memory: bool | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         env = environ.current() if env is None else env
         for name, value, least in (("rpc_timeout", rpc_timeout, 1e-9), ("chief_timeout", chief_timeout, 1e-9),
                                    ("ps_exit_delay", ps_exit_delay, 0.0)):
@@ -146,6 +151,7 @@ class ParameterServerStrategy(Strategy):
                 raise ParameterServerError(f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
                                            f"Received: {name}={value!r}. Fix: pass a non-negative number of seconds.")
         self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
+        self._in_process = cluster_resolver if isinstance(cluster_resolver, InProcessCluster) else None
         if isinstance(cluster_resolver, InProcessCluster):
             cluster = cluster_resolver.cluster
             cluster_token = cluster_token or cluster_resolver.token
@@ -157,8 +163,12 @@ class ParameterServerStrategy(Strategy):
             raise ParameterServerError(f"partitioner must be callable as partitioner(shape, dtype). Received: "
                                        f"{partitioner!r}. Fix: pass FixedShardsPartitioner(n), MinSizePartitioner() "
                                        "or MaxSizePartitioner(bytes), or None.")
+        if shared_memory not in (None, True, False):
+            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
+                                       "None uses shared memory with servers on this host, False never, True insists.")
         self.cluster = cluster
         self.partitioner = partitioner
+        self.shared_memory = shared_memory
         self.rpc_timeout = rpc_timeout
         self.chief_timeout = chief_timeout
         self.ps_exit_delay = ps_exit_delay
@@ -291,7 +301,8 @@ class ParameterServerStrategy(Strategy):
                     "Fix: build the optimizer over model.parameters().")
         shards = place([(name, p, groups.get(id(p), 0)) for name, p in named], len(self._ps_addresses),
                        self.partitioner)
-        variables = ShardedVariables(shards, self._ps_addresses, security=self._security, rpc_timeout=self.rpc_timeout)
+        variables = ShardedVariables(shards, self._ps_addresses, security=self._security, rpc_timeout=self.rpc_timeout,
+                                     shared_memory=self.shared_memory, task=self.cluster.task_name)
         if self._is_coordinator:
             variables.create(dict(named), optimizer)
         self._model = ParameterServerModel(model, shards, self._ps_addresses, variables, self.rpc_timeout)
@@ -376,6 +387,29 @@ class ParameterServerStrategy(Strategy):
             self._chief_server.stop(grace=STOP_GRACE_SECONDS)
         atexit.unregister(self.shutdown)
 
+    def _transfers(self) -> dict[str, str]:
+        """How this process's tasks reach each parameter server, as decided so far (at their first pull)."""
+        clients = [self._model._variables] if self._model is not None else []
+        services = self._in_process.workers if self._in_process is not None else [self._worker_service]
+        for service in services:
+            if service is not None:
+                clients += service.runtime.variables()
+        return {f"{v.task} -> {ps}": how for v in clients for ps, how in v.transfers.items()}
+
+    def _transfers_choice(self) -> str:
+        ways = {how.split(":")[0] for how in self._transfers().values()}
+        if not ways:
+            return {None: "shared memory on one host, else gRPC", False: "gRPC",
+                    True: "shared memory (required)"}[self.shared_memory]
+        return " and ".join(sorted(ways))
+
+    def _transfers_reason(self) -> str:
+        seen = self._transfers()
+        if not seen:
+            return (f"shared_memory={self.shared_memory}; each worker decides at its first pull from each parameter "
+                    "server (explain() on a task after it has pulled shows the outcome)")
+        return "; ".join(f"{pair}: {how}" for pair, how in sorted(seen.items()))
+
     def explain(self) -> Explanation:
         """Tasks, where the variables live and why."""
         shards = self._model._shards if self._model is not None else []
@@ -391,6 +425,8 @@ class ParameterServerStrategy(Strategy):
             PlacementDecision(subject="updates", choice="asynchronous",
                               reason="each parameter server applies a worker's gradients when they arrive"),
         ]
+        decisions.append(PlacementDecision(subject="values between workers and parameter servers",
+                                           choice=self._transfers_choice(), reason=self._transfers_reason()))
         details = {"workers": list(self.cluster.addresses["worker"]), "ps": self._ps_addresses,
                    "tls": self._security.tls,
                    "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}

@@ -296,7 +296,7 @@ def rpc_error(exc: grpc.RpcError, task: str, address: str, method: str, timeout:
             f"{task} at {address} did not answer {method} within {timeout:g} s. Received: DEADLINE_EXCEEDED. "
             f"Fix: check that {task} is alive and not overloaded, or raise the timeout.")
     error = ParameterServerError(
-        f"{task} at {address} failed {method}. Received: {code.name if code else 'error'}: {details}. "
+        f"{task} at {address} failed {method}. Received: {code.name if code else 'error'}: {str(details).rstrip('.')}. "
         f"Fix: check that {task} is running with this job's cluster token (its log says why it stopped).")
     error.code = code  # type: ignore[attr-defined]
     error.task = task  # type: ignore[attr-defined]

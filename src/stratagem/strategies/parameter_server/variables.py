@@ -5,6 +5,11 @@ server: a pull asks each server once for all the shards it holds (one call per s
 parallel), a push sends each server the gradient rows of its shards in one call. Errors name the
 parameter server that failed (``ps:1 at 127.0.0.1:4242 failed Pull ...``).
 
+With a parameter server on the same host, pulls and pushes go through a shared-memory file instead
+of gRPC messages (``shared``): attached at the first pull or push, after one ``Attach`` call.
+``shared_memory=None`` (the default) uses it where it can, ``False`` never, ``True`` makes a server
+that cannot share memory an error. ``transfers`` says, for each server, which way was chosen and why.
+
 Checkpoints are one file written with ``torch.save`` and read with ``weights_only=True``:
 whole parameters (shards put back together) and the optimizer state of each parameter (per-row
 state such as momentum or Adam moments put back together the same way; scalar state such as
@@ -15,6 +20,8 @@ different partitioner or number of parameter servers.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
-from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server import shared, wire
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.server import (
     SERVICE,
@@ -46,9 +53,17 @@ class ShardedVariables:
     """A model's parameters as shards on parameter servers, seen from a chief or a worker."""
 
     def __init__(self, shards: Sequence[Shard], ps_addresses: Sequence[str], *, security: Security,
-                 rpc_timeout: float = 60.0) -> None:
+                 rpc_timeout: float = 60.0, shared_memory: bool | None = None, task: str = "chief") -> None:
+        if shared_memory not in (None, True, False):
+            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
+                                       "None uses shared memory with servers on this host, False never, True insists.")
         self.shards = list(shards)
         self.rpc_timeout = rpc_timeout
+        self.shared_memory = shared_memory
+        self.task = task
+        self._links: dict[int, shared.Link | str] = {}  # per server: the attached file, or why there is none
+        self._transfers: dict[str, str] = {}
+        self._attach_lock = threading.Lock()
         self._clients = [Client(address, SERVICE, security=security, task=f"ps:{i}")
                          for i, address in enumerate(ps_addresses)]
         self._by_ps: dict[int, list[Shard]] = {}
@@ -106,8 +121,12 @@ class ShardedVariables:
             entries = [(s.name, s.group, tensors[s.parameter].dtype, shard_of(tensors[s.parameter], s).numel())
                        for s in shards]
             by_name = {s.name: s for s in shards}
-            buckets = [[by_name[name] for name, _ in members] for members in bucket_layout(entries)]
-            layout = self._layouts[ps] = _Layout(fingerprint(entries), buckets)
+            members = bucket_layout(entries)
+            buckets = [[by_name[name] for name, _ in bucket] for bucket in members]
+            dtypes = [tensors[bucket[0].parameter].dtype for bucket in buckets]
+            sizes = [(dtype, sum(n for _, n in bucket)) for dtype, bucket in zip(dtypes, members)]
+            shapes = [[shard_of(tensors[s.parameter], s).shape for s in bucket] for bucket in buckets]
+            layout = self._layouts[ps] = _Layout(fingerprint(entries), buckets, sizes, shapes)
         return layout
 
     def arrange(self, parameters: Mapping[str, torch.Tensor]) -> None:
@@ -115,16 +134,27 @@ class ShardedVariables:
 
         Each parameter held whole by one server becomes a view of its bucket's buffer (values kept),
         so a pull writes each bucket's bytes in one block instead of one copy per tensor. Parameters
-        split over servers stay as they are.
+        split over servers stay as they are. With a server on this host, a bucket of whole parameters
+        lives in the pull area of the file shared with it, where the server writes the values: a pull
+        then costs this worker no copy at all.
         """
         with torch.no_grad():
             for ps, shards in self._by_ps.items():
-                for bucket in self._layout(ps, shards, parameters).buckets:
+                layout = self._layout(ps, shards, parameters)
+                on_cpu = all(parameters[s.parameter].is_cpu for s in shards)
+                link = self._link(ps, layout) if on_cpu else None
+                for index, bucket in enumerate(layout.buckets):
                     whole = [parameters[s.parameter] for s in bucket
                              if shard_of(parameters[s.parameter], s) is parameters[s.parameter]]
-                    if len(whole) < 2 or whole[0].device.type != "cpu":
+                    if not whole or not whole[0].is_cpu:
                         continue
-                    buffer = torch._C._nn.flatten_dense_tensors([t.detach() for t in whole])
+                    if link is not None and len(whole) == len(bucket):
+                        buffer = link.areas.pull[index]
+                        buffer.copy_(torch._C._nn.flatten_dense_tensors([t.detach() for t in whole]))
+                    elif len(whole) > 1:
+                        buffer = torch._C._nn.flatten_dense_tensors([t.detach() for t in whole])
+                    else:
+                        continue
                     for tensor, view in zip(whole, torch._C._nn.unflatten_dense_tensors(buffer, whole)):
                         tensor.data = view
 
@@ -133,6 +163,8 @@ class ShardedVariables:
         bytes per bucket, written straight into the parameters)."""
         def call(ps: int, shards: list[Shard]) -> None:
             layout = self._layout(ps, shards, parameters)
+            if self._pull_shared(ps, layout, parameters):
+                return
             meta = {"layout": layout.fingerprint}
             destinations = layout.destinations(parameters)
             if destinations is not None:
@@ -158,6 +190,8 @@ class ShardedVariables:
         """
         def call(ps: int, shards: list[Shard]) -> None:
             layout = self._layout(ps, shards, gradients)
+            if self._push_shared(ps, layout, gradients):
+                return
             tensors: dict[str, torch.Tensor | wire.Flat] = {}
             for index, bucket in enumerate(layout.buckets):
                 grads = list(map(gradients.get, layout.parameters[index]))
@@ -171,6 +205,141 @@ class ShardedVariables:
                                        timeout=self.rpc_timeout, small_reply=True)
 
         self._each_ps(call)
+
+    # ---- shared memory (a server on this host) --------------------------------------------------
+    @property
+    def transfers(self) -> dict[str, str]:
+        """For each parameter server this task has pulled from or pushed to: how values travel, and why."""
+        return dict(self._transfers)
+
+    def _link(self, ps: int, layout: _Layout) -> shared.Link | None:
+        """The file shared with server ``ps``, attached at the first call; None when values go over gRPC."""
+        link = self._links.get(ps)
+        if link is None:
+            with self._attach_lock:
+                link = self._links.get(ps)
+                if link is None:
+                    link = self._attach(ps, layout)
+                    if link is not None:
+                        self._links[ps] = link
+        return link if isinstance(link, shared.Link) else None
+
+    def _attach(self, ps: int, layout: _Layout) -> shared.Link | str | None:
+        """Offers ``ps`` a new file; returns it attached, why values go over gRPC instead, or None when the
+        server holds other shards than this worker expects (the call that follows says so; ask again later)."""
+        if self.shared_memory is False:
+            return self._over_grpc(ps, shared.TURNED_OFF, warn=False)
+        why = shared.eligible()
+        made = why or shared.make_file(layout.sizes)
+        if isinstance(made, str):
+            return self._over_grpc(ps, made, warn=why is None)  # on Linux with a /dev/shm: worth a warning
+        path, nonce, mapping = made
+        client = self._clients[ps]
+        try:
+            op, meta, _ = client.call("Attach", "attach", shared.offer(path, nonce, self.task, layout.fingerprint),
+                                      timeout=self.rpc_timeout, small_reply=True)
+        except BaseException:
+            mapping.close()
+            raise
+        finally:
+            os.unlink(path)  # the server has mapped it, or never will
+        if op != "attached":
+            mapping.close()
+            if meta.get("retry"):
+                return None
+            return self._over_grpc(ps, str(meta.get("why")), warn=bool(meta.get("same_host")))
+        link = shared.Link(shared.Areas(mapping, layout.sizes), meta["segment"])
+        size = shared.describe_bytes(len(mapping))
+        self._transfers[client.task] = (f"shared memory: {client.task} runs on this host ({size} in /dev/shm, one "
+                                        "copy each way instead of gRPC messages)")
+        logger.info("%s: pulls from and pushes to %s through shared memory (%s)", self.task, client.task, size)
+        return link
+
+    def _over_grpc(self, ps: int, why: str, *, warn: bool) -> str:
+        task = self._clients[ps].task
+        if self.shared_memory is True:
+            raise ParameterServerError(
+                f"shared_memory=True, but {self.task} cannot share memory with {task}. Received: {why}. Fix: run "
+                f"them on one host with room in /dev/shm, or pass shared_memory=None to send values over gRPC there.")
+        self._transfers[task] = f"gRPC: {why}"
+        if warn and self.shared_memory is None:
+            logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. Fix: "
+                           "make room in /dev/shm (Docker: --shm-size), or pass shared_memory=False to say this "
+                           "is meant.", self.task, task, why)
+        else:
+            logger.info("%s: values to and from %s go over gRPC: %s", self.task, task, why)
+        return why
+
+    def _forget(self, ps: int, link: shared.Link) -> None:
+        """The server no longer knows the file (restarted, or the chief created the shards anew): attach again."""
+        logger.info("%s: %s let go of the shared file; attaching a new one at the next call", self.task,
+                    self._clients[ps].task)
+        if self._links.get(ps) is link:
+            del self._links[ps]
+        link.areas.close()
+
+    def _pull_shared(self, ps: int, layout: _Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
+        """A pull from ``ps`` through the shared file; False when it must go over gRPC."""
+        link = self._link(ps, layout)
+        if link is None:
+            return False
+        with link.lock:
+            op, _, _ = self._clients[ps].call("PullShared", "pull", {"layout": layout.fingerprint,
+                                              "segment": link.segment}, timeout=self.rpc_timeout, small_reply=True)
+            if op == "unattached":
+                self._forget(ps, link)
+                return False
+            destinations = layout.destinations(parameters)
+            if destinations is not None:
+                if any(destinations[bucket_name(i)].numel != n or destinations[bucket_name(i)].dtype != dtype
+                       for i, (dtype, n) in enumerate(layout.sizes)):
+                    return False  # not this server's shards: the gRPC pull says what does not match
+                for index in range(len(layout.buckets)):
+                    destinations[bucket_name(index)].read_from(link.areas.pull[index])
+                return True
+            targets, sources = [], []  # parameters on a GPU or not contiguous
+            for index, bucket in enumerate(layout.buckets):
+                views = [shard_of(parameters[s.parameter], s) for s in bucket]
+                if [v.shape for v in views] != layout.shapes[index]:
+                    return False  # not this server's shards: the gRPC pull says what does not match
+                targets.extend(views)
+                sources.extend(torch._C._nn.unflatten_dense_tensors(link.areas.pull[index], views))
+            shared.copy_all(targets, sources)
+        return True
+
+    def _push_shared(self, ps: int, layout: _Layout, gradients: Mapping[str, torch.Tensor | None]) -> bool:
+        """A push to ``ps`` through the shared file; False when it must go over gRPC (part of a bucket)."""
+        link = self._link(ps, layout)
+        if link is None:
+            return False
+        targets, sources, indices = [], [], []
+        for index, bucket in enumerate(layout.buckets):
+            grads = list(map(gradients.get, layout.parameters[index]))
+            if all(g is None for g in grads):
+                continue
+            if any(g is None for g in grads):
+                return False  # the server must leave the others' optimizer state alone: shard by shard, over gRPC
+            parts = grads if layout.whole[index] else [shard_of(g, s) for g, s in zip(grads, bucket)]
+            dtype = layout.sizes[index][0]
+            if [p.shape for p in parts] != layout.shapes[index] or any(p.dtype != dtype for p in parts):
+                return False  # not this server's shards: the gRPC push says what does not match
+            views = link.push_views.get(index)
+            if views is None:
+                views = link.push_views[index] = torch._C._nn.unflatten_dense_tensors(link.areas.push[index], parts)
+            targets.extend(views)
+            sources.extend(parts)
+            indices.append(index)
+        if not indices:
+            return True
+        with link.lock:
+            shared.copy_all(targets, sources)
+            op, _, _ = self._clients[ps].call("PushShared", "push", {"layout": layout.fingerprint,
+                                              "segment": link.segment, "buckets": indices},
+                                              timeout=self.rpc_timeout, small_reply=True)
+        if op == "unattached":  # not applied: it goes over gRPC now
+            self._forget(ps, link)
+            return False
+        return True
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -234,6 +403,15 @@ class ShardedVariables:
         self.load_state(state)
 
     def close(self) -> None:
+        for ps, link in list(self._links.items()):
+            if isinstance(link, shared.Link):
+                try:
+                    self._clients[ps].call("Detach", "detach", {"segment": link.segment},
+                                           timeout=min(5.0, self.rpc_timeout), small_reply=True)
+                except (ParameterServerError, CollectiveTimeoutError) as exc:  # a server already gone lets go itself
+                    logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
+                link.areas.close()
+        self._links.clear()
         self._pool.shutdown(wait=False)
         for client in self._clients:
             client.close()
@@ -242,9 +420,12 @@ class ShardedVariables:
 class _Layout:
     """One server's buckets seen from a worker, and the ``wire.Flat`` destinations of the last parameters pulled."""
 
-    def __init__(self, fingerprint: str, buckets: list[list[Shard]]) -> None:
+    def __init__(self, fingerprint: str, buckets: list[list[Shard]], sizes: list[tuple[torch.dtype, int]],
+                 shapes: list[list[torch.Size]]) -> None:
         self.fingerprint = fingerprint
         self.buckets = buckets
+        self.sizes = sizes  # each bucket's dtype and element count
+        self.shapes = shapes  # each shard's shape, bucket by bucket
         self.staging = [wire.Staging() for _ in buckets]  # for gathering each bucket's small gradients
         self.parameters = [[s.parameter for s in bucket] for bucket in buckets]  # each shard's parameter name
         self.whole = [all(s.name == s.parameter for s in bucket) for bucket in buckets]  # no parameter split

@@ -154,6 +154,24 @@ class Flat:
             blocks.append((torch.empty(sum(p.numel() for p in scattered), dtype=self.dtype), scattered))
         return blocks
 
+    def read_from(self, source: torch.Tensor) -> None:
+        """Copies a 1-D tensor of ``numel`` elements (the parts one after another) into the parts: a block of
+        neighbouring parts with one copy (none when they are that memory), small scattered parts with one
+        call for all."""
+        targets, sources = [], []
+        offset = 0
+        for block, parts in self.blocks():
+            piece = source[offset:offset + block.numel()]
+            offset += block.numel()
+            if parts is None:
+                if block.data_ptr() != piece.data_ptr():  # the parts may live in the source itself
+                    block.copy_(piece)
+            else:
+                targets.extend(parts)
+                sources.extend(torch._C._nn.unflatten_dense_tensors(piece, parts))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
     @staticmethod
     def scatter(blocks: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
         """Copies received buffers of small scattered parts out to their parts (one call for all)."""

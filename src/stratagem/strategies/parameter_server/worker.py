@@ -130,7 +130,8 @@ class WorkerRuntime:
         key = id(model)
         if key not in self._replicas:
             variables = ShardedVariables(model._shards, model._ps_addresses, security=self._security,
-                                         rpc_timeout=model._rpc_timeout)
+                                         rpc_timeout=model._rpc_timeout,
+                                         shared_memory=model._variables.shared_memory, task=self.task)
             replica = copy.deepcopy(model.module)
             variables.arrange(dict(replica.named_parameters()))
             self._replicas[key] = (replica, variables)
@@ -170,6 +171,10 @@ class WorkerRuntime:
             return self._iterators[tree["$iter"]]
         raise ParameterServerError(f"Unknown reference on {self.task}. Received: {tree!r:.120}. "
                                    "Fix: pass iterators made by coordinator.create_per_worker_dataset.")
+
+    def variables(self) -> list[ShardedVariables]:
+        """The parameter-server clients of this worker's replicas."""
+        return [variables for _, variables in self._replicas.values()]
 
     def close(self) -> None:
         for _, variables in self._replicas.values():

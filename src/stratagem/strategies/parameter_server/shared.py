@@ -1,0 +1,257 @@
+"""Pulls and pushes through shared memory when a worker and a parameter server run on one host.
+
+Over gRPC, a pull's values are copied four times on their way (the server's tensors into the
+message, gRPC's copy of it, the socket, gRPC's ``bytes`` on the worker, then into the worker's
+parameters), and a push's gradients the same the other way. On one host none of that is needed:
+the worker maps one file in ``/dev/shm`` with an area for each direction, laid out as the
+server's buckets (each at a multiple of 64 bytes)::
+
+    head (64 bytes: magic and the worker's nonce)
+    pull area: bucket 0's values, bucket 1's values, ...
+    push area: bucket 0's gradient, bucket 1's gradient, ...
+
+- A pull is a small gRPC call (``PullShared``). The server copies its buckets into the pull area
+  under its lock (so it never sees half of a push) and answers; the worker then copies them into
+  its parameters. One copy on each side.
+- A push: the worker copies its gradients into the push area and calls ``PushShared``; the server
+  applies the optimizer to the gradients where they lie. One copy in all.
+
+The gRPC call orders the two sides: the worker writes an area only before a call and reads it only
+after the reply, one call at a time per area, and the server touches it only while it handles the
+call. A push that leaves out part of a bucket (a parameter without a gradient) goes over gRPC.
+
+Who may use a file: only the worker that made it (a file of this user, mode 0600) and a server it
+attached it to through an authenticated call (``Attach``, with the cluster token like every call).
+The server maps it only when the worker says it runs on the same host (host name and boot id), the
+name is one of ours in ``/dev/shm``, the file is a regular file of the server's user of the size
+its buckets need, and it starts with the head the worker sent. The worker unlinks the file as soon
+as the server has answered, so nobody can open it afterwards. The server lets a mapping go when
+the worker detaches (``close``), when the process that attached it is gone (checked at each
+attach), or when the chief creates the shards anew (workers then attach again).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stratagem.collective import shm_files
+from stratagem.errors import WireFormatError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SGPSSHM1"
+HEAD = 64
+ALIGN = 64
+PREFIX = "stratagem-ps-"
+_NAME = re.compile(r"stratagem-ps-[A-Za-z0-9_]{1,64}\Z")
+TURNED_OFF = "turned off (shared_memory=False)"
+
+Buckets = Sequence[tuple[torch.dtype, int]]
+"""Each bucket's dtype and element count, in the server's order."""
+
+
+def eligible(directory: str = shm_files.DIRECTORY) -> str | None:
+    """None when this process can share memory with a parameter server, else why not."""
+    if sys.platform != "linux":
+        return f"shared memory between a worker and a parameter server needs Linux; this is {sys.platform}"
+    if not os.path.isdir(directory):
+        return f"{directory} does not exist"
+    return None
+
+
+def area_offsets(buckets: Buckets) -> tuple[list[int], int]:
+    """Where each bucket starts in an area, and the area's size in bytes."""
+    offsets, size = [], 0
+    for dtype, numel in buckets:
+        offsets.append(size)
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        size += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, size
+
+
+def file_size(buckets: Buckets) -> int:
+    return HEAD + 2 * area_offsets(buckets)[1]
+
+
+def describe_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{-(-n // 1024)} KiB"
+
+
+def head(nonce: bytes) -> bytes:
+    return MAGIC + nonce
+
+
+class Areas:
+    """A mapped file's two areas as one tensor per bucket: ``pull[i]`` and ``push[i]``."""
+
+    def __init__(self, mapping: mmap.mmap, buckets: Buckets) -> None:
+        self.mapping = mapping
+        offsets, area = area_offsets(buckets)
+        whole = shm_files.as_tensor(mapping)  # views keep the mapping alive: a worker's parameters may be some
+
+        def view(offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            return whole[offset:offset + nbytes].view(dtype)
+
+        self.pull = [view(HEAD + o, d, n) for (d, n), o in zip(buckets, offsets)]
+        self.push = [view(HEAD + area + o, d, n) for (d, n), o in zip(buckets, offsets)]
+        self.nbytes = len(mapping)
+
+    def close(self) -> None:
+        self.pull, self.push = [], []
+        try:
+            self.mapping.close()
+        except BufferError:  # a view is still alive (a worker's parameters): the mapping goes with the last one
+            logger.debug("a view of a shared area is still alive; it is unmapped when the last view is freed")
+
+
+# ---- the worker's side ------------------------------------------------------------------------
+@dataclass
+class Link:
+    """A worker's file attached to one parameter server: its areas and the server's name for it."""
+
+    areas: Areas
+    segment: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held for a call and its copies, so two threads of one worker never use an area at once."""
+    push_views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Per bucket, views of the push area shaped as the gradients (their shapes do not change)."""
+
+
+def make_file(buckets: Buckets, directory: str = shm_files.DIRECTORY) -> tuple[str, bytes, mmap.mmap] | str:
+    """A new file for ``buckets``, mapped: ``(path, nonce, mapping)``, or why there is none."""
+    why = eligible(directory)
+    if why is not None:
+        return why
+    nonce = secrets.token_bytes(16)
+    size = file_size(buckets)
+    path, why = shm_files.create(directory, size, head(nonce), prefix=PREFIX)
+    if path is None:
+        return why or "cannot create the file"
+    mapping, why = shm_files.open_mapped(path, size, head(nonce), maker="this worker")
+    if mapping is None:
+        os.unlink(path)
+        return why or "cannot map the file"
+    return path, nonce, mapping
+
+
+# ---- the server's side ------------------------------------------------------------------------
+@dataclass
+class Attached:
+    """A worker's file as a parameter server holds it."""
+
+    areas: Areas
+    fingerprint: str
+    task: str
+    process: tuple[int, str | None]
+    watched: bool
+    """Whether the worker's process was visible from here when it attached (same pid namespace)."""
+
+
+class Segments:
+    """The files workers attached to one parameter server. Not thread-safe: the server uses it under its lock."""
+
+    def __init__(self, task: str, directory: str = shm_files.DIRECTORY) -> None:
+        self.task = task
+        self.directory = directory
+        self.host = shm_files.host_identity()
+        self._attached: dict[str, Attached] = {}
+
+    def __len__(self) -> int:
+        return len(self._attached)
+
+    def attach(self, meta: Any, fingerprint: str, buckets: Buckets) -> tuple[str, dict[str, Any]]:
+        """Maps the file a worker offers (``meta``: name, nonce, host, task, pid, start); returns the reply
+        ``("attached", {"segment": id})`` or ``("refused", {"why": ..., "same_host": bool})``."""
+        name, nonce, host, task, process = _offer(meta)
+        self._forget_gone()
+        if host != self.host:
+            return "refused", {"why": f"{task} runs on another host than {self.task}", "same_host": False}
+        if meta.get("layout") != fingerprint:
+            return "refused", {"why": f"{task} expects other shards than {self.task} holds", "same_host": True,
+                               "retry": True}
+        mapping, why = shm_files.open_mapped(os.path.join(self.directory, name), file_size(buckets), head(nonce),
+                                             maker=task)
+        if mapping is None:
+            return "refused", {"why": f"{self.task}: {why}", "same_host": True}
+        segment = secrets.token_hex(8)
+        watched = process[1] is not None and shm_files.process_start(process[0]) == process[1]
+        self._attached[segment] = Attached(Areas(mapping, buckets), fingerprint, task, process, watched)
+        logger.info("%s: %s attached %s of shared memory (%d attached)", self.task, task,
+                    describe_bytes(len(mapping)), len(self._attached))
+        return "attached", {"segment": segment}
+
+    def get(self, segment: Any, fingerprint: str) -> Attached | None:
+        """The file ``segment`` names, or None when it is unknown here or was made for other shards."""
+        attached = self._attached.get(segment) if isinstance(segment, str) else None
+        if attached is not None and attached.fingerprint != fingerprint:
+            self.detach(segment)
+            return None
+        return attached
+
+    def detach(self, segment: Any) -> bool:
+        attached = self._attached.pop(segment, None) if isinstance(segment, str) else None
+        if attached is not None:
+            attached.areas.close()
+        return attached is not None
+
+    def clear(self) -> None:
+        for segment in list(self._attached):
+            self.detach(segment)
+
+    def _forget_gone(self) -> None:
+        """Lets go of files whose worker process has exited (a killed worker attaches a new one when restarted)."""
+        for segment, attached in list(self._attached.items()):
+            pid, started = attached.process
+            if attached.watched and shm_files.process_start(pid) != started:
+                logger.info("%s: %s (pid %d) is gone; its shared memory is let go", self.task, attached.task, pid)
+                self.detach(segment)
+
+
+def _offer(meta: Any) -> tuple[str, bytes, str, str, tuple[int, str | None]]:
+    """The fields of an ``Attach`` request, checked."""
+    if not isinstance(meta, dict):
+        raise WireFormatError(f"Attach needs a JSON object. Received: {type(meta).__name__}. Fix: send "
+                              "{name, nonce, host, task, pid, start, layout}.")
+    name, nonce, host, task = (meta.get(key) for key in ("name", "nonce", "host", "task"))
+    pid, start = meta.get("pid"), meta.get("start")
+    if not (isinstance(name, str) and _NAME.match(name)):
+        raise WireFormatError(f"Attach names a file that is not one of stratagem's in /dev/shm. Received: "
+                              f"name={name!r:.80}. Fix: offer a file made by shared.make_file.")
+    if not (isinstance(nonce, str) and re.fullmatch(r"[0-9a-f]{32}", nonce)):
+        raise WireFormatError(f"Attach needs a nonce of 32 hex digits. Received: nonce={nonce!r:.80}. "
+                              "Fix: offer a file made by shared.make_file.")
+    if not (isinstance(host, str) and isinstance(task, str) and isinstance(pid, int) and not isinstance(pid, bool)
+            and (start is None or isinstance(start, str))):
+        raise WireFormatError(f"Attach needs host, task (strings) and pid (an integer). Received: host={host!r:.80}, "
+                              f"task={task!r:.80}, pid={pid!r:.20}, start={start!r:.20}. Fix: send all of them.")
+    return name, bytes.fromhex(nonce), host, task, (pid, start)
+
+
+def offer(path: str, nonce: bytes, task: str, fingerprint: str) -> dict[str, Any]:
+    """The ``Attach`` request's metadata for a file made by ``make_file``."""
+    pid = os.getpid()
+    return {"name": os.path.basename(path), "nonce": nonce.hex(), "host": shm_files.host_identity(), "task": task,
+            "pid": pid, "start": shm_files.process_start(pid), "layout": fingerprint}
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copies each source into its target: one call when all are CPU tensors, one each otherwise (a GPU model)."""
+    with torch.no_grad():
+        if all(t.is_cpu for t in targets) and all(t.is_cpu for t in sources):  # is_cpu: no device object per tensor
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            return
+        for target, source in zip(targets, sources):
+            target.copy_(source)

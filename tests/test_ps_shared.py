@@ -1,0 +1,278 @@
+"""A worker and a parameter server on one host pull and push through a shared-memory file.
+
+What is checked: the values are those of gRPC's path (and of plain torch); a worker's parameters
+live in the file, so a pull copies nothing on its side; the server maps only a file the worker
+made on the same host, named as ours, of the right size and nonce, from an authenticated call; a
+malformed offer gets a clean refusal and the server goes on serving; files never stay behind;
+and every reason not to share memory is said (a warning where the user should act, an error with
+``shared_memory=True``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from stratagem.collective import shm_files
+from stratagem.errors import ParameterServerError
+from stratagem.strategies.parameter_server import shared
+from stratagem.strategies.parameter_server.partitioners import place
+from stratagem.strategies.parameter_server.server import SERVICE, ParameterServer
+from stratagem.strategies.parameter_server.transport import Client, Security
+from stratagem.strategies.parameter_server.variables import ShardedVariables
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(shared.eligible() is not None, reason=f"{shared.eligible()}")]
+
+SECURITY = Security(token="shared-test")
+
+
+@pytest.fixture
+def server():
+    ps = ParameterServer(security=SECURITY, task="ps:0")
+    yield ps
+    ps.stop()
+
+
+def _ours() -> set[str]:
+    return {name for name in os.listdir(shm_files.DIRECTORY) if name.startswith(shared.PREFIX)}
+
+
+def _mixed_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two dtypes and two parameter groups: four buckets on one server."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model[2].double()
+    optimizer = torch.optim.Adam([{"params": model[0].parameters(), "lr": 0.05},
+                                  {"params": model[2].parameters(), "lr": 0.02, "weight_decay": 0.1}])
+    return model, optimizer
+
+
+def _variables(model, optimizer, addresses, **kwargs):
+    groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    shards = place([(n, p, groups[id(p)]) for n, p in model.named_parameters()], len(addresses), None)
+    return ShardedVariables(shards, addresses, security=SECURITY, rpc_timeout=20, **kwargs)
+
+
+def _step(model, x):
+    return model[2](model[1](model[0](x)).double()).square().mean()
+
+
+def test_buckets_of_two_dtypes_and_groups_train_as_torch_does_and_live_in_the_file(server):
+    model, optimizer = _mixed_model()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam([{"params": reference[0].parameters(), "lr": 0.05},
+                                {"params": reference[2].parameters(), "lr": 0.02, "weight_decay": 0.1}])
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    worker = copy.deepcopy(model)
+    params = dict(worker.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()  # every value the worker uses must come from a pull
+    variables.arrange(params)
+    link = variables._links[0]
+    start, end = link.areas.pull[0].data_ptr(), link.areas.pull[0].data_ptr() + link.areas.nbytes
+    assert all(start <= p.data_ptr() < end for p in params.values())  # the server writes them in place
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(4, 5, generator=g)
+        variables.pull_into(params)
+        worker.zero_grad()
+        _step(worker, x).backward()
+        variables.push({n: p.grad for n, p in params.items()})
+        ref_opt.zero_grad()
+        _step(reference, x).backward()
+        ref_opt.step()
+    variables.pull_into(params)
+    for (name, got), want in zip(worker.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert len(server._segments) == 1
+    assert variables.transfers["ps:0"].startswith("shared memory: ps:0 runs on this host")
+    variables.close()
+    assert len(server._segments) == 0  # detached
+    assert all(p.abs().sum() > 0 for p in params.values())  # the worker's copy outlives the link
+
+
+def test_no_file_stays_behind(server):
+    before = _ours()
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    variables.pull_into(dict(copy.deepcopy(model).named_parameters()))
+    assert len(server._segments) == 1
+    assert _ours() == before  # unlinked as soon as the server mapped it
+    variables.close()
+
+
+def test_a_server_that_creates_the_shards_anew_is_attached_again(server):
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    worker = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(worker)
+    first = variables._links[0].segment
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    variables.create(dict(model.named_parameters()), optimizer)  # a restarted chief: same shards, new values
+    assert len(server._segments) == 0
+    variables.pull_into(worker)  # told "unattached": over gRPC this once, then a new file
+    for name, p in model.named_parameters():
+        assert torch.equal(worker[name], p.detach()), name
+    variables.pull_into(worker)
+    assert variables._links[0].segment != first and len(server._segments) == 1
+    variables.close()
+
+
+def test_a_push_that_leaves_out_part_of_a_bucket_goes_over_grpc_and_is_applied(server):
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(params)
+    grads = {n: torch.ones_like(p) for n, p in params.items()}
+    grads["0.bias"] = None  # a bucket of group 0 without one of its parameters
+    variables.push(grads)
+    variables.pull_into(params)
+    assert torch.equal(params["0.bias"], model[0].bias.detach())  # untouched, as torch leaves it
+    assert not torch.equal(params["0.weight"], model[0].weight.detach())
+    variables.close()
+
+
+def _offer(server, **changes):
+    """A real file made for the server's buckets and the Attach request for it, with ``changes`` to its fields."""
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address], shared_memory=False)
+    variables.create(dict(model.named_parameters()), optimizer)
+    layout = variables._layout(0, variables._by_ps[0], dict(model.named_parameters()))
+    path, nonce, mapping = shared.make_file(layout.sizes)
+    meta = {**shared.offer(path, nonce, "worker:7", layout.fingerprint), **changes}
+    variables.close()
+    return path, mapping, meta
+
+
+def _call(server, method, meta, token="shared-test"):
+    client = Client(server.address, SERVICE, security=Security(token=token), task="ps:0")
+    try:
+        return client.call(method, method.lower(), meta, timeout=10, small_reply=True)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("changes", "refusal"), [
+    ({"host": "elsewhere/boot"}, "worker:7 runs on another host than ps:0"),
+    ({"nonce": "ab" * 16}, "is not the file worker:7 made (another nonce)"),
+    ({"layout": "0" * 24}, "worker:7 expects other shards than ps:0 holds"),
+])
+def test_the_server_maps_only_the_file_the_worker_made_on_this_host(server, changes, refusal):
+    path, mapping, meta = _offer(server, **changes)
+    try:
+        op, reply, _ = _call(server, "Attach", meta)
+    finally:
+        os.unlink(path)
+        mapping.close()
+    assert op == "refused" and refusal in reply["why"]
+    assert len(server._segments) == 0
+
+
+@pytest.mark.parametrize(("changes", "complaint"), [
+    ({"name": "../../etc/passwd"}, "not one of stratagem's in /dev/shm"),
+    ({"name": "stratagem-ps-x/../../y"}, "not one of stratagem's in /dev/shm"),
+    ({"nonce": "zz"}, "a nonce of 32 hex digits"),
+    ({"pid": "1"}, "pid (an integer)"),
+])
+def test_a_malformed_offer_is_refused_and_the_server_goes_on_serving(server, changes, complaint):
+    path, mapping, meta = _offer(server)
+    try:
+        with pytest.raises(ParameterServerError, match=f"INVALID_ARGUMENT: .*{re.escape(complaint)}"):
+            _call(server, "Attach", {**meta, **changes})
+        op, _, _ = _call(server, "Attach", meta)  # the same server takes the good offer
+    finally:
+        os.unlink(path)
+        mapping.close()
+    assert op == "attached"
+
+
+@pytest.mark.parametrize("token", ["wrong", None])
+def test_an_offer_without_the_token_is_refused_before_it_is_read(server, token):
+    path, mapping, meta = _offer(server)
+    try:
+        if token is None:
+            channel = grpc.insecure_channel(server.address)
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary(f"/{SERVICE}/Attach_11")(b"anything", timeout=10)
+            channel.close()
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        else:
+            with pytest.raises(ParameterServerError, match="UNAUTHENTICATED: Wrong cluster token"):
+                _call(server, "Attach", meta, token=token)
+    finally:
+        os.unlink(path)
+        mapping.close()
+    assert len(server._segments) == 0
+
+
+def test_the_file_of_a_worker_process_that_exited_is_let_go(server):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid))
+        assert _call(server, "Attach", meta)[0] == "attached"
+        os.unlink(path)
+        mapping.close()
+        assert len(server._segments) == 1
+    finally:
+        child.kill()
+        child.wait(10)
+    path, mapping, meta = _offer(server)
+    assert _call(server, "Attach", meta)[0] == "attached"  # each attach first lets go of those whose worker is gone
+    os.unlink(path)
+    mapping.close()
+    assert len(server._segments) == 1
+
+
+def test_shared_memory_true_makes_a_refusal_an_error_and_none_falls_back(server, monkeypatch, caplog):
+    model, optimizer = _mixed_model()
+    params = dict(copy.deepcopy(model).named_parameters())
+    monkeypatch.setattr(shm_files, "host_identity", lambda: "another-host/boot")  # as if the server ran elsewhere
+    strict = _variables(model, optimizer, [server.address], shared_memory=True)
+    strict.create(dict(model.named_parameters()), optimizer)
+    with pytest.raises(ParameterServerError, match="shared_memory=True, but chief cannot share memory with ps:0. "
+                       "Received: chief runs on another host than ps:0"):
+        strict.pull_into(params)
+    strict.close()
+    relaxed = _variables(model, optimizer, [server.address])
+    with caplog.at_level(logging.INFO, logger="stratagem.strategies.parameter_server.variables"):
+        relaxed.pull_into(params)
+    assert relaxed.transfers == {"ps:0": "gRPC: chief runs on another host than ps:0"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # another host: nothing to fix
+    assert torch.equal(params["0.weight"], model[0].weight.detach())
+    relaxed.close()
+
+
+def test_one_host_without_room_in_dev_shm_warns_and_trains_over_grpc(server, monkeypatch, caplog):
+    monkeypatch.setattr(shared, "make_file", lambda sizes, directory=None: "/dev/shm has no room for 1.0 MiB")
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    with caplog.at_level(logging.WARNING):
+        variables.pull_into(params)
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "values to and from ps:0 go over gRPC, which is slower on one host, because /dev/shm has no room" in warning
+    assert "--shm-size" in warning
+    assert torch.equal(params["0.weight"], model[0].weight.detach())
+    variables.close()
+
+
+def test_shared_memory_must_be_none_true_or_false():
+    with pytest.raises(ParameterServerError, match="shared_memory must be None, True or False. Received: 'yes'"):
+        ShardedVariables([], ["127.0.0.1:1"], security=SECURITY, shared_memory="yes")
