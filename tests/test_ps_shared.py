@@ -268,7 +268,7 @@ def test_one_host_without_room_in_dev_shm_warns_and_trains_over_grpc(server, mon
         variables.pull_into(params)
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "values to and from ps:0 go over gRPC, which is slower on one host, because /dev/shm has no room" in warning
-    assert "--shm-size" in warning
+    assert "Fix: give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size)" in warning
     assert torch.equal(params["0.weight"], model[0].weight.detach())
     variables.close()
 

@@ -264,8 +264,8 @@ class ShardedVariables:
         self._transfers[task] = f"gRPC: {why}"
         if warn and self.shared_memory is None:
             logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. Fix: "
-                           "make room in /dev/shm (Docker: --shm-size), or pass shared_memory=False to say this "
-                           "is meant.", self.task, task, why)
+                           "give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
+                           "or pass shared_memory=False to say gRPC is meant.", self.task, task, why)
         else:
             logger.info("%s: values to and from %s go over gRPC: %s", self.task, task, why)
         return why
