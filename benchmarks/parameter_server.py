@@ -16,8 +16,10 @@ For reference, the same bytes also go as two calls of bare grpcio, the kinds a p
 stratagem's. Rounds of the three alternate; each ratio is the median over neighbouring rounds.
 
 Training: the MLP workload of shared/peers/README.md (global batch 256, SGD momentum 0.9) under
-``stratagem launch --workers W --ps 1`` (worker 0 works inside the chief), W = 1 and 2, against a
-plain PyTorch loop in this process in the same run.
+``stratagem launch --workers W --ps 1`` (worker 0 works inside the chief), W = 1 and 2, by default
+(shared memory, all tasks on this host) and with ``shared_memory=False``, against a plain PyTorch
+loop in this process measured at the start of the same round; each figure is the median over
+``--rounds`` rounds of its ratio to that round's plain loop.
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ def _train_task() -> None:
     workload = WORKLOADS["mlp"]
     warmup, steps = int(os.environ["BENCH_PS_WARMUP"]), int(os.environ["BENCH_PS_STEPS"])
     net = workload.build_model()
-    strategy = sg.ParameterServerStrategy(ps_exit_delay=5.0)
+    strategy = sg.ParameterServerStrategy(ps_exit_delay=5.0,
+                                          shared_memory=None if os.environ["BENCH_PS_SHARED"] == "1" else False)
     _model, _optimizer = strategy.distribute(net, workload.build_optimizer(net))
     coordinator = sg.ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(mlp_batches))
@@ -241,19 +244,38 @@ def _plain_loop(workload, warmup: int, steps: int, F) -> float:
     return steps * workload.global_batch / (time.perf_counter() - start)
 
 
-def training(workers: int, warmup: int, steps: int) -> dict:
+def training(workers: int, warmup: int, steps: int, shared_memory: bool = True) -> dict:
     from stratagem import environ
     from stratagem.cluster import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = dict(environ.current(), BENCH_PS_OUT=str(out), BENCH_PS_WARMUP=str(warmup), BENCH_PS_STEPS=str(steps))
+        env = dict(environ.current(), BENCH_PS_OUT=str(out), BENCH_PS_WARMUP=str(warmup), BENCH_PS_STEPS=str(steps),
+                   BENCH_PS_SHARED="1" if shared_memory else "0")
         lines: list[str] = []
         result = launch([sys.executable, __file__, "--train-task"], workers=workers, ps=1, env=env,
                         sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=900)
         if not result.ok:
             raise RuntimeError(result.explain() + "\n" + "\n".join(lines[-30:]))
         return json.loads(out.read_text())
+
+
+def train_rounds(args: argparse.Namespace) -> dict:
+    """Each round: plain PyTorch (2 threads, then 1), then every parameter-server configuration."""
+    configs = [(f"parameter server, {w} worker(s), 1 ps, {'shared memory' if shm else 'gRPC'}", w, shm)
+               for w in (1, 2) for shm in (True, False)]
+    names = [f"plain PyTorch, one process, {torch.get_num_threads()} threads", "plain PyTorch, one process, 1 thread"]
+    out: dict = {name: {"samples_per_s": [], "ratios": []} for name in [*names, *(c[0] for c in configs)]}
+    for _ in range(args.rounds):
+        plain = plain_samples_per_s(args.warmup, args.steps)
+        figures = {names[0]: plain, names[1]: plain_samples_per_s(args.warmup, args.steps, threads=1)}
+        for name, workers, shm in configs:
+            figures[name] = training(workers, args.warmup, args.steps, shared_memory=shm)["samples_per_s"]
+        for name, value in figures.items():
+            out[name]["samples_per_s"].append(value)
+            out[name]["ratios"].append(value / plain)
+        print(", ".join(f"{name}: {value:.0f}" for name, value in figures.items()), file=sys.stderr)
+    return out
 
 
 def main() -> int:
@@ -265,11 +287,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2, help="training rounds (each: plain, then every configuration)")
     parser.add_argument("--json", type=Path, default=Path("bench-results/parameter_server.json"))
     args = parser.parse_args()
     results: dict = {"transport": transport(args.repeats)}
-    lines = ["| model | pull+push, same host (shared memory) | ratio (goal >= 0.8) | pull+push over gRPC "
-             "(shared_memory=False) | ratio | bare gRPC echo | bare source+sink / echo |",
+    lines = [("| model | pull+push, same host (shared memory) | ratio (goal >= 0.8) | pull+push over gRPC "
+              "(shared_memory=False) | ratio | bare gRPC echo | bare source+sink / echo |"),
              "|---|---|---|---|---|---|---|"]
     for name, r in results["transport"].items():
         lines.append(f"| {name} | {r['ps_bytes_per_s'] / 2**20:.0f} MiB/s ({r['ps_s'] * 1e3:.1f} ms) | "
@@ -277,17 +300,12 @@ def main() -> int:
                      f"{r['grpc_ratio']:.3f} | {r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | "
                      f"{r['bare_ratio']:.3f} ({r['bare_s'] * 1e3:.1f} ms) |")
     if not args.skip_training:
-        plain = plain_samples_per_s(args.warmup, args.steps)
-        plain_1 = plain_samples_per_s(args.warmup, args.steps, threads=1)
-        results["training"] = {"plain": plain, "plain_1_thread": plain_1}
-        lines += ["", "| MLP training | samples/s | vs plain PyTorch (default threads) |", "|---|---|---|",
-                  f"| plain PyTorch, one process, {torch.get_num_threads()} threads | {plain:.0f} | 1.000 |",
-                  f"| plain PyTorch, one process, 1 thread | {plain_1:.0f} | {plain_1 / plain:.3f} |"]
-        for workers in (1, 2):
-            r = training(workers, args.warmup, args.steps)
-            results["training"][f"workers_{workers}"] = r
-            lines.append(f"| parameter server, {workers} worker(s), 1 ps | {r['samples_per_s']:.0f} | "
-                         f"{r['samples_per_s'] / plain:.3f} |")
+        results["training"] = train_rounds(args)
+        lines += ["", ("| MLP training (median of rounds) | samples/s | vs plain PyTorch (default threads), "
+                       "each round |"), "|---|---|---|"]
+        for name, r in results["training"].items():
+            lines.append(f"| {name} | {statistics.median(r['samples_per_s']):.0f} | "
+                         f"{statistics.median(r['ratios']):.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print("\n".join(lines))
