@@ -179,12 +179,15 @@ def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch, push_shared, pul
     pusher, puller = variables(push_shared), variables(pull_shared)
     pusher.create(params, optimizer)
     gradients = {n: torch.full_like(p, -1.0) for n, p in params.items()}
-    pushes, seen, done = 40, set(), threading.Event()
+    # Pushes go on until the pulls have seen several values (a push through shared memory is much faster
+    # than a slowed pull), then stop; each adds exactly 1.
+    pushed, seen, done, enough = [0], set(), threading.Event(), threading.Event()
 
     def push_all():
         try:
-            for _ in range(pushes):
+            while not enough.is_set() and pushed[0] < 2000:
                 pusher.push(gradients)
+                pushed[0] += 1
         finally:
             done.set()
 
@@ -197,10 +200,13 @@ def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch, push_shared, pul
             values = torch.cat(list(local.values())).unique()
             assert values.numel() == 1, f"a pull saw a push half applied: values {values.tolist()[:8]}"
             seen.add(int(values.item()))
+            if len(seen) > 5:
+                enough.set()
     finally:
+        enough.set()
         thread.join(30)
     puller.pull_into(local)
-    assert all(torch.equal(t, torch.full_like(t, pushes)) for t in local.values())
+    assert all(torch.equal(t, torch.full_like(t, pushed[0])) for t in local.values())
     assert len(seen) > 3, f"pulls and pushes did not overlap enough to test anything: saw {sorted(seen)}"
     pusher.close()
     puller.close()

@@ -14,15 +14,17 @@ import copy
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
 import torch
 
 from stratagem.collective import shm_files
-from stratagem.errors import ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import shared
 from stratagem.strategies.parameter_server.partitioners import place
 from stratagem.strategies.parameter_server.server import SERVICE, ParameterServer
@@ -221,10 +223,14 @@ def test_an_offer_without_the_token_is_refused_before_it_is_read(server, token):
     assert len(server._segments) == 0
 
 
-def test_the_file_of_a_worker_process_that_exited_is_let_go(server):
+@pytest.mark.parametrize("counters", [True, False], ids=["served-by-counters", "served-by-calls"])
+def test_the_file_of_a_worker_process_that_exited_is_let_go(server, counters):
+    if counters and shm_files.ordered_stores() is not None:
+        pytest.skip(shm_files.ordered_stores())
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid))
+        path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid),
+                                     counters=counters)
         assert _call(server, "Attach", meta)[0] == "attached"
         os.unlink(path)
         mapping.close()
@@ -232,7 +238,15 @@ def test_the_file_of_a_worker_process_that_exited_is_let_go(server):
     finally:
         child.kill()
         child.wait(10)
-    path, mapping, meta = _offer(server)
+    if counters:  # the thread serving its counters notices within 50 ms
+        deadline = time.monotonic() + 5
+        while len(server._segments) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(server._segments) == 0
+    else:
+        time.sleep(0.2)
+        assert len(server._segments) == 1  # nobody watches it: the next attach lets it go
+    path, mapping, meta = _offer(server, counters=False)
     assert _call(server, "Attach", meta)[0] == "attached"  # each attach first lets go of those whose worker is gone
     os.unlink(path)
     mapping.close()
@@ -276,3 +290,131 @@ def test_one_host_without_room_in_dev_shm_warns_and_trains_over_grpc(server, mon
 def test_shared_memory_must_be_none_true_or_false():
     with pytest.raises(ParameterServerError, match="shared_memory must be None, True or False. Received: 'yes'"):
         ShardedVariables([], ["127.0.0.1:1"], security=SECURITY, shared_memory="yes")
+
+
+# ---- requests through the file's counters (Linux x86-64), and by gRPC calls elsewhere --------------
+COUNTERS = pytest.mark.skipif(shm_files.ordered_stores() is not None, reason=f"{shm_files.ordered_stores()}")
+
+
+@pytest.mark.parametrize("counters", [True, False], ids=["counters", "grpc-calls"])
+def test_both_ways_of_asking_give_torchs_values(server, monkeypatch, counters):
+    if not counters:  # as on a machine without ordered stores: each pull and push is a small gRPC call
+        monkeypatch.setattr(shm_files, "ordered_stores", lambda: "not x86-64")
+    elif shm_files.ordered_stores() is not None:
+        pytest.skip(shm_files.ordered_stores())
+    model, optimizer = _mixed_model()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam([{"params": reference[0].parameters(), "lr": 0.05},
+                                {"params": reference[2].parameters(), "lr": 0.02, "weight_decay": 0.1}])
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    worker = copy.deepcopy(model)
+    params = dict(worker.named_parameters())
+    variables.arrange(params)
+    assert (variables._links[0].server is not None) is counters
+    for step in range(4):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        variables.pull_into(params)
+        worker.zero_grad()
+        _step(worker, x).backward()
+        variables.push({n: p.grad for n, p in params.items()})
+        ref_opt.zero_grad()
+        _step(reference, x).backward()
+        ref_opt.step()
+    variables.pull_into(params)
+    for got, want in zip(worker.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    variables.close()
+
+
+@COUNTERS
+def test_a_failed_request_names_the_error_and_the_server_goes_on(server):
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(params)
+    link = variables._links[0]
+    with pytest.raises(ParameterServerError, match=r"ps:0 failed a push through shared memory. Received: "
+                       r"WireFormatError: A shared push names buckets this server does not hold. Received: "
+                       r"buckets=\[99\], 2 buckets here. Fix: name each bucket the push carries once. Fix: see"):
+        shared.request(link, shared.PUSH, [99], timeout=10, server="ps:0", what="push")
+    variables.pull_into(params)  # the link was good; the server still serves it
+    assert torch.equal(params["2.weight"], model[2].weight.detach())
+    variables.close()
+
+
+@COUNTERS
+def test_a_stopped_server_lets_waiting_workers_go_to_grpc_which_names_it(server):
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(params)
+    server.stop()  # as if its process died, in this process: it lets go of every file
+    with pytest.raises(ParameterServerError, match="ps:0 at .* failed (Pull|Attach). Received: UNAVAILABLE") as caught:
+        variables.pull_into(params)
+    assert caught.value.task == "ps:0"
+    variables.close()
+
+
+_SERVE = """
+import sys, time
+from stratagem.strategies.parameter_server.server import ParameterServer
+from stratagem.strategies.parameter_server.transport import Security
+ps = ParameterServer(security=Security(token="shared-test"), task="ps:0")
+print(ps.address, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def server_process():
+    child = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
+    try:
+        yield child, child.stdout.readline().strip()
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def _attached_to(address, rpc_timeout):
+    model, optimizer = _mixed_model()
+    groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    shards = place([(n, p, groups[id(p)]) for n, p in model.named_parameters()], 1, None)
+    variables = ShardedVariables(shards, [address], security=SECURITY, rpc_timeout=rpc_timeout)
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(params)
+    assert variables._links[0].server is not None
+    return variables, params
+
+
+@COUNTERS
+def test_a_server_process_that_dies_is_named_at_once_as_lost(server_process):
+    child, address = server_process
+    variables, params = _attached_to(address, rpc_timeout=30)
+    child.kill()
+    child.wait(10)
+    started = time.monotonic()
+    with pytest.raises(ParameterServerError, match=r"ps:0 \(pid \d+\) exited during a pull through shared memory"
+                       ) as caught:
+        variables.pull_into(params)
+    assert time.monotonic() - started < 3  # against a 30 s timeout
+    assert caught.value.code.name == "UNAVAILABLE" and caught.value.task == "ps:0"  # the coordinator's "lost ps"
+    assert 0 not in variables._links  # dropped: neither side knows where the other stands
+
+
+@COUNTERS
+def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
+    child, address = server_process
+    variables, params = _attached_to(address, rpc_timeout=30)
+    variables.rpc_timeout = 1.0
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a push through shared memory within 1 s"):
+            variables.push({n: torch.zeros_like(p) for n, p in params.items()})
+        assert time.monotonic() - started < 5
+    finally:
+        os.kill(child.pid, signal.SIGCONT)

@@ -49,9 +49,7 @@ import json
 import logging
 import mmap
 import os
-import platform
 import secrets
-import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -82,21 +80,10 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 
 _connections = itertools.count()  # store keys of the n-th group made in this process (every rank makes the same ones)
 
-# Linux x86-64 futex(2): wait while a 32-bit word holds a value, wake the waiters of a word.
-_SYS_FUTEX = 202
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
 def eligible() -> str | None:
     """None when this process can sum through shared memory, else why not."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return (f"shared-memory sums need Linux on x86-64 (ordered stores without explicit fences); this is "
-                f"{sys.platform} on {platform.machine()}")
-    return None
+    why = shm_files.ordered_stores()
+    return None if why is None else why.replace("counters in shared memory", "shared-memory sums")
 
 
 class SharedMemoryGroup:
@@ -128,7 +115,6 @@ class SharedMemoryGroup:
         self._counters = numpy.frombuffer(mapping, dtype=numpy.int64, count=world_size * _LINE // 8, offset=_HEADER)
         self._anchor = ctypes.c_char.from_buffer(mapping)
         self._base = ctypes.addressof(self._anchor)
-        self._libc = ctypes.CDLL(None, use_errno=True)
         self._slots = _HEADER + world_size * _LINE
         self._results = self._slots + world_size * capacity
         self._typed: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -186,8 +172,7 @@ class SharedMemoryGroup:
     def _publish(self, kind: int, seq: int) -> None:
         index = self._index(self.rank, kind)
         self._counters[index] = seq
-        self._libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._base + _HEADER + index * 8),
-                           ctypes.c_long(_FUTEX_WAKE), ctypes.c_long(2**31 - 1), None, None, ctypes.c_long(0))
+        shm_files.futex_wake(self._base + _HEADER + index * 8)
 
     def _wait_all(self, kind: int, seq: int, what: str, step: int) -> None:
         start = None
@@ -205,16 +190,14 @@ class SharedMemoryGroup:
         while time.perf_counter() < spin_until:
             if counters[index] >= seq:
                 return
-        address = ctypes.c_void_p(self._base + _HEADER + index * 8)
-        pause = _Timespec(0, int(CHECK_SECONDS * 1e9))
+        address = self._base + _HEADER + index * 8
         warned = False
         while True:
             seen = int(counters[index])
             if seen >= seq:
                 return
             # Sleeps while the counter's low 32 bits still hold what was just read (a change wakes it at once).
-            self._libc.syscall(ctypes.c_long(_SYS_FUTEX), address, ctypes.c_long(_FUTEX_WAIT),
-                               ctypes.c_long(seen & 0xFFFFFFFF), ctypes.byref(pause), None, ctypes.c_long(0))
+            shm_files.futex_wait(address, seen, CHECK_SECONDS)
             if counters[index] >= seq:
                 return
             waited = time.monotonic() - start

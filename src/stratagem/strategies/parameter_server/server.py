@@ -219,7 +219,48 @@ class ParameterServer:
             store = self._store
             buckets = [(b.values.dtype, b.values.numel()) for b in store.buckets]
             reply, info = self._segments.attach(meta, store.fingerprint, buckets)
+            attached = self._segments.attached(info["segment"]) if reply == "attached" else None
+            if attached is not None and info["counters"]:
+                threading.Thread(target=self._serve_file, args=(attached,), daemon=True,
+                                 name=f"{self.task}-shared-{attached.task}").start()
             return reply, info, {}
+
+    def _serve_file(self, attached: shared.Attached) -> None:
+        """Serves the requests a worker makes through its file's counters, one at a time, until the file is let
+        go (the worker detached or exited, the shards were created anew, or this server stops)."""
+        control = attached.areas.control
+        words = control.words
+
+        def check() -> None:
+            if attached.let_go:
+                raise shared.Stop
+            if attached.worker_gone():
+                with self._lock:
+                    self._segments.forget_gone()  # this one among them
+                raise shared.Stop
+
+        handled = 0
+        while True:
+            try:
+                control.wait(shared._REQUEST, handled + 1, spin=0.0, check=check)
+            except shared.Stop:
+                return
+            handled = int(words[shared._REQUEST])
+            try:
+                with self._lock:
+                    if attached.let_go:
+                        control.answer(handled, shared.UNATTACHED)
+                        continue
+                    if int(words[shared._OP]) == shared.PULL:
+                        version = self._copy_values(attached)
+                    else:
+                        count = int(words[shared._COUNT])
+                        indices = control.listed[:min(max(count, 0), shared.MAX_LISTED)].tolist()
+                        version = self._apply_gradients(attached, indices)
+                    control.answer(handled, shared.OK, version)
+            except Exception as exc:  # the worker gets the error; the server goes on serving
+                logger.exception("%s: a request of %s through shared memory failed", self.task, attached.task)
+                control.answer(handled, shared.FAILED, error=f"{type(exc).__name__}: {exc}")
 
     def _detach(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
@@ -235,29 +276,36 @@ class ParameterServer:
             attached = self._attached(meta)
             if attached is None:
                 return "unattached", {}, {}
-            for area, bucket in zip(attached.areas.pull, self._store.buckets):
-                area.copy_(bucket.values)
-            return "values", {"version": self._num_updates}, {}
+            return "values", {"version": self._copy_values(attached)}, {}
 
     def _push_shared(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
-            store = self._store
-            if store.optimizer is None:
-                raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
-                                           "push before Create. Fix: distribute(model, optimizer) on the chief first.")
             attached = self._attached(meta)
             if attached is None:
                 return "unattached", {}, {}
-            indices = meta.get("buckets")
-            if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
-                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
-                raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
-                                      f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Fix: name each "
-                                      "bucket the push carries once.")
-            self._keep_reads()
-            store.apply_buckets({index: attached.areas.push[index] for index in indices})
-            self._num_updates += 1
-            return "applied", {"version": self._num_updates}, {}
+            return "applied", {"version": self._apply_gradients(attached, meta.get("buckets"))}, {}
+
+    def _copy_values(self, attached: shared.Attached) -> int:
+        """A pull through a worker's file (under ``_lock``): every bucket's values into its values area."""
+        for area, bucket in zip(attached.areas.pull, self._store.buckets):
+            area.copy_(bucket.values)
+        return self._num_updates
+
+    def _apply_gradients(self, attached: shared.Attached, indices: Any) -> int:
+        """A push through a worker's file (under ``_lock``): the optimizer over the gradients of the buckets named."""
+        store = self._store
+        if store.optimizer is None:
+            raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
+                                       "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+        if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
+            raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
+                                  f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Fix: name each "
+                                  "bucket the push carries once.")
+        self._keep_reads()
+        store.apply_buckets({index: attached.areas.push[index] for index in indices})
+        self._num_updates += 1
+        return self._num_updates
 
     def _keep_reads(self) -> None:
         """Before values change (under ``_lock``): pulls still reading them get their own copy first."""
@@ -359,3 +407,5 @@ class ParameterServer:
         """Stops serving; calls in flight get ``grace`` seconds (0: at once, as if the process died)."""
         self._shutdown.set()
         self._server.stop(grace=grace)
+        with self._lock:
+            self._segments.clear()  # workers waiting on a file hear at once, and go to gRPC, which says why

@@ -32,6 +32,7 @@ attach), or when the chief creates the shards anew (workers then attach again).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -39,23 +40,45 @@ import re
 import secrets
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+import numpy
 import torch
 
 from stratagem.collective import shm_files
-from stratagem.errors import WireFormatError
+from stratagem.errors import (
+    CollectiveTimeoutError,
+    ParameterServerError,
+    WireFormatError,
+)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SGPSSHM1"
-HEAD = 64
 ALIGN = 64
+# The control block after the magic and nonce: counters and fields of 8 bytes, one cache line per writer.
+_REQUEST, _OP, _COUNT = 8, 9, 10  # the worker's line: request number, operation, buckets listed
+_REPLY, _STATUS, _VERSION, _ERROR_LEN = 16, 17, 18, 19  # the server's line: answer number, outcome, version
+_LET_GO = 24  # the server's second line: non-zero once it no longer serves this file
+_LIST = 256  # the buckets a push carries (uint32 each), written by the worker
+_ERROR = _LIST + 4096  # the text of a failure, written by the server
+HEAD = _ERROR + 4096
+_ERROR_BYTES = 4096
+MAX_LISTED = 1024
+PULL, PUSH = 1, 2
+OK, UNATTACHED, FAILED = 0, 1, 2
+SPIN_SECONDS = 100e-6
+"""How long a worker polls for the server's answer before it sleeps (an answer takes 20-200 µs)."""
+CHECK_SECONDS = 0.05
+"""How often a sleeping side wakes to check the other is alive, the clock, and whether to stop."""
 PREFIX = "stratagem-ps-"
 _NAME = re.compile(r"stratagem-ps-[A-Za-z0-9_]{1,64}\Z")
 TURNED_OFF = "turned off (shared_memory=False)"
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # how a lost server is told apart from other failures
 
 Buckets = Sequence[tuple[torch.dtype, int]]
 """Each bucket's dtype and element count, in the server's order."""
@@ -107,13 +130,66 @@ class Areas:
         self.pull = [view(HEAD + o, d, n) for (d, n), o in zip(buckets, offsets)]
         self.push = [view(HEAD + area + o, d, n) for (d, n), o in zip(buckets, offsets)]
         self.nbytes = len(mapping)
+        self.control: Control | None = Control(mapping)
 
     def close(self) -> None:
-        self.pull, self.push = [], []
+        self.pull, self.push, self.control = [], [], None
         try:
             self.mapping.close()
         except BufferError:  # a view is still alive (a worker's parameters): the mapping goes with the last one
             logger.debug("a view of a shared area is still alive; it is unmapped when the last view is freed")
+
+
+class Stop(Exception):
+    """Raised by a wait's check to stop waiting (not an error)."""
+
+
+class Control:
+    """The control block of a file: counters and fields both sides read and write (see the module's docstring)."""
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self.words = numpy.frombuffer(mapping, dtype=numpy.int64, count=HEAD // 8)
+        self.listed = numpy.frombuffer(mapping, dtype=numpy.uint32, count=MAX_LISTED, offset=_LIST)
+        self.error = numpy.frombuffer(mapping, dtype=numpy.uint8, count=_ERROR_BYTES, offset=_ERROR)
+        self._anchor = ctypes.c_char.from_buffer(mapping)
+        self._base = ctypes.addressof(self._anchor)
+
+    def publish(self, index: int, value: int) -> None:
+        """Stores ``value`` in counter ``index`` (after everything written before it) and wakes its sleepers."""
+        self.words[index] = value
+        shm_files.futex_wake(self._base + index * 8)
+
+    def wait(self, index: int, target: int, *, spin: float, check: Callable[[], None]) -> None:
+        """Returns once counter ``index`` reaches ``target``: polls for ``spin`` seconds, then sleeps on it, and
+        calls ``check`` every ``CHECK_SECONDS`` (it raises to give up)."""
+        words = self.words
+        spin_until = time.perf_counter() + spin
+        while time.perf_counter() < spin_until:
+            if words[index] >= target:
+                return
+        while True:
+            seen = int(words[index])
+            if seen >= target:
+                return
+            shm_files.futex_wait(self._base + index * 8, seen, CHECK_SECONDS)
+            if words[index] >= target:
+                return
+            check()
+
+    def let_go(self) -> None:
+        """The server's last word: it serves this file no more (a worker waiting on it hears at once)."""
+        self.words[_LET_GO] = 1
+        for index in (_REPLY, _REQUEST):
+            shm_files.futex_wake(self._base + index * 8)
+
+    def answer(self, seq: int, status: int, version: int = 0, error: str = "") -> None:
+        """The server's reply to request ``seq``."""
+        text = error.encode()[:_ERROR_BYTES]
+        self.error[:len(text)] = numpy.frombuffer(text, dtype=numpy.uint8)
+        self.words[_ERROR_LEN] = len(text)
+        self.words[_STATUS] = status
+        self.words[_VERSION] = version
+        self.publish(_REPLY, seq)
 
 
 # ---- the worker's side ------------------------------------------------------------------------
@@ -127,6 +203,56 @@ class Link:
     """Held for a call and its copies, so two threads of one worker never use an area at once."""
     push_views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Per bucket, views of the push area shaped as the gradients (their shapes do not change)."""
+    server: tuple[int, str | None] | None = None
+    """The server's pid and start time when requests go through the file's counters (else None: gRPC calls)."""
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        # Whether the server's process is visible from here (same pid namespace), known while it surely runs.
+        self.watched = self.server is not None and self.server[1] is not None and \
+            shm_files.process_start(self.server[0]) == self.server[1]
+
+
+def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, server: str, what: str) -> bool:
+    """One pull or push through the file's counters: True once the server has done it, False when it no
+    longer serves this file (attach again). Raises when it fails, exits, or does not answer in time."""
+    control = link.areas.control
+    words = control.words
+    if op == PUSH:
+        control.listed[:len(buckets)] = buckets
+        words[_COUNT] = len(buckets)
+    words[_OP] = op
+    link.seq += 1
+    control.publish(_REQUEST, link.seq)
+    start = time.monotonic()
+    pid, started = link.server
+
+    def check() -> None:
+        if words[_LET_GO]:
+            raise Stop
+        if link.watched and shm_files.process_start(pid) != started:
+            error = ParameterServerError(
+                f"{server} (pid {pid}) exited during a {what} through shared memory. Received: no answer, and no such "
+                f"process. Fix: restart the job; it resumes from the last checkpoint (strategy.save).")
+            error.code, error.task = _UNAVAILABLE, server  # type: ignore[attr-defined]
+            raise error
+        if time.monotonic() - start > timeout:
+            raise CollectiveTimeoutError(
+                f"{server} did not answer a {what} through shared memory within {timeout:g} s. Received: no answer. "
+                f"Fix: check that {server} is alive and not overloaded, or raise rpc_timeout.")
+
+    try:
+        control.wait(_REPLY, link.seq, spin=SPIN_SECONDS, check=check)
+    except Stop:
+        return False
+    status = int(words[_STATUS])
+    if status == FAILED:
+        text = bytes(control.error[:int(words[_ERROR_LEN])]).decode(errors="replace").rstrip(".")
+        error = ParameterServerError(f"{server} failed a {what} through shared memory. Received: {text}. Fix: see "
+                                     f"the log of {server} for the cause.")
+        error.task = server  # type: ignore[attr-defined]
+        raise error
+    return status == OK
 
 
 def make_file(buckets: Buckets, directory: str = shm_files.DIRECTORY) -> tuple[str, bytes, mmap.mmap] | str:
@@ -157,6 +283,12 @@ class Attached:
     process: tuple[int, str | None]
     watched: bool
     """Whether the worker's process was visible from here when it attached (same pid namespace)."""
+    let_go: bool = False
+    """Set (under the server's lock) once the server no longer serves this file."""
+
+    def worker_gone(self) -> bool:
+        pid, started = self.process
+        return self.watched and shm_files.process_start(pid) != started
 
 
 class Segments:
@@ -175,7 +307,7 @@ class Segments:
         """Maps the file a worker offers (``meta``: name, nonce, host, task, pid, start); returns the reply
         ``("attached", {"segment": id})`` or ``("refused", {"why": ..., "same_host": bool})``."""
         name, nonce, host, task, process = _offer(meta)
-        self._forget_gone()
+        self.forget_gone()
         if host != self.host:
             return "refused", {"why": f"{task} runs on another host than {self.task}", "same_host": False}
         if meta.get("layout") != fingerprint:
@@ -190,7 +322,12 @@ class Segments:
         self._attached[segment] = Attached(Areas(mapping, buckets), fingerprint, task, process, watched)
         logger.info("%s: %s attached %s of shared memory (%d attached)", self.task, task,
                     describe_bytes(len(mapping)), len(self._attached))
-        return "attached", {"segment": segment}
+        counters = meta.get("counters") is True and shm_files.ordered_stores() is None
+        pid = os.getpid()
+        return "attached", {"segment": segment, "counters": counters, "pid": pid, "start": shm_files.process_start(pid)}
+
+    def attached(self, segment: str) -> Attached | None:
+        return self._attached.get(segment)
 
     def get(self, segment: Any, fingerprint: str) -> Attached | None:
         """The file ``segment`` names, or None when it is unknown here or was made for other shards."""
@@ -203,6 +340,9 @@ class Segments:
     def detach(self, segment: Any) -> bool:
         attached = self._attached.pop(segment, None) if isinstance(segment, str) else None
         if attached is not None:
+            attached.let_go = True
+            if attached.areas.control is not None:
+                attached.areas.control.let_go()
             attached.areas.close()
         return attached is not None
 
@@ -210,12 +350,12 @@ class Segments:
         for segment in list(self._attached):
             self.detach(segment)
 
-    def _forget_gone(self) -> None:
+    def forget_gone(self) -> None:
         """Lets go of files whose worker process has exited (a killed worker attaches a new one when restarted)."""
         for segment, attached in list(self._attached.items()):
-            pid, started = attached.process
-            if attached.watched and shm_files.process_start(pid) != started:
-                logger.info("%s: %s (pid %d) is gone; its shared memory is let go", self.task, attached.task, pid)
+            if attached.worker_gone():
+                logger.info("%s: %s (pid %d) is gone; its shared memory is let go", self.task, attached.task,
+                            attached.process[0])
                 self.detach(segment)
 
 
@@ -243,7 +383,8 @@ def offer(path: str, nonce: bytes, task: str, fingerprint: str) -> dict[str, Any
     """The ``Attach`` request's metadata for a file made by ``make_file``."""
     pid = os.getpid()
     return {"name": os.path.basename(path), "nonce": nonce.hex(), "host": shm_files.host_identity(), "task": task,
-            "pid": pid, "start": shm_files.process_start(pid), "layout": fingerprint}
+            "pid": pid, "start": shm_files.process_start(pid), "layout": fingerprint,
+            "counters": shm_files.ordered_stores() is None}
 
 
 def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

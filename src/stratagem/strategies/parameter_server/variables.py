@@ -248,7 +248,8 @@ class ShardedVariables:
             if meta.get("retry"):
                 return None
             return self._over_grpc(ps, str(meta.get("why")), warn=bool(meta.get("same_host")))
-        link = shared.Link(shared.Areas(mapping, layout.sizes), meta["segment"])
+        link = shared.Link(shared.Areas(mapping, layout.sizes), meta["segment"],
+                           server=(meta["pid"], meta["start"]) if meta.get("counters") else None)
         size = shared.describe_bytes(len(mapping))
         self._transfers[client.task] = (f"shared memory: {client.task} runs on this host ({size} in /dev/shm, one "
                                         "copy each way instead of gRPC messages)")
@@ -284,10 +285,7 @@ class ShardedVariables:
         if link is None:
             return False
         with link.lock:
-            op, _, _ = self._clients[ps].call("PullShared", "pull", {"layout": layout.fingerprint,
-                                              "segment": link.segment}, timeout=self.rpc_timeout, small_reply=True)
-            if op == "unattached":
-                self._forget(ps, link)
+            if not self._ask(ps, link, layout, shared.PULL, ()):
                 return False
             destinations = layout.destinations(parameters)
             if destinations is not None:
@@ -333,13 +331,27 @@ class ShardedVariables:
             return True
         with link.lock:
             shared.copy_all(targets, sources)
-            op, _, _ = self._clients[ps].call("PushShared", "push", {"layout": layout.fingerprint,
-                                              "segment": link.segment, "buckets": indices},
-                                              timeout=self.rpc_timeout, small_reply=True)
-        if op == "unattached":  # not applied: it goes over gRPC now
+            return self._ask(ps, link, layout, shared.PUSH, indices)  # False: not applied, it goes over gRPC now
+
+    def _ask(self, ps: int, link: shared.Link, layout: _Layout, op: int, buckets: Sequence[int]) -> bool:
+        """Has ``ps`` pull into or push from the file (under ``link.lock``): through its counters, or by a small
+        gRPC call. False when the server no longer knows the file (attach again); the link is dropped then,
+        and when the request fails, since neither side knows where the other stands."""
+        client = self._clients[ps]
+        what = "pull" if op == shared.PULL else "push"
+        try:
+            if link.server is not None and len(buckets) <= shared.MAX_LISTED:
+                done = shared.request(link, op, buckets, timeout=self.rpc_timeout, server=client.task, what=what)
+            else:
+                method = "PullShared" if op == shared.PULL else "PushShared"
+                meta = {"layout": layout.fingerprint, "segment": link.segment, "buckets": list(buckets)}
+                done = client.call(method, what, meta, timeout=self.rpc_timeout, small_reply=True)[0] != "unattached"
+        except BaseException:
             self._forget(ps, link)
-            return False
-        return True
+            raise
+        if not done:
+            self._forget(ps, link)
+        return done
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
