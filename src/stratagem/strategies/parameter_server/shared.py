@@ -6,28 +6,39 @@ parameters), and a push's gradients the same the other way. On one host none of 
 the worker maps one file in ``/dev/shm`` with an area for each direction, laid out as the
 server's buckets (each at a multiple of 64 bytes)::
 
-    head (64 bytes: magic and the worker's nonce)
+    head: magic and the worker's nonce; the control block (the worker's line: request number,
+        operation, number of buckets listed; the server's lines: answer number, outcome, version,
+        and "let go"); the buckets a push carries; the text of a failure
     pull area: bucket 0's values, bucket 1's values, ...
     push area: bucket 0's gradient, bucket 1's gradient, ...
 
-- A pull is a small gRPC call (``PullShared``). The server copies its buckets into the pull area
-  under its lock (so it never sees half of a push) and answers; the worker then copies them into
-  its parameters. One copy on each side.
-- A push: the worker copies its gradients into the push area and calls ``PushShared``; the server
-  applies the optimizer to the gradients where they lie. One copy in all.
+- A pull: the server copies its buckets into the pull area under its lock (so it never sees half
+  of a push) and answers. The worker's parameters live in the pull area (``arrange``), so that is
+  the only copy.
+- A push: the worker copies its gradients into the push area and asks; the server runs the
+  optimizer on the gradients where they lie. One copy in all.
 
-The gRPC call orders the two sides: the worker writes an area only before a call and reads it only
-after the reply, one call at a time per area, and the server touches it only while it handles the
-call. A push that leaves out part of a bucket (a parameter without a gradient) goes over gRPC.
+How the worker asks. On Linux x86-64 (ordered stores, futex(2)) through the control block: the
+worker writes the operation, then the request number, and wakes the server's thread for this file,
+which handles it under the server's lock, writes the outcome, then the answer number, and wakes the
+worker (a round trip of tens of microseconds, where a gRPC call takes about a millisecond). Every
+wait is bounded: the worker polls for 100 µs, then sleeps, and every 50 ms checks that the server's
+process still runs (by pid and start time: a lost server is named at once, as gRPC would name it)
+and the clock (the RPC timeout); the server's thread checks that the worker's process still runs
+and lets the file go when it is gone. Elsewhere each request is a small gRPC call (``PullShared``,
+``PushShared``). Either way the worker writes an area only before it asks and reads it only after
+the answer, one request at a time per file. A push that leaves out part of a bucket (a parameter
+without a gradient) goes over gRPC.
 
 Who may use a file: only the worker that made it (a file of this user, mode 0600) and a server it
 attached it to through an authenticated call (``Attach``, with the cluster token like every call).
 The server maps it only when the worker says it runs on the same host (host name and boot id), the
 name is one of ours in ``/dev/shm``, the file is a regular file of the server's user of the size
 its buckets need, and it starts with the head the worker sent. The worker unlinks the file as soon
-as the server has answered, so nobody can open it afterwards. The server lets a mapping go when
-the worker detaches (``close``), when the process that attached it is gone (checked at each
-attach), or when the chief creates the shards anew (workers then attach again).
+as the server has answered, so nobody can open it afterwards. The server lets a file go when the
+worker detaches (``close``), when the process that attached it is gone, when the chief creates the
+shards anew, or when the server stops; a worker waiting on it sees "let go" at once, and attaches
+again (or, if the server is gone, hears so from gRPC).
 """
 
 from __future__ import annotations
