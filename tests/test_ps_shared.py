@@ -418,3 +418,17 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
         assert time.monotonic() - started < 5
     finally:
         os.kill(child.pid, signal.SIGCONT)
+
+
+@COUNTERS
+def test_an_unknown_request_is_refused_and_the_server_goes_on(server):
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(params)
+    with pytest.raises(ParameterServerError, match="Unknown request in a shared file. Received: operation 7"):
+        shared.request(variables._links[0], 7, (), timeout=10, server="ps:0", what="request")
+    variables.pull_into(params)
+    assert torch.equal(params["0.weight"], model[0].weight.detach())
+    variables.close()

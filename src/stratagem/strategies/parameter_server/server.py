@@ -251,12 +251,16 @@ class ParameterServer:
                     if attached.let_go:
                         control.answer(handled, shared.UNATTACHED)
                         continue
-                    if int(words[shared._OP]) == shared.PULL:
+                    op = int(words[shared._OP])
+                    if op == shared.PULL:
                         version = self._copy_values(attached)
-                    else:
+                    elif op == shared.PUSH:
                         count = int(words[shared._COUNT])
                         indices = control.listed[:min(max(count, 0), shared.MAX_LISTED)].tolist()
                         version = self._apply_gradients(attached, indices)
+                    else:
+                        raise WireFormatError(f"Unknown request in a shared file. Received: operation {op}. Fix: "
+                                              f"use {shared.PULL} (pull) or {shared.PUSH} (push).")
                     control.answer(handled, shared.OK, version)
             except Exception as exc:  # the worker gets the error; the server goes on serving
                 logger.exception("%s: a request of %s through shared memory failed", self.task, attached.task)
