@@ -248,3 +248,7 @@ def test_parameter_server_main_job_runs_under_the_launcher(capfd):
     assert summary["num_train_examples"] == 3 * 1437  # every step ran exactly once
     assert summary["epochs"][2]["loss"] < summary["epochs"][0]["loss"]
     assert summary["test_accuracy"] > 0.6
+    transfers = {d["subject"]: d for d in summary["explanation"]["decisions"]}["values between workers and "
+                                                                                "parameter servers"]
+    assert transfers["choice"] == "shared memory"  # every task on this host
+    assert "worker:0 -> ps:0: shared memory: ps:0 runs on this host" in transfers["reason"]

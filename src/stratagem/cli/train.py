@@ -154,6 +154,9 @@ def _print_summary(console: Console, report: TrainReport) -> None:
         num_ps = len(report.explanation["details"]["ps"])
         console.print(Text(f"ran on: {', '.join(report.devices)} (ParameterServerStrategy, asynchronous updates "
                            f"applied by {num_ps} parameter server(s))"))
+        for decision in report.explanation["decisions"]:
+            if decision["subject"] == "values between workers and parameter servers":  # as this task saw them
+                console.print(Text(f"values: {decision['choice']} ({decision['reason']})"))
         return
     physical = sorted({r["physical"] for r in report.explanation["replicas"]})
     in_sync = report.explanation["num_replicas_in_sync"]
