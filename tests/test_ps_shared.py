@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(shared.eligible() is not None, reason=f"{shared.eligible()}")]
 
 SECURITY = Security(token="shared-test")
+COUNTERS = pytest.mark.skipif(shm_files.ordered_stores() is not None, reason=f"{shm_files.ordered_stores()}")
 
 
 @pytest.fixture
@@ -61,14 +62,29 @@ def _mixed_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _variables(model, optimizer, addresses, **kwargs):
     groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     shards = place([(n, p, groups[id(p)]) for n, p in model.named_parameters()], len(addresses), None)
-    return ShardedVariables(shards, addresses, security=SECURITY, rpc_timeout=20, **kwargs)
+    return ShardedVariables(shards, addresses, security=SECURITY, **{"rpc_timeout": 20, **kwargs})
 
 
 def _step(model, x):
     return model[2](model[1](model[0](x)).double()).square().mean()
 
 
-def test_buckets_of_two_dtypes_and_groups_train_as_torch_does_and_live_in_the_file(server):
+def _pulled(address, **kwargs):
+    """The mixed model created on the server at ``address``, and a worker's copy pulled once (attached)."""
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [address], **kwargs)
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.pull_into(params)
+    return model, variables, params
+
+
+@pytest.mark.parametrize("counters", [True, False], ids=["asking-by-counters", "asking-by-grpc-calls"])
+def test_buckets_of_two_dtypes_and_groups_train_as_torch_does_and_live_in_the_file(server, monkeypatch, counters):
+    if not counters:  # as on a machine without ordered stores: each pull and push is a small gRPC call
+        monkeypatch.setattr(shm_files, "ordered_stores", lambda: "not x86-64")
+    elif shm_files.ordered_stores() is not None:
+        pytest.skip(shm_files.ordered_stores())
     model, optimizer = _mixed_model()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.Adam([{"params": reference[0].parameters(), "lr": 0.05},
@@ -82,6 +98,7 @@ def test_buckets_of_two_dtypes_and_groups_train_as_torch_does_and_live_in_the_fi
             p.zero_()  # every value the worker uses must come from a pull
     variables.arrange(params)
     link = variables._links[0]
+    assert (link.server is not None) is counters
     start, end = link.areas.pull[0].data_ptr(), link.areas.pull[0].data_ptr() + link.areas.nbytes
     assert all(start <= p.data_ptr() < end for p in params.values())  # the server writes them in place
     g = torch.Generator().manual_seed(1)
@@ -136,11 +153,7 @@ def test_a_server_that_creates_the_shards_anew_is_attached_again(server):
 
 
 def test_a_push_that_leaves_out_part_of_a_bucket_goes_over_grpc_and_is_applied(server):
-    model, optimizer = _mixed_model()
-    variables = _variables(model, optimizer, [server.address])
-    variables.create(dict(model.named_parameters()), optimizer)
-    params = dict(copy.deepcopy(model).named_parameters())
-    variables.pull_into(params)
+    model, variables, params = _pulled(server.address)
     grads = {n: torch.ones_like(p) for n, p in params.items()}
     grads["0.bias"] = None  # a bucket of group 0 without one of its parameters
     variables.push(grads)
@@ -292,48 +305,10 @@ def test_shared_memory_must_be_none_true_or_false():
         ShardedVariables([], ["127.0.0.1:1"], security=SECURITY, shared_memory="yes")
 
 
-# ---- requests through the file's counters (Linux x86-64), and by gRPC calls elsewhere --------------
-COUNTERS = pytest.mark.skipif(shm_files.ordered_stores() is not None, reason=f"{shm_files.ordered_stores()}")
-
-
-@pytest.mark.parametrize("counters", [True, False], ids=["counters", "grpc-calls"])
-def test_both_ways_of_asking_give_torchs_values(server, monkeypatch, counters):
-    if not counters:  # as on a machine without ordered stores: each pull and push is a small gRPC call
-        monkeypatch.setattr(shm_files, "ordered_stores", lambda: "not x86-64")
-    elif shm_files.ordered_stores() is not None:
-        pytest.skip(shm_files.ordered_stores())
-    model, optimizer = _mixed_model()
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.Adam([{"params": reference[0].parameters(), "lr": 0.05},
-                                {"params": reference[2].parameters(), "lr": 0.02, "weight_decay": 0.1}])
-    variables = _variables(model, optimizer, [server.address])
-    variables.create(dict(model.named_parameters()), optimizer)
-    worker = copy.deepcopy(model)
-    params = dict(worker.named_parameters())
-    variables.arrange(params)
-    assert (variables._links[0].server is not None) is counters
-    for step in range(4):
-        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
-        variables.pull_into(params)
-        worker.zero_grad()
-        _step(worker, x).backward()
-        variables.push({n: p.grad for n, p in params.items()})
-        ref_opt.zero_grad()
-        _step(reference, x).backward()
-        ref_opt.step()
-    variables.pull_into(params)
-    for got, want in zip(worker.parameters(), reference.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    variables.close()
-
-
+# ---- requests through the file's counters (Linux x86-64) ------------------------------------------
 @COUNTERS
 def test_a_failed_request_names_the_error_and_the_server_goes_on(server):
-    model, optimizer = _mixed_model()
-    variables = _variables(model, optimizer, [server.address])
-    variables.create(dict(model.named_parameters()), optimizer)
-    params = dict(copy.deepcopy(model).named_parameters())
-    variables.pull_into(params)
+    model, variables, params = _pulled(server.address)
     link = variables._links[0]
     with pytest.raises(ParameterServerError, match=r"ps:0 failed a push through shared memory. Received: "
                        r"WireFormatError: A shared push names buckets this server does not hold. Received: "
@@ -346,11 +321,7 @@ def test_a_failed_request_names_the_error_and_the_server_goes_on(server):
 
 @COUNTERS
 def test_a_stopped_server_lets_waiting_workers_go_to_grpc_which_names_it(server):
-    model, optimizer = _mixed_model()
-    variables = _variables(model, optimizer, [server.address])
-    variables.create(dict(model.named_parameters()), optimizer)
-    params = dict(copy.deepcopy(model).named_parameters())
-    variables.pull_into(params)
+    _, variables, params = _pulled(server.address)
     server.stop()  # as if its process died, in this process: it lets go of every file
     with pytest.raises(ParameterServerError, match="ps:0 at .* failed (Pull|Attach). Received: UNAVAILABLE") as caught:
         variables.pull_into(params)
@@ -379,13 +350,7 @@ def server_process():
 
 
 def _attached_to(address, rpc_timeout):
-    model, optimizer = _mixed_model()
-    groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    shards = place([(n, p, groups[id(p)]) for n, p in model.named_parameters()], 1, None)
-    variables = ShardedVariables(shards, [address], security=SECURITY, rpc_timeout=rpc_timeout)
-    variables.create(dict(model.named_parameters()), optimizer)
-    params = dict(copy.deepcopy(model).named_parameters())
-    variables.pull_into(params)
+    _, variables, params = _pulled(address, rpc_timeout=rpc_timeout)
     assert variables._links[0].server is not None
     return variables, params
 
@@ -422,11 +387,7 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
 
 @COUNTERS
 def test_an_unknown_request_is_refused_and_the_server_goes_on(server):
-    model, optimizer = _mixed_model()
-    variables = _variables(model, optimizer, [server.address])
-    variables.create(dict(model.named_parameters()), optimizer)
-    params = dict(copy.deepcopy(model).named_parameters())
-    variables.pull_into(params)
+    model, variables, params = _pulled(server.address)
     with pytest.raises(ParameterServerError, match="Unknown request in a shared file. Received: operation 7"):
         shared.request(variables._links[0], 7, (), timeout=10, server="ps:0", what="request")
     variables.pull_into(params)
