@@ -176,6 +176,29 @@ def test_lost_parameter_server_is_named_promptly(cluster2):
     strategy.shutdown()
 
 
+@pytest.mark.timeout(30)
+def test_shutdown_ends_the_wait_for_a_lost_worker_at_once():
+    # A coordinator shut down while it waits for an unreachable worker to come back must not leave its
+    # thread waiting out worker_recovery_timeout (and reporting the worker lost a minute later).
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+        strategy = ParameterServerStrategy(cluster)
+        model, optimizer = strategy.distribute(model, optimizer)
+        coordinator = ClusterCoordinator(strategy, worker_recovery_timeout=60)
+        x, y = make_batches((6,), torch.float32, sizes=[8])[0]
+        cluster.kill_worker(0)
+        coordinator.schedule(_step_fn(model, optimizer), args=(x, y))
+        threads = [t for t in threading.enumerate() if t.name.startswith("coordinator-")]
+        time.sleep(0.5)  # the call fails at once; the thread is now waiting for worker:0
+        assert threads and all(t.is_alive() for t in threads)
+        started = time.monotonic()
+        strategy.shutdown()
+        for thread in threads:
+            thread.join(5)
+        assert not any(t.is_alive() for t in threads)
+        assert time.monotonic() - started < 3
+
+
 @pytest.mark.timeout(60)
 def test_lost_worker_functions_run_elsewhere_and_it_comes_back(cluster2):
     torch.manual_seed(0)

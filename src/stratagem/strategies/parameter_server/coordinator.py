@@ -296,7 +296,10 @@ class ClusterCoordinator:
                     self._cv.notify_all()
                 logger.warning("%s unreachable; %s goes back to the queue; waiting up to %g s for it to return",
                                client.task, closure.name, self.worker_recovery_timeout)
-                if not client.wait_ready(self.worker_recovery_timeout):
+                back = self._wait_for_return(client)
+                if back is None:  # the coordinator was shut down meanwhile
+                    return
+                if not back:
                     self._lose(client)
                     return
                 logger.info("%s is back", client.task)
@@ -325,6 +328,18 @@ class ClusterCoordinator:
                     error = functions.rebuild_error(meta, where)
                 with self._cv:
                     self._fail(error, closure)
+
+    def _wait_for_return(self, client: Client) -> bool | None:
+        """True once an unreachable worker is back, False after ``worker_recovery_timeout`` without it, None as
+        soon as the coordinator is shut down (its thread then ends instead of waiting on)."""
+        deadline = time.monotonic() + self.worker_recovery_timeout
+        while not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if client.wait_ready(min(0.5, remaining)):
+                return True
+        return None
 
     def _run_on(self, client: Client, closure: _Closure) -> tuple[str, Any, dict[str, Any]]:
         datasets: dict[str, Any] = {}
