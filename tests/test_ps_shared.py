@@ -373,16 +373,26 @@ def test_a_server_process_that_dies_is_named_at_once_as_lost(server_process):
 @COUNTERS
 def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
     child, address = server_process
-    variables, params = _attached_to(address, rpc_timeout=30)
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [address], rpc_timeout=30)
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    variables.arrange(params)  # the worker's parameters live in the file, where a pull writes
     variables.rpc_timeout = 1.0
     os.kill(child.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a push through shared memory within 1 s"):
-            variables.push({n: torch.zeros_like(p) for n, p in params.items()})
+        with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a pull through shared memory within 1 s"):
+            variables.pull_into(params)
         assert time.monotonic() - started < 5
+        assert 0 not in variables._links
+        with torch.no_grad():
+            for p in params.values():
+                p.fill_(7.0)  # the worker goes on with values of its own...
     finally:
         os.kill(child.pid, signal.SIGCONT)
+    time.sleep(0.5)  # ...and the server, awake again, answers the old pull late, into the old file
+    assert all(bool((p == 7.0).all()) for p in params.values())  # the parameters had moved out of it
 
 
 @COUNTERS

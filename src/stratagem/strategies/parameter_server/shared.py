@@ -217,6 +217,8 @@ class Link:
     server: tuple[int, str | None] | None = None
     """The server's pid and start time when requests go through the file's counters (else None: gRPC calls)."""
     seq: int = 0
+    residents: list[torch.Tensor] = field(default_factory=list)
+    """A worker's parameters that live in the values area (``ShardedVariables.arrange``)."""
 
     def __post_init__(self) -> None:
         # Whether the server's process is visible from here (same pid namespace), known while it surely runs.

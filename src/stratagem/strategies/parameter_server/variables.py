@@ -151,6 +151,7 @@ class ShardedVariables:
                     if link is not None and len(whole) == len(bucket):
                         buffer = link.areas.pull[index]
                         buffer.copy_(torch._C._nn.flatten_dense_tensors([t.detach() for t in whole]))
+                        link.residents.extend(whole)
                     elif len(whole) > 1:
                         buffer = torch._C._nn.flatten_dense_tensors([t.detach() for t in whole])
                     else:
@@ -271,12 +272,19 @@ class ShardedVariables:
             logger.info("%s: values to and from %s go over gRPC: %s", self.task, task, why)
         return why
 
-    def _forget(self, ps: int, link: shared.Link) -> None:
-        """The server no longer knows the file (restarted, or the chief created the shards anew): attach again."""
-        logger.info("%s: %s let go of the shared file; attaching a new one at the next call", self.task,
-                    self._clients[ps].task)
+    def _forget(self, ps: int, link: shared.Link, *, failed: bool = False) -> None:
+        """Drops the file: the server no longer knows it (restarted, or the chief created the shards anew), or a
+        request failed (``failed``). A new one is attached at the next call. After a failure the server may
+        still answer late and write the values area, so parameters living there move out first."""
+        logger.info("%s: %s %s; attaching a new shared file at the next call", self.task, self._clients[ps].task,
+                    "did not answer a request through the shared file" if failed else "let go of the shared file")
         if self._links.get(ps) is link:
             del self._links[ps]
+        if failed:
+            with torch.no_grad():
+                for tensor in link.residents:
+                    tensor.data = tensor.data.clone()
+        link.residents.clear()
         link.areas.close()
 
     def _pull_shared(self, ps: int, layout: _Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
@@ -347,7 +355,7 @@ class ShardedVariables:
                 meta = {"layout": layout.fingerprint, "segment": link.segment, "buckets": list(buckets)}
                 done = client.call(method, what, meta, timeout=self.rpc_timeout, small_reply=True)[0] != "unattached"
         except BaseException:
-            self._forget(ps, link)
+            self._forget(ps, link, failed=True)
             raise
         if not done:
             self._forget(ps, link)
