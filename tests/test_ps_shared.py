@@ -403,3 +403,20 @@ def test_an_unknown_request_is_refused_and_the_server_goes_on(server):
     variables.pull_into(params)
     assert torch.equal(params["0.weight"], model[0].weight.detach())
     variables.close()
+
+
+@pytest.mark.parametrize("shared_memory", [None, False], ids=["shared-memory", "grpc"])
+def test_a_pull_into_parameters_that_are_not_contiguous_copies_each_shard(server, shared_memory):
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address], shared_memory=shared_memory)
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    params["0.weight"] = torch.zeros(5, 7).t()  # a (7, 5) view that is not contiguous
+    variables.pull_into(params)
+    for name, p in model.named_parameters():
+        assert torch.equal(params[name], p.detach()), name
+    params["0.weight"] = torch.zeros(6, 7).t()  # not this model's shape
+    with pytest.raises(ParameterServerError, match=r"The parameters do not match the shards on ps:0. Received: "
+                       r"shapes \[\[\(7, 6\)"):
+        variables.pull_into(params)
+    variables.close()

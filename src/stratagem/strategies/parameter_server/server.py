@@ -219,8 +219,8 @@ class ParameterServer:
             store = self._store
             buckets = [(b.values.dtype, b.values.numel()) for b in store.buckets]
             reply, info = self._segments.attach(meta, store.fingerprint, buckets)
-            attached = self._segments.attached(info["segment"]) if reply == "attached" else None
-            if attached is not None and info["counters"]:
+            if reply == "attached" and info["counters"]:
+                attached = self._segments.get(info["segment"], store.fingerprint)
                 threading.Thread(target=self._serve_file, args=(attached,), daemon=True,
                                  name=f"{self.task}-shared-{attached.task}").start()
             return reply, info, {}
@@ -297,10 +297,7 @@ class ParameterServer:
 
     def _apply_gradients(self, attached: shared.Attached, indices: Any) -> int:
         """A push through a worker's file (under ``_lock``): the optimizer over the gradients of the buckets named."""
-        store = self._store
-        if store.optimizer is None:
-            raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
-                                       "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+        store = self._optimizing_store()
         if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
             raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
@@ -310,6 +307,13 @@ class ParameterServer:
         store.apply_buckets({index: attached.areas.push[index] for index in indices})
         self._num_updates += 1
         return self._num_updates
+
+    def _optimizing_store(self) -> ShardStore:
+        """The store a push updates (under ``_lock``); refuses a push that comes before ``Create``."""
+        if self._store.optimizer is None:
+            raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
+                                       "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+        return self._store
 
     def _keep_reads(self) -> None:
         """Before values change (under ``_lock``): pulls still reading them get their own copy first."""
@@ -322,10 +326,7 @@ class ParameterServer:
         # The gradient bytes stream straight into the buckets' gradient buffers (one copy, into memory
         # already paged in); the lock is held from the first byte, so pushes apply one after another.
         with self._lock:
-            store = self._store
-            if store.optimizer is None:
-                raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
-                                           "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+            store = self._optimizing_store()
             self._keep_reads()
             # The progress callback checks the layout as soon as the header is in, before any update.
             _, _, names = wire.decode_into(pieces, store.destinations(), exact=False,

@@ -339,9 +339,6 @@ class Segments:
         pid = os.getpid()
         return "attached", {"segment": segment, "counters": counters, "pid": pid, "start": shm_files.process_start(pid)}
 
-    def attached(self, segment: str) -> Attached | None:
-        return self._attached.get(segment)
-
     def get(self, segment: Any, fingerprint: str) -> Attached | None:
         """The file ``segment`` names, or None when it is unknown here or was made for other shards."""
         attached = self._attached.get(segment) if isinstance(segment, str) else None

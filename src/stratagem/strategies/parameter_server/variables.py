@@ -171,15 +171,14 @@ class ShardedVariables:
             if destinations is not None:
                 self._clients[ps].call_into("Pull", "pull", meta, destinations, timeout=self.rpc_timeout)
                 return
-            # Parameters on a GPU or not contiguous: receive the buckets, then one foreach copy.
+            # Parameters on a GPU or not contiguous: receive the buckets, then copy them out.
             _, _, values = self._clients[ps].call("Pull", "pull", meta, timeout=self.rpc_timeout)
-            targets, sources = [], []
-            for index, bucket in enumerate(layout.buckets):
-                views = [shard_of(parameters[s.parameter], s) for s in bucket]
-                targets.extend(views)
-                sources.extend(torch._C._nn.unflatten_dense_tensors(values[bucket_name(index)], views))
-            with torch.no_grad():
-                torch._foreach_copy_(targets, sources)
+            if not layout.copy_out([values[bucket_name(i)] for i in range(len(layout.buckets))], parameters):
+                raise ParameterServerError(
+                    f"The parameters do not match the shards on {self._clients[ps].task}. Received: shapes "
+                    f"{[[tuple(shard_of(parameters[s.parameter], s).shape) for s in b] for b in layout.buckets]!r:.200}, "
+                    f"expected {[[tuple(x) for x in b] for b in layout.shapes]!r:.200}. Fix: pull into the model "
+                    "that was distributed.")
 
         self._each_ps(call)
 
@@ -303,15 +302,8 @@ class ShardedVariables:
                 for index in range(len(layout.buckets)):
                     destinations[bucket_name(index)].read_from(link.areas.pull[index])
                 return True
-            targets, sources = [], []  # parameters on a GPU or not contiguous
-            for index, bucket in enumerate(layout.buckets):
-                views = [shard_of(parameters[s.parameter], s) for s in bucket]
-                if [v.shape for v in views] != layout.shapes[index]:
-                    return False  # not this server's shards: the gRPC pull says what does not match
-                targets.extend(views)
-                sources.extend(torch._C._nn.unflatten_dense_tensors(link.areas.pull[index], views))
-            shared.copy_all(targets, sources)
-        return True
+            # Parameters on a GPU or not contiguous. Not this server's shards: the gRPC pull says what does not match.
+            return layout.copy_out(link.areas.pull, parameters)
 
     def _push_shared(self, ps: int, layout: _Layout, gradients: Mapping[str, torch.Tensor | None]) -> bool:
         """A push to ``ps`` through the shared file; False when it must go over gRPC (part of a bucket)."""
@@ -452,6 +444,19 @@ class _Layout:
         self._pulled: list[torch.Tensor] = []  # kept alive, so their id()s below cannot be reused
         self._pulled_key: tuple[list[int], list[int]] = ([], [])
         self._destinations: dict[str, wire.Flat] | None = None
+
+    def copy_out(self, buckets: Sequence[torch.Tensor], parameters: Mapping[str, torch.Tensor]) -> bool:
+        """Copies each bucket's values (1-D, shards one after another) into the parameters' shard views, with
+        one call when all are CPU tensors; False (nothing copied) when the shards' shapes are not this layout's."""
+        targets, sources = [], []
+        for bucket, flat, shapes in zip(self.buckets, buckets, self.shapes):
+            views = [shard_of(parameters[s.parameter], s) for s in bucket]
+            if [v.shape for v in views] != shapes:
+                return False
+            targets.extend(views)
+            sources.extend(torch._C._nn.unflatten_dense_tensors(flat, views))
+        shared.copy_all(targets, sources)
+        return True
 
     def destinations(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, wire.Flat] | None:
         """A ``Flat`` of the parameters' shard views per bucket (kept while the same tensors, with the same
