@@ -14,6 +14,7 @@ import pytest
 
 import stratagem as sg
 from stratagem.cli.main import main
+from stratagem.cluster import allocator
 from stratagem.devices import get_logical_devices
 from stratagem.train import job
 
@@ -109,6 +110,15 @@ def test_unknown_device_exits_2_naming_it(capsys):
     assert captured.out == ""
 
 
+def test_the_command_keeps_freed_memory_in_its_own_process_unless_told_not_to(capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory_here", calls.append)
+    assert main(["train", "--devices", "cpu:0,cpu:9"]) == 2
+    assert len(calls) == 1
+    assert main(["train", "--default-allocator", "--devices", "cpu:0,cpu:9"]) == 2
+    assert len(calls) == 1
+
+
 def test_one_device_with_two_devices_exits_2(capsys):
     assert main(["train", "--strategy", "one_device", "--devices", "cpu:0,cpu:1"]) == 2
     err = capsys.readouterr().err
@@ -167,6 +177,8 @@ def test_multi_worker_main_job_runs_under_the_launcher_and_matches_mirrored(caps
     report = json.loads(chief[chief.index("{"):])
     assert report["strategy"] == "MultiWorkerMirroredStrategy" and report["num_replicas_in_sync"] == 2
     assert "[worker:1] {" not in out  # only the chief reports
+    memory = {d["subject"]: d["choice"] for d in report["explanation"]["decisions"]}["freed host memory"]
+    assert memory == ("kept for reuse" if sys.platform == "linux" else "the C library's default")
     code = main(["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--json"])
     mirrored = json.loads(capsys.readouterr().out)
     assert code == 0

@@ -49,6 +49,19 @@ def test_output_is_prefixed_with_the_task(tmp_path, capsys):
     assert sorted(err.splitlines()) == ["[worker:0] oops", "[worker:1] oops"]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc tunables exist on Linux only")
+def test_tasks_keep_freed_memory_unless_told_to_use_the_default_allocator(tmp_path, capsys, monkeypatch):
+    for name in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    script = write(tmp_path, 'print(os.environ.get("GLIBC_TUNABLES"))\n')
+    assert launch_cli.run(parse(["--workers", "1", "--timeout", "20", script])) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "[worker:0] glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432"]
+    assert launch_cli.run(parse(["--workers", "1", "--timeout", "20", "--default-allocator", script])) == 0
+    assert capsys.readouterr().out.splitlines() == ["[worker:0] None"]
+
+
 def test_failure_is_summarised_with_task_and_exit_code(tmp_path, capsys):
     script = write(tmp_path, 'import time\nif os.environ["RANK"] == "1": sys.exit(3)\ntime.sleep(60)\n')
     code = launch_cli.run(parse(["--workers", "2", "--timeout", "20", "--grace-period", "1", script]))

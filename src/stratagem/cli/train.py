@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.text import Text
 
 from stratagem import environ
-from stratagem.cluster import OutputLine, launched_by_stratagem, relaunch
+from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
 from stratagem.diagnose import log_placement
 from stratagem.errors import StratagemError
 from stratagem.train import (
@@ -76,6 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="record where every operation of the run ran and print a summary: operations per "
                              "device and replica, copies per step with their bytes, operations that ran off their "
                              "replica's device (slows training down while it records)")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="leave glibc's malloc thresholds at their defaults; by default the training processes keep "
+                             "freed memory for reuse, which spares each step thousands of page faults on a CPU")
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
@@ -93,10 +96,13 @@ def run(args: argparse.Namespace) -> int:
             stream = sys.stdout if line.stream == "stdout" else sys.stderr
             print(f"[{line.task}] {line.text}", file=stream, flush=True)
 
-        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=args.ps if parameter_server else 0)
+        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=args.ps if parameter_server else 0,
+                          keep_freed_memory=not args.default_allocator)
         if not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
         return result.exit_code
+    if not args.default_allocator:
+        allocator.keep_freed_memory_here(env)  # this command owns its process (a task of a relaunch has it already)
     try:
         config = TrainConfig(strategy=args.strategy, devices=args.devices, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed)

@@ -7,7 +7,10 @@ entry) and, with ``ps > 0``, ``ps:0`` .. ``ps:P-1``. Each gets, on 127.0.0.1 wit
 - torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT`` (workers only: parameter servers have no rank); ``MASTER_PORT`` is worker 0's port;
 - ``STRATAGEM_CLUSTER_TOKEN`` (one random token per launch), ``STRATAGEM_RESTART_COUNT``
-  (0, then 1, 2... after restarts) and, when given, ``STRATAGEM_DEVICES_PER_WORKER``.
+  (0, then 1, 2... after restarts) and, when given, ``STRATAGEM_DEVICES_PER_WORKER``;
+- unless told otherwise (``keep_freed_memory=False``), ``GLIBC_TUNABLES`` with glibc's malloc
+  thresholds raised, so a training step reuses the memory the last one freed instead of faulting it
+  in again (see ``stratagem.cluster.allocator``); a threshold the user set is kept.
 
 The run succeeds when every worker exits with 0; parameter servers serve until then and are
 stopped afterwards. The first task to fail (or a parameter server that exits early) stops the
@@ -29,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stratagem.cluster import allocator
 from stratagem.cluster.processes import Sink, TaskGroup, describe_exit
 from stratagem.errors import ClusterError
 
@@ -119,6 +123,7 @@ def task_environments(
     token: str,
     restart_count: int = 0,
     devices_per_worker: int | None = None,
+    keep_freed_memory: bool = True,
 ) -> dict[str, dict[str, str]]:
     """The full environment of every task of a local cluster, by task name.
 
@@ -144,6 +149,8 @@ def task_environments(
         # Gloo binds the address the host name resolves to unless told otherwise; a local cluster stays on loopback.
         GLOO_SOCKET_IFNAME="lo",
     )
+    if keep_freed_memory:
+        common.update(allocator.keep_freed_memory_env(base_env))
     if devices_per_worker is not None:
         common["STRATAGEM_DEVICES_PER_WORKER"] = str(devices_per_worker)
     envs = {}
@@ -219,12 +226,14 @@ def launch(
     max_restarts: int = 0,
     timeout: float | None = None,
     grace_period: float = 5.0,
+    keep_freed_memory: bool = True,
 ) -> LaunchResult:
     """Run ``argv`` as a local cluster of ``workers`` (and ``ps``) processes until they finish.
 
     ``env`` is the environment each task starts from (``stratagem.environ.current()``); every
     line a task writes goes to ``sink`` as an ``OutputLine`` as soon as it is written.
-    ``timeout`` bounds the whole run, restarts included.
+    ``timeout`` bounds the whole run, restarts included. ``keep_freed_memory=False`` leaves glibc's
+    malloc thresholds at their defaults (see ``task_environments``).
 
     Example:
         >>> result = launch([sys.executable, "train.py"], workers=2, env=environ.current(),
@@ -238,7 +247,8 @@ def launch(
     failures: list[TaskFailure] = []
     for attempt in range(max_restarts + 1):
         envs = task_environments(env, workers=workers, ps=ps, ports=free_ports(workers + ps), token=token,
-                                 restart_count=attempt, devices_per_worker=devices_per_worker)
+                                 restart_count=attempt, devices_per_worker=devices_per_worker,
+                                 keep_freed_memory=keep_freed_memory)
         logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
         group = TaskGroup(argv, envs, sink)
         try:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import environ
-from stratagem.cluster import Cluster, init_process_group, resolve_cluster
+from stratagem.cluster import Cluster, allocator, init_process_group, resolve_cluster
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.cross_worker import CrossWorker
 from stratagem.data.files import FileDataset
@@ -168,7 +168,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if self._buckets is not None:
             details["gradient buckets (MiB, in launch order)"] = self._buckets.describe()
         details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch across all workers"
-        return Explanation(type(self).__name__, self.num_replicas_in_sync, base.replicas, base.decisions, details)
+        memory, why = allocator.describe(environ.current())
+        decisions = [*base.decisions, PlacementDecision(subject="freed host memory", choice=memory, reason=why)]
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, base.replicas, decisions, details)
 
     # ---- distribute ---------------------------------------------------------------------------
     def _prepare_replicas(self, replicas: list[nn.Module]) -> None:

@@ -1,0 +1,101 @@
+"""Host memory of training processes: glibc keeps freed blocks for reuse instead of giving them back.
+
+A training step frees and allocates the same large buffers every step (activations, gradients).
+With glibc's defaults, a freed block that leaves more than the trim threshold free at the top of
+the heap goes back to the system, and a block above the mmap threshold is unmapped when freed; the
+next step faults the memory in again, page by page. On the 2-core machine of benchmarks/RESULTS.md
+that was 1,700-3,300 page faults a step for plain PyTorch's CNN loop (one rank's half of the
+batch), and 13-34 with the two thresholds below (about 10-20 ms of a 70-90 ms step).
+
+The process then keeps its peak heap for reuse instead of returning it between steps, which is
+what a training process wants. ``stratagem launch`` gives its tasks these settings, as torch's
+CPU launcher (``torch.backends.xeon.run_cpu``) preloads a caching allocator, and ``stratagem
+train`` applies them to its own process; a user's own process is left alone. A setting the user
+made to when memory goes back to the system (the trim or mmap threshold, top pad or mmap count, in
+``GLIBC_TUNABLES`` or glibc's older ``MALLOC_*_`` variables) always wins; other malloc tunables
+(arenas, tcache) are kept alongside ours.
+
+    >>> keep_freed_memory_env({}, platform="linux")
+    {'GLIBC_TUNABLES': 'glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432'}
+    >>> keep_freed_memory_env({"MALLOC_TRIM_THRESHOLD_": "0"}, platform="linux")
+    {}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Mapping
+
+TRIM_THRESHOLD = 1 << 30
+"""Free memory at the top of the heap is returned to the system only beyond 1 GiB."""
+MMAP_THRESHOLD = 32 << 20
+"""Blocks up to 32 MiB come from the heap, not from mmap (glibc's ceiling for its own sliding threshold
+on 64-bit hosts); larger ones are still mapped and unmapped one by one."""
+
+_TUNABLES = (("glibc.malloc.trim_threshold", TRIM_THRESHOLD), ("glibc.malloc.mmap_threshold", MMAP_THRESHOLD))
+# The settings of when freed memory goes back to the system, as tunables and in glibc's older spelling
+# (still read by glibc 2.36); a user who set one of them has chosen.
+_RELEASE_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold", "glibc.malloc.top_pad",
+                     "glibc.malloc.mmap_max")
+_LEGACY_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+# mallopt(3) parameters, from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+_applied_here = False
+
+
+def user_setting(env: Mapping[str, str]) -> str | None:
+    """The setting of when freed memory goes back to the system that ``env`` makes, as text
+    (``MALLOC_TRIM_THRESHOLD_=0``), or ``None``."""
+    made = [f"{name}={env[name]}" for name in _LEGACY_VARIABLES if name in env]
+    made += [item for item in env.get("GLIBC_TUNABLES", "").split(":") if item.split("=")[0] in _RELEASE_TUNABLES]
+    return ", ".join(made) or None
+
+
+def keep_freed_memory_env(env: Mapping[str, str], *, platform: str = sys.platform) -> dict[str, str]:
+    """The variables to add to ``env`` so that a new process keeps freed memory for reuse.
+
+    Empty on a system other than Linux, or when ``env`` already has a malloc setting of the user's.
+    Other tunables in ``GLIBC_TUNABLES`` are kept; ours are appended.
+    """
+    if platform != "linux" or user_setting(env) is not None:
+        return {}
+    ours = ":".join(f"{name}={value}" for name, value in _TUNABLES)
+    existing = env.get("GLIBC_TUNABLES")
+    return {"GLIBC_TUNABLES": f"{existing}:{ours}" if existing else ours}
+
+
+def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
+    """Gives this process the same settings through ``mallopt(3)``; for a program that owns its process
+    (``stratagem train``), never for a library call. Returns whether they were applied: not on a system
+    other than Linux, not when ``env`` (this process's environment) has a malloc setting of the user's,
+    not without glibc's ``mallopt``."""
+    global _applied_here
+    if sys.platform != "linux" or user_setting(env) is not None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    # mallopt returns 1 on success; a C library that only stubs it (musl) returns 0.
+    _applied_here = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    return _applied_here
+
+
+def describe(env: Mapping[str, str], *, platform: str = sys.platform) -> tuple[str, str]:
+    """How this process treats freed host memory, as (choice, reason), for ``explain()``."""
+    if platform != "linux":
+        return "the C library's default", f"not Linux ({platform}), so not tuned"
+    ours = keep_freed_memory_env({}, platform="linux")["GLIBC_TUNABLES"]
+    if _applied_here or set(ours.split(":")) <= set(env.get("GLIBC_TUNABLES", "").split(":")):
+        return "kept for reuse", f"glibc's trim threshold 1 GiB and mmap threshold 32 MiB ({ours})"
+    made = user_setting(env)
+    if made is not None:
+        return "as set by the user", made
+    why = ("glibc's default: a CPU training step faults its buffers in again every step; "
+           f"`stratagem launch` sets GLIBC_TUNABLES={ours} for its tasks (see docs/multi_worker.md)")
+    return "returned to the system", why
