@@ -98,5 +98,5 @@ def describe(env: Mapping[str, str], *, platform: str = sys.platform) -> tuple[s
     if made is not None:
         return "as set by the user", made
     why = ("glibc's default: a CPU training step faults its buffers in again every step; "
-           f"`stratagem launch` sets GLIBC_TUNABLES={ours} for its tasks (see docs/multi_worker.md)")
+           f"`stratagem launch` sets GLIBC_TUNABLES={ours} for its tasks (see docs/clusters.md)")
     return "returned to the system", why
