@@ -58,8 +58,8 @@ def user_setting(env: Mapping[str, str]) -> str | None:
 def keep_freed_memory_env(env: Mapping[str, str], *, platform: str = sys.platform) -> dict[str, str]:
     """The variables to add to ``env`` so that a new process keeps freed memory for reuse.
 
-    Empty on a system other than Linux, or when ``env`` already has a malloc setting of the user's.
-    Other tunables in ``GLIBC_TUNABLES`` are kept; ours are appended.
+    Empty on a system other than Linux, or when ``env`` already says when freed memory goes back to the
+    system (``user_setting``). Other tunables in ``GLIBC_TUNABLES`` are kept; ours are appended.
     """
     if platform != "linux" or user_setting(env) is not None:
         return {}
@@ -71,8 +71,8 @@ def keep_freed_memory_env(env: Mapping[str, str], *, platform: str = sys.platfor
 def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
     """Gives this process the same settings through ``mallopt(3)``; for a program that owns its process
     (``stratagem train``), never for a library call. Returns whether they were applied: not on a system
-    other than Linux, not when ``env`` (this process's environment) has a malloc setting of the user's,
-    not without glibc's ``mallopt``."""
+    other than Linux, not when ``env`` (this process's environment) has a ``user_setting``, not without
+    glibc's ``mallopt``."""
     global _applied_here
     if sys.platform != "linux" or user_setting(env) is not None:
         return False
