@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -379,6 +380,7 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
     params = dict(copy.deepcopy(model).named_parameters())
     variables.arrange(params)  # the worker's parameters live in the file, where a pull writes
     variables.rpc_timeout = 1.0
+    assert _shared_files_mapped(child.pid)
     os.kill(child.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
@@ -393,6 +395,15 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
         os.kill(child.pid, signal.SIGCONT)
     time.sleep(0.5)  # ...and the server, awake again, answers the old pull late, into the old file
     assert all(bool((p == 7.0).all()) for p in params.values())  # the parameters had moved out of it
+    deadline = time.monotonic() + 10
+    while _shared_files_mapped(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _shared_files_mapped(child.pid)  # told in the background, the server let go of the old file
+    variables.close()
+
+
+def _shared_files_mapped(pid: int) -> list[str]:
+    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "stratagem-ps-" in line]
 
 
 @COUNTERS

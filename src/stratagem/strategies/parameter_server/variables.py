@@ -283,8 +283,20 @@ class ShardedVariables:
             with torch.no_grad():
                 for tensor in link.residents:
                     tensor.data = tensor.data.clone()
+            # The server may be stuck rather than gone; told in the background, it lets go of the file once it
+            # answers, instead of keeping it mapped until this worker exits.
+            threading.Thread(target=self._detach, args=(ps, link.segment, max(5.0, self.rpc_timeout)),
+                             name=f"ps-detach-{ps}", daemon=True).start()
         link.residents.clear()
         link.areas.close()
+
+    def _detach(self, ps: int, segment: str, timeout: float) -> None:
+        """Tells ``ps`` to let go of a file. A server that is gone or does not answer in time needs no telling: it
+        lets go of a worker's files when the shards are created anew, when it stops, and when the worker exits."""
+        try:
+            self._clients[ps].call("Detach", "detach", {"segment": segment}, timeout=timeout, small_reply=True)
+        except (ParameterServerError, CollectiveTimeoutError, ValueError) as exc:  # ValueError: the channel closed
+            logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
 
     def _pull_shared(self, ps: int, layout: _Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
         """A pull from ``ps`` through the shared file; False when it must go over gRPC."""
@@ -417,11 +429,7 @@ class ShardedVariables:
     def close(self) -> None:
         for ps, link in list(self._links.items()):
             if isinstance(link, shared.Link):
-                try:
-                    self._clients[ps].call("Detach", "detach", {"segment": link.segment},
-                                           timeout=min(5.0, self.rpc_timeout), small_reply=True)
-                except (ParameterServerError, CollectiveTimeoutError) as exc:  # a server already gone lets go itself
-                    logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
+                self._detach(ps, link.segment, min(5.0, self.rpc_timeout))
                 link.areas.close()
         self._links.clear()
         self._pool.shutdown(wait=False)
