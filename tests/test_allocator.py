@@ -15,12 +15,12 @@ OURS = "glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554
 
 
 def test_a_new_process_gets_both_thresholds():
-    assert allocator.keep_freed_memory_env({"PATH": "/bin"}, platform="linux") == {"GLIBC_TUNABLES": OURS}
+    assert allocator.keep_freed_memory_env({"PATH": "/bin"}, glibc=(2, 36)) == {"GLIBC_TUNABLES": OURS}
 
 
 def test_other_tunables_of_the_user_are_kept_and_ours_appended():
     env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F"}
-    assert allocator.keep_freed_memory_env(env, platform="linux") == {
+    assert allocator.keep_freed_memory_env(env, glibc=(2, 36)) == {
         "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F:{OURS}"}
 
 
@@ -32,27 +32,37 @@ def test_other_tunables_of_the_user_are_kept_and_ours_appended():
     ({"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}, "glibc.malloc.top_pad=0"),
 ])
 def test_a_threshold_the_user_set_wins(env, named):
-    assert allocator.user_setting(env) == named
-    assert allocator.keep_freed_memory_env(env, platform="linux") == {}
-    assert allocator.describe(env, platform="linux") == ("as set by the user", named)
+    assert allocator.user_setting(env, glibc=(2, 36)) == named
+    assert allocator.keep_freed_memory_env(env, glibc=(2, 36)) == {}
+    assert allocator.describe(env, glibc=(2, 36)) == ("as set by the user", named)
 
 
-def test_other_systems_are_left_alone():
-    assert allocator.keep_freed_memory_env({}, platform="darwin") == {}
-    assert allocator.describe({}, platform="darwin")[0] == "the C library's default"
+def test_other_c_libraries_and_a_glibc_without_tunables_are_left_alone():
+    assert allocator.keep_freed_memory_env({}, glibc=None) == {}
+    assert allocator.describe({}, glibc=None) == ("the C library's default", "not glibc, so not tuned")
+    assert allocator.keep_freed_memory_env({}, glibc=(2, 17)) == {}
+    choice, why = allocator.describe({"GLIBC_TUNABLES": OURS}, glibc=(2, 17))
+    assert choice == "returned to the system" and "glibc 2.17 reads no GLIBC_TUNABLES" in why \
+        and "MALLOC_TRIM_THRESHOLD_=1073741824" in why
+    assert allocator.describe({"MALLOC_TRIM_THRESHOLD_": "1073741824"}, glibc=(2, 17))[0] == "as set by the user"
+
+
+def test_the_glibc_version_is_read_from_the_c_library():
+    version = allocator.glibc_version()
+    assert version is None or (version >= (2, 0) and version == allocator.GLIBC)
 
 
 def test_describe_tells_the_state_and_the_fix(monkeypatch):
     monkeypatch.setattr(allocator, "_applied_here", False)
-    assert allocator.describe({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{OURS}"}, platform="linux")[0] \
+    assert allocator.describe({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{OURS}"}, glibc=(2, 36))[0] \
         == "kept for reuse"
-    choice, why = allocator.describe({}, platform="linux")
+    choice, why = allocator.describe({}, glibc=(2, 36))
     assert choice == "returned to the system" and f"GLIBC_TUNABLES={OURS}" in why and "stratagem launch" in why
 
 
 def test_launched_tasks_keep_freed_memory_unless_told_not_to():
     kept = task_environments({"PATH": "/bin"}, workers=2, ps=1, ports=[1, 2, 3], token="t")
-    expected = OURS if sys.platform == "linux" else None
+    expected = OURS if allocator.READS_TUNABLES else None
     assert {env.get("GLIBC_TUNABLES") for env in kept.values()} == {expected}
     plain = task_environments({"PATH": "/bin"}, workers=2, ports=[1, 2], token="t", keep_freed_memory=False)
     assert all("GLIBC_TUNABLES" not in env for env in plain.values())
@@ -81,7 +91,7 @@ print((faults() - before) / 20)
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc tunables exist on Linux only")
+@pytest.mark.skipif(not allocator.READS_TUNABLES, reason="needs glibc 2.26 or newer, whose malloc reads GLIBC_TUNABLES")
 @pytest.mark.timeout(60)
 def test_glibc_honours_the_settings():
     base = {k: v for k, v in os.environ.items()

@@ -12,6 +12,7 @@ import pytest
 
 from stratagem.cli import launch as launch_cli
 from stratagem.cli.main import COMMANDS
+from stratagem.cluster import allocator
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 
@@ -49,7 +50,7 @@ def test_output_is_prefixed_with_the_task(tmp_path, capsys):
     assert sorted(err.splitlines()) == ["[worker:0] oops", "[worker:1] oops"]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc tunables exist on Linux only")
+@pytest.mark.skipif(not allocator.READS_TUNABLES, reason="needs glibc 2.26 or newer, whose malloc reads GLIBC_TUNABLES")
 def test_tasks_keep_freed_memory_unless_told_to_use_the_default_allocator(tmp_path, capsys, monkeypatch):
     for name in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
                  "MALLOC_MMAP_MAX_"):

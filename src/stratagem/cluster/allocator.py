@@ -16,16 +16,17 @@ made to when memory goes back to the system (the trim or mmap threshold, top pad
 ``GLIBC_TUNABLES`` or glibc's older ``MALLOC_*_`` variables) always wins; other malloc tunables
 (arenas, tcache) are kept alongside ours.
 
-    >>> keep_freed_memory_env({}, platform="linux")
+    >>> keep_freed_memory_env({}, glibc=(2, 36))
     {'GLIBC_TUNABLES': 'glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432'}
-    >>> keep_freed_memory_env({"MALLOC_TRIM_THRESHOLD_": "0"}, platform="linux")
+    >>> keep_freed_memory_env({"MALLOC_TRIM_THRESHOLD_": "0"}, glibc=(2, 36))
     {}
 """
 
 from __future__ import annotations
 
 import ctypes
-import sys
+import os
+import re
 from collections.abc import Mapping
 
 TRIM_THRESHOLD = 1 << 30
@@ -44,24 +45,44 @@ _LEGACY_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
+_TUNABLES_SINCE = (2, 26)  # the first glibc that reads GLIBC_TUNABLES
+
 _applied_here = False
 
 
-def user_setting(env: Mapping[str, str]) -> str | None:
+def glibc_version() -> tuple[int, int] | None:
+    """This process's glibc as (major, minor), or None under another C library (musl, macOS, Windows)."""
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"
+    except (AttributeError, ValueError, OSError):
+        return None
+    found = re.fullmatch(r"glibc (\d+)\.(\d+)\S*", text or "")
+    return (int(found[1]), int(found[2])) if found else None
+
+
+GLIBC = glibc_version()
+READS_TUNABLES = GLIBC is not None and GLIBC >= _TUNABLES_SINCE
+"""Whether this process's C library reads ``GLIBC_TUNABLES`` (so the tasks ``stratagem launch`` starts keep
+freed memory)."""
+
+
+def user_setting(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -> str | None:
     """The setting of when freed memory goes back to the system that ``env`` makes, as text
-    (``MALLOC_TRIM_THRESHOLD_=0``), or ``None``."""
+    (``MALLOC_TRIM_THRESHOLD_=0``), or ``None``. ``GLIBC_TUNABLES`` counts only for a glibc that reads it."""
     made = [f"{name}={env[name]}" for name in _LEGACY_VARIABLES if name in env]
-    made += [item for item in env.get("GLIBC_TUNABLES", "").split(":") if item.split("=")[0] in _RELEASE_TUNABLES]
+    if glibc is not None and glibc >= _TUNABLES_SINCE:
+        made += [item for item in env.get("GLIBC_TUNABLES", "").split(":") if item.split("=")[0] in _RELEASE_TUNABLES]
     return ", ".join(made) or None
 
 
-def keep_freed_memory_env(env: Mapping[str, str], *, platform: str = sys.platform) -> dict[str, str]:
+def keep_freed_memory_env(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -> dict[str, str]:
     """The variables to add to ``env`` so that a new process keeps freed memory for reuse.
 
-    Empty on a system other than Linux, or when ``env`` already says when freed memory goes back to the
-    system (``user_setting``). Other tunables in ``GLIBC_TUNABLES`` are kept; ours are appended.
+    Empty without a glibc that reads ``GLIBC_TUNABLES`` (``glibc``: this process's, which the tasks it
+    starts share), or when ``env`` already says when freed memory goes back to the system
+    (``user_setting``). Other tunables in ``GLIBC_TUNABLES`` are kept; ours are appended.
     """
-    if platform != "linux" or user_setting(env) is not None:
+    if glibc is None or glibc < _TUNABLES_SINCE or user_setting(env, glibc=glibc) is not None:
         return {}
     ours = ":".join(f"{name}={value}" for name, value in _TUNABLES)
     existing = env.get("GLIBC_TUNABLES")
@@ -70,11 +91,10 @@ def keep_freed_memory_env(env: Mapping[str, str], *, platform: str = sys.platfor
 
 def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
     """Gives this process the same settings through ``mallopt(3)``; for a program that owns its process
-    (``stratagem train``), never for a library call. Returns whether they were applied: not on a system
-    other than Linux, not when ``env`` (this process's environment) has a ``user_setting``, not without
-    glibc's ``mallopt``."""
+    (``stratagem train``), never for a library call. Returns whether they were applied: not without glibc,
+    not when ``env`` (this process's environment) has a ``user_setting``."""
     global _applied_here
-    if sys.platform != "linux" or user_setting(env) is not None:
+    if GLIBC is None or user_setting(env) is not None:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -82,21 +102,26 @@ def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # mallopt returns 1 on success; a C library that only stubs it (musl) returns 0.
+    # mallopt returns 1 on success.
     _applied_here = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     return _applied_here
 
 
-def describe(env: Mapping[str, str], *, platform: str = sys.platform) -> tuple[str, str]:
+def describe(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -> tuple[str, str]:
     """How this process treats freed host memory, as (choice, reason), for ``explain()``."""
-    if platform != "linux":
-        return "the C library's default", f"not Linux ({platform}), so not tuned"
-    ours = keep_freed_memory_env({}, platform="linux")["GLIBC_TUNABLES"]
-    if _applied_here or set(ours.split(":")) <= set(env.get("GLIBC_TUNABLES", "").split(":")):
+    if glibc is None:
+        return "the C library's default", "not glibc, so not tuned"
+    ours = ":".join(f"{name}={value}" for name, value in _TUNABLES)
+    if _applied_here:
+        return "kept for reuse", "glibc's trim threshold 1 GiB and mmap threshold 32 MiB (set through mallopt)"
+    if glibc >= _TUNABLES_SINCE and set(ours.split(":")) <= set(env.get("GLIBC_TUNABLES", "").split(":")):
         return "kept for reuse", f"glibc's trim threshold 1 GiB and mmap threshold 32 MiB ({ours})"
-    made = user_setting(env)
+    made = user_setting(env, glibc=glibc)
     if made is not None:
         return "as set by the user", made
+    if glibc < _TUNABLES_SINCE:
+        return "returned to the system", (f"glibc {glibc[0]}.{glibc[1]} reads no GLIBC_TUNABLES (2.26 and newer do); "
+                                          "set MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_MMAP_THRESHOLD_=33554432")
     why = ("glibc's default: a CPU training step faults its buffers in again every step; "
            f"`stratagem launch` sets GLIBC_TUNABLES={ours} for its tasks (see docs/clusters.md)")
     return "returned to the system", why
