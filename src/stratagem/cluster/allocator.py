@@ -35,7 +35,8 @@ MMAP_THRESHOLD = 32 << 20
 """Blocks up to 32 MiB come from the heap, not from mmap (glibc's ceiling for its own sliding threshold
 on 64-bit hosts); larger ones are still mapped and unmapped one by one."""
 
-_TUNABLES = (("glibc.malloc.trim_threshold", TRIM_THRESHOLD), ("glibc.malloc.mmap_threshold", MMAP_THRESHOLD))
+_TUNABLES = (f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}", f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}")
+_OURS = ":".join(_TUNABLES)
 # The settings of when freed memory goes back to the system, as tunables and in glibc's older spelling
 # (still read by glibc 2.36); a user who set one of them has chosen.
 _RELEASE_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold", "glibc.malloc.top_pad",
@@ -84,9 +85,8 @@ def keep_freed_memory_env(env: Mapping[str, str], *, glibc: tuple[int, int] | No
     """
     if glibc is None or glibc < _TUNABLES_SINCE or user_setting(env, glibc=glibc) is not None:
         return {}
-    ours = ":".join(f"{name}={value}" for name, value in _TUNABLES)
     existing = env.get("GLIBC_TUNABLES")
-    return {"GLIBC_TUNABLES": f"{existing}:{ours}" if existing else ours}
+    return {"GLIBC_TUNABLES": f"{existing}:{_OURS}" if existing else _OURS}
 
 
 def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
@@ -111,11 +111,10 @@ def describe(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -
     """How this process treats freed host memory, as (choice, reason), for ``explain()``."""
     if glibc is None:
         return "the C library's default", "not glibc, so not tuned"
-    ours = ":".join(f"{name}={value}" for name, value in _TUNABLES)
     if _applied_here:
         return "kept for reuse", "glibc's trim threshold 1 GiB and mmap threshold 32 MiB (set through mallopt)"
-    if glibc >= _TUNABLES_SINCE and set(ours.split(":")) <= set(env.get("GLIBC_TUNABLES", "").split(":")):
-        return "kept for reuse", f"glibc's trim threshold 1 GiB and mmap threshold 32 MiB ({ours})"
+    if glibc >= _TUNABLES_SINCE and set(_TUNABLES) <= set(env.get("GLIBC_TUNABLES", "").split(":")):
+        return "kept for reuse", f"glibc's trim threshold 1 GiB and mmap threshold 32 MiB ({_OURS})"
     made = user_setting(env, glibc=glibc)
     if made is not None:
         return "as set by the user", made
@@ -123,5 +122,5 @@ def describe(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -
         return "returned to the system", (f"glibc {glibc[0]}.{glibc[1]} reads no GLIBC_TUNABLES (2.26 and newer do); "
                                           "set MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_MMAP_THRESHOLD_=33554432")
     why = ("glibc's default: a CPU training step faults its buffers in again every step; "
-           f"`stratagem launch` sets GLIBC_TUNABLES={ours} for its tasks (see docs/clusters.md)")
+           f"`stratagem launch` sets GLIBC_TUNABLES={_OURS} for its tasks (see docs/clusters.md)")
     return "returned to the system", why
