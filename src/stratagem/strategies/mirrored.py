@@ -107,7 +107,7 @@ class MirroredStrategy(Strategy):
         self._names = [d.name for d in logical]
         self._check_one_replica_per_gpu()
         facts = self._facts if hasattr(self, "_facts") else None
-        nccl = bool(facts.nccl_available) if facts is not None else _nccl_available()
+        nccl = bool(facts.nccl_available) if facts is not None else _nccl_available(self._devices)
         self._reducer: LocalReducer
         self._reducer, decision = choose_local_reducer(self._devices, nccl_available=nccl)
         if len(self._devices) > 1:
@@ -550,13 +550,16 @@ def _device_guard(device: torch.device) -> Any:
     return _NullGuard()
 
 
-def _nccl_available() -> bool:
-    try:
-        from torch.cuda import nccl
+def _nccl_available(devices: Sequence[torch.device]) -> bool:
+    """Whether `torch.cuda.nccl` can all-reduce across these replicas' GPUs, touching no device.
 
-        return torch.cuda.is_available() and nccl.is_available([torch.zeros(1, device="cuda")])
-    except Exception:  # noqa: BLE001 - any failure means NCCL cannot be used here
+    NCCL serves only replicas on two or more distinct GPUs; for any other set nothing is probed, so a
+    CPU strategy never starts CUDA (a context costs about 0.5 GiB on the GPU it lands on). The probe is
+    the build's NCCL binding, not an allocation: `nccl.is_available(tensors)` would need tensors on a GPU.
+    """
+    if len({d for d in devices if d.type == "cuda"}) < 2:
         return False
+    return hasattr(torch._C, "_nccl_all_reduce")
 
 
 def _env() -> Mapping[str, str]:
