@@ -106,6 +106,8 @@ class MirroredStrategy(Strategy):
         self._devices = [d.physical for d in logical]
         self._names = [d.name for d in logical]
         self._check_one_replica_per_gpu()
+        for choice, why in sg_devices.enforce_memory_limits(logical):
+            self._decisions.append(PlacementDecision(subject="GPU memory limit", choice=choice, reason=why))
         facts = self._facts if hasattr(self, "_facts") else None
         nccl = bool(facts.nccl_available) if facts is not None else _nccl_available(self._devices)
         self._reducer: LocalReducer
@@ -250,8 +252,13 @@ class MirroredStrategy(Strategy):
         if not gpus:
             return
         estimate = diagnose.estimate_training_memory(model, optimizer)
+        held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+        if optimizer is not None:
+            held += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         for device in gpus:
-            known = device.memory_room()
+            # The replica on the model's own GPU is the model itself: what it holds there is no new memory.
+            resident = sg_devices.resident_bytes(held, device.physical) if device is self._logical[0] else 0
+            known = device.memory_room(resident_bytes=resident)
             if known is None:
                 continue
             room, what = known
