@@ -11,7 +11,8 @@ from stratagem.cli import doctor
 from stratagem.diagnose import Check, EnvironmentFacts, GpuFacts, SmokeResult, exit_code
 
 GiB = 2**30
-CHECK_NAMES = ["torch_build", "driver", "driver_version", "cuda_visible_devices", "nvml_vs_torch", "nccl", "cudnn"]
+CHECK_NAMES = ["torch_build", "driver", "driver_version", "cuda_start", "cuda_visible_devices", "nvml_vs_torch", "nccl",
+               "cudnn"]
 
 
 def run_command(argv: list[str]) -> int:

@@ -36,13 +36,10 @@ class FakeStore:
 
 
 class FakeWork:
-    """A work handle completed through its future; waited on through the future, or (as Gloo's) through
-    wait(timeout), which raises when the time runs out and re-raises the collective's error."""
+    """A work handle as Gloo's: completed when its future is; wait() re-raises the collective's error."""
 
     def __init__(self) -> None:
         self.future = torch.futures.Future()
-        self._done = threading.Event()
-        self.future.add_done_callback(lambda _: self._done.set())
 
     def get_future(self) -> torch.futures.Future:
         return self.future
@@ -50,21 +47,69 @@ class FakeWork:
     def is_completed(self) -> bool:
         return self.future.done()
 
-    def wait(self, timeout: timedelta) -> bool:
-        if not self._done.wait(timeout.total_seconds()):
-            raise RuntimeError("Operation timed out!")
+    def wait(self, timeout: timedelta | None = None) -> bool:
         self.future.value()
         return True
 
 
-@pytest.fixture(params=[False, True], ids=["futures", "blocking-waits"])
-def make(request):
+class FakeNcclWork:
+    """A work handle as ProcessGroupNCCL's: the future is done as soon as the all-reduce is queued, the result
+    lands in `tensor` only when the (simulated) kernel finishes, and wait() is what orders the reader after it."""
+
+    def __init__(self, tensor: torch.Tensor, result: torch.Tensor, run_seconds: float) -> None:
+        self.tensor, self.result = tensor, result
+        self.future = torch.futures.Future()
+        self.future.set_result([tensor])  # queued: done() is true at once
+        self.finished = threading.Event()
+        self.waited = False
+        self.timer = threading.Timer(run_seconds, self._finish)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _finish(self) -> None:
+        self.tensor.copy_(self.result)
+        self.finished.set()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waited = True
+        return True
+
+
+@pytest.fixture
+def make():
     def build(store: FakeStore, **kwargs) -> CrossWorker:
-        options = dict(timeout=5.0, roll_call_seconds=0.2, blocking_waits=request.param)
+        options = dict(timeout=5.0, roll_call_seconds=0.2)
         options.update(kwargs)
         return CrossWorker(store, rank=0, task_names=["worker:0", "worker:1", "worker:2"], **options)
 
     return build
+
+
+def test_an_nccl_collective_is_waited_for_until_the_sum_has_landed(make):
+    # The future of NCCL work is done once the collective is queued; reading then would see the old value.
+    tensor = torch.tensor([1.0, 0.0])
+    work = FakeNcclWork(tensor, torch.tensor([3.0, 2.0]), run_seconds=0.2)
+    make(FakeStore()).wait([work], what="end-of-data agreement", step=0)
+    assert tensor.tolist() == [3.0, 2.0]
+    assert work.waited  # the current stream was ordered after the collective's
+
+
+def test_an_nccl_collective_that_never_finishes_times_out_although_its_future_is_done(make):
+    store = FakeStore()
+    store.set("stratagem/rollcall/5/1", "here")
+    store.set("stratagem/rollcall/5/2", "here")
+    work = FakeNcclWork(torch.zeros(1), torch.ones(1), run_seconds=30.0)
+    try:
+        with pytest.raises(CollectiveTimeoutError, match=r"the gradient all-reduce of step 5 timed out"):
+            make(store, timeout=0.3).wait([work], what="gradient all-reduce", step=5)
+    finally:
+        work.timer.cancel()
 
 
 def test_a_completed_collective_returns(make):

@@ -48,8 +48,9 @@ CPU_BOX = EnvironmentFacts(torch_version="2.13.0+cpu", cpu_count=2)
 def test_healthy_machine_is_all_ok():
     checks = check_environment(cuda_machine(), requested_gpus=[0, 1])
     assert [(c.name, c.verdict) for c in checks] == [
-        ("torch_build", "ok"), ("driver", "ok"), ("driver_version", "ok"), ("cuda_visible_devices", "ok"),
-        ("nvml_vs_torch", "ok"), ("device_index", "ok"), ("nccl", "ok"), ("cudnn", "ok")]
+        ("torch_build", "ok"), ("driver", "ok"), ("driver_version", "ok"), ("cuda_start", "ok"),
+        ("cuda_visible_devices", "ok"), ("nvml_vs_torch", "ok"), ("device_index", "ok"), ("nccl", "ok"),
+        ("cudnn", "ok")]
     assert gpu_unavailable_reason(cuda_machine()) is None
 
 
@@ -266,7 +267,7 @@ def test_cudnn_missing():
 def test_check_environment_places_optional_checks():
     memory = Check(name="memory", verdict="ok", reason="fits")
     checks = check_environment(cuda_machine(), requested_gpus=[0], memory=memory)
-    assert [c.name for c in checks] == ["torch_build", "driver", "driver_version", "cuda_visible_devices",
+    assert [c.name for c in checks] == ["torch_build", "driver", "driver_version", "cuda_start", "cuda_visible_devices",
                                         "nvml_vs_torch", "device_index", "memory", "nccl", "cudnn"]
 
 

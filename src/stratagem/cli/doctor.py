@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     try:
-        facts = _load_facts(args.facts) if args.facts else collect_facts(environ.current())
+        facts = _load_facts(args.facts) if args.facts else _collect_facts_safely()
         devices = [name.strip() for name in args.devices.split(",")] if args.devices else None
         report = build_report(facts, devices=devices, smoke_test=not (args.no_smoke_test or args.facts),
                               skipped_because="facts were loaded from a file" if args.facts else "--no-smoke-test")
@@ -75,6 +75,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return report.exit_code
+
+
+def _collect_facts_safely() -> EnvironmentFacts:
+    """This machine's facts; a probe that fails in a way nobody foresaw becomes a fact, never a traceback."""
+    try:
+        return collect_facts(environ.current())
+    except Exception as error:  # noqa: BLE001 - the doctor exists for broken machines
+        return EnvironmentFacts(torch_version=torch.__version__, torch_cuda_version=torch.version.cuda,
+                                cuda_init_error=f"collecting the facts failed: {type(error).__name__}: {error}")
 
 
 def _load_facts(path: str) -> EnvironmentFacts:

@@ -11,6 +11,7 @@ import hashlib
 import logging
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from stratagem.cluster.spec import Cluster
@@ -112,13 +113,16 @@ def init_process_group(
     timeout: float | timedelta = 300.0,
     *,
     token: str | None = None,
+    device_id: torch.device | None = None,
 ) -> dist.TCPStore:
     """Meet every rank of ``cluster`` at the chief's TCP store and initialize torch.distributed.
 
     Raises ``CollectiveTimeoutError`` naming the ranks and tasks that did not arrive within
     ``timeout``, ``RendezvousError`` when the chief goes away meanwhile, and ``ClusterError`` when this task has no rank (``ps``, ``evaluator``), the
     backend is not built into torch, or ``token`` (``STRATAGEM_CLUSTER_TOKEN``) differs from
-    the chief's. Returns the store, which stays usable for later coordination.
+    the chief's. Returns the store, which stays usable for later coordination. ``device_id`` (a CUDA
+device, for NCCL) is handed to ``torch.distributed.init_process_group``: the communicator forms at
+once on that GPU; set it as the current device first (``torch.cuda.set_device``).
 
     Example:
         >>> cluster = resolve_cluster(env=environ.current())          # doctest: +SKIP
@@ -153,7 +157,8 @@ def init_process_group(
     _wait_for_all(store, cluster, rank, wait)
     _check_tokens(store, cluster, rank, wait)
     import_group_defaults()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait)
+    options = {} if device_id is None else {"device_id": device_id}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait, **options)
     return store
 
 

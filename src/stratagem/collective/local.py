@@ -105,10 +105,21 @@ class ReduceToOneDevice:
             return
         target = grads[0]
         for k in range(1, len(grads)):
-            torch._foreach_add_(list(target), [g.to(t.device, non_blocking=True) for g, t in zip(grads[k], target)])
+            torch._foreach_add_(list(target), [_copy_to(g, t.device) for g, t in zip(grads[k], target)])
         for k in range(1, len(grads)):
             for g, t in zip(grads[k], target):
-                g.copy_(t, non_blocking=True)
+                g.copy_(t, non_blocking=g.device.type == "cuda")
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, safe to read at once.
+
+    A copy to a GPU may be non-blocking: it is ordered on the GPU's stream before the kernels that read it.
+    A copy from a GPU to the CPU must block: with non_blocking=True the call returns before the bytes have
+    landed, and the CPU add that follows would read what the memory held before (PyTorch's pinned-memory
+    notes warn of exactly this).
+    """
+    return tensor.to(device, non_blocking=device.type == "cuda")
 
 
 class NcclReduce:

@@ -14,7 +14,9 @@ from stratagem.devices.logical import (
     LogicalDevice,
     LogicalDeviceConfiguration,
     default_registry,
+    enforce_memory_limits,
     get_logical_devices,
+    resident_bytes,
     set_logical_device_configuration,
 )
 from stratagem.devices.names import ACCEPTED_SPELLINGS, DeviceName, DeviceSpec, DeviceType, parse_device
@@ -33,9 +35,11 @@ __all__ = [
     "PhysicalDevice",
     "default_devices",
     "default_registry",
+    "enforce_memory_limits",
     "get_logical_devices",
     "parse_device",
     "physical_devices",
+    "resident_bytes",
     "resolve_devices",
     "set_logical_device_configuration",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 import torch
@@ -65,22 +65,35 @@ class LogicalDevice:
     physical: torch.device
     """Where the work really runs: ``torch.device("cpu")`` for every logical CPU."""
     memory_limit: int | None = None
-    """Bytes this logical device may use; recorded for strategies and memory checks."""
+    """Bytes this logical device may use. A strategy enforces it where one process can
+    (`enforce_memory_limits`: the only logical device on its GPU) and checks the model's estimated
+    memory against it at ``distribute`` time in every case; ``explain()`` says which holds."""
 
     @property
     def device_type(self) -> DeviceType:
         return "cpu" if self.name.startswith("cpu") else "cuda"
 
-    def memory_room(self) -> tuple[int, str] | None:
+    def memory_room(self, resident_bytes: int = 0) -> tuple[int, str] | None:
         """The bytes a GPU device has room for, and what that figure is: the logical device's memory
-        limit, else its physical GPU's free memory; None for a CPU, or a GPU torch cannot query."""
+        limit, else the room on its physical GPU; None for a CPU, or a GPU torch cannot query.
+
+        The room on a GPU is its free memory (``mem_get_info``, which counts memory this process's caching
+        allocator holds as used), plus what that allocator has reserved but not handed out (cached after
+        a free: it serves new tensors first), plus ``resident_bytes``: what the model already holds on
+        this GPU, which the estimate counts again although no copy will be made.
+        """
         if self.physical.type != "cuda":
             return None
         if self.memory_limit is not None:
             return self.memory_limit, f"the memory limit of logical device {self.name}"
-        if torch.cuda.is_available():
-            return torch.cuda.mem_get_info(self.physical)[0], f"the free memory of {self.physical}"
-        return None
+        if not torch.cuda.is_available():
+            return None
+        free = int(torch.cuda.mem_get_info(self.physical)[0])
+        cached = max(0, int(torch.cuda.memory_reserved(self.physical)) - int(torch.cuda.memory_allocated(self.physical)))
+        room = free + cached + resident_bytes
+        what = (f"the room on {self.physical} ({format_bytes(free)} free, {format_bytes(cached)} cached by this "
+                f"process and unused, {format_bytes(resident_bytes)} already held by the model there)")
+        return room, what
 
     @property
     def index(self) -> int:
@@ -304,3 +317,65 @@ def _device_type_filter(device_type: str | None) -> DeviceType | None:
             f"Unknown device type. Received: device_type={device_type!r}. Use 'cpu', 'cuda' (or 'gpu') or None."
         )
     return normalized  # type: ignore[return-value]
+
+
+def resident_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the distinct tensors (storage counted once) that already live on ``device``."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor.device != device:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def enforce_memory_limits(devices: Sequence[LogicalDevice]) -> list[tuple[str, str]]:
+    """Makes the memory limits of these logical GPUs real where one process can, and says what holds.
+
+    One logical device on a physical GPU: ``torch.cuda.set_per_process_memory_fraction(limit / total)``
+    caps this process's caching allocator there, so an allocation past the limit raises
+    ``torch.OutOfMemoryError``. Several logical devices on one GPU share this process's one allocator
+    for it: their summed limits are enforced together (when every one has a limit), while each one's
+    own limit is a planning figure, checked against the model's estimated memory at ``distribute``.
+    Returns (choice, reason) per physical GPU that has a limit.
+    """
+    by_gpu: dict[int, list[LogicalDevice]] = {}
+    for device in devices:
+        if device.physical.type == "cuda":
+            by_gpu.setdefault(device.physical.index or 0, []).append(device)
+    outcomes = []
+    for index, logical in sorted(by_gpu.items()):
+        limits = [d.memory_limit for d in logical]
+        if all(limit is None for limit in limits):
+            continue
+        names = ", ".join(d.name for d in logical)
+        if any(limit is None for limit in limits):
+            outcomes.append((f"planning figure on cuda:{index}", (
+                f"{names} share cuda:{index} and not all have a memory limit, so nothing caps this process there; "
+                "each limit is checked against the model's estimated memory at distribute()")))
+            continue
+        if not torch.cuda.is_available():
+            # Devices described by facts (another machine's, or a test's): there is no allocator to cap here.
+            outcomes.append((f"planning figure on cuda:{index}", (
+                f"CUDA is not available in this process, so nothing caps {names}; each limit is checked against "
+                "the model's estimated memory at distribute()")))
+            continue
+        total = int(torch.cuda.get_device_properties(index).total_memory)
+        capped = sum(limits)  # type: ignore[arg-type]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, capped / total), index)
+        if len(logical) == 1:
+            outcomes.append((f"enforced on cuda:{index}", (
+                f"{names} is the only logical device on cuda:{index}: this process's allocator there is capped at "
+                f"{format_bytes(capped)} of {format_bytes(total)} (torch.cuda.set_per_process_memory_fraction), "
+                "so allocating past it raises torch.OutOfMemoryError")))
+        else:
+            outcomes.append((f"summed limit enforced on cuda:{index}", (
+                f"{names} share cuda:{index} and one allocator: their limits together ({format_bytes(capped)}) cap "
+                "this process there (torch.cuda.set_per_process_memory_fraction); each device's own limit is a "
+                "planning figure, checked against the model's estimated memory at distribute()")))
+    return outcomes

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from stratagem.diagnose.facts import EnvironmentFacts
+from stratagem.diagnose.visible_devices import read_visible_devices
 
 Verdict = Literal["ok", "warning", "problem"]
 
@@ -121,34 +122,53 @@ def check_driver_version(facts: EnvironmentFacts) -> Check:
 
 
 def check_cuda_visible_devices(facts: EnvironmentFacts) -> Check:
-    """``CUDA_VISIBLE_DEVICES`` can hide GPUs: on purpose (``""``, ``-1``) or by a malformed entry."""
+    """``CUDA_VISIBLE_DEVICES`` can hide GPUs: on purpose (``""``, ``-1``) or by an entry CUDA rejects.
+
+    The value is read as CUDA reads it (`stratagem.diagnose.visible_devices`): it stops at the first
+    invalid entry (an index out of range, ``GPU-bogus``, a UUID the driver does not list), a GPU named
+    twice (``0,0``) hides them all, and only the first of several MIG devices is enumerated.
+    """
     raw = facts.cuda_visible_devices
     if raw is None:
         return Check(name="cuda_visible_devices", verdict="ok",
                      reason="CUDA_VISIBLE_DEVICES is not set: every GPU is visible.")
     unset = "Unset it (unset CUDA_VISIBLE_DEVICES) or list the GPUs to use, e.g. CUDA_VISIBLE_DEVICES=0,1."
-    entries = [entry.strip() for entry in raw.split(",")]
-    if raw.strip() == "" or entries[0] == "-1":
-        return Check(name="cuda_visible_devices", verdict="warning",
-                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.", fix=unset)
-    position, why = _first_invalid_entry(entries, facts.nvml_device_count)
-    if position is None:
-        of = f" of the {facts.nvml_device_count} the driver reports" if facts.nvml_device_count else ""
-        return Check(name="cuda_visible_devices", verdict="ok",
-                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} selects {len(entries)} GPU(s){of}.")
-    kept = entries[:position]
-    sees = f"only {', '.join(kept)}" if kept else "no GPU"
+    seen = read_visible_devices(raw, driver_count=facts.nvml_device_count, uuids=facts.nvml_uuids)
     # Hiding GPUs by mistake matters only where GPUs exist; without any it changes nothing.
     gpus_exist = bool(facts.nvml_device_count) or (facts.nvml_device_count is None and facts.driver_present)
-    range_hint = (f"indices 0..{facts.nvml_device_count - 1}" if facts.nvml_device_count
-                  else "GPU indices")
-    return Check(
-        name="cuda_visible_devices", verdict="problem" if gpus_exist else "warning",
-        reason=(f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry {entries[position]!r} ({why}). CUDA "
-                f"ignores an invalid entry and every entry after it, so torch sees {sees}."),
-        fix=(f"Set CUDA_VISIBLE_DEVICES to comma-separated {range_hint} or GPU UUIDs (nvidia-smi -L lists "
-             "them), or unset it."),
-    )
+    mistake: Verdict = "problem" if gpus_exist else "warning"
+    if seen.on_purpose:
+        return Check(name="cuda_visible_devices", verdict="warning",
+                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.", fix=unset)
+    if seen.hides_all is not None:
+        return Check(name="cuda_visible_devices", verdict=mistake,
+                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} names a GPU twice: {seen.hides_all}, so torch sees no GPU.",
+                     fix="List each GPU once, e.g. CUDA_VISIBLE_DEVICES=0,1, or unset it.")
+    if seen.invalid is not None:
+        sees = f"only {', '.join(seen.visible)}" if seen.visible else "no GPU"
+        range_hint = (f"indices 0..{facts.nvml_device_count - 1}" if facts.nvml_device_count
+                      else "GPU indices")
+        return Check(
+            name="cuda_visible_devices", verdict=mistake,
+            reason=(f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry {seen.invalid!r} ({seen.why_invalid}). CUDA "
+                    f"ignores an invalid entry and every entry after it, so torch sees {sees}."),
+            fix=(f"Set CUDA_VISIBLE_DEVICES to comma-separated {range_hint} or GPU UUIDs (nvidia-smi -L lists "
+                 "them), or unset it."),
+        )
+    migs = [entry for entry in seen.visible if entry.startswith("MIG-")]
+    if seen.mig_ignored:
+        return Check(
+            name="cuda_visible_devices", verdict="warning",
+            reason=(f"CUDA_VISIBLE_DEVICES={raw!r} names {len(migs) + len(seen.mig_ignored)} MIG devices, but CUDA "
+                    f"enumerates one MIG device per process, so torch sees {', '.join(seen.visible)} and not "
+                    f"{', '.join(seen.mig_ignored)}."),
+            fix=("Run one process per MIG device, each with its own CUDA_VISIBLE_DEVICES=MIG-... (e.g. one "
+                 "MultiWorkerMirroredStrategy worker per MIG device)."),
+        )
+    of = f" of the {facts.nvml_device_count} the driver reports" if facts.nvml_device_count else ""
+    mig = f", MIG device {migs[0]}" if migs else ""
+    return Check(name="cuda_visible_devices", verdict="ok",
+                 reason=f"CUDA_VISIBLE_DEVICES={raw!r} selects {seen.count} GPU(s){of}{mig}.")
 
 
 def visible_by_cuda_visible_devices(facts: EnvironmentFacts) -> int | None:
@@ -156,11 +176,7 @@ def visible_by_cuda_visible_devices(facts: EnvironmentFacts) -> int | None:
     raw = facts.cuda_visible_devices
     if raw is None:
         return None
-    entries = [entry.strip() for entry in raw.split(",")]
-    if raw.strip() == "" or entries[0] == "-1":
-        return 0
-    position, _ = _first_invalid_entry(entries, facts.nvml_device_count)
-    return len(entries) if position is None else position
+    return read_visible_devices(raw, driver_count=facts.nvml_device_count, uuids=facts.nvml_uuids).count
 
 
 def check_gpu_visibility(facts: EnvironmentFacts) -> Check:
@@ -252,8 +268,10 @@ def gpu_unavailable_reason(facts: EnvironmentFacts) -> Check | None:
     """
     if facts.torch_device_count > 0:
         return None
+    from stratagem.diagnose.cuda_start import check_cuda_start  # it builds on this module's Check
+
     # Ordered from the most fundamental cause: each later check assumes the earlier ones passed.
-    for check in (check_torch_build, check_driver, check_driver_version,
+    for check in (check_torch_build, check_driver, check_driver_version, check_cuda_start,
                   check_cuda_visible_devices, check_gpu_visibility):
         result = check(facts)
         if result.verdict != "ok":
@@ -281,10 +299,12 @@ def check_environment(facts: EnvironmentFacts, *, requested_gpus: Sequence[int] 
     `stratagem.diagnose.check_memory`, added in place.
 
     Example:
-        >>> [c.name for c in check_environment(EnvironmentFacts(torch_version="2.3.0+cpu"))][:2]
-        ['torch_build', 'driver']
+        >>> [c.name for c in check_environment(EnvironmentFacts(torch_version="2.3.0+cpu"))][:4]
+        ['torch_build', 'driver', 'driver_version', 'cuda_start']
     """
-    checks = [check_torch_build(facts), check_driver(facts), check_driver_version(facts),
+    from stratagem.diagnose.cuda_start import check_cuda_start  # it builds on this module's Check
+
+    checks = [check_torch_build(facts), check_driver(facts), check_driver_version(facts), check_cuda_start(facts),
               check_cuda_visible_devices(facts), check_gpu_visibility(facts)]
     if requested_gpus is not None:
         checks.append(check_device_index(facts, requested_gpus))
@@ -292,20 +312,6 @@ def check_environment(facts: EnvironmentFacts, *, requested_gpus: Sequence[int] 
         checks.append(memory)
     checks += [check_nccl(facts), check_cudnn(facts)]
     return checks
-
-
-def _first_invalid_entry(entries: list[str], driver_count: int | None) -> tuple[int | None, str]:
-    for position, entry in enumerate(entries):
-        if entry.startswith(("GPU-", "MIG-")):
-            continue  # a UUID; only the driver can tell whether it exists
-        if not re.fullmatch(r"-?\d+", entry):
-            return position, "not a GPU index or UUID"
-        index = int(entry)
-        if index < 0:
-            return position, "a negative index"
-        if driver_count is not None and index >= driver_count:
-            return position, f"index {index} is out of range: the driver reports {driver_count} GPU(s)"
-    return None, ""
 
 
 def _major(version: str | None) -> int:

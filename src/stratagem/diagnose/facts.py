@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,9 +69,15 @@ class EnvironmentFacts:
     cuda_visible_devices: str | None = None
     """The raw ``CUDA_VISIBLE_DEVICES`` value; ``None`` when unset (which is not the same as ``""``)."""
     torch_device_count: int = 0
-    """``torch.cuda.device_count()``: the GPUs torch can use."""
+    """The GPUs torch can use: 0 unless ``torch.cuda.is_available()``, then ``torch.cuda.device_count()``.
+    (Before CUDA starts, ``device_count()`` alone may answer NVML's count, even when CUDA cannot start.)"""
     nvml_device_count: int | None = None
     """GPUs the driver reports through NVML (pynvml or nvidia-smi), ignoring ``CUDA_VISIBLE_DEVICES``."""
+    nvml_uuids: list[str] | None = None
+    """The driver's GPU and MIG UUIDs (``nvidia-smi -L``), ignoring ``CUDA_VISIBLE_DEVICES``; None if unknown."""
+    cuda_init_error: str | None = None
+    """The text of a failed CUDA start (what ``torch.cuda.is_available()`` warned, or the first CUDA call
+    raised); None when CUDA started or was never tried."""
     nccl_available: bool = False
     nccl_version: str | None = None
     cudnn_available: bool = False
@@ -121,12 +128,51 @@ def collect_facts(env: Mapping[str, str]) -> EnvironmentFacts:
     )
     _probe_driver(facts)
     if facts.is_cuda_build:
-        facts.torch_device_count = _torch_device_count()
+        facts.torch_device_count, facts.cuda_init_error = cuda_start()
         facts.nccl_available, facts.nccl_version = _nccl()
         facts.cudnn_available, facts.cudnn_version = _cudnn()
         facts.cuda_runtime_version = _cuda_runtime_version(facts.torch_cuda_version)
-        facts.gpus = probe_gpus(facts.torch_device_count)
+        facts.gpus, error = _probe_gpus_reporting(facts.torch_device_count, free_memory=True)
+        if error is not None:
+            facts.cuda_init_error = facts.cuda_init_error or error
+            facts.torch_device_count = len(facts.gpus)
     return facts
+
+
+def cuda_start() -> tuple[int, str | None]:
+    """The GPUs torch can use and, when CUDA failed to start, the text of the failure.
+
+    Counts with ``torch.cuda.is_available()``, which starts CUDA's device enumeration and turns a
+    failure into False plus a warning; that warning's text (or, without one, the error the first CUDA
+    call raises) is what `stratagem.diagnose.check_cuda_start` turns into a verdict. Never raises.
+    """
+    if torch.version.cuda is None:
+        return 0, None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            available = torch.cuda.is_available()
+        if available:
+            return int(torch.cuda.device_count()), None
+    except Exception as error:  # noqa: BLE001 - a probe reports, it never raises
+        return 0, _cuda_error_text(str(error))
+    for warning in caught:
+        text = str(warning.message)
+        if "CUDA initialization" in text or "cudaGetDeviceCount" in text or "driver" in text.lower():
+            return 0, _cuda_error_text(text)
+    try:
+        torch.cuda.init()
+    except Exception as error:  # noqa: BLE001 - the failure is the fact we want
+        text = _cuda_error_text(str(error))
+        return 0, None if "no cuda gpus are available" in text.lower() else text
+    return 0, None
+
+
+def _cuda_error_text(text: str) -> str:
+    """torch's wording around CUDA's error, trimmed: no "CUDA initialization:" prefix, no C++ source location."""
+    text = re.sub(r"^\s*CUDA initialization:\s*", "", text.strip())
+    text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?\s*$", "", text)
+    return text.strip()
 
 
 def cpu_count() -> int:
@@ -142,12 +188,27 @@ def probe_gpus(count: int | None = None, *, free_memory: bool = True) -> list[Gp
     ``free_memory=False`` leaves ``free_memory`` unread: reading it creates a CUDA context
     (hundreds of MiB) on every GPU, which a process that will use one GPU must not do.
     """
+    gpus, error = _probe_gpus_reporting(count, free_memory=free_memory)
+    if error is not None:
+        logger.warning("could not read the properties of every GPU: %s", error)
+    return gpus
+
+
+def _probe_gpus_reporting(count: int | None, *, free_memory: bool) -> tuple[list[GpuFacts], str | None]:
+    """The GPUs whose properties could be read, and the error that stopped the reading (never raised):
+    ``get_device_properties`` starts CUDA, which fails at that point on a broken driver stack."""
     if torch.version.cuda is None:
-        return []
-    count = _torch_device_count() if count is None else count
-    gpus = []
+        return [], None
+    if count is None:
+        count, error = cuda_start()
+        if error is not None:
+            return [], error
+    gpus: list[GpuFacts] = []
     for index in range(count):
-        props = torch.cuda.get_device_properties(index)
+        try:
+            props = torch.cuda.get_device_properties(index)
+        except Exception as error:  # noqa: BLE001 - a probe reports, it never raises
+            return gpus, _cuda_error_text(str(error))
         free = None
         try:
             if free_memory:
@@ -156,15 +217,7 @@ def probe_gpus(count: int | None = None, *, free_memory: bool = True) -> list[Gp
             logger.warning("could not read free memory of cuda:%d: %s", index, error)
         gpus.append(GpuFacts(index=index, name=props.name, total_memory=int(props.total_memory),
                              free_memory=free, capability=(props.major, props.minor)))
-    return gpus
-
-
-def _torch_device_count() -> int:
-    try:
-        return torch.cuda.device_count()
-    except RuntimeError as error:
-        logger.warning("torch.cuda.device_count() failed: %s", error)
-        return 0
+    return gpus, None
 
 
 def _probe_driver(facts: EnvironmentFacts) -> None:
@@ -179,6 +232,7 @@ def _probe_driver(facts: EnvironmentFacts) -> None:
         nvml_count = nvml_count if nvml_count is not None else smi_count
     facts.driver_version = facts.driver_version or nvml_version
     facts.nvml_device_count = nvml_count
+    facts.nvml_uuids = _nvidia_smi_uuids()
     facts.driver_present = facts.driver_cuda_version is not None or facts.driver_version is not None
 
 
@@ -248,13 +302,34 @@ def _nvidia_smi() -> tuple[str | None, int | None]:
     return (lines[0] if lines else None), len(lines)
 
 
+def _nvidia_smi_uuids() -> list[str] | None:
+    """Every GPU and MIG UUID ``nvidia-smi -L`` lists, in its order; None when it cannot be asked."""
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return None
+    try:
+        result = subprocess.run([executable, "-L"], capture_output=True, text=True,
+                                timeout=NVIDIA_SMI_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.info("nvidia-smi -L did not answer: %s", error)
+        return None
+    if result.returncode != 0:
+        return None
+    return parse_nvidia_smi_uuids(result.stdout)
+
+
+def parse_nvidia_smi_uuids(text: str) -> list[str]:
+    """The ``GPU-...`` and ``MIG-...`` UUIDs in ``nvidia-smi -L`` output."""
+    return re.findall(r"\(UUID:\s*((?:GPU|MIG)-[0-9A-Za-z-]+)\)", text)
+
+
 def _nccl() -> tuple[bool, str | None]:
     # The same test torch.cuda.nccl.is_available makes, without its warning.
     if not hasattr(torch._C, "_nccl_all_reduce"):
         return False, None
     try:
         return True, ".".join(str(part) for part in torch.cuda.nccl.version())
-    except (RuntimeError, AttributeError):
+    except Exception:  # noqa: BLE001 - a probe reports, it never raises
         return True, None
 
 
@@ -262,7 +337,7 @@ def _cudnn() -> tuple[bool, int | None]:
     try:
         available = bool(torch.backends.cudnn.is_available())
         return available, (torch.backends.cudnn.version() if available else None)
-    except RuntimeError:
+    except Exception:  # noqa: BLE001 - a probe reports, it never raises
         return False, None
 
 

@@ -106,8 +106,10 @@ class MirroredStrategy(Strategy):
         self._devices = [d.physical for d in logical]
         self._names = [d.name for d in logical]
         self._check_one_replica_per_gpu()
+        for choice, why in sg_devices.enforce_memory_limits(logical):
+            self._decisions.append(PlacementDecision(subject="GPU memory limit", choice=choice, reason=why))
         facts = self._facts if hasattr(self, "_facts") else None
-        nccl = bool(facts.nccl_available) if facts is not None else _nccl_available()
+        nccl = bool(facts.nccl_available) if facts is not None else _nccl_available(self._devices)
         self._reducer: LocalReducer
         self._reducer, decision = choose_local_reducer(self._devices, nccl_available=nccl)
         if len(self._devices) > 1:
@@ -250,8 +252,13 @@ class MirroredStrategy(Strategy):
         if not gpus:
             return
         estimate = diagnose.estimate_training_memory(model, optimizer)
+        held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+        if optimizer is not None:
+            held += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         for device in gpus:
-            known = device.memory_room()
+            # The replica on the model's own GPU is the model itself: what it holds there is no new memory.
+            resident = sg_devices.resident_bytes(held, device.physical) if device is self._logical[0] else 0
+            known = device.memory_room(resident_bytes=resident)
             if known is None:
                 continue
             room, what = known
@@ -550,13 +557,16 @@ def _device_guard(device: torch.device) -> Any:
     return _NullGuard()
 
 
-def _nccl_available() -> bool:
-    try:
-        from torch.cuda import nccl
+def _nccl_available(devices: Sequence[torch.device]) -> bool:
+    """Whether `torch.cuda.nccl` can all-reduce across these replicas' GPUs, touching no device.
 
-        return torch.cuda.is_available() and nccl.is_available([torch.zeros(1, device="cuda")])
-    except Exception:  # noqa: BLE001 - any failure means NCCL cannot be used here
+    NCCL serves only replicas on two or more distinct GPUs; for any other set nothing is probed, so a
+    CPU strategy never starts CUDA (a context costs about 0.5 GiB on the GPU it lands on). The probe is
+    the build's NCCL binding, not an allocation: `nccl.is_available(tensors)` would need tensors on a GPU.
+    """
+    if len({d for d in devices if d.type == "cuda"}) < 2:
         return False
+    return hasattr(torch._C, "_nccl_all_reduce")
 
 
 def _env() -> Mapping[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -94,14 +95,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if self._cluster.master_addr in ("127.0.0.1", "localhost"):
             # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
             environ.set_default("GLOO_SOCKET_IFNAME", "lo")
-        store = init_process_group(self._cluster, backend, timeout, token=env.get("STRATAGEM_CLUSTER_TOKEN"))
+        store = _start_process_group(self._cluster, self._devices, backend, timeout,
+                                     token=env.get("STRATAGEM_CLUSTER_TOKEN"))
+        self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         world = self._cluster.world_size
         self._cw = CrossWorker(
             store,
             rank=self._cluster.rank,
             task_names=[self._cluster.task_for_rank(r) for r in range(world)],
             timeout=timeout,
-            blocking_waits=backend == "gloo",
         )
         # A script that never calls close() still frees the process group while Python is alive (see close).
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -118,13 +120,25 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return "gloo", "the replicas are on the CPU, where torch.distributed uses Gloo"
 
     def _check_same_local_replicas(self) -> None:
-        counts = [None] * self._cluster.world_size
-        dist.all_gather_object(counts, len(self._devices))
+        mine = (len(self._devices), socket.gethostname(), self._cuda_visible_devices,
+                sorted({d.index for d in self._devices if d.type == "cuda"}))
+        gathered: list[Any] = [None] * self._cluster.world_size
+        dist.all_gather_object(gathered, mine)
+        counts = [g[0] for g in gathered]
         if len(set(counts)) != 1:
             detail = ", ".join(f"{self._cw.task_names[r]}: {c}" for r, c in enumerate(counts))
             raise InputError(
                 f"Every worker must hold the same number of local replicas. Received: {detail}. "
                 "Give every worker the same devices= (stratagem launch --devices-per-worker K)."
+            )
+        shared = _ranks_sharing_a_gpu([(g[1], g[2], g[3]) for g in gathered])
+        if shared is not None:
+            (a, b), gpu = shared
+            raise InputError(
+                f"Two workers on one machine use the same GPU: {self._cw.task_names[a]} (rank {a}) and "
+                f"{self._cw.task_names[b]} (rank {b}) both hold cuda:{gpu}. Received: devices "
+                f"{[str(d) for d in self._devices]} on this worker. Leave devices= unset (one GPU per local "
+                "rank), or give each worker on a machine its own GPUs."
             )
 
     def _connect_shared_memory(self, wanted: bool | None) -> None:
@@ -440,7 +454,14 @@ def _default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: A
             chosen = [f"cpu:{i}" for i in range(per_worker)]
             why = f"--devices-per-worker {per_worker} and no GPU: logical CPU devices"
         return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
-    if gpus and cluster.local_world_size > 1:
+    bound = env.get("CUDA_VISIBLE_DEVICES") is not None and 0 < len(gpus) < cluster.local_world_size
+    if gpus and cluster.local_world_size > 1 and bound:
+        # Fewer GPUs visible than processes on this machine, under a CUDA_VISIBLE_DEVICES: the launcher bound
+        # GPUs to each process (SLURM's --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES), so all it sees is its own.
+        chosen = gpus
+        why = (f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} shows this process {len(gpus)} GPU(s) for "
+               f"{cluster.local_world_size} local worker processes: the GPUs its launcher bound to it")
+    elif gpus and cluster.local_world_size > 1:
         if local_rank >= len(gpus):
             raise InputError(
                 f"{cluster.task_name} is local rank {local_rank} of {cluster.local_world_size} on this machine but only "
@@ -453,3 +474,38 @@ def _default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: A
     else:
         chosen, why = ["cpu:0"], "no visible GPU: one CPU replica per worker process"
     return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
+
+
+def _ranks_sharing_a_gpu(placements: Sequence[tuple[str, str | None, Sequence[int]]]) -> tuple[tuple[int, int], int] | None:
+    """The first two ranks that hold the same GPU of one machine, and that GPU's index; None if none do.
+
+    A placement is (host name, CUDA_VISIBLE_DEVICES, cuda indices): indices count within one
+    CUDA_VISIBLE_DEVICES, so ranks with different values (bound by their launcher) never collide here.
+    """
+    seen: dict[tuple[str, str | None, int], int] = {}
+    for rank, (host, visible, indices) in enumerate(placements):
+        for index in indices:
+            other = seen.setdefault((host, visible, index), rank)
+            if other != rank:
+                return (other, rank), index
+    return None
+
+
+def _start_process_group(cluster: Cluster, devices: Sequence[torch.device], backend: str, timeout: float, *,
+                         token: str | None) -> Any:
+    """Binds this process to its first GPU, then forms the process group with that device.
+
+    The current CUDA device must be set before the process group exists: NCCL's communicator and the
+    object collectives (all_gather_object) use `torch.cuda.current_device()`, which is cuda:0 in every
+    process that never set it, so every rank of a machine would land on GPU 0. `device_id` makes NCCL
+    form its communicator at once, on that device (and report an NCCL start-up error here, not at the
+    first all-reduce).
+    """
+    first = devices[0] if devices else torch.device("cpu")
+    device_id = None
+    if first.type == "cuda":
+        index = first.index if first.index is not None else 0
+        torch.cuda.set_device(index)
+        if backend == "nccl":
+            device_id = torch.device("cuda", index)
+    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id)

@@ -1,0 +1,92 @@
+"""Which GPU each worker process takes, and that it is bound before the process group forms.
+
+No GPU and no process group: GPUs are constructed physical devices, torch.cuda.set_device and the
+process group's start are recorded by mocks, clusters come from constructed launcher environments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stratagem.cluster import from_slurm, from_torchrun, single_process
+from stratagem.devices import DeviceRegistry
+from stratagem.devices.physical import PhysicalDevice
+from stratagem.errors import InputError
+from stratagem.strategies import multi_worker
+from stratagem.strategies.multi_worker import _default_local_devices, _ranks_sharing_a_gpu, _start_process_group
+
+
+def registry_with_gpus(count: int) -> DeviceRegistry:
+    cpu = PhysicalDevice(device_type="cpu", name="cpu", core_count=2)
+    gpus = [PhysicalDevice(device_type="cuda", index=i, name="H200", total_memory=141 * 2**30) for i in range(count)]
+    return DeviceRegistry(physical=[cpu, *gpus])
+
+
+def torchrun_env(local_rank: int, local_world_size: int) -> dict[str, str]:
+    return {"RANK": str(local_rank), "WORLD_SIZE": str(local_world_size), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def slurm_env(local_id: int, per_node: int, **extra: str) -> dict[str, str]:
+    return {"SLURM_PROCID": str(4 + local_id), "SLURM_NTASKS": "8", "SLURM_LOCALID": str(local_id),
+            "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "77", **extra}
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_each_torchrun_rank_takes_the_gpu_of_its_local_rank(local_rank):
+    env = torchrun_env(local_rank, 4)
+    chosen, decision = _default_local_devices(from_torchrun(env), env, registry_with_gpus(4))
+    assert chosen == [f"cuda:{local_rank}"]
+    assert f"local rank {local_rank} of 4" in decision.reason
+
+
+def test_each_slurm_task_takes_the_gpu_of_its_slurm_localid():
+    env = slurm_env(2, 4)
+    chosen, _ = _default_local_devices(from_slurm(env), env, registry_with_gpus(4))
+    assert chosen == ["cuda:2"]
+
+
+def test_a_task_whose_launcher_bound_one_gpu_to_it_takes_that_gpu():
+    # srun --gpus-per-task=1 gives every task CUDA_VISIBLE_DEVICES of its own GPU: each sees one, as cuda:0.
+    env = slurm_env(3, 4, CUDA_VISIBLE_DEVICES="3")
+    chosen, decision = _default_local_devices(from_slurm(env), env, registry_with_gpus(1))
+    assert chosen == ["cuda:0"]
+    assert "bound to it" in decision.reason
+
+
+def test_a_single_worker_process_takes_every_gpu():
+    chosen, _ = _default_local_devices(single_process(), {}, registry_with_gpus(2))
+    assert chosen == ["cuda:0", "cuda:1"]
+
+
+def test_more_local_workers_than_gpus_is_an_error_rather_than_two_ranks_on_one_gpu():
+    env = torchrun_env(2, 3)
+    with pytest.raises(InputError, match=r"local rank 2 of 3 on this machine but only 2 GPU\(s\) are visible"):
+        _default_local_devices(from_torchrun(env), env, registry_with_gpus(2))
+
+
+def test_two_ranks_on_one_host_holding_one_gpu_are_found():
+    placements = [("node1", None, [0]), ("node1", None, [1]), ("node2", None, [1]), ("node1", None, [1])]
+    assert _ranks_sharing_a_gpu(placements) == ((1, 3), 1)
+    # Ranks bound by their launcher (each its own CUDA_VISIBLE_DEVICES) all see their GPU as cuda:0.
+    assert _ranks_sharing_a_gpu([("node1", "0", [0]), ("node1", "1", [0])]) is None
+
+
+def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(multi_worker, "init_process_group",
+                        lambda cluster, backend, timeout, *, token, device_id: calls.append(("init", backend, device_id)))
+    env = torchrun_env(1, 2)
+    _start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
+    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
+
+
+def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(multi_worker, "init_process_group",
+                        lambda cluster, backend, timeout, *, token, device_id: calls.append(("init", backend, device_id)))
+    _start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
+    assert calls == [("init", "gloo", None)]
