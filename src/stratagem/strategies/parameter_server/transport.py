@@ -15,9 +15,11 @@ and key are given (clients then need the certificate of the authority that signe
 
 from __future__ import annotations
 
+import errno
 import hmac
 import itertools
 import logging
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
@@ -46,6 +48,11 @@ MAX_MESSAGE_BYTES = wire.CHUNK_BYTES + (1 << 20)
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+_SERVER_OPTIONS = _CHANNEL_OPTIONS + [
+    # gRPC sets SO_REUSEPORT by default, so a second server (a stale task of an earlier job) could bind the
+    # same port and take half of the calls: bind exclusively, so the second one is told the port is taken.
+    ("grpc.so_reuseport", 0),
 ]
 _CLIENT_OPTIONS = _CHANNEL_OPTIONS + [
     # A streamed reply is read by the thread that asks for it, instead of a thread grpc-python starts per
@@ -144,7 +151,7 @@ class Server:
                  address: str = "127.0.0.1:0", max_workers: int = 8) -> None:
         self.service = service
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
-                                   interceptors=[_TokenInterceptor(security.token)], options=_CHANNEL_OPTIONS)
+                                   interceptors=[_TokenInterceptor(security.token)], options=_SERVER_OPTIONS)
         methods = {}
         for name, handler in handlers.items():
             call = self._wrap(name, handler)
@@ -167,8 +174,9 @@ class Server:
         except RuntimeError:  # grpcio raises where older versions returned port 0
             self.port = 0
         if self.port == 0:
-            raise ParameterServerError(f"Could not listen. Received: address={address!r}. "
-                                       "Fix: pass a free host:port (port 0 picks one).")
+            raise ParameterServerError(f"Could not listen at {address}: {_why_not_listening(address)}. Received: "
+                                       f"address={address!r}. Fix: stop the process that holds the port, or pass a "
+                                       "free host:port (port 0 picks one).")
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._server.start()
         logger.info("%s serving on %s (tls=%s)", service, self.address, security.tls)
@@ -194,6 +202,23 @@ class Server:
     def stop(self, grace: float = 0.5) -> None:
         """Stops serving (in-flight calls get ``grace`` seconds)."""
         self._server.stop(grace).wait(grace + 5)
+
+
+def _why_not_listening(address: str) -> str:
+    """Why gRPC could not bind ``address``, found by binding it once more (gRPC's own reason goes to its log only)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
+            probe.bind((host.strip("[]"), int(port)))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (f"port {port} is taken (another process listens there, perhaps a task of an earlier job that "
+                    f"still runs: `ss -ltnp 'sport = :{port}'` names it)")
+        return f"{exc.strerror or exc}"
+    except ValueError:
+        return "not a host:port"
+    return "gRPC refused the address"
 
 
 def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
