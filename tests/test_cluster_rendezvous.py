@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -148,3 +151,40 @@ def test_chief_that_goes_away_during_the_rendezvous_is_named():
     assert len(errors) == 1
     assert re.match(r"Rank 1 \(worker:1\) lost the connection to the chief \(rank 0, worker:0\) at "
                     r"127\.0\.0\.1:\d+ during the rendezvous\. Received: .* Fix: the chief probably exited", errors[0])
+
+
+def test_a_chief_port_that_accepts_but_never_answers_is_named_within_the_timeout():
+    # A process holds the chief's port: the kernel accepts connections, nobody answers. torch's TCPStore
+    # handshake waited for it far past the timeout (over 200 s against 5 s).
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(16)\n"
+        "print(s.getsockname()[1], flush=True); time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=rf"Rank 1 \(worker:1\) could not meet the chief \(rank 0, "
+                                                         rf"worker:0\) at 127\.0\.0\.1:{port} within 2 s: the address "
+                                                         r"accepts connections but its store never answered"):
+            init_process_group(two_workers(port, 1), "gloo", timeout=2.0)
+        assert time.monotonic() - start < 2.0 + 1.5
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_rendezvous_warns_at_a_quarter_of_the_timeout_naming_who_has_not_arrived(caplog):
+    caplog.set_level(logging.WARNING, logger="stratagem.cluster.rendezvous")
+    with pytest.raises(CollectiveTimeoutError, match=r"Missing: rank 1 \(worker:1\)"):
+        init_process_group(two_workers(free_port(), 0), "gloo", timeout=2.0)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert re.fullmatch(r"worker:0 \(rank 0\) has waited 0 s of 2 s at the rendezvous at 127\.0\.0\.1:\d+; "
+                        r"not arrived yet: rank 1 \(worker:1\)", warnings[0].getMessage())
+    assert warnings[0].created - caplog.records[0].created < 1.5  # at a quarter, not at the end
+    caplog.clear()
+    port = free_port()
+    with pytest.raises(CollectiveTimeoutError, match="could not reach the chief"):
+        init_process_group(two_workers(port, 1), "gloo", timeout=2.0)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"worker:1 (rank 1) has waited 0 s of 2 s for the chief (rank 0, worker:0) at 127.0.0.1:{port}; not reached yet"]

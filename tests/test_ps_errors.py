@@ -47,8 +47,24 @@ def test_wire_refuses_dtypes_it_cannot_carry():
 
 
 def test_server_reports_an_address_it_cannot_listen_on():
-    with pytest.raises(ParameterServerError, match="Could not listen. Received: address='256.1.1.1:0'"):
+    with pytest.raises(ParameterServerError, match="Could not listen at 256.1.1.1:0: .* Received: address='256.1.1.1:0'"):
         Server("stratagem.test", {}, security=SECURITY, address="256.1.1.1:0")
+
+
+@pytest.mark.timeout(30)
+def test_a_second_parameter_server_cannot_take_the_port_of_a_running_one():
+    # gRPC's default SO_REUSEPORT let a second server bind the port and take part of the calls.
+    first = ParameterServer(security=SECURITY, task="ps:0")
+    try:
+        port = first.address.rsplit(":", 1)[1]
+        with pytest.raises(ParameterServerError,
+                           match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Fix: stop the process"):
+            ParameterServer(security=SECURITY, address=first.address, task="ps:0")
+        client = Client(first.address, PS_SERVICE, security=SECURITY, task="ps:0")
+        assert client.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"
+        client.close()
+    finally:
+        first.stop()
 
 
 @pytest.mark.timeout(30)

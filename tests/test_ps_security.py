@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import ipaddress
 import struct
 
@@ -236,3 +238,50 @@ def test_training_over_tls(self_signed):
         losses = coordinator.fetch([coordinator.schedule(step) for _ in range(10)])
         assert losses[-1] < losses[0]
         strategy.shutdown()
+
+
+def _raw_call(address: str, method: str, pieces) -> grpc.RpcError:
+    """Streams ``pieces`` to ``method`` with the right token, as a hostile client holding it would; returns the error."""
+    channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)])
+    try:
+        stub = channel.stream_stream(f"/stratagem.ParameterServer/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(iter(pieces), timeout=20, metadata=((transport.TOKEN_KEY, "right"),)))
+        return info.value
+    finally:
+        channel.close()
+
+
+def _header_only(op: str, meta_json: bytes, entries: list) -> bytes:
+    header = b'{"op": "%s", "meta": %s, "tensors": %s}' % (op.encode(), meta_json, json.dumps(entries).encode())
+    header += b" " * (-(8 + len(header)) % 8)
+    return struct.pack(">4sI", b"SGW1", len(header)) + header
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_server_refuses_oversized_and_deeply_nested_requests_early():
+    from stratagem.strategies.parameter_server.server import SERVICE as PS_SERVICE
+    from stratagem.strategies.parameter_server.server import ParameterServer
+
+    ps = ParameterServer(security=Security(token="right"), task="ps:0")
+    try:
+        # Random bytes: refused on the first piece, the other 49 never read (the server used to join them all).
+        error = _raw_call(ps.address, "Ping", (os.urandom(2 << 20) for _ in range(50)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("Malformed parameter-server message: wrong magic")
+        # A well-formed header that declares 300 MiB of tensors to a method that takes none.
+        error = _raw_call(ps.address, "Ping", [_header_only("ping", b"null", [["x", "uint8", [300 << 20], 0]]),
+                                               os.urandom(2 << 20)])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tensors larger than this method takes. Received: 314572800 bytes" in error.details()
+        # A header nested past the JSON parser's recursion limit, to a method that takes large headers.
+        error = _raw_call(ps.address, "Create", [_header_only("create", b"[" * 100_000 + b"]" * 100_000, [])])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "header nests deeper than" in error.details()
+        # A checkpoint larger than the shards this server holds (none yet).
+        error = _raw_call(ps.address, "Load", [_header_only("load", b"{}", [["w", "float32", [4 << 20], 0]])])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensors larger than this method takes" in error.details()
+        client = Client(ps.address, PS_SERVICE, security=Security(token="right"), task="ps:0")
+        assert client.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"  # still serving
+        client.close()
+    finally:
+        ps.stop()

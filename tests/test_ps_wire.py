@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -136,3 +137,59 @@ def test_decode_into_refuses_mismatches_and_short_or_long_payloads():
         wire.decode_into([*pieces, b"\0" * 8], {"w": torch.empty(2, 3), "b": torch.empty(3)})
     with pytest.raises(WireFormatError, match="wrong magic"):
         wire.decode_into([b"PKL1\0\0\0\0"], {})
+
+
+def _counted(pieces):
+    """The pieces, and a list that grows by one for each piece taken."""
+    taken = []
+
+    def stream():
+        for piece in pieces:
+            taken.append(1)
+            yield piece
+
+    return stream(), taken
+
+
+def test_read_message_refuses_bad_bytes_on_the_first_piece_without_reading_on():
+    stream, taken = _counted([os.urandom(1 << 20) for _ in range(50)])
+    with pytest.raises(WireFormatError, match="wrong magic bytes"):
+        wire.read_message(stream, max_payload_bytes=0)
+    assert len(taken) == 1
+
+
+def test_read_message_refuses_declared_tensors_larger_than_the_method_takes_before_buffering():
+    pieces = wire.encode_chunks("ping", None, {"x": torch.zeros(3 << 20, dtype=torch.uint8)}, chunk_bytes=1 << 20)
+    stream, taken = _counted(pieces)
+    with pytest.raises(WireFormatError, match="tensors larger than this method takes. Received: 3145728 bytes of "
+                                              "tensors declared, at most 1024"):
+        wire.read_message(stream, max_payload_bytes=1024)
+    assert len(taken) == 1
+
+
+def test_read_message_refuses_a_long_header_on_its_first_bytes():
+    message = bytes(wire.encode("x", {"pad": "a" * 5000}))
+    stream, taken = _counted([message[:8], message[8:]])
+    with pytest.raises(WireFormatError, match="header longer than this method takes. Received: header_len=50.., at most 4096"):
+        wire.read_message(stream, max_header_bytes=4096)
+    assert len(taken) == 1
+
+
+def test_read_message_refuses_more_or_fewer_bytes_than_declared():
+    pieces = wire.encode_chunks("v", {"a": 1}, {"w": torch.arange(6.0)})
+    assert wire.read_message(pieces)[1] == {"a": 1}
+    with pytest.raises(WireFormatError, match="payload longer than its tensors"):
+        wire.read_message([*pieces, b"\0" * 8])
+    with pytest.raises(WireFormatError, match="payload shorter than its tensors"):
+        wire.read_message([bytes(wire.encode("v", None, {"w": torch.arange(6.0)}))[:-8]])
+
+
+@pytest.mark.parametrize("depth", [wire.MAX_DEPTH + 1, 100_000])
+def test_a_deeply_nested_header_is_malformed_not_a_recursion_error(depth):
+    header = b'{"op": "x", "meta": ' + b"[" * depth + b"]" * depth + b', "tensors": []}'
+    header += b" " * (-(8 + len(header)) % 8)
+    message = b"SGW1" + struct.pack(">I", len(header)) + header
+    with pytest.raises(WireFormatError, match=f"header nests deeper than {wire.MAX_DEPTH} levels"):
+        wire.read_message([message])
+    with pytest.raises(WireFormatError, match="nests deeper"):
+        wire.decode(message)

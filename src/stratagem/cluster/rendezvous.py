@@ -2,14 +2,26 @@
 
 torch.distributed's own rendezvous, on timeout, says only that it timed out. Before handing the
 store to it, every rank records its arrival under ``stratagem/arrived/<rank>``; if the wait runs
-out, the keys that exist say exactly which ranks (and so which tasks) never came.
+out, the keys that exist say exactly which ranks (and so which tasks) never came. At a quarter of
+the timeout a warning names the ranks not yet there (or the chief's address, while it cannot be
+reached).
+
+The meeting (connecting to the store, arriving, waiting for the others, checking tokens) runs in
+a helper thread that the caller waits for at most the timeout: torch's TCPStore can wait far
+longer inside (its handshake with a port that accepts but never answers waits until the peer
+closes), and the user's timeout is the promise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,11 +61,24 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta) -> dist.TCPStore:
                 f"Received: master_addr={cluster.master_addr!r}, master_port={cluster.master_port}. "
                 "Fix: choose a free port for the chief (another process may hold this one)."
             ) from exc
-        raise CollectiveTimeoutError(
-            f"Rank {rank} ({cluster.task_name}) could not reach the chief (rank 0, {cluster.task_for_rank(0)}) "
-            f"at {where} within {timeout.total_seconds():g} s. Missing: rank 0 ({cluster.task_for_rank(0)}). "
-            "Fix: start the chief, check that it listens at that address and port, or raise the timeout."
-        ) from exc
+        raise _unreachable(cluster, rank, timeout) from exc
+
+
+def _unreachable(cluster: Cluster, rank: int, timeout: timedelta) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(
+        f"Rank {rank} ({cluster.task_name}) could not reach the chief (rank 0, {cluster.task_for_rank(0)}) "
+        f"at {cluster.master_addr}:{cluster.master_port} within {timeout.total_seconds():g} s. Missing: rank 0 "
+        f"({cluster.task_for_rank(0)}). Fix: start the chief, check that it listens at that address and port, or "
+        "raise the timeout.")
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something listens at ``host:port`` (a plain TCP connection, closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _lost_chief(cluster: Cluster, rank: int, exc: Exception) -> RendezvousError:
@@ -64,13 +89,34 @@ def _lost_chief(cluster: Cluster, rank: int, exc: Exception) -> RendezvousError:
     )
 
 
-def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta) -> None:
+STALL_FRACTION = 0.25
+"""The stall warning comes at this fraction of the timeout, as for collectives."""
+GRACE_SECONDS = 0.5
+"""Past the timeout, how long the caller gives the meeting to report its own (more precise) error."""
+
+
+def _missing(store: dist.TCPStore, cluster: Cluster, keys: list[str]) -> tuple[list[int], str]:
+    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    return missing, ", ".join(f"rank {r} ({cluster.task_for_rank(r)})" for r in missing)
+
+
+def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta, deadline: float,
+                  warn_at: float) -> None:
     keys = [_ARRIVED.format(rank=r) for r in range(cluster.world_size)]
     try:
-        store.wait(keys, timeout)
+        if time.monotonic() < warn_at:
+            try:
+                store.wait(keys, timedelta(seconds=max(0.001, warn_at - time.monotonic())))
+                return
+            except dist.DistStoreError:
+                _, names = _missing(store, cluster, keys)
+                logger.warning(
+                    "%s (rank %d) has waited %.0f s of %g s at the rendezvous at %s:%d; not arrived yet: %s",
+                    cluster.task_name, rank, timeout.total_seconds() * STALL_FRACTION, timeout.total_seconds(),
+                    cluster.master_addr, cluster.master_port, names or "none (all arriving now)")
+        store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
     except dist.DistStoreError as exc:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        names = ", ".join(f"rank {r} ({cluster.task_for_rank(r)})" for r in missing)
+        missing, names = _missing(store, cluster, keys)
         raise CollectiveTimeoutError(
             f"Rendezvous at {cluster.master_addr}:{cluster.master_port} timed out after "
             f"{timeout.total_seconds():g} s on rank {rank} ({cluster.task_name}): "
@@ -79,6 +125,55 @@ def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: ti
         ) from exc
     except dist.DistNetworkError as exc:
         raise _lost_chief(cluster, rank, exc) from exc
+
+
+class _Meeting:
+    """The steps of the meeting, run in a helper thread; ``phase`` says how far it got (for the errors)."""
+
+    def __init__(self, steps: Callable[["_Meeting"], dist.TCPStore]) -> None:
+        self.phase = "connecting"
+        self.done = threading.Event()
+        self.result: dist.TCPStore | None = None
+        self.error: BaseException | None = None
+        self._steps = steps
+
+    def run(self) -> None:
+        try:
+            self.result = self._steps(self)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, which raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _bounded_meeting(cluster: Cluster, rank: int, timeout: timedelta, steps: Callable[[_Meeting], Any],
+                     start: float) -> Any:
+    """Runs ``steps`` in a daemon thread and waits for it at most the timeout (plus ``GRACE_SECONDS`` for it to
+    give its own error); a meeting still stuck inside torch then is left behind, and the error names where."""
+    meeting = _Meeting(steps)
+    threading.Thread(target=meeting.run, daemon=True, name=f"stratagem-rendezvous-{rank}").start()
+    seconds = timeout.total_seconds()
+    where = f"{cluster.master_addr}:{cluster.master_port}"
+    if not meeting.done.wait(seconds * STALL_FRACTION) and meeting.phase == "connecting":
+        logger.warning("%s (rank %d) has waited %.0f s of %g s for the chief (rank 0, %s) at %s; not reached yet",
+                       cluster.task_name, rank, seconds * STALL_FRACTION, seconds, cluster.task_for_rank(0), where)
+    if not meeting.done.wait(max(0.0, start + seconds + GRACE_SECONDS - time.monotonic())):
+        if meeting.phase == "connecting" and _accepts(cluster.master_addr, cluster.master_port):
+            raise CollectiveTimeoutError(
+                f"Rank {rank} ({cluster.task_name}) could not meet the chief (rank 0, {cluster.task_for_rank(0)}) at "
+                f"{where} within {seconds:g} s: the address accepts connections but its store never answered. "
+                f"Missing: rank 0 ({cluster.task_for_rank(0)}). Fix: check that the chief runs (not stopped) and "
+                f"that {where} is its port, not another program's, or raise the timeout.")
+        if meeting.phase == "connecting":
+            raise _unreachable(cluster, rank, timeout)
+        raise CollectiveTimeoutError(
+            f"Rendezvous at {where} timed out after {seconds:g} s on rank {rank} ({cluster.task_name}): the chief's "
+            f"store (rank 0, {cluster.task_for_rank(0)}) stopped answering while {meeting.phase}. Missing: rank 0 "
+            f"({cluster.task_for_rank(0)}). Fix: check that the chief runs (not stopped, not overloaded), or raise the "
+            "timeout.")
+    if meeting.error is not None:
+        raise meeting.error
+    return meeting.result
 
 
 def _check_tokens(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta) -> None:
@@ -149,13 +244,23 @@ once on that GPU; set it as the current device first (``torch.cuda.set_device``)
             "Fix: call init_process_group once per process, or destroy_process_group() first."
         )
     wait = _as_timedelta(timeout)
-    store = _connect(cluster, rank, wait)
-    store.set(_TOKEN.format(rank=rank), _token_digest(token))
-    store.set(_ARRIVED.format(rank=rank), cluster.task_name)
-    logger.info("%s (rank %d) arrived at %s:%d; waiting for %d ranks", cluster.task_name, rank,
-                cluster.master_addr, cluster.master_port, cluster.world_size)
-    _wait_for_all(store, cluster, rank, wait)
-    _check_tokens(store, cluster, rank, wait)
+    start = time.monotonic()
+    deadline = start + wait.total_seconds()
+
+    def steps(meeting: _Meeting) -> dist.TCPStore:
+        store = _connect(cluster, rank, wait)
+        meeting.phase = "arriving"
+        store.set(_TOKEN.format(rank=rank), _token_digest(token))
+        store.set(_ARRIVED.format(rank=rank), cluster.task_name)
+        logger.info("%s (rank %d) arrived at %s:%d; waiting for %d ranks", cluster.task_name, rank,
+                    cluster.master_addr, cluster.master_port, cluster.world_size)
+        meeting.phase = "waiting for the other ranks"
+        _wait_for_all(store, cluster, rank, wait, deadline, start + wait.total_seconds() * STALL_FRACTION)
+        meeting.phase = "checking the cluster tokens"
+        _check_tokens(store, cluster, rank, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        return store
+
+    store = _bounded_meeting(cluster, rank, wait, steps, start)
     import_group_defaults()
     options = {} if device_id is None else {"device_id": device_id}
     dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait, **options)

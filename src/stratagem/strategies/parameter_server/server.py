@@ -49,6 +49,10 @@ from stratagem.strategies.parameter_server.store import (
     bucket_name,
 )
 from stratagem.strategies.parameter_server.transport import (
+    LARGE,
+    SMALL,
+    SMALL_HEADER_BYTES,
+    Limit,
     Reply,
     Security,
     Server,
@@ -58,6 +62,10 @@ from stratagem.strategies.parameter_server.transport import (
 logger = logging.getLogger(__name__)
 
 SERVICE = "stratagem.ParameterServer"
+HEADER_BYTES_PER_SHARD = 512
+"""Room in a header for one shard's entry (its name, dtype, shape, offset) and its group or scalars."""
+MAX_STATE_TENSORS = 8
+"""A checkpoint's shard: its values and at most 7 state tensors of its size (Adam with amsgrad keeps 3)."""
 STATE_SEPARATOR = "#"
 
 
@@ -150,7 +158,12 @@ class ParameterServer:
             "Create": self._create, "Pull": self._pull, "Push": Streaming(self._push), "Save": self._save,
             "Load": self._load, "Shutdown": self._stop, "Ping": self._ping, "Attach": self._attach,
             "Detach": self._detach, "PullShared": self._pull_shared, "PushShared": self._push_shared,
-        }, security=security, address=address)
+        }, security=security, address=address, default_limit=SMALL, limits={
+            # What each request can carry; every other method takes a few names and numbers, no tensors.
+            "Create": LARGE,
+            "Load": Limit(self._state_header_bytes, self._state_payload_bytes),
+            "PushShared": Limit(self._header_bytes),  # lists the buckets it carries
+        })
         self.address = self._server.address
 
     # ---- handlers ------------------------------------------------------------------------------
@@ -175,6 +188,20 @@ class ParameterServer:
                     len(store.shards), len(store.buckets), sum(p.numel() for p in store.shards.values()),
                     cls.__name__ if cls else None, "buckets" if store.flat else "shards")
         return "created", {"shards": len(store.shards), "layout": store.fingerprint}, {}
+
+    # ---- what a request may carry ----------------------------------------------------------------
+    def _header_bytes(self) -> int:
+        """A header naming every shard this server holds: its entry and a few scalars of state each."""
+        return SMALL_HEADER_BYTES + HEADER_BYTES_PER_SHARD * (len(self._store.shards) + len(self._store.buckets))
+
+    def _state_header_bytes(self) -> int:
+        return self._header_bytes() * MAX_STATE_TENSORS
+
+    def _state_payload_bytes(self) -> int:
+        """A ``Load``: every shard's values and at most ``MAX_STATE_TENSORS - 1`` state tensors of its size."""
+        held = sum(shard.nbytes for shard in self._store.shards.values())
+        # Some room whatever is held, so a small checkpoint for other shards hears which shards are wrong.
+        return MAX_STATE_TENSORS * held + wire.ALIGN * MAX_STATE_TENSORS * len(self._store.shards) + (1 << 20)
 
     def _check_layout(self, meta: Any) -> None:
         given = meta.get("layout") if isinstance(meta, dict) else None
@@ -330,7 +357,8 @@ class ParameterServer:
             self._keep_reads()
             # The progress callback checks the layout as soon as the header is in, before any update.
             _, _, names = wire.decode_into(pieces, store.destinations(), exact=False,
-                                           progress=self._updates_as_received(store))
+                                           progress=self._updates_as_received(store),
+                                           max_header_bytes=self._header_bytes())
             store.apply(names)
             self._num_updates += 1
             return "applied", {"version": self._num_updates}, {}

@@ -15,9 +15,12 @@ and key are given (clients then need the certificate of the authority that signe
 
 from __future__ import annotations
 
+import errno
 import hmac
 import itertools
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
@@ -47,6 +50,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+_SERVER_OPTIONS = _CHANNEL_OPTIONS + [
+    # gRPC sets SO_REUSEPORT by default, so a second server (a stale task of an earlier job) could bind the
+    # same port and take half of the calls: bind exclusively, so the second one is told the port is taken.
+    ("grpc.so_reuseport", 0),
+]
 _CLIENT_OPTIONS = _CHANNEL_OPTIONS + [
     # A streamed reply is read by the thread that asks for it, instead of a thread grpc-python starts per
     # call (measured: a 2 MB pull from 1.5 to 1.1 ms of bare gRPC).
@@ -67,6 +75,40 @@ class Streaming:
     """A handler that reads the request's pieces itself (``wire.decode_into``) instead of a decoded message."""
 
     handler: Callable[[Iterator[bytes]], Reply]
+
+
+SMALL_HEADER_BYTES = 64 << 10
+"""The header of a request that carries no more than a few names and numbers (a ping, an attach)."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The most a request to one method may carry, checked on its first bytes and its header, before the rest
+    is read (``wire.read_message``). A number, or a function giving it for each call (what a server holds
+    decides what a push may carry). A ``Streaming`` handler checks its own."""
+
+    header_bytes: int | Callable[[], int] = SMALL_HEADER_BYTES
+    payload_bytes: int | Callable[[], int] = 0
+
+    def resolve(self) -> tuple[int, int]:
+        """``(header bytes, payload bytes)`` for a call now."""
+        return tuple(v() if callable(v) else v for v in (self.header_bytes, self.payload_bytes))  # type: ignore[return-value]
+
+
+def memory_ceiling() -> int:
+    """Bytes of tensors a request may carry when nothing smaller bounds it (a model created on a parameter
+    server, a scheduled function's arguments): half this machine's memory, since the receiver must hold them and
+    more (the optimizer's state, the training)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (AttributeError, OSError, ValueError):
+        return 1 << 36
+
+
+LARGE = Limit(wire.MAX_HEADER_BYTES, memory_ceiling)
+"""For a method whose requests nothing smaller bounds."""
+SMALL = Limit()
+"""For a method whose requests carry a few names and numbers and no tensors."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,19 +177,23 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 class Server:
     """A gRPC server of one service whose methods take and return ``wire`` messages.
 
-    ``handlers`` maps method names to ``Handler``s. A request that is not a well-formed message
-    is answered with ``INVALID_ARGUMENT``; an exception in a handler with ``INTERNAL``; the server
-    keeps serving either way.
+    ``handlers`` maps method names to ``Handler``s; ``limits`` says what a request to each may carry
+    (a method left out takes what ``default_limit`` says: by default up to ``memory_ceiling()``
+    bytes of tensors). A request that is not a well-formed
+    message, or carries more than its method takes, is answered with ``INVALID_ARGUMENT`` as soon as
+    its first bytes or its header show it, before the rest is read; an exception in a handler with
+    ``INTERNAL``; the server keeps serving either way.
     """
 
     def __init__(self, service: str, handlers: Mapping[str, Handler | Streaming], *, security: Security,
-                 address: str = "127.0.0.1:0", max_workers: int = 8) -> None:
+                 address: str = "127.0.0.1:0", max_workers: int = 8,
+                 limits: Mapping[str, Limit] | None = None, default_limit: Limit | None = None) -> None:
         self.service = service
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
-                                   interceptors=[_TokenInterceptor(security.token)], options=_CHANNEL_OPTIONS)
+                                   interceptors=[_TokenInterceptor(security.token)], options=_SERVER_OPTIONS)
         methods = {}
         for name, handler in handlers.items():
-            call = self._wrap(name, handler)
+            call = self._wrap(name, handler, (limits or {}).get(name, default_limit or LARGE))
             methods[name] = grpc.stream_stream_rpc_method_handler(call)
             # A request of one piece comes as a unary request: gRPC then needs no thread to feed it. When the
             # caller expects a short reply, it comes as a unary call, one batch each way (a 2 MB push over bare
@@ -167,20 +213,23 @@ class Server:
         except RuntimeError:  # grpcio raises where older versions returned port 0
             self.port = 0
         if self.port == 0:
-            raise ParameterServerError(f"Could not listen. Received: address={address!r}. "
-                                       "Fix: pass a free host:port (port 0 picks one).")
+            raise ParameterServerError(f"Could not listen at {address}: {_why_not_listening(address)}. Received: "
+                                       f"address={address!r}. Fix: stop the process that holds the port, or pass a "
+                                       "free host:port (port 0 picks one).")
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._server.start()
         logger.info("%s serving on %s (tls=%s)", service, self.address, security.tls)
 
-    def _wrap(self, name: str, handler: Handler | Streaming
+    def _wrap(self, name: str, handler: Handler | Streaming, limit: Limit
               ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
         def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
                 if isinstance(handler, Streaming):
                     reply = handler.handler(requests)
                 else:
-                    op, meta, tensors = wire.decode(wire.join_chunks(requests))
+                    header_bytes, payload_bytes = limit.resolve()
+                    op, meta, tensors = wire.read_message(requests, max_header_bytes=header_bytes,
+                                                          max_payload_bytes=payload_bytes)
                     reply = handler(op, meta, tensors)
             except WireFormatError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -194,6 +243,23 @@ class Server:
     def stop(self, grace: float = 0.5) -> None:
         """Stops serving (in-flight calls get ``grace`` seconds)."""
         self._server.stop(grace).wait(grace + 5)
+
+
+def _why_not_listening(address: str) -> str:
+    """Why gRPC could not bind ``address``, found by binding it once more (gRPC's own reason goes to its log only)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
+            probe.bind((host.strip("[]"), int(port)))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (f"port {port} is taken (another process listens there, perhaps a task of an earlier job that "
+                    f"still runs: `ss -ltnp 'sport = :{port}'` names it)")
+        return f"{exc.strerror or exc}"
+    except ValueError:
+        return "not a host:port"
+    return "gRPC refused the address"
 
 
 def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:

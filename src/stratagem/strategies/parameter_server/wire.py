@@ -40,6 +40,8 @@ from stratagem.errors import WireFormatError
 MAGIC = b"SGW1"
 _PREFIX = struct.Struct(">4sI")
 MAX_HEADER_BYTES = 64 << 20
+MAX_DEPTH = 64
+"""How deeply a header's JSON may nest: far more than any message needs, far less than Python's recursion limit."""
 CHUNK_BYTES = 2 << 20
 ALIGN = 8
 
@@ -321,9 +323,13 @@ def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat]
     return join_chunks(encode_chunks(op, meta, tensors))
 
 
-def _fail(what: str, received: str) -> WireFormatError:
-    return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. "
-                           "Fix: send messages built by stratagem.strategies.parameter_server.wire.encode_chunks.")
+_TOO_LARGE = ("a stratagem task never sends this method more; check that only this job's tasks hold its cluster "
+              "token, and that both ends run the same model")
+
+
+def _fail(what: str, received: str, fix: str | None = None) -> WireFormatError:
+    return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. Fix: "
+                           f"{fix or 'send messages built by stratagem.strategies.parameter_server.wire.encode_chunks'}.")
 
 
 def _is_int(value: Any) -> bool:
@@ -345,10 +351,25 @@ def _parse_header(view: memoryview) -> tuple[dict[str, Any], int]:
         header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _fail("header is not JSON", str(exc)) from None
+    except RecursionError:
+        raise _fail(f"header nests deeper than {MAX_DEPTH} levels", f"a header of {header_len} bytes") from None
+    _check_depth(header, header_len)
     if not isinstance(header, dict) or set(header) != {"op", "meta", "tensors"} \
             or not isinstance(header["op"], str) or not isinstance(header["tensors"], list):
         raise _fail("header is not {op, meta, tensors}", f"{str(header)[:200]}")
     return header, _PREFIX.size + header_len
+
+
+def _check_depth(value: Any, header_len: int) -> None:
+    """Refuses JSON nested deeper than ``MAX_DEPTH`` (walked without recursion), so no handler recurses past
+    Python's limit on what a peer sent."""
+    level = [value]
+    for _ in range(MAX_DEPTH + 1):
+        level = [child for node in level if isinstance(node, (list, dict))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return
+    raise _fail(f"header nests deeper than {MAX_DEPTH} levels", f"a header of {header_len} bytes")
 
 
 def _check_bool(name: str, tensor: torch.Tensor) -> None:
@@ -363,6 +384,11 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
     """
     view = memoryview(message)
     header, start = _parse_header(view)
+    return _decode_parsed(message, view, header, start)
+
+
+def _decode_parsed(message: bytes | bytearray | memoryview, view: memoryview, header: dict[str, Any], start: int
+                   ) -> tuple[str, Any, dict[str, torch.Tensor]]:
     payload_len = len(view) - start
     # The tensors are views of the message itself: a writable bytearray (join_chunks gives one)
     # is used in place; anything else is copied once.
@@ -383,8 +409,8 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
 
 
 def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor | Flat], *,
-                exact: bool = True, progress: Callable[[dict[str, Any], int], None] | None = None
-                ) -> tuple[str, Any, list[str]]:
+                exact: bool = True, progress: Callable[[dict[str, Any], int], None] | None = None,
+                max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[str, Any, list[str]]:
     """Streams a message's tensors straight into ``destinations`` as its pieces arrive.
 
     Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape, or a
@@ -392,21 +418,11 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
     (``exact``) or some of them. One copy, from the received bytes into the tensors, and the
     message is never held whole: the fast path of pulls and pushes. Returns ``(op, meta, names of
     the tensors written)``. ``progress(header, n)``, when given, is called each time the first ``n``
-    bytes of the payload have been written (the header is checked by then).
+    bytes of the payload have been written (the header is checked by then). A header longer than
+    ``max_header_bytes`` is refused before it is read whole.
     """
     pieces = iter(pieces)
-    head: bytes | bytearray = b""
-    for piece in pieces:
-        if not head:
-            head = piece  # used as it is when it holds the whole header, as it nearly always does (no copy)
-        else:
-            head = head if isinstance(head, bytearray) else bytearray(head)
-            head += piece
-        if len(head) >= _PREFIX.size and len(head) >= _PREFIX.size + _PREFIX.unpack_from(head)[1]:
-            break
-        if len(head) > _PREFIX.size + MAX_HEADER_BYTES:
-            break
-    header, start = _parse_header(memoryview(head))
+    head, header, start = _read_header(pieces, max_header_bytes)
     targets = []  # (payload offset, bytes, flat uint8 view to fill)
     names = []
     gathered = []  # Flat blocks received whole, to scatter to their parts at the end
@@ -487,6 +503,64 @@ def _check_entry(entry: Any, payload_len: int | None) -> tuple[str, torch.dtype,
         raise _fail("tensor bytes lie outside the payload", f"{name}: offset={offset}, {nbytes} bytes, "
                     f"payload of {payload_len} bytes")
     return name, dtype, shape, offset, nbytes
+
+
+def _read_header(pieces: Iterator[bytes], max_header_bytes: int) -> tuple[bytes | bytearray, dict[str, Any], int]:
+    """Takes pieces until the header is in; returns what was taken, the checked header and the payload's start.
+    The magic and the header's length are checked on the first bytes, before more is read."""
+    head: bytes | bytearray = b""
+    for piece in pieces:
+        if not head:
+            head = piece  # used as it is when it holds the whole header, as it nearly always does (no copy)
+        else:
+            head = head if isinstance(head, bytearray) else bytearray(head)
+            head += piece
+        if len(head) >= _PREFIX.size:
+            magic, header_len = _PREFIX.unpack_from(head)
+            if magic != MAGIC:
+                break  # _parse_header names it
+            if header_len > max_header_bytes:
+                raise _fail("header longer than this method takes",
+                            f"header_len={header_len}, at most {max_header_bytes} bytes", _TOO_LARGE)
+            if len(head) >= _PREFIX.size + header_len:
+                break
+    header, start = _parse_header(memoryview(head))
+    return head, header, start
+
+
+def payload_extent(header: dict[str, Any]) -> int:
+    """The payload's length in bytes as the header declares it (each tensor's end, aligned; the last one)."""
+    return max((_aligned(offset + nbytes) for _, _, _, offset, nbytes in
+                (_check_entry(entry, None) for entry in header["tensors"])), default=0)
+
+
+def read_message(pieces: Iterable[bytes], *, max_header_bytes: int = MAX_HEADER_BYTES,
+                 max_payload_bytes: int | None = None) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """``decode(join_chunks(pieces))`` that checks before it buffers: the magic and the header's length on the
+    first bytes, then the header, then the payload's length as the header declares it against
+    ``max_payload_bytes``; only then is the payload taken, into one buffer of that length, and a message
+    longer or shorter than it declares is refused. So a peer that sends more than a method takes costs
+    the receiver a piece or two, not the whole stream."""
+    pieces = iter(pieces)
+    head, header, start = _read_header(pieces, max_header_bytes)
+    extent = payload_extent(header)
+    if max_payload_bytes is not None and extent > max_payload_bytes:
+        raise _fail("tensors larger than this method takes",
+                    f"{extent} bytes of tensors declared, at most {max_payload_bytes}", _TOO_LARGE)
+    message = bytearray(start + extent)
+    filled = min(len(head), len(message))
+    message[:filled] = memoryview(head)[:filled]
+    if len(head) > len(message):
+        raise _fail("payload longer than its tensors", f"more than {extent} bytes")
+    for piece in pieces:
+        end = filled + len(piece)
+        if end > len(message):
+            raise _fail("payload longer than its tensors", f"more than {extent} bytes")
+        message[filled:end] = piece
+        filled = end
+    if filled != len(message):
+        raise _fail("payload shorter than its tensors", f"{filled - start} of {extent} bytes")
+    return _decode_parsed(message, memoryview(message), header, start)
 
 
 def join_chunks(pieces: Iterable[bytes], max_bytes: int | None = None) -> bytearray:

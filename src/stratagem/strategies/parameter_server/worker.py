@@ -28,7 +28,7 @@ from torch import nn
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.partitioners import Shard
-from stratagem.strategies.parameter_server.transport import Reply, Security, Server
+from stratagem.strategies.parameter_server.transport import LARGE, SMALL, Reply, Security, Server
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,8 @@ class WorkerService:
         self._ready_timeout = ready_timeout
         self._shutdown = threading.Event()
         self._server = Server(SERVICE, {"Run": self._run, "Shutdown": self._stop, "Ping": self._ping},
-                              security=security, address=address)
+                              security=security, address=address,
+                              default_limit=SMALL, limits={"Run": LARGE})
         self.address = self._server.address
 
     def _run(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
