@@ -64,7 +64,7 @@ def test_a_process_killed_between_write_and_rename_leaves_the_previous_checkpoin
     state = load_checkpoint(path)
     assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(1000))
     leftovers = [p for p in tmp_path.iterdir() if p.name != "state.pt"]
-    assert len(leftovers) == 1 and leftovers[0].name.startswith(".state.pt.")  # the unfinished second write
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".stratagem-partial.state.pt.")  # the unfinished second write
     assert remove_stale_temporaries(tmp_path) == leftovers
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
 

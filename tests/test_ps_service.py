@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from cases import TOL, build, make_batches, train_reference
 
-from stratagem.errors import ParameterServerError
+from stratagem.errors import CorruptCheckpointError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.partitioners import (
     FixedShardsPartitioner,
@@ -23,7 +23,7 @@ from stratagem.strategies.parameter_server.server import (
     resolve_optimizer_class,
 )
 from stratagem.strategies.parameter_server.transport import Security
-from stratagem.strategies.parameter_server.variables import ShardedVariables
+from stratagem.strategies.parameter_server.variables import CHECKPOINT_FORMAT, ShardedVariables
 
 SECURITY = Security(token="service-test")
 
@@ -127,6 +127,28 @@ def test_restore_refuses_a_foreign_file(servers, tmp_path):
         variables.restore(tmp_path / "other.pt")
     with pytest.raises(ParameterServerError, match="lacks parameters of this model"):
         variables.load_state({"variables": {}, "optimizer_state": {}})
+    variables.close()
+
+
+class _Foreign:
+    """An object torch.load(weights_only=True) refuses."""
+
+
+def test_restore_of_a_missing_damaged_or_unsafe_file_names_it_and_says_what_to_do(servers, tmp_path):
+    model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+    variables = _variables(model, optimizer, servers, None)
+    with pytest.raises(InputError, match=r"No checkpoint at .*missing.pt.*Check the path"):
+        variables.restore(tmp_path / "missing.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x04 not a checkpoint")
+    with pytest.raises(CorruptCheckpointError, match=r"garbage.pt' is not a readable checkpoint: it is not a zip archive"):
+        variables.restore(tmp_path / "garbage.pt")
+    torch.save({"format": "stratagem-ps-checkpoint", "x": _Foreign()}, tmp_path / "foreign.pt")
+    with pytest.raises(InputError, match=r"foreign.pt' holds objects other than tensors") as caught:
+        variables.restore(tmp_path / "foreign.pt")
+    assert "weights_only=False" not in str(caught.value)
+    torch.save({"format": CHECKPOINT_FORMAT}, tmp_path / "empty.pt")
+    with pytest.raises(ParameterServerError, match=r"empty.pt' lacks its variables or optimizer state"):
+        variables.restore(tmp_path / "empty.pt")
     variables.close()
 
 

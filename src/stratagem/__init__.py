@@ -10,6 +10,7 @@ from stratagem.data.split import InputContext
 from stratagem.diagnose.placement import log_placement, soft_placement
 from stratagem.errors import (
     CollectiveTimeoutError,
+    CorruptCheckpointError,
     DeviceError,
     GpuUnavailableError,
     InputError,
@@ -46,6 +47,7 @@ __all__ = [
     "CentralStorageStrategy",
     "ClusterCoordinator",
     "CollectiveTimeoutError",
+    "CorruptCheckpointError",
     "DeviceError",
     "FixedShardsPartitioner",
     "GpuUnavailableError",

@@ -25,6 +25,10 @@ class InputError(StratagemError, ValueError):
     """Training input is malformed (not an iterable of batches, mismatched first dimensions...)."""
 
 
+class CorruptCheckpointError(InputError):
+    """A checkpoint file is damaged: a checksum differs, it is truncated, or torch cannot read it."""
+
+
 class ReplicaError(StratagemError, RuntimeError):
     """A replica failed while running a step; the message names the replica."""
 

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from stratagem.errors import InputError
+from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.train.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
@@ -74,9 +74,17 @@ class BackupAndRestore(Callback):
 
     At the start of training, if `backup_dir` holds a backup, the model, optimizer, counters,
     random states and data position are restored from it (on every worker; the workers must see
-    the same directory). During training the chief alone writes a backup every `save_freq`
-    steps or at the end of each epoch (``"epoch"``), atomically. When training finishes, the
-    backup is deleted (`delete_checkpoint`), so a later job starts afresh.
+    the same directory). Every backup is verified before it is used (the CRC32 of each member of
+    its archive): a damaged one is refused with its name, and the run resumes from the previous
+    backup instead when that one is whole. During training the chief alone writes a backup every
+    `save_freq` steps or at the end of each epoch (``"epoch"``), atomically, keeping the one
+    before it as ``backup.previous.pt`` unless ``keep_previous=False`` (two backups on disk
+    instead of one). When training finishes, the backups are deleted (`delete_checkpoint`), so a
+    later job starts afresh.
+
+    Only files it names itself are ever removed: ``backup.pt``, ``backup.previous.pt``, and
+    temporaries named ``.stratagem-partial.backup.pt.<16 hex digits>.tmp``; the directory goes
+    only when this callback created it and nothing else is left in it.
 
     Example:
         >>> backup = sg.callbacks.BackupAndRestore("/shared/run1/backup", save_freq="epoch")
@@ -84,9 +92,14 @@ class BackupAndRestore(Callback):
     """
 
     FILE_NAME = "backup.pt"
+    PREVIOUS_NAME = "backup.previous.pt"
+    CORRUPT_NAME = "backup.corrupt.pt"
+    """Where the chief moves a damaged backup it fell back from, for the user to inspect or delete."""
+    MARKER_NAME = ".stratagem-backup-dir"
+    """Written into `backup_dir` when this callback creates it: only such a directory is ever removed."""
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch", *,
-                 delete_checkpoint: bool = True) -> None:
+                 delete_checkpoint: bool = True, keep_previous: bool = True) -> None:
         if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
             raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
@@ -98,23 +111,73 @@ class BackupAndRestore(Callback):
                              "Choose a directory path.")
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.keep_previous = keep_previous
         self.restored_from: dict[str, int] | None = None
         """``{"epoch", "step"}`` of the backup this run resumed from, or None for a fresh start."""
+        self.restored_path: Path | None = None
+        """The file this run resumed from (`path`, or `previous_path` after a fallback), or None."""
 
     @property
     def path(self) -> Path:
         return self.backup_dir / self.FILE_NAME
 
+    @property
+    def previous_path(self) -> Path:
+        return self.backup_dir / self.PREVIOUS_NAME
+
     def on_train_begin(self, context: TrainingContext) -> None:
         if context.is_chief:
-            remove_stale_temporaries(self.backup_dir)  # a save the previous attempt did not finish
-        if not self.path.exists():
+            self._make_directory()
+            remove_stale_temporaries(self.backup_dir, self.FILE_NAME)  # a save the previous attempt did not finish
+        found = self._load_newest_whole_backup(context.is_chief)
+        if found is None:
             return
-        state = load_checkpoint(self.path)
-        context.load_state_dict(state)
+        path, state = found
+        try:
+            context.load_state_dict(state)
+        except InputError as error:
+            raise InputError(f"Cannot resume from the backup {str(path)!r}: {error}") from error
         self.restored_from = {"epoch": context.epoch, "step": context.step}
-        logger.info("Resumed from %s: epoch %d, step %d (%d into the epoch).", self.path, context.epoch + 1,
+        self.restored_path = path
+        logger.info("Resumed from %s: epoch %d, step %d (%d into the epoch).", path, context.epoch + 1,
                     context.step, context.step_in_epoch)
+
+    def _load_newest_whole_backup(self, is_chief: bool) -> tuple[Path, dict[str, Any]] | None:
+        """The newest backup whose checksums hold, or None when there is none; damaged ones are refused."""
+        damaged: list[CorruptCheckpointError] = []
+        for candidate in (self.path, self.previous_path):
+            if not candidate.is_file():
+                continue  # killed between the two renames of a save: the previous backup is the newest
+            try:
+                state = load_checkpoint(candidate)
+            except CorruptCheckpointError as error:
+                damaged.append(error)
+                continue
+            except InputError:
+                if not candidate.exists():  # the chief moved a damaged file aside while this worker looked
+                    continue
+                raise
+            if damaged:
+                logger.warning("%s Resuming from the previous backup %s instead.", damaged[0], candidate)
+                if is_chief and candidate != self.path:
+                    # Out of the way of the next save, which would otherwise keep it as the previous backup.
+                    os.replace(self.path, self.backup_dir / self.CORRUPT_NAME)
+                    logger.warning("The damaged backup was moved to %s; delete it once inspected.",
+                                   self.backup_dir / self.CORRUPT_NAME)
+            return candidate, state
+        if damaged:
+            kept = "" if self.previous_path.is_file() else f" (and there is no previous backup {str(self.previous_path)!r})"
+            raise CorruptCheckpointError(
+                " ".join(str(error) for error in damaged)
+                + f" No whole backup is left to resume from{kept}. Received: backup_dir={str(self.backup_dir)!r}. "
+                "Remove the damaged file(s) to start afresh, or restore them from a copy.")
+        return None
+
+    def _make_directory(self) -> None:
+        if self.backup_dir.is_dir():
+            return
+        self.backup_dir.mkdir(parents=True, exist_ok=True)
+        (self.backup_dir / self.MARKER_NAME).touch()  # a later attempt of this job knows it may remove the directory
 
     def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
         if isinstance(self.save_freq, int) and context.step % self.save_freq == 0:
@@ -125,18 +188,27 @@ class BackupAndRestore(Callback):
             self._save(context)
 
     def on_train_end(self, context: TrainingContext, history: History) -> None:
-        if context.is_chief and self.delete_checkpoint:
-            self.path.unlink(missing_ok=True)
-            remove_stale_temporaries(self.backup_dir)
+        if not (context.is_chief and self.delete_checkpoint):
+            return
+        self.path.unlink(missing_ok=True)
+        self.previous_path.unlink(missing_ok=True)
+        remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+        marker = self.backup_dir / self.MARKER_NAME
+        try:
+            left = {entry.name for entry in self.backup_dir.iterdir()}
+        except OSError:
+            return
+        if left == {self.MARKER_NAME}:  # created by this callback, and nothing of anyone else's in it
+            marker.unlink(missing_ok=True)
             try:
-                self.backup_dir.rmdir()  # only when empty: the directory may hold the user's own files
-            except OSError:
+                self.backup_dir.rmdir()
+            except OSError:  # a file appeared meanwhile: it stays, and so does the directory
                 pass
 
     def _save(self, context: TrainingContext) -> None:
         # Only the chief builds and writes the state: one writer, and every worker holds the same values.
         if context.is_chief:
-            save_checkpoint(self.path, context.state_dict())
+            save_checkpoint(self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None)
 
 
 class LearningRateScheduler(Callback):

@@ -1,10 +1,16 @@
-"""Checkpoints written atomically, and the random states a run needs to continue exactly.
+"""Checkpoints written atomically and verified when read, and the random states a run needs to continue exactly.
 
 A checkpoint is written to a temporary file in the same directory, flushed to disk (fsync),
 renamed over the old one (``os.replace``, atomic on POSIX) and the directory entry is flushed
 too. A process killed at any moment therefore leaves either the previous checkpoint or the
-new one, never a torn file. Checkpoints are read with ``torch.load(weights_only=True)``: only
-tensors and plain containers, nothing is unpickled that could run code.
+new one, never a torn file. The temporary's name is ``.stratagem-partial.<name>.<16 hex
+digits>.tmp``: `remove_stale_temporaries` removes only files of exactly that form, never
+another hidden ``.tmp`` file that happens to share the directory.
+
+Checkpoints are read through `stratagem.archive.load_verified`: the CRC32 that torch writes for
+every member of the archive is checked first (a byte flipped in a tensor's data is refused,
+with the file named), then ``torch.load(weights_only=True)`` reads only tensors and plain
+containers, nothing is unpickled that could run code.
 
 Example:
     >>> save_checkpoint("backup/state.pt", {"model": model.state_dict(), "rng": capture_rng_state()})
@@ -16,24 +22,32 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import secrets
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stratagem.archive import load_verified
 from stratagem.errors import InputError
 
 FORMAT = "stratagem-checkpoint"
 VERSION = 1
+_TEMP_PREFIX = ".stratagem-partial."
 _TEMP_SUFFIX = ".tmp"
+_TEMP_RANDOM = re.compile(r"\.[0-9a-f]{16}" + re.escape(_TEMP_SUFFIX) + r"\Z")
 
 
-def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any], *,
+                    previous: str | os.PathLike[str] | None = None) -> Path:
     """Writes `state` to `path` atomically (temp file, fsync, rename, fsync of the directory).
 
-    The directory is created if needed. Returns the path written.
+    The directory is created if needed. With `previous`, the checkpoint that `path` held is
+    kept there once the new one is complete (the one `previous` held before is dropped first,
+    so the directory never holds more than two checkpoints and one being written). Returns the
+    path written.
 
     Raises:
         InputError: `state` is not a dict.
@@ -43,12 +57,17 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, **state}
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
+    keep = Path(previous) if previous is not None else None
+    if keep is not None and path.exists():
+        keep.unlink(missing_ok=True)  # `path` still holds a whole checkpoint while the new one is written
+    fd, temp_name = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
+        if keep is not None and path.exists():
+            os.replace(path, keep)  # killed right after: `keep` is the latest checkpoint, still whole
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
@@ -57,38 +76,58 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     return path
 
 
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new file beside `path`, readable by its owner only, with a name `remove_stale_temporaries` recognises."""
+    for _ in range(16):  # 64 random bits: a clash is all but impossible, and O_EXCL never reuses a name
+        name = path.parent / f"{_TEMP_PREFIX}{path.name}.{secrets.token_hex(8)}{_TEMP_SUFFIX}"
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600), str(name)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"Could not create a temporary file beside {str(path)!r}: every name tried exists.")
+
+
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
-    """Reads a checkpoint written by `save_checkpoint`.
+    """Reads a checkpoint written by `save_checkpoint`, after checking the checksums of its archive.
 
     Raises:
         InputError: no file at `path`, or the file is not a stratagem checkpoint.
+        CorruptCheckpointError: the file is damaged (a checksum differs, it is truncated) or
+            torch cannot read it; the message names the file.
     """
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"No checkpoint at {str(path)!r}. Received: path={str(path)!r}. "
-                         "Check the path, or start without restoring.")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as error:  # torch raises several types for a file it cannot read
-        raise InputError(f"The file {str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}). "
-                         "Received: a file that torch.load(weights_only=True) rejects. Remove it or point at another "
-                         "checkpoint.") from error
+    state = load_verified(path, map_location=map_location)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         received = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise InputError(f"The file {str(path)!r} is not a stratagem checkpoint. Received: format={received!r}. "
+        raise InputError(f"The file {str(path)!r} is not a stratagem checkpoint. Received: format={received!r:.100}. "
                          "Load it with torch.load, or point at a file written by save_checkpoint.")
     return state
 
 
-def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
-    """Deletes temporary files that a process killed while saving left in `directory`."""
+def is_temporary_of(name: str, checkpoint_name: str | None = None) -> bool:
+    """Whether `name` is a temporary that `save_checkpoint` made (for `checkpoint_name`, when given)."""
+    if not name.startswith(_TEMP_PREFIX) or not _TEMP_RANDOM.search(name):
+        return False
+    target = name[len(_TEMP_PREFIX):_TEMP_RANDOM.search(name).start()]
+    return bool(target) and (checkpoint_name is None or target == checkpoint_name)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike[str], checkpoint_name: str | None = None) -> list[Path]:
+    """Deletes the temporary files that a process killed while saving left in `directory`.
+
+    Only regular files named as `save_checkpoint` names its temporaries
+    (``.stratagem-partial.<checkpoint_name>.<16 hex digits>.tmp``) are removed; with
+    `checkpoint_name`, only those of that checkpoint. Returns the paths removed.
+    """
     directory = Path(directory)
     removed = []
     if directory.is_dir():
-        for leftover in directory.glob(f".*{_TEMP_SUFFIX}"):
-            leftover.unlink(missing_ok=True)
-            removed.append(leftover)
-    return removed
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if is_temporary_of(entry.name, checkpoint_name) and entry.is_file(follow_symlinks=False):
+                    Path(entry.path).unlink(missing_ok=True)
+                    removed.append(Path(entry.path))
+    return sorted(removed)
 
 
 def _fsync_directory(directory: Path) -> None:

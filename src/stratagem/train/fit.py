@@ -167,8 +167,12 @@ class TrainingContext:
                 do not match this run's.
         """
         if state.get("kind") != CHECKPOINT_KIND:
-            raise InputError(f"This checkpoint was not written by fit. Received: kind={state.get('kind')!r}. "
+            raise InputError(f"This checkpoint was not written by fit. Received: kind={state.get('kind')!r:.100}. "
                              "Restore it by hand, or point BackupAndRestore at a fit backup directory.")
+        missing = [name for name in _BACKUP_FIELDS if name not in state]
+        if missing:
+            raise InputError(f"The backup lacks fields that fit writes: {missing}. Received: fields {sorted(state)[:20]}. "
+                             "It was written by another version of stratagem or by hand: remove it to start afresh.")
         if list(state["metric_names"]) != self.metric_set.names:
             raise InputError(f"The backup tracked metrics {list(state['metric_names'])} but this run tracks "
                              f"{self.metric_set.names}. Received: metrics={self.metric_set.names[1:]}. Pass the same "
@@ -190,14 +194,23 @@ class TrainingContext:
                              "the backup to start afresh.") from error
         for key, callback in stateful.items():
             callback.load_state_dict(saved[key])
-        self.epoch = int(state["epoch"])
-        self.step = int(state["step"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        self.totals = state["totals"].to(torch.float64).clone()
-        self.epoch_elapsed_s = float(state["epoch_elapsed_s"])
-        self.history = [EpochLog.from_dict(d) for d in state["history"]]
-        restore_rng_state(state["rng"])
+        try:
+            self.epoch = int(state["epoch"])
+            self.step = int(state["step"])
+            self.step_in_epoch = int(state["step_in_epoch"])
+            self.totals = state["totals"].to(torch.float64).clone()
+            self.epoch_elapsed_s = float(state["epoch_elapsed_s"])
+            self.history = [EpochLog.from_dict(d) for d in state["history"]]
+            restore_rng_state(state["rng"])
+        except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise InputError(f"The backup's counters, history or random states are malformed ({type(error).__name__}: "
+                             f"{str(error)[:200]}). Received: a backup fit cannot have written. Remove it to start "
+                             "afresh.") from error
 
+
+# What `TrainingContext.state_dict` writes; a backup without one of them cannot be resumed.
+_BACKUP_FIELDS = ("model", "optimizer", "epoch", "step", "step_in_epoch", "totals", "epoch_elapsed_s", "history",
+                  "metric_names", "rng", "data")
 
 # The pair `distribute` returned for each (strategy, model) fit has seen, so that calling fit again
 # with the same model continues training it instead of distributing it a second time.

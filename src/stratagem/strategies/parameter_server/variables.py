@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stratagem.archive import load_verified
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import shared, wire
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
@@ -418,12 +419,22 @@ class ShardedVariables:
         tmp.replace(path)
 
     def restore(self, path: str | Path) -> None:
-        """Loads a checkpoint written by ``save``."""
-        state = torch.load(Path(path), weights_only=True)
+        """Loads a checkpoint written by ``save``, after checking the checksums of its archive.
+
+        Raises:
+            InputError: no file at ``path``, or it holds objects other than tensors.
+            CorruptCheckpointError: the file is damaged or torch cannot read it.
+            ParameterServerError: it is not a parameter-server checkpoint, or not of this model.
+        """
+        state = load_verified(path)
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ParameterServerError(f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
                                        f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
                                        f"Fix: pass a file written by ParameterServerStrategy.save.")
+        if not all(isinstance(state.get(key), Mapping) for key in ("variables", "optimizer_state")):
+            raise ParameterServerError(f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
+                                       f"state. Received: fields {sorted(map(str, state))[:10]}. Fix: pass a file "
+                                       "written by ParameterServerStrategy.save.")
         self.load_state(state)
 
     def close(self) -> None:
