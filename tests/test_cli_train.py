@@ -171,12 +171,11 @@ def test_multi_worker_main_job_runs_under_the_launcher_and_matches_mirrored(caps
     """`stratagem train --strategy multi_worker --workers 2` starts two processes; the chief reports,
     and the numbers are those of two mirrored replicas in one process (same global batches, same weighting)."""
     code = main(["train", "--strategy", "multi_worker", "--workers", "2", "--epochs", "1", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0, out[-3000:]
-    chief = "\n".join(line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[worker:0] "))
-    report = json.loads(chief[chief.index("{"):])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    report = json.loads(captured.out)  # standard output holds the chief's JSON alone, unprefixed
     assert report["strategy"] == "MultiWorkerMirroredStrategy" and report["num_replicas_in_sync"] == 2
-    assert "[worker:1] {" not in out  # only the chief reports
+    assert "[worker:1] {" not in captured.err  # only the chief reports
     memory = {d["subject"]: d["choice"] for d in report["explanation"]["decisions"]}["freed host memory"]
     assert (memory == "kept for reuse") == allocator.READS_TUNABLES
     code = main(["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--json"])
@@ -251,10 +250,10 @@ def test_parameter_server_main_job_runs_under_the_launcher(capfd):
     # load fell below 0.6); after three it measured 0.86-0.92 in five runs.
     code = main(["train", "--strategy", "parameter_server", "--workers", "2", "--ps", "1", "--epochs", "3",
                  "--batch-size", "128", "--json"])
-    out = capfd.readouterr().out
-    assert code == 0, out
-    text = "\n".join(line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[worker:0] "))
-    summary = json.loads(text[text.index("{"):])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    summary = json.loads(out)  # one JSON document on standard output: the other tasks' lines went to stderr
+    assert all(line.startswith("[") for line in err.splitlines() if line.strip())
     assert summary["strategy"] == "ParameterServerStrategy"
     assert summary["devices"] == ["worker:0", "worker:1"]
     assert summary["num_train_examples"] == 3 * 1437  # every step ran exactly once

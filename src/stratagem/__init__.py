@@ -36,6 +36,7 @@ from stratagem.strategies import (
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
 from stratagem.train.loop import evaluate
+from stratagem.train.seeding import seed_everything
 from stratagem.values import PerReplica, ReduceOp
 
 __version__ = "0.1.0"
@@ -74,5 +75,6 @@ __all__ = [
     "fit",
     "log_placement",
     "metrics",
+    "seed_everything",
     "soft_placement",
 ]

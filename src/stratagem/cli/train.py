@@ -92,10 +92,7 @@ def run(args: argparse.Namespace) -> int:
     parameter_server = args.strategy == "parameter_server"
     if (parameter_server or (args.strategy == "multi_worker" and args.workers > 1)) and not launched_by_stratagem(env):
         # Start one process per task running this same command; each becomes a task of the strategy's cluster.
-        def sink(line: OutputLine) -> None:
-            stream = sys.stdout if line.stream == "stdout" else sys.stderr
-            print(f"[{line.task}] {line.text}", file=stream, flush=True)
-
+        sink = _json_sink if args.json else _prefixed_sink
         result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=args.ps if parameter_server else 0,
                           keep_freed_memory=not args.default_allocator)
         if not result.ok:
@@ -145,6 +142,24 @@ def run(args: argparse.Namespace) -> int:
         if log is not None:
             console.print(Text(str(log.summary())))
     return 0
+
+
+CHIEF_TASK = "worker:0"
+"""The task that reports for a relaunched job (worker 0 is the chief of a `stratagem launch` cluster)."""
+
+
+def _prefixed_sink(line: OutputLine) -> None:
+    stream = sys.stdout if line.stream == "stdout" else sys.stderr
+    print(f"[{line.task}] {line.text}", file=stream, flush=True)
+
+
+def _json_sink(line: OutputLine) -> None:
+    """With --json, standard output carries the chief's JSON document alone, as it printed it; every
+    other line (other tasks, anyone's standard error) goes to standard error, prefixed with its task."""
+    if line.task == CHIEF_TASK and line.stream == "stdout":
+        print(line.text, flush=True)
+    else:
+        print(f"[{line.task}] {line.text}", file=sys.stderr, flush=True)
 
 
 def _print_summary(console: Console, report: TrainReport) -> None:

@@ -108,6 +108,23 @@ class CrossWorker:
         """SUM all-reduce in place, waiting at most `timeout`."""
         self.wait(self.all_reduce_async(tensors, what=what, step=step), what=what, step=step)
 
+    def all_gather_bytes(self, payload: bytes, *, what: str, step: int, device: torch.device | None = None) -> list[bytes]:
+        """Every rank's `payload`, in rank order: the lengths are summed first (each rank fills its own slot),
+        then the payloads, padded to the longest, travel in one all-gather; every wait is bounded by `wait`."""
+        device = device or torch.device("cpu")
+        lengths = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        lengths[self.rank] = len(payload)
+        # Through the process group, never the shared-memory sums: those are for floating-point gradients.
+        self.wait([dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True)], what=f"{what} (sizes)", step=step)
+        sizes = [int(n) for n in lengths.tolist()]
+        longest = max(sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
+        self.wait([dist.all_gather(received, mine, async_op=True)], what=what, step=step)
+        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(received, sizes)]
+
     def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> tuple[str, bool]:
         """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it).
         Returns the reason either way, in words, and whether the sums fell back to the process group although

@@ -26,6 +26,8 @@ from stratagem.data.split import InputContext, batch_size_of, split_batch, split
 from stratagem.errors import InputError
 from stratagem.strategies.distributed import check_optimizer_matches
 from stratagem.strategies.explain import Explanation
+from stratagem.strategies.gather import gather_values
+from stratagem.strategies.replicas import current_replica_context
 from stratagem.values import PerReplica, ReduceOp, map_structure
 
 
@@ -58,6 +60,10 @@ class Strategy(abc.ABC):
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over worker processes (identity within one process)."""
         return tensor
+
+    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
+        """Every worker's `items` (its replicas' contributions to a gather), joined in rank order."""
+        return items
 
     # ---- shared vocabulary --------------------------------------------------------------------
     @property
@@ -125,6 +131,27 @@ class Strategy(abc.ABC):
             raise InputError(f"reduce supports axis=None or axis=0. Received: axis={axis!r}.")
         with torch.no_grad():  # a reduced value is a report, not part of the graph
             return map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Every replica's values, of every worker, concatenated in global batch order.
+
+        Tensors are concatenated along `axis` (0-dim tensors stacked); lists of Python objects are
+        joined into one list; other objects give a list with one entry per replica. Nests (dicts,
+        tuples) are gathered leaf by leaf. A `PerReplica` value counts once per replica, any other
+        value once per worker. Every worker receives the whole result (call it on every worker).
+
+        Example:
+            >>> preds = strategy.run(lambda x: model(x).argmax(1), args=(x,))
+            >>> strategy.gather(preds)               # the predictions of the whole global batch, in order
+        """
+        if current_replica_context() is not None:
+            raise InputError(
+                "gather combines the values of every replica, so it runs outside strategy.run, on what run "
+                "returned. Received: a call from inside a replica's step function. Return the value from the "
+                "step function and gather the result."
+            )
+        return gather_values(value, axis, len(self._local_devices), self._gather_across_workers,
+                             self._reduce_device())
 
     def _check_distribute_args(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, held: Any) -> None:
         """The checks a strategy makes before `distribute` copies anything (`held`: the model it already holds)."""

@@ -30,6 +30,7 @@ from stratagem import environ
 from stratagem.cluster import Cluster, allocator, init_process_group, resolve_cluster
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.cross_worker import CrossWorker
+from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.data.files import FileDataset
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.diagnose import PlacementDecision
@@ -110,6 +111,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._check_same_local_replicas()
         self._connect_shared_memory(shared_memory)
         self._buckets: GradientBuckets | None = None
+        self._gathers = 0
 
     # ---- placement ----------------------------------------------------------------------------
     def _choose_backend(self) -> tuple[str, str]:
@@ -273,6 +275,16 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
         self._cw.all_reduce_([out], what="reduce", step=self._step)
+        return out
+
+    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
+        """Every worker's replicas' contributions, in rank order (rank order is global batch order)."""
+        self._gathers += 1
+        device = self._devices[0] if self._backend == "nccl" else torch.device("cpu")
+        payloads = self._cw.all_gather_bytes(to_bytes(items), what="gather", step=self._gathers, device=device)
+        out: list[Any] = []
+        for rank, payload in enumerate(payloads):
+            out.extend(items if rank == self._cw.rank else from_bytes(payload, self._cw.task_names[rank]))
         return out
 
     # ---- input --------------------------------------------------------------------------------

@@ -10,8 +10,12 @@ Example:
 from stratagem.train.callbacks import (
     BackupAndRestore,
     Callback,
+    CSVLogger,
+    EarlyStopping,
     LearningRateScheduler,
+    ModelCheckpoint,
     ProgressBar,
+    TensorBoard,
     format_epoch_line,
 )
 from stratagem.train.checkpoint import (
@@ -53,6 +57,7 @@ from stratagem.train.metrics import (
     MetricSet,
     get_metrics,
 )
+from stratagem.train.seeding import seed_everything
 
 __all__ = [
     "FIT_HOOK",
@@ -63,8 +68,10 @@ __all__ = [
     "Accuracy",
     "BackupAndRestore",
     "BinaryAccuracy",
+    "CSVLogger",
     "Callback",
     "DigitsData",
+    "EarlyStopping",
     "EpochLog",
     "Evaluation",
     "History",
@@ -73,7 +80,9 @@ __all__ = [
     "MeanSquaredError",
     "Metric",
     "MetricSet",
+    "ModelCheckpoint",
     "ProgressBar",
+    "TensorBoard",
     "TrainConfig",
     "TrainReport",
     "TrainingContext",
@@ -92,5 +101,6 @@ __all__ = [
     "run_steps",
     "run_steps_synchronously",
     "save_checkpoint",
+    "seed_everything",
     "train_digits",
 ]

@@ -324,3 +324,10 @@ def format_epoch_line(log: EpochLog, epochs: int) -> str:
     for name, value in log.metrics.items():
         parts.append(f"{name} {value:6.2%}" if name.endswith("accuracy") else f"{name} {value:.4f}")
     return "  ".join(parts) + f"  ({log.elapsed_s:.1f} s, {log.samples_per_s:,.0f} samples/s)"
+
+
+# The callbacks that live in their own modules, reachable as sg.callbacks.<Name> (imported last:
+# each of them builds on Callback above).
+from stratagem.train.early_stopping import EarlyStopping  # noqa: E402
+from stratagem.train.loggers import CSVLogger, TensorBoard  # noqa: E402
+from stratagem.train.model_checkpoint import ModelCheckpoint  # noqa: E402

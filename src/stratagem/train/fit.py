@@ -243,13 +243,17 @@ def fit(
         model, optimizer: the plain model and its optimizer (fit distributes them), or the pair
             `strategy.distribute` (or an earlier fit, ``history.model``) returned.
         loss: ``loss(outputs, targets)``, the MEAN over the examples it is given (as
-            ``F.cross_entropy``), so replicas' losses combine into the global batch's mean.
-        data: an iterable of GLOBAL ``(inputs, targets)`` batches (a DataLoader, a list, a
-            `sg.data.ShuffledBatches`), or with `batch_size` a data set: a tuple ``(x, y)`` of
-            tensors or a map-style data set, batched by a `ShuffledBatches(seed=seed, shuffle=shuffle)`.
+            ``F.cross_entropy``), so replicas' losses combine into the global batch's mean; or None
+            when the model computes the loss itself (``outputs.loss``, as Hugging Face models do).
+        data: an iterable of GLOBAL batches (a DataLoader, ``num_workers > 0`` and iterable data sets
+            included, a list, a `sg.data.ShuffledBatches`): ``(inputs, targets)`` pairs, dicts (the
+            targets under ``"labels"``) or any nest of tensors (see `stratagem.train.model_call`);
+            or with `batch_size` a data set: a tuple ``(x, y)`` of tensors or a map-style data set,
+            batched by a `ShuffledBatches(seed=seed, shuffle=shuffle)`.
         epochs: passes over `data`.
         steps_per_epoch: stop each epoch after this many batches (needed for endless iterables).
-        validation_data, validation_batch_size: evaluated after each epoch (``val_`` metrics).
+        validation_data, validation_batch_size: evaluated after each epoch (``val_`` metrics); a
+            validation data set is batched by `validation_batch_size`, by default `batch_size`.
         metrics: names from `stratagem.train.metrics.METRICS` (``"accuracy"``...) or `Metric` objects.
         callbacks: `Callback` objects, e.g. ``BackupAndRestore`` (it restores before the others
             start and backs up after the others ran for the step or epoch), ``LearningRateScheduler``.
@@ -268,6 +272,8 @@ def fit(
     _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
     metric_set = MetricSet(get_metrics(metrics))
     train_data = _as_batches(data, batch_size, shuffle, seed, "data")
+    if validation_batch_size is None and not _is_batched(validation_data):
+        validation_batch_size = batch_size  # a validation data set is batched as the training one
     val_data = None if validation_data is None else _as_batches(validation_data, validation_batch_size,
                                                                 False, seed, "validation_data")
     callbacks = list(callbacks or [])
@@ -425,9 +431,14 @@ def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.o
     return dist_model, dist_opt
 
 
+def _is_batched(data: Any) -> bool:
+    """A DataLoader, a generator, a ShuffledBatches: an iterable that yields batches already."""
+    return (hasattr(data, "__iter__") and not hasattr(data, "__getitem__")) or isinstance(data, ShuffledBatches)
+
+
 def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, name: str) -> Any:
     if batch_size is not None:
-        if (hasattr(data, "__iter__") and not hasattr(data, "__getitem__")) or isinstance(data, ShuffledBatches):
+        if _is_batched(data):
             # A DataLoader, a generator, a ShuffledBatches: already batched.
             raise InputError(
                 f"{name} is already an iterable of batches, so a batch size cannot apply to it. Received: "
@@ -459,9 +470,10 @@ def _check_arguments(strategy: Any, optimizer: Any, loss: Any, epochs: Any, step
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputError(f"fit needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}. "
                          "Build one from model.parameters(), e.g. torch.optim.Adam(model.parameters()).")
-    if not callable(loss):
+    if loss is not None and not callable(loss):
         raise InputError(f"loss must be a function of (outputs, targets). Received: {type(loss).__name__}. "
-                         "Use e.g. torch.nn.functional.cross_entropy.")
+                         "Use e.g. torch.nn.functional.cross_entropy, or loss=None when the model computes the "
+                         "loss itself (outputs.loss).")
     for name, value in (("epochs", epochs), ("steps_per_epoch", steps_per_epoch)):
         if value is None and name == "steps_per_epoch":
             continue

@@ -37,6 +37,7 @@ from torch import nn
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
+from stratagem.train.model_call import as_pairs, forward
 
 StepFn = Callable[[Any, Any], torch.Tensor]
 """``step_fn(inputs, targets)`` on one replica -> that replica's metric state vector."""
@@ -50,11 +51,13 @@ FIT_HOOK = "fit_steps"
 PREPARE_HOOK = "prepare_fit_steps"
 """The name of the method a strategy defines to learn `fit`'s step functions on every task."""
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+"""``loss(outputs, targets)``, or None when the model computes the loss (see `stratagem.train.model_call`)."""
 
 
 def run_steps(strategy: Strategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
     """Runs `step_fn` over every global batch: the strategy's own `fit_steps` if it has one, else in lockstep."""
+    batches = as_pairs(batches)  # a dict or any other batch travels whole, as (batch, None)
     hook = getattr(strategy, FIT_HOOK, None)
     if hook is not None:
         hook(step_fn, batches, on_step)
@@ -82,9 +85,9 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: Lo
                     clip_grad_norm: float | None = None) -> StepFn:
     """One training step on one replica: forward, mean loss, backward (combined gradients), step."""
 
-    def train_step(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        outputs = model(inputs)
-        loss_value = loss(outputs, targets)
+    def train_step(inputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
+        step = forward(model, loss, inputs, targets)
+        loss_value = step.loss
         _check_scalar_loss(loss_value)
         loss_value.backward()  # returns with the gradients combined across replicas
         if clip_grad_norm is not None:
@@ -92,7 +95,8 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: Lo
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
-        return metric_set.state(outputs.detach(), targets, loss_value.detach())
+        predictions = step.predictions.detach() if step.predictions is not None else None
+        return metric_set.state(predictions, step.targets, loss_value.detach(), num_examples=step.num_examples)
 
     return train_step
 
@@ -100,13 +104,12 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: Lo
 def make_eval_step(model: nn.Module, loss: LossFn, metric_set: MetricSet) -> StepFn:
     """One evaluation step on one replica: forward and metric state, no gradients."""
 
-    def eval_step(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(inputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
         # no_grad inside the step: it runs on each replica's own thread, where the caller's mode does not reach.
         with torch.no_grad():
-            outputs = model(inputs)
-            loss_value = loss(outputs, targets)
-            _check_scalar_loss(loss_value)
-            return metric_set.state(outputs, targets, loss_value)
+            step = forward(model, loss, inputs, targets)
+            _check_scalar_loss(step.loss)
+            return metric_set.state(step.predictions, step.targets, step.loss, num_examples=step.num_examples)
 
     return eval_step
 

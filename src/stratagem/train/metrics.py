@@ -162,10 +162,21 @@ class MetricSet:
     def names(self) -> list[str]:
         return ["loss", *(m.name for m in self.metrics)]
 
-    def state(self, outputs: torch.Tensor, targets: torch.Tensor, mean_loss: torch.Tensor) -> torch.Tensor:
-        """This replica's state vector; a replica with an empty slice contributes zeros."""
-        device = targets.device
-        num = targets.shape[0] if targets.dim() else 1
+    def state(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, mean_loss: torch.Tensor, *,
+              num_examples: int | None = None) -> torch.Tensor:
+        """This replica's state vector; a replica with an empty slice contributes zeros.
+
+        `num_examples` counts the examples when there are no `targets` (a model that computes its own loss)."""
+        if targets is None and self.metrics:
+            raise InputError(
+                f"Metrics {[m.name for m in self.metrics]} compare predictions with targets, but this batch has none. "
+                "Received: a batch without targets (no (inputs, targets) pair, no 'labels' entry). Put the targets "
+                "in the batch, or leave metrics out.")
+        device = mean_loss.device if targets is None else targets.device
+        if num_examples is not None:
+            num = num_examples
+        else:
+            num = targets.shape[0] if targets.dim() else 1
         if num == 0:
             # An empty slice (fewer examples than replicas): its mean loss is NaN and it has nothing to count.
             return torch.zeros(self.size, dtype=torch.float64, device=device)

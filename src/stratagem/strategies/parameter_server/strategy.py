@@ -41,7 +41,7 @@ from torch import nn
 from stratagem import environ
 from stratagem.cluster import Cluster, free_ports, resolve_cluster
 from stratagem.diagnose import PlacementDecision
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.parameter_server import fit_steps as fit_support
@@ -317,6 +317,15 @@ class ParameterServerStrategy(Strategy):
     @property
     def _local_devices(self) -> list[torch.device]:
         return [torch.device("cpu")]
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Refused: workers run scheduled functions on their own, with no step at which all their values meet."""
+        raise InputError(
+            "gather has no meaning under ParameterServerStrategy: each worker runs the functions the coordinator "
+            f"schedules on its own, so there is no step at which every worker's values meet. Received: gather of "
+            f"{type(value).__name__}. Return the values from the scheduled function and join what "
+            "coordinator.fetch(...) gives on the coordinator, e.g. torch.cat(coordinator.fetch(remote_values))."
+        )
 
     @property
     def num_workers(self) -> int:
