@@ -136,6 +136,10 @@ class ShardedOptimizer(ReplicatedOptimizer):
         result = optimizer.step(closure)
         for shard in shards:
             shard.grad = None
+        if hasattr(vars(self._template).get("step"), "_wrapped_by_lr_sched"):
+            # A scheduler built on the user's optimizer before distribute checks, at its first step, that
+            # the optimizer stepped: torch's wrapper of its step() records that, but the shards step instead.
+            self._template._opt_called = True  # type: ignore[attr-defined]
         self._strategy._after_optimizer_step(replica)  # nobody reads the parameters until every share is updated
         return result
 
