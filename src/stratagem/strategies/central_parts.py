@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from stratagem.collective.local import Grads
+from stratagem.strategies import lr_schedulers
 from stratagem.strategies.distributed import DistributedModel, ReplicatedOptimizer
 from stratagem.strategies.replicas import current_replica_context
 
@@ -29,6 +30,10 @@ class _CentralOwner(Protocol):
     def _zero_grad(self, set_to_none: bool) -> None: ...
 
     def _refresh_replicas(self) -> None: ...
+
+    def _current_replica(self) -> int | None: ...
+
+    def _meet(self, replica: int, what: str) -> None: ...
 
 
 class CentralModel(DistributedModel):
@@ -95,15 +100,15 @@ class CentralOptimizer(ReplicatedOptimizer):
         # torch.optim.Optimizer.__init__ is not called: the user's optimizer owns the parameters.
         self._optimizers = [optimizer]
         self._strategy = strategy
+        self._schedulers = lr_schedulers.SchedulerSet()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The user's optimizer, over the central parameters."""
         return self._optimizers[0]
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
+    def _replica_optimizer(self, replica: int) -> torch.optim.Optimizer:
+        return self._optimizers[0]  # one optimizer for every replica
 
     @property
     def state(self) -> Any:  # type: ignore[override]

@@ -19,6 +19,7 @@ The gradient weighting, the replica threads and the barriers are MirroredStrateg
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,11 +36,13 @@ from stratagem.errors import (
     InputError,
     MemoryEstimateError,
 )
+from stratagem.strategies import lr_schedulers
 from stratagem.strategies.central_parts import (
     CentralModel,
     CentralOptimizer,
     ReduceToCentralDevice,
 )
+from stratagem.strategies.distributed import check_optimizer_supported
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.replicas import ReplicaPool
@@ -228,6 +231,7 @@ class CentralStorageStrategy(MirroredStrategy):
         optimizer)` (the model alone without an optimizer). The optimizer given stays the one that
         updates: its state lives on the central device."""
         self._check_distribute_args(model, optimizer, self._model)
+        check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self).__name__)
         self._check_memory(model, optimizer)
         central = model.to(self._central_device)
         if optimizer is not None and optimizer.state:
@@ -258,7 +262,9 @@ class CentralStorageStrategy(MirroredStrategy):
         logger.info("CentralStorageStrategy: parameters on %s, replicas on %s", self._central_device, self._names)
         if optimizer is None:
             return distributed
-        return distributed, CentralOptimizer(optimizer, self)
+        central_optimizer = CentralOptimizer(optimizer, self)
+        lr_schedulers.adopt_existing(optimizer, central_optimizer, gc.get_referrers)  # built before distribute
+        return distributed, central_optimizer
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: room for the central state (parameters, gradients, optimizer state)

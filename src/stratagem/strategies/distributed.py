@@ -7,6 +7,8 @@ thread is running, outside it replica 0. So a training step written for one devi
 
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies import lr_schedulers
 from stratagem.strategies.replicas import current_replica_context
 
 
@@ -110,24 +113,53 @@ class DistributedModel(nn.Module):
 
 
 class ReplicatedOptimizer(torch.optim.Optimizer):
-    """What the optimizers `distribute` returns share: one optimizer per replica in `_optimizers`,
-    replica 0's hyper-parameters copied to the others before each of their steps."""
+    """What the optimizers `distribute` returns share: one optimizer per replica in `_optimizers`, and
+    the hyper-parameters in one place, the primary groups (those of the optimizer given to `distribute`).
+
+    Outside `Strategy.run`, `param_groups` are the primary groups, so a user or an LR scheduler that sets
+    `lr` there sets it for every replica: each replica's groups are refreshed from them before its step.
+    An LR scheduler built on this optimizer is stepped once per global step (see `lr_schedulers`).
+    """
 
     _optimizers: list[torch.optim.Optimizer]
+    _strategy: Any
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizers[0].defaults
+        return self._primary().defaults
+
+    def _primary(self) -> torch.optim.Optimizer:
+        """The optimizer whose groups hold the hyper-parameters (the user's own)."""
+        return self._optimizers[0]
+
+    def _replica_optimizer(self, replica: int) -> torch.optim.Optimizer:
+        return self._optimizers[replica]
+
+    def _current_replica(self) -> int | None:
+        return self._strategy._current_replica()
+
+    def _meet(self, replica: int, what: str) -> None:
+        self._strategy._meet(replica, what)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        replica = self._current_replica()
+        if replica is None or lr_schedulers.executing():
+            if replica is None:
+                lr_schedulers.adopt_calling_scheduler(self)  # a scheduler being built reads the groups here
+            return self._primary().param_groups
+        return self._replica_optimizer(replica).param_groups
 
     def _sync_hyperparameters(self, replica: int) -> torch.optim.Optimizer:
-        """Replica `replica`'s optimizer, with replica 0's hyper-parameters (an LR scheduler writes those)."""
-        optimizer = self._optimizers[replica]
-        if replica:
-            for primary, mine in zip(self._optimizers[0].param_groups, optimizer.param_groups):
-                for key, value in primary.items():
-                    if key != "params":
-                        mine[key] = value
+        """Replica `replica`'s optimizer, with the primary groups' hyper-parameters (an LR scheduler writes those)."""
+        optimizer = self._replica_optimizer(replica)
+        _copy_hyperparameters(self._primary().param_groups, optimizer.param_groups)
         return optimizer
+
+    def _publish_hyperparameters(self) -> None:
+        """Copies the primary groups' hyper-parameters to every replica's optimizer (after a scheduler step)."""
+        for r in range(len(self._optimizers)):
+            self._sync_hyperparameters(r)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise InputError(
@@ -142,26 +174,37 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}(num_replicas={len(self._optimizers)}, optimizer={self._optimizers[0]!r})"
 
 
+KERNEL_KEYS = ("fused", "foreach")
+"""Group entries that choose kernels, not arithmetic: a replica's optimizer may keep its own."""
+
+
+def _copy_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
+    for primary, mine in zip(source, target):
+        if primary is mine:
+            continue
+        for key, value in primary.items():
+            if key != "params" and key not in KERNEL_KEYS:
+                mine[key] = value
+
+
 class DistributedOptimizer(ReplicatedOptimizer):
     """One optimizer per replica, each updating its own replica's parameters identically.
 
-    Hyper-parameters set on it (an LR scheduler writing `param_groups[i]["lr"]`) are those of
-    replica 0 and are copied to the other replicas before each of their steps.
+    Replica 0's optimizer is the one given to `distribute`; the others are copies of it with
+    their own state tensors. Hyper-parameters set on it (an LR scheduler writing
+    `param_groups[i]["lr"]`) are copied to the other replicas before each of their steps.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], strategy: Any) -> None:
         # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._optimizers = list(optimizers)
         self._strategy = strategy
+        self._schedulers = lr_schedulers.SchedulerSet()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The running replica's optimizer (replica 0's outside `Strategy.run`)."""
         return self._optimizers[_replica_index(self)]
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -182,33 +225,78 @@ class DistributedOptimizer(ReplicatedOptimizer):
         return self._optimizers[0].state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for optimizer in self._optimizers:
-            optimizer.load_state_dict(state_dict)
+        # torch keeps a loaded tensor that already has the parameter's dtype and device, so one dict loaded
+        # into every replica would leave them sharing state tensors (each replica's step updating all of
+        # them): replica 0 takes the dict as a plain optimizer would, every other replica a copy of its own.
+        self._optimizers[0].load_state_dict(state_dict)
+        for optimizer in self._optimizers[1:]:
+            optimizer.load_state_dict(_private_copy(state_dict))
 
+
+def _private_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with every state tensor cloned (the structure copied, other values kept)."""
+    state = {key: {name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                   for name, value in entry.items()}
+             for key, entry in state_dict["state"].items()}
+    return {**state_dict, "state": state, "param_groups": copy.deepcopy(state_dict["param_groups"])}
+
+
+def clone_optimizer(
+    optimizer: torch.optim.Optimizer, mapping: dict[int, torch.Tensor], *, with_state: bool = True
+) -> torch.optim.Optimizer:
+    """A copy of `optimizer` over other parameters: `mapping` takes the id of each parameter it holds to
+    the parameter the copy holds instead. Every state tensor of the copy is its own (with_state=False:
+    the copy starts with no state).
+
+    Why a deep copy of the object rather than a new one built from its `param_groups` (or `defaults`):
+    building one calls `__init__`, whose signature is the class's own business (torch's AdamW does not
+    take every key of its own `defaults`, a user's subclass may take other arguments altogether), and
+    an `__init__` may set attributes beside the groups (LBFGS keeps `_params`, a subclass its own
+    fields) that `param_groups` and `state_dict()` do not carry. Copying the instance's attributes keeps
+    all of it without calling `__init__`; the memo makes every reference to a source parameter (group
+    lists, state keys, LBFGS's `_params`) one to the replica's parameter, and every tensor of the state
+    a new one, so no two replicas ever share a state tensor.
+    """
+    attrs = dict(vars(optimizer))
+    step = attrs.get("step")
+    if step is not None and hasattr(step, "_wrapped_by_lr_sched"):
+        # An LR scheduler's wrapper of the source's step(): it calls the source, never the copy.
+        del attrs["step"]
+    if not with_state:
+        attrs["state"] = defaultdict(dict)
+    memo: dict[int, Any] = dict(mapping)
+    memo[id(memo)] = [optimizer]  # keeps what the memo refers to alive, as deepcopy does with its own entries
+    clone = object.__new__(type(optimizer))
+    clone.__dict__.update(copy.deepcopy(attrs, memo))
+    if clone.state and any(p.device != src_device for p, src_device in _moved(optimizer, clone)):
+        clone.load_state_dict(clone.state_dict())  # moves the copied state next to the replica's parameters
+    return clone
+
+
+def _moved(source: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.device]]:
+    for mine, theirs in zip(clone.param_groups, source.param_groups):
+        for p, q in zip(mine["params"], theirs["params"]):
+            yield p, q.device
 
 
 def replicate_optimizer(
     optimizer: torch.optim.Optimizer, source_params: Sequence[nn.Parameter], params: Sequence[nn.Parameter]
 ) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and hyper-parameters over `params` (replica parameters in
-    the order of `source_params`), carrying over any state `optimizer` already has."""
-    index = {id(p): i for i, p in enumerate(source_params)}
-    groups = []
-    for group in optimizer.param_groups:
-        copy = {k: v for k, v in group.items() if k != "params"}
-        copy["params"] = [params[index[id(p)]] for p in group["params"]]
-        groups.append(copy)
-    try:
-        replica = type(optimizer)(groups, **optimizer.defaults)
-    except TypeError as error:
+    """A copy of `optimizer` (same class, hyper-parameters and state, its own state tensors) over `params`,
+    the replica's parameters in the order of `source_params`."""
+    return clone_optimizer(optimizer, {id(src): dst for src, dst in zip(source_params, params)})
+
+
+def check_optimizer_supported(optimizer: torch.optim.Optimizer | None, num_replicas: int, strategy: str) -> None:
+    """Raises `InputError` for an optimizer whose update cannot be the one-device update across replicas."""
+    if num_replicas > 1 and isinstance(optimizer, torch.optim.LBFGS):
         raise InputError(
-            f"Cannot build a copy of the optimizer for another replica: {type(optimizer).__name__}(params, "
-            f"**defaults) failed with {error}. Received: defaults={optimizer.defaults}. An optimizer must accept "
-            "its own `defaults` as keyword arguments to be replicated."
-        ) from error
-    if optimizer.state:
-        replica.load_state_dict(optimizer.state_dict())
-    return replica
+            f"{strategy} cannot train with LBFGS over {num_replicas} replicas: LBFGS re-evaluates the loss through "
+            "its closure several times per step and decides its line search and stopping from the loss value, "
+            "which each replica knows only for its own slice of the batch, so the replicas would take other "
+            f"steps than one device. Received: {type(optimizer).__name__} with {num_replicas} replicas in sync. "
+            "Train with LBFGS on one device (OneDeviceStrategy), or choose a first-order optimizer (SGD, Adam, ...)."
+        )
 
 
 def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -11,6 +11,7 @@ then see the same combined gradient on every replica and apply the same update.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
+from stratagem.strategies import lr_schedulers
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import (
     DistributedModel,
     DistributedOptimizer,
+    check_optimizer_supported,
     replicate_optimizer,
 )
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
@@ -204,6 +207,7 @@ class MirroredStrategy(Strategy):
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         self._check_distribute_args(model, optimizer, self._model)
+        check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self).__name__)
         self._check_memory(model, optimizer)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
@@ -217,14 +221,14 @@ class MirroredStrategy(Strategy):
             if optimizer.state and self._devices[0].type != "cpu":
                 optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
             if shared:
-                distributed_optimizer = ShardedOptimizer(
-                    optimizer, [list(r.parameters()) for r in replicas], self._current_replica, self._after_optimizer_step
-                )
+                distributed_optimizer = ShardedOptimizer(optimizer, [list(r.parameters()) for r in replicas], self)
             elif len(replicas) > 1:
                 distributed_optimizer = DistributedOptimizer(
                     [optimizer] + [replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]],
                     self,
                 )
+            if distributed_optimizer is not None:  # schedulers built before distribute step once per step too
+                lr_schedulers.adopt_existing(optimizer, distributed_optimizer, gc.get_referrers)
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         self._prepare_replicas(replicas)
         self._steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
@@ -305,9 +309,13 @@ class MirroredStrategy(Strategy):
         return ctx.replica_id_in_sync_group
 
     def _after_optimizer_step(self, replica: int) -> None:
+        self._meet(replica, "optimizer step")
+
+    def _meet(self, replica: int, what: str) -> None:
+        """Inside a step, this process's replicas wait for each other at `what` (an optimizer or scheduler step)."""
         state = self._run_state
         if state is not None:
-            self._barrier.wait(replica, "optimizer step", state.step)
+            self._barrier.wait(replica, what, state.step)
 
     # ---- run ----------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:

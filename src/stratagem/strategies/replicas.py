@@ -114,7 +114,8 @@ class ReplicaBarrier:
                 gone = sorted(self._finished - self._arrived)
                 if gone:
                     # The meeting points of an update are reached through optimizer.step(), the others through backward().
-                    call = "optimizer.step()" if "optimizer step" in what else "backward()"
+                    call = ("optimizer.step()" if "optimizer step" in what
+                            else "scheduler.step()" if "scheduler step" in what else "backward()")
                     error = ReplicaError(
                         f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
                         f"{self._describe(gone)} returned from the step function without getting there. Every "

@@ -14,14 +14,20 @@ This is exact only for optimizers whose update of an element depends on that ele
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.distributed import ReplicatedOptimizer
+from stratagem.strategies import lr_schedulers
+from stratagem.strategies.distributed import (
+    KERNEL_KEYS,
+    ReplicatedOptimizer,
+    _copy_hyperparameters,
+    clone_optimizer,
+)
 
 ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset({
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -54,6 +60,16 @@ def why_not_shareable(optimizer: torch.optim.Optimizer | None, model: nn.Module)
     return None
 
 
+class ShardOwner(Protocol):
+    """What the sharded optimizer needs from its strategy."""
+
+    def _current_replica(self) -> int | None: ...
+
+    def _meet(self, replica: int, what: str) -> None: ...
+
+    def _after_optimizer_step(self, replica: int) -> None: ...
+
+
 class ShardedOptimizer(ReplicatedOptimizer):
     """The optimizer `distribute` returns when replicas share parameters.
 
@@ -62,17 +78,13 @@ class ShardedOptimizer(ReplicatedOptimizer):
     `distribute`, whole tensors, so checkpoints do not depend on the number of replicas.
     """
 
-    def __init__(
-        self,
-        template: torch.optim.Optimizer,
-        replica_params: Sequence[Sequence[nn.Parameter]],
-        current_replica: Callable[[], int | None],
-        after_step: Callable[[int], None],
-    ) -> None:
+    def __init__(self, template: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
+                 strategy: ShardOwner) -> None:
         # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
+        self._template = template
+        self._strategy = strategy
+        self._schedulers = lr_schedulers.SchedulerSet()
         self._replica_params = [list(ps) for ps in replica_params]
-        self._current = current_replica
-        self._after_step = after_step
         source = self._replica_params[0]
         index = {id(p): i for i, p in enumerate(source)}
         self._order = [index[id(p)] for group in template.param_groups for p in group["params"]]
@@ -80,22 +92,23 @@ class ShardedOptimizer(ReplicatedOptimizer):
         self._bounds = [[chunk_bounds(source[i].numel(), r, num_replicas) for i in self._order] for r in range(num_replicas)]
         self._optimizers = []
         for r in range(num_replicas):
-            shards = iter(
-                [nn.Parameter(source[i].data.view(-1)[lo:hi]) for i, (lo, hi) in zip(self._order, self._bounds[r])]
-            )
-            groups = []
-            for group in template.param_groups:
-                copy = {k: v for k, v in group.items() if k != "params"}
-                copy["params"] = [next(shards) for _ in group["params"]]
-                groups.append(copy)
-            self._optimizers.append(_build_optimizer(type(template), groups, dict(template.defaults)))
+            shards = [nn.Parameter(source[i].data.view(-1)[lo:hi]) for i, (lo, hi) in zip(self._order, self._bounds[r])]
+            mapping = {id(source[i]): shard for i, shard in zip(self._order, shards)}
+            shard_optimizer = clone_optimizer(template, mapping, with_state=False)
+            _prefer_fast_kernels(shard_optimizer)
+            self._optimizers.append(shard_optimizer)
         # The user's kernel choices, reported in state_dict() whatever kernels the shards use.
-        self._user_flags = {k: template.defaults[k] for k in ("fused", "foreach") if k in template.defaults}
+        self._user_flags = {k: template.defaults[k] for k in KERNEL_KEYS if k in template.defaults}
         if template.state:
             self.load_state_dict(template.state_dict())
 
+    def _primary(self) -> torch.optim.Optimizer:
+        # The user's optimizer keeps the hyper-parameters (a scheduler built on it before distribute writes
+        # there); its own state is not used: each shard's optimizer holds the state of its share.
+        return self._template
+
     def _replica(self, action: str) -> int:
-        replica = self._current()
+        replica = self._current_replica()
         if replica is None:
             if len(self._optimizers) == 1:
                 return 0
@@ -104,10 +117,6 @@ class ShardedOptimizer(ReplicatedOptimizer):
                 "inside the step function. Call it in the function given to strategy.run()."
             )
         return replica
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._optimizers[self._current() or 0].param_groups
 
     @property
     def state(self) -> dict[nn.Parameter, dict[str, Any]]:  # type: ignore[override]
@@ -127,11 +136,15 @@ class ShardedOptimizer(ReplicatedOptimizer):
         result = optimizer.step(closure)
         for shard in shards:
             shard.grad = None
-        self._after_step(replica)  # nobody reads the parameters until every share is updated
+        if hasattr(vars(self._template).get("step"), "_wrapped_by_lr_sched"):
+            # A scheduler built on the user's optimizer before distribute checks, at its first step, that
+            # the optimizer stepped: torch's wrapper of its step() records that, but the shards step instead.
+            self._template._opt_called = True  # type: ignore[attr-defined]
+        self._strategy._after_optimizer_step(replica)  # nobody reads the parameters until every share is updated
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        replica = self._current() or 0
+        replica = self._current_replica() or 0
         for p in self._replica_params[replica]:
             if p.grad is None:
                 continue
@@ -141,6 +154,9 @@ class ShardedOptimizer(ReplicatedOptimizer):
                 p.grad.detach_().zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        # The hyper-parameters as the primary groups hold them now (a scheduler may have stepped since the
+        # last optimizer step).
+        _copy_hyperparameters(self._template.param_groups, self._optimizers[0].param_groups)
         dicts = [opt.state_dict() for opt in self._optimizers]
         source = self._replica_params[0]
         merged: dict[int, dict[str, Any]] = {}
@@ -154,7 +170,7 @@ class ShardedOptimizer(ReplicatedOptimizer):
                 else:
                     entry[key] = value
             merged[i] = entry
-        groups = [{**group, **self._user_flags} for group in dicts[0]["param_groups"]]
+        groups = [{**group, **self._user_flags} for group in dicts[0]["param_groups"]]  # the user's kernel flags
         return {"state": merged, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -166,9 +182,11 @@ class ShardedOptimizer(ReplicatedOptimizer):
                 numel = source[self._order[i]].numel()
                 lo, hi = self._bounds[r][i]
                 shard_state[i] = {key: _shard_of(value, numel, lo, hi) for key, value in entry.items()}
-            flags = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+            flags = [{k: g[k] for k in KERNEL_KEYS if k in g} for g in optimizer.param_groups]
             groups = [{**group, **mine} for group, mine in zip(state_dict["param_groups"], flags)]
             optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
+        # The primary groups hold the hyper-parameters: they take the loaded ones too.
+        _copy_hyperparameters(self._optimizers[0].param_groups, self._template.param_groups)
 
 
 def _shard_of(value: Any, numel: int, lo: int, hi: int) -> Any:
@@ -182,23 +200,33 @@ def _shard_of(value: Any, numel: int, lo: int, hi: int) -> Any:
     return value.clone()
 
 
-def _build_optimizer(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-                     defaults: dict[str, Any]) -> torch.optim.Optimizer:
-    """A shard's optimizer with torch's fastest kernels for the same arithmetic, where the user left the
+def _prefer_fast_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Gives a shard's optimizer torch's fastest kernels for the same arithmetic, where the user left the
     choice to torch: fused (one pass over parameter, gradient and state; about 5% of a step on the MLP
-    workload with two CPU replicas), else foreach. torch picks neither on a CPU by default. Not for ASGD,
-    whose foreach kernel rounds differently from its single-tensor one (1.5e-9 apart in float64 after six
-    steps of a small MLP), so the shards would drift from the one-device result."""
-    if cls is not torch.optim.ASGD and defaults.get("foreach") is None and not defaults.get("fused") \
-            and not defaults.get("differentiable"):
-        for fast in ({"fused": True, "foreach": None}, {"foreach": True}):
-            if all(key in defaults for key in fast):
-                # On the groups too: a group copied from the user's optimizer carries its own
-                # fused=None / foreach=None, which would override the defaults.
-                fast_groups = [{**group, **{k: v for k, v in fast.items() if k in group or k in defaults}}
-                               for group in groups]
-                try:
-                    return cls(fast_groups, **{**defaults, **fast})
-                except (RuntimeError, TypeError, ValueError):
-                    continue  # this optimizer or device has no such kernel
-    return cls(groups, **defaults)
+    workload with two CPU replicas), else foreach. torch picks neither on a CPU by default. Only for torch's
+    own classes (a subclass may not take the flags), not for ASGD, whose foreach kernel rounds differently
+    from its single-tensor one (1.5e-9 apart in float64 after six steps of a small MLP), so the shards
+    would drift from the one-device result."""
+    defaults = optimizer.defaults
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is torch.optim.ASGD:
+        return
+    if defaults.get("foreach") is not None or defaults.get("fused") or defaults.get("differentiable"):
+        return
+    if "fused" in defaults and type(optimizer) in _FUSED_ON_CPU:
+        flags = {"fused": True, "foreach": None}
+        # What the class's __init__ does for fused=True: GradScaler may hand it the scale, and the
+        # parameters' device and dtype are checked at the first step.
+        optimizer._step_supports_amp_scaling = True
+        optimizer._need_device_dtype_check_for_fused = True
+    elif "foreach" in defaults:
+        flags = {"foreach": True}
+    else:
+        return
+    for target in [defaults, *optimizer.param_groups]:
+        target.update({k: v for k, v in flags.items() if k in target or k in defaults})
+
+
+_FUSED_ON_CPU: frozenset[type[torch.optim.Optimizer]] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+})
+"""torch's optimizers with a fused kernel for CPU tensors (torch 2.13)."""
