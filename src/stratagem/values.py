@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stratagem import nest
 from stratagem.errors import InputError
 
 
@@ -57,22 +58,18 @@ class PerReplica:
         return f"PerReplica({list(self.values)!r}{sizes})"
 
 
+def _is_per_replica(value: Any) -> bool:
+    return isinstance(value, PerReplica)
+
+
 def map_structure(fn: Callable[[Any], Any], structure: Any) -> Any:
-    """Applies `fn` to every leaf of a nest of tuples, lists and dicts (named tuples kept)."""
-    if isinstance(structure, dict):
-        return type(structure)((k, map_structure(fn, v)) for k, v in structure.items())
-    if isinstance(structure, tuple) and hasattr(structure, "_fields"):
-        return type(structure)(*(map_structure(fn, v) for v in structure))
-    if isinstance(structure, (tuple, list)):
-        return type(structure)(map_structure(fn, v) for v in structure)
-    return fn(structure)
+    """Applies `fn` to every leaf of a nest (see `stratagem.nest`); a `PerReplica` is one leaf."""
+    return nest.map_structure(fn, structure, _is_per_replica)
 
 
 def flatten(structure: Any) -> list[Any]:
-    """The leaves of a nest of tuples, lists and dicts, in order."""
-    leaves: list[Any] = []
-    map_structure(leaves.append, structure)
-    return leaves
+    """The leaves of a nest, in order; a `PerReplica` is one leaf."""
+    return nest.flatten(structure, _is_per_replica)
 
 
 def select_replica(structure: Any, replica: int) -> Any:
@@ -86,13 +83,11 @@ def stack_replicas(results: Sequence[Any], batch_sizes: tuple[int, ...] | None, 
     Results that are not nests of the same shape become one `PerReplica` of the whole results.
     """
     first = results[0]
-    try:
-        leaves_per_replica = [flatten(r) for r in results]
-        if any(len(leaves) != len(leaves_per_replica[0]) for leaves in leaves_per_replica):
-            raise ValueError
-    except ValueError:
+    if not nest.is_nest(first, _is_per_replica):
         return PerReplica(tuple(results), batch_sizes, global_size)
-    if not isinstance(first, (tuple, list, dict)):
+    paths_per_replica = [[path for path, _ in nest.flatten_with_paths(r, "", _is_per_replica)] for r in results]
+    if any(paths != paths_per_replica[0] for paths in paths_per_replica):
         return PerReplica(tuple(results), batch_sizes, global_size)
+    leaves_per_replica = [flatten(r) for r in results]
     columns = iter(zip(*leaves_per_replica))
     return map_structure(lambda _: PerReplica(tuple(next(columns)), batch_sizes, global_size), first)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from stratagem.errors import InputError
-from stratagem.values import flatten, map_structure
+from stratagem.nest import flatten_with_paths
+from stratagem.values import map_structure
 
 
 def split_sizes(num_examples: int, num_replicas: int) -> list[int]:
@@ -30,27 +31,35 @@ def split_sizes(num_examples: int, num_replicas: int) -> list[int]:
 
 
 def batch_size_of(batch: Any) -> int:
-    """The first dimension shared by every tensor of a batch; raises `InputError` if they disagree."""
-    tensors = [t for t in flatten(batch) if isinstance(t, torch.Tensor)]
+    """The first dimension shared by every tensor of a batch; raises `InputError` if they disagree.
+
+    A batch is any nest (`stratagem.nest`): tuples, lists, named tuples, dataclasses, dicts and
+    other `Mapping`s such as Hugging Face's `BatchEncoding`. Leaves that are not tensors (strings,
+    numbers) are not split: every replica receives them unchanged.
+    """
+    tensors = [(path, t) for path, t in flatten_with_paths(batch, "batch") if isinstance(t, torch.Tensor)]
     if not tensors:
         raise InputError(
-            "A batch must contain at least one tensor (a tensor, or a tuple, list or dict of tensors). "
-            f"Received: a batch of type {type(batch).__name__} with no tensor in it."
+            "A batch must contain at least one tensor (a tensor, or a tuple, list, dict, Mapping or dataclass "
+            f"holding tensors). Received: a batch of type {type(batch).__name__} with no tensor in it."
         )
-    sizes = [t.shape[0] if t.dim() > 0 else None for t in tensors]
-    if None in sizes:
+    scalars = [path for path, t in tensors if t.dim() == 0]
+    if scalars:
         raise InputError(
             "Every tensor of a batch needs a first (batch) dimension to split it among replicas. "
-            f"Received: tensors of shapes {[tuple(t.shape) for t in tensors]}. "
+            f"Received: {scalars[0]} is a scalar tensor (shapes {[tuple(t.shape) for _, t in tensors]}). "
             "Give scalars to `run` as separate arguments instead of inside the batch."
         )
-    if len(set(sizes)) != 1:
-        raise InputError(
-            "The tensors of a batch disagree in their first (batch) dimension, so the batch cannot be "
-            f"split among replicas. Received: shapes {[tuple(t.shape) for t in tensors]}. "
-            "Make every tensor of a batch hold the same number of examples."
-        )
-    return int(sizes[0])
+    first_path, first = tensors[0]
+    for path, t in tensors[1:]:
+        if t.shape[0] != first.shape[0]:
+            raise InputError(
+                "The tensors of a batch disagree in their first (batch) dimension, so the batch cannot be "
+                f"split among replicas. Received: {path} holds {t.shape[0]} examples and {first_path} holds "
+                f"{first.shape[0]} (shapes {[tuple(x.shape) for _, x in tensors]}). Make every tensor of a batch "
+                "hold the same number of examples, or pass the odd one to `run` as a separate argument."
+            )
+    return int(first.shape[0])
 
 
 def split_batch(batch: Any, sizes: Sequence[int], devices: Sequence[torch.device]) -> list[Any]:

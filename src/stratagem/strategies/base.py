@@ -28,7 +28,7 @@ from stratagem.strategies.distributed import check_optimizer_matches
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
 from stratagem.strategies.replicas import current_replica_context
-from stratagem.values import PerReplica, ReduceOp, map_structure
+from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
 
 
 class Strategy(abc.ABC):
@@ -74,7 +74,8 @@ class Strategy(abc.ABC):
     def distribute_dataset(self, dataset: Iterable[Any]) -> "DistributedDataset":
         """Splits each GLOBAL batch that `dataset` yields among the replicas.
 
-        Each batch (a tensor, or a tuple, list or dict of tensors sharing their first dimension)
+        Each batch (a tensor, or any nest of tensors sharing their first dimension: tuples, lists,
+        named tuples, dicts and other Mappings such as Hugging Face's BatchEncoding, dataclasses)
         is cut into contiguous slices whose sizes differ by at most one; a replica whose slice is
         empty still takes part in the step, with weight zero.
 
@@ -124,7 +125,8 @@ class Strategy(abc.ABC):
         step over a distributed batch, so the mean of per-replica mean losses is the mean loss
         over the global batch (replicas with an empty slice count for nothing). With `axis=0`
         the values are also reduced over their first (batch) dimension, MEAN dividing by the
-        true global number of examples. Nests (tuples, dicts) are reduced leaf by leaf.
+        true global number of examples. Nests (tuples, dicts, dataclasses such as a model's output
+        object, any Mapping) are reduced leaf by leaf into the same structure; None leaves stay None.
         """
         op = ReduceOp.parse(op)
         if axis not in (None, 0):
@@ -170,7 +172,9 @@ class Strategy(abc.ABC):
     def _reduce_device(self) -> torch.device:
         return self._local_devices[0]
 
-    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
+    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor | None:
+        if value is None or (isinstance(value, PerReplica) and all(v is None for v in value.values)):
+            return None  # an output field the model left unset (a ModelOutput's optional loss, say)
         device = self._reduce_device()
         if isinstance(value, PerReplica):
             values, sizes = list(value.values), value.batch_sizes
@@ -270,7 +274,7 @@ def distribute_batch(batch: Any, devices: Sequence[torch.device], step: int = 0)
 def stack_batch(pieces: Sequence[Any]) -> Any:
     """One batch per replica -> one batch whose tensors are `PerReplica` values with batch sizes."""
     sizes = tuple(batch_size_of(p) for p in pieces)
-    columns = iter(zip(*[_leaves(p) for p in pieces]))
+    columns = iter(zip(*[flatten(p) for p in pieces]))
 
     def make(leaf: Any) -> Any:
         column = next(columns)
@@ -280,8 +284,3 @@ def stack_batch(pieces: Sequence[Any]) -> Any:
 
     return map_structure(make, pieces[0])
 
-
-def _leaves(structure: Any) -> list[Any]:
-    out: list[Any] = []
-    map_structure(out.append, structure)
-    return out

@@ -480,7 +480,8 @@ class MirroredStrategy(Strategy):
         elif lists[0]:
             self._reducer.combine_(replica, lists, state.weights)
         self._barrier.wait(replica, "gradient combination", state.step)
-        if lists[0] and self._combine_across_workers(replica, lists, state.step):
+        # Not only when this worker has gradients: the others may, and every worker must join the sum.
+        if self._combine_across_workers(replica, lists, state.step):
             self._barrier.wait(replica, "gradient combination across workers", state.step)
 
     def _claim_combination(self, replica: int, current: int, weights: list[float]) -> Callable[[], None] | None:

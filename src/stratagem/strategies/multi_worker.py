@@ -28,6 +28,7 @@ from torch import nn
 
 from stratagem import environ
 from stratagem.cluster import Cluster, allocator, init_process_group, resolve_cluster
+from stratagem.cluster.release import release_store
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.cross_worker import CrossWorker
 from stratagem.strategies.gather import from_bytes, to_bytes
@@ -99,6 +100,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         store = _start_process_group(self._cluster, self._devices, backend, timeout,
                                      token=env.get("STRATAGEM_CLUSTER_TOKEN"))
         self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
+        self._closed = False
         world = self._cluster.world_size
         self._cw = CrossWorker(
             store,
@@ -194,7 +196,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._broadcast_from_chief(replicas)
         if len(replicas) == 1:
             self._buckets = GradientBuckets(
-                self._replica_params[0], bucket_bytes=self._bucket_bytes, first_bucket_bytes=self._first_bucket_bytes
+                self._replica_params[0], bucket_bytes=self._bucket_bytes, first_bucket_bytes=self._first_bucket_bytes,
+                count_users=True,  # a parameter no worker used keeps grad None, as on one device
             )
 
     def _check_same_model(self, model: nn.Module) -> None:
@@ -264,13 +267,32 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
         if replica == 0:
-            grads = list(lists[0])
-            flat = torch._utils._flatten_dense_tensors(grads)
-            self._cw.all_reduce_([flat], what="gradient all-reduce", step=step)
-            summed = torch._utils._unflatten_dense_tensors(flat, grads)
-            for k in range(len(lists)):
-                torch._foreach_copy_(list(lists[k]), list(summed))
+            self._sum_across_workers(step)
         return True
+
+    def _sum_across_workers(self, step: int) -> None:
+        """Replica 0, after the local combination: sums every parameter's gradient across workers, with one
+        number per parameter riding along that counts the workers whose replicas used it. Every worker sends
+        the same layout (zeros for a parameter none of its replicas used); a parameter no worker used keeps
+        grad None everywhere, as on one device, and one used elsewhere only gets the sum of the others'."""
+        params = self._replica_params
+        used = [any(replica[i].grad is not None for replica in params) for i in range(len(params[0]))]
+        grads = [p.grad if u else torch.zeros_like(p) for p, u in zip(params[0], used)]
+        if not grads:
+            return
+        counts = torch.tensor(used, dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch._utils._flatten_dense_tensors([*grads, counts])
+        self._cw.all_reduce_([flat], what="gradient all-reduce", step=step)
+        *summed, users = torch._utils._unflatten_dense_tensors(flat, [*grads, counts])
+        for i, count in enumerate(users.tolist()):
+            if count == 0:
+                continue  # nobody used it: every local replica's grad is already None
+            for replica in params:
+                p = replica[i]
+                if p.grad is None:
+                    p.grad = summed[i].clone()
+                else:
+                    p.grad.copy_(summed[i])
 
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
@@ -327,18 +349,29 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """Stops the replica threads and frees the process group, whose Gloo threads then end. Runs by itself
         at exit: a Gloo thread still running when the interpreter shuts down aborts the process if it
         releases a finished collective then (SIGABRT after a successful run)."""
+        self._close(release=True)
+
+    def _close(self, release: bool) -> None:
+        """`release`: hand the rendezvous store back (see cluster/release.py), so that a strategy can be built
+        again at the same address; not needed at exit, where a worker that already died would only delay it."""
+        if getattr(self, "_closed", True):
+            return  # closed already (or never built): the process group now may be another strategy's
+        self._closed = True
         super().close()
-        cw = getattr(self, "_cw", None)
-        if cw is not None:
-            cw.close()
+        cw = self._cw
+        cw.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        store, cw.store = cw.store, None
+        if release and store is not None:
+            release_store(store, rank=cw.rank, task_names=cw.task_names, timeout=self._timeout)
+        del store  # the chief's store stops listening with its last reference
 
 
 def _close_at_exit(ref: weakref.ref[MultiWorkerMirroredStrategy]) -> None:
     strategy = ref()
     if strategy is not None:
-        strategy.close()
+        strategy._close(release=False)
 
 
 class MultiWorkerDataset:
