@@ -310,3 +310,50 @@ def test_bad_settings_are_refused():
     with pytest.raises(sg.InputError, match=r"batch_norm must be one of \('global', 'per_replica'\)\. "
                                             r"Received: batch_norm='sync'"):
         mirrored(2, batch_norm="sync")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path):
+    """One launch, several checks: 2 workers x 2 replicas, a step in which worker 1's replicas are all idle."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from stratagem import environ
+    from stratagem.cluster import launch
+
+    path = Path(__file__).parent / "workers" / "mwms_batch_norm.py"
+    spec = importlib.util.spec_from_file_location("mwms_batch_norm", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    env = dict(environ.current())
+    env.update({"MW_OUT": str(tmp_path / "out"), "STRATAGEM_DEVICES_PER_WORKER": "2"})
+    lines: list[str] = []
+    result = launch([sys.executable, str(path)], workers=2, env=env, timeout=200, grace_period=2,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"))
+    assert result.exit_code == 0, "\n".join(lines[-30:])
+
+    reference, ref_opt = worker.build()
+    for x, y in worker.batches():
+        F.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    reference.eval()
+    with torch.no_grad():
+        test = worker.batches([7, 1], seed=4)
+        want_loss = sum(float(F.cross_entropy(reference(x), y, reduction="sum")) for x, y in test) / 8
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"out.{rank}", weights_only=False)
+        for state in saved["states"]:  # parameters and running statistics of every replica of every worker
+            for key, value in reference.state_dict().items():
+                torch.testing.assert_close(state[key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}")
+        for index, entry in ref_opt.state_dict()["state"].items():
+            torch.testing.assert_close(saved["optimizer"]["state"][index]["momentum_buffer"], entry["momentum_buffer"],
+                                       **TOL[torch.float64])
+        assert all(0 not in seen for seen in saved["seen"]), saved["seen"]
+        assert saved["loss"] == pytest.approx(want_loss, rel=1e-9)
+        assert "BatchNorm statistics: global batch" in saved["explain"]
+        assert "and a sum across workers" in saved["explain"]
+    assert saved["seen"][0][1] == 1  # worker 1 ran its stand-in example in the step it had no example of its own
