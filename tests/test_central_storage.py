@@ -214,7 +214,8 @@ def test_central_copy_keeps_the_buffers_replica_0_computed(share):
     net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()
     plain = copy.deepcopy(net)
     x = torch.randn(5, 4, dtype=torch.float64)
-    strategy = central(2, share_parameters=share)
+    # Per-replica statistics, so replica 0's differ from the others' (global statistics: tests/test_batch_norm.py).
+    strategy = central(2, share_parameters=share, batch_norm="per_replica")
     model = strategy.distribute(net)
     (batch,) = list(strategy.distribute_dataset([x]))
     strategy.run(lambda piece: model(piece).sum().backward(), args=(batch,))

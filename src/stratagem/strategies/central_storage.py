@@ -65,6 +65,8 @@ class CentralStorageStrategy(MirroredStrategy):
         require_gpu: raise `GpuUnavailableError`, with the diagnosis, instead of computing on the CPU.
         timeout: seconds any replica waits for the others before failing with an error naming them.
         intra_op_threads: torch intra-op threads per CPU replica (default: shared evenly).
+        batch_norm: "global" (default) or "per_replica", as for MirroredStrategy; with "global" the
+            central copy holds the running statistics of the global batch.
 
     Example:
         >>> strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"])     # parameters on the CPU
@@ -83,6 +85,7 @@ class CentralStorageStrategy(MirroredStrategy):
         require_gpu: bool = False,
         timeout: float = 300.0,
         intra_op_threads: int | None = None,
+        batch_norm: str = "global",
         registry: sg_devices.DeviceRegistry | None = None,
     ) -> None:
         if parameter_device is not None and not isinstance(parameter_device, (str, torch.device)):
@@ -96,7 +99,8 @@ class CentralStorageStrategy(MirroredStrategy):
                 f"share_parameters must be True or False. Received: share_parameters={share_parameters!r}. "
                 "Use True (replicas on the central device read its parameters in place) or False (a copy each)."
             )
-        super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads, registry=registry)
+        super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads, batch_norm=batch_norm,
+                         registry=registry)
         if require_gpu and not any(d.type == "cuda" for d in self._devices):
             raise GpuUnavailableError(self._no_gpu_message(devices))
         self._share_parameters = share_parameters
@@ -251,6 +255,7 @@ class CentralStorageStrategy(MirroredStrategy):
         self._central_params = [p for p in central.parameters() if p.requires_grad]
         self._replicas = replicas
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        self._install_batch_norm(replicas)
         if self._needs_gradient_sync():
             for r, params in enumerate(self._replica_params):
                 for i, p in enumerate(params):

@@ -53,7 +53,8 @@ class DistributedModel(nn.Module):
         return list(self._replicas)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        # Through the strategy: a replica whose slice is empty calls the model on a stand-in (empty_slices.py).
+        return self._strategy._call_replica(self.module, args, kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)

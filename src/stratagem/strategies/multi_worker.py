@@ -59,6 +59,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         shared_memory: sum CPU tensors across workers through shared memory when every worker runs on
             this host (None, the default: whenever they can; False: always through Gloo; True: an
             error unless they can). `explain()` says which, and why.
+        batch_norm: "global" (default): BatchNorm statistics of the global batch of every worker;
+            "per_replica": each replica's own slice (see MirroredStrategy).
 
     Example:
         >>> strategy = sg.MultiWorkerMirroredStrategy()       # under `stratagem launch --workers 2`
@@ -78,6 +80,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         intra_op_threads: int | None = None,
         share_parameters: bool | None = None,
         shared_memory: bool | None = None,
+        batch_norm: str = "global",
         registry: Any = None,
     ) -> None:
         env = environ.current()
@@ -86,7 +89,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if devices is None:
             devices, local_decision = _default_local_devices(self._cluster, env, registry)
         super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads,
-                         share_parameters=share_parameters, registry=registry)
+                         share_parameters=share_parameters, batch_norm=batch_norm, registry=registry)
         if local_decision is not None:
             self._decisions = [d for d in self._decisions if d.subject != "devices"] + [local_decision]
         self._bucket_bytes = int(bucket_mb * 1024 * 1024)
@@ -293,6 +296,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     p.grad = summed[i].clone()
                 else:
                     p.grad.copy_(summed[i])
+
+    def _batch_norm_cross_worker(self) -> Any:
+        return lambda tensor, what, step: self._cw.all_reduce_([tensor], what=what, step=step)
 
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()

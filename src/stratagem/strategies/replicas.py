@@ -60,6 +60,7 @@ class ReplicaBarrier:
         self._arrived: set[int] = set()
         self._finished: set[int] = set()
         self._generation = 0
+        self._what = ""
         self._error: BaseException | None = None
 
     def reset(self) -> None:
@@ -89,18 +90,31 @@ class ReplicaBarrier:
             self._cond.notify_all()
 
     def wait(self, replica: int, what: str, step: int,
-             steal: Callable[[], Callable[[], None] | None] | None = None) -> None:
+             steal: Callable[[], Callable[[], None] | None] | None = None, call: str | None = None) -> None:
         """Waits until every replica has arrived (or one has failed, returned, or timed out).
 
         `steal`, called with the barrier's lock held while this replica waits, may hand back a job
         to run with the lock released (work another replica would otherwise do after the meeting);
-        what it claims is decided before the last replica arrives, never after.
+        what it claims is decided before the last replica arrives, never after. `call`: what the user
+        calls to get here (for the error when a replica returned without arriving).
         """
         n = len(self._names)
         with self._cond:
             if self._error is not None:
                 raise _Aborted() from self._error
             generation = self._generation
+            if not self._arrived:
+                self._what = what
+            elif what != self._what:
+                # Two different meetings would otherwise be taken for one (a replica ran another path).
+                error = ReplicaError(
+                    f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step}, but "
+                    f"{self._describe(sorted(self._arrived))} wait(s) at the {self._what}. Every replica must run the "
+                    "same model calls and backward() passes in each step, whatever its slice."
+                )
+                self._error = error
+                self._cond.notify_all()
+                raise error
             self._arrived.add(replica)
             if len(self._arrived) == n:
                 self._arrived.clear()
@@ -114,8 +128,9 @@ class ReplicaBarrier:
                 gone = sorted(self._finished - self._arrived)
                 if gone:
                     # The meeting points of an update are reached through optimizer.step(), the others through backward().
-                    call = ("optimizer.step()" if "optimizer step" in what
-                            else "scheduler.step()" if "scheduler step" in what else "backward()")
+                    if call is None:
+                        call = ("optimizer.step()" if "optimizer step" in what
+                                else "scheduler.step()" if "scheduler step" in what else "backward()")
                     error = ReplicaError(
                         f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
                         f"{self._describe(gone)} returned from the step function without getting there. Every "

@@ -1,0 +1,343 @@
+"""BatchNorm over the global batch: the statistics every replica normalises with are those of the
+whole global batch, in the forward and the backward pass, as one device computes them.
+
+Replicas of one process are threads, so torch's `SyncBatchNorm` (which needs a process group) does
+not apply. Instead the user's BatchNorm layers keep their class, parameters and buffers (so
+`isinstance(m, nn.BatchNorm2d)`, `state_dict()` keys and eval mode are untouched); only the
+instance's `forward` is replaced, while a strategy runs, by one that calls `_GlobalBatchNorm`:
+
+- forward: each replica contributes [sum, sum of squares, count] per channel (float64, from
+  its slice's mean and biased variance, which keeps the float32 case well conditioned); the
+  replicas of the process meet at the strategy's `ReplicaBarrier` and each sums the
+  contributions in replica order (so every replica gets the same bits); under
+  MultiWorkerMirroredStrategy replica 0 then sums across workers and the others wait for it.
+  The layer normalises with the global mean and biased variance and updates its running
+  statistics with the global mean and the unbiased global variance, identically everywhere.
+- backward: each replica contributes [sum dy, sum dy*(x-mean)] weighted by its share of the
+  global batch (the weight its gradient is combined with), the same meeting sums them, and
+  each replica's input gradient is that of the global loss divided by its own weight, so that
+  after the weighted gradient combination every parameter gets one device's gradient.
+
+With `batch_norm="per_replica"` (TensorFlow's default, no meetings) each replica normalises with
+its own slice's statistics and keeps its own running statistics, which then differ between
+replicas; `state_dict()` and evaluation read replica 0's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import InputError
+from stratagem.strategies.empty_slices import standing_in
+from stratagem.strategies.replicas import ReplicaBarrier, current_replica_context
+
+BATCH_NORM_MODES = ("global", "per_replica")
+CrossWorkerSum = Callable[[torch.Tensor, str, int], None]
+"""Sums a tensor in place across worker processes: (tensor, what, step)."""
+
+
+def check_batch_norm_mode(mode: Any) -> str:
+    """`mode` when it is one of `BATCH_NORM_MODES`; an `InputError` otherwise."""
+    if mode not in BATCH_NORM_MODES:
+        raise InputError(
+            f"batch_norm must be one of {BATCH_NORM_MODES}. Received: batch_norm={mode!r}. Use 'global' (statistics "
+            "of the whole global batch, as on one device) or 'per_replica' (each replica's own slice, cheaper)."
+        )
+    return mode
+
+
+def batch_norm_decision(mode: str) -> PlacementDecision:
+    """The decision `explain()` shows for `mode`."""
+    if mode == "global":
+        why = ("each BatchNorm layer normalises with the mean and variance of the whole global batch, forward and "
+               "backward, so training equals one device and every replica holds the same running statistics "
+               "(the ones state_dict() and evaluation read); batch_norm='per_replica' is cheaper")
+        return PlacementDecision(subject="BatchNorm statistics", choice="global batch", reason=why)
+    why = ("batch_norm='per_replica': each replica normalises with its own slice's statistics and keeps its own "
+           "running statistics (TensorFlow's default; no exchange), so the result differs from one device and "
+           "state_dict() and evaluation read replica 0's running statistics")
+    return PlacementDecision(subject="BatchNorm statistics", choice="per replica", reason=why)
+
+
+def batch_norm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """The BatchNorm layers of `model` this module synchronises, by name (torch's SyncBatchNorm excluded)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+
+
+@dataclass
+class _Call:
+    """One replica's call of one layer, as its forward and backward see it."""
+
+    sync: "BatchNormSync"
+    layer: int
+    replica: int
+    standing_in: bool
+    eps: float
+
+
+class _SyncForward:
+    """The `forward` a synchronised layer's instance carries. A copy of the module (deepcopy,
+    pickle) gets the class's own forward back: a copy is not one of the strategy's replicas."""
+
+    def __init__(self, sync: "BatchNormSync", layer: int, module: _BatchNorm) -> None:
+        self._call = functools.partial(sync._forward, layer, module)
+        self._module = module
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        return self._call(input)
+
+    def __reduce__(self) -> Any:
+        # Rebuilt as the copy's own attribute lookup, made before the copy's __dict__ is filled: the class's forward.
+        return (getattr, (self._module, "forward"))
+
+
+class BatchNormSync:
+    """The BatchNorm part of a data-parallel strategy: which statistics BatchNorm layers use, the
+    meetings that exchange them, and what `explain()` says about it.
+
+    Args:
+        mode: "global" or "per_replica" (see the module docstring).
+        strategy: the strategy whose replica contexts count as its replicas.
+        barrier: where the local replicas meet.
+        num_replicas_in_sync: across every worker (1: nothing to synchronise).
+        weight: the combination weight of a local replica in the running step (None outside a step).
+        step: the number of the running step, for errors.
+        cross_worker_sum: sums across workers (MultiWorkerMirroredStrategy), or None.
+    """
+
+    def __init__(self, mode: str, *, strategy: Any, barrier: ReplicaBarrier, num_local: int, num_replicas_in_sync: int,
+                 weight: Callable[[int], float | None], step: Callable[[], int],
+                 cross_worker_sum: CrossWorkerSum | None = None) -> None:
+        self.mode = check_batch_norm_mode(mode)
+        self._strategy = strategy
+        self._barrier = barrier
+        self._num_local = num_local
+        self._num_in_sync = num_replicas_in_sync
+        self._weight = weight
+        self._step = step
+        self._cross_worker_sum = cross_worker_sum
+        self._names: list[str] = []
+        self._channels: list[int] = []
+        self._installed: list[_BatchNorm] = []
+        self.begin_step()
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def install(self, replicas: Sequence[nn.Module]) -> None:
+        """Gives each BatchNorm layer of every replica its synchronised forward (global mode, several replicas)."""
+        layers = [batch_norm_layers(r) for r in replicas]  # (lazy layers fail before this: torch's own error)
+        self._names = [name for name, _ in layers[0]]
+        self._channels = [m.num_features for _, m in layers[0]]
+        if self._num_in_sync == 1:
+            return
+        for replica_layers in layers:
+            for index, (_, module) in enumerate(replica_layers):
+                module.forward = _SyncForward(self, index, module)  # type: ignore[method-assign]
+                self._installed.append(module)
+
+    def remove(self) -> None:
+        """Gives every layer its class's forward back (the strategy is closed)."""
+        for module in self._installed:
+            module.__dict__.pop("forward", None)
+        self._installed = []
+
+    def begin_step(self) -> None:
+        """Called at the start of each run: every replica's meetings count from zero."""
+        self._exchanges = [0] * self._num_local
+        self._slots: list[list[Any]] = [[None] * self._num_local, [None] * self._num_local]
+        self._results: list[Any] = [None, None]
+
+    # ---- explain ------------------------------------------------------------------------------
+    def describe(self) -> dict[str, str]:
+        """What each BatchNorm layer costs per step (empty before `distribute` or without BatchNorm)."""
+        if not self._names:
+            return {}
+        if self.mode == "per_replica" or self._num_in_sync == 1:
+            return {"BatchNorm layers": f"{len(self._names)} layer(s), statistics of each replica's own slice, "
+                                        "nothing exchanged"}
+        across = " and a sum across workers" if self._cross_worker_sum is not None else ""
+        costs = "; ".join(f"{name or '(model)'}: {2 * c + 1} + {2 * c} float64 values"
+                          for name, c in zip(self._names, self._channels))
+        total = sum(4 * c + 1 for c in self._channels) * 8
+        return {"BatchNorm layers": (
+            f"{len(self._names)} layer(s), each training call exchanges [sum, sum of squares, count] per channel in "
+            f"forward and [sum dy, sum dy*(x-mean)] in backward: one meeting of the local replicas each way{across}; "
+            f"per replica and step {total} bytes ({costs})")}
+
+    # ---- the forward a layer gets -------------------------------------------------------------
+    def _forward(self, layer: int, module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+        ctx = current_replica_context()
+        plain = type(module).forward
+        if ctx is None or ctx.strategy is not self._strategy:
+            return plain(module, input)  # outside a step (evaluation on replica 0, a summary): the layer as written
+        use_batch_stats = module.training or (module.running_mean is None and module.running_var is None)
+        if not use_batch_stats:
+            return plain(module, input)  # eval mode with running statistics: nothing depends on the other replicas
+        module._check_input_dim(input)
+        replica = ctx.replica_id_in_sync_group
+        if self.mode == "per_replica":
+            if standing_in():
+                return _normalise_stand_in(module, input)
+            per_replica_check(module, input, replica, self._layer_name(layer))
+            return plain(module, input)
+        factor = _update_factor(module)
+        call = _Call(self, layer, replica, standing_in(), module.eps)
+        return _GlobalBatchNorm.apply(input, module.weight, module.bias, call,
+                                      module.running_mean if module.training else None,
+                                      module.running_var if module.training else None, factor)
+
+    # ---- the meeting --------------------------------------------------------------------------
+    def _exchange(self, replica: int, local: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum of `local` over every replica of every worker (each replica calls this in the same order)."""
+        step = self._step()
+        if self._num_local == 1:
+            total = local.clone()
+            if self._cross_worker_sum is not None:
+                self._cross_worker_sum(total, what, step)
+            return total
+        count = self._exchanges[replica]
+        self._exchanges[replica] = count + 1
+        # Two sets of slots: a replica that runs ahead writes the next exchange's slot while a slow one may still
+        # read this one's; the one after next needs every replica past the next meeting, so past reading this one.
+        slots = self._slots[count % 2]
+        slots[replica] = local
+        self._barrier.wait(replica, what, step, call="the model (and backward())")
+        if self._cross_worker_sum is None:
+            return _sum_in_order(slots, local.device)
+        if replica == 0:
+            total = _sum_in_order(slots, local.device)
+            self._cross_worker_sum(total, what, step)
+            self._results[count % 2] = total
+        self._barrier.wait(replica, f"{what} across workers", step, call="the model (and backward())")
+        return self._results[count % 2].to(local.device)
+
+    def _layer_name(self, layer: int) -> str:
+        return self._names[layer] or "(model)"
+
+
+def _sum_in_order(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = tensors[0].to(device, copy=True)
+    for t in tensors[1:]:
+        total.add_(t.to(device))
+    return total
+
+
+def _update_factor(module: _BatchNorm) -> float:
+    """torch's exponential average factor for this call, counting the batch as torch does (momentum=None:
+    a cumulative average)."""
+    factor = 0.0 if module.momentum is None else module.momentum
+    if module.training and module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+    return factor
+
+
+def _channel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.view(1, -1, *([1] * (dim - 2)))
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    """Batch normalisation with statistics summed over every replica (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, call: _Call,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, factor: float) -> torch.Tensor:
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        sync = call.sync
+        if call.standing_in or x.numel() == 0:
+            local = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)  # an empty slice counts 0
+        else:
+            count = x.numel() // channels
+            var, mean = torch.var_mean(x, dims, correction=0)
+            mean64 = mean.double()
+            local = torch.cat([mean64 * count, (var.double() + mean64 * mean64) * count,
+                               torch.tensor([float(count)], dtype=torch.float64, device=x.device)])
+        name = sync._layer_name(call.layer)
+        total = sync._exchange(call.replica, local, f"BatchNorm statistics of '{name}' (forward)")
+        size = float(total[-1])
+        if size <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got {int(size)} over the global batch in "
+                f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})."
+            )
+        mean = total[:channels] / size
+        var = (total[channels:2 * channels] / size - mean * mean).clamp_(min=0)
+        invstd = torch.rsqrt(var + call.eps)
+        if running_mean is not None and running_var is not None:
+            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_((var * (size / (size - 1))).to(running_var.dtype), alpha=factor)
+        mean_x, invstd_x = mean.to(x.dtype), invstd.to(x.dtype)
+        y = (x - _channel_view(mean_x, x.dim())) * _channel_view(invstd_x, x.dim())
+        if weight is not None:
+            y = y * _channel_view(weight, x.dim())
+        if bias is not None:
+            y = y + _channel_view(bias, x.dim())
+        ctx.save_for_backward(x, weight, mean_x, invstd_x)
+        ctx.call = call
+        ctx.size = size
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        call: _Call = ctx.call
+        dim = x.dim()
+        dims = [0, *range(2, dim)]
+        channels = x.shape[1]
+        xmu = x - _channel_view(mean, dim)
+        sum_dy = dy.sum(dims)
+        sum_dy_xmu = (dy * xmu).sum(dims)
+        grad_weight = grad_bias = grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros_like(weight) if call.standing_in else sum_dy_xmu * invstd
+        if ctx.needs_input_grad[2]:
+            grad_bias = torch.zeros_like(sum_dy) if call.standing_in else sum_dy
+        if ctx.needs_input_grad[0]:
+            share = call.sync._weight(call.replica) or 0.0
+            if call.standing_in or share == 0 or x.numel() == 0:
+                local = torch.zeros(2 * channels, dtype=torch.float64, device=x.device)
+            else:
+                local = torch.cat([sum_dy.double(), sum_dy_xmu.double()]) * share
+            name = call.sync._layer_name(call.layer)
+            total = call.sync._exchange(call.replica, local, f"BatchNorm statistics of '{name}' (backward)")
+            if call.standing_in or share == 0 or x.numel() == 0:
+                grad_x = torch.zeros_like(x)  # a weight-zero replica's gradient is never read
+            else:
+                # The global loss's gradient divided by this replica's weight, which the combination multiplies back.
+                scale = share * ctx.size
+                mean_dy = (total[:channels] / scale).to(x.dtype)
+                mean_dy_xmu = (total[channels:] / scale).to(x.dtype)
+                scale_x = invstd if weight is None else invstd * weight
+                grad_x = (dy - _channel_view(mean_dy, dim) - xmu * _channel_view(invstd * invstd * mean_dy_xmu, dim)) \
+                    * _channel_view(scale_x, dim)
+        return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+def per_replica_check(module: _BatchNorm, input: torch.Tensor, replica: int, name: str) -> None:
+    """Per-replica statistics of a slice with one value per channel: the clear error (torch's names no replica)."""
+    if module.training and input.dim() > 1 and input.numel() // max(input.shape[1], 1) == 1:
+        raise InputError(
+            f"BatchNorm layer '{name}' normalises with each replica's own statistics (batch_norm='per_replica'), but "
+            f"replica {replica}'s slice has one value per channel. Received: input of shape {tuple(input.shape)}. "
+            "Use batch_norm='global' (the default), whose statistics cover the whole global batch, or a global "
+            "batch of at least two examples per replica."
+        )
+
+
+
+def _normalise_stand_in(module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """Per-replica statistics on an empty slice's stand-in example (see empty_slices.py): an output that is thrown
+    away, so neither the running statistics nor the batch count move, and one example is no error."""
+    channels = input.shape[1]
+    zeros = torch.zeros(channels, dtype=input.dtype, device=input.device)
+    ones = torch.ones(channels, dtype=input.dtype, device=input.device)
+    return torch.nn.functional.batch_norm(input, zeros, ones, module.weight, module.bias, False, 0.0, module.eps)

@@ -1,0 +1,359 @@
+"""BatchNorm under the in-process strategies: statistics of the global batch by default, forward and
+backward, so parameters and running statistics equal one device trained on the same global batches;
+per-replica statistics as an option; the user's layers keep their class, keys and eval behaviour."""
+
+from __future__ import annotations
+
+import copy
+import io
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cases import TOL
+from conftest import cpu_registry
+from torch import nn
+
+import stratagem as sg
+
+SIZES = [12, 11, 7, 2, 5]  # uneven splits, a batch smaller than 3 replicas, a last short batch
+
+
+def bn_convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=None), nn.ReLU(),
+        nn.Flatten(), nn.Linear(6 * 4 * 4, 4),
+    )
+
+
+def bn_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(),
+        nn.Linear(16, 16), nn.BatchNorm1d(16, affine=False, momentum=0.3), nn.Tanh(), nn.Linear(16, 4),
+    )
+
+
+def bn_variants() -> nn.Module:
+    """BatchNorm3d, and a layer without running statistics (it uses batch statistics in eval mode too)."""
+    return nn.Sequential(
+        nn.Conv3d(1, 3, 2), nn.BatchNorm3d(3, momentum=None), nn.ReLU(), nn.Flatten(),
+        nn.Linear(3 * 2 * 2 * 2, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(), nn.Linear(8, 4),
+    )
+
+
+MODELS = {"conv": (bn_convnet, (2, 8, 8)), "mlp": (bn_mlp, (6,)), "variants": (bn_variants, (1, 3, 3, 3))}
+
+
+def build(name, dtype=torch.float64):
+    factory, shape = MODELS[name]
+    torch.manual_seed(42)
+    model = factory().to(dtype)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), shape
+
+
+def batches(shape, sizes=SIZES, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn((n, *shape), generator=g, dtype=dtype) * 2 + 0.5, torch.randint(0, 4, (n,), generator=g))
+            for n in sizes]
+
+
+def train_plain(model, optimizer, data):
+    for x, y in data:
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def train_distributed(strategy, model, optimizer, data):
+    model, optimizer = strategy.distribute(model, optimizer)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    for x, y in strategy.distribute_dataset(data):
+        strategy.run(step, args=(x, y))
+    return model, optimizer
+
+
+def assert_states_equal(reference, modules, dtype=torch.float64):
+    want = reference.state_dict()
+    for module in modules:
+        got = module.state_dict()
+        assert list(got) == list(want)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, **TOL[dtype], msg=lambda m, k=key: f"{k}: {m}")
+
+
+def mirrored(n, **kwargs):
+    return sg.MirroredStrategy([f"cpu:{i}" for i in range(n)], registry=cpu_registry(3), **kwargs)
+
+
+@pytest.mark.parametrize("model_name", ["conv", "mlp"])
+@pytest.mark.parametrize("num_replicas,share", [(2, None), (3, None), (2, False), (3, False)],
+                         ids=["2-shared", "3-shared", "2-copies", "3-copies"])
+def test_mirrored_with_batch_norm_matches_one_device(model_name, num_replicas, share):
+    reference, ref_opt, shape = build(model_name)
+    data = batches(shape)
+    train_plain(reference, ref_opt, data)
+    model, opt, _ = build(model_name)
+    strategy = mirrored(num_replicas, share_parameters=share)
+    model, opt = train_distributed(strategy, model, opt, data)
+    # Every replica: parameters, running_mean, running_var (unbiased global variance), num_batches_tracked.
+    assert_states_equal(reference, model.replicas)
+    for got in [opt] if share is None else opt._optimizers:  # shared: one state, whole tensors
+        for index, entry in ref_opt.state_dict()["state"].items():
+            torch.testing.assert_close(got.state_dict()["state"][index]["momentum_buffer"], entry["momentum_buffer"],
+                                       **TOL[torch.float64])
+    strategy.close()
+
+
+def test_float32_and_the_layer_variants_match_one_device():
+    for dtype, name in [(torch.float32, "conv"), (torch.float64, "variants")]:
+        reference, ref_opt, shape = build(name, dtype)
+        data = batches(shape, sizes=[9, 8, 2], dtype=dtype)
+        train_plain(reference, ref_opt, data)
+        model, opt, _ = build(name, dtype)
+        strategy = mirrored(3)
+        model, _ = train_distributed(strategy, model, opt, data)
+        assert_states_equal(reference, model.replicas, dtype)
+        # Without running statistics, eval mode normalises with the statistics of the batch: the global one.
+        model.train(False)
+        reference.train(False)
+        x, _ = batches(shape, sizes=[7], dtype=dtype, seed=5)[0]
+        (piece,) = strategy.distribute_dataset([x])
+        out = strategy.run(lambda p: model(p), args=(piece,))
+        got = torch.cat(strategy.experimental_local_results(out))
+        torch.testing.assert_close(got, reference(x), **TOL[dtype])
+        strategy.close()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["in-place", "copies"])
+def test_central_storage_central_copy_gets_the_global_running_statistics(share):
+    reference, ref_opt, shape = build("conv")
+    data = batches(shape)
+    train_plain(reference, ref_opt, data)
+    model, opt, _ = build("conv")
+    strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=share, registry=cpu_registry(3))
+    model, _ = train_distributed(strategy, model, opt, data)
+    assert_states_equal(reference, [model.central])
+    # Compute copies receive the parameters at the start of a step; every replica holds the global statistics now.
+    for replica in model.replicas:
+        for name, value in reference.named_buffers():
+            torch.testing.assert_close(replica.get_buffer(name), value, **TOL[torch.float64])
+    strategy.close()
+
+
+def test_evaluate_equals_the_state_dict_loaded_into_a_plain_model():
+    model, opt, shape = build("conv")
+    data = batches(shape)
+    strategy = mirrored(3, share_parameters=False)
+    model, _ = train_distributed(strategy, model, opt, data)
+    test = batches(shape, sizes=[10, 5], seed=9)
+    result = sg.evaluate(strategy, model, test, F.cross_entropy)
+    plain = bn_convnet().double()
+    plain.load_state_dict(model.state_dict())
+    plain.eval()
+    with torch.no_grad():
+        losses = [F.cross_entropy(plain(x), y, reduction="sum") for x, y in test]
+    assert result.metrics["loss"] == pytest.approx(float(sum(losses)) / 15, rel=1e-9)
+    for replica in model.replicas[1:]:  # every replica holds the running statistics evaluation reads
+        torch.testing.assert_close(replica.state_dict()["1.running_mean"], plain.state_dict()["1.running_mean"])
+    strategy.close()
+
+
+def test_one_example_slices_train_with_global_statistics():
+    # 2 examples over 3 replicas: slices of 1, 1 and 0, where per-replica BatchNorm1d raises.
+    for name, sizes in [("mlp", [2, 4, 5]), ("conv", [1, 2, 4])]:
+        reference, ref_opt, shape = build(name)
+        data = batches(shape, sizes=sizes)
+        train_plain(reference, ref_opt, data)
+        model, opt, _ = build(name)
+        strategy = mirrored(3)
+        model, _ = train_distributed(strategy, model, opt, data)
+        assert_states_equal(reference, model.replicas)
+        strategy.close()
+
+
+def test_one_example_slice_with_per_replica_statistics_is_a_clear_error():
+    model, opt, shape = build("mlp")
+    strategy = mirrored(3, batch_norm="per_replica")
+    with pytest.raises(sg.InputError, match=r"BatchNorm layer '1' normalises with each replica's own statistics "
+                                            r"\(batch_norm='per_replica'\), but replica [12]'s slice has one value per "
+                                            r"channel\. Received: input of shape \(1, 16\)"):
+        train_distributed(strategy, model, opt, batches(shape, sizes=[4]))
+    strategy.close()
+
+
+def test_a_global_batch_of_one_example_fails_as_on_one_device():
+    reference, ref_opt, shape = build("mlp")
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        train_plain(reference, ref_opt, batches(shape, sizes=[1]))
+    model, opt, _ = build("mlp")
+    strategy = mirrored(2)
+    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got 1 over the global "
+                                         r"batch in BatchNorm layer '1'"):
+        train_distributed(strategy, model, opt, batches(shape, sizes=[1]))
+    strategy.close()
+
+
+def test_per_replica_statistics_are_each_replicas_own():
+    model, opt, shape = build("mlp")
+    strategy = mirrored(2, batch_norm="per_replica")
+    (x, y), = batches(shape, sizes=[8])
+    plain = copy.deepcopy(model)
+    model, _ = train_distributed(strategy, model, opt, [(x, y)])
+    plain.train()
+    with torch.no_grad():
+        plain(x[:4])  # replica 0's slice alone
+    torch.testing.assert_close(model.state_dict()["1.running_mean"], plain.state_dict()["1.running_mean"])
+    first, second = (r.state_dict()["1.running_mean"] for r in model.replicas)
+    assert (first - second).abs().max() > 1e-3
+    decision = strategy.explain().decision("BatchNorm statistics")
+    assert decision.choice == "per replica" and "TensorFlow's default" in decision.reason
+    assert "statistics of each replica's own slice, nothing exchanged" in str(strategy.explain())
+    strategy.close()
+
+
+def test_explain_names_the_mode_and_what_each_layer_exchanges():
+    strategy = mirrored(2)
+    decision = strategy.explain().decision("BatchNorm statistics")
+    assert decision.choice == "global batch" and "batch_norm='per_replica' is cheaper" in decision.reason
+    model, _, _ = build("conv")
+    strategy.distribute(model)
+    text = str(strategy.explain())
+    # Layer '1' has 4 channels (9 + 8 values), layer '5' has 6 (13 + 12): (17 + 25) * 8 bytes.
+    assert "BatchNorm layers: 2 layer(s)" in text
+    assert "per replica and step 336 bytes (1: 9 + 8 float64 values; 5: 13 + 12 float64 values)" in text
+    strategy.close()
+    assert sg.MirroredStrategy(["cpu:0"], registry=cpu_registry(1)).explain().decision("BatchNorm statistics") is None
+
+
+def test_the_users_layers_keep_their_class_keys_and_copies():
+    model, opt, _ = build("conv")
+    keys = list(model.state_dict())
+    strategy = mirrored(2)
+    distributed, _ = strategy.distribute(model, opt)
+    for replica in distributed.replicas:
+        assert isinstance(replica[1], nn.BatchNorm2d) and list(replica.state_dict()) == keys
+    # A copy is no replica: deepcopy and pickle give a layer with its class's forward, which runs on its own.
+    twin = copy.deepcopy(distributed.replicas[1])
+    buffer = io.BytesIO()
+    torch.save(distributed.replicas[0], buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    for copied in (twin, loaded):
+        torch.testing.assert_close(copied(x), nn.Sequential(*copied)(x))
+    strategy.close()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_replica_that_calls_the_model_once_more_is_named():
+    model, opt, shape = build("mlp")
+    strategy = mirrored(2, timeout=10)
+    model, opt = strategy.distribute(model, opt)
+
+    def step(x, y):
+        out = model(x)
+        if sg.current_replica_context().replica_id_in_sync_group == 0:
+            out = out + model(x)
+        else:
+            time.sleep(0.3)  # replica 0 waits at its second forward first
+        F.cross_entropy(out, y).backward()
+
+    (x, y), = strategy.distribute_dataset(batches(shape, sizes=[6]))
+    with pytest.raises(sg.ReplicaError, match=r"Replica 1 \(cpu:1\) reached the BatchNorm statistics of '4' "
+                                              r"\(backward\) of step 1, but replica 0 \(cpu:0\) wait\(s\) at the "
+                                              r"BatchNorm statistics of '1' \(forward\)"):
+        strategy.run(step, args=(x, y))
+    strategy.close()
+
+
+def test_a_replica_that_skips_the_model_or_is_late_is_named():
+    model, opt, shape = build("mlp")
+    strategy = mirrored(2, timeout=0.5)
+    model, opt = strategy.distribute(model, opt)
+    (x, y), = strategy.distribute_dataset(batches(shape, sizes=[6]))
+
+    def skipping(x, y):
+        if sg.current_replica_context().replica_id_in_sync_group == 0:
+            model(x)
+
+    with pytest.raises(sg.ReplicaError, match=r"Replica 0 \(cpu:0\) is waiting at the BatchNorm statistics of '1' "
+                                              r"\(forward\) of step 1, but replica 1 \(cpu:1\) returned from the step "
+                                              r"function without getting there\. Every replica must call the model "
+                                              r"\(and backward\(\)\) the same number of times"):
+        strategy.run(skipping, args=(x, y))
+
+    def late(x, y):
+        if sg.current_replica_context().replica_id_in_sync_group == 1:
+            time.sleep(1.0)
+        model(x)
+
+    with pytest.raises(sg.CollectiveTimeoutError, match=r"Timed out after 0.5 s at the BatchNorm statistics of '1' "
+                                                        r"\(forward\) of step 2: replica 0 \(cpu:0\) was waiting for "
+                                                        r"replica 1 \(cpu:1\)"):
+        strategy.run(late, args=(x, y))
+    strategy.close()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(sg.InputError, match=r"batch_norm must be one of \('global', 'per_replica'\)\. "
+                                            r"Received: batch_norm='sync'"):
+        mirrored(2, batch_norm="sync")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path):
+    """One launch, several checks: 2 workers x 2 replicas, a step in which worker 1's replicas are all idle."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from stratagem import environ
+    from stratagem.cluster import launch
+
+    path = Path(__file__).parent / "workers" / "mwms_batch_norm.py"
+    spec = importlib.util.spec_from_file_location("mwms_batch_norm", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    env = dict(environ.current())
+    env.update({"MW_OUT": str(tmp_path / "out"), "STRATAGEM_DEVICES_PER_WORKER": "2"})
+    lines: list[str] = []
+    result = launch([sys.executable, str(path)], workers=2, env=env, timeout=200, grace_period=2,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"))
+    assert result.exit_code == 0, "\n".join(lines[-30:])
+
+    reference, ref_opt = worker.build()
+    for x, y in worker.batches():
+        F.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    reference.eval()
+    with torch.no_grad():
+        test = worker.batches([7, 1], seed=4)
+        want_loss = sum(float(F.cross_entropy(reference(x), y, reduction="sum")) for x, y in test) / 8
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"out.{rank}", weights_only=False)
+        for state in saved["states"]:  # parameters and running statistics of every replica of every worker
+            for key, value in reference.state_dict().items():
+                torch.testing.assert_close(state[key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}")
+        for index, entry in ref_opt.state_dict()["state"].items():
+            torch.testing.assert_close(saved["optimizer"]["state"][index]["momentum_buffer"], entry["momentum_buffer"],
+                                       **TOL[torch.float64])
+        assert all(0 not in seen for seen in saved["seen"]), saved["seen"]
+        assert saved["loss"] == pytest.approx(want_loss, rel=1e-9)
+        assert "BatchNorm statistics: global batch" in saved["explain"]
+        assert "and a sum across workers" in saved["explain"]
+    assert saved["seen"][0][1] == 1  # worker 1 ran its stand-in example in the step it had no example of its own
