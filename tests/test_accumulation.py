@@ -179,3 +179,85 @@ def test_no_sync_across_workers_matches_one_device(tmp_path, local):
                                        msg=lambda m, k=key: f"{k}: {m}")
     # After the first no_sync() run each worker holds its own slices' gradient: nothing was all-reduced.
     assert (saved[0]["first_grad"] - saved[1]["first_grad"]).abs().max() > 1e-3
+
+
+# ---- fit(accumulate_steps=K) ----------------------------------------------------------------------
+def reference_group_means(model, optimizer, batches, k):
+    """One device: each group of k batches trained as one batch of all its examples (mean loss over the
+    group), written as k backward passes of micro-batch losses weighted by their share of the group."""
+    for start in range(0, len(batches), k):
+        group = batches[start:start + k]
+        total = sum(len(y) for _, y in group)
+        for x, y in group:
+            (F.cross_entropy(model(x), y) * (len(y) / total)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class _CountSteps(sg.callbacks.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, context, num_examples):
+        self.steps.append((context.step, context.step_in_epoch, num_examples))
+
+
+# 7 batches, k=3: groups of 3, 3 and a short last one of 1.
+FIT_SIZES = [5, 2, 4, 7, 1, 6, 3]
+
+
+@pytest.mark.parametrize("strategy_name", ["one-device", "mirrored-3", "central-storage-3"])
+def test_fit_with_accumulate_steps_matches_one_batch_per_group(strategy_name):
+    reference, ref_opt, shape = build("mlp", "adam", torch.float64)
+    batches = make_batches(shape, torch.float64, sizes=FIT_SIZES)
+    reference_group_means(reference, ref_opt, batches, K)
+    model, opt, _ = build("mlp", "adam", torch.float64)
+    counter = _CountSteps()
+    strategy = STRATEGIES[strategy_name]()
+    history = sg.fit(strategy, model, opt, F.cross_entropy, batches, accumulate_steps=K, clip_grad_norm=1.0,
+                     callbacks=[counter])
+    strategy.close()
+    assert_same_state(reference, history.model, torch.float64)
+    # A step is an update; the data position counts batches; examples per update are the group's.
+    assert counter.steps == [(1, 3, 11), (2, 6, 14), (3, 7, 3)]
+    assert history.epochs[0].num_examples == sum(FIT_SIZES)
+
+
+def test_fit_with_accumulate_steps_reports_the_loss_over_every_example():
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    batches = make_batches(shape, torch.float64, sizes=FIT_SIZES)
+    probe, _, _ = build("mlp", "sgd_momentum", torch.float64)
+    with torch.no_grad():  # the first group's loss is measured before its update: the initial parameters'
+        first = sum(F.cross_entropy(probe(x), y, reduction="sum") for x, y in batches[:K]) / sum(FIT_SIZES[:K])
+    steps = []
+
+    class FirstLoss(sg.callbacks.Callback):
+        def on_train_batch_end(self, context, num_examples):
+            steps.append(context.running_metrics()["loss"])
+
+    sg.fit(sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)), model, opt, F.cross_entropy, batches,
+           accumulate_steps=K, callbacks=[FirstLoss()])
+    assert steps[0] == pytest.approx(float(first), rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_fit_refuses_an_accumulate_steps_that_is_not_a_positive_count(bad):
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    with pytest.raises(InputError, match="accumulate_steps must be a positive whole number"):
+        sg.fit(sg.OneDeviceStrategy("cpu"), model, opt, F.cross_entropy, make_batches(shape, torch.float64),
+               accumulate_steps=bad)
+
+
+@pytest.mark.timeout(60)
+def test_fit_refuses_accumulate_steps_under_the_parameter_server():
+    from stratagem.strategies.parameter_server import InProcessCluster, ParameterServerStrategy
+
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ParameterServerStrategy(cluster)
+        try:
+            with pytest.raises(InputError, match="accumulate_steps needs a synchronous strategy"):
+                sg.fit(strategy, model, opt, F.cross_entropy, make_batches(shape, torch.float64), accumulate_steps=2)
+        finally:
+            strategy.shutdown()
