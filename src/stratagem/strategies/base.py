@@ -16,6 +16,7 @@ Subclasses implement `distribute`, `run`, `_local_devices` and, when they span p
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +67,14 @@ class Strategy(abc.ABC):
         return items
 
     # ---- shared vocabulary --------------------------------------------------------------------
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward passes only accumulate gradients (see `MirroredStrategy.no_sync`).
+
+        Here it changes nothing: this strategy's backward combines nothing that could be skipped, or
+        combining each micro-batch is already what it does, so accumulation gives one device's sum either way.
+        """
+        return contextlib.nullcontext()
+
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas take part in each step, across every worker."""

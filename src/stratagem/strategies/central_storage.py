@@ -43,6 +43,7 @@ from stratagem.strategies.central_parts import (
     ReduceToCentralDevice,
 )
 from stratagem.strategies.distributed import check_optimizer_supported
+from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.replicas import ReplicaPool
@@ -299,6 +300,11 @@ class CentralStorageStrategy(MirroredStrategy):
                 )
 
     # ---- each step ----------------------------------------------------------------------------
+    def no_sync(self) -> Any:
+        """Changes nothing here: central storage combines the replicas' gradients at every backward, so K
+        backward passes give one device's sum with or without it (nothing is saved by skipping)."""
+        return Strategy.no_sync(self)
+
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Runs `fn` once per replica, in parallel, each with its slice of the distributed inputs
         (see `MirroredStrategy.run`); the central copy keeps the buffers of replica 0 (e.g. batch-norm

@@ -10,6 +10,7 @@ then see the same combined gradient on every replica and apply the same update.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -32,6 +33,7 @@ from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies import lr_schedulers
+from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
 from stratagem.strategies.distributed import (
@@ -150,6 +152,7 @@ class MirroredStrategy(Strategy):
         self._batch_norm: BatchNormSync | None = None
         if self.num_replicas_in_sync > 1:
             self._decisions.append(batch_norm_decision(self._batch_norm_mode))
+        self._accumulation = LocalAccumulation()
 
     # ---- placement ----------------------------------------------------------------------------
     def _choose_devices(self, devices, require_gpu, registry) -> list[sg_devices.LogicalDevice]:
@@ -243,6 +246,8 @@ class MirroredStrategy(Strategy):
             if distributed_optimizer is not None:  # schedulers built before distribute step once per step too
                 lr_schedulers.adopt_existing(optimizer, distributed_optimizer, gc.get_referrers)
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        plain = getattr(distributed_optimizer, "_optimizers", None) or ([optimizer] if optimizer is not None else [])
+        self._accumulation.attach(self._replica_params, plain)
         self._prepare_replicas(replicas)
         self._install_batch_norm(replicas)
         self._steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
@@ -352,12 +357,14 @@ class MirroredStrategy(Strategy):
         # The last step's gradients must not outlive zero_grad(): held here, they would make backward
         # take fresh memory every step (page faults) instead of reusing theirs.
         self._grad_slots = [None] * num_replicas
+        self._accumulation.begin_run(self._run_state.weights, self._step)
         self._begin_step(self._run_state)
         if num_replicas == 1:
             try:
                 result = self._run_one(fn, args, kwargs)
             finally:
                 self._run_state = None
+                self._accumulation.end_run()
             if self.num_replicas_in_sync == 1:
                 return result
             return stack_replicas([result], batch_sizes, global_size)
@@ -389,6 +396,7 @@ class MirroredStrategy(Strategy):
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
             self._run_state = None
+            self._accumulation.end_run()
         return stack_replicas(results, batch_sizes, global_size)
 
     def _replica_weights(self, batch_sizes: tuple[int, ...] | None, global_size: int | None) -> list[float]:
@@ -449,6 +457,8 @@ class MirroredStrategy(Strategy):
 
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
+            if self._accumulation.active and self._accumulation.skips(replica):
+                return  # inside no_sync(): this replica's gradient only accumulates (strategies/accumulation.py)
             if self._stealing and self._stealable[index]:  # a replica waiting may combine this one now
                 self._barrier.notify(lambda: self._mark_ready(replica, index))
             self._grad_ready(replica, index)
@@ -534,11 +544,30 @@ class MirroredStrategy(Strategy):
         self._barrier.wait(replica, "filling of missing gradients", step)
         return keep
 
+    def no_sync(self) -> Any:
+        """A context in which backward only accumulates each replica's gradients, as DDP's `no_sync`.
+
+        Gradient accumulation over K micro-batches combines once instead of K times: run the first
+        K-1 micro-batches inside it and the last one outside; that last backward combines everything
+        accumulated, each micro-batch weighted by each replica's share of it, so the result is one
+        device's sum of the K gradients. `optimizer.step()` before that last backward is refused.
+
+        Example:
+            >>> for i, batch in enumerate(strategy.distribute_dataset(loader)):
+            ...     last = i % k == k - 1
+            ...     with contextlib.nullcontext() if last else strategy.no_sync():
+            ...         strategy.run(micro_step, args=(batch, last))  # steps the optimizer when last
+        """
+        if not self._needs_gradient_sync():
+            return contextlib.nullcontext()  # one replica: backward combines nothing that could be skipped
+        return self._accumulation.no_sync(inside_run=self._current_replica() is not None)
+
     def close(self) -> None:
         """Stops the replica threads (they also stop when the process exits); BatchNorm layers get their own
         forward back."""
         if self._batch_norm is not None:
             self._batch_norm.remove()
+        self._accumulation.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

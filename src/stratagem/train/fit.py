@@ -32,9 +32,11 @@ from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import DistributedModel
+from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
 from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
 from stratagem.train.loop import (
+    FIT_HOOK,
     PREPARE_HOOK,
     LossFn,
     evaluate_with,
@@ -234,6 +236,7 @@ def fit(
     metrics: Sequence[str | Metric] | None = None,
     callbacks: Sequence[Callback] | None = None,
     clip_grad_norm: float | None = None,
+    accumulate_steps: int = 1,
     verbose: bool = False,
 ) -> History:
     """Trains `model` with `optimizer` on `data` under `strategy` and returns the history per epoch.
@@ -258,6 +261,10 @@ def fit(
         callbacks: `Callback` objects, e.g. ``BackupAndRestore`` (it restores before the others
             start and backs up after the others ran for the step or epoch), ``LearningRateScheduler``.
         clip_grad_norm: clip the (combined, global) gradient to this norm before each update.
+        accumulate_steps: one update per this many consecutive batches: the update of one batch
+            holding all their examples (each micro-batch's loss weighted by its share of them), the
+            replicas combining gradients once per update (`strategy.no_sync()`). For callbacks and
+            ``save_freq`` a step is an update; ``steps_per_epoch`` still counts batches.
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
 
     Example:
@@ -270,6 +277,7 @@ def fit(
             match this run.
     """
     _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
+    _check_accumulate_steps(strategy, accumulate_steps)
     metric_set = MetricSet(get_metrics(metrics))
     train_data = _as_batches(data, batch_size, shuffle, seed, "data")
     if validation_batch_size is None and not _is_batched(validation_data):
@@ -287,7 +295,10 @@ def fit(
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
-    train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
+    if accumulate_steps > 1:
+        train_step = make_accumulating_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
+    else:
+        train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
     eval_step = make_eval_step(model, loss, metric_set)
     prepare = getattr(strategy, PREPARE_HOOK, None)
     if prepare is not None:
@@ -295,7 +306,7 @@ def fit(
         # worker) serves from here until the chief ends the job.
         prepare({"train": train_step, "eval": eval_step}, model)
     try:
-        history = _train(context, callbacks, train_step, eval_step, val_data)
+        history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps)
     except BaseException:
         for callback in callbacks:
             close = getattr(callback, "close", None)
@@ -306,7 +317,7 @@ def fit(
 
 
 def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any, eval_step: Any,
-           val_data: Any) -> History:
+           val_data: Any, accumulate_steps: int = 1) -> History:
     # Backups restore before any other callback starts and save after every other callback has
     # run for the step or epoch (a scheduler's step included), so a backup holds the state that follows.
     backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
@@ -322,10 +333,11 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
         started = time.perf_counter()
         elapsed_before = context.epoch_elapsed_s
 
-        def on_step(state: torch.Tensor, started: float = started, elapsed_before: float = elapsed_before) -> None:
+        def on_step(state: torch.Tensor, started: float = started, elapsed_before: float = elapsed_before, *,
+                    num_batches: int = 1) -> None:
             context.totals.add_(state)
             context.step += 1
-            context.step_in_epoch += 1
+            context.step_in_epoch += num_batches  # where the data resumes: batches, not updates
             context.epoch_elapsed_s = elapsed_before + time.perf_counter() - started
             for callback in last:
                 callback.on_train_batch_end(context, int(state[1]))
@@ -333,7 +345,10 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
                 raise _StopEpoch
 
         try:
-            run_steps(context.strategy, train_step, _epoch_batches(context), on_step)
+            if accumulate_steps > 1:
+                run_accumulated_steps(context.strategy, train_step, _epoch_batches(context), accumulate_steps, on_step)
+            else:
+                run_steps(context.strategy, train_step, _epoch_batches(context), on_step)
         except _StopEpoch:
             pass
         log = _end_epoch(context, val_data, eval_step)
@@ -460,6 +475,17 @@ def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, nam
 
 def _is_resumable(data: Any) -> bool:
     return all(callable(getattr(data, name, None)) for name in ("set_position", "state_dict", "load_state_dict"))
+
+
+def _check_accumulate_steps(strategy: Strategy, accumulate_steps: Any) -> None:
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise InputError(f"accumulate_steps must be a positive whole number of batches per update. "
+                         f"Received: accumulate_steps={accumulate_steps!r}. Use e.g. accumulate_steps=4.")
+    if accumulate_steps > 1 and getattr(strategy, FIT_HOOK, None) is not None:
+        raise InputError(f"accumulate_steps needs a synchronous strategy, where every replica takes part in each "
+                         f"update; {type(strategy).__name__} runs each step on one worker, on its own schedule. "
+                         f"Received: accumulate_steps={accumulate_steps}. Use a larger batch_size instead, or a "
+                         "synchronous strategy (MirroredStrategy, MultiWorkerMirroredStrategy).")
 
 
 def _check_arguments(strategy: Any, optimizer: Any, loss: Any, epochs: Any, steps_per_epoch: Any,

@@ -1,0 +1,261 @@
+"""The model zoo of the real-model tests: models as users build them, their batches, their training
+loops, and the plain one-device loop each strategy is compared with.
+
+Every model is built from a configuration, so nothing is downloaded:
+
+- a tiny Hugging Face GPT-2 (tied input and output embeddings, dict batches with `labels`, the model
+  computing `outputs.loss`), AdamW with transformers' `get_linear_schedule_with_warmup`;
+- a tiny Hugging Face BERT sequence classifier (dropout 0, so runs compare), fed `BatchEncoding`
+  batches with padding, AdamW with two parameter groups (no weight decay on biases and LayerNorm,
+  as the Hugging Face examples do) and the same schedule;
+- a ResNet-18 of this module's own: torchvision's `resnet18` layout (7x7 stem, max-pool, four stages
+  of two basic blocks, BatchNorm after every convolution, residual adds, 1x1 projections where a stage
+  changes width or stride, global average pool, 10 classes) at a width of 8 channels instead of 64, for
+  32x32 inputs, SGD with Nesterov momentum and weight decay. torchvision itself is not used: the only
+  torchvision wheel for torch 2.13 on this project's machines is a CUDA build whose C++ operators do not
+  load beside the CPU torch (`import torchvision` fails with "operator torchvision::nms does not exist").
+
+Each loop clips the gradient norm between backward and the optimizer step, and steps the scheduler
+inside the step function, as a one-device script does.
+
+`simple=True` builds the same models with what this test set relies on least: SGD and no scheduler,
+the ResNet without BatchNorm (identity instead), BERT's batches as plain dicts. It checks the harness.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUM_CLASSES = 10
+BATCH_SIZES = [7, 5, 4]  # 2 replicas: 4+3, 3+2, 2+2; 3 replicas: 3+2+2, 2+2+1, 2+1+1
+SEQ_LEN = 8
+VOCAB = 48
+MODEL_NAMES = ("bert", "gpt2", "resnet18")
+
+# GPT-2's loss is computed by transformers in float32 whatever the model's dtype (ForCausalLMLoss calls
+# logits.float()), so its gradients carry float32 rounding: it is compared at the float32 tolerance.
+TOL = {
+    "gpt2": dict(rtol=1e-5, atol=1e-6),
+    "bert": dict(rtol=1e-9, atol=1e-12),
+    "resnet18": dict(rtol=1e-9, atol=1e-12),
+}
+
+
+def _quiet_transformers() -> None:
+    # A config with a tiny vocabulary triggers warnings about GPT-2's default special-token ids.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+# ---- ResNet-18 --------------------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm, added to the (projected) input."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = norm(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(out + identity)
+
+
+class ResNet18(nn.Module):
+    """torchvision's resnet18 layout at `width` channels in the first stage."""
+
+    def __init__(self, width: int = 8, num_classes: int = NUM_CLASSES, batch_norm: bool = True) -> None:
+        super().__init__()
+        norm: Callable[[int], nn.Module] = nn.BatchNorm2d if batch_norm else (lambda c: nn.Identity())
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = norm(width)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths = [width, 2 * width, 4 * width, 8 * width]
+        stages, cin = [], width
+        for stage, cout in enumerate(widths):
+            stride = 1 if stage == 0 else 2
+            stages.append(nn.Sequential(BasicBlock(cin, cout, stride, norm), BasicBlock(cout, cout, 1, norm)))
+            cin = cout
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+# ---- Hugging Face models ----------------------------------------------------------------------------
+def tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _quiet_transformers()
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    _quiet_transformers()
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    return BertForSequenceClassification(config)
+
+
+# ---- batches ----------------------------------------------------------------------------------------
+def make_batches(name: str, sizes: list[int] = BATCH_SIZES, seed: int = 1, simple: bool = False) -> list[Any]:
+    """Global batches for model `name`, the same on every call with the same seed (`simple`: plain dicts
+    where the real configuration has `BatchEncoding`)."""
+    g = torch.Generator().manual_seed(seed)
+    batches: list[Any] = []
+    for n in sizes:
+        if name == "resnet18":
+            x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
+            batches.append((x, torch.randint(0, NUM_CLASSES, (n,), generator=g)))
+        elif name == "gpt2":
+            # No padding: every sequence has SEQ_LEN - 1 predicted tokens, so weighting replicas by their
+            # examples weights them by their tokens too, and the token mean over the global batch is kept.
+            ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
+            batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+        elif name == "bert":
+            from transformers import BatchEncoding
+
+            wrap = dict if simple else BatchEncoding
+            ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
+            lengths = torch.randint(3, SEQ_LEN + 1, (n,), generator=g)
+            mask = (torch.arange(SEQ_LEN)[None, :] < lengths[:, None]).long()  # padded to the longest, as a collator does
+            ids = ids * mask
+            batches.append(wrap({"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
+                                          "attention_mask": mask, "labels": torch.randint(0, 3, (n,), generator=g)}))
+        else:
+            raise KeyError(name)
+    return batches
+
+
+# ---- models, optimizers, schedulers -----------------------------------------------------------------
+@dataclass
+class Setup:
+    """A model with its optimizer factory and scheduler factory (None: no scheduler)."""
+
+    model: nn.Module
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None
+
+
+def _adamw_groups(model: nn.Module) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith("bias") or "LayerNorm" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _warmup(optimizer: torch.optim.Optimizer) -> Any:
+    from transformers import get_linear_schedule_with_warmup
+
+    return get_linear_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=len(BATCH_SIZES) + 1)
+
+
+def build(name: str, simple: bool = False) -> Setup:
+    """Model `name` with fixed initial parameters (float64) and its training configuration."""
+    torch.manual_seed(42)
+    if name == "resnet18":
+        model = ResNet18(batch_norm=not simple).to(torch.float64)
+    elif name == "gpt2":
+        model = tiny_gpt2().to(torch.float64)
+    elif name == "bert":
+        model = tiny_bert().to(torch.float64)
+    else:
+        raise KeyError(name)
+    if simple:
+        return Setup(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), None)
+    if name == "resnet18":
+        return Setup(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                                                      weight_decay=5e-4), None)
+    if name == "gpt2":
+        return Setup(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01), _warmup)
+    return Setup(model, lambda m: torch.optim.AdamW(_adamw_groups(m), lr=3e-3), _warmup)
+
+
+def loss_of(name: str, model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss as each model's users compute it: HF models return it, the ResNet takes cross-entropy."""
+    if name == "resnet18":
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+    return model(**batch).loss
+
+
+def make_step(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Callable[[Any], torch.Tensor]:
+    """The one-device training step, written once, run unchanged by every strategy."""
+
+    def step(batch: Any) -> torch.Tensor:
+        loss = loss_of(name, model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def train_reference(name: str, simple: bool = False, batches: list[Any] | None = None) -> tuple[nn.Module, list[float]]:
+    """The plain PyTorch loop on one device: the expected parameters and the losses."""
+    setup = build(name, simple)
+    model = setup.model
+    optimizer = setup.make_optimizer(model)
+    scheduler = setup.make_scheduler(optimizer) if setup.make_scheduler else None
+    step = make_step(name, model, optimizer, scheduler)
+    model.train()
+    losses = [float(step(batch)) for batch in (batches if batches is not None else make_batches(name, simple=simple))]
+    return model, losses
+
+
+def train_with(strategy: Any, name: str, simple: bool = False) -> tuple[nn.Module, list[float]]:
+    """The same loop under `strategy`: distribute, then the scheduler on the distributed optimizer."""
+    setup = build(name, simple)
+    model, optimizer = strategy.distribute(setup.model, setup.make_optimizer(setup.model))
+    scheduler = setup.make_scheduler(optimizer) if setup.make_scheduler else None
+    step = make_step(name, model, optimizer, scheduler)
+    model.train()
+    losses = []
+    for batch in strategy.distribute_dataset(make_batches(name, simple=simple)):
+        losses.append(float(strategy.reduce("mean", strategy.run(step, args=(batch,)))))
+    return model, losses
+
+
+def worst_relative_error(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest |got - expected| / max|expected| over the floating-point entries, and its key."""
+    worst, where = 0.0, ""
+    for key, want in expected.items():
+        if not want.is_floating_point():
+            continue
+        have = got[key].to(want.device)
+        error = float((have - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        if error > worst:
+            worst, where = error, key
+    return worst, where
+
+
+def assert_same_state(name: str, expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    """Every parameter and buffer (BatchNorm's running statistics included) equals one device's."""
+    assert expected.keys() == got.keys()
+    for key, want in expected.items():
+        torch.testing.assert_close(got[key].to(want.device), want, **TOL[name], msg=lambda m, k=key: f"{name} {k}: {m}")
