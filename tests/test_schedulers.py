@@ -195,3 +195,19 @@ def test_fit_steps_a_scheduler_once_per_global_step(strategy_name):
     _assert_same_scheduler(schedule.scheduler, expected)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "central2"])
+def test_fit_takes_a_scheduler_built_on_the_plain_optimizer_it_distributes(strategy_name):
+    # One script for every strategy: on one device the scheduler on the user's optimizer is the one that
+    # trains, so fit must take it under every strategy.
+    batches = make_batches((6,), torch.float64, sizes=SIZES)
+    make_scheduler = SCHEDULERS["step"]
+    reference, expected = _reference(make_scheduler, batches)
+    model, optimizer = _fresh()
+    schedule = sg.callbacks.LearningRateScheduler(make_scheduler(optimizer), interval="step")
+    history = sg.fit(STRATEGIES[strategy_name](), model, optimizer, F.cross_entropy, batches, epochs=1,
+                     callbacks=[schedule])
+    _assert_same_scheduler(schedule.scheduler, expected)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])
