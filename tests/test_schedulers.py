@@ -211,3 +211,28 @@ def test_fit_takes_a_scheduler_built_on_the_plain_optimizer_it_distributes(strat
     _assert_same_scheduler(schedule.scheduler, expected)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_chained_scheduler_steps_its_parts_once_per_global_step(order):
+    make = lambda o: S.ChainedScheduler([S.StepLR(o, step_size=2, gamma=0.5), S.ExponentialLR(o, gamma=0.9)],  # noqa: E731
+                                        optimizer=o)
+    batches = make_batches((6,), torch.float64, sizes=SIZES)
+    reference, expected = _reference(make, batches)
+    strategy = STRATEGIES["mirrored2"]()
+    model, optimizer = _fresh()
+    scheduler = make(optimizer) if order == "before" else None
+    model, optimizer = strategy.distribute(model, optimizer)
+    scheduler = scheduler or make(optimizer)
+
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    for x, y in strategy.distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+    assert scheduler.get_last_lr() == pytest.approx(expected.get_last_lr(), rel=1e-12)
+    assert _comparable(scheduler.state_dict()) == _comparable(expected.state_dict())
+    assert_same_state(reference, model, torch.float64)

@@ -80,7 +80,8 @@ def adopt_calling_scheduler(host: SchedulerHost) -> None:
         if frame is None:
             return
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, LRScheduler):
+        # Every torch scheduler sets its `optimizer` before it first reads the groups.
+        if isinstance(candidate, LRScheduler) and getattr(candidate, "optimizer", None) is host:
             if candidate not in host._schedulers:
                 adopt(candidate, host)
             return
