@@ -181,7 +181,8 @@ def test_a_learning_rate_schedule_resumes_with_the_run(tmp_path):
 
 def test_a_scheduler_of_an_optimizer_fit_does_not_train_with_is_refused():
     model, optimizer = build_model(False)
-    schedule = sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    _, unrelated = build_model(False)  # a scheduler on the optimizer fit distributes is taken (test_schedulers.py)
+    schedule = sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(unrelated, 1))
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
     x, y = data()
     try:

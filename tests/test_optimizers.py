@@ -8,15 +8,20 @@ made for other replicas must keep per-group settings, not only the optimizer's d
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import TOL, assert_same_state, make_batches, mlp, train_reference, train_with
+from cases import BATCH_SIZES, TOL, assert_same_state, make_batches, mlp, train_reference, train_with
 from conftest import cpu_registry
+from optimizer_cases import build_heads, heads_loss
 from torch import nn
 
 import stratagem as sg
+from stratagem import environ
+from stratagem.cluster import launch
 
 SIZES = [12, 7, 5, 2]  # uneven over 2 and 3 replicas; the last smaller than 3
 
@@ -203,3 +208,33 @@ def test_lbfgs_with_its_closure_works_on_one_replica():
     model, optimizer = strategy.distribute(model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3))
     train(model, optimizer, run=lambda fn, x, y: strategy.run(fn, args=(x, y)))
     assert_same_state(reference, model, torch.float64)
+
+
+OPTIMIZERS_WORKER = str(Path(__file__).parent / "workers" / "mwms_optimizers.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_every_optimizer_and_a_scheduler_match_one_device_across_two_workers(tmp_path):
+    # One launch for all (processes are slow to start): every torch.optim first-order optimizer drives one
+    # head of the model through a user's Optimizer subclass, copied for each worker's second local replica,
+    # with a LambdaLR stepped in the step function by every replica.
+    out = tmp_path / "result.pt"
+    env = dict(environ.current())
+    env.update({"MW_OUT": str(out), "MW_LOCAL": "2"})
+    lines: list[str] = []
+    result = launch([sys.executable, OPTIMIZERS_WORKER], workers=2, env=env,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=120, grace_period=2)
+    assert result.exit_code == 0, "\n".join(lines[-30:])
+    saved = torch.load(out)
+    reference, optimizer = build_heads()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    for x, y in make_batches((6,), torch.float64):
+        heads_loss(reference(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    assert "4 replica(s) in sync" in saved["explain"]
+    assert saved["last_epoch"] == scheduler.last_epoch == len(BATCH_SIZES)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64])

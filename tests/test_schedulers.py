@@ -195,3 +195,44 @@ def test_fit_steps_a_scheduler_once_per_global_step(strategy_name):
     _assert_same_scheduler(schedule.scheduler, expected)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "central2"])
+def test_fit_takes_a_scheduler_built_on_the_plain_optimizer_it_distributes(strategy_name):
+    # One script for every strategy: on one device the scheduler on the user's optimizer is the one that
+    # trains, so fit must take it under every strategy.
+    batches = make_batches((6,), torch.float64, sizes=SIZES)
+    make_scheduler = SCHEDULERS["step"]
+    reference, expected = _reference(make_scheduler, batches)
+    model, optimizer = _fresh()
+    schedule = sg.callbacks.LearningRateScheduler(make_scheduler(optimizer), interval="step")
+    history = sg.fit(STRATEGIES[strategy_name](), model, optimizer, F.cross_entropy, batches, epochs=1,
+                     callbacks=[schedule])
+    _assert_same_scheduler(schedule.scheduler, expected)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_chained_scheduler_steps_its_parts_once_per_global_step(order):
+    make = lambda o: S.ChainedScheduler([S.StepLR(o, step_size=2, gamma=0.5), S.ExponentialLR(o, gamma=0.9)],  # noqa: E731
+                                        optimizer=o)
+    batches = make_batches((6,), torch.float64, sizes=SIZES)
+    reference, expected = _reference(make, batches)
+    strategy = STRATEGIES["mirrored2"]()
+    model, optimizer = _fresh()
+    scheduler = make(optimizer) if order == "before" else None
+    model, optimizer = strategy.distribute(model, optimizer)
+    scheduler = scheduler or make(optimizer)
+
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    for x, y in strategy.distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+    assert scheduler.get_last_lr() == pytest.approx(expected.get_last_lr(), rel=1e-12)
+    assert _comparable(scheduler.state_dict()) == _comparable(expected.state_dict())
+    assert_same_state(reference, model, torch.float64)

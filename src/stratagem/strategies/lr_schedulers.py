@@ -61,6 +61,13 @@ class SchedulerSet:
         self._members.add(scheduler)
 
 
+def drives(scheduler: Any, optimizer: Any) -> bool:
+    """Whether `scheduler` adjusts `optimizer`: built on it, or on the optimizer given to `distribute`
+    when `optimizer` is what `distribute` returned (which then adopted it)."""
+    adopted = getattr(optimizer, "_schedulers", None)
+    return scheduler.optimizer is optimizer or (isinstance(adopted, SchedulerSet) and scheduler in adopted)
+
+
 def executing() -> bool:
     """Whether this thread is executing a scheduler step on behalf of every replica."""
     return getattr(_local, "executing", False)
@@ -73,7 +80,8 @@ def adopt_calling_scheduler(host: SchedulerHost) -> None:
         if frame is None:
             return
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, LRScheduler):
+        # Every torch scheduler sets its `optimizer` before it first reads the groups.
+        if isinstance(candidate, LRScheduler) and getattr(candidate, "optimizer", None) is host:
             if candidate not in host._schedulers:
                 adopt(candidate, host)
             return

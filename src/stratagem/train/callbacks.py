@@ -28,6 +28,7 @@ from rich.progress import (
 from rich.text import Text
 
 from stratagem.errors import CorruptCheckpointError, InputError
+from stratagem.strategies import lr_schedulers
 from stratagem.train.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
@@ -214,8 +215,8 @@ class BackupAndRestore(Callback):
 class LearningRateScheduler(Callback):
     """Steps a torch LR scheduler after every epoch (``interval="epoch"``) or step; its state travels in backups.
 
-    Build the scheduler on the optimizer that trains: the one `strategy.distribute` returned (with
-    several replicas sharing parameters, the optimizer given to `distribute` no longer trains).
+    Build the scheduler on the optimizer given to `fit` (or to `strategy.distribute`), or on the one
+    `strategy.distribute` returned; either way it steps once per global step.
 
     Example:
         >>> model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -233,7 +234,7 @@ class LearningRateScheduler(Callback):
         self.interval = interval
 
     def on_train_begin(self, context: TrainingContext) -> None:
-        if self.scheduler.optimizer is not context.optimizer:
+        if not lr_schedulers.drives(self.scheduler, context.optimizer):
             raise InputError(
                 "The scheduler adjusts an optimizer that fit does not train with. Received: a scheduler of "
                 f"{type(self.scheduler.optimizer).__name__}, fit trains with {type(context.optimizer).__name__}. Build "
