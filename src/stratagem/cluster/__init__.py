@@ -15,7 +15,7 @@ from stratagem.cluster.launch import (
     relaunch,
     task_environments,
 )
-from stratagem.cluster.nodelist import expand_nodelist, expand_tasks_per_node
+from stratagem.cluster.nodelist import expand_nodelist, expand_tasks_per_node, first_host, tasks_on_node
 from stratagem.cluster.processes import OutputLine, describe_exit
 from stratagem.cluster.rendezvous import init_process_group
 from stratagem.cluster.resolve import from_slurm, from_torchrun, resolve_cluster, single_process, slurm_master_port
@@ -31,6 +31,7 @@ __all__ = [
     "describe_exit",
     "expand_nodelist",
     "expand_tasks_per_node",
+    "first_host",
     "free_ports",
     "from_slurm",
     "from_torchrun",
@@ -44,4 +45,5 @@ __all__ = [
     "slurm_master_port",
     "split_address",
     "task_environments",
+    "tasks_on_node",
 ]

@@ -16,12 +16,13 @@ Start SLURM tasks with ``srun``: a batch script run without it is one process th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from stratagem.cluster.nodelist import expand_nodelist, expand_tasks_per_node
-from stratagem.cluster.spec import Cluster
+from stratagem.cluster.nodelist import first_host, tasks_on_node
+from stratagem.cluster.spec import SHOWN, Cluster, show
 from stratagem.cluster.tf_config import parse_tf_config
 from stratagem.errors import ClusterError
 
@@ -30,14 +31,32 @@ SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 10000
 
 
+# ASCII digits only (str.isdigit also accepts '²', which int() refuses), and few enough that int() is cheap.
+_WHOLE_NUMBER = re.compile(r"\s*([0-9]{1,18})\s*")
+# A host name or address: DNS names are at most 253 characters, and none holds spaces or control characters.
+_HOST = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
+
+
 def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
     value = env[name]
-    if not value.strip().isdigit() or int(value) < minimum:
+    match = _WHOLE_NUMBER.fullmatch(value) if isinstance(value, str) else None
+    if match is None or int(match.group(1)) < minimum:
         raise ClusterError(
-            f"{name} is not an integer >= {minimum}. Received: {name}={value!r}. "
-            f"Fix: set {name} to a whole number, or unset it."
+            f"{name} is not an integer >= {minimum}. Received: {name}={show(value)}. "
+            f"Fix: set {name} to a whole number (ASCII digits, at most 18), or unset it."
         )
-    return int(value)
+    return int(match.group(1))
+
+
+def _host(name: str, value: Any, how: str) -> str:
+    if isinstance(value, str) and not value.strip():
+        raise ClusterError(f"{name} is empty. Received: {how}={show(value)}. Fix: set it to the chief's host.")
+    if not isinstance(value, str) or not _HOST.fullmatch(value.strip()):
+        raise ClusterError(
+            f"{name} is not a host name or address. Received: {how}={show(value)}. "
+            f"Fix: set {name} to the chief's host (1-255 characters, no spaces)."
+        )
+    return value.strip()
 
 
 def _port(name: str, value: int) -> int:
@@ -61,7 +80,7 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster:
     """
     missing = [name for name in TORCHRUN_VARIABLES if name not in env]
     if missing:
-        present = {name: env[name] for name in TORCHRUN_VARIABLES if name in env}
+        present = {name: env[name][:40] for name in TORCHRUN_VARIABLES if name in env}
         raise ClusterError(
             f"torchrun's variables are only partly set: {', '.join(missing)} missing. Received: {present}. "
             f"Fix: launch with torchrun (it sets all of {', '.join(TORCHRUN_VARIABLES)}), set the missing ones, "
@@ -76,9 +95,7 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster:
             f"LOCAL_WORLD_SIZE cannot exceed WORLD_SIZE. Received: LOCAL_WORLD_SIZE={local_world_size}, "
             f"WORLD_SIZE={world_size}. Fix: LOCAL_WORLD_SIZE counts the processes on this host only."
         )
-    master_addr = env["MASTER_ADDR"].strip()
-    if not master_addr:
-        raise ClusterError("MASTER_ADDR is empty. Received: MASTER_ADDR=''. Fix: set it to the chief's host.")
+    master_addr = _host("MASTER_ADDR", env["MASTER_ADDR"], "MASTER_ADDR")
     master_port = _port("MASTER_PORT", _int(env, "MASTER_PORT"))
     return Cluster(
         task_type="worker",
@@ -103,7 +120,7 @@ def slurm_master_port(env: Mapping[str, str]) -> tuple[int, str]:
     if "SLURM_JOB_ID" not in env:
         raise ClusterError(
             "Cannot choose a rendezvous port under SLURM: SLURM_JOB_ID is not set. "
-            f"Received: SLURM_PROCID={env.get('SLURM_PROCID')!r}. Fix: set STRATAGEM_MASTER_PORT to a free port."
+            f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Fix: set STRATAGEM_MASTER_PORT to a free port."
         )
     job_id = _int(env, "SLURM_JOB_ID")
     port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
@@ -114,13 +131,9 @@ def _slurm_local_world_size(env: Mapping[str, str]) -> tuple[int, str]:
     if "SLURM_NTASKS_PER_NODE" in env:
         return _int(env, "SLURM_NTASKS_PER_NODE", minimum=1), f"SLURM_NTASKS_PER_NODE={env['SLURM_NTASKS_PER_NODE']}"
     if "SLURM_TASKS_PER_NODE" in env and "SLURM_NODEID" in env:
-        counts, node = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"]), _int(env, "SLURM_NODEID")
-        if node >= len(counts):
-            raise ClusterError(
-                f"SLURM_NODEID is beyond SLURM_TASKS_PER_NODE. Received: SLURM_NODEID={node}, "
-                f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r}. Fix: run under srun, which sets both."
-            )
-        return counts[node], f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']} on node {node}"
+        node = _int(env, "SLURM_NODEID")
+        tasks = tasks_on_node(env["SLURM_TASKS_PER_NODE"], node)
+        return tasks, f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE'][:SHOWN]} on node {node}"
     raise ClusterError(
         "Cannot tell how many tasks run on this node. Received: neither SLURM_NTASKS_PER_NODE nor "
         "SLURM_TASKS_PER_NODE with SLURM_NODEID. Fix: start the tasks with srun (or pass --ntasks-per-node)."
@@ -134,23 +147,24 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
     if missing:
         raise ClusterError(
             f"SLURM's variables are only partly set: {', '.join(missing)} missing. "
-            f"Received: SLURM_PROCID={env.get('SLURM_PROCID')!r}. Fix: start the tasks with srun."
+            f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Fix: start the tasks with srun."
         )
     rank, world_size, local_rank = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS", minimum=1), _int(env, "SLURM_LOCALID")
     _check_rank("SLURM_PROCID", rank, "SLURM_NTASKS", world_size)
     local_world_size, local_reason = _slurm_local_world_size(env)
     _check_rank("SLURM_LOCALID", local_rank, "the tasks on this node", local_world_size)
     if "MASTER_ADDR" in env:
-        master_addr, addr_reason = env["MASTER_ADDR"], f"MASTER_ADDR={env['MASTER_ADDR']}"
+        master_addr = _host("MASTER_ADDR", env["MASTER_ADDR"], "MASTER_ADDR")
+        addr_reason = f"MASTER_ADDR={master_addr}"
     else:
         name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if n in env), None)
         if name is None:
             raise ClusterError(
                 "Cannot find the master host under SLURM: no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST. "
-                f"Received: SLURM_PROCID={env['SLURM_PROCID']}. Fix: start the tasks with srun, or set MASTER_ADDR."
+                f"Received: SLURM_PROCID={show(env['SLURM_PROCID'])}. Fix: start the tasks with srun, or set MASTER_ADDR."
             )
-        master_addr = expand_nodelist(env[name])[0]
-        addr_reason = f"first host of {name}={env[name]}"
+        master_addr = _host(name, first_host(env[name]), f"the first host of {name}")
+        addr_reason = f"first host of {name}={env[name][:SHOWN]}"
     master_port, port_reason = slurm_master_port(env)
     return Cluster(
         task_type="worker",
@@ -207,7 +221,7 @@ def _agree_with_torchrun(cluster: Cluster, env: Mapping[str, str]) -> None:
     if (env["RANK"], env["WORLD_SIZE"]) != (str(cluster.rank), str(cluster.world_size)):
         raise ClusterError(
             f"TF_CONFIG and torchrun's variables disagree. Received: TF_CONFIG gives {cluster.task_name} "
-            f"rank {cluster.rank} of {cluster.world_size}, RANK={env['RANK']}, WORLD_SIZE={env['WORLD_SIZE']}. "
+            f"rank {cluster.rank} of {cluster.world_size}, RANK={env['RANK'][:40]}, WORLD_SIZE={env['WORLD_SIZE'][:40]}. "
             "Fix: unset one of them (TF_CONFIG takes precedence), or make them agree."
         )
 
@@ -231,7 +245,7 @@ def resolve_cluster(explicit: Cluster | Mapping[str, Any] | None = None, *, env:
         if not isinstance(explicit, Mapping):
             raise ClusterError(
                 f"An explicit cluster must be a Cluster or a dict in TF_CONFIG form. "
-                f"Received: {type(explicit).__name__} {explicit!r:.200}. Fix: pass Cluster(...) or "
+                f"Received: {type(explicit).__name__} {show(explicit)}. Fix: pass Cluster(...) or "
                 '{"cluster": {...}, "task": {"type": ..., "index": ...}}.'
             )
         cluster, shadowed = parse_tf_config(explicit, source="explicit"), detected

@@ -25,6 +25,27 @@ COLLECTIVE_TASK_TYPES = ("chief", "worker")
 # Where a Cluster can come from, in the order resolve_cluster tries them.
 SOURCES = ("explicit", "TF_CONFIG", "torchrun", "SLURM", "single-process")
 
+SHOWN = 200
+_INT_BOUND = 2**63
+"""Characters of a received value that an error quotes: enough to recognise it, never a flood."""
+
+
+def show(value: Any, limit: int = SHOWN) -> str:
+    """``repr`` of a received value for an error message, cut to `limit` characters, and never raising.
+
+    A string is cut before ``repr`` so a huge one costs nothing; a value whose ``repr`` fails
+    (nested deeper than Python's recursion limit, an int too long to print) is named by its type.
+    """
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + f"... ({len(value)} characters)"
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    except Exception:  # noqa: BLE001 - e.g. ValueError for an int of more than 4300 digits
+        return f"<a {type(value).__name__} too large to show>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
@@ -67,24 +88,27 @@ class Cluster:
     """The inputs that decided it, one line each (``RANK=1``, ``TF_CONFIG task = worker:0``...)."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         unknown = [kind for kind in self.addresses if kind not in TASK_TYPES]
         checks = [
-            (self.source in SOURCES, "Unknown cluster source", f"source={self.source!r}", f"use one of {SOURCES}"),
-            (self.task_type in TASK_TYPES, "Unknown task type", f"task_type={self.task_type!r}",
+            (self.source in SOURCES, "Unknown cluster source", f"source={show(self.source)}", f"use one of {SOURCES}"),
+            (self.task_type in TASK_TYPES, "Unknown task type", f"task_type={show(self.task_type)}",
              f"use one of {TASK_TYPES}"),
-            (not unknown, "Unknown task type in addresses", f"{unknown}", f"use only {TASK_TYPES}"),
+            (not unknown, "Unknown task type in addresses", show(unknown), f"use only {TASK_TYPES}"),
             (self.world_size >= 1 and (self.rank is None or 0 <= self.rank < self.world_size),
-             "rank must be in 0..world_size-1", f"rank={self.rank}, world_size={self.world_size}",
+             "rank must be in 0..world_size-1", f"rank={show(self.rank)}, world_size={show(self.world_size)}",
              "give each of the world_size processes a distinct rank"),
             ((self.rank is None) == (self.task_type not in COLLECTIVE_TASK_TYPES),
-             "Only the chief and workers have a rank", f"task_type={self.task_type!r}, rank={self.rank}",
+             "Only the chief and workers have a rank", f"task_type={show(self.task_type)}, rank={show(self.rank)}",
              "set rank=None for ps and evaluator tasks, and a rank for the others"),
             (self.local_rank is None or 0 <= self.local_rank < self.local_world_size,
              "local_rank must be in 0..local_world_size-1",
-             f"local_rank={self.local_rank}, local_world_size={self.local_world_size}",
+             f"local_rank={show(self.local_rank)}, local_world_size={show(self.local_world_size)}",
              "count local ranks among the processes of this host"),
-            (0 <= self.master_port <= 65535, "master_port is not a port", f"master_port={self.master_port}",
+            (0 <= self.master_port <= 65535, "master_port is not a port", f"master_port={show(self.master_port)}",
              "use 1..65535, or 0 to pick a free port (single process only)"),
+            (self.task_index >= 0, "task_index must be >= 0", f"task_index={show(self.task_index)}",
+             "number the tasks of each type from 0"),
         ]
         for ok, what, received, fix in checks:
             if not ok:
@@ -92,6 +116,34 @@ class Cluster:
         # Freeze the address lists so a Cluster can be shared between threads without copies.
         frozen = {kind: tuple(self.addresses[kind]) for kind in TASK_TYPES if kind in self.addresses}
         object.__setattr__(self, "addresses", frozen)
+        object.__setattr__(self, "evidence", tuple(self.evidence))
+
+    def _check_types(self) -> None:
+        """Every field of the type it is documented with, before any comparison could raise TypeError."""
+        def fail(name: str, expected: str) -> ClusterError:
+            return ClusterError(f"Cluster.{name} must be {expected}. Received: {name}={show(getattr(self, name))}. "
+                                f"Fix: pass {expected} (or build the Cluster with resolve_cluster or from_tf_config).")
+
+        def is_int(value: Any) -> bool:  # bounded, so that every message and rendering can print it
+            return isinstance(value, int) and not isinstance(value, bool) and -_INT_BOUND < value < _INT_BOUND
+
+        for name in ("task_index", "world_size", "local_world_size", "master_port"):
+            if not is_int(getattr(self, name)):
+                raise fail(name, "an int below 2**63")
+        for name in ("rank", "local_rank"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
+                raise fail(name, "an int below 2**63, or None")
+        for name in ("task_type", "chief_address", "master_addr", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise fail(name, "a str")
+        if self.rpc_layer is not None and not isinstance(self.rpc_layer, str):
+            raise fail("rpc_layer", "a str or None")
+        if not isinstance(self.addresses, Mapping) or not all(
+                isinstance(addrs, (list, tuple)) and all(isinstance(a, str) for a in addrs)
+                for addrs in self.addresses.values()):
+            raise fail("addresses", 'a dict of "host:port" lists by task type')
+        if not isinstance(self.evidence, (list, tuple)) or not all(isinstance(line, str) for line in self.evidence):
+            raise fail("evidence", "a tuple of str")
 
     # -- derived facts ---------------------------------------------------------------------
 
