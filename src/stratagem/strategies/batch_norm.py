@@ -13,7 +13,8 @@ instance's `forward` is replaced, while a strategy runs, by one that calls `_Glo
   MultiWorkerMirroredStrategy replica 0 then sums across workers and the others wait for it.
   The layer normalises with the global mean and biased variance and updates its running
   statistics with the global mean and the unbiased global variance, identically everywhere.
-- backward: each replica contributes [sum dy, sum dy*(x-mean)] weighted by its share of the
+- backward: each replica contributes [sum dy, sum dy*x_hat] (x_hat = (x - mean) / sigma with the
+  global statistics: torch's sum_dy_xmu over sigma) weighted by its share of the
   global batch (the weight its gradient is combined with), the same meeting sums them, and
   each replica's input gradient is that of the global loss divided by its own weight, so that
   after the weighted gradient combination every parameter gets one device's gradient.
@@ -170,7 +171,7 @@ class BatchNormSync:
         total = sum(4 * c + 1 for c in self._channels) * 8
         return {"BatchNorm layers": (
             f"{len(self._names)} layer(s), each training call exchanges [sum, sum of squares, count] per channel in "
-            f"forward and [sum dy, sum dy*(x-mean)] in backward: one meeting of the local replicas each way{across}; "
+            f"forward and [sum dy, sum dy*x_hat] in backward: one meeting of the local replicas each way{across}; "
             f"per replica and step {total} bytes ({costs})")}
 
     # ---- the forward a layer gets -------------------------------------------------------------
@@ -282,7 +283,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         if running_mean is not None and running_var is not None:
             running_mean.mul_(1 - factor).add_(mean64.to(running_mean.dtype), alpha=factor)
             running_var.mul_(1 - factor).add_((var64 * (size / (size - 1))).to(running_var.dtype), alpha=factor)
-        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        # Under autocast the input may be bfloat16 while the parameters stay float32: torch's kernels then take
+        # statistics of the parameters' dtype.
+        stats_dtype = weight.dtype if weight is not None else x.dtype
+        mean, var = mean64.to(stats_dtype), var64.to(stats_dtype)
         y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, call.eps)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.call = call
@@ -318,8 +322,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
                 # The global loss's gradient divided by this replica's weight, which the combination multiplies back:
                 # dx = w/sigma * (dy - a - x_hat * c), a and c the global weighted means of dy and dy * x_hat.
                 scale = share * ctx.size
-                a = (total[:channels] / scale).to(x.dtype)
-                c = (total[channels:] / scale).to(x.dtype)
+                a = (total[:channels] / scale).to(mean.dtype)
+                c = (total[channels:] / scale).to(mean.dtype)
                 gain = torch.rsqrt(var + call.eps)
                 if weight is not None:
                     gain = gain * weight
