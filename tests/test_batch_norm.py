@@ -387,3 +387,32 @@ def test_bfloat16_autocast_input_with_float32_parameters():
         assert float((got - want.grad).norm() / want.grad.norm()) < 0.05, name  # bfloat16 rounding, not a wrong sum
     torch.testing.assert_close(model.replicas[1][1].running_var, reference[1].running_var, rtol=1e-2, atol=1e-3)
     strategy.close()
+
+
+class _TwinWorkers(sg.MirroredStrategy):
+    """One local replica and a stand-in for a second worker process holding the same slice: the sum across
+    workers doubles (the path of MultiWorkerMirroredStrategy with one replica per worker, without processes)."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 2
+
+    def _batch_norm_cross_worker(self):
+        return lambda tensor, what, step: tensor.mul_(2)
+
+
+def test_one_replica_per_worker_sums_across_workers_without_a_local_meeting():
+    model, _, shape = build("mlp")
+    reference = copy.deepcopy(model)
+    (x, y), = batches(shape, sizes=[5])
+    # One device on the global batch: this worker's slice and the other worker's identical one.
+    F.cross_entropy(reference(torch.cat([x, x])), torch.cat([y, y])).backward()
+    strategy = _TwinWorkers(["cpu:0"], registry=cpu_registry(1))
+    model = strategy.distribute(model)
+    strategy.run(lambda x, y: F.cross_entropy(model(x), y).backward(), args=(x, y))
+    # Weighted 1/2 here and summed over the two workers, each gradient is one device's.
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, **TOL[torch.float64], msg=lambda m, k=name: f"{k}: {m}")
+    for name, want in reference.named_buffers():  # running_var: the unbiased variance of 10 examples, not 5
+        torch.testing.assert_close(model.get_buffer(name), want, **TOL[torch.float64])
+    strategy.close()
