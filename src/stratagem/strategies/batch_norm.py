@@ -110,7 +110,8 @@ class BatchNormSync:
         mode: "global" or "per_replica" (see the module docstring).
         strategy: the strategy whose replica contexts count as its replicas.
         barrier: where the local replicas meet.
-        num_replicas_in_sync: across every worker (1: nothing to synchronise).
+        num_local: the replicas of this process.
+        num_replicas_in_sync: across every worker (1: nothing to synchronise, the layers stay as they are).
         weight: the combination weight of a local replica in the running step (None outside a step).
         step: the number of the running step, for errors.
         cross_worker_sum: sums across workers (MultiWorkerMirroredStrategy), or None.
@@ -134,7 +135,7 @@ class BatchNormSync:
 
     # ---- set-up -------------------------------------------------------------------------------
     def install(self, replicas: Sequence[nn.Module]) -> None:
-        """Gives each BatchNorm layer of every replica its synchronised forward (global mode, several replicas)."""
+        """Gives each BatchNorm layer of every replica the forward of this part (with several replicas in sync)."""
         layers = [batch_norm_layers(r) for r in replicas]  # (lazy layers fail before this: torch's own error)
         self._names = [name for name, _ in layers[0]]
         self._channels = [m.num_features for _, m in layers[0]]
