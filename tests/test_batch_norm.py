@@ -267,7 +267,7 @@ def test_a_replica_that_calls_the_model_once_more_is_named():
         if sg.current_replica_context().replica_id_in_sync_group == 0:
             out = out + model(x)
         else:
-            time.sleep(0.3)  # replica 0 waits at its second forward first
+            time.sleep(1.0)  # replica 0 waits at its second forward first
         F.cross_entropy(out, y).backward()
 
     (x, y), = strategy.distribute_dataset(batches(shape, sizes=[6]))
@@ -357,3 +357,62 @@ def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path
         assert "BatchNorm statistics: global batch" in saved["explain"]
         assert "and a sum across workers" in saved["explain"]
     assert saved["seen"][0][1] == 1  # worker 1 ran its stand-in example in the step it had no example of its own
+
+
+def test_bfloat16_autocast_input_with_float32_parameters():
+    # Under autocast BatchNorm gets a bfloat16 input and float32 parameters, which torch's kernels allow.
+    model, _, shape = build("conv", torch.float32)
+    reference = copy.deepcopy(model)
+    (x, y), = batches(shape, sizes=[8], dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = reference(x)
+    F.cross_entropy(out.float(), y).backward()
+    strategy = mirrored(2)
+    model = strategy.distribute(model)
+
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        return out
+
+    (piece, labels), = strategy.distribute_dataset([(x, y)])
+    outputs = strategy.run(step, args=(piece, labels))
+    assert strategy.experimental_local_results(outputs)[0].dtype == torch.bfloat16
+    mine = dict(model.replicas[1].named_parameters())
+    for name, want in reference.named_parameters():
+        if name in ("0.bias", "4.bias"):
+            continue  # a bias just before BatchNorm has a gradient of rounding noise only
+        got = mine[name].grad
+        assert float((got - want.grad).norm() / want.grad.norm()) < 0.05, name  # bfloat16 rounding, not a wrong sum
+    torch.testing.assert_close(model.replicas[1][1].running_var, reference[1].running_var, rtol=1e-2, atol=1e-3)
+    strategy.close()
+
+
+class _TwinWorkers(sg.MirroredStrategy):
+    """One local replica and a stand-in for a second worker process holding the same slice: the sum across
+    workers doubles (the path of MultiWorkerMirroredStrategy with one replica per worker, without processes)."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 2
+
+    def _batch_norm_cross_worker(self):
+        return lambda tensor, what, step: tensor.mul_(2)
+
+
+def test_one_replica_per_worker_sums_across_workers_without_a_local_meeting():
+    model, _, shape = build("mlp")
+    reference = copy.deepcopy(model)
+    (x, y), = batches(shape, sizes=[5])
+    # One device on the global batch: this worker's slice and the other worker's identical one.
+    F.cross_entropy(reference(torch.cat([x, x])), torch.cat([y, y])).backward()
+    strategy = _TwinWorkers(["cpu:0"], registry=cpu_registry(1))
+    model = strategy.distribute(model)
+    strategy.run(lambda x, y: F.cross_entropy(model(x), y).backward(), args=(x, y))
+    # Weighted 1/2 here and summed over the two workers, each gradient is one device's.
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, **TOL[torch.float64], msg=lambda m, k=name: f"{k}: {m}")
+    for name, want in reference.named_buffers():  # running_var: the unbiased variance of 10 examples, not 5
+        torch.testing.assert_close(model.get_buffer(name), want, **TOL[torch.float64])
+    strategy.close()

@@ -4,6 +4,8 @@ and every replica ends each step with one device's parameters and optimizer stat
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,30 @@ def test_explain_says_what_an_idle_replica_does():
            "on a one-example stand-in batch" in text
     assert "takes part in every collective with weight zero" in text
     assert "empty slices" not in str(sg.MirroredStrategy(["cpu:0"], registry=cpu_registry(1)).explain())
+
+
+def test_an_input_that_requires_grad_keeps_every_replica_in_the_same_backward():
+    # BatchNorm on the input itself: its backward exchange happens only when the input needs a gradient,
+    # so the idle replica's stand-in must need one too.
+    torch.manual_seed(2)
+    reference = nn.Sequential(nn.BatchNorm1d(5), nn.Linear(5, 3)).double()
+    model = copy.deepcopy(reference)
+    (x, y), = data(sizes=[2], shape=(5,), classes=3)
+    leaf = x.clone().requires_grad_()
+    F.cross_entropy(reference(leaf), y).backward()
+    strategy = strategy_of("copies")
+    model = strategy.distribute(model)
+
+    def step(x, y):
+        x = x.clone().requires_grad_()
+        F.cross_entropy(model(x), y).backward()
+        return x.grad
+
+    (px, py), = strategy.distribute_dataset([(x, y)])
+    grads = strategy.experimental_local_results(strategy.run(step, args=(px, py)))
+    # A replica's input gradient is that of its own loss (the mean over its slice), half the global batch here.
+    torch.testing.assert_close(torch.cat(grads[:2]), 2 * leaf.grad, **TOL[torch.float64])
+    assert tuple(grads[2].shape) == (0, 5)
+    for got, want in zip(model.replicas[2].parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, **TOL[torch.float64])
+    strategy.close()

@@ -7,9 +7,9 @@ with its empty slices, exactly as the busy replicas run it: its `loss.backward()
 `optimizer.step()` and `zero_grad()` are those of every other replica. Only the model call is
 changed. When the distributed model is called on a replica whose slice is empty, with arguments
 whose batch dimension is 0, the model runs instead on a stand-in batch of ONE example (every such
-argument replaced by ones of its dtype, shape and device, keeping `requires_grad`), and the outputs
-are cut back to zero examples (`out[:0]`; an output without a batch dimension, such as a loss the
-model computes itself, becomes `0 * out`). So:
+argument replaced by ones of its dtype, shape and device, tied to the empty argument when that
+requires a gradient), and the outputs are cut back to zero examples (`out[:0]`; an output without
+a batch dimension, such as a loss the model computes itself, becomes `0 * out`). So:
 
 - the model never sees an empty batch (the classic `x.view(x.size(0), -1)` works);
 - the step function sees what it would see on one device for zero examples: empty outputs, and a
@@ -108,7 +108,9 @@ def _stand_in(value: Any) -> Any:
     if not _is_empty_batch(value):
         return value
     one = torch.ones((1, *value.shape[1:]), dtype=value.dtype, device=value.device)
-    return one.requires_grad_(True) if value.requires_grad else one
+    # Tied to the empty input (its sum is 0) when that needs a gradient: the model's backward pass is then the
+    # busy replicas' one, and the empty input gets its (empty) gradient.
+    return one + value.sum() if value.requires_grad else one
 
 
 def _no_examples(value: Any) -> Any:
