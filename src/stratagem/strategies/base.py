@@ -106,6 +106,22 @@ class Strategy(abc.ABC):
         _check_iterable(dataset, "the function given to distribute_datasets_from_function")
         return DistributedDataset(self, dataset, per_replica=True)
 
+    def distribute_scaler(self, scaler: torch.amp.GradScaler) -> Any:
+        """A loss scaler for this strategy's step function: `scaler` itself where one thread runs the step,
+        else one scaler per local replica behind one object (see `stratagem.strategies.amp`). Every replica
+        and worker keeps the same scale, and an inf/NaN in any replica skips the step on all of them.
+
+        Example:
+            >>> scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda"))
+        """
+        from stratagem.strategies.amp import replicate_scaler
+
+        return replicate_scaler(scaler, self._num_local_replicas(), self)
+
+    def _num_local_replicas(self) -> int:
+        """How many replica threads of this process run the step function (1 unless replicas are threads)."""
+        return 1
+
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of the local replicas, as a tuple (one element for a plain value)."""
         if isinstance(value, PerReplica):

@@ -192,6 +192,9 @@ class MirroredStrategy(Strategy):
     def _local_devices(self) -> list[torch.device]:
         return self._devices
 
+    def _num_local_replicas(self) -> int:
+        return len(self._devices)
+
     def explain(self) -> Explanation:
         replicas = [ReplicaPlacement(r, name, str(dev)) for r, (name, dev) in enumerate(zip(self._names, self._devices))]
         details: dict[str, Any] = {}

@@ -23,6 +23,7 @@ from stratagem.diagnose.placement import (
 )
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
+from stratagem.strategies.autocast import apply_autocast, capture_autocast
 
 _context = threading.local()
 
@@ -177,9 +178,10 @@ class ReplicaPool:
             item = inbox.get()
             if item is None:
                 return
-            generation, job, placement = item
+            generation, job, placement, autocast = item
             try:
-                with apply_placement(placement):  # the caller's placement log / soft placement, if any
+                # The caller's placement log / soft placement and autocast, if any: all thread-local in torch.
+                with apply_placement(placement), apply_autocast(autocast):
                     result = job(replica)
                 self._outbox.put((generation, replica, True, result))
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
@@ -195,8 +197,9 @@ class ReplicaPool:
         self._generation += 1
         generation = self._generation
         placement = capture_placement()  # None unless a placement log or soft placement is active
+        autocast = capture_autocast()  # None unless the caller entered torch.autocast
         for inbox in self._inboxes:
-            inbox.put((generation, job, placement))
+            inbox.put((generation, job, placement, autocast))
         results: list[Any] = [None] * len(self._names)
         errors: list[tuple[int, BaseException]] = []
         try:

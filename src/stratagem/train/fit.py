@@ -30,6 +30,7 @@ from torch import nn
 
 from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
+from stratagem.strategies.amp import check_precision
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import DistributedModel
 from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
@@ -221,6 +222,7 @@ def fit(
     metrics: Sequence[str | Metric] | None = None,
     callbacks: Sequence[Callback] | None = None,
     clip_grad_norm: float | None = None,
+    precision: str = "32",
     verbose: bool = False,
 ) -> History:
     """Trains `model` with `optimizer` on `data` under `strategy` and returns the history per epoch.
@@ -241,6 +243,9 @@ def fit(
         callbacks: `Callback` objects, e.g. ``BackupAndRestore`` (it restores before the others
             start and backs up after the others ran for the step or epoch), ``LearningRateScheduler``.
         clip_grad_norm: clip the (combined, global) gradient to this norm before each update.
+        precision: "32" (float32, the default), "bf16" (forward and loss under bfloat16 autocast, on CPUs
+            and GPUs) or "fp16" (float16 autocast with loss scaling, one scale for every replica and
+            worker; GPUs only).
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
 
     Example:
@@ -253,6 +258,7 @@ def fit(
             match this run.
     """
     _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
+    precision = check_precision(precision, [d.type for d in strategy._local_devices])
     metric_set = MetricSet(get_metrics(metrics))
     train_data = _as_batches(data, batch_size, shuffle, seed, "data")
     val_data = None if validation_data is None else _as_batches(validation_data, validation_batch_size,
@@ -268,8 +274,10 @@ def fit(
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
-    train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
-    eval_step = make_eval_step(model, loss, metric_set)
+    scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda")) if precision == "fp16" else None
+    train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
+                                 precision=precision, scaler=scaler)
+    eval_step = make_eval_step(model, loss, metric_set, precision=precision)
     prepare = getattr(strategy, PREPARE_HOOK, None)
     if prepare is not None:
         # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server

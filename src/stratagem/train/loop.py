@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies.amp import precision_autocast
 from stratagem.strategies.base import Strategy
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 
@@ -79,30 +80,42 @@ def run_steps_synchronously(strategy: Strategy, step_fn: StepFn, batches: Iterab
 
 
 def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn, metric_set: MetricSet, *,
-                    clip_grad_norm: float | None = None) -> StepFn:
-    """One training step on one replica: forward, mean loss, backward (combined gradients), step."""
+                    clip_grad_norm: float | None = None, precision: str = "32", scaler: Any = None) -> StepFn:
+    """One training step on one replica: forward, mean loss, backward (combined gradients), step.
+
+    `precision` ("32", "bf16", "fp16"): the forward pass and the loss under that autocast; `scaler` (a
+    loss scaler from `strategy.distribute_scaler`, for "fp16"): the loss scaled before backward, the
+    gradients unscaled before clipping, the step skipped on an inf/NaN."""
 
     def train_step(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        outputs = model(inputs)
-        loss_value = loss(outputs, targets)
+        with precision_autocast(precision, targets.device.type):
+            outputs = model(inputs)
+            loss_value = loss(outputs, targets)
         _check_scalar_loss(loss_value)
-        loss_value.backward()  # returns with the gradients combined across replicas
+        # Returns with the gradients combined across replicas.
+        (loss_value if scaler is None else scaler.scale(loss_value)).backward()
         if clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             # After backward, so the norm is that of the global gradient, as on one device.
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         return metric_set.state(outputs.detach(), targets, loss_value.detach())
 
     return train_step
 
 
-def make_eval_step(model: nn.Module, loss: LossFn, metric_set: MetricSet) -> StepFn:
-    """One evaluation step on one replica: forward and metric state, no gradients."""
+def make_eval_step(model: nn.Module, loss: LossFn, metric_set: MetricSet, *, precision: str = "32") -> StepFn:
+    """One evaluation step on one replica: forward and metric state, no gradients (under `precision`'s autocast)."""
 
     def eval_step(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         # no_grad inside the step: it runs on each replica's own thread, where the caller's mode does not reach.
-        with torch.no_grad():
+        with torch.no_grad(), precision_autocast(precision, targets.device.type):
             outputs = model(inputs)
             loss_value = loss(outputs, targets)
             _check_scalar_loss(loss_value)
