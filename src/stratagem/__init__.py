@@ -32,6 +32,7 @@ from stratagem.strategies import (
     Strategy,
     current_replica_context,
 )
+from stratagem.strategies.loss_weight import set_loss_weight
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
 from stratagem.train.loop import evaluate
@@ -72,5 +73,6 @@ __all__ = [
     "fit",
     "log_placement",
     "metrics",
+    "set_loss_weight",
     "soft_placement",
 ]
