@@ -191,3 +191,20 @@ def test_workers_train_in_bf16_and_share_one_loss_scale(tmp_path):
         assert scales == [s * local for s in ref_scales]  # the overflow in worker 1 skipped the chief's step too
         for key, value in expected_scaled.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_grad_scaler_shared_by_replicas_is_refused_with_the_fix():
+    strategy = STRATEGIES["mirrored-2"]()
+    net = mlp()
+    model, opt = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x, y):
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    (x, y), = list(strategy.distribute_dataset(make_batches((6,), torch.float32, sizes=[4])))
+    with pytest.raises(sg.InputError, match=r"GradScaler was called by several replicas .* strategy.distribute_scaler"):
+        strategy.run(step, args=(x, y))
+    strategy.close()

@@ -150,6 +150,24 @@ def replicate_scaler(scaler: Any, num_replicas: int, strategy: Any) -> Any:
     return DistributedGradScaler([scaler] + [copy.deepcopy(scaler) for _ in range(num_replicas - 1)], strategy)
 
 
+_SHARED_SCALER_SYMPTOMS = (
+    "has already been called on this optimizer since the last update",
+    "step() has already been called since the last update",
+    "No inf checks were recorded for this optimizer",
+)
+
+
+def shared_scaler_error(error: BaseException) -> InputError | None:
+    """What torch's GradScaler raises when several replica threads share it, said plainly; None otherwise."""
+    if not isinstance(error, (RuntimeError, AssertionError)) or not any(s in str(error) for s in _SHARED_SCALER_SYMPTOMS):
+        return None
+    return InputError(
+        "A torch.amp.GradScaler was called by several replicas of this process at once; it keeps one record per "
+        f"optimizer and step, so it cannot serve them. Received: {type(error).__name__}: {error} Wrap it once, "
+        "outside the step function: scaler = strategy.distribute_scaler(torch.amp.GradScaler(...))."
+    )
+
+
 def check_precision(precision: Any, device_types: Sequence[str]) -> str:
     """Validates a precision setting ("32", "bf16", "fp16") for replicas on `device_types`; returns it."""
     text = str(precision)

@@ -233,7 +233,10 @@ class ReplicaPool:
             replica, error = (real or errors)[0]
             if isinstance(error, _Aborted) and error.__cause__ is not None:
                 error = error.__cause__
-            translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
+            from stratagem.strategies.amp import shared_scaler_error  # here: amp imports this module
+
+            # torch's "Could not run ... backend", or a GradScaler shared by the replicas, with the fix.
+            translated = as_placement_error(error) or shared_scaler_error(error)
             if translated is not None:
                 translated.__cause__ = error
                 error = translated
