@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -334,7 +335,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
         store, cw.store = cw.store, None
-        if release and store is not None:
+        # Closing while an exception propagates (a `finally:` after a worker died): the others may never say
+        # they are done, so the handshake would only hold this one up for `timeout`; the store just goes.
+        if release and store is not None and sys.exc_info()[0] is None:
             release_store(store, rank=cw.rank, task_names=cw.task_names, timeout=self._timeout)
         del store  # the chief's store stops listening with its last reference
 
