@@ -70,8 +70,8 @@ def _summed_over_two_ranks(other_used: list[bool]):
 
     def launch(tensor):
         n = len(other_used)
-        if tensor.numel() >= n:  # the last collective: gradients, then one count per parameter
-            tensor[-n:] += torch.tensor(other_used, dtype=tensor.dtype)
+        if tensor.numel() >= n + 2:  # the last collective: gradients, one count per parameter, 2 loss-weight numbers
+            tensor[-n - 2:-2] += torch.tensor(other_used, dtype=tensor.dtype)
         return None
 
     return launch

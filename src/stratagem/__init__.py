@@ -33,6 +33,7 @@ from stratagem.strategies import (
     Strategy,
     current_replica_context,
 )
+from stratagem.strategies.loss_weight import set_loss_weight
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
 from stratagem.train.loop import evaluate
@@ -76,5 +77,6 @@ __all__ = [
     "log_placement",
     "metrics",
     "seed_everything",
+    "set_loss_weight",
     "soft_placement",
 ]

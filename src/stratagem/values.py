@@ -49,6 +49,9 @@ class PerReplica:
     batch_sizes: tuple[int, ...] | None = None
     global_size: int | None = None
     """Examples in the global batch across every worker (None: the sum of `batch_sizes`)."""
+    weights: tuple[float, ...] | None = None
+    """The loss weights the replicas declared with `sg.set_loss_weight` (token counts, say): a MEAN
+    weights by these instead of `batch_sizes`."""
 
     def __len__(self) -> int:
         return len(self.values)

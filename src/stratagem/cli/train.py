@@ -30,6 +30,7 @@ from stratagem import environ
 from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
 from stratagem.diagnose import log_placement
 from stratagem.errors import StratagemError
+from stratagem.strategies.amp import PRECISIONS, check_precision
 from stratagem.train import (
     STRATEGY_NAMES,
     TARGET_ACCURACY,
@@ -79,6 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--default-allocator", action="store_true",
                         help="leave glibc's malloc thresholds at their defaults; by default the training processes keep "
                              "freed memory for reuse, which spares each step thousands of page faults on a CPU")
+    parser.add_argument("--precision", choices=PRECISIONS, default=_DEFAULTS.precision,
+                        help="32: float32; bf16: bfloat16 autocast (CPUs and GPUs); fp16: float16 autocast with loss "
+                             f"scaling, GPUs only (default: {_DEFAULTS.precision})")
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
@@ -102,9 +106,14 @@ def run(args: argparse.Namespace) -> int:
         allocator.keep_freed_memory_here(env)  # this command owns its process (a task of a relaunch has it already)
     try:
         config = TrainConfig(strategy=args.strategy, devices=args.devices, epochs=args.epochs,
-                             batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+                             batch_size=args.batch_size, lr=args.lr, seed=args.seed, precision=args.precision)
         callbacks: list[Callback] = [BackupAndRestore(args.backup_dir, save_freq="epoch")] if args.backup_dir else []
         strategy, decision = build_strategy(config.strategy, config.devices)
+        try:
+            check_precision(config.precision, [d.type for d in strategy._local_devices])  # before any work
+        except StratagemError:
+            strategy.close()
+            raise
     except StratagemError as error:
         # Bad input to the command (a device this machine lacks, a bad value): say so, exit like argparse.
         print(f"stratagem train: {error}", file=sys.stderr)

@@ -16,7 +16,8 @@ how many ranks used each parameter, so a parameter no rank used ends the step wi
 as on one device (torch's optimizers then skip it), and one used by some ranks only gets the sum
 of theirs. The last collective starts only once every gradient is in, so the counts are known by
 then and cost no extra round trip (when the last bucket holds a direct gradient, a small one of
-their own follows it).
+their own follows it). Two more numbers follow them: the loss weight this rank declared
+(`sg.set_loss_weight`) and 1 if it declared one, so that every rank learns the total it divides by.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class GradientBuckets:
         self.bucket_bytes = bucket_bytes
         self.buckets = _assign(self.params, bucket_bytes, first_bucket_bytes, direct_bytes)
         self._users: torch.Tensor | None = None
+        self._declared_tail: torch.Tensor | None = None
+        self._declared = False
         self._allocate()
         if count_users and self.params:
             self._allocate_user_counts()
@@ -100,14 +103,15 @@ class GradientBuckets:
             last = _Bucket([], direct=False, flat=torch.zeros(0, dtype=first.dtype, device=first.device))
             self.buckets.append(last)
         size = last.flat.numel()  # type: ignore[union-attr]
-        last.wire = torch.zeros(size + n, dtype=last.flat.dtype, device=last.flat.device)
+        last.wire = torch.zeros(size + n + 2, dtype=last.flat.dtype, device=last.flat.device)
         last.flat = last.wire[:size]
         offset = 0
         for i in last.members:
             numel = self.params[i].numel()
             last.views[i] = last.flat[offset:offset + numel].view_as(self.params[i])
             offset += numel
-        self._users = last.wire[size:]
+        self._users = last.wire[size:size + n]
+        self._declared_tail = last.wire[size + n:]
 
     @property
     def sizes_bytes(self) -> list[int]:
@@ -119,8 +123,9 @@ class GradientBuckets:
                  if b.members]
         return ", ".join(parts)
 
-    def start(self, weight: float) -> None:
-        """Resets for a backward pass whose gradients are scaled by `weight` (0: contribute zeros)."""
+    def start(self, weight: float, declared: bool = False) -> None:
+        """Resets for a backward pass whose gradients are scaled by `weight` (0: contribute zeros); `declared`:
+        the weight is a loss weight the step declared (a count, sent along with the user counts)."""
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
         self._arrived = [False] * len(self.params)
@@ -128,6 +133,19 @@ class GradientBuckets:
         self._next_to_launch = 0
         self._works = []
         self._weight = weight
+        self._declared = declared
+
+    def declare_weight(self, weight: float) -> None:
+        """The step declared its loss weight (before its backward pass): gradients are scaled by it instead."""
+        self._weight = weight
+        self._declared = True
+
+    def declared_total(self) -> tuple[float, int]:
+        """After the all-reduce: (sum of the declared loss weights, how many ranks declared one)."""
+        if self._declared_tail is None:
+            return 0.0, 0
+        total, count = self._declared_tail.tolist()
+        return float(total), int(round(count))
 
     def mark_ready(self, index: int, launch: Launch) -> None:
         """Gradient `index` has been accumulated: take it in, launch every bucket that is now complete."""
@@ -196,6 +214,8 @@ class GradientBuckets:
                 # Launched last, so every gradient has come by now: this rank's use of each parameter is known.
                 self._users.copy_(  # type: ignore[union-attr]
                     torch.tensor(self._used, dtype=bucket.wire.dtype))
+                self._declared_tail.copy_(torch.tensor(  # type: ignore[union-attr]
+                    [self._weight if self._declared else 0.0, 1.0 if self._declared else 0.0], dtype=bucket.wire.dtype))
                 self._works.append(launch(bucket.wire))
             else:
                 self._works.append(launch(bucket.flat))

@@ -121,6 +121,26 @@ class Strategy(abc.ABC):
         _check_iterable(dataset, "the function given to distribute_datasets_from_function")
         return DistributedDataset(self, dataset, per_replica=True)
 
+    def distribute_scaler(self, scaler: torch.amp.GradScaler) -> Any:
+        """A loss scaler for this strategy's step function: `scaler` itself where one thread runs the step,
+        else one scaler per local replica behind one object (see `stratagem.strategies.amp`). Every replica
+        and worker keeps the same scale, and an inf/NaN in any replica skips the step on all of them.
+
+        Example:
+            >>> scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda"))
+        """
+        from stratagem.strategies.amp import replicate_scaler
+
+        return replicate_scaler(scaler, self._num_local_replicas(), self)
+
+    def _declare_loss_weight(self, replica: int, count: float) -> None:
+        """`sg.set_loss_weight(count)` on `replica` (see strategies/loss_weight.py). Nothing to weigh where one
+        replica computes each update's gradient alone; strategies that combine replicas override it."""
+
+    def _num_local_replicas(self) -> int:
+        """How many replica threads of this process run the step function (1 unless replicas are threads)."""
+        return 1
+
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of the local replicas, as a tuple (one element for a plain value)."""
         if isinstance(value, PerReplica):
@@ -186,7 +206,8 @@ class Strategy(abc.ABC):
             return None  # an output field the model left unset (a ModelOutput's optional loss, say)
         device = self._reduce_device()
         if isinstance(value, PerReplica):
-            values, sizes = list(value.values), value.batch_sizes
+            values = list(value.values)
+            sizes = value.weights if value.weights is not None else value.batch_sizes
         else:
             # A value that is not per-replica is the same on every replica (tf.distribute's rule).
             values, sizes = [value] * len(self._local_devices), None
@@ -199,9 +220,13 @@ class Strategy(abc.ABC):
             return total / count
         if op is ReduceOp.SUM:
             return self._cross_worker_sum(torch.stack(tensors).sum(dim=0))
-        if sizes is not None and sum(sizes) > 0:
+        if sizes is not None:
+            # Replicas of weight zero count for nothing (an empty slice's mean may be NaN); a worker whose
+            # replicas all weigh zero still joins the sums across workers, with zeros.
             kept = [(t, n) for t, n in zip(tensors, sizes) if n > 0]
-            weighted = torch.stack([t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) * n for t, n in kept]).sum(dim=0)
+            as_float = [t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]
+            weighted = (torch.stack([f * n for f, (t, n) in zip(as_float, zip(tensors, sizes)) if n > 0]).sum(dim=0)
+                        if kept else torch.zeros_like(as_float[0]))
             count = torch.tensor(float(sum(sizes)), device=device)
         else:
             weighted = torch.stack([t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]).sum(dim=0)

@@ -34,6 +34,7 @@ from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies import lr_schedulers
 from stratagem.strategies.accumulation import LocalAccumulation
+from stratagem.strategies import loss_weight
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
 from stratagem.strategies.distributed import (
@@ -66,6 +67,8 @@ logger = logging.getLogger(__name__)
 class _RunState:
     step: int
     weights: list[float]
+    counts: list[float | None] | None = None
+    """Loss weights declared with sg.set_loss_weight in this step (None: weighting by examples)."""
 
 
 STEAL_MIN_ELEMENTS = 64 * 1024
@@ -212,11 +215,15 @@ class MirroredStrategy(Strategy):
     def _local_devices(self) -> list[torch.device]:
         return self._devices
 
+    def _num_local_replicas(self) -> int:
+        return len(self._devices)
+
     def explain(self) -> Explanation:
         replicas = [ReplicaPlacement(r, name, str(dev)) for r, (name, dev) in enumerate(zip(self._names, self._devices))]
         details: dict[str, Any] = {}
         if len(self._devices) > 1:
-            details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch"
+            details["gradient weighting"] = ("each replica's gradient weighted by its share of the global batch, or by "
+                                             "the loss weight its step declares (sg.set_loss_weight)")
         details.update(self._explain_parts())
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, list(self._decisions), details)
 
@@ -351,7 +358,7 @@ class MirroredStrategy(Strategy):
         batch_sizes = _batch_sizes(args, kwargs, num_replicas)
         global_size = _global_size(args, kwargs)
         self._step += 1
-        self._run_state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
+        self._run_state = state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
         self._begin_parts(batch_sizes)
         self._queued = [False] * num_replicas
         # The last step's gradients must not outlive zero_grad(): held here, they would make backward
@@ -367,7 +374,7 @@ class MirroredStrategy(Strategy):
                 self._accumulation.end_run()
             if self.num_replicas_in_sync == 1:
                 return result
-            return stack_replicas([result], batch_sizes, global_size)
+            return loss_weight.tag_results(stack_replicas([result], batch_sizes, global_size), state.counts)
         if self._pool is None:
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         self._barrier.reset()
@@ -397,7 +404,7 @@ class MirroredStrategy(Strategy):
                 torch.set_num_threads(caller_threads)
             self._run_state = None
             self._accumulation.end_run()
-        return stack_replicas(results, batch_sizes, global_size)
+        return loss_weight.tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)
 
     def _replica_weights(self, batch_sizes: tuple[int, ...] | None, global_size: int | None) -> list[float]:
         """Each local replica's share of the global batch (equal shares when the batch is unknown)."""
@@ -508,6 +515,27 @@ class MirroredStrategy(Strategy):
         # Not only when this worker has gradients: the others may, and every worker must join the sum.
         if self._combine_across_workers(replica, lists, state.step):
             self._barrier.wait(replica, "gradient combination across workers", state.step)
+        self._apply_loss_weights(replica, state)
+
+    # ---- losses weighted by declared counts (strategies/loss_weight.py) ---------------------------
+    def _declare_loss_weight(self, replica: int, count: float) -> None:
+        state = self._run_state
+        if state is not None:
+            loss_weight.declare(state, replica, count, len(self._devices))
+            self._loss_weight_declared(replica, count)
+
+    def _loss_weight_declared(self, replica: int, count: float) -> None:
+        """Called when `replica` declares its count, before its backward pass (multi-worker: the buckets' weight)."""
+
+    def _loss_weight_total(self, state: _RunState) -> float | None:
+        """The count the combined gradients are divided by (None: weighted by examples, nothing to divide)."""
+        total, declared = loss_weight.local_total(state.counts)
+        return loss_weight.check_total(total, declared, len(self._devices), state.step)
+
+    def _apply_loss_weights(self, replica: int, state: _RunState) -> None:
+        total = self._loss_weight_total(state)
+        if total is not None:
+            loss_weight.divide_gradients_(self._replica_params[replica], total)
 
     def _claim_combination(self, replica: int, current: int, weights: list[float]) -> Callable[[], None] | None:
         """Called with the barrier's lock held by `replica`, waiting at the end of backward pass `current`:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import socket
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,12 +31,14 @@ from stratagem import environ
 from stratagem.cluster import Cluster, allocator, init_process_group, resolve_cluster
 from stratagem.cluster.release import release_store
 from stratagem.collective.buckets import GradientBuckets
+from stratagem.collective.worker_sum import sum_gradients_across_workers
 from stratagem.collective.cross_worker import CrossWorker
 from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.data.files import FileDataset
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.strategies import loss_weight
 from stratagem.strategies.base import _check_iterable, stack_batch
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy, _RunState
@@ -117,6 +120,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._connect_shared_memory(shared_memory)
         self._buckets: GradientBuckets | None = None
         self._gathers = 0
+        self._weights_across_workers: tuple[float, int] = (0.0, 0)
 
     # ---- placement ----------------------------------------------------------------------------
     def _choose_backend(self) -> tuple[str, str]:
@@ -188,7 +192,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         details["cluster"] = f"{self._cluster.task_name}, rank {self._cluster.rank} of {self._cluster.world_size} (from {self._cluster.source})"
         if self._buckets is not None:
             details["gradient buckets (MiB, in launch order)"] = self._buckets.describe()
-        details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch across all workers"
+        details["gradient weighting"] = ("each replica's gradient weighted by its share of the global batch across all "
+                                         "workers, or by the loss weight its step declares (sg.set_loss_weight)")
         memory, why = allocator.describe(environ.current())
         decisions = [*base.decisions, PlacementDecision(subject="freed host memory", choice=memory, reason=why)]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, base.replicas, decisions, details)
@@ -266,7 +271,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         works = self._buckets.finish(self._launch)
         self._cw.wait(works, what="gradient all-reduce", step=state.step)
         self._buckets.hand_out()
-        self._buckets.start(state.weights[0])  # ready for a second backward in the same step
+        self._weights_across_workers = self._buckets.declared_total()
+        self._apply_loss_weights(replica, state)
+        # Ready for a second backward in the same step.
+        self._buckets.start(state.weights[0], declared=state.counts is not None)
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
         if replica == 0:
@@ -274,28 +282,18 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return True
 
     def _sum_across_workers(self, step: int) -> None:
-        """Replica 0, after the local combination: sums every parameter's gradient across workers, with one
-        number per parameter riding along that counts the workers whose replicas used it. Every worker sends
-        the same layout (zeros for a parameter none of its replicas used); a parameter no worker used keeps
-        grad None everywhere, as on one device, and one used elsewhere only gets the sum of the others'."""
-        params = self._replica_params
-        used = [any(replica[i].grad is not None for replica in params) for i in range(len(params[0]))]
-        grads = [p.grad if u else torch.zeros_like(p) for p, u in zip(params[0], used)]
-        if not grads:
-            return
-        counts = torch.tensor(used, dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch._utils._flatten_dense_tensors([*grads, counts])
-        self._cw.all_reduce_([flat], what="gradient all-reduce", step=step)
-        *summed, users = torch._utils._unflatten_dense_tensors(flat, [*grads, counts])
-        for i, count in enumerate(users.tolist()):
-            if count == 0:
-                continue  # nobody used it: every local replica's grad is already None
-            for replica in params:
-                p = replica[i]
-                if p.grad is None:
-                    p.grad = summed[i].clone()
-                else:
-                    p.grad.copy_(summed[i])
+        """Replica 0, after the local combination (see collective/worker_sum.py)."""
+        state = self._run_state
+        declared = loss_weight.local_total(state.counts if state is not None else None)
+        self._weights_across_workers = sum_gradients_across_workers(self._cw, self._replica_params, declared, step)
+
+    def _loss_weight_declared(self, replica: int, count: float) -> None:
+        if self._buckets is not None:
+            self._buckets.declare_weight(count)
+
+    def _loss_weight_total(self, state: _RunState) -> float | None:
+        total, declared = self._weights_across_workers  # summed along with the gradients
+        return loss_weight.check_total(total, declared, self.num_replicas_in_sync, state.step)
 
     def _batch_norm_cross_worker(self) -> Any:
         return lambda tensor, what, step: self._cw.all_reduce_([tensor], what=what, step=step)
@@ -369,7 +367,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
         store, cw.store = cw.store, None
-        if release and store is not None:
+        # Closing while an exception propagates (a `finally:` after a worker died): the others may never say
+        # they are done, so the handshake would only hold this one up for `timeout`; the store just goes.
+        if release and store is not None and sys.exc_info()[0] is None:
             release_store(store, rank=cw.rank, task_names=cw.task_names, timeout=self._timeout)
         del store  # the chief's store stops listening with its last reference
 

@@ -23,6 +23,7 @@ from stratagem.diagnose.placement import (
 )
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
+from stratagem.strategies.autocast import apply_autocast, capture_autocast
 
 _context = threading.local()
 
@@ -193,9 +194,10 @@ class ReplicaPool:
             item = inbox.get()
             if item is None:
                 return
-            generation, job, placement = item
+            generation, job, placement, autocast = item
             try:
-                with apply_placement(placement):  # the caller's placement log / soft placement, if any
+                # The caller's placement log / soft placement and autocast, if any: all thread-local in torch.
+                with apply_placement(placement), apply_autocast(autocast):
                     result = job(replica)
                 self._outbox.put((generation, replica, True, result))
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
@@ -211,8 +213,9 @@ class ReplicaPool:
         self._generation += 1
         generation = self._generation
         placement = capture_placement()  # None unless a placement log or soft placement is active
+        autocast = capture_autocast()  # None unless the caller entered torch.autocast
         for inbox in self._inboxes:
-            inbox.put((generation, job, placement))
+            inbox.put((generation, job, placement, autocast))
         results: list[Any] = [None] * len(self._names)
         errors: list[tuple[int, BaseException]] = []
         try:
@@ -246,7 +249,10 @@ class ReplicaPool:
             replica, error = (real or errors)[0]
             if isinstance(error, _Aborted) and error.__cause__ is not None:
                 error = error.__cause__
-            translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
+            from stratagem.strategies.amp import shared_scaler_error  # here: amp imports this module
+
+            # torch's "Could not run ... backend", or a GradScaler shared by the replicas, with the fix.
+            translated = as_placement_error(error) or shared_scaler_error(error)
             if translated is not None:
                 translated.__cause__ = error
                 error = translated

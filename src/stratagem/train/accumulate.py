@@ -23,6 +23,7 @@ from torch import nn
 
 from stratagem.data.split import batch_size_of
 from stratagem.errors import InputError
+from stratagem.strategies.amp import precision_autocast
 from stratagem.strategies.base import Strategy
 from stratagem.train.loop import LossFn, _check_scalar_loss, _describe
 from stratagem.train.metrics import MetricSet
@@ -33,12 +34,15 @@ MicroStepFn = Callable[[Any, Any, float, bool], torch.Tensor]
 
 
 def make_accumulating_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn,
-                                 metric_set: MetricSet, *, clip_grad_norm: float | None = None) -> MicroStepFn:
-    """One micro-batch on one replica: forward, backward of the scaled mean loss; the last of a group steps."""
+                                 metric_set: MetricSet, *, clip_grad_norm: float | None = None,
+                                 precision: str = "32") -> MicroStepFn:
+    """One micro-batch on one replica: forward, backward of the scaled mean loss; the last of a group steps.
+    `precision` ("32" or "bf16"): the forward pass and the loss under that autocast."""
 
     def train_step(inputs: Any, targets: torch.Tensor, scale: float, last: bool) -> torch.Tensor:
-        outputs = model(inputs)
-        loss_value = loss(outputs, targets)
+        with precision_autocast(precision, targets.device.type):
+            outputs = model(inputs)
+            loss_value = loss(outputs, targets)
         _check_scalar_loss(loss_value)
         (loss_value * scale).backward()
         if last:

@@ -30,6 +30,7 @@ from torch import nn
 
 from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
+from stratagem.strategies.amp import check_precision
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import DistributedModel
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
@@ -237,6 +238,7 @@ def fit(
     callbacks: Sequence[Callback] | None = None,
     clip_grad_norm: float | None = None,
     accumulate_steps: int = 1,
+    precision: str = "32",
     verbose: bool = False,
 ) -> History:
     """Trains `model` with `optimizer` on `data` under `strategy` and returns the history per epoch.
@@ -265,6 +267,9 @@ def fit(
             holding all their examples (each micro-batch's loss weighted by its share of them), the
             replicas combining gradients once per update (`strategy.no_sync()`). For callbacks and
             ``save_freq`` a step is an update; ``steps_per_epoch`` still counts batches.
+        precision: "32" (float32, the default), "bf16" (forward and loss under bfloat16 autocast, on CPUs
+            and GPUs) or "fp16" (float16 autocast with loss scaling, one scale for every replica and
+            worker; GPUs only).
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
 
     Example:
@@ -278,6 +283,13 @@ def fit(
     """
     _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
     _check_accumulate_steps(strategy, accumulate_steps)
+    precision = check_precision(precision, [d.type for d in strategy._local_devices])
+    if precision == "fp16" and accumulate_steps > 1:
+        raise InputError(
+            "precision='fp16' and accumulate_steps > 1 cannot be combined yet: the loss scaler would have to skip a "
+            f"whole group of micro-batches. Received: precision='fp16', accumulate_steps={accumulate_steps}. Use "
+            "precision='bf16' (no loss scaling needed) or accumulate_steps=1."
+        )
     metric_set = MetricSet(get_metrics(metrics))
     train_data = _as_batches(data, batch_size, shuffle, seed, "data")
     if validation_batch_size is None and not _is_batched(validation_data):
@@ -295,11 +307,14 @@ def fit(
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
+    scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda")) if precision == "fp16" else None
     if accumulate_steps > 1:
-        train_step = make_accumulating_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
+        train_step = make_accumulating_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
+                                                  precision=precision)
     else:
-        train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm)
-    eval_step = make_eval_step(model, loss, metric_set)
+        train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
+                                     precision=precision, scaler=scaler)
+    eval_step = make_eval_step(model, loss, metric_set, precision=precision)
     prepare = getattr(strategy, PREPARE_HOOK, None)
     if prepare is not None:
         # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server

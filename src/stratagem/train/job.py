@@ -84,6 +84,8 @@ class TrainConfig:
     """Adam's learning rate."""
     seed: int = 0
     """Seeds the model's initial weights and the shuffle order; same seed, same numbers."""
+    precision: str = "32"
+    """"32", "bf16" or "fp16" (GPUs only): `fit`'s precision setting."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
@@ -97,7 +99,8 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "devices": list(self.devices) if self.devices else None,
-                "epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed}
+                "epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed,
+                "precision": self.precision}
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ def train_digits(config: TrainConfig, strategy: Strategy, device_decision: Place
     # The order of each epoch depends only on (seed, epoch): the same run repeats exactly, and resumes exactly.
     train = ShuffledBatches((data.train_x, data.train_y), config.batch_size, seed=config.seed)
     history = fit(strategy, net, torch.optim.Adam(net.parameters(), lr=config.lr), F.cross_entropy, train,
-                  epochs=config.epochs, metrics=["accuracy"], callbacks=callbacks)
+                  epochs=config.epochs, metrics=["accuracy"], callbacks=callbacks, precision=config.precision)
     test_loader = make_loader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     test = evaluate(strategy, history.model, test_loader, F.cross_entropy, metrics=["accuracy"])
     explanation = strategy.explain()

@@ -35,9 +35,11 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies.amp import precision_autocast
 from stratagem.strategies.base import Strategy
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 from stratagem.train.model_call import as_pairs, forward
+from stratagem.values import flatten
 
 StepFn = Callable[[Any, Any], torch.Tensor]
 """``step_fn(inputs, targets)`` on one replica -> that replica's metric state vector."""
@@ -82,18 +84,30 @@ def run_steps_synchronously(strategy: Strategy, step_fn: StepFn, batches: Iterab
 
 
 def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn, metric_set: MetricSet, *,
-                    clip_grad_norm: float | None = None) -> StepFn:
-    """One training step on one replica: forward, mean loss, backward (combined gradients), step."""
+                    clip_grad_norm: float | None = None, precision: str = "32", scaler: Any = None) -> StepFn:
+    """One training step on one replica: forward, mean loss, backward (combined gradients), step.
+
+    `precision` ("32", "bf16", "fp16"): the forward pass and the loss under that autocast; `scaler` (a
+    loss scaler from `strategy.distribute_scaler`, for "fp16"): the loss scaled before backward, the
+    gradients unscaled before clipping, the step skipped on an inf/NaN."""
 
     def train_step(inputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
-        step = forward(model, loss, inputs, targets)
+        with precision_autocast(precision, _device_type(inputs, targets)):
+            step = forward(model, loss, inputs, targets)
         loss_value = step.loss
         _check_scalar_loss(loss_value)
-        loss_value.backward()  # returns with the gradients combined across replicas
+        # Returns with the gradients combined across replicas.
+        (loss_value if scaler is None else scaler.scale(loss_value)).backward()
         if clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             # After backward, so the norm is that of the global gradient, as on one device.
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         predictions = step.predictions.detach() if step.predictions is not None else None
         return metric_set.state(predictions, step.targets, loss_value.detach(), num_examples=step.num_examples)
@@ -101,12 +115,12 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: Lo
     return train_step
 
 
-def make_eval_step(model: nn.Module, loss: LossFn, metric_set: MetricSet) -> StepFn:
-    """One evaluation step on one replica: forward and metric state, no gradients."""
+def make_eval_step(model: nn.Module, loss: LossFn, metric_set: MetricSet, *, precision: str = "32") -> StepFn:
+    """One evaluation step on one replica: forward and metric state, no gradients (under `precision`'s autocast)."""
 
     def eval_step(inputs: Any, targets: torch.Tensor | None) -> torch.Tensor:
         # no_grad inside the step: it runs on each replica's own thread, where the caller's mode does not reach.
-        with torch.no_grad():
+        with torch.no_grad(), precision_autocast(precision, _device_type(inputs, targets)):
             step = forward(model, loss, inputs, targets)
             _check_scalar_loss(step.loss)
             return metric_set.state(step.predictions, step.targets, step.loss, num_examples=step.num_examples)
@@ -180,3 +194,11 @@ def _describe(batch: Any) -> str:
     if isinstance(batch, (tuple, list)):
         return f"a {type(batch).__name__} of {len(batch)} element(s)"
     return type(batch).__name__
+
+
+def _device_type(*values: Any) -> str:
+    """The device type of the first tensor in `values` (a replica's batch), for its autocast; "cpu" without one."""
+    for leaf in flatten(values):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
