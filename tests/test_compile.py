@@ -112,3 +112,27 @@ def test_a_compiled_model_across_two_workers_matches_one_device(tmp_path):
         got = {k.replace("_orig_mod.", ""): v for k, v in saved["state"].items()}
         for key, want in reference.state_dict().items():
             torch.testing.assert_close(got[key], want, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.timeout(180)
+def test_every_replica_stays_compiled_past_torchs_recompile_limit():
+    """3 replicas and 10 batch sizes fill torch's cache of 8 compiled entries per code object (seen: the
+    9th frame fell back to eager mode for good); distribute gives each replica the room of one device."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    limit = dynamo_config.recompile_limit
+    try:
+        strategy = STRATEGIES["mirrored-3-copies"]()
+        model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+        model, opt = strategy.distribute(torch.compile(model, backend="eager"), opt)
+        assert dynamo_config.recompile_limit == 3 * limit
+        assert strategy.explain().decision("torch.compile").choice == f"recompile limit {3 * limit} (at least {limit} per replica)"
+        for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=[12, 11, 7, 2, 5, 9, 13, 4, 8, 10])):
+            strategy.run(lambda a, b: F.cross_entropy(model(a), b).backward(), args=(x, y))
+        strategy.close()
+        assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["frames"])
+    finally:
+        dynamo_config.recompile_limit = limit

@@ -33,6 +33,7 @@ from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compiled import make_room_for_replicas
 from stratagem.strategies.distributed import (
     DistributedModel,
     DistributedOptimizer,
@@ -206,6 +207,7 @@ class MirroredStrategy(Strategy):
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         self._check_distribute_args(model, optimizer, self._model)
         self._check_memory(model, optimizer)
+        self._note_compiled(model)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
         replicas = [model.to(self._devices[0])]
@@ -248,6 +250,12 @@ class MirroredStrategy(Strategy):
         if optimizer is None:
             return distributed
         return distributed, distributed_optimizer
+
+    def _note_compiled(self, model: nn.Module) -> None:
+        """A model compiled before distribute: room in torch.compile's cache for every replica (strategies/compiled.py)."""
+        decision = make_room_for_replicas(model, len(self._devices))
+        if decision is not None:
+            self._decisions.append(decision)
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: does each GPU replica have room for the model's training state?"""
