@@ -37,6 +37,7 @@ from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies import loss_weight
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
+from stratagem.strategies.compiled import make_room_for_replicas
 from stratagem.strategies.distributed import (
     DistributedModel,
     DistributedOptimizer,
@@ -232,6 +233,7 @@ class MirroredStrategy(Strategy):
         self._check_distribute_args(model, optimizer, self._model)
         check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self).__name__)
         self._check_memory(model, optimizer)
+        self._note_compiled(model)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
         replicas = [model.to(self._devices[0])]
@@ -275,6 +277,12 @@ class MirroredStrategy(Strategy):
         if optimizer is None:
             return distributed
         return distributed, distributed_optimizer
+
+    def _note_compiled(self, model: nn.Module) -> None:
+        """A model compiled before distribute: room in torch.compile's cache for every replica (strategies/compiled.py)."""
+        decision = make_room_for_replicas(model, len(self._devices))
+        if decision is not None:
+            self._decisions.append(decision)
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: does each GPU replica have room for the model's training state?"""
