@@ -30,6 +30,7 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
+from stratagem.strategies import cuda_numerics
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.distributed import (
     DistributedModel,
@@ -199,12 +200,23 @@ class MirroredStrategy(Strategy):
         details: dict[str, Any] = {}
         if len(self._devices) > 1:
             details["gradient weighting"] = "each replica's gradient weighted by its share of the global batch"
-        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, list(self._decisions), details)
+        decisions = list(self._decisions)
+        tf32 = cuda_numerics.tf32_decision(self._devices)  # read now: the switches are the user's to flip
+        if tf32 is not None:
+            decisions.append(tf32)
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
+
+    def _first_global_replica(self) -> int:
+        """The global index of this process's first replica (0 in one process)."""
+        return 0
 
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         self._check_distribute_args(model, optimizer, self._model)
         self._check_memory(model, optimizer)
+        streams = cuda_numerics.seed_replica_streams(self._devices, self._first_global_replica())
+        if streams is not None:
+            self._decisions.append(streams)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
         replicas = [model.to(self._devices[0])]

@@ -169,6 +169,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def num_replicas_in_sync(self) -> int:
         return len(self._devices) * self._cluster.world_size
 
+    def _first_global_replica(self) -> int:
+        return int(self._cluster.rank) * len(self._devices)
+
     def _input_pipeline(self) -> tuple[int, int]:
         return self._cluster.world_size, int(self._cluster.rank)
 
