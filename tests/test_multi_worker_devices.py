@@ -148,3 +148,13 @@ def test_a_loader_shorter_than_its_length_is_an_error_that_says_so():
     dataset, _ = one_worker_dataset(Lies())
     with pytest.raises(InputError, match=r"worker:0's loader stopped after 1 batches although its len\(\) is 3"):
         list(dataset)
+
+
+def test_a_pass_resumed_mid_epoch_agrees_on_the_batches_left_not_the_epoch_length():
+    from stratagem.data import ShuffledBatches
+
+    data = ShuffledBatches((torch.ones(10, 2), torch.zeros(10)), batch_size=3, seed=0)
+    data.set_position(0, 2)  # restored after two of the epoch's four batches
+    dataset, world = one_worker_dataset(data)
+    assert [x.batch_sizes for x, _ in dataset] == [(3,), (1,)]
+    assert world.collectives == 1

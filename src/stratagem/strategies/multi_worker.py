@@ -31,6 +31,7 @@ from stratagem.cluster import Cluster, allocator, resolve_cluster
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.cross_worker import CrossWorker
 from stratagem.data.files import FileDataset
+from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
@@ -385,10 +386,8 @@ class MultiWorkerDataset:
         """
         strategy = self._strategy
         cw = strategy._cw
-        try:
-            mine = len(self._dataset)  # type: ignore[arg-type]
-        except TypeError:
-            mine = -1
+        left = batches_left(self._dataset)
+        mine = -1 if left is None else left
         device = strategy._devices[0] if strategy._backend == "nccl" else torch.device("cpu")
         lengths = torch.zeros(cw.world_size, dtype=torch.int64, device=device)
         lengths[cw.rank] = mine + 1  # 0: this worker's loader has no length
@@ -411,7 +410,7 @@ class MultiWorkerDataset:
                 size = batch_size_of(batch)
             except StopIteration:
                 raise InputError(
-                    f"{cw.task_name}'s loader stopped after {step} batches although its len() is {len(self._dataset)}. "
+                    f"{cw.task_name}'s loader stopped after {step} batches although its len() is {steps} or more. "
                     "Received: a loader whose length is wrong. Give it a correct __len__, or none (the workers then "
                     "agree at every step)."
                 ) from None
