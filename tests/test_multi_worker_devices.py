@@ -13,8 +13,8 @@ from stratagem.cluster import from_slurm, from_torchrun, single_process
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import InputError
-from stratagem.strategies import multi_worker
-from stratagem.strategies.multi_worker import _default_local_devices, _ranks_sharing_a_gpu, _start_process_group
+from stratagem.strategies import worker_devices
+from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
 
 
 def registry_with_gpus(count: int) -> DeviceRegistry:
@@ -36,57 +36,125 @@ def slurm_env(local_id: int, per_node: int, **extra: str) -> dict[str, str]:
 @pytest.mark.parametrize("local_rank", [0, 1, 3])
 def test_each_torchrun_rank_takes_the_gpu_of_its_local_rank(local_rank):
     env = torchrun_env(local_rank, 4)
-    chosen, decision = _default_local_devices(from_torchrun(env), env, registry_with_gpus(4))
+    chosen, decision = default_local_devices(from_torchrun(env), env, registry_with_gpus(4))
     assert chosen == [f"cuda:{local_rank}"]
     assert f"local rank {local_rank} of 4" in decision.reason
 
 
 def test_each_slurm_task_takes_the_gpu_of_its_slurm_localid():
     env = slurm_env(2, 4)
-    chosen, _ = _default_local_devices(from_slurm(env), env, registry_with_gpus(4))
+    chosen, _ = default_local_devices(from_slurm(env), env, registry_with_gpus(4))
     assert chosen == ["cuda:2"]
 
 
 def test_a_task_whose_launcher_bound_one_gpu_to_it_takes_that_gpu():
     # srun --gpus-per-task=1 gives every task CUDA_VISIBLE_DEVICES of its own GPU: each sees one, as cuda:0.
     env = slurm_env(3, 4, CUDA_VISIBLE_DEVICES="3")
-    chosen, decision = _default_local_devices(from_slurm(env), env, registry_with_gpus(1))
+    chosen, decision = default_local_devices(from_slurm(env), env, registry_with_gpus(1))
     assert chosen == ["cuda:0"]
     assert "bound to it" in decision.reason
 
 
 def test_a_single_worker_process_takes_every_gpu():
-    chosen, _ = _default_local_devices(single_process(), {}, registry_with_gpus(2))
+    chosen, _ = default_local_devices(single_process(), {}, registry_with_gpus(2))
     assert chosen == ["cuda:0", "cuda:1"]
 
 
 def test_more_local_workers_than_gpus_is_an_error_rather_than_two_ranks_on_one_gpu():
     env = torchrun_env(2, 3)
     with pytest.raises(InputError, match=r"local rank 2 of 3 on this machine but only 2 GPU\(s\) are visible"):
-        _default_local_devices(from_torchrun(env), env, registry_with_gpus(2))
+        default_local_devices(from_torchrun(env), env, registry_with_gpus(2))
 
 
 def test_two_ranks_on_one_host_holding_one_gpu_are_found():
     placements = [("node1", None, [0]), ("node1", None, [1]), ("node2", None, [1]), ("node1", None, [1])]
-    assert _ranks_sharing_a_gpu(placements) == ((1, 3), 1)
+    assert ranks_sharing_a_gpu(placements) == ((1, 3), 1)
     # Ranks bound by their launcher (each its own CUDA_VISIBLE_DEVICES) all see their GPU as cuda:0.
-    assert _ranks_sharing_a_gpu([("node1", "0", [0]), ("node1", "1", [0])]) is None
+    assert ranks_sharing_a_gpu([("node1", "0", [0]), ("node1", "1", [0])]) is None
 
 
 def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
-    monkeypatch.setattr(multi_worker, "init_process_group",
+    monkeypatch.setattr(worker_devices, "init_process_group",
                         lambda cluster, backend, timeout, *, token, device_id: calls.append(("init", backend, device_id)))
     env = torchrun_env(1, 2)
-    _start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
+    start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
     assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
 
 
 def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
-    monkeypatch.setattr(multi_worker, "init_process_group",
+    monkeypatch.setattr(worker_devices, "init_process_group",
                         lambda cluster, backend, timeout, *, token, device_id: calls.append(("init", backend, device_id)))
-    _start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
+    start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
     assert calls == [("init", "gloo", None)]
+
+
+# ---- the end-of-data agreement: once per pass when the loaders know their length ------------------------
+
+class CountingWorld:
+    """A one-worker CrossWorker stand-in that counts the collectives (a sum over one worker is the value)."""
+
+    rank, world_size, task_name = 0, 1, "worker:0"
+
+    def __init__(self) -> None:
+        self.collectives = 0
+
+    def all_reduce_async(self, tensors, *, what, step):
+        self.collectives += 1
+        return []
+
+    def all_reduce_(self, tensors, *, what, step):
+        self.collectives += 1
+
+    def wait(self, works, *, what, step):
+        pass
+
+
+def one_worker_dataset(data, shard="data"):
+    import types
+
+    from stratagem.strategies.multi_worker import MultiWorkerDataset
+
+    strategy = types.SimpleNamespace(_cw=CountingWorld(), _devices=[torch.device("cpu")], _backend="gloo",
+                                     _cluster=single_process(), num_replicas_in_sync=1)
+    return MultiWorkerDataset(strategy, data, shard), strategy._cw
+
+
+def test_loaders_with_a_length_agree_once_per_pass_not_at_every_step():
+    batches = [(torch.ones(n, 2), torch.zeros(n)) for n in (4, 3, 2)]
+    dataset, world = one_worker_dataset(batches)
+    sizes = [x.batch_sizes for x, _ in dataset]
+    assert sizes == [(4,), (3,), (2,)] and dataset.steps == 3
+    assert world.collectives == 1
+
+
+def test_a_loader_without_a_length_still_agrees_at_every_step():
+    dataset, world = one_worker_dataset(iter([(torch.ones(2, 2), torch.zeros(2))] * 3))
+    assert len(list(dataset)) == 3
+    assert world.collectives == 1 + 4  # the length round (unknown), then one per batch and one at the end
+
+
+def test_a_loader_shorter_than_its_length_is_an_error_that_says_so():
+    class Lies:
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            return iter([(torch.ones(2, 2), torch.zeros(2))])
+
+    dataset, _ = one_worker_dataset(Lies())
+    with pytest.raises(InputError, match=r"worker:0's loader stopped after 1 batches although its len\(\) is 3"):
+        list(dataset)
+
+
+def test_a_pass_resumed_mid_epoch_agrees_on_the_batches_left_not_the_epoch_length():
+    from stratagem.data import ShuffledBatches
+
+    data = ShuffledBatches((torch.ones(10, 2), torch.zeros(10)), batch_size=3, seed=0)
+    data.set_position(0, 2)  # restored after two of the epoch's four batches
+    dataset, world = one_worker_dataset(data)
+    assert [x.batch_sizes for x, _ in dataset] == [(3,), (1,)]
+    assert world.collectives == 1

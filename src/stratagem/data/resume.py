@@ -90,6 +90,11 @@ class ShuffledBatches:
         full, rest = divmod(self._num_examples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    @property
+    def batches_left(self) -> int:
+        """Batches the next iteration yields: those of an epoch from the current position on."""
+        return len(self) - self.offset
+
     def set_position(self, epoch: int, offset: int = 0) -> None:
         """The next iteration yields the batches of 0-based `epoch`, from batch `offset` on."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -186,3 +191,16 @@ def _collate(samples: Sequence[Any]) -> Any:
         return {k: _collate([s[k] for s in samples]) for k in first}
     return torch.as_tensor(list(samples))
 
+
+
+def batches_left(data: Any) -> int | None:
+    """How many batches one iteration of `data` yields, when it says so without being iterated; else None.
+
+    A `ShuffledBatches` set to a position mid-epoch yields fewer batches than its ``len()`` (an epoch's).
+    """
+    if isinstance(data, ShuffledBatches):
+        return data.batches_left
+    try:
+        return len(data)
+    except TypeError:
+        return None

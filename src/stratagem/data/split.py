@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from stratagem.data.prefetch import copy_to_device
 from stratagem.errors import InputError
 from stratagem.nest import flatten_with_paths
 from stratagem.values import map_structure
@@ -79,8 +80,8 @@ def split_batch(batch: Any, sizes: Sequence[int], devices: Sequence[torch.device
                 return leaf
             piece = leaf[lo:hi]
             if piece.device != device:
-                # Pinned host memory lets this copy overlap the previous step's compute.
-                piece = piece.to(device, non_blocking=leaf.is_pinned())
+                # From pinned memory to a GPU on a side stream, overlapping the step that computes meanwhile.
+                piece = copy_to_device(piece, device)
             return piece
 
         out.append(map_structure(take, batch))

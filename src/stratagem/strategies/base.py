@@ -262,8 +262,20 @@ class DistributedDataset:
         if self._per_replica:
             yield from self._iter_per_replica(devices)
             return
+        if not any(d.type == "cuda" for d in devices):
+            for step, batch in enumerate(self._dataset):
+                yield distribute_batch(batch, devices, step)
+            return
+        # A replica on a GPU: the next batch is distributed (its copies queued on the input streams, see
+        # stratagem.data.prefetch) before the current one is yielded, so it travels while the step computes.
+        pending = None
         for step, batch in enumerate(self._dataset):
-            yield distribute_batch(batch, devices, step)
+            ready = distribute_batch(batch, devices, step)
+            if pending is not None:
+                yield pending
+            pending = ready
+        if pending is not None:
+            yield pending
 
     def _iter_per_replica(self, devices: list[torch.device]) -> Iterator[Any]:
         iterator = iter(self._dataset)

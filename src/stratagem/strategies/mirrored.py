@@ -35,6 +35,7 @@ from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateErro
 from stratagem.strategies import lr_schedulers
 from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies import loss_weight
+from stratagem.strategies import cuda_numerics
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
 from stratagem.strategies.compiled import make_room_for_replicas
@@ -226,7 +227,15 @@ class MirroredStrategy(Strategy):
             details["gradient weighting"] = ("each replica's gradient weighted by its share of the global batch, or by "
                                              "the loss weight its step declares (sg.set_loss_weight)")
         details.update(self._explain_parts())
-        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, list(self._decisions), details)
+        decisions = list(self._decisions)
+        tf32 = cuda_numerics.tf32_decision(self._devices)  # read now: the switches are the user's to flip
+        if tf32 is not None:
+            decisions.append(tf32)
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
+
+    def _first_global_replica(self) -> int:
+        """The global index of this process's first replica (0 in one process)."""
+        return 0
 
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
@@ -234,6 +243,9 @@ class MirroredStrategy(Strategy):
         check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self).__name__)
         self._check_memory(model, optimizer)
         self._note_compiled(model)
+        streams = cuda_numerics.seed_replica_streams(self._devices, self._first_global_replica())
+        if streams is not None:
+            self._decisions.append(streams)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
         replicas = [model.to(self._devices[0])]

@@ -28,13 +28,14 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import environ
-from stratagem.cluster import Cluster, allocator, init_process_group, resolve_cluster
+from stratagem.cluster import Cluster, allocator, resolve_cluster
 from stratagem.cluster.release import release_store
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.worker_sum import sum_gradients_across_workers
 from stratagem.collective.cross_worker import CrossWorker
 from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.data.files import FileDataset
+from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
@@ -42,6 +43,7 @@ from stratagem.strategies import loss_weight
 from stratagem.strategies.base import _check_iterable, stack_batch
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy, _RunState
+from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
 from stratagem.values import map_structure
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._cluster = resolve_cluster(cluster, env=env)
         local_decision = None
         if devices is None:
-            devices, local_decision = _default_local_devices(self._cluster, env, registry)
+            devices, local_decision = default_local_devices(self._cluster, env, registry)
         super().__init__(devices, timeout=timeout, intra_op_threads=intra_op_threads,
                          share_parameters=share_parameters, batch_norm=batch_norm, registry=registry)
         if local_decision is not None:
@@ -103,7 +105,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if self._cluster.master_addr in ("127.0.0.1", "localhost"):
             # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
             environ.set_default("GLOO_SOCKET_IFNAME", "lo")
-        store = _start_process_group(self._cluster, self._devices, backend, timeout,
+        store = start_process_group(self._cluster, self._devices, backend, timeout,
                                      token=env.get("STRATAGEM_CLUSTER_TOKEN"))
         self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         self._closed = False
@@ -142,7 +144,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 f"Every worker must hold the same number of local replicas. Received: {detail}. "
                 "Give every worker the same devices= (stratagem launch --devices-per-worker K)."
             )
-        shared = _ranks_sharing_a_gpu([(g[1], g[2], g[3]) for g in gathered])
+        shared = ranks_sharing_a_gpu([(g[1], g[2], g[3]) for g in gathered])
         if shared is not None:
             (a, b), gpu = shared
             raise InputError(
@@ -179,6 +181,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     @property
     def num_replicas_in_sync(self) -> int:
         return len(self._devices) * self._cluster.world_size
+
+    def _first_global_replica(self) -> int:
+        return int(self._cluster.rank) * len(self._devices)
 
     def _input_pipeline(self) -> tuple[int, int]:
         return self._cluster.world_size, int(self._cluster.rank)
@@ -323,8 +328,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         worker reads every N-th file, in batches of its share of the global batch size.
         shard="auto" (default): "file" for a FileDataset with enough files, else "data".
         shard="off": each worker's loader already yields this worker's part of each step.
-        In every case the workers agree at every step that each of them has a batch; when one runs
-        out they all stop at the same step, and the examples left unused are logged.
+        The workers agree on when to stop: with shard="data" and loaders that know their length, once per
+        pass (the shortest loader's length); otherwise at every step, that each of them has a batch. When
+        one runs out they all stop at the same step, and what was left unused is logged.
         """
         _check_iterable(dataset, "distribute_dataset")
         if shard not in SHARD_POLICIES:
@@ -392,6 +398,10 @@ class MultiWorkerDataset:
         self.steps = 0
 
     def __iter__(self) -> Iterator[Any]:
+        steps = self._agreed_steps() if self._shard == "data" else None
+        if steps is not None:
+            yield from self._iterate_agreed(steps)
+            return
         strategy = self._strategy
         cw = strategy._cw
         iterator = iter(self._dataset)
@@ -416,6 +426,52 @@ class MultiWorkerDataset:
             pending, agreement, works = self._fetch(iterator, step + 1)
             yield self._distribute(current, total, step)
             step += 1
+
+    def _agreed_steps(self) -> int | None:
+        """When every worker's loader knows its length: the number of steps of this pass, agreed once.
+
+        The per-step agreement reads a collective's result on the host at every step, which makes the CPU
+        wait for the GPU (NCCL) before it can queue the next step. With shard="data" every worker iterates
+        the same global batches, so knowing the lengths is enough: one collective per pass, and each
+        step's global batch size is the batch's own. None (some loader has no len()): agree per step.
+        """
+        strategy = self._strategy
+        cw = strategy._cw
+        left = batches_left(self._dataset)
+        mine = -1 if left is None else left
+        device = strategy._devices[0] if strategy._backend == "nccl" else torch.device("cpu")
+        lengths = torch.zeros(cw.world_size, dtype=torch.int64, device=device)
+        lengths[cw.rank] = mine + 1  # 0: this worker's loader has no length
+        cw.all_reduce_([lengths], what="agreement on the number of steps", step=0)
+        known = [int(n) - 1 for n in lengths.tolist()]  # the one host read of the pass
+        if min(known) < 0:
+            return None
+        steps = min(known)
+        if mine > steps:
+            logger.warning("%s stops after %d steps because another worker's loader has only %d batches; %d batch(es) "
+                           "of this worker's loader are left unused.", cw.task_name, steps, steps, mine - steps)
+        return steps
+
+    def _iterate_agreed(self, steps: int) -> Iterator[Any]:
+        cw = self._strategy._cw
+        iterator = iter(self._dataset)
+        for step in range(steps):
+            try:
+                batch = next(iterator)
+                size = batch_size_of(batch)
+            except StopIteration:
+                raise InputError(
+                    f"{cw.task_name}'s loader stopped after {step} batches although its len() is {steps} or more. "
+                    "Received: a loader whose length is wrong. Give it a correct __len__, or none (the workers then "
+                    "agree at every step)."
+                ) from None
+            except InputError as error:
+                raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
+            if size == 0:
+                raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
+            yield self._distribute(batch, size, step)
+            self.steps = step + 1
+        self.steps = steps
 
     def _fetch(self, iterator: Iterator[Any], step: int) -> tuple[Any, torch.Tensor, list[Any]]:
         try:
@@ -466,97 +522,3 @@ def _with_global(value: Any, global_size: int) -> Any:
     if isinstance(value, PerReplica):
         return PerReplica(value.values, value.batch_sizes, global_size)
     return value
-
-
-def _default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: Any) -> tuple[list[str], PlacementDecision]:
-    """This worker's devices when none are given: its share of the GPUs, else CPU devices.
-
-    STRATAGEM_DEVICES_PER_WORKER (set by `stratagem launch --devices-per-worker K`) gives K devices to
-    each worker: GPUs [local_rank * K, (local_rank + 1) * K) or logical CPUs cpu:0..cpu:K-1. Without
-    it: one GPU per local process when several share the machine (as torchrun starts them), every GPU
-    for a single process, or one CPU device.
-    """
-    from stratagem import devices as sg_devices
-
-    registry = registry or sg_devices.default_registry
-    gpus = [d.name for d in registry.get_logical_devices("cuda")]
-    local_rank = cluster.local_rank or 0
-    per_worker_text = env.get("STRATAGEM_DEVICES_PER_WORKER")
-    if per_worker_text is not None:
-        try:
-            per_worker = int(per_worker_text)
-            if per_worker < 1:
-                raise ValueError
-        except ValueError:
-            raise InputError(
-                f"STRATAGEM_DEVICES_PER_WORKER must be a positive integer. Received: {per_worker_text!r}. "
-                "Use stratagem launch --devices-per-worker K."
-            ) from None
-        if gpus:
-            chosen = gpus[local_rank * per_worker:(local_rank + 1) * per_worker]
-            if len(chosen) < per_worker:
-                raise InputError(
-                    f"{cluster.task_name} (local rank {local_rank}) needs {per_worker} GPUs but only {len(gpus)} are "
-                    f"visible for {cluster.local_world_size} local workers. Lower --devices-per-worker or start "
-                    "fewer workers per machine."
-                )
-            why = f"--devices-per-worker {per_worker}: GPUs of local rank {local_rank}"
-        else:
-            chosen = [f"cpu:{i}" for i in range(per_worker)]
-            why = f"--devices-per-worker {per_worker} and no GPU: logical CPU devices"
-        return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
-    bound = env.get("CUDA_VISIBLE_DEVICES") is not None and 0 < len(gpus) < cluster.local_world_size
-    if gpus and cluster.local_world_size > 1 and bound:
-        # Fewer GPUs visible than processes on this machine, under a CUDA_VISIBLE_DEVICES: the launcher bound
-        # GPUs to each process (SLURM's --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES), so all it sees is its own.
-        chosen = gpus
-        why = (f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} shows this process {len(gpus)} GPU(s) for "
-               f"{cluster.local_world_size} local worker processes: the GPUs its launcher bound to it")
-    elif gpus and cluster.local_world_size > 1:
-        if local_rank >= len(gpus):
-            raise InputError(
-                f"{cluster.task_name} is local rank {local_rank} of {cluster.local_world_size} on this machine but only "
-                f"{len(gpus)} GPU(s) are visible. Start at most {len(gpus)} workers per machine."
-            )
-        chosen = [gpus[local_rank]]
-        why = f"one GPU per local worker process (local rank {local_rank} of {cluster.local_world_size})"
-    elif gpus:
-        chosen, why = gpus, f"every visible GPU ({len(gpus)}) for the only worker process on this machine"
-    else:
-        chosen, why = ["cpu:0"], "no visible GPU: one CPU replica per worker process"
-    return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
-
-
-def _ranks_sharing_a_gpu(placements: Sequence[tuple[str, str | None, Sequence[int]]]) -> tuple[tuple[int, int], int] | None:
-    """The first two ranks that hold the same GPU of one machine, and that GPU's index; None if none do.
-
-    A placement is (host name, CUDA_VISIBLE_DEVICES, cuda indices): indices count within one
-    CUDA_VISIBLE_DEVICES, so ranks with different values (bound by their launcher) never collide here.
-    """
-    seen: dict[tuple[str, str | None, int], int] = {}
-    for rank, (host, visible, indices) in enumerate(placements):
-        for index in indices:
-            other = seen.setdefault((host, visible, index), rank)
-            if other != rank:
-                return (other, rank), index
-    return None
-
-
-def _start_process_group(cluster: Cluster, devices: Sequence[torch.device], backend: str, timeout: float, *,
-                         token: str | None) -> Any:
-    """Binds this process to its first GPU, then forms the process group with that device.
-
-    The current CUDA device must be set before the process group exists: NCCL's communicator and the
-    object collectives (all_gather_object) use `torch.cuda.current_device()`, which is cuda:0 in every
-    process that never set it, so every rank of a machine would land on GPU 0. `device_id` makes NCCL
-    form its communicator at once, on that device (and report an NCCL start-up error here, not at the
-    first all-reduce).
-    """
-    first = devices[0] if devices else torch.device("cpu")
-    device_id = None
-    if first.type == "cuda":
-        index = first.index if first.index is not None else 0
-        torch.cuda.set_device(index)
-        if backend == "nccl":
-            device_id = torch.device("cuda", index)
-    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id)

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -32,6 +33,8 @@ import torch
 
 from stratagem.archive import load_verified
 from stratagem.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "stratagem-checkpoint"
 VERSION = 1
@@ -164,13 +167,25 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(_python_state_from_plain(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _restore_cuda_rng(list(state["cuda"]), torch.cuda.device_count())
     if "numpy" in state:
         import numpy
 
         saved = state["numpy"]
         numpy.random.set_state((saved["name"], saved["keys"].numpy().astype("uint32"), saved["pos"],
                                 saved["has_gauss"], saved["cached_gaussian"]))
+
+
+def _restore_cuda_rng(saved: list[torch.Tensor], count: int) -> None:
+    """Each GPU this process sees gets its saved state, as far as the checkpoint has one; the run may resume
+    on fewer or more GPUs than it saved on (set_rng_state_all would fail on a GPU that does not exist)."""
+    for index, gpu_state in enumerate(saved[:count]):
+        torch.cuda.set_rng_state(gpu_state, index)
+    if len(saved) != count:
+        logger.warning(
+            "The checkpoint holds random states for %d GPU(s) and this process sees %d: %s.", len(saved), count,
+            f"the states of GPUs {count}..{len(saved) - 1} are not restored" if len(saved) > count
+            else f"GPUs {len(saved)}..{count - 1} keep their current streams")
 
 
 def _python_state_to_plain(state: tuple) -> list[Any]:

@@ -148,7 +148,7 @@ class TrainingContext:
             "epoch": self.epoch,
             "step": self.step,
             "step_in_epoch": self.step_in_epoch,
-            "totals": self.totals.clone(),
+            "totals": self.totals.to("cpu", copy=True),
             "epoch_elapsed_s": self.epoch_elapsed_s,
             "history": [log.to_dict() for log in self.history],
             "metric_names": self.metric_set.names,
@@ -348,14 +348,16 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
         started = time.perf_counter()
         elapsed_before = context.epoch_elapsed_s
 
-        def on_step(state: torch.Tensor, started: float = started, elapsed_before: float = elapsed_before, *,
-                    num_batches: int = 1) -> None:
+        def on_step(state: torch.Tensor, num_examples: int | None = None, started: float = started,
+                    elapsed_before: float = elapsed_before, *, num_batches: int = 1) -> None:
+            if context.totals.device != state.device:  # the sums stay on the device; read at the epoch's end
+                context.totals = context.totals.to(state.device)
             context.totals.add_(state)
             context.step += 1
             context.step_in_epoch += num_batches  # where the data resumes: batches, not updates
             context.epoch_elapsed_s = elapsed_before + time.perf_counter() - started
             for callback in last:
-                callback.on_train_batch_end(context, int(state[1]))
+                callback.on_train_batch_end(context, int(state[1]) if num_examples is None else num_examples)
             if context.stop_training:
                 raise _StopEpoch
 
@@ -380,12 +382,13 @@ class _StopEpoch(Exception):
 
 
 def _end_epoch(context: TrainingContext, val_data: Any, eval_step: Any) -> EpochLog:
-    count = int(context.totals[1])
+    totals = context.totals.to("cpu")  # the epoch's one read of the sums kept on the device
+    count = int(totals[1])
     if count == 0:
         raise InputError(f"Epoch {context.epoch + 1} had no training example. Received: data that yielded no batch "
                          f"(steps_per_epoch={context.steps_per_epoch}). Check that the loader is not exhausted "
                          "(a generator can be iterated only once: pass a list or a DataLoader).")
-    metrics = context.metric_set.results(context.totals)
+    metrics = context.metric_set.results(totals)
     if val_data is not None:
         evaluation = evaluate_with(context.strategy, context.model, eval_step, context.metric_set, val_data)
         metrics.update({f"val_{name}": value for name, value in evaluation.metrics.items()})

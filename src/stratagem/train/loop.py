@@ -16,7 +16,7 @@ role (``{"train": ..., "eval": ...}``) before the first step;
 
 with the contract of `run_steps_synchronously`: iterate the GLOBAL batches of `batches` lazily,
 run ``step_fn(inputs, targets)`` on a replica for each one, call ``on_step(state)`` exactly once
-per batch with that step's state summed over replicas (a CPU float64 tensor; the order of calls
+per batch with that step's state summed over replicas (a float64 tensor; the order of calls
 may differ from the order of batches for an asynchronous strategy), and return only when every
 step has been applied (after ``join``). `run_steps` uses it when the strategy has it.
 
@@ -39,13 +39,15 @@ from stratagem.strategies.amp import precision_autocast
 from stratagem.strategies.base import Strategy
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 from stratagem.train.model_call import as_pairs, forward
-from stratagem.values import flatten
+from stratagem.values import PerReplica, flatten
 
 StepFn = Callable[[Any, Any], torch.Tensor]
 """``step_fn(inputs, targets)`` on one replica -> that replica's metric state vector."""
 
-OnStep = Callable[[torch.Tensor], None]
-"""Called once per step with the state vector summed over every replica and worker (CPU, float64)."""
+OnStep = Callable[..., None]
+"""``on_step(state, num_examples=None)``, once per step: the state vector summed over every replica and
+worker (float64; on the device the strategy reduced it to, so reading it waits for that device), and the
+step's global example count when the loop knows it without reading the state."""
 
 FIT_HOOK = "fit_steps"
 """The name of the method a strategy defines to run the step loop its own way."""
@@ -80,7 +82,21 @@ def run_steps_synchronously(strategy: Strategy, step_fn: StepFn, batches: Iterab
                 "Make the loader yield (x, y) tuples, e.g. DataLoader(TensorDataset(x, y), batch_size=64)."
             )
         per_replica = strategy.run(step_fn, args=tuple(batch))
-        on_step(strategy.reduce("sum", per_replica).detach().to("cpu", torch.float64))
+        # The state stays on the device the strategy reduced it to: a copy to the CPU here would make the CPU
+        # wait for the GPU at every step. The step's example count is known on the host, from the batch.
+        state = strategy.reduce("sum", per_replica).detach().to(dtype=torch.float64)
+        on_step(state, _global_examples(batch[1]))
+
+
+def _global_examples(targets: Any) -> int | None:
+    """The examples of a distributed global batch, read from its sizes (no device read); None if unknown."""
+    if isinstance(targets, PerReplica):
+        if targets.global_size is not None:
+            return int(targets.global_size)
+        return None if targets.batch_sizes is None else int(sum(targets.batch_sizes))
+    if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+        return int(targets.shape[0])
+    return None
 
 
 def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn, metric_set: MetricSet, *,
@@ -168,12 +184,15 @@ def evaluate_with(strategy: Strategy, model: nn.Module, eval_step: StepFn, metri
                   data: Iterable[Any]) -> Evaluation:
     """`evaluate` with a step function built beforehand (`fit` builds its own once, for every task)."""
     model.train(False)
-    totals = torch.zeros(metric_set.size, dtype=torch.float64)
+    sums: list[torch.Tensor] = [torch.zeros(metric_set.size, dtype=torch.float64)]
 
-    def add(state: torch.Tensor) -> None:
-        totals.add_(state)
+    def add(state: torch.Tensor, num_examples: int | None = None) -> None:
+        if sums[0].device != state.device:  # summed where the states are: no read until the end
+            sums[0] = sums[0].to(state.device)
+        sums[0].add_(state)
 
     run_steps(strategy, eval_step, data, add)
+    totals = sums[0].to("cpu")  # the one read of the evaluation
     count = int(totals[1])
     if count == 0:
         raise InputError("The evaluation data yielded no examples, so there is nothing to measure. "
