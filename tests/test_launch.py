@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -320,3 +321,49 @@ def test_a_failing_sink_does_not_hang_the_task(tmp_path, caplog):
     result = launch(script(tmp_path, body), workers=1, env=BASE_ENV, sink=broken_sink, timeout=20)
     assert result.ok
     assert "the output sink failed on a line of worker:0 stdout; dropping its further output" in caplog.text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to see which processes live")
+def test_tasks_end_when_their_launcher_is_killed_with_sigkill(tmp_path):
+    # Each task (and a child it started, in its session) writes its pid and waits; the launcher is then
+    # SIGKILLed, so it stops nobody. They used to run on, unsupervised.
+    task = script(tmp_path, (
+        "import subprocess\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"path = {str(tmp_path)!r} + '/' + json.loads(os.environ['TF_CONFIG'])['task']['type'] + "
+        "str(json.loads(os.environ['TF_CONFIG'])['task']['index'])\n"
+        "open(path + '.tmp', 'w').write(f'{os.getpid()} {child.pid}'); os.rename(path + '.tmp', path)\n"
+        "time.sleep(60)\n"))
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from stratagem.cluster import launch\n"
+        f"launch({task!r}, workers=2, ps=1, env={{'PATH': {os.environ.get('PATH', '')!r}}}, sink=lambda line: None, "
+        "grace_period=1.0)\n")])
+    try:
+        files = [tmp_path / name for name in ("worker0", "worker1", "ps0")]
+        deadline = time.monotonic() + 40
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(pid) for f in files for pid in f.read_text().split()]
+        assert all(_alive(pid) for pid in pids)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:
+        launcher.kill()
+        for f in tmp_path.glob("*[0-9]"):
+            for pid in f.read_text().split():
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass

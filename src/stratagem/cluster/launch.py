@@ -250,7 +250,7 @@ def launch(
                                  restart_count=attempt, devices_per_worker=devices_per_worker,
                                  keep_freed_memory=keep_freed_memory)
         logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
-        group = TaskGroup(argv, envs, sink)
+        group = TaskGroup(argv, envs, sink, grace_period=grace_period)
         try:
             failure = _run_attempt(group, workers=workers, deadline=deadline, timeout=timeout, attempt=attempt)
         finally:
