@@ -139,6 +139,7 @@ class CrossWorker:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+        self._store_calls.close()
 
     def wait(self, works: Sequence[Any], *, what: str, step: int) -> None:
         """Waits for work handles (None: a collective already done); raises an error naming the missing tasks

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from stratagem.errors import CollectiveTimeoutError
 
 T = TypeVar("T")
+_STOP: Any = object()
 
 
 class StoreCalls:
@@ -57,6 +58,16 @@ class StoreCalls:
                 self._stuck = (what, future)
             raise self._error(what, f"no answer within {seconds:g} s", seconds) from None
 
+    def close(self) -> None:
+        """Ends the thread (at once when it is idle; one stuck in a store call is left to end with the process).
+        A later ``run`` starts another."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(_STOP)
+        if thread is not None:
+            thread.join(timeout=1.0)
+
     def _error(self, what: str, received: str, seconds: float) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(
             f"{self.caller}: the chief ({self.chief}, rank 0), which hosts the rendezvous store, did not answer "
@@ -65,7 +76,10 @@ class StoreCalls:
 
     def _serve(self) -> None:
         while True:
-            fn, args, future = self._queue.get()
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, args, future = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
