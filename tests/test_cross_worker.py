@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import stop_process
 
 from stratagem.cluster import free_ports
 from stratagem.collective.cross_worker import CrossWorker
@@ -140,7 +140,7 @@ def stopped_chief():
         assert chief.stdout.readline().strip() == "up"
         store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=3))
         assert store.get("stratagem/step/0") == b"5"
-        os.kill(chief.pid, signal.SIGSTOP)
+        stop_process(chief.pid)
         yield store
     finally:
         chief.kill()
