@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
+from helpers import stop_process
 
+from stratagem.cluster import free_ports
 from stratagem.collective.cross_worker import CrossWorker
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 
@@ -162,3 +169,46 @@ def test_a_lost_store_means_the_chief_is_gone(make):
     work.future.set_exception(RuntimeError("Broken pipe"))
     with pytest.raises(ReplicaError, match=r"the chief \(worker:0\), which hosts the rendezvous store, is unreachable"):
         cw.wait([work], what="end-of-data agreement", step=2)
+
+
+@pytest.fixture
+def stopped_chief():
+    """A chief process that hosts the TCP store, then is stopped (SIGSTOP) with its connections open: its
+    kernel still accepts, nobody answers. Yields a client of that store (rank 1's)."""
+    port = free_ports(1)[0]
+    chief = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from datetime import timedelta; import torch.distributed as dist\n"
+        f"store = dist.TCPStore('127.0.0.1', {port}, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)\n"
+        "store.set('stratagem/step/0', '5'); print('up', flush=True); time.sleep(120)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert chief.stdout.readline().strip() == "up"
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=3))
+        assert store.get("stratagem/step/0") == b"5"
+        stop_process(chief.pid)
+        yield store
+    finally:
+        chief.kill()
+        chief.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("blocking", [False, True], ids=["futures", "blocking-waits"])
+def test_a_stopped_chief_is_named_within_the_timeout_not_waited_for_forever(stopped_chief, blocking, caplog):
+    # The stall warning read the steps from the stopped chief's store without a bound: the worker hung there.
+    cw = CrossWorker(stopped_chief, rank=1, task_names=["worker:0", "worker:1"], timeout=2.0,
+                     stall_warning_after=0.5, roll_call_seconds=0.2, blocking_waits=blocking)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="stratagem.collective.cross_worker"):
+        with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the gradient all-reduce of step 6 timed "
+                                                         r"out .*the chief \(worker:0\), which hosts the rendezvous "
+                                                         r"store, is unreachable"):
+            cw.wait([FakeWork()], what="gradient all-reduce", step=6)
+    assert time.monotonic() - start < 2.0 + 2.5
+    assert "steps reached: unknown (the chief's store, worker:0, did not answer within 0.5 s)" in caplog.text
+    with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the chief \(worker:0, rank 0\), which hosts "
+                                                     r"the rendezvous store, did not answer a read of the steps reached"):
+        cw.steps_reached(0.2)
+    with pytest.raises(CollectiveTimeoutError, match=r"did not answer the heartbeat of step 7"):
+        cw.heartbeat(7)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -320,3 +321,114 @@ def test_a_failing_sink_does_not_hang_the_task(tmp_path, caplog):
     result = launch(script(tmp_path, body), workers=1, env=BASE_ENV, sink=broken_sink, timeout=20)
     assert result.ok
     assert "the output sink failed on a line of worker:0 stdout; dropping its further output" in caplog.text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to see which processes live")
+def test_tasks_end_when_their_launcher_is_killed_with_sigkill(tmp_path):
+    # Each task (and a child it started, in its session) writes its pid and waits; the launcher is then
+    # SIGKILLed, so it stops nobody. They used to run on, unsupervised.
+    task = script(tmp_path, (
+        "import subprocess\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"path = {str(tmp_path)!r} + '/' + json.loads(os.environ['TF_CONFIG'])['task']['type'] + "
+        "str(json.loads(os.environ['TF_CONFIG'])['task']['index'])\n"
+        "open(path + '.tmp', 'w').write(f'{os.getpid()} {child.pid}'); os.rename(path + '.tmp', path)\n"
+        "time.sleep(60)\n"))
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from stratagem.cluster import launch\n"
+        f"launch({task!r}, workers=2, ps=1, env={{'PATH': {os.environ.get('PATH', '')!r}}}, sink=lambda line: None, "
+        "grace_period=1.0)\n")])
+    try:
+        files = [tmp_path / name for name in ("worker0", "worker1", "ps0")]
+        deadline = time.monotonic() + 40
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(pid) for f in files for pid in f.read_text().split()]
+        assert all(_alive(pid) for pid in pids)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:
+        launcher.kill()
+        for f in tmp_path.glob("*[0-9]"):
+            for pid in f.read_text().split():
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass
+
+
+PS_JOB = """
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = f"{task['type']}{task['index']}"
+here = os.path.dirname(os.path.abspath(__file__))
+open(os.path.join(here, f"{name}.{os.getpid()}"), "w").close()
+def wait_for(path):
+    while not os.path.exists(os.path.join(here, path)):
+        time.sleep(0.02)
+if name == "worker1" and not os.path.exists(os.path.join(here, "died")):
+    open(os.path.join(here, "died"), "w").close()
+    {death}
+if name == "ps0":
+    time.sleep(60)  # serves until the launcher stops it
+elif name == "worker0":
+    wait_for("{chief_waits_for}")
+    open(os.path.join(here, "done"), "w").close()
+else:
+    wait_for("done")
+"""
+
+
+def _starts(tmp_path: Path, name: str) -> int:
+    return len(list(tmp_path.glob(f"{name}.*")))
+
+
+@pytest.mark.parametrize("death", ["sys.exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_dead_worker_of_a_parameter_server_job_is_restarted_alone(tmp_path, death):
+    # worker:1 dies once; the chief and ps:0 run on (one start each) while it is started again alone.
+    # The launcher used to stop the whole job 1.4-2.8 s after a worker died.
+    body = PS_JOB.replace("{death}", death).replace("{chief_waits_for}", "restarted-worker1")
+    body = body.replace('else:\n    wait_for("done")',
+                        'else:\n    if name == "worker1": open(os.path.join(here, "restarted-worker1"), "w").close()\n'
+                        '    wait_for("done")')
+    result, sink, _ = run(tmp_path, body, workers=2, ps=1, max_restarts=1, grace_period=0.5)
+    assert (result.exit_code, result.failed_task, result.restarts, result.failures) == (0, None, 0, ())
+    assert (_starts(tmp_path, "worker0"), _starts(tmp_path, "ps0"), _starts(tmp_path, "worker1")) == (1, 1, 2)
+    assert [(r.task, r.action) for r in result.recoveries] == [("worker:1", "restarted")]
+    said = sink.texts("launch", "stderr")
+    assert len(said) == 1 and said[0].startswith("worker:1 ") and said[0].endswith(
+        "; restarted it alone, at its address, while the job went on")
+    assert "attempt 0: worker:1" in result.explain()
+
+
+def test_a_dead_worker_of_a_parameter_server_job_is_left_out_when_it_has_no_restarts(tmp_path):
+    body = PS_JOB.replace("{death}", "sys.exit(4)").replace("{chief_waits_for}", "died")
+    result, sink, _ = run(tmp_path, body, workers=2, ps=1, grace_period=0.5)
+    assert (result.exit_code, result.failed_task, result.failures) == (0, None, ())
+    assert [(r.task, r.returncode, r.action) for r in result.recoveries] == [("worker:1", 4, "left out")]
+    assert sink.texts("launch", "stderr") == [
+        "worker:1 exit code 4; the job goes on without it (its restarts are used up: the coordinator runs its steps "
+        "on the other workers)"]
+
+
+def test_a_dead_chief_of_a_parameter_server_job_still_stops_it(tmp_path):
+    body = """
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+if task == {"type": "worker", "index": 0}:
+    sys.exit(6)
+time.sleep(60)
+"""
+    result, _, elapsed = run(tmp_path, body, workers=2, ps=1, grace_period=0.5)
+    assert (result.exit_code, result.failed_task, result.recoveries) == (6, "worker:0", ())
+    assert elapsed < 10

@@ -24,6 +24,8 @@ import grpc
 import pytest
 import torch
 
+from helpers import stop_process
+
 from stratagem.collective import shm_files
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import shared
@@ -212,8 +214,10 @@ def test_a_malformed_offer_is_refused_and_the_server_goes_on_serving(server, cha
         with pytest.raises(ParameterServerError, match=f"INVALID_ARGUMENT: .*{re.escape(complaint)}"):
             _call(server, "Attach", {**meta, **changes})
         op, _, _ = _call(server, "Attach", meta)  # the same server takes the good offer
+        # Both hold the file now, so the server has removed its name (a worker killed now leaves nothing).
+        assert not os.path.exists(path)
     finally:
-        os.unlink(path)
+        shm_files.unlink(path)
         mapping.close()
     assert op == "attached"
 
@@ -246,7 +250,7 @@ def test_the_file_of_a_worker_process_that_exited_is_let_go(server, counters):
         path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid),
                                      counters=counters)
         assert _call(server, "Attach", meta)[0] == "attached"
-        os.unlink(path)
+        assert not os.path.exists(path)  # the server removed its name once it had mapped it
         mapping.close()
         assert len(server._segments) == 1
     finally:
@@ -262,7 +266,7 @@ def test_the_file_of_a_worker_process_that_exited_is_let_go(server, counters):
         assert len(server._segments) == 1  # nobody watches it: the next attach lets it go
     path, mapping, meta = _offer(server, counters=False)
     assert _call(server, "Attach", meta)[0] == "attached"  # each attach first lets go of those whose worker is gone
-    os.unlink(path)
+    assert not os.path.exists(path)
     mapping.close()
     assert len(server._segments) == 1
 
@@ -381,7 +385,7 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
     variables.arrange(params)  # the worker's parameters live in the file, where a pull writes
     variables.rpc_timeout = 1.0
     assert _shared_files_mapped(child.pid)
-    os.kill(child.pid, signal.SIGSTOP)
+    stop_process(child.pid)  # every thread stopped before the pull, so none can answer it first
     try:
         started = time.monotonic()
         with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a pull through shared memory within 1 s"):

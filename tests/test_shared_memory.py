@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stratagem.collective import shared_memory
+from stratagem.collective import shared_memory, shm_files
 from stratagem.collective.shared_memory import SharedMemoryGroup, connect
 from stratagem.errors import ReplicaError
 
@@ -225,3 +226,46 @@ def test_a_rank_that_never_checks_in_is_named():
     with pytest.raises(Exception, match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1"):
         connect(store, rank=0, world_size=2, task_names=NAMES[:2], timeout=0.3, stall_warning_after=0.1,
                 on_failure=Failure, on_stall=lambda *a: None)
+
+
+_RANK_ZERO = """
+import json, os, sys, time
+import torch.distributed as dist
+from stratagem.collective.shared_memory import connect
+store = dist.FileStore(sys.argv[1], 2)
+connect(store, rank=0, world_size=2, task_names=["worker:0", "worker:1"], timeout=60, stall_warning_after=60,
+        on_failure=lambda *a: RuntimeError(a), on_stall=lambda *a: None, namespace="leak", directory=sys.argv[2])
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_rank_zero_killed_while_rank_one_is_slow_to_map_leaves_no_file(tmp_path, monkeypatch):
+    # Rank 0 (a real process) makes the file and is SIGKILLed while rank 1 has not mapped it yet: rank 0
+    # never unlinks it. It was left behind (12 MiB for two workers); now rank 1 removes it once every rank
+    # has mapped it.
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    store_path = str(tmp_path / "store")
+    rank_zero = subprocess.Popen([sys.executable, "-c", _RANK_ZERO, store_path, str(directory)])
+    store = dist.FileStore(store_path, 2)
+    real_open = shm_files.open_mapped
+
+    def slow_open(path, size, head, **kwargs):
+        store.wait(["stratagem/shm/leak/mapped/0"], timedelta(seconds=40))  # rank 0 has mapped it, and waits
+        rank_zero.kill()
+        rank_zero.wait()
+        assert os.listdir(directory) == [os.path.basename(path)]
+        return real_open(path, size, head, **kwargs)
+
+    monkeypatch.setattr(shm_files, "open_mapped", slow_open)
+    try:
+        group, reason, _ = connect(store, rank=1, world_size=2, task_names=NAMES[:2], timeout=40, stall_warning_after=40,
+                                   on_failure=Failure, on_stall=lambda *a: None, namespace="leak",
+                                   directory=str(directory))
+        assert group is not None, reason
+        group.close()
+    finally:
+        rank_zero.kill()
+        rank_zero.wait()
+    assert os.listdir(directory) == []

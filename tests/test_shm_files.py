@@ -1,6 +1,8 @@
 """The shared-memory files both co-located transports map: made with room reserved, checked when opened."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +41,39 @@ def test_no_room_leaves_no_file(tmp_path, monkeypatch):
     path, problem = shm_files.create(str(tmp_path), 1 << 20, b"x")
     assert path is None and f"{tmp_path} has no room for 1.0 MiB (No space left on device)" == problem
     assert os.listdir(tmp_path) == []
+
+
+_MAKER = """
+import sys, time
+from stratagem.strategies.parameter_server import shared
+path, nonce, mapping = shared.make_file([(shared.torch.float32, 4096)], directory=sys.argv[1])
+print(path, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_file_whose_maker_was_killed_before_anyone_mapped_it_is_removed_by_the_next_maker(tmp_path):
+    # A parameter-server worker killed between making its file and the server's Attach left the file behind.
+    maker = subprocess.Popen([sys.executable, "-c", _MAKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        left = maker.stdout.readline().strip()
+    finally:
+        maker.kill()
+        maker.wait()
+    assert os.path.exists(left) and os.path.basename(left).startswith("stratagem-ps-")
+    mine, _ = shm_files.create(str(tmp_path), 4096, b"x" * 8)  # a live maker's file: kept
+    named = os.path.basename(mine)
+    tag, pid = named.split("-", 1)[1].split("_")[:2]
+    assert int(pid) == os.getpid()
+    other_host = tmp_path / f"stratagem-{'0' * 8 if tag != '0' * 8 else '1' * 8}_1_1_abcdefgh"  # another host's
+    other_host.write_bytes(b"x")
+    reused_pid = tmp_path / f"stratagem-{tag}_{os.getpid()}_1_abcdefgh"  # this pid, but another process's start
+    reused_pid.write_bytes(b"x")
+    user_file = tmp_path / "stratagem-notes.txt"
+    user_file.write_bytes(b"x")
+    newer, problem = shm_files.create(str(tmp_path), 4096, b"y" * 8, prefix="stratagem-ps-")
+    assert problem is None
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [named, os.path.basename(newer), other_host.name, user_file.name])
+    assert shm_files.remove_stale(str(tmp_path)) == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -17,6 +19,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOPs ``pid`` and returns once every one of its threads is stopped (Linux: /proc). ``kill`` only makes
+    the signal pending: a thread woken meanwhile (by a request it serves) can still run, and answer, first."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that has just exited
+        if states and all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout:g} s: thread states {states}")
+        time.sleep(0.001)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "Start one process per task on 127.0.0.1 with free ports, set TF_CONFIG and torchrun's "
             "variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for "
             "each, prefix each output line with its task, and stop everything at the first failure. "
-            "Worker 0 is the chief."
+            "Worker 0 is the chief. With --ps, a worker other than the chief that dies is restarted alone "
+            "(--max-restarts times) or left out while the job goes on."
         ),
     )
     parser.add_argument("--workers", type=int, required=True, metavar="N", help="number of worker processes")
@@ -34,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="devices each worker uses (exported as STRATAGEM_DEVICES_PER_WORKER)")
     parser.add_argument("--ps", type=int, default=0, metavar="P", help="number of parameter-server processes")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                        help="restart the whole group at most R times when a task fails (sets STRATAGEM_RESTART_COUNT)")
+                        help="restart the whole group at most R times when a task fails (sets STRATAGEM_RESTART_COUNT); "
+                             "with --ps, a worker other than the chief is restarted alone, at most R times each")
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="stop everything and fail (exit 124) if the run takes longer than S seconds")
     parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.ok:
-        if result.restarts:
+        if result.restarts or result.recoveries:
             print(f"stratagem launch: {result.explain()}", file=sys.stderr)
         return 0
     print(f"stratagem launch: {result.failed_task or 'launch'} {result.reason}; "

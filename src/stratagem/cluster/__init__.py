@@ -8,6 +8,7 @@
 
 from stratagem.cluster.launch import (
     LaunchResult,
+    Recovery,
     TaskFailure,
     free_ports,
     launch,
@@ -27,6 +28,7 @@ __all__ = [
     "Cluster",
     "LaunchResult",
     "OutputLine",
+    "Recovery",
     "TaskFailure",
     "describe_exit",
     "expand_nodelist",

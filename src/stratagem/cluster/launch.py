@@ -16,6 +16,14 @@ The run succeeds when every worker exits with 0; parameter servers serve until t
 stopped afterwards. The first task to fail (or a parameter server that exits early) stops the
 others: SIGTERM, then SIGKILL after ``grace_period``. With ``max_restarts`` the whole group is
 started again, as torchrun does, on fresh ports.
+
+With parameter servers (``ps > 0``) a worker other than the chief is not the job: the chief's
+coordinator runs the steps of a lost worker on the others and takes the worker back when it
+returns at its address. So a worker that dies there does not stop the job: it is started again
+alone, with its environment and port (at most ``max_restarts`` times per worker), or, when its
+restarts are used up (none by default), the job goes on without it. Either way the sink gets a
+``launch`` line saying which, and ``LaunchResult.recoveries`` lists them. The chief or a
+parameter server that fails still stops the job.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratagem.cluster import allocator
-from stratagem.cluster.processes import Sink, TaskGroup, describe_exit
+from stratagem.cluster.processes import OutputLine, Sink, TaskGroup, describe_exit
 from stratagem.errors import ClusterError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +69,25 @@ class TaskFailure:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Recovery:
+    """A worker of a parameter-server job that died without stopping the job."""
+
+    attempt: int
+    task: str
+    returncode: int
+    reason: str
+    """How it ended, in words (``killed by SIGKILL (...)``)."""
+    action: str
+    """``restarted`` (started again alone, at its address) or ``left out`` (the job went on without it)."""
+
+    def explain(self) -> str:
+        if self.action == "restarted":
+            return f"{self.task} {self.reason}; restarted it alone, at its address, while the job went on"
+        return (f"{self.task} {self.reason}; the job goes on without it (its restarts are used up: "
+                "the coordinator runs its steps on the other workers)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchResult:
     """What ``launch`` did: success or the first failure, and the restarts it used."""
 
@@ -74,14 +101,17 @@ class LaunchResult:
     """How many times the whole group was restarted."""
     failures: tuple[TaskFailure, ...] = ()
     """The first failure of every attempt that failed, restarted ones included."""
+    recoveries: tuple[Recovery, ...] = ()
+    """Workers of a parameter-server job that died while the job went on (restarted alone, or left out)."""
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
 
     def explain(self) -> str:
-        """One line per failed attempt, then the outcome."""
+        """One line per failed attempt and per worker lost without stopping the job, then the outcome."""
         lines = [f"attempt {f.attempt}: {f.task or 'launch'} {f.reason}" for f in self.failures]
+        lines += [f"attempt {r.attempt}: {r.explain()}" for r in self.recoveries]
         restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
         if self.ok:
             lines.append(f"all workers exited normally{restarts}")
@@ -93,6 +123,7 @@ class LaunchResult:
         return {
             "exit_code": self.exit_code, "failed_task": self.failed_task, "reason": self.reason,
             "restarts": self.restarts, "failures": [f.__dict__ for f in self.failures],
+            "recoveries": [r.__dict__ for r in self.recoveries],
         }
 
 
@@ -191,10 +222,17 @@ def _exit_code(returncode: int) -> int:
     return returncode if returncode > 0 else 128 - returncode if returncode < 0 else 1
 
 
-def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None,
-                 timeout: float | None, attempt: int) -> TaskFailure | None:
-    """Wait for the workers to finish; the first failure (or the deadline) ends the attempt."""
+LAUNCH_TASK = "launch"
+"""The task name of the launcher's own lines on the sink."""
+
+
+def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None, timeout: float | None, attempt: int,
+                 ps: int = 0, worker_restarts: int = 0, sink: Sink | None = None,
+                 recoveries: list[Recovery] | None = None) -> TaskFailure | None:
+    """Wait for the workers to finish; the first failure (or the deadline) ends the attempt. With parameter
+    servers, a worker other than the chief that dies is restarted alone or left out instead (``recoveries``)."""
     pending = {f"worker:{i}" for i in range(workers)}
+    restarted: dict[str, int] = {}
     while pending:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -209,10 +247,32 @@ def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None,
             if returncode == 0:
                 reason += ", but a parameter server must serve until the workers finish"
             return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=reason)
+        if returncode != 0 and ps and task != "worker:0" and "worker:0" in pending:
+            recovery = _recover(group, task, returncode, attempt, restarted, worker_restarts)
+            if recoveries is not None:
+                recoveries.append(recovery)
+            logger.warning("%s", recovery.explain())
+            if sink is not None:
+                sink(OutputLine(LAUNCH_TASK, "stderr", recovery.explain()))
+            if recovery.action == "left out":
+                pending.discard(task)
+            continue
         if returncode != 0:
             return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=describe_exit(returncode))
         pending.discard(task)
     return None
+
+
+def _recover(group: TaskGroup, task: str, returncode: int, attempt: int, restarted: dict[str, int],
+             worker_restarts: int) -> Recovery:
+    """A worker of a parameter-server job died while the chief runs: start it again alone, or leave it out."""
+    reason = describe_exit(returncode)
+    group.stop([task], grace_period=0.0)  # whatever it started in its session goes with it
+    if restarted.get(task, 0) < worker_restarts:
+        restarted[task] = restarted.get(task, 0) + 1
+        group.start(task)
+        return Recovery(attempt=attempt, task=task, returncode=returncode, reason=reason, action="restarted")
+    return Recovery(attempt=attempt, task=task, returncode=returncode, reason=reason, action="left out")
 
 
 def launch(
@@ -245,21 +305,23 @@ def launch(
     token = secrets.token_hex(16)
     deadline = None if timeout is None else time.monotonic() + timeout
     failures: list[TaskFailure] = []
+    recoveries: list[Recovery] = []
     for attempt in range(max_restarts + 1):
         envs = task_environments(env, workers=workers, ps=ps, ports=free_ports(workers + ps), token=token,
                                  restart_count=attempt, devices_per_worker=devices_per_worker,
                                  keep_freed_memory=keep_freed_memory)
         logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
-        group = TaskGroup(argv, envs, sink)
+        group = TaskGroup(argv, envs, sink, grace_period=grace_period)
         try:
-            failure = _run_attempt(group, workers=workers, deadline=deadline, timeout=timeout, attempt=attempt)
+            failure = _run_attempt(group, workers=workers, deadline=deadline, timeout=timeout, attempt=attempt,
+                                   ps=ps, worker_restarts=max_restarts, sink=sink, recoveries=recoveries)
         finally:
             # Reached on success (stops the parameter servers), on failure, and on Ctrl-C.
             group.stop(grace_period=grace_period)
             group.drain_output(OUTPUT_DRAIN_SECONDS)
         if failure is None:
             return LaunchResult(exit_code=0, failed_task=None, reason=None, restarts=attempt,
-                                failures=tuple(failures))
+                                failures=tuple(failures), recoveries=tuple(recoveries))
         failures.append(failure)
         if failure.task is None or attempt == max_restarts:
             break
@@ -268,7 +330,7 @@ def launch(
     last = failures[-1]
     exit_code = TIMEOUT_EXIT_CODE if last.returncode is None else _exit_code(last.returncode)
     return LaunchResult(exit_code=exit_code, failed_task=last.task, reason=last.reason,
-                        restarts=len(failures) - 1, failures=tuple(failures))
+                        restarts=len(failures) - 1, failures=tuple(failures), recoveries=tuple(recoveries))
 
 
 def launched_by_stratagem(env: Mapping[str, str]) -> bool:

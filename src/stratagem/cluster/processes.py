@@ -2,6 +2,8 @@
 
 Each process leads its own session, so stopping a task also stops whatever it started
 (data-loader workers, a shell's children) instead of leaving orphans holding ports and pipes.
+A guard process (``guard``) ends every task's session when the launcher dies without stopping
+them (SIGKILL, the out-of-memory killer).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -79,28 +82,79 @@ def _describe_signal(number: int) -> str:
     return f"killed by {name} ({meaning})" if meaning else f"killed by {name}"
 
 
-class TaskGroup:
-    """The processes of one attempt; every exit is reported on ``exits`` as ``(task, returncode)``."""
+class _Guard:
+    """The launcher's side of the guard process: tells it which process groups to end if the launcher dies."""
 
-    def __init__(self, argv: Sequence[str], envs: Mapping[str, Mapping[str, str]], sink: Sink) -> None:
+    def __init__(self, grace_period: float) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
+        # Its own session: a Ctrl-C or a scheduler's SIGTERM to the launcher's group must not end the guard first.
+        self._process = subprocess.Popen([sys.executable, "-I", "-S", script, repr(float(grace_period))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, start_new_session=True)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def tell(self, line: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._process.stdin.write(f"{line}\n".encode())
+                self._process.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                logger.warning("the guard of the tasks has exited; a launcher killed now would leave its tasks running")
+
+    def close(self) -> None:
+        """Ends the guard (every task it was told of has been stopped, so it ends none)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._process.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+class TaskGroup:
+    """The processes of one attempt; every exit is reported on ``exits`` as ``(task, returncode)``.
+
+    ``grace_period``: what the guard gives the tasks between SIGTERM and SIGKILL if the launcher dies.
+    """
+
+    def __init__(self, argv: Sequence[str], envs: Mapping[str, Mapping[str, str]], sink: Sink, *,
+                 grace_period: float = 5.0) -> None:
         self.exits: queue.Queue[tuple[str, int]] = queue.Queue()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._argv = list(argv)
+        self._envs = {task: dict(env) for task, env in envs.items()}
         self._sink = sink
         self._sink_lock = threading.Lock()  # a sink sees whole lines, one at a time
         self._readers: list[threading.Thread] = []
+        self._guard = _Guard(grace_period)
         try:
-            for task, env in envs.items():
-                process = subprocess.Popen(
-                    list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, start_new_session=True,
-                )
-                self.processes[task] = process
-                for stream, pipe in (("stdout", process.stdout), ("stderr", process.stderr)):
-                    self._spawn(self._read, task, stream, pipe)
-                self._spawn(self._wait, task, process)
+            for task in self._envs:
+                self.start(task)
         except BaseException:
             self.stop(grace_period=0.0)
             raise
+
+    def start(self, task: str) -> None:
+        """Starts ``task`` (again, once its earlier process has exited and been stopped) with its environment."""
+        process = subprocess.Popen(
+            self._argv, env=self._envs[task], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True,
+        )
+        self._guard.tell(f"+{process.pid}")
+        self.processes[task] = process
+        for stream, pipe in (("stdout", process.stdout), ("stderr", process.stderr)):
+            self._spawn(self._read, task, stream, pipe)
+        self._spawn(self._wait, task, process)
 
     def _spawn(self, target: Callable[..., None], *args: object) -> None:
         # Daemon threads: a grandchild that keeps a pipe open must not keep the launcher alive.
@@ -148,6 +202,9 @@ class TaskGroup:
             _signal_group(process, signal.SIGKILL)
         for process in chosen:
             process.wait()
+            self._guard.tell(f"-{process.pid}")
+        if tasks is None:
+            self._guard.close()
 
     def drain_output(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) until every line the tasks wrote has reached the sink."""

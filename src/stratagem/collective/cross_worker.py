@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.collective.store_calls import StoreCalls
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class CrossWorker:
         self._last_report_time = -float("inf")
         self.shared: Any = None
         """The shared-memory group (`connect_shared_memory`), or None: every sum goes through the process group."""
+        # Every call on the chief's store is bounded (torch's client can wait forever on a stopped chief).
+        self._store_calls = StoreCalls(store, chief=self.task_names[0], caller=f"{self.task_name} (rank {rank})")
 
     @property
     def task_name(self) -> str:
@@ -74,12 +77,21 @@ class CrossWorker:
         """
         now = time.monotonic()
         if step != self._last_step_reported and now - self._last_report_time >= self.heartbeat_seconds:
-            self.store.set(_STEP.format(rank=self.rank), str(step))
+            self._store_calls.run(f"the heartbeat of step {step}", self.store.set, _STEP.format(rank=self.rank),
+                                  str(step), seconds=self.timeout)
             self._last_step_reported = step
             self._last_report_time = now
 
-    def steps_reached(self) -> dict[str, int | None]:
-        """The last step each task reported, as far as the store knows."""
+    def steps_reached(self, seconds: float | None = None) -> dict[str, int | None]:
+        """The last step each task reported, as far as the store knows.
+
+        Waits for the store at most ``seconds`` (default: the timeout), then raises
+        ``CollectiveTimeoutError`` naming the chief, which hosts the store.
+        """
+        return self._store_calls.run("a read of the steps reached", self._read_steps,
+                                     seconds=self.timeout if seconds is None else seconds)
+
+    def _read_steps(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
         for rank, name in enumerate(self.task_names):
             key = _STEP.format(rank=rank)
@@ -141,6 +153,7 @@ class CrossWorker:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+        self._store_calls.close()
 
     def wait(self, works: Sequence[Any], *, what: str, step: int) -> None:
         """Waits for work handles (None: a collective already done); raises an error naming the missing tasks
@@ -187,14 +200,21 @@ class CrossWorker:
             raise self._failure(what, step, error) from error
 
     def _warn_stall(self, what: str, step: int, start: float) -> None:
+        # The steps are read within what is left of the timeout, and no longer than the warning's own delay.
+        left = self.timeout - (time.monotonic() - start)
+        steps = self._format_steps(max(0.01, min(left, self.stall_warning_after)))
         logger.warning(
             "%s has waited %.0f s for the %s of step %d; steps reached: %s",
-            self.task_name, time.monotonic() - start, what, step, self._format_steps(),
+            self.task_name, time.monotonic() - start, what, step, steps,
         )
 
     # ---- failure reports ----------------------------------------------------------------------
-    def _format_steps(self) -> str:
-        return ", ".join(f"{name}: {'-' if s is None else s}" for name, s in self.steps_reached().items())
+    def _format_steps(self, seconds: float) -> str:
+        try:
+            steps = self.steps_reached(seconds)
+        except CollectiveTimeoutError:
+            return f"unknown (the chief's store, {self.task_names[0]}, did not answer within {seconds:g} s)"
+        return ", ".join(f"{name}: {'-' if s is None else s}" for name, s in steps.items())
 
     def _failure(self, what: str, step: int, error: Exception | None) -> Exception:
         missing, store_ok = self._roll_call(step)
@@ -207,7 +227,7 @@ class CrossWorker:
             who = "every task answered the roll call, so one is stuck rather than gone"
         message = (
             f"{self.task_name} (rank {self.rank}): the {what} of step {step} {cause} after waiting for the other "
-            f"workers; {who}. Steps last reported: {self._format_steps() if store_ok else 'unknown'}. Restart the job "
+            f"workers; {who}. Steps last reported: {self._format_steps(self.roll_call_seconds) if store_ok else 'unknown'}. Restart the job "
             "(stratagem launch --max-restarts restarts the group) and resume from the last checkpoint."
         )
         if error is None:
@@ -215,20 +235,32 @@ class CrossWorker:
         return ReplicaError(message)
 
     def _roll_call(self, step: int) -> tuple[list[int], bool]:
-        """Which ranks are still alive: each survivor signs in, then reads who else did."""
+        """Which ranks are still alive: each survivor signs in, then reads who else did (within
+        ``roll_call_seconds``, a store that does not answer meaning the chief is gone)."""
+        deadline = time.monotonic() + self.roll_call_seconds
+
+        def call(what: str, fn: Any, *args: Any) -> Any:
+            return self._store_calls.run(what, fn, *args, seconds=max(0.05, deadline - time.monotonic()) + 1.0)
+
         try:
-            self.store.set(_ROLL_CALL.format(step=step, rank=self.rank), "here")
-            deadline = time.monotonic() + self.roll_call_seconds
+            call("the roll call", self.store.set, _ROLL_CALL.format(step=step, rank=self.rank), "here")
             keys = [_ROLL_CALL.format(step=step, rank=r) for r in range(self.world_size)]
-            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+
+            def absent() -> list[int]:
+                return [r for r, key in enumerate(keys) if not self.store.check([key])]
+
+            missing = call("the roll call", absent)
             while missing and time.monotonic() < deadline:
                 try:
-                    self.store.wait([keys[r] for r in missing], timedelta(seconds=max(0.05, deadline - time.monotonic())))
+                    call("the roll call", self.store.wait, [keys[r] for r in missing],
+                         timedelta(seconds=max(0.05, deadline - time.monotonic())))
+                except CollectiveTimeoutError:
+                    raise
                 except Exception:  # noqa: BLE001 - a store wait that runs out just means someone is missing
                     pass
-                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+                missing = call("the roll call", absent)
             return missing, True
-        except Exception:  # noqa: BLE001 - the store is gone with the chief
+        except Exception:  # noqa: BLE001 - the store is gone (or stopped) with the chief
             return [0] if self.rank != 0 else [], False
 
 

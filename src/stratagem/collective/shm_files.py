@@ -9,16 +9,22 @@ Both follow the same rules, which live here:
 - it begins with a random ``head`` (a magic and a nonce) that the maker sends to the others over an
   authenticated channel; a process that maps the file checks it, so a namesake in another
   ``/dev/shm`` (another container, another host) is never taken for it;
-- the maker unlinks it as soon as the others have mapped it, so nothing is left behind even if the
-  job is killed, and nobody can open (or truncate) it afterwards.
+- it is unlinked as soon as every party has mapped it (by whichever party sees that first), so
+  nothing is left behind even if the job is killed afterwards, and nobody can open (or truncate) it;
+- its name carries its maker (a tag of this host, the pid and the process's start time), so a file
+  left by a maker killed in the short window before every party mapped it is removed by the next
+  ``create`` on this host (``remove_stale``) once that process is gone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import logging
 import mmap
 import os
 import platform
+import re
 import socket
 import stat
 import sys
@@ -28,6 +34,9 @@ import numpy
 import torch
 
 DIRECTORY = "/dev/shm"
+# stratagem-<kind->?<host tag>_<pid>_<start time>_<random>: every file this module makes.
+_OWNED = re.compile(r"stratagem-(?:[a-z]+-)?([0-9a-f]{8})_([0-9]+)_([0-9]+)_[a-z0-9_]+\Z")
+logger = logging.getLogger(__name__)
 
 # Linux x86-64 futex(2): sleep while a 32-bit word holds a value, wake the sleepers of a word.
 _SYS_FUTEX = 202
@@ -97,11 +106,57 @@ def process_start(pid: int) -> str | None:
     return fields[19].decode()
 
 
+def _host_tag() -> str:
+    return hashlib.sha256(host_identity().encode()).hexdigest()[:8]
+
+
+def remove_stale(directory: str) -> list[str]:
+    """Removes the files of ``directory`` that this module made on this host for a process that is gone
+    (its pid no longer runs, or runs another process); returns their names. A file of a live process, of
+    another host or container (another host tag), or of another user is left alone."""
+    tag, removed = _host_tag(), []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _OWNED.match(name)
+        if match is None or match.group(1) != tag:
+            continue
+        pid, started = int(match.group(2)), match.group(3)
+        if process_start(pid) == started:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue  # gone already, or not ours to remove
+    if removed:
+        logger.info("removed %d file(s) left in %s by processes that are gone: %s", len(removed), directory,
+                    ", ".join(removed))
+    return removed
+
+
+def unlink(path: str) -> None:
+    """Removes the file if it is still there (another party may have removed it first)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def create(directory: str, size: int, head: bytes, prefix: str = "stratagem-") -> tuple[str | None, str | None]:
     """Makes a file of ``size`` bytes (space reserved, readable by this user only) that starts with ``head``;
-    returns its path, or None and why not."""
+    returns its path, or None and why not. Files that processes now gone left in ``directory`` are removed
+    first (``remove_stale``)."""
+    remove_stale(directory)
+    pid = os.getpid()
+    owner = f"{_host_tag()}_{pid}_{process_start(pid) or 0}_"
     try:
-        fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        fd, path = tempfile.mkstemp(prefix=prefix + owner, dir=directory)
     except OSError as exc:
         return None, f"cannot create a file in {directory} ({exc.strerror})"
     try:

@@ -34,8 +34,10 @@ Who may use a file: only the worker that made it (a file of this user, mode 0600
 attached it to through an authenticated call (``Attach``, with the cluster token like every call).
 The server maps it only when the worker says it runs on the same host (host name and boot id), the
 name is one of ours in ``/dev/shm``, the file is a regular file of the server's user of the size
-its buckets need, and it starts with the head the worker sent. The worker unlinks the file as soon
-as the server has answered, so nobody can open it afterwards. The server lets a file go when the
+its buckets need, and it starts with the head the worker sent. The server unlinks the file as soon
+as it has mapped it (and the worker once the server has answered, if it is still there), so nobody
+can open it afterwards; a file of a worker killed before the server mapped it is removed by the next
+file made on this host (``shm_files.remove_stale``). The server lets a file go when the
 worker detaches (``close``), when the process that attached it is gone, when the chief creates the
 shards anew, or when the server stops; a worker waiting on it sees "let go" at once, and attaches
 again (or, if the server is gone, hears so from gRPC).
@@ -326,10 +328,11 @@ class Segments:
         if meta.get("layout") != fingerprint:
             return "refused", {"why": f"{task} expects other shards than {self.task} holds", "same_host": True,
                                "retry": True}
-        mapping, why = shm_files.open_mapped(os.path.join(self.directory, name), file_size(buckets), head(nonce),
-                                             maker=task)
+        path = os.path.join(self.directory, name)
+        mapping, why = shm_files.open_mapped(path, file_size(buckets), head(nonce), maker=task)
         if mapping is None:
             return "refused", {"why": f"{self.task}: {why}", "same_host": True}
+        shm_files.unlink(path)  # both hold it now; so it is gone even if the worker dies before it hears back
         segment = secrets.token_hex(8)
         watched = process[1] is not None and shm_files.process_start(process[0]) == process[1]
         self._attached[segment] = Attached(Areas(mapping, buckets), fingerprint, task, process, watched)

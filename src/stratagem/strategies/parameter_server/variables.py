@@ -20,7 +20,6 @@ different partitioner or number of parameter servers.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from stratagem.archive import load_verified
+from stratagem.collective import shm_files
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import shared, wire
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
@@ -243,7 +243,7 @@ class ShardedVariables:
             mapping.close()
             raise
         finally:
-            os.unlink(path)  # the server has mapped it, or never will
+            shm_files.unlink(path)  # the server has mapped it (and may have removed it already), or never will
         if op != "attached":
             mapping.close()
             if meta.get("retry"):
