@@ -9,6 +9,7 @@ Worker 0 is the chief. Every output line is prefixed with its task (``[worker:1]
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -73,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"stratagem launch: error: no such script. Received: {args.script!r}. "
               "Fix: give the path of a Python file, or use -m for a module.", file=sys.stderr)
         return 2
+    if args.no_python and shutil.which(args.script) is None:
+        print(f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Fix: give the "
+              "path of an executable file (chmod +x), or a command on PATH.", file=sys.stderr)
+        return 2
     # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it
     # into SystemExit, which unwinds through launch() and stops every task on the way out.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -88,8 +93,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if result.ok:
+        for failure in result.failures:
+            # Worded as what happened next: the run succeeded, these attempts were restarted.
+            print(f"stratagem launch: attempt {failure.attempt} restarted after {failure.task} {failure.reason}",
+                  file=sys.stderr)
         if result.restarts:
-            print(f"stratagem launch: {result.explain()}", file=sys.stderr)
+            print(f"stratagem launch: all workers exited normally after {result.restarts} restart(s)", file=sys.stderr)
         return 0
     print(f"stratagem launch: {result.failed_task or 'launch'} {result.reason}; "
           f"stopped the other tasks (exit code {result.exit_code})", file=sys.stderr)
