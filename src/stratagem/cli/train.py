@@ -4,8 +4,12 @@ Shows where the work runs and why, a progress bar per epoch, loss and accuracy p
 the test accuracy, the training throughput and the devices. Without a GPU, the mirrored strategy
 trains on two logical CPU replicas, so the gradient combination really runs.
 
-Exit code: 0 when training finished, 2 for bad input (unknown device, bad option), 1 when
-training itself failed (a replica raised, a wait timed out, scikit-learn is missing).
+Exit code: 0 when training finished, 2 for bad input (unknown device, bad option, an unwritable
+--backup-dir; all checked before any work), 1 when training itself failed (a replica raised, a
+wait timed out, scikit-learn is missing, a file could not be written), 130 on Ctrl-C.
+
+With --json, standard output holds one JSON document, the chief's, whatever the strategy; under
+the launcher the other tasks' lines go to standard error, prefixed with their task.
 
     $ stratagem train
     $ stratagem train --strategy one_device --devices cpu:0
