@@ -189,6 +189,27 @@ def test_a_model_whose_loss_needs_no_labels_trains_on_batches_without_targets():
     assert_state(history.model.state_dict(), expected)
 
 
+class NoScores(nn.Module):
+    """Returns its loss in a dict, with no scores for metrics to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 4, dtype=torch.float64)
+
+    def forward(self, x, y):
+        return {"loss": F.cross_entropy(self.layer(x), y)}
+
+
+def test_metrics_without_scores_to_read_are_named():
+    model = NoScores()
+    batches = [(torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 3]))]
+    history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches)
+    assert history.epochs[0].num_examples == 4        # a dict's "loss" is the model's own loss
+    with pytest.raises(sg.InputError, match=r"Metrics \['accuracy'\] read the model's scores, but its output has none"):
+        other = NoScores()
+        sg.fit(mirrored3(), other, torch.optim.SGD(other.parameters(), lr=0.1), None, batches, metrics=["accuracy"])
+
+
 def test_batches_fit_cannot_read_are_named():
     batches = dict_batches()
     model = TinyClassifier()

@@ -188,3 +188,26 @@ def test_seed_everything_gives_the_same_fit_twice_under_mirrored():
 def test_seed_everything_refuses_a_seed_numpy_cannot_take():
     with pytest.raises(sg.InputError, match=r"seed must be a whole number in \[0, 4294967295\]. Received: seed=-1"):
         sg.seed_everything(-1)
+
+
+@pytest.mark.timeout(60)
+def test_backups_under_the_parameter_server_are_refused_before_training(tmp_path):
+    from stratagem.strategies.parameter_server import InProcessCluster
+
+    class Began(sg.callbacks.Callback):
+        began = False
+
+        def on_train_begin(self, context):
+            Began.began = True
+
+    model, optimizer, shape = build("mlp", "sgd_momentum", torch.float64)
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = sg.ParameterServerStrategy(cluster)
+        try:
+            with pytest.raises(sg.InputError, match=r"BackupAndRestore cannot back up this optimizer: "
+                                                    r"ParameterServerOptimizer has no state_dict.*strategy.save"):
+                sg.fit(strategy, model, optimizer, F.cross_entropy, make_batches(shape, torch.float64),
+                       callbacks=[sg.callbacks.BackupAndRestore(tmp_path / "b"), Began()])
+        finally:
+            strategy.close()
+    assert not Began.began and not (tmp_path / "b").exists()

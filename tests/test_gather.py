@@ -64,6 +64,10 @@ def test_gather_of_plain_objects_gives_one_entry_per_replica_and_a_plain_tensor_
     (batch,) = list(strategy.distribute_dataset([torch.zeros(5, 1)]))
     sizes = strategy.run(lambda x: int(x.shape[0]), args=(batch,))
     assert strategy.gather(sizes) == [2, 2, 1]
+    # Lists of the same length on every replica (which run returns as a list of per-replica leaves) join too.
+    two = mirrored(2)
+    (even,) = list(two.distribute_dataset([torch.arange(4.0)]))
+    assert two.gather(two.run(lambda x: [f"ex{int(v)}" for v in x], args=(even,))) == ["ex0", "ex1", "ex2", "ex3"]
     plain = torch.arange(3.0)
     assert torch.equal(strategy.gather(plain), plain)  # this process's own value: counted once
 

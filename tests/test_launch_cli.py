@@ -74,7 +74,8 @@ def test_restarts_are_reported(tmp_path, capsys):
     script = write(tmp_path, 'sys.exit(1 if os.environ["STRATAGEM_RESTART_COUNT"] == "0" else 0)\n')
     assert launch_cli.run(parse(["--workers", "1", "--max-restarts", "1", "--timeout", "20", script])) == 0
     err = capsys.readouterr().err
-    assert "attempt 0: worker:0 exit code 1" in err and "all workers exited normally after 1 restart(s)" in err
+    assert "attempt 0 restarted after worker:0 exit code 1" in err and "all workers exited normally after 1 restart(s)" in err
+    assert "attempt 0: worker:0" not in err  # a restarted attempt of a run that succeeded is not worded as its failure
 
 
 def test_missing_script(tmp_path, capsys):

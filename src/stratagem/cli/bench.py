@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from stratagem.bench.scaling import (
     run_scaling,
 )
 from stratagem.bench.workloads import WORKLOADS
+from stratagem.cli.checks import check_writable_directory
 from stratagem.errors import InputError, StratagemError
 
 JSON_NAME = "stratagem-bench.json"
@@ -108,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
     from stratagem.bench.plot import write_plot
 
     result = {**report.to_dict(), "files": {"json": str(json_path), "plot": str(plot_path)}}
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    write_plot(report, plot_path)
+    try:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        write_plot(report, plot_path)
+    except OSError as error:  # the disk filled, or the directory went away during the measurement
+        print(f"stratagem bench: could not write the results: {error}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -144,15 +148,17 @@ def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
     json_path = args.save_json or out / JSON_NAME
     plot_path = args.plot or out / PLOT_NAME
     if args.save_json is None or args.plot is None:
+        check_writable_directory(out, "--out")  # before the (long) measurement: /proc/x fails here, not after it
         out.mkdir(parents=True, exist_ok=True)
     for flag, path in (("--save-json", json_path), ("--plot", plot_path)):
         if path.is_dir():
             raise InputError(f"{flag} must be a file path. Received: {flag} {path}, which is a directory. "
                             f"Use e.g. {path / (JSON_NAME if flag == '--save-json' else PLOT_NAME)}.")
         parent = path.parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise InputError(f"{flag}: cannot write into {parent} (missing or not writable). Received: {flag} {path}. "
+        if not parent.is_dir():
+            raise InputError(f"{flag}: cannot write into {parent} (missing). Received: {flag} {path}. "
                             "Create the directory or choose another path.")
+        check_writable_directory(parent, flag)
     return json_path, plot_path
 
 
@@ -209,6 +215,9 @@ def _counts(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"replica counts must be whole numbers separated by commas. Received: {text!r}. Use e.g. 1,2.") from None
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(
+            f"replica counts must be positive (each is a number of replicas). Received: {text!r}. Use e.g. 1,2.")
     return counts
 
 

@@ -87,8 +87,15 @@ def _collect_facts_safely() -> EnvironmentFacts:
 
 
 def _load_facts(path: str) -> EnvironmentFacts:
-    with open(path, encoding="utf-8") as file:
-        data = json.load(file)
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = json.load(file)
+    except OSError as error:
+        raise ValueError(f"--facts: cannot read {path} ({error.strerror or error}). Received: --facts {path}. Give a "
+                         "file saved with `stratagem doctor --json > facts.json` on the other machine.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--facts: {path} is not JSON ({error}). Received: --facts {path}. Give a file saved with "
+                         "`stratagem doctor --json > facts.json` on the other machine.") from None
     try:
         # Either a whole `doctor --json` report or the bare facts.
         return EnvironmentFacts.from_dict(data.get("facts", data))

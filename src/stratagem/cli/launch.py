@@ -9,6 +9,7 @@ Worker 0 is the chief. Every output line is prefixed with its task (``[worker:1]
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -74,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         print(f"stratagem launch: error: no such script. Received: {args.script!r}. "
               "Fix: give the path of a Python file, or use -m for a module.", file=sys.stderr)
+        return 2
+    if args.no_python and shutil.which(args.script) is None:
+        print(f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Fix: give the "
+              "path of an executable file (chmod +x), or a command on PATH.", file=sys.stderr)
         return 2
     # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it
     # into SystemExit, which unwinds through launch() and stops every task on the way out.

@@ -35,15 +35,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that relaunch themselves
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return int(args._run(args) or 0)
+    command = "stratagem"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        command = f"stratagem {args.command}" if args.command else command
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that relaunch themselves
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C: as tidy as SIGTERM. Each command's own clean-up (closing a strategy, stopping a launched
+        # cluster's tasks) ran on the way out.
+        print(f"{command}: interrupted (Ctrl-C); stopped.", file=sys.stderr, flush=True)
+        return 130
+    except OSError as error:
+        # A file the command reads or writes that the system refuses: one line, not a traceback.
+        print(f"{command}: {error}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

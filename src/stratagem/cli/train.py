@@ -4,8 +4,12 @@ Shows where the work runs and why, a progress bar per epoch, loss and accuracy p
 the test accuracy, the training throughput and the devices. Without a GPU, the mirrored strategy
 trains on two logical CPU replicas, so the gradient combination really runs.
 
-Exit code: 0 when training finished, 2 for bad input (unknown device, bad option), 1 when
-training itself failed (a replica raised, a wait timed out, scikit-learn is missing).
+Exit code: 0 when training finished, 2 for bad input (unknown device, bad option, an unwritable
+--backup-dir; all checked before any work), 1 when training itself failed (a replica raised, a
+wait timed out, scikit-learn is missing, a file could not be written), 130 on Ctrl-C.
+
+With --json, standard output holds one JSON document, the chief's, whatever the strategy; under
+the launcher the other tasks' lines go to standard error, prefixed with their task.
 
     $ stratagem train
     $ stratagem train --strategy one_device --devices cpu:0
@@ -22,6 +26,7 @@ import argparse
 import contextlib
 import json
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
@@ -29,7 +34,8 @@ from rich.text import Text
 from stratagem import environ
 from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
 from stratagem.diagnose import log_placement
-from stratagem.errors import StratagemError
+from stratagem.cli.checks import check_device_flags, check_writable_directory
+from stratagem.errors import InputError, StratagemError
 from stratagem.strategies.amp import PRECISIONS, check_precision
 from stratagem.train import (
     STRATEGY_NAMES,
@@ -65,10 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help=f"Adam learning rate (default: {_DEFAULTS.lr})")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                         help=f"seeds the initial weights and the shuffle order (default: {_DEFAULTS.seed})")
-    parser.add_argument("--workers", type=_positive_int, default=1,
+    parser.add_argument("--workers", type=_count("2"), default=1,
                         help="with --strategy multi_worker: worker processes to start on this machine with "
                              "`stratagem launch` (default: 1, or the cluster this process already belongs to)")
-    parser.add_argument("--ps", type=_positive_int, default=1,
+    parser.add_argument("--ps", type=_count("1"), default=None,
                         help="with --strategy parameter_server: parameter-server processes to start (default: 1)")
     parser.add_argument("--backup-dir", metavar="DIR",
                         help="back the run up in DIR after every epoch; a rerun of the same command (or a restart by "
@@ -89,15 +95,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     env = environ.current()
-    if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server"):
-        print(f"stratagem train: --workers {args.workers} needs --strategy multi_worker or parameter_server. "
-              f"Received: --strategy {args.strategy}.", file=sys.stderr)
+    try:
+        _check_before_work(args)
+    except StratagemError as error:
+        print(f"stratagem train: {error}", file=sys.stderr)
         return 2
     parameter_server = args.strategy == "parameter_server"
     if (parameter_server or (args.strategy == "multi_worker" and args.workers > 1)) and not launched_by_stratagem(env):
         # Start one process per task running this same command; each becomes a task of the strategy's cluster.
         sink = _json_sink if args.json else _prefixed_sink
-        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=args.ps if parameter_server else 0,
+        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=(args.ps or 1) if parameter_server else 0,
                           keep_freed_memory=not args.default_allocator)
         if not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
@@ -107,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(strategy=args.strategy, devices=args.devices, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed, precision=args.precision)
-        callbacks: list[Callback] = [BackupAndRestore(args.backup_dir, save_freq="epoch")] if args.backup_dir else []
+        callbacks: list[Callback] = []
+        if args.backup_dir:
+            backup = BackupAndRestore(args.backup_dir, save_freq="epoch")
+            callbacks += [backup, BackupSettings(config, backup, json_output=args.json)]
         strategy, decision = build_strategy(config.strategy, config.devices)
         try:
             check_precision(config.precision, [d.type for d in strategy._local_devices])  # before any work
@@ -134,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with log if log is not None else contextlib.nullcontext():
             report = train_digits(config, strategy, decision, callbacks=callbacks)
-    except (StratagemError, ImportError) as error:
+    except (StratagemError, ImportError, OSError) as error:
         print(f"stratagem train: training failed: {error}", file=sys.stderr)
         return 1
     finally:
@@ -151,6 +161,66 @@ def run(args: argparse.Namespace) -> int:
         if log is not None:
             console.print(Text(str(log.summary())))
     return 0
+
+
+def _check_before_work(args: argparse.Namespace) -> None:
+    """What the command can refuse before it builds anything or starts a process."""
+    if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server"):
+        raise InputError(f"--workers {args.workers} needs --strategy multi_worker or parameter_server. "
+                         f"Received: --strategy {args.strategy}. Add --strategy multi_worker, or leave --workers out.")
+    if args.ps is not None and args.strategy != "parameter_server":
+        raise InputError(f"--ps {args.ps} needs --strategy parameter_server. Received: --strategy {args.strategy}. "
+                         "Add --strategy parameter_server, or leave --ps out.")
+    if args.devices:
+        check_device_flags(args.devices)
+    if args.backup_dir:
+        if args.strategy == "parameter_server":
+            # The optimizer's state lives on the parameter servers, out of reach of fit's backups.
+            raise InputError(
+                "--backup-dir does not work with --strategy parameter_server: the optimizer state lives on the "
+                f"parameter servers, which fit's backups cannot save. Received: --strategy parameter_server "
+                f"--backup-dir {args.backup_dir}. Leave --backup-dir out, or use --strategy multi_worker for a "
+                "resumable multi-process run.")
+        check_writable_directory(args.backup_dir, "--backup-dir")
+
+
+class BackupSettings(Callback):
+    """Keeps the run's settings in its backup; a resumed run refuses other settings and says what it resumed.
+
+    The backup restores the optimizer (its learning rate included), the random states and the data
+    order, so a rerun with another --lr or --seed would silently train as the first run did.
+    """
+
+    CHECKED = ("lr", "seed")
+
+    def __init__(self, config: TrainConfig, backup: BackupAndRestore, *, json_output: bool) -> None:
+        self.config = config
+        self.backup = backup
+        self.json_output = json_output
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self.config, name) for name in self.CHECKED}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        changed = [name for name in self.CHECKED if state.get(name) != getattr(self.config, name)]
+        if changed:
+            saved = " ".join(f"--{name} {state.get(name)}" for name in changed)
+            asked = " ".join(f"--{name} {getattr(self.config, name)}" for name in changed)
+            raise InputError(
+                f"The backup in {self.backup.backup_dir} was made with {saved}, which a resumed run keeps (the "
+                f"optimizer, the random states and the data order come from the backup). Received: {asked}. Rerun with "
+                f"{saved} to resume, or remove {self.backup.backup_dir} to start afresh with the new settings.")
+
+    def on_train_begin(self, context: Any) -> None:
+        restored = self.backup.restored_from
+        if restored is None or not context.is_chief:
+            return
+        settings = ", ".join(f"--{name} {getattr(self.config, name)}" for name in self.CHECKED)
+        # Shown without -v: a resumed run must not look like a fresh one. With --json, stdout is the JSON alone.
+        print(f"stratagem train: Resumed from {self.backup.path}: epoch {restored['epoch'] + 1} of "
+              f"{self.config.epochs}, after step {restored['step']}. From the backup: the model, the optimizer "
+              f"state, the random states, the data order and the history of the epochs done ({settings}).",
+              file=sys.stderr if self.json_output else sys.stdout, flush=True)
 
 
 CHIEF_TASK = "worker:0"
@@ -203,6 +273,20 @@ def _device_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"a device name is empty. Received: {text!r}. Separate names with single commas, e.g. cpu:0,cpu:1")
     return names
+
+
+def _count(example: str) -> Any:
+    """A positive integer option whose error gives an example that suits it (--workers 2, --ps 1)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {text!r}. Use e.g. {example}")
+        return value
+
+    return parse
 
 
 def _positive_int(text: str) -> int:

@@ -110,7 +110,12 @@ class LaunchResult:
 
     def explain(self) -> str:
         """One line per failed attempt and per worker lost without stopping the job, then the outcome."""
-        lines = [f"attempt {f.attempt}: {f.task or 'launch'} {f.reason}" for f in self.failures]
+        # An attempt that was restarted is worded as what happened next, so that the summary of a run that
+        # succeeded does not read like a failure; only the attempt that ended the run is a failure.
+        final = () if self.ok else self.failures[-1:]
+        lines = [f"attempt {f.attempt} restarted after {f.task or 'launch'} {f.reason}"
+                 for f in self.failures[:len(self.failures) - len(final)]]
+        lines += [f"attempt {f.attempt}: {f.task or 'launch'} {f.reason}" for f in final]
         lines += [f"attempt {r.attempt}: {r.explain()}" for r in self.recoveries]
         restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
         if self.ok:

@@ -304,6 +304,13 @@ def fit(
     if verbose and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
     model, optimizer = _ensure_distributed(strategy, model, optimizer)
+    if any(isinstance(c, BackupAndRestore) for c in callbacks) and not callable(getattr(optimizer, "state_dict", None)):
+        # Found now rather than at the first backup, an epoch in.
+        raise InputError(
+            f"BackupAndRestore cannot back up this optimizer: {type(optimizer).__name__} has no state_dict (under "
+            "ParameterServerStrategy the optimizer state lives on the parameter servers). Received: callbacks="
+            f"{[type(c).__name__ for c in callbacks]}. Leave BackupAndRestore out; under the parameter server save "
+            "with strategy.save(path) and strategy.restore(path).")
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)

@@ -172,6 +172,10 @@ class MetricSet:
                 f"Metrics {[m.name for m in self.metrics]} compare predictions with targets, but this batch has none. "
                 "Received: a batch without targets (no (inputs, targets) pair, no 'labels' entry). Put the targets "
                 "in the batch, or leave metrics out.")
+        if outputs is None and self.metrics:
+            raise InputError(
+                f"Metrics {[m.name for m in self.metrics]} read the model's scores, but its output has none. Received: "
+                "an output without .logits that is not a tensor. Return the scores as .logits, or leave metrics out.")
         device = mean_loss.device if targets is None else targets.device
         if num_examples is not None:
             num = num_examples

@@ -6,7 +6,9 @@ Hugging Face loaders yield, a longer tuple, a lone tensor, any nest) travels who
 ``(batch, None)``. Then, on each replica:
 
 - with a loss function, a pair calls ``model(inputs)`` and ``loss(outputs, targets)``; a dict
-  calls ``model(**batch_without_labels)`` and ``loss(outputs, batch["labels"])``;
+  calls ``model(**batch_without_labels)`` and ``loss(outputs, batch["labels"])``, where
+  ``outputs`` is ``outputs.logits`` when the model returns an object with logits (so
+  ``F.cross_entropy`` fits a Hugging Face model as it is);
 - with ``loss=None`` the model computes the loss itself: ``model(**batch)`` for a dict,
   ``model(*batch)`` for a tuple or list (a pair too), ``model(batch)`` otherwise, and the loss is
   ``outputs.loss`` (a Hugging Face ``ModelOutput``), ``outputs["loss"]``, or the output itself when
