@@ -67,6 +67,9 @@ class StoreCalls:
                 self._queue.put(_STOP)
         if thread is not None:
             thread.join(timeout=1.0)
+        # The chief's store stops listening with its last reference: a strategy built again at the same
+        # address after close() must find the port free.
+        self.store = None
 
     def _error(self, what: str, received: str, seconds: float) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(
