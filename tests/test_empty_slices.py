@@ -177,3 +177,46 @@ def test_an_input_that_requires_grad_keeps_every_replica_in_the_same_backward():
     for got, want in zip(model.replicas[2].parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, want.grad, **TOL[torch.float64])
     strategy.close()
+
+
+class BatchSecond(nn.Module):
+    """Outputs (heads, batch, classes), as a stack of heads or a sequence model without batch_first gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(5, 3) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(x) for head in self.heads])
+
+
+def test_an_output_whose_batch_is_not_its_first_dimension_is_cut_there():
+    torch.manual_seed(3)
+    reference = BatchSecond().double()
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batches = data(sizes=[2, 4], shape=(5,), classes=3)
+
+    def loss_of(out, y):
+        return sum(F.cross_entropy(head, y) for head in out)
+
+    for x, y in batches:
+        loss_of(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    strategy = strategy_of("copies")
+    model, opt = strategy.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(x, y):
+        out = model(x)
+        loss_of(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    first, _ = [strategy.run(step, args=batch) for batch in strategy.distribute_dataset(batches)]
+    assert [tuple(o.shape) for o in strategy.experimental_local_results(first)] == [(2, 1, 3), (2, 1, 3), (2, 0, 3)]
+    for replica in model.replicas:
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(replica.state_dict()[key], value, **TOL[torch.float64])
+    strategy.close()

@@ -118,4 +118,11 @@ def _no_examples(value: Any) -> Any:
         return value
     if value.dim() == 0:
         return value * 0
-    return value[:0] if value.shape[0] == 1 else value
+    if value.shape[0] == 1:
+        return value[:0]
+    # Batch-second layouts ((heads, batch, classes), an RNN's (time, batch, hidden) without batch_first): the
+    # stand-in's one example leaves one dimension of size 1, and that one is the batch.
+    ones = [d for d, size in enumerate(value.shape) if size == 1]
+    if len(ones) == 1:
+        return value.narrow(ones[0], 0, 0)
+    return value  # no batch dimension to be found (a per-channel statistic, say): as the model returned it
