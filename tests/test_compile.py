@@ -123,7 +123,9 @@ def test_every_replica_stays_compiled_past_torchs_recompile_limit():
 
     torch._dynamo.reset()
     counters.clear()
-    limit = dynamo_config.recompile_limit
+    original = dynamo_config.recompile_limit
+    limit = 8  # torch's default, whatever an earlier distribute in this process raised it to
+    dynamo_config.recompile_limit = limit
     try:
         strategy = STRATEGIES["mirrored-3-copies"]()
         model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
@@ -135,4 +137,4 @@ def test_every_replica_stays_compiled_past_torchs_recompile_limit():
         strategy.close()
         assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["frames"])
     finally:
-        dynamo_config.recompile_limit = limit
+        dynamo_config.recompile_limit = original

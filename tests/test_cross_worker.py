@@ -194,11 +194,10 @@ def stopped_chief():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("blocking", [False, True], ids=["futures", "blocking-waits"])
-def test_a_stopped_chief_is_named_within_the_timeout_not_waited_for_forever(stopped_chief, blocking, caplog):
+def test_a_stopped_chief_is_named_within_the_timeout_not_waited_for_forever(stopped_chief, caplog):
     # The stall warning read the steps from the stopped chief's store without a bound: the worker hung there.
     cw = CrossWorker(stopped_chief, rank=1, task_names=["worker:0", "worker:1"], timeout=2.0,
-                     stall_warning_after=0.5, roll_call_seconds=0.2, blocking_waits=blocking)
+                     stall_warning_after=0.5, roll_call_seconds=0.2)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="stratagem.collective.cross_worker"):
         with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the gradient all-reduce of step 6 timed "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import UserDict
 
 import pytest
 import torch
@@ -141,6 +142,9 @@ def test_values_round_trip_and_errors_come_back_typed():
     back = functions.decode(encoder.encode(value), encoder.tensors)
     assert back["b"] == "s" and back["a"][0] == 1 and back["a"][1] != back["a"][1]
     assert torch.equal(back["a"][2][0], torch.ones(2)) and isinstance(back["a"], tuple)
+    # A mapping that is not a dict (Hugging Face's BatchEncoding is a UserDict) travels as its items.
+    batch = functions.decode(encoder.encode(UserDict(input_ids=torch.arange(3))), encoder.tensors)
+    assert type(batch) is dict and torch.equal(batch["input_ids"], torch.arange(3))
     error = functions.rebuild_error({"module": "builtins", "type": "KeyError", "message": "k"}, "f on worker:0")
     assert isinstance(error, KeyError)
     unknown = functions.rebuild_error({"module": "user_mod", "type": "Oops", "message": "bad", "traceback": "tb"},

@@ -24,7 +24,7 @@ import math
 import secrets
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -115,7 +115,9 @@ class Encoder:
             return [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, tuple):
             return {"$tuple": [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            # Any mapping (a Hugging Face BatchEncoding, a UserDict) travels as its items and arrives as a dict:
+            # its class need not be importable, let alone trusted, on the other side.
             return {"$dict": {k: self.encode(v, f"{where}[{k!r}]") for k, v in value.items()}}
         if self._refs is not None:
             ref = self._refs(value)
