@@ -35,12 +35,12 @@ from stratagem.errors import (
     InputError,
     MemoryEstimateError,
 )
+from stratagem.strategies.base import Strategy
 from stratagem.strategies.central_parts import (
     CentralModel,
     CentralOptimizer,
     ReduceToCentralDevice,
 )
-from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.replicas import ReplicaPool
