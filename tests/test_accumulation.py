@@ -261,3 +261,25 @@ def test_fit_refuses_accumulate_steps_under_the_parameter_server():
                 sg.fit(strategy, model, opt, F.cross_entropy, make_batches(shape, torch.float64), accumulate_steps=2)
         finally:
             strategy.shutdown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_fit_with_accumulate_steps_across_workers_matches_one_batch_per_group(tmp_path):
+    """2 workers x 2 replicas: each micro-batch's scale comes from the global count, which each worker
+    learns from its distributed batch (its own part of it is smaller)."""
+    out = tmp_path / "result.pt"
+    env = dict(environ.current())
+    env.update({"ACC_OUT": str(out), "ACC_LOCAL": "2", "ACC_K": str(K), "ACC_FIT": "1",
+                "ACC_SIZES": ",".join(map(str, FIT_SIZES))})
+    lines: list[str] = []
+    result = launch([sys.executable, WORKER], workers=2, env=env,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=150, grace_period=2)
+    assert result.exit_code == 0, "\n".join(lines[-30:])
+    reference, ref_opt, shape = build("mlp", "adam", torch.float64)
+    reference_group_means(reference, ref_opt, make_batches(shape, torch.float64, sizes=FIT_SIZES), K)
+    for rank in range(2):
+        saved = torch.load(f"{out}.{rank}")
+        assert saved["num_examples"] == sum(FIT_SIZES)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}")

@@ -63,7 +63,7 @@ def test_synchronous_strategies_match_one_device(name, strategy_name):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy_name", ["mirrored-3", "central-storage-2"])
+@pytest.mark.parametrize("strategy_name", ["mirrored-3"])
 @pytest.mark.parametrize("name", zoo.MODEL_NAMES)
 def test_the_harness_matches_one_device_with_sgd_and_no_batch_norm(name, strategy_name):
     _check_strategy(name, strategy_name, simple=True)

@@ -6,6 +6,7 @@ ACC_OUT      every rank saves {"state": final state_dict, "first_grad": a gradie
 ACC_LOCAL    local replicas per worker (logical CPU devices)
 ACC_K        micro-batches per optimizer step
 ACC_SIZES    global micro-batch sizes, comma-separated
+ACC_FIT      1: train with sg.fit(..., accumulate_steps=ACC_K) instead of the hand-written loop
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def main() -> int:
                 opt.zero_grad()
 
         sizes = [int(n) for n in env["ACC_SIZES"].split(",")]
+        batches = make_batches(shape, torch.float64, sizes=sizes)
+        if env.get("ACC_FIT") == "1":
+            history = sg.fit(strategy, model, opt, F.cross_entropy, batches, accumulate_steps=k, clip_grad_norm=1.0)
+            torch.save({"state": history.model.state_dict(), "num_examples": history.epochs[0].num_examples},
+                       f"{env['ACC_OUT']}.{strategy.cluster.rank}")
+            return 0
         first_grad = None
-        for i, (x, y) in enumerate(strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=sizes))):
+        for i, (x, y) in enumerate(strategy.distribute_dataset(batches)):
             last = i % k == k - 1
             with contextlib.nullcontext() if last else strategy.no_sync():
                 strategy.run(micro_step, args=(x, y, last))

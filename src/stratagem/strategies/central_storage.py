@@ -37,13 +37,13 @@ from stratagem.errors import (
     MemoryEstimateError,
 )
 from stratagem.strategies import lr_schedulers
+from stratagem.strategies.base import Strategy
 from stratagem.strategies.central_parts import (
     CentralModel,
     CentralOptimizer,
     ReduceToCentralDevice,
 )
 from stratagem.strategies.distributed import check_optimizer_supported
-from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.replicas import ReplicaPool

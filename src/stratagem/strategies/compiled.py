@@ -11,6 +11,8 @@ its value (never lowering it), and `explain()` says so.
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from stratagem.diagnose import PlacementDecision
@@ -18,11 +20,9 @@ from stratagem.diagnose import PlacementDecision
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether `model` is what `torch.compile(module)` returns."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch build without dynamo compiles nothing
-        return False
-    return isinstance(model, OptimizedModule)
+    # Not imported here: importing dynamo costs about 2 s, and a model can only be compiled once it is loaded.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 _applied: int | None = None
