@@ -45,7 +45,6 @@ def broken_cuda(monkeypatch):
         monkeypatch.setattr(torch.version, "cuda", "12.4")
         monkeypatch.setattr(torch.cuda, "is_available", is_available)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # NVML's count, before CUDA starts
-        monkeypatch.setattr(torch.cuda, "init", fail)
         monkeypatch.setattr(torch.cuda, "get_device_properties", fail)
         monkeypatch.setattr(facts_module, "_libcuda_version", lambda: "12.4")
         monkeypatch.setattr(facts_module, "_proc_driver_version", lambda: "550.54.15")
@@ -154,3 +153,13 @@ def _subparsers():
     import argparse
 
     return argparse.ArgumentParser().add_subparsers()
+
+
+def test_a_cuda_build_without_a_driver_leaves_the_verdict_to_the_driver_check():
+    # torch warns "Found no NVIDIA driver" on a GPU-less machine with a CUDA wheel: a warning there, not a problem.
+    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", driver_present=False,
+                             cuda_init_error="Found no NVIDIA driver on your system. Please check that you have an "
+                                             "NVIDIA GPU and installed a driver from http://www.nvidia.com/Download/index.aspx")
+    assert check_cuda_start(facts).verdict == "ok"
+    assert gpu_unavailable_reason(facts).name == "driver"
+    assert [c.verdict for c in check_environment(facts)].count("problem") == 0

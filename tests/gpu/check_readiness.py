@@ -44,17 +44,24 @@ SECTIONS: dict[str, tuple[Any, float]] = {
     "equivalence": (readiness_training.equivalence, 150),
     "overhead": (readiness_training.overhead, 150),
     "memory": (readiness_sections.memory, 90),
-    "existing_scripts": (readiness_sections.existing_scripts, 240),
+    "existing_scripts": (readiness_sections.existing_scripts, 300),
 }
 
 
 class Context:
     """What a section gets: the mode, where to write, and `case` to run sub-checks that fail independently."""
 
-    def __init__(self, out: Path, dry_run: bool) -> None:
+    def __init__(self, out: Path, dry_run: bool, name: str = "") -> None:
         self.out = out
         self.dry_run = dry_run
         self.cases: list[dict[str, Any]] = []
+        self._partial = out / "sections" / f"{name}.partial.json" if name else None
+
+    def _save_partial(self) -> None:
+        # What is done so far, for the report when the section's process is killed at its time limit.
+        if self._partial is not None:
+            self._partial.parent.mkdir(parents=True, exist_ok=True)
+            self._partial.write_text(json.dumps(self.cases, indent=2, default=str))
 
     def case(self, name: str, fn: Any) -> Any:
         """Runs one sub-check; its failure is recorded (with the traceback) and the section goes on."""
@@ -64,18 +71,20 @@ class Context:
             self.cases.append({"name": name, "status": "PASS", "seconds": round(time.perf_counter() - start, 2),
                                "figures": figures})
             print(f"  [PASS] {name}: {figures}", flush=True)
+            self._save_partial()
             return figures
         except Exception as error:  # noqa: BLE001 - a readiness check reports every failure
             self.cases.append({"name": name, "status": "FAIL", "seconds": round(time.perf_counter() - start, 2),
                                "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
             print(f"  [FAIL] {name}: {type(error).__name__}: {error}\n{traceback.format_exc()}", flush=True)
+            self._save_partial()
             return None
 
 
 def run_section(name: str, out: Path, dry_run: bool) -> dict[str, Any]:
     """Runs one section in this process; the record written to out/sections/NAME.json."""
     fn, _ = SECTIONS[name]
-    ctx = Context(out, dry_run)
+    ctx = Context(out, dry_run, name)
     start = time.perf_counter()
     record: dict[str, Any] = {"name": name, "dry_run": dry_run}
     try:
@@ -98,6 +107,7 @@ def run_isolated(name: str, out: Path, dry_run: bool, limit: float) -> dict[str,
     sections.mkdir(parents=True, exist_ok=True)
     result_path, log_path = sections / f"{name}.json", sections / f"{name}.log"
     result_path.unlink(missing_ok=True)
+    (sections / f"{name}.partial.json").unlink(missing_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--section", name]
     if dry_run:
         command.append("--dry-run")
@@ -116,8 +126,10 @@ def run_isolated(name: str, out: Path, dry_run: bool, limit: float) -> dict[str,
         return record
     tail = log_path.read_text(errors="replace")[-6000:]
     why = f"ran past its {limit:.0f} s limit" if code is None else f"exited with code {code} before reporting"
+    partial = sections / f"{name}.partial.json"
+    cases = json.loads(partial.read_text()) if partial.exists() else []  # the cases it finished
     return {"name": name, "dry_run": dry_run, "status": "FAIL", "error": f"the section's process {why}", "traceback": tail,
-            "cases": [], "seconds": seconds}
+            "cases": cases, "seconds": seconds}
 
 
 def machine() -> dict[str, Any]:

@@ -306,7 +306,7 @@ def existing_scripts(ctx: Any) -> dict[str, Any]:
                 return {"compiled": True}
             start = time.perf_counter()
             result = subprocess.run([sys.executable, str(HERE / script)], capture_output=True, text=True,
-                                    timeout=150, env=_child_env(), cwd=str(ROOT), check=False)
+                                    timeout=100, env=_child_env(), cwd=str(ROOT), check=False)
             print(result.stdout[-8000:], result.stderr[-4000:], flush=True)
             expect(result.returncode == 0, f"{script} exited {result.returncode}: {result.stdout[-1500:]}")
             return {"exit": result.returncode, "seconds": round(time.perf_counter() - start, 1)}
@@ -319,7 +319,7 @@ def existing_scripts(ctx: Any) -> dict[str, Any]:
             expect('"gpu: needs a CUDA GPU' in text, "pyproject.toml does not register the gpu marker")
             return {"marker_registered": True}
         command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=_child_env(),
+        result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=_child_env(),
                                 cwd=str(ROOT), check=False)
         print(result.stdout[-8000:], flush=True)
         expect(result.returncode == 0, f"pytest -m gpu exited {result.returncode}: {result.stdout[-1500:]}")

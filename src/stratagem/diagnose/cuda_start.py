@@ -38,6 +38,10 @@ def check_cuda_start(facts: EnvironmentFacts) -> Check:
         return Check(name="cuda_start", verdict="ok", reason=f"{started}." if facts.is_cuda_build
                      else "Not applicable: torch is a CPU-only build.")
     text = error.strip()
+    if not facts.driver_present and re.search(r"no NVIDIA driver", text, re.IGNORECASE):
+        # A CUDA build on a machine without the driver: the driver check says so, with its verdict.
+        return Check(name="cuda_start", verdict="ok",
+                     reason=f"Not applicable: CUDA did not start because no NVIDIA driver is installed ({text!r}).")
     said = f"CUDA failed to start: {text!r}"
     driver = f" {facts.driver_version}" if facts.driver_version else ""
     if re.search(r"\b802\b|system not yet initialized", text, re.IGNORECASE):

@@ -143,8 +143,8 @@ def cuda_start() -> tuple[int, str | None]:
     """The GPUs torch can use and, when CUDA failed to start, the text of the failure.
 
     Counts with ``torch.cuda.is_available()``, which starts CUDA's device enumeration and turns a
-    failure into False plus a warning; that warning's text (or, without one, the error the first CUDA
-    call raises) is what `stratagem.diagnose.check_cuda_start` turns into a verdict. Never raises.
+    failure into False plus a warning; that warning's text is what `stratagem.diagnose.check_cuda_start`
+    turns into a verdict. Never raises.
     """
     if torch.version.cuda is None:
         return 0, None
@@ -160,12 +160,7 @@ def cuda_start() -> tuple[int, str | None]:
         text = str(warning.message)
         if "CUDA initialization" in text or "cudaGetDeviceCount" in text or "driver" in text.lower():
             return 0, _cuda_error_text(text)
-    try:
-        torch.cuda.init()
-    except Exception as error:  # noqa: BLE001 - the failure is the fact we want
-        text = _cuda_error_text(str(error))
-        return 0, None if "no cuda gpus are available" in text.lower() else text
-    return 0, None
+    return 0, None  # no device, or all hidden: CUDA reports that without an error
 
 
 def _cuda_error_text(text: str) -> str:
