@@ -46,9 +46,7 @@ from stratagem.strategies.parameter_server.store import (
 from stratagem.strategies.parameter_server.transport import Client, Security
 
 logger = logging.getLogger(__name__)
-
-DETACH_PATIENCE_SECONDS = 60.0
-"""For how long a worker goes on telling a server that did not answer to let go of the file it had attached."""
+DETACH_PATIENCE_SECONDS = 60.0  # how long a worker goes on telling a stuck server to let go of a file
 
 CHECKPOINT_FORMAT = "stratagem.parameter_server/1"
 
@@ -297,20 +295,16 @@ class ShardedVariables:
     def _detach(self, ps: int, segment: str, timeout: float, *, patience: float = 0.0) -> None:
         """Tells ``ps`` to let go of a file. A server that is gone or does not answer in time needs no telling: it
         lets go of a worker's files when the shards are created anew, when it stops, and when the worker exits.
-        ``patience``: for how long a call that timed out is made again (a stuck server that wakes up, slowly on
-        a loaded machine, still hears)."""
+        A call that timed out is made again for ``patience`` seconds (a stuck server that wakes up still hears)."""
         give_up = time.monotonic() + patience
         while True:
             try:
                 self._clients[ps].call("Detach", "detach", {"segment": segment}, timeout=timeout, small_reply=True)
                 return
-            except CollectiveTimeoutError as exc:
-                if time.monotonic() >= give_up:
+            except (ParameterServerError, CollectiveTimeoutError, ValueError) as exc:  # ValueError: channel closed
+                if not isinstance(exc, CollectiveTimeoutError) or time.monotonic() >= give_up:
                     logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
                     return
-            except (ParameterServerError, ValueError) as exc:  # gone, or refused; ValueError: the channel closed
-                logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
-                return
 
     def _pull_shared(self, ps: int, layout: _Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
         """A pull from ``ps`` through the shared file; False when it must go over gRPC."""
