@@ -211,3 +211,14 @@ def test_a_stopped_chief_is_named_within_the_timeout_not_waited_for_forever(stop
         cw.steps_reached(0.2)
     with pytest.raises(CollectiveTimeoutError, match=r"did not answer the heartbeat of step 7"):
         cw.heartbeat(7)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_the_shared_memory_meeting_at_a_stopped_chief_ends_within_the_timeout(stopped_chief):
+    cw = CrossWorker(stopped_chief, rank=1, task_names=["worker:0", "worker:1"], timeout=1.5, roll_call_seconds=0.2)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the chief \(worker:0, rank 0\), which hosts "
+                                                     r"the rendezvous store, did not answer the shared-memory meeting"):
+        cw.connect_shared_memory(wanted=True)
+    assert time.monotonic() - start < 1.5 + 0.2 + 1.5

@@ -418,8 +418,8 @@ def test_a_dead_worker_of_a_parameter_server_job_is_left_out_when_it_has_no_rest
     assert (result.exit_code, result.failed_task, result.failures) == (0, None, ())
     assert [(r.task, r.returncode, r.action) for r in result.recoveries] == [("worker:1", 4, "left out")]
     assert sink.texts("launch", "stderr") == [
-        "worker:1 exit code 4; the job goes on without it (its restarts are used up: the coordinator runs its steps "
-        "on the other workers)"]
+        "worker:1 exit code 4; the job goes on without it (no restarts left, see max_restarts; the coordinator runs "
+        "its steps on the other workers)"]
 
 
 def test_a_dead_chief_of_a_parameter_server_job_still_stops_it(tmp_path):

@@ -23,7 +23,8 @@ returns at its address. So a worker that dies there does not stop the job: it is
 alone, with its environment and port (at most ``max_restarts`` times per worker), or, when its
 restarts are used up (none by default), the job goes on without it. Either way the sink gets a
 ``launch`` line saying which, and ``LaunchResult.recoveries`` lists them. The chief or a
-parameter server that fails still stops the job.
+parameter server that fails still stops the job; the chief that exits with 0 ends it (the other
+tasks get the grace period to exit by themselves, then are stopped).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Recovery:
     def explain(self) -> str:
         if self.action == "restarted":
             return f"{self.task} {self.reason}; restarted it alone, at its address, while the job went on"
-        return (f"{self.task} {self.reason}; the job goes on without it (its restarts are used up: "
+        return (f"{self.task} {self.reason}; the job goes on without it (no restarts left, see max_restarts; "
                 "the coordinator runs its steps on the other workers)")
 
 
@@ -119,7 +120,8 @@ class LaunchResult:
         lines += [f"attempt {r.attempt}: {r.explain()}" for r in self.recoveries]
         restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
         if self.ok:
-            lines.append(f"all workers exited normally{restarts}")
+            lines.append(f"the chief ended the job normally{restarts}" if self.recoveries else
+                         f"all workers exited normally{restarts}")
         else:
             lines.append(f"failed{restarts}: {self.failed_task or 'launch'} {self.reason}; exit code {self.exit_code}")
         return "\n".join(lines)
@@ -232,7 +234,7 @@ LAUNCH_TASK = "launch"
 
 
 def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None, timeout: float | None, attempt: int,
-                 ps: int = 0, worker_restarts: int = 0, sink: Sink | None = None,
+                 ps: int = 0, worker_restarts: int = 0, grace_period: float = 0.0, sink: Sink | None = None,
                  recoveries: list[Recovery] | None = None) -> TaskFailure | None:
     """Wait for the workers to finish; the first failure (or the deadline) ends the attempt. With parameter
     servers, a worker other than the chief that dies is restarted alone or left out instead (``recoveries``)."""
@@ -252,11 +254,16 @@ def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None, time
             if returncode == 0:
                 reason += ", but a parameter server must serve until the workers finish"
             return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=reason)
+        if ps and task == "worker:0" and returncode == 0:
+            # The chief is the job: it has ended it (told every task to exit). A worker restarted late may not
+            # have heard; it gets the grace period to exit by itself, then is stopped with the servers.
+            _let_finish(group, pending - {task}, grace_period)
+            return None
         if returncode != 0 and ps and task != "worker:0" and "worker:0" in pending:
             recovery = _recover(group, task, returncode, attempt, restarted, worker_restarts)
             if recoveries is not None:
                 recoveries.append(recovery)
-            logger.warning("%s", recovery.explain())
+            logger.info("%s", recovery.explain())  # the sink says it to the user
             if sink is not None:
                 sink(OutputLine(LAUNCH_TASK, "stderr", recovery.explain()))
             if recovery.action == "left out":
@@ -266,6 +273,17 @@ def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None, time
             return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=describe_exit(returncode))
         pending.discard(task)
     return None
+
+
+def _let_finish(group: TaskGroup, workers: set[str], seconds: float) -> None:
+    """Waits at most ``seconds`` for ``workers`` to exit (how they exit no longer matters: the job is done)."""
+    deadline = time.monotonic() + seconds
+    while workers and time.monotonic() < deadline:
+        try:
+            task, _ = group.exits.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return
+        workers.discard(task)
 
 
 def _recover(group: TaskGroup, task: str, returncode: int, attempt: int, restarted: dict[str, int],
@@ -319,7 +337,8 @@ def launch(
         group = TaskGroup(argv, envs, sink, grace_period=grace_period)
         try:
             failure = _run_attempt(group, workers=workers, deadline=deadline, timeout=timeout, attempt=attempt,
-                                   ps=ps, worker_restarts=max_restarts, sink=sink, recoveries=recoveries)
+                                   ps=ps, worker_restarts=max_restarts, grace_period=grace_period, sink=sink,
+                                   recoveries=recoveries)
         finally:
             # Reached on success (stops the parameter servers), on failure, and on Ctrl-C.
             group.stop(grace_period=grace_period)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -58,6 +59,12 @@ class StoreCalls:
                 self._stuck = (what, future)
             raise self._error(what, f"no answer within {seconds:g} s", seconds) from None
 
+    def bounded(self, seconds: float, what: str) -> BoundedStore:
+        """The store as an object with its ``set``/``get``/``check``/``multi_get``/``wait``, every call through
+        ``run`` and all of them within ``seconds`` from now (for code that takes a store, such as the
+        shared-memory meeting)."""
+        return BoundedStore(self, time.monotonic() + seconds, what)
+
     def close(self) -> None:
         """Ends the thread (at once when it is idle; one stuck in a store call is left to end with the process).
         A later ``run`` starts another."""
@@ -89,3 +96,31 @@ class StoreCalls:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
                 future.set_exception(exc)
+
+
+class BoundedStore:
+    """A store whose calls all end by one deadline (``StoreCalls.bounded``)."""
+
+    def __init__(self, calls: StoreCalls, deadline: float, what: str) -> None:
+        self._calls = calls
+        self._deadline = deadline
+        self._what = what
+
+    def _run(self, name: str, *args: Any) -> Any:
+        return self._calls.run(f"{self._what} ({name})", getattr(self._calls.store, name), *args,
+                               seconds=max(0.01, self._deadline - time.monotonic()))
+
+    def set(self, key: str, value: str) -> None:
+        self._run("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._run("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._run("check", keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._run("multi_get", keys)
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        self._run("wait", keys, timeout)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -46,6 +47,7 @@ from stratagem.strategies.parameter_server.store import (
 from stratagem.strategies.parameter_server.transport import Client, Security
 
 logger = logging.getLogger(__name__)
+DETACH_PATIENCE_SECONDS = 60.0  # how long a worker goes on telling a stuck server to let go of a file
 
 CHECKPOINT_FORMAT = "stratagem.parameter_server/1"
 
@@ -287,17 +289,23 @@ class ShardedVariables:
             # The server may be stuck rather than gone; told in the background, it lets go of the file once it
             # answers, instead of keeping it mapped until this worker exits.
             threading.Thread(target=self._detach, args=(ps, link.segment, max(5.0, self.rpc_timeout)),
-                             name=f"ps-detach-{ps}", daemon=True).start()
+                             kwargs={"patience": DETACH_PATIENCE_SECONDS}, name=f"ps-detach-{ps}", daemon=True).start()
         link.residents.clear()
         link.areas.close()
 
-    def _detach(self, ps: int, segment: str, timeout: float) -> None:
+    def _detach(self, ps: int, segment: str, timeout: float, *, patience: float = 0.0) -> None:
         """Tells ``ps`` to let go of a file. A server that is gone or does not answer in time needs no telling: it
-        lets go of a worker's files when the shards are created anew, when it stops, and when the worker exits."""
-        try:
-            self._clients[ps].call("Detach", "detach", {"segment": segment}, timeout=timeout, small_reply=True)
-        except (ParameterServerError, CollectiveTimeoutError, ValueError) as exc:  # ValueError: the channel closed
-            logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
+        lets go of a worker's files when the shards are created anew, when it stops, and when the worker exits.
+        A call that timed out is made again for ``patience`` seconds (a stuck server that wakes up still hears)."""
+        give_up = time.monotonic() + patience
+        while True:
+            try:
+                self._clients[ps].call("Detach", "detach", {"segment": segment}, timeout=timeout, small_reply=True)
+                return
+            except (ParameterServerError, CollectiveTimeoutError, ValueError) as exc:  # ValueError: channel closed
+                if not isinstance(exc, CollectiveTimeoutError) or time.monotonic() >= give_up:
+                    logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
+                    return
 
     def _pull_shared(self, ps: int, layout: _Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
         """A pull from ``ps`` through the shared file; False when it must go over gRPC."""
