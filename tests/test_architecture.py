@@ -160,3 +160,25 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     module.write_text("import torch\nfrom stratagem.strategies import base\n")
     assert _violations(tmp_path / "stratagem") == [
         "stratagem/diagnose/probe.py:2 (diagnose) imports stratagem.strategies (strategies)"]
+
+
+def _recorded_subjects(src: Path = SRC) -> set[str]:
+    """Every literal `subject=` of a `PlacementDecision(...)` call in the package."""
+    subjects = set()
+    for path in _modules(src):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "PlacementDecision":
+                for keyword in node.keywords:
+                    if keyword.arg == "subject" and isinstance(keyword.value, ast.Constant):
+                        subjects.add(keyword.value.value)
+    return subjects
+
+
+def test_every_decision_subject_is_in_the_documents_table() -> None:
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## Where each placement decision is made", 1)[1].split("\n## ", 1)[0]
+    documented = {subject for row in re.findall(r"^\| ([^|]+) \|", section, flags=re.MULTILINE)
+                  for subject in re.findall(r"`([^`]+)`", row)}
+    recorded = _recorded_subjects()
+    assert {"devices", "gradient combination", "cross-worker sums"} <= recorded  # the walk finds them
+    assert recorded - documented == set(), "decision subjects missing from docs/architecture.md"
