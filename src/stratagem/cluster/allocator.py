@@ -3,10 +3,10 @@
 A training step frees and allocates the same large buffers every step (activations, gradients).
 With glibc's defaults, a freed block that leaves more than the trim threshold free at the top of
 the heap goes back to the system, and a block above the mmap threshold is unmapped when freed; the
-next step faults the memory in again, page by page. On the 2-core machine of benchmarks/RESULTS.md
-that was 1,660-3,280 page faults a step for plain PyTorch's CNN loop (one rank's half of the
-batch, one thread) and 13-34 with the two thresholds below; the step took 66-76 ms instead of
-72-95 ms (four pairs of runs).
+next step faults the memory in again, page by page. On the 2-vCPU machine of
+benchmarks/reports/2026-12-01-cpu-2vcpu-e.md that was 1,660-3,280 page faults a step for plain
+PyTorch's CNN loop (one rank's half of the batch, one thread) and 13-34 with the two thresholds
+below; the step took 66-76 ms instead of 72-95 ms (four pairs of runs).
 
 The process then keeps its peak heap for reuse instead of returning it between steps, which is
 what a training process wants. ``stratagem launch`` gives its tasks these settings, as torch's

@@ -60,6 +60,8 @@ class GradientBuckets:
         direct_bytes: int | None = None,
         count_users: bool = False,
     ) -> None:
+        # A first bucket of 1 MiB, as DDP's: 128 KiB (the CNN's dense layers sent before its convolutions'
+        # gradients exist) measured 2-3% slower a step against an A/A control.
         # A gradient of a whole bucket or more goes direct (None: bucket_bytes). Smaller ones are
         # fused, since each extra all-reduce costs a round trip (about 0.5 ms with Gloo on loopback)
         # that outweighs copying a few MiB.

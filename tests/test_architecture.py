@@ -1,0 +1,184 @@
+"""The layering rule of docs/architecture.md, checked on the source: no package imports a layer above it.
+
+Every module under src/stratagem is parsed with `ast` (nothing is imported or run). Each import of
+`stratagem.<unit>` (absolute, relative, inside a function or under TYPE_CHECKING alike), and each
+string constant that names a module path such as "stratagem.strategies.one_device:OneDeviceStrategy"
+(the benchmark registry imports strategies by name), is an edge from the importing module's unit to
+the imported one. A unit may import itself and the units of lower layers, nothing else.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "stratagem"
+
+# Bottom to top; the same table as docs/architecture.md. A unit is a subpackage or a top-level module;
+# "stratagem" is the package's own __init__ (the public API, `import stratagem as sg`).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "environ", "nest"),
+    ("values", "archive"),
+    ("diagnose",),
+    ("devices",),
+    ("collective",),
+    ("cluster",),
+    ("data",),
+    ("strategies",),
+    ("train",),
+    ("stratagem",),
+    ("bench",),
+    ("cli",),
+    ("__main__",),
+]
+
+# Imports that break the rule on purpose, as (importing unit, imported unit): reason. Empty: the code
+# as it stands follows the table everywhere.
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+MODULE_PATH = re.compile(r"^stratagem(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_.]*)?$")
+
+
+def _module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a dotted module name under stratagem ("stratagem" for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "stratagem"
+
+
+def _imported_modules(path: Path, src: Path = SRC) -> list[tuple[int, str]]:
+    """(line, dotted module) for every stratagem module `path` imports or names as a module path."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = _module_name(path, src)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module == "stratagem":  # `from stratagem import devices`: the names are the units
+                found += [(node.lineno, f"stratagem.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, module))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_PATH.match(node.value):
+            named = node.value.partition(":")[0]
+            if _unit(named) in LEVEL:  # not a gRPC service name such as "stratagem.ParameterServer"
+                found.append((node.lineno, named))
+    return [(line, m) for line, m in found if m == "stratagem" or m.startswith("stratagem.")]
+
+
+def _imported_unit(module: str) -> str:
+    unit = _unit(module)
+    # `from stratagem import fit` names an attribute of the package, not a unit: that is the API layer.
+    return unit if unit in LEVEL else "stratagem"
+
+
+def _modules(src: Path = SRC) -> list[Path]:
+    return sorted(src.rglob("*.py"))
+
+
+def _violations(src: Path = SRC) -> list[str]:
+    found = []
+    for path in _modules(src):
+        unit = _unit(_module_name(path, src))
+        for line, module in _imported_modules(path, src):
+            target = _imported_unit(module)
+            if target == unit or (unit, target) in EXCEPTIONS:
+                continue
+            if LEVEL[target] >= LEVEL[unit]:
+                found.append(f"{path.relative_to(src.parent)}:{line} ({unit}) imports {module} ({target})")
+    return found
+
+
+def test_every_unit_of_the_package_has_a_layer() -> None:
+    units = {_unit(_module_name(path)) for path in _modules()}
+    assert units - set(LEVEL) == set(), "new units must be placed in LAYERS and in docs/architecture.md"
+    assert {"diagnose", "strategies", "cli"} <= units  # the walk found the package
+
+
+def test_no_package_imports_a_layer_above_it() -> None:
+    violations = _violations()
+    assert violations == [], "imports against the layers of docs/architecture.md:\n" + "\n".join(violations)
+
+
+def test_the_exceptions_listed_are_still_needed() -> None:
+    edges = {
+        (_unit(_module_name(path)), _imported_unit(module))
+        for path in _modules()
+        for _, module in _imported_modules(path)
+    }
+    assert set(EXCEPTIONS) <= edges, "an exception no import needs any more: remove it here and in the document"
+
+
+def test_the_document_shows_the_same_layers() -> None:
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.MULTILINE)
+    documented = [tuple(re.findall(r"`([^`]+)`", units)) for _, units in rows]
+    expected = [tuple(u if u == "stratagem" else f"stratagem.{u}" for u in units) for units in LAYERS]
+    assert documented == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from stratagem.train import fit\n", ["stratagem.train"]),
+        ("from stratagem import devices as d, environ\n", ["stratagem.devices", "stratagem.environ"]),
+        ("def f():\n    import stratagem.cli.main\n", ["stratagem.cli.main"]),
+        ("PATH = 'stratagem.strategies.mirrored:MirroredStrategy'\n", ["stratagem.strategies.mirrored"]),
+        ("from .buckets import GradientBuckets\n", ["stratagem.collective.buckets"]),
+        ("from ..errors import InputError\n", ["stratagem.errors"]),
+        ("import torch\nDOC = 'see stratagem.errors for the classes'\n", []),
+        ("SERVICE = 'stratagem.ParameterServer'\n", []),
+    ],
+)
+def test_the_parser_sees_every_kind_of_import(tmp_path: Path, source: str, expected: list[str]) -> None:
+    module = tmp_path / "stratagem" / "collective" / "probe.py"  # a module of a copy of the layout
+    module.parent.mkdir(parents=True)
+    module.write_text(source)
+    assert [m for _, m in _imported_modules(module, tmp_path / "stratagem")] == expected
+
+
+def test_an_upward_import_is_reported(tmp_path: Path) -> None:
+    # The check itself can fail: a diagnose module that imports strategies is named with its line.
+    module = tmp_path / "stratagem" / "diagnose" / "probe.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("import torch\nfrom stratagem.strategies import base\n")
+    assert _violations(tmp_path / "stratagem") == [
+        "stratagem/diagnose/probe.py:2 (diagnose) imports stratagem.strategies (strategies)"]
+
+
+def _recorded_subjects(src: Path = SRC) -> set[str]:
+    """Every literal `subject=` of a `PlacementDecision(...)` call in the package."""
+    subjects = set()
+    for path in _modules(src):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "PlacementDecision":
+                for keyword in node.keywords:
+                    if keyword.arg == "subject" and isinstance(keyword.value, ast.Constant):
+                        subjects.add(keyword.value.value)
+    return subjects
+
+
+def test_every_decision_subject_is_in_the_documents_table() -> None:
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## Where each placement decision is made", 1)[1].split("\n## ", 1)[0]
+    documented = {subject for row in re.findall(r"^\| ([^|]+) \|", section, flags=re.MULTILINE)
+                  for subject in re.findall(r"`([^`]+)`", row)}
+    recorded = _recorded_subjects()
+    assert {"devices", "gradient combination", "cross-worker sums"} <= recorded  # the walk finds them
+    assert recorded - documented == set(), "decision subjects missing from docs/architecture.md"
