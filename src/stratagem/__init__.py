@@ -35,6 +35,7 @@ from stratagem.strategies import (
 )
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
+from stratagem.train.from_env import strategy_from_env
 from stratagem.train.loop import evaluate
 from stratagem.train.seeding import seed_everything
 from stratagem.values import PerReplica, ReduceOp
@@ -77,4 +78,5 @@ __all__ = [
     "metrics",
     "seed_everything",
     "soft_placement",
+    "strategy_from_env",
 ]

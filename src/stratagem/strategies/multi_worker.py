@@ -39,7 +39,7 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import _check_iterable, stack_batch
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy, _RunState
-from stratagem.values import map_structure
+from stratagem.values import flatten, map_structure
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +314,25 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         for rank, payload in enumerate(payloads):
             out.extend(items if rank == self._cw.rank else from_bytes(payload, self._cw.task_names[rank]))
         return out
+
+    @property
+    def is_chief(self) -> bool:
+        """True on rank 0, the worker that writes checkpoints and reports."""
+        return self._cluster.is_chief
+
+    def _distribute_step_inputs(self, inputs: Any) -> Any:
+        """This worker's part of the global batch given to a `step` function, cut among its replicas.
+
+        Every worker calls the step with the same global batch (the same loader, seeded alike), as
+        `distribute_dataset(shard="data")` assumes.
+        """
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs
+        size = batch_size_of(inputs)
+        if size == 0:
+            raise InputError("The global batch given to the step function holds no examples. Received: 0 examples. "
+                             "Skip empty batches before calling it.")
+        return MultiWorkerDataset(self, (), "data")._distribute(inputs, size, self._step)
 
     # ---- input --------------------------------------------------------------------------------
     def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> MultiWorkerDataset:  # type: ignore[override]
