@@ -12,6 +12,9 @@ the replicas returned into what one device would have returned for the whole bat
 - ``returns="gather"``: concatenated in global batch order (`Strategy.gather`), for predictions;
 - ``returns="per_replica"``: the `PerReplica` values `run` gave, for `reduce` or `gather` later.
 
+Combined results are placed on the device of the batch the step was called with (the first tensor
+argument), as one device would have returned them beside that batch.
+
 Every tensor among the arguments is a global batch (its first dimension counts examples); other
 arguments (numbers, strings, modules) reach every replica unchanged.
 """
@@ -22,8 +25,10 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from stratagem.errors import InputError
-from stratagem.values import ReduceOp
+from stratagem.values import ReduceOp, flatten, map_structure
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy
@@ -47,12 +52,24 @@ def make_step(strategy: "Strategy", fn: Callable[..., Any], returns: str) -> Cal
 
     @functools.wraps(fn, updated=())  # a wrapped nn.Module keeps its attributes to itself
     def run_step(*args: Any, **kwargs: Any) -> Any:
+        home = _batch_device((args, kwargs))
         distributed_args, distributed_kwargs = strategy._distribute_step_inputs((args, kwargs))
         result = strategy.run(fn, args=distributed_args, kwargs=distributed_kwargs)
         if returns == "per_replica":
             return result
         if returns == "gather":
-            return strategy.gather(result)
-        return strategy.reduce(ReduceOp.parse(returns), result)
+            combined = strategy.gather(result)
+        else:
+            combined = strategy.reduce(ReduceOp.parse(returns), result)
+        if home is None:
+            return combined
+        # Back where the caller's batch lives, so the loop's next lines (a loss against the labels of the
+        # same batch, say) read as on one device.
+        return map_structure(lambda leaf: leaf.to(home) if isinstance(leaf, torch.Tensor) else leaf, combined)
 
     return run_step
+
+
+def _batch_device(inputs: Any) -> torch.device | None:
+    """The device of the first tensor among a step's arguments (None when there is none)."""
+    return next((leaf.device for leaf in flatten(inputs) if isinstance(leaf, torch.Tensor)), None)
