@@ -27,7 +27,7 @@ MAX_CHANGED = {"mnist": 20, "nlp": 16}
 # The count `diff -u original port | grep -c '^[-+][^-+]'` gives: changed lines that are not blank.
 CHANGED_LINE = re.compile(r"^[-+][^-+]")
 MNIST_ARGS = ["--epochs", "2", "--batch-size", "32", "--log-interval", "1000"]
-NLP_ARGS = ["--num-epochs", "2", "--train-examples", "256", "--cpu"]
+NLP_ARGS = ["--num-epochs", "2", "--cpu"]
 MNIST_ACCURACY = re.compile(r"Test set: Average loss: [0-9.]+, Accuracy: \d+/\d+ \(([0-9.]+)%\)")
 NLP_ACCURACY = re.compile(r"epoch \d+: accuracy ([0-9.]+)")
 

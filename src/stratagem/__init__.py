@@ -6,6 +6,7 @@
 """
 
 from stratagem import data, devices, diagnose
+from stratagem.cluster.function import launch
 from stratagem.data.split import InputContext
 from stratagem.diagnose.placement import log_placement, soft_placement
 from stratagem.errors import (
@@ -14,6 +15,7 @@ from stratagem.errors import (
     DeviceError,
     GpuUnavailableError,
     InputError,
+    LaunchError,
     PlacementError,
     ReplicaError,
     StratagemError,
@@ -56,6 +58,7 @@ __all__ = [
     "History",
     "InputContext",
     "InputError",
+    "LaunchError",
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "MirroredStrategy",
@@ -74,6 +77,7 @@ __all__ = [
     "callbacks",
     "evaluate",
     "fit",
+    "launch",
     "log_placement",
     "metrics",
     "seed_everything",
