@@ -28,6 +28,7 @@ from torch import nn
 
 from stratagem import environ
 from stratagem.cluster import Cluster, allocator, init_process_group, resolve_cluster
+from stratagem.cluster.rendezvous import agent_store_prefix
 from stratagem.cluster.release import release_store
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.cross_worker import CrossWorker
@@ -101,7 +102,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
             environ.set_default("GLOO_SOCKET_IFNAME", "lo")
         store = _start_process_group(self._cluster, self._devices, backend, timeout,
-                                     token=env.get("STRATAGEM_CLUSTER_TOKEN"))
+                                     token=env.get("STRATAGEM_CLUSTER_TOKEN"),
+                                     agent_store=agent_store_prefix(self._cluster, env))
         self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         self._closed = False
         world = self._cluster.world_size
@@ -562,7 +564,7 @@ def _ranks_sharing_a_gpu(placements: Sequence[tuple[str, str | None, Sequence[in
 
 
 def _start_process_group(cluster: Cluster, devices: Sequence[torch.device], backend: str, timeout: float, *,
-                         token: str | None) -> Any:
+                         token: str | None, agent_store: str | None = None) -> Any:
     """Binds this process to its first GPU, then forms the process group with that device.
 
     The current CUDA device must be set before the process group exists: NCCL's communicator and the
@@ -578,4 +580,4 @@ def _start_process_group(cluster: Cluster, devices: Sequence[torch.device], back
         torch.cuda.set_device(index)
         if backend == "nccl":
             device_id = torch.device("cuda", index)
-    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id)
+    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id, agent_store=agent_store)

@@ -58,7 +58,12 @@ def make_step(strategy: "Strategy", fn: Callable[..., Any], returns: str) -> Cal
         if returns == "per_replica":
             return result
         if returns == "gather":
-            combined = strategy.gather(result)
+            # Leaf by leaf, in a plain dict: only plain containers travel between workers, and the result's own
+            # class (a model's output object) is rebuilt here.
+            leaves = flatten(result)
+            gathered = strategy.gather({index: leaf for index, leaf in enumerate(leaves)})
+            order = iter(range(len(leaves)))
+            combined = map_structure(lambda leaf: gathered[next(order)], result)
         else:
             combined = strategy.reduce(ReduceOp.parse(returns), result)
         if home is None:
