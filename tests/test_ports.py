@@ -228,3 +228,13 @@ def test_launch_refuses_a_one_process_strategy_for_several_workers(capsys: pytes
     code = cli_main(["launch", "--strategy", "mirrored", "--workers", "2", str(PORTS / "mnist_port.py")])
     assert code == 2
     assert "--strategy mirrored trains in one process, so each of the 2 tasks" in capsys.readouterr().err
+
+
+def test_launch_exports_the_strategy_for_strategy_from_env() -> None:
+    from stratagem.cluster.launch import task_environments
+
+    envs = task_environments({}, workers=1, ports=[5000], token="t", strategy="mirrored")
+    assert envs["worker:0"]["STRATAGEM_STRATEGY"] == "mirrored"
+    assert "STRATAGEM_STRATEGY" not in task_environments({}, workers=1, ports=[5000], token="t")["worker:0"]
+    env = dict(envs["worker:0"], STRATAGEM_DEVICES="cpu:0,cpu:1")
+    assert sg.strategy_from_env(env).num_replicas_in_sync == 2  # one worker: a one-process strategy is allowed
