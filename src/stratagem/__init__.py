@@ -6,6 +6,7 @@
 """
 
 from stratagem import data, devices, diagnose
+from stratagem.cluster.function import launch
 from stratagem.data.split import InputContext
 from stratagem.diagnose.placement import log_placement, soft_placement
 from stratagem.errors import (
@@ -16,6 +17,7 @@ from stratagem.errors import (
     DeviceError,
     GpuUnavailableError,
     InputError,
+    LaunchError,
     MemoryEstimateError,
     MemoryEstimateInputError,
     ParameterServerError,
@@ -43,6 +45,7 @@ from stratagem.strategies import (
 from stratagem.strategies.loss_weight import set_loss_weight
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
+from stratagem.train.from_env import strategy_from_env
 from stratagem.train.loop import evaluate
 from stratagem.train.seeding import seed_everything
 from stratagem.values import PerReplica, ReduceOp
@@ -65,6 +68,7 @@ __all__ = [
     "History",
     "InputContext",
     "InputError",
+    "LaunchError",
     "MaxSizePartitioner",
     "MemoryEstimateError",
     "MemoryEstimateInputError",
@@ -88,9 +92,11 @@ __all__ = [
     "callbacks",
     "evaluate",
     "fit",
+    "launch",
     "log_placement",
     "metrics",
     "seed_everything",
     "set_loss_weight",
     "soft_placement",
+    "strategy_from_env",
 ]

@@ -71,3 +71,11 @@ class PlacementError(StratagemError, NotImplementedError):
     It derives from ``NotImplementedError``, which torch raises for the same problem, so code
     that catches torch's error keeps working.
     """
+
+
+class LaunchError(StratagemError, RuntimeError):
+    """A task of a local cluster started by `sg.launch` failed or timed out; `.result` says which and how."""
+
+    def __init__(self, message: str, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result

@@ -2,6 +2,7 @@
 
     stratagem launch --workers 2 train.py --epochs 3
     stratagem launch --workers 2 --ps 1 --max-restarts 1 --timeout 600 -m mypackage.train
+    stratagem launch --strategy mirrored train.py       # one process; sg.strategy_from_env() builds it
 
 Worker 0 is the chief. Every output line is prefixed with its task (``[worker:1] ...``).
 """
@@ -17,6 +18,9 @@ from pathlib import Path
 from stratagem import environ
 from stratagem.cluster import OutputLine, launch
 from stratagem.errors import StratagemError
+from stratagem.train.job import STRATEGY_NAMES
+
+ONE_PROCESS_STRATEGIES = tuple(name for name in STRATEGY_NAMES if name not in ("multi_worker", "parameter_server"))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,7 +35,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "(--max-restarts times) or left out while the job goes on."
         ),
     )
-    parser.add_argument("--workers", type=int, required=True, metavar="N", help="number of worker processes")
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="number of worker processes (default 1)")
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, metavar="NAME",
+                        help="the strategy sg.strategy_from_env() builds in each task (exported as STRATAGEM_STRATEGY): "
+                             f"one of {', '.join(STRATEGY_NAMES)}; by default multi_worker for several workers")
     parser.add_argument("--devices-per-worker", type=int, metavar="K",
                         help="devices each worker uses (exported as STRATAGEM_DEVICES_PER_WORKER)")
     parser.add_argument("--ps", type=int, default=0, metavar="P", help="number of parameter-server processes")
@@ -80,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Fix: give the "
               "path of an executable file (chmod +x), or a command on PATH.", file=sys.stderr)
         return 2
+    if args.strategy in ONE_PROCESS_STRATEGIES and (args.workers > 1 or args.ps > 0):
+        print(f"stratagem launch: error: --strategy {args.strategy} trains in one process, so each of the "
+              f"{args.workers + args.ps} tasks would train its own model. Received: --strategy {args.strategy} "
+              f"--workers {args.workers} --ps {args.ps}. Fix: use --strategy multi_worker (or parameter_server with "
+              "--ps), or --workers 1.", file=sys.stderr)
+        return 2
     # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it
     # into SystemExit, which unwinds through launch() and stops every task on the way out.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -88,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             _command(args), workers=args.workers, env=environ.current(), sink=_print_line, ps=args.ps,
             devices_per_worker=args.devices_per_worker, max_restarts=args.max_restarts,
             timeout=args.timeout, grace_period=args.grace_period, keep_freed_memory=not args.default_allocator,
+            strategy=args.strategy,
         )
     except StratagemError as exc:
         print(f"stratagem launch: error: {exc}", file=sys.stderr)

@@ -7,7 +7,8 @@ entry) and, with ``ps > 0``, ``ps:0`` .. ``ps:P-1``. Each gets, on 127.0.0.1 wit
 - torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT`` (workers only: parameter servers have no rank); ``MASTER_PORT`` is worker 0's port;
 - ``STRATAGEM_CLUSTER_TOKEN`` (one random token per launch), ``STRATAGEM_RESTART_COUNT``
-  (0, then 1, 2... after restarts) and, when given, ``STRATAGEM_DEVICES_PER_WORKER``;
+  (0, then 1, 2... after restarts) and, when given, ``STRATAGEM_DEVICES_PER_WORKER`` and
+  ``STRATAGEM_STRATEGY`` (read by `sg.strategy_from_env()`);
 - unless told otherwise (``keep_freed_memory=False``), ``GLIBC_TUNABLES`` with glibc's malloc
   thresholds raised, so a training step reuses the memory the last one freed instead of faulting it
   in again (see ``stratagem.cluster.allocator``); a threshold the user set is kept.
@@ -162,6 +163,7 @@ def task_environments(
     restart_count: int = 0,
     devices_per_worker: int | None = None,
     keep_freed_memory: bool = True,
+    strategy: str | None = None,
 ) -> dict[str, dict[str, str]]:
     """The full environment of every task of a local cluster, by task name.
 
@@ -191,6 +193,8 @@ def task_environments(
         common.update(allocator.keep_freed_memory_env(base_env))
     if devices_per_worker is not None:
         common["STRATAGEM_DEVICES_PER_WORKER"] = str(devices_per_worker)
+    if strategy is not None:
+        common["STRATAGEM_STRATEGY"] = strategy  # what sg.strategy_from_env() builds in each task
     envs = {}
     for kind, addrs in addresses.items():
         for index in range(len(addrs)):
@@ -310,13 +314,15 @@ def launch(
     timeout: float | None = None,
     grace_period: float = 5.0,
     keep_freed_memory: bool = True,
+    strategy: str | None = None,
 ) -> LaunchResult:
     """Run ``argv`` as a local cluster of ``workers`` (and ``ps``) processes until they finish.
 
     ``env`` is the environment each task starts from (``stratagem.environ.current()``); every
     line a task writes goes to ``sink`` as an ``OutputLine`` as soon as it is written.
     ``timeout`` bounds the whole run, restarts included. ``keep_freed_memory=False`` leaves glibc's
-    malloc thresholds at their defaults (see ``task_environments``).
+    malloc thresholds at their defaults (see ``task_environments``). ``strategy`` is exported as
+    ``STRATAGEM_STRATEGY``, the name `sg.strategy_from_env()` builds in each task.
 
     Example:
         >>> result = launch([sys.executable, "train.py"], workers=2, env=environ.current(),
@@ -332,7 +338,7 @@ def launch(
     for attempt in range(max_restarts + 1):
         envs = task_environments(env, workers=workers, ps=ps, ports=free_ports(workers + ps), token=token,
                                  restart_count=attempt, devices_per_worker=devices_per_worker,
-                                 keep_freed_memory=keep_freed_memory)
+                                 keep_freed_memory=keep_freed_memory, strategy=strategy)
         logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
         group = TaskGroup(argv, envs, sink, grace_period=grace_period)
         try:

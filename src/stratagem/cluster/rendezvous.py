@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -49,9 +49,16 @@ def _token_digest(token: str | None) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:16] if token else "-"
 
 
-def _connect(cluster: Cluster, rank: int, timeout: timedelta) -> dist.TCPStore:
+def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str | None = None) -> dist.Store:
     where = f"{cluster.master_addr}:{cluster.master_port}"
     try:
+        if agent_store is not None:
+            # torchrun's agent already serves a store at MASTER_PORT: a second server there fails to bind
+            # (and c10d logs it), so every rank, the chief included, joins the agent's as a client, under a
+            # prefix of its own per restart so an earlier attempt's keys cannot count as arrivals.
+            client = dist.TCPStore(cluster.master_addr, cluster.master_port, cluster.world_size,
+                                   is_master=False, timeout=timeout)
+            return dist.PrefixStore(agent_store, client)
         return dist.TCPStore(cluster.master_addr, cluster.master_port, cluster.world_size,
                              is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     except dist.DistNetworkError as exc:
@@ -209,7 +216,8 @@ def init_process_group(
     *,
     token: str | None = None,
     device_id: torch.device | None = None,
-) -> dist.TCPStore:
+    agent_store: str | None = None,
+) -> dist.Store:
     """Meet every rank of ``cluster`` at the chief's TCP store and initialize torch.distributed.
 
     Raises ``CollectiveTimeoutError`` naming the ranks and tasks that did not arrive within
@@ -217,7 +225,9 @@ def init_process_group(
     backend is not built into torch, or ``token`` (``STRATAGEM_CLUSTER_TOKEN``) differs from
     the chief's. Returns the store, which stays usable for later coordination. ``device_id`` (a CUDA
 device, for NCCL) is handed to ``torch.distributed.init_process_group``: the communicator forms at
-once on that GPU; set it as the current device first (``torch.cuda.set_device``).
+once on that GPU; set it as the current device first (``torch.cuda.set_device``). ``agent_store`` (a key prefix, see
+`agent_store_prefix`) makes every rank a client of the store torchrun's agent serves at the chief's
+address, instead of the chief serving a second one on the same port.
 
     Example:
         >>> cluster = resolve_cluster(env=environ.current())          # doctest: +SKIP
@@ -248,7 +258,7 @@ once on that GPU; set it as the current device first (``torch.cuda.set_device``)
     deadline = start + wait.total_seconds()
 
     def steps(meeting: _Meeting) -> dist.TCPStore:
-        store = _connect(cluster, rank, wait)
+        store = _connect(cluster, rank, wait, agent_store)
         meeting.phase = "arriving"
         store.set(_TOKEN.format(rank=rank), _token_digest(token))
         store.set(_ARRIVED.format(rank=rank), cluster.task_name)
@@ -265,6 +275,17 @@ once on that GPU; set it as the current device first (``torch.cuda.set_device``)
     options = {} if device_id is None else {"device_id": device_id}
     dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait, **options)
     return store
+
+
+def agent_store_prefix(cluster: Cluster, env: Mapping[str, str]) -> str | None:
+    """The key prefix for torchrun's agent store, or None when this process must serve its own store.
+
+    torchrun (its elastic agent) serves a TCP store at MASTER_PORT and tells its workers so with
+    ``TORCHELASTIC_USE_AGENT_STORE=True``; ``TORCHELASTIC_RESTART_COUNT`` numbers its restarts.
+    """
+    if cluster.source != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    return f"/stratagem/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def import_group_defaults() -> None:

@@ -16,6 +16,7 @@ Subclasses implement `distribute`, `run`, `_local_devices` and, when they span p
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from stratagem.strategies.distributed import check_optimizer_matches
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
 from stratagem.strategies.replicas import current_replica_context
+from stratagem.strategies.steps import check_returns, make_step
 from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
 
 
@@ -183,6 +185,57 @@ class Strategy(abc.ABC):
             )
         return gather_values(value, axis, len(self._local_devices), self._gather_across_workers,
                              self._reduce_device())
+
+    def step(self, fn: Callable[..., Any] | None = None, *, returns: str = "mean") -> Any:
+        """Makes `fn` a step function called with the GLOBAL batch that runs once per replica.
+
+        The wrapper cuts every tensor argument (a global batch: first dimension = examples) among
+        the replicas, of this worker only under MultiWorkerMirrored, runs `fn` on each with `run`,
+        and combines the results as one device would have returned them for the whole batch:
+        ``returns="mean"`` averages over the global batch (each replica weighted by its share),
+        ``"sum"`` sums, ``"gather"`` concatenates in batch order (`gather`), ``"per_replica"``
+        gives `run`'s `PerReplica` values. Use it as a decorator on the body of an existing loop,
+        or wrap a model to predict on global batches.
+
+        Example:
+            >>> @strategy.step
+            ... def train_step(data, target):
+            ...     optimizer.zero_grad()
+            ...     loss = F.nll_loss(model(data), target)
+            ...     loss.backward()
+            ...     optimizer.step()
+            ...     return loss
+            >>> for data, target in loader:                   # global batches, as on one device
+            ...     loss = train_step(data, target)           # the mean loss over the global batch
+            >>> predict = strategy.step(model, returns="gather")
+            >>> logits = predict(images)                      # every example's logits, in order
+        """
+        if fn is None:
+            check_returns(returns)
+            return lambda function: make_step(self, function, returns)
+        return make_step(self, fn, returns)
+
+    def _distribute_step_inputs(self, inputs: Any) -> Any:
+        """Cuts the global batch a `step` function was called with among the local replicas."""
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs  # no batch to cut: every replica gets the arguments as they are
+        return distribute_batch(inputs, self._local_devices)
+
+    @property
+    def is_chief(self) -> bool:
+        """True in the process that writes checkpoints and reports: the only one, or worker 0 of a cluster."""
+        return True
+
+    def print(self, *values: Any, **options: Any) -> None:
+        """`print(*values, **options)` in the chief only, so a launched run reports once, not once per worker.
+
+        Library code never prints (only stratagem's command line does); this helper is the one
+        exception, because the user calls it explicitly in place of their own `print`. Output is
+        flushed, so it reaches `stratagem launch`'s prefixed output as it is written.
+        """
+        if self.is_chief:
+            options.setdefault("flush", True)
+            builtins.print(*values, **options)
 
     def _check_distribute_args(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, held: Any) -> None:
         """The checks a strategy makes before `distribute` copies anything (`held`: the model it already holds)."""

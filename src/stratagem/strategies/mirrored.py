@@ -48,6 +48,7 @@ from stratagem.strategies.distributed import (
 from stratagem.strategies.empty_slices import RULE as EMPTY_SLICE_RULE
 from stratagem.strategies.empty_slices import EmptySlices
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.profiling import warn_if_profiling_one_thread
 from stratagem.strategies.replicas import (
     ReplicaBarrier,
     ReplicaContext,
@@ -401,6 +402,7 @@ class MirroredStrategy(Strategy):
         self._reset_steal_state()
         self._stealing = self._steal and capture_placement() is None
         grad_enabled = torch.is_grad_enabled()
+        warn_if_profiling_one_thread(self, num_replicas)
 
         def job(replica: int) -> Any:
             previous = enter_replica(ReplicaContext(replica, self.num_replicas_in_sync, self._devices[replica], self))

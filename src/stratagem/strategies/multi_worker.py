@@ -29,6 +29,7 @@ from torch import nn
 
 from stratagem import environ
 from stratagem.cluster import Cluster, allocator, resolve_cluster
+from stratagem.cluster.rendezvous import agent_store_prefix
 from stratagem.cluster.release import release_store
 from stratagem.collective.buckets import GradientBuckets
 from stratagem.collective.worker_sum import sum_gradients_across_workers
@@ -44,7 +45,7 @@ from stratagem.strategies.base import _check_iterable, stack_batch
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy, _RunState
 from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
-from stratagem.values import map_structure
+from stratagem.values import flatten, map_structure
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
             environ.set_default("GLOO_SOCKET_IFNAME", "lo")
         store = start_process_group(self._cluster, self._devices, backend, timeout,
-                                     token=env.get("STRATAGEM_CLUSTER_TOKEN"))
+                                    token=env.get("STRATAGEM_CLUSTER_TOKEN"),
+                                    agent_store=agent_store_prefix(self._cluster, env))
         self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         self._closed = False
         world = self._cluster.world_size
@@ -318,6 +320,25 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             out.extend(items if rank == self._cw.rank else from_bytes(payload, self._cw.task_names[rank]))
         return out
 
+    @property
+    def is_chief(self) -> bool:
+        """True on rank 0, the worker that writes checkpoints and reports."""
+        return self._cluster.is_chief
+
+    def _distribute_step_inputs(self, inputs: Any) -> Any:
+        """This worker's part of the global batch given to a `step` function, cut among its replicas.
+
+        Every worker calls the step with the same global batch (the same loader, seeded alike), as
+        `distribute_dataset(shard="data")` assumes.
+        """
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs
+        size = batch_size_of(inputs)
+        if size == 0:
+            raise InputError("The global batch given to the step function holds no examples. Received: 0 examples. "
+                             "Skip empty batches before calling it.")
+        return MultiWorkerDataset(self, (), "data")._distribute(inputs, size, self._step)
+
     # ---- input --------------------------------------------------------------------------------
     def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> MultiWorkerDataset:  # type: ignore[override]
         """Distributes a loader across workers and their local replicas.
@@ -522,3 +543,5 @@ def _with_global(value: Any, global_size: int) -> Any:
     if isinstance(value, PerReplica):
         return PerReplica(value.values, value.batch_sizes, global_size)
     return value
+from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
+from stratagem.values import flatten, map_structure

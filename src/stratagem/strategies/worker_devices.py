@@ -93,7 +93,7 @@ def ranks_sharing_a_gpu(placements: Sequence[tuple[str, str | None, Sequence[int
 
 
 def start_process_group(cluster: Cluster, devices: Sequence[torch.device], backend: str, timeout: float, *,
-                         token: str | None) -> Any:
+                         token: str | None, agent_store: str | None = None) -> Any:
     """Binds this process to its first GPU, then forms the process group with that device.
 
     The current CUDA device must be set before the process group exists: NCCL's communicator and the
@@ -109,4 +109,4 @@ def start_process_group(cluster: Cluster, devices: Sequence[torch.device], backe
         torch.cuda.set_device(index)
         if backend == "nccl":
             device_id = torch.device("cuda", index)
-    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id)
+    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id, agent_store=agent_store)

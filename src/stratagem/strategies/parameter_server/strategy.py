@@ -318,6 +318,20 @@ class ParameterServerStrategy(Strategy):
     def _local_devices(self) -> list[torch.device]:
         return [torch.device("cpu")]
 
+    @property
+    def is_chief(self) -> bool:
+        """True in the coordinator, the task that drives training and reports."""
+        return self._is_coordinator
+
+    def step(self, fn: Any = None, *, returns: str = "mean") -> Any:
+        """Refused: the coordinator schedules steps on the workers, no step runs on every replica at once."""
+        raise InputError(
+            "step has no meaning under ParameterServerStrategy: the coordinator schedules each step on one "
+            f"worker with ClusterCoordinator.schedule, and workers run on their own. Received: step(returns={returns!r}). "
+            "Train with sg.fit(model, strategy=...), which runs under every strategy, or schedule the step with "
+            "sg.ClusterCoordinator(strategy).schedule(train_step, args=...)."
+        )
+
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Refused: workers run scheduled functions on their own, with no step at which all their values meet."""
         raise InputError(
