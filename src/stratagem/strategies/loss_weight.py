@@ -45,7 +45,8 @@ def set_loss_weight(count: int | float | torch.Tensor) -> None:
         raise InputError(
             "set_loss_weight() declares the weight of one replica's loss, so it runs inside the function given to "
             f"strategy.run(). Received: a call outside strategy.run() (count={_show(count)}). Call it in the step "
-            "function, before loss.backward()."
+            "function, before loss.backward(). (A ParameterServerStrategy closure applies each worker's gradient "
+            "on its own, so there it has nothing to weigh: leave it out there.)"
         )
     value = float(count.detach().sum()) if isinstance(count, torch.Tensor) else count
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
