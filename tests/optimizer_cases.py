@@ -7,19 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-O = torch.optim
+optim = torch.optim
 HEAD_OPTIMIZERS = {
-    "sgd_nesterov": lambda groups: O.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-    "adam_amsgrad": lambda groups: O.Adam(groups, lr=0.01, amsgrad=True),
-    "adamw": lambda groups: O.AdamW(groups, lr=0.01, weight_decay=0.1),
-    "radam": lambda groups: O.RAdam(groups, lr=0.01),
-    "nadam": lambda groups: O.NAdam(groups, lr=0.01),
-    "adamax": lambda groups: O.Adamax(groups, lr=0.02),
-    "adagrad": lambda groups: O.Adagrad(groups, lr=0.1, lr_decay=0.01),
-    "adadelta": lambda groups: O.Adadelta(groups, lr=1.0),
-    "rmsprop": lambda groups: O.RMSprop(groups, lr=0.01, momentum=0.5, centered=True),
-    "rprop": lambda groups: O.Rprop(groups, lr=0.01),
-    "asgd": lambda groups: O.ASGD(groups, lr=0.05, t0=2),
+    "sgd_nesterov": lambda groups: optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam_amsgrad": lambda groups: optim.Adam(groups, lr=0.01, amsgrad=True),
+    "adamw": lambda groups: optim.AdamW(groups, lr=0.01, weight_decay=0.1),
+    "radam": lambda groups: optim.RAdam(groups, lr=0.01),
+    "nadam": lambda groups: optim.NAdam(groups, lr=0.01),
+    "adamax": lambda groups: optim.Adamax(groups, lr=0.02),
+    "adagrad": lambda groups: optim.Adagrad(groups, lr=0.1, lr_decay=0.01),
+    "adadelta": lambda groups: optim.Adadelta(groups, lr=1.0),
+    "rmsprop": lambda groups: optim.RMSprop(groups, lr=0.01, momentum=0.5, centered=True),
+    "rprop": lambda groups: optim.Rprop(groups, lr=0.01),
+    "asgd": lambda groups: optim.ASGD(groups, lr=0.05, t0=2),
 }
 
 

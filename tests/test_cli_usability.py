@@ -3,7 +3,6 @@ files the system refuses, resumed runs that say so, and a tidy Ctrl-C."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys

@@ -54,21 +54,21 @@ def _groups(model: nn.Module, **first) -> list[dict]:
     return [{"params": params[:2], **first}, {"params": params[2:]}]
 
 
-O = torch.optim
+optim = torch.optim
 OPTIMIZERS = {
-    "sgd_momentum": lambda m: O.SGD(_groups(m, lr=0.05, momentum=0.5), lr=0.1, momentum=0.9, weight_decay=1e-3),
-    "sgd_nesterov": lambda m: O.SGD(_groups(m, weight_decay=0.0), lr=0.1, momentum=0.9, nesterov=True,
+    "sgd_momentum": lambda m: optim.SGD(_groups(m, lr=0.05, momentum=0.5), lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "sgd_nesterov": lambda m: optim.SGD(_groups(m, weight_decay=0.0), lr=0.1, momentum=0.9, nesterov=True,
                                     weight_decay=1e-3),
-    "adam_amsgrad": lambda m: O.Adam(_groups(m, lr=0.02), lr=0.01, amsgrad=True),
-    "adamw": lambda m: O.AdamW(_groups(m, weight_decay=0.0), lr=0.01, weight_decay=0.1),
-    "radam": lambda m: O.RAdam(_groups(m, lr=0.02), lr=0.01),
-    "nadam": lambda m: O.NAdam(_groups(m, lr=0.02), lr=0.01),
-    "adamax": lambda m: O.Adamax(_groups(m, lr=0.01), lr=0.02),
-    "adagrad": lambda m: O.Adagrad(_groups(m, lr=0.05), lr=0.1, lr_decay=0.01),
-    "adadelta": lambda m: O.Adadelta(_groups(m, rho=0.8), lr=1.0),
-    "rmsprop": lambda m: O.RMSprop(_groups(m, centered=True), lr=0.01, momentum=0.5),
-    "rprop": lambda m: O.Rprop(_groups(m, lr=0.02), lr=0.01),
-    "asgd": lambda m: O.ASGD(_groups(m, lr=0.02), lr=0.05, t0=2),
+    "adam_amsgrad": lambda m: optim.Adam(_groups(m, lr=0.02), lr=0.01, amsgrad=True),
+    "adamw": lambda m: optim.AdamW(_groups(m, weight_decay=0.0), lr=0.01, weight_decay=0.1),
+    "radam": lambda m: optim.RAdam(_groups(m, lr=0.02), lr=0.01),
+    "nadam": lambda m: optim.NAdam(_groups(m, lr=0.02), lr=0.01),
+    "adamax": lambda m: optim.Adamax(_groups(m, lr=0.01), lr=0.02),
+    "adagrad": lambda m: optim.Adagrad(_groups(m, lr=0.05), lr=0.1, lr_decay=0.01),
+    "adadelta": lambda m: optim.Adadelta(_groups(m, rho=0.8), lr=1.0),
+    "rmsprop": lambda m: optim.RMSprop(_groups(m, centered=True), lr=0.01, momentum=0.5),
+    "rprop": lambda m: optim.Rprop(_groups(m, lr=0.02), lr=0.01),
+    "asgd": lambda m: optim.ASGD(_groups(m, lr=0.02), lr=0.05, t0=2),
     "own_subclass": lambda m: OwnMomentum(_groups(m, beta=0.5), scale=2.0),
 }
 

@@ -543,5 +543,3 @@ def _with_global(value: Any, global_size: int) -> Any:
     if isinstance(value, PerReplica):
         return PerReplica(value.values, value.batch_sizes, global_size)
     return value
-from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
-from stratagem.values import flatten, map_structure

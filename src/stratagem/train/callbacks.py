@@ -329,6 +329,7 @@ def format_epoch_line(log: EpochLog, epochs: int) -> str:
 
 # The callbacks that live in their own modules, reachable as sg.callbacks.<Name> (imported last:
 # each of them builds on Callback above).
-from stratagem.train.early_stopping import EarlyStopping  # noqa: E402
-from stratagem.train.loggers import CSVLogger, TensorBoard  # noqa: E402
-from stratagem.train.model_checkpoint import ModelCheckpoint  # noqa: E402
+from stratagem.train.early_stopping import EarlyStopping as EarlyStopping  # noqa: E402
+from stratagem.train.loggers import CSVLogger as CSVLogger  # noqa: E402
+from stratagem.train.loggers import TensorBoard as TensorBoard  # noqa: E402
+from stratagem.train.model_checkpoint import ModelCheckpoint as ModelCheckpoint  # noqa: E402
