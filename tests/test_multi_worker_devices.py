@@ -77,7 +77,7 @@ def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monke
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id: calls.append(("init", backend, device_id)))
+                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None: calls.append(("init", backend, device_id)))
     env = torchrun_env(1, 2)
     start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
     assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
@@ -87,7 +87,7 @@ def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id: calls.append(("init", backend, device_id)))
+                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None: calls.append(("init", backend, device_id)))
     start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
     assert calls == [("init", "gloo", None)]
 
