@@ -90,7 +90,7 @@ def test_nlp_port_learns(mode: str, monkeypatch: pytest.MonkeyPatch, capsys: pyt
 @pytest.mark.parametrize(("name", "args", "pattern", "threshold"), [
     ("mnist", MNIST_ARGS, MNIST_ACCURACY, 60.0),
     ("nlp", NLP_ARGS, NLP_ACCURACY, 0.8),
-])
+], ids=["mnist", "nlp"])
 def test_port_learns_under_launch_with_two_workers(name: str, args: list[str], pattern: re.Pattern[str],
                                                     threshold: float) -> None:
     command = [sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--timeout", "360",

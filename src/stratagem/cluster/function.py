@@ -91,7 +91,8 @@ def launch(
 
     The list holds one value per worker, in rank order (``[0]`` is the chief's); parameter servers'
     values are not returned. Output lines go to ``sink`` (default: this process's stdout and stderr,
-    prefixed ``[worker:1] ``). ``strategy`` is exported as ``STRATAGEM_STRATEGY`` for
+    prefixed ``[worker:1] ``: library code does not print, but this relays the tasks' own output,
+    which the caller asked for by launching, as `Strategy.print` is the caller's own print). ``strategy`` is exported as ``STRATAGEM_STRATEGY`` for
     `sg.strategy_from_env`; the other options are those of ``stratagem launch``.
 
     Example:

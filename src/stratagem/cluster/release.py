@@ -23,17 +23,21 @@ _CLOSED = "stratagem/closed/{rank}"
 _NEVER = "stratagem/closed/never"  # never set: waiting for it ends when the chief's store goes away
 
 
-def release_store(store: Any, *, rank: int, task_names: Sequence[str], timeout: float) -> None:
+def release_store(store: Any, *, rank: int, task_names: Sequence[str], timeout: float, owned: bool = True) -> None:
     """Every rank calls this once with its store, then drops the store; returns when the chief's is gone.
 
     Bounded by `timeout`: a rank that never comes (it crashed) is named in a warning and left behind,
-    since nothing is lost by closing without it.
+    since nothing is lost by closing without it. ``owned=False``: the store belongs to someone else
+    (torchrun's agent) and outlives every rank, so there is nothing to wait for; the next strategy
+    meets under keys of its own (see `stratagem.cluster.rendezvous.agent_store_prefix`).
     """
     wait = timedelta(seconds=timeout)
     try:
         store.set(_CLOSED.format(rank=rank), "1")
     except dist.DistError:
         return  # the chief's store is already gone: nothing to hand back
+    if not owned:
+        return
     if rank == 0:
         keys = [_CLOSED.format(rank=r) for r in range(len(task_names))]
         try:

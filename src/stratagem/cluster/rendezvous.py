@@ -15,6 +15,7 @@ closes), and the user's timeout is the promise.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import socket
 import threading
@@ -277,15 +278,21 @@ address, instead of the chief serving a second one on the same port.
     return store
 
 
+_agent_meetings = itertools.count()
+
+
 def agent_store_prefix(cluster: Cluster, env: Mapping[str, str]) -> str | None:
     """The key prefix for torchrun's agent store, or None when this process must serve its own store.
 
     torchrun (its elastic agent) serves a TCP store at MASTER_PORT and tells its workers so with
-    ``TORCHELASTIC_USE_AGENT_STORE=True``; ``TORCHELASTIC_RESTART_COUNT`` numbers its restarts.
+    ``TORCHELASTIC_USE_AGENT_STORE=True``; ``TORCHELASTIC_RESTART_COUNT`` numbers its restarts. That
+    store outlives every strategy, so each call names a fresh meeting: every rank builds its
+    strategies in the same order, so the n-th strategy of every rank meets under the same keys, and
+    never under the keys an earlier one left there.
     """
     if cluster.source != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    return f"/stratagem/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"/stratagem/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/meeting_{next(_agent_meetings)}"
 
 
 def import_group_defaults() -> None:

@@ -106,9 +106,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if self._cluster.master_addr in ("127.0.0.1", "localhost"):
             # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
             environ.set_default("GLOO_SOCKET_IFNAME", "lo")
+        agent_store = agent_store_prefix(self._cluster, env)
+        # torchrun's agent owns the store, so nobody's leaving can free it: close() must not wait for that.
+        self._store_owned = agent_store is None
         store = start_process_group(self._cluster, self._devices, backend, timeout,
-                                    token=env.get("STRATAGEM_CLUSTER_TOKEN"),
-                                    agent_store=agent_store_prefix(self._cluster, env))
+                                    token=env.get("STRATAGEM_CLUSTER_TOKEN"), agent_store=agent_store)
         self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         self._closed = False
         world = self._cluster.world_size
@@ -397,7 +399,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         # Closing while an exception propagates (a `finally:` after a worker died): the others may never say
         # they are done, so the handshake would only hold this one up for `timeout`; the store just goes.
         if release and store is not None and sys.exc_info()[0] is None:
-            release_store(store, rank=cw.rank, task_names=cw.task_names, timeout=self._timeout)
+            release_store(store, rank=cw.rank, task_names=cw.task_names, timeout=self._timeout,
+                          owned=getattr(self, "_store_owned", True))
         del store  # the chief's store stops listening with its last reference
 
 
