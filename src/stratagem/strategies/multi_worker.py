@@ -20,7 +20,7 @@ import logging
 import socket
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -380,7 +380,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             return MultiWorkerDataset(self, dataset, "off")
         if shard == "data":
             dataset = self._shard_input(dataset)
-        return MultiWorkerDataset(self, dataset, shard)
+        return MultiWorkerDataset(self, dataset, shard, on_first_batch=self._observe_input_sharding)
 
     def _shard_input(self, data: Any, note: bool = True) -> Any:
         """`data` cut at the index level for this worker where it can be (data/worker_shards.py), else as it is.
@@ -397,6 +397,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def _note_input_sharding(self, choice: str, why: str) -> None:
         self._decisions = [d for d in self._decisions if d.subject != "input sharding"]
         self._decisions.append(PlacementDecision(subject="input sharding", choice=choice, reason=why))
+
+    def _observe_input_sharding(self, index_level: bool, dataset: Any) -> None:
+        current = next((d.choice for d in self._decisions if d.subject == "input sharding"), None)
+        seen = worker_shards.observed_sharding(index_level, dataset, current)
+        if seen is not None:
+            self._note_input_sharding(*seen)
 
     def close(self) -> None:
         """Stops the replica threads and frees the process group, whose Gloo threads then end. Runs by itself
@@ -432,14 +438,15 @@ def _close_at_exit(ref: weakref.ref[MultiWorkerMirroredStrategy]) -> None:
 class MultiWorkerDataset:
     """Per-step batches for this worker's replicas, with an end-of-data agreement across workers."""
 
-    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str) -> None:
+    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str,
+                 on_first_batch: Callable[[bool, Any], None] | None = None) -> None:
         self._strategy = strategy
         self._dataset = dataset
         self._shard = shard
         self.unused_examples = 0
         """Examples this worker had fetched but did not train on because another worker ran out."""
         self.steps = 0
-        self._observed = False
+        self._on_first_batch = on_first_batch
 
     def __iter__(self) -> Iterator[Any]:
         steps = self._agreed_steps() if self._shard == "data" else None
@@ -549,12 +556,10 @@ class MultiWorkerDataset:
     def _distribute(self, batch: Any, global_size: int, step: int) -> Any:
         strategy = self._strategy
         devices = strategy._devices
-        if not self._observed and self._shard == "data":
-            self._observed = True  # a generator's first batch tells whether it carries parts cut by index (fit's)
-            current = next((d.choice for d in strategy._decisions if d.subject == "input sharding"), None)
-            seen = worker_shards.observed_sharding(isinstance(batch, WorkerPart), self._dataset, current)
-            if seen is not None:
-                strategy._note_input_sharding(*seen)
+        if self._on_first_batch is not None and self._shard == "data":
+            # A generator's first batch tells whether it carries parts cut by index (fit's).
+            self._on_first_batch(isinstance(batch, WorkerPart), self._dataset)
+            self._on_first_batch = None
         if isinstance(batch, WorkerPart):
             local_sizes = self._global_sizes(global_size)
             have = batch_size_of(batch.batch)
