@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stratagem.bench.registry import BENCH_STRATEGIES
+from stratagem.bench.trust import EFFICIENCY_LIMIT
 from stratagem.bench.scaling import (
     DEFINITIONS,
     PLAIN,
@@ -116,12 +117,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(result, indent=2))
+        for warning in report.warnings:  # also in the JSON ("warnings"); said where a person reads it too
+            print(f"stratagem bench: warning: {warning}", file=sys.stderr)
     else:
         console.print(_table(report))
         if report.machine.no_gpu_reason:
             console.print(Text(f"No GPU rows: {report.machine.no_gpu_reason}", style="yellow"))
         for name in ("ratio_vs_plain", "scaling_efficiency", "ideal_speedup"):
             console.print(Text(f"{name}: {DEFINITIONS[name]}", style="dim"))
+        for warning in report.warnings:
+            console.print(Text(f"Warning: {warning}", style="bold yellow"))
         console.print(f"wrote {json_path} and {plot_path} ({report.elapsed_s:.0f} s)")
     if report.failed:
         print(f"stratagem bench: {len(report.failed)} configuration(s) failed: "
@@ -180,10 +185,18 @@ def _table(report: ScalingReport) -> Table:
     for row in report.rows:
         table.add_row(row.workload, row.kind, row.strategy, str(row.replicas), _number(row.samples_per_s, ",.0f"),
                       _number(row.ratio_vs_plain, ".3f"), _number(row.speedup, ".2f"),
-                      _number(row.scaling_efficiency, ".2f"), _number(row.final_loss, ".5f"), _status(row),
+                      _efficiency(row), _number(row.final_loss, ".5f"), _status(row),
                       style="dim" if row.status == "unavailable" else None,
                       end_section=row is _last_of_group(report.rows, row))
     return table
+
+
+def _efficiency(row: ScalingRow) -> Text:
+    """The efficiency, flagged where it is above what the hardware allows (the warnings say why)."""
+    text = _number(row.scaling_efficiency, ".2f")
+    if row.scaling_efficiency is not None and row.scaling_efficiency > EFFICIENCY_LIMIT:
+        return Text(f"{text} (!)", style="bold yellow")
+    return Text(text)
 
 
 def _status(row: ScalingRow) -> Text:
