@@ -28,7 +28,9 @@ def _global_batches():
     loop = [batch for _ in range(EPOCHS) for batch in loader]
     source = ShuffledBatches((x, y, torch.arange(len(x))), batch_size=BATCH_SIZE, seed=FIT_SEED)
     fitted = [batch for _ in range(EPOCHS) for batch in source]
-    return loop, fitted
+    loader = DataLoader(indexed, batch_size=BATCH_SIZE, shuffle=True, generator=loader_generator())
+    accumulated = list(loader)
+    return loop, fitted, accumulated
 
 
 def _train_plain(model, optimizer, batches):
@@ -69,28 +71,38 @@ def test_each_worker_reads_only_its_part_and_training_equals_one_device(tmp_path
     assert result.exit_code == 0, "\n".join(lines[-30:])
     saved = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
 
-    loop, fitted = _global_batches()
+    loop, fitted, accumulated = _global_batches()
     model, optimizer = build()
     _train_plain(model, optimizer, loop)
     after_loop = {k: v.clone() for k, v in model.state_dict().items()}
     fit_losses = _train_plain(model, optimizer, fitted)
+    after_fit = {k: v.clone() for k, v in model.state_dict().items()}
+    # accumulate_steps=2: one update per pair of batches, on the mean loss over the pair's examples.
+    pairs = [accumulated[i:i + 2] for i in range(0, len(accumulated), 2)]
+    merged = [tuple(torch.cat([b[k] for b in pair]) for k in range(3)) for pair in pairs]
+    _train_plain(model, optimizer, merged)
+    x, y = data()
+    val_loss = float(F.mse_loss(model(x[:10]), y[:10]).detach())
 
     # Each worker asked its data set for its part only, in the order of the global batches: half of them.
-    for phase, batches in (("loop_asked", loop), ("fit_asked", fitted)):
+    for phase, batches in (("loop_asked", loop), ("fit_asked", fitted), ("accumulate_asked", accumulated)):
         expected = _halves(batches)
         for rank in (0, 1):
             assert saved[rank][phase] == expected[rank], phase
-        assert len(saved[0][phase]) + len(saved[1][phase]) == EPOCHS * 27
+        assert len(saved[0][phase]) + len(saved[1][phase]) == len(batches) // 4 * 27
     for rank in (0, 1):
-        for key, value in after_loop.items():
-            torch.testing.assert_close(saved[rank]["after_loop"][key], value, rtol=0, atol=1e-9)
-        for key, value in model.state_dict().items():
-            torch.testing.assert_close(saved[rank]["after_fit"][key], value, rtol=0, atol=1e-9)
+        for phase, expected_state in (("after_loop", after_loop), ("after_fit", after_fit),
+                                      ("after_accumulate", model.state_dict())):
+            for key, value in expected_state.items():
+                torch.testing.assert_close(saved[rank][phase][key], value, rtol=0, atol=1e-9, msg=phase)
+        assert saved[rank]["val_loss"] == pytest.approx([val_loss], abs=1e-9)
         # The epoch's loss and example count are the global ones: the parts carried each step's global size.
         assert saved[rank]["examples"] == [27, 27]
         assert saved[rank]["losses"] == pytest.approx(fit_losses, abs=1e-9)
     explain = saved[0]
     assert "input sharding: index level - the input (DataLoader)" in explain["explain_loop"], explain["explain_loop"]
     assert "input sharding: index level - the input (ShuffledBatches)" in explain["explain_fit"], explain["explain_fit"]
+    # Validation batches given as a list are sliced, but the training data's decision stands.
+    assert "input sharding: index level - the input (DataLoader)" in explain["explain_accumulate"]
     assert ("input sharding: each worker slices every global batch - the DataLoader reads an IterableDataset"
             in explain["explain_stream"]), explain["explain_stream"]

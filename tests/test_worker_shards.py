@@ -133,5 +133,9 @@ def test_the_decision_is_taken_from_the_input_or_else_from_a_streams_first_batch
     assert input_sharding(stream, worker) == (stream, None)
     assert observed_sharding(True, stream, None)[0] == "index level"
     assert observed_sharding(True, stream, "index level") is None
-    assert observed_sharding(False, stream, "index level") == (
-        "each worker slices every global batch", why_not_shardable(stream))
+    assert observed_sharding(False, stream, None) == ("each worker slices every global batch", why_not_shardable(stream))
+    assert observed_sharding(False, stream, "index level") is None  # fit's wrapping of validation data, say
+    assert observed_sharding(False, batches, "index level") == (
+        "each worker slices every global batch", why_not_shardable(batches))
+    parts = list(sharded)
+    assert input_sharding(parts, worker) == (parts, None)  # fit's accumulation groups

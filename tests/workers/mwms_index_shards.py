@@ -1,7 +1,8 @@
 """One worker of tests/test_multi_worker_index_shards.py, run under `stratagem launch --workers 2`.
 
-Trains one model in two phases, each reading a data set that records which examples it was asked for:
-a custom loop over a shuffling DataLoader, then `sg.fit` on a map-style data set with a batch size.
+Trains one model in three phases, each reading a data set that records which examples it was asked for:
+a custom loop over a shuffling DataLoader, `sg.fit` on a map-style data set with a batch size, then
+`sg.fit` on a shuffling DataLoader with accumulate_steps=2 and validation batches given as a list.
 Each rank saves what its data sets were asked for, the parameters after each phase, the history and
 `explain()` to MW_OUT with its rank appended.
 """
@@ -85,10 +86,20 @@ def main() -> int:
     history = sg.fit(strategy, model, optimizer, F.mse_loss, fitted, batch_size=BATCH_SIZE, seed=FIT_SEED,
                      epochs=EPOCHS)
     explain_fit = str(strategy.explain())
+    after_fit = {k: v.clone() for k, v in model.state_dict().items()}
+
+    accumulated = Counting(x, y)
+    loader = DataLoader(accumulated, batch_size=BATCH_SIZE, shuffle=True, generator=loader_generator())
+    validation = [(x[:10], y[:10])]
+    accumulating = sg.fit(strategy, model, optimizer, F.mse_loss, loader, epochs=1, accumulate_steps=2,
+                          validation_data=validation)
+    explain_accumulate = str(strategy.explain())
     strategy.distribute_dataset(DataLoader(Stream(), batch_size=4))
     explain_stream = str(strategy.explain())
     torch.save({"loop_asked": looped.asked, "fit_asked": fitted.asked, "after_loop": after_loop,
-                "after_fit": model.state_dict(), "losses": history.history["loss"],
+                "after_fit": after_fit, "losses": history.history["loss"], "accumulate_asked": accumulated.asked,
+                "after_accumulate": model.state_dict(), "val_loss": accumulating.history["val_loss"],
+                "explain_accumulate": explain_accumulate,
                 "examples": [log.num_examples for log in history.epochs], "explain_loop": explain_loop,
                 "explain_fit": explain_fit, "explain_stream": explain_stream}, f"{os.environ['MW_OUT']}.{rank}")
     strategy.close()

@@ -83,6 +83,8 @@ def input_sharding(data: Any, worker: WorkerRange) -> tuple[Any, tuple[str, str]
     """
     if isinstance(data, (WorkerLoader, WorkerShuffledBatches)):
         return data, None
+    if isinstance(data, list) and data and isinstance(data[0], WorkerPart):
+        return data, None  # parts cut already, gathered in a list (fit's accumulation groups)
     why = why_not_shardable(data)
     if why is None:
         return shard_input(data, worker), (INDEX_LEVEL, (
@@ -92,9 +94,13 @@ def input_sharding(data: Any, worker: WorkerRange) -> tuple[Any, tuple[str, str]
 
 
 def observed_sharding(index_level: bool, data: Any, current: str | None) -> tuple[str, str] | None:
-    """At a pass's first batch: the decision its batches show, when `current` (the recorded one) differs."""
+    """At a pass's first batch: the decision its batches show, when `current` (the recorded one) differs.
+
+    A one-pass iterator of global batches keeps a decision already recorded: it is `fit`'s wrapping of an
+    input whose reason was recorded when `fit` looked at it (validation data that cannot be cut, say).
+    """
     seen = INDEX_LEVEL if index_level else SLICES
-    if current == seen:
+    if current == seen or (not index_level and current is not None and isinstance(data, Iterator)):
         return None
     if index_level:
         return seen, "each batch is already this worker's part of a global batch, cut at the index level"

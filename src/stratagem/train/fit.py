@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -495,7 +495,9 @@ def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, nam
     if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         raise InputError(f"{name} is a pair of tensors: give a batch size to batch it. Received: tensors of shapes "
                          f"{[tuple(t.shape) for t in data]} and no batch size. Add batch_size=64 (or validation_batch_size).")
-    if iter(data) is data:
+    # Not iter(data) is data: that starts a DataLoader's iteration (its worker processes too) and draws from
+    # its generator, so the first epoch's shuffle would differ from the loader's own first order.
+    if isinstance(data, Iterator):
         logger.info("%s is an iterator: it can be read only once, so it serves one epoch.", name)
     return data
 
