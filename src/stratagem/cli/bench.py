@@ -4,6 +4,9 @@ Measures samples/s of the reference workloads (the MLP and CNN of the peer bench
 strategy and replica count (1, 2, ... up to the logical CPU devices, and the GPUs when there are
 any), prints a table with the ratio to plain PyTorch and the scaling efficiency, and writes a PNG
 plot and a JSON file. A configuration that cannot run here or fails is listed with the reason.
+A warning says when the figures are not to be trusted (`stratagem.bench.trust`): the machine was
+busy when the run began, a configuration's runs disagree, or an efficiency is above what the
+hardware allows.
 
 Exit code: 0 when every configuration ran or cannot run on this machine (said why), 1 when one
 that should run failed or timed out, 2 for bad options.
@@ -52,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "(logical CPU devices, and GPUs when present) against plain PyTorch in one process, all in "
                     "one run. Prints a table with the ratio to plain and the scaling efficiency (speedup over one "
                     "replica / ideal speedup: N for GPUs, 1 for logical CPUs, which share the cores) and writes a "
-                    "PNG plot and a JSON file.")
+                    "PNG plot and a JSON file. Warns when the figures are not to be trusted: a busy machine (load "
+                    "average against the cores), runs of one configuration that disagree, or an efficiency above "
+                    "what the hardware allows.")
     parser.add_argument("--workloads", type=_names, metavar="NAMES",
                         help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; --quick: mlp)")
     parser.add_argument("--strategies", type=_names, metavar="NAMES",
