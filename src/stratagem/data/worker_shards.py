@@ -11,9 +11,9 @@ would keep, in the same order.
 Each part travels as a `WorkerPart`, which carries the step's GLOBAL batch size: the replicas'
 weights are their share of the global batch, which a worker no longer sees whole.
 
-Inputs whose batches exist only once built (an IterableDataset, a generator, a list of batches)
-cannot be cut before reading; `why_not_shardable` says why, and the strategy slices each global
-batch instead.
+Inputs that do not name a batch's examples before building it (an IterableDataset, a generator,
+a list of batches) cannot be cut before reading; `why_not_shardable` says why, and the strategy
+slices each global batch instead.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def why_not_shardable(data: Any) -> str | None:
     if isinstance(data, ShuffledBatches):
         return None
     if not isinstance(data, DataLoader):
-        return (f"the input is a {type(data).__name__}, whose batches exist only once built, so each worker builds "
-                "every global batch and keeps its part")
+        return (f"the input is a {type(data).__name__}, which yields whole global batches without naming their "
+                "examples beforehand, so each worker reads every one and keeps its part")
     if type(data) is not DataLoader:
         return f"the input is a DataLoader subclass ({type(data).__name__}), whose iteration may differ from DataLoader's"
     if isinstance(data.dataset, IterableDataset):
