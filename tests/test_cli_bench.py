@@ -246,7 +246,11 @@ def test_bench_measures_writes_png_and_json_and_matches_plain_losses(capsys, tmp
     assert code == 0, captured.err
     printed = json.loads(captured.out)
     assert json.loads((tmp_path / "stratagem-bench.json").read_text()) == printed
-    assert {"config", "machine", "definitions", "results", "elapsed_s", "files"} <= printed.keys()
+    assert {"config", "machine", "definitions", "results", "elapsed_s", "files", "warnings", "trusted"} <= printed.keys()
+    # On a shared machine the run may be flagged; whatever it says is in the JSON and on standard error.
+    assert printed["trusted"] == (not printed["warnings"])
+    for warning in printed["warnings"]:
+        assert f"stratagem bench: warning: {warning}" in captured.err
     assert printed["config"]["steps"] == 2 and printed["machine"]["cpu_devices"] >= 2
     assert printed["machine"]["gpu_devices"] > 0 or "CPU" in printed["machine"]["no_gpu_reason"]
     rows = {(r["strategy"], r["replicas"]): r for r in printed["results"] if r["device_kind"] == "cpu"}

@@ -223,3 +223,28 @@ def test_batches_fit_cannot_read_are_named():
     with pytest.raises(sg.InputError, match=r"Metrics \['accuracy'\] compare predictions with targets"):
         own = SelfSupervised()
         sg.fit(mirrored3(), own, torch.optim.SGD(own.parameters(), lr=0.1), None, no_labels, metrics=["accuracy"])
+
+
+def test_a_shuffling_loader_with_a_generator_gives_fit_its_own_first_order():
+    # fit once started an iteration of the loader to see whether it was an iterator, which drew from the
+    # loader's generator: the first epoch then had another order than the loader's own first one.
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 3, generator=g, dtype=torch.float64), torch.randn(20, 1, generator=g, dtype=torch.float64)
+
+    def loader():
+        return DataLoader(TensorDataset(x, y), batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+    def model_and_optimizer():
+        torch.manual_seed(1)
+        model = nn.Linear(3, 1).to(torch.float64)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    reference, ref_opt = model_and_optimizer()
+    for xb, yb in loader():
+        F.mse_loss(reference(xb), yb).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model, optimizer = model_and_optimizer()
+    history = sg.fit(sg.OneDeviceStrategy("cpu"), model, optimizer, F.mse_loss, loader(), epochs=1)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])

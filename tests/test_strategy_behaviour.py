@@ -131,6 +131,13 @@ def test_explain_names_the_gradient_combination_and_threads():
     assert explanation.to_dict()["replicas"][1]["device"] == "cpu:1"
 
 
+def test_one_cpu_replica_gets_the_same_thread_rule_and_explain_says_so():
+    threads = torch.get_num_threads()
+    decision = sg.OneDeviceStrategy("cpu").explain().decision("intra-op threads per CPU replica")
+    assert decision.choice == str(threads)
+    assert f"the process's {threads} intra-op thread(s) shared among 1 CPU replica(s)" in decision.reason
+
+
 def test_an_exception_in_one_replica_reaches_the_caller_promptly():
     strategy = two_replicas(timeout=60)
     net = nn.Linear(2, 1)

@@ -42,6 +42,7 @@ from stratagem.bench.registry import (
     process_device,
     replica_devices,
 )
+from stratagem.bench.trust import Load, machine_load, trust_warnings
 from stratagem.bench.workloads import WORKLOADS
 from stratagem.cluster.launch import free_ports
 from stratagem.errors import InputError
@@ -161,6 +162,10 @@ class ScalingReport:
     machine: BenchMachine
     rows: list[ScalingRow]
     elapsed_s: float
+    load_before: Load | None = None
+    """The machine's load average when the run started (None where the platform has none)."""
+    warnings: list[str] = field(default_factory=list)
+    """Why the figures are not to be trusted (a busy machine, unstable runs, an impossible efficiency)."""
 
     @property
     def failed(self) -> list[ScalingRow]:
@@ -170,8 +175,11 @@ class ScalingReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.to_dict(),
-            "machine": {**self.machine.to_dict(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+            "machine": {**self.machine.to_dict(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                        **(self.load_before.to_dict() if self.load_before is not None else {})},
             "definitions": DEFINITIONS,
+            "trusted": not self.warnings,
+            "warnings": list(self.warnings),
             "results": [row.to_dict() for row in self.rows],
             "elapsed_s": self.elapsed_s,
         }
@@ -252,6 +260,7 @@ def run_scaling(config: ScalingConfig, *, machine: BenchMachine | None = None,
     """
     machine = machine or BenchMachine.detect()
     rows = plan_rows(config, machine)
+    load_before = machine_load()  # before any measuring process adds to it
     start_method = _start_method()
     started = time.perf_counter()
     say = progress or (lambda _: None)
@@ -278,7 +287,8 @@ def run_scaling(config: ScalingConfig, *, machine: BenchMachine | None = None,
                 if row.status == "pending":
                     row.status = "ok"
             _fill_scaling(group)
-    return ScalingReport(config=config, machine=machine, rows=rows, elapsed_s=time.perf_counter() - started)
+    return ScalingReport(config=config, machine=machine, rows=rows, elapsed_s=time.perf_counter() - started,
+                         load_before=load_before, warnings=trust_warnings(rows, load_before))
 
 
 def _fill_scaling(group: Sequence[ScalingRow]) -> None:

@@ -4,6 +4,9 @@ Measures samples/s of the reference workloads (the MLP and CNN of the peer bench
 strategy and replica count (1, 2, ... up to the logical CPU devices, and the GPUs when there are
 any), prints a table with the ratio to plain PyTorch and the scaling efficiency, and writes a PNG
 plot and a JSON file. A configuration that cannot run here or fails is listed with the reason.
+A warning says when the figures are not to be trusted (`stratagem.bench.trust`): the machine was
+busy when the run began, a configuration's runs disagree, or an efficiency is above what the
+hardware allows.
 
 Exit code: 0 when every configuration ran or cannot run on this machine (said why), 1 when one
 that should run failed or timed out, 2 for bad options.
@@ -26,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stratagem.bench.registry import BENCH_STRATEGIES
+from stratagem.bench.trust import EFFICIENCY_LIMIT
 from stratagem.bench.scaling import (
     DEFINITIONS,
     PLAIN,
@@ -51,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "(logical CPU devices, and GPUs when present) against plain PyTorch in one process, all in "
                     "one run. Prints a table with the ratio to plain and the scaling efficiency (speedup over one "
                     "replica / ideal speedup: N for GPUs, 1 for logical CPUs, which share the cores) and writes a "
-                    "PNG plot and a JSON file.")
+                    "PNG plot and a JSON file. Warns when the figures are not to be trusted: a busy machine (load "
+                    "average against the cores), runs of one configuration that disagree, or an efficiency above "
+                    "what the hardware allows.")
     parser.add_argument("--workloads", type=_names, metavar="NAMES",
                         help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; --quick: mlp)")
     parser.add_argument("--strategies", type=_names, metavar="NAMES",
@@ -116,12 +122,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(result, indent=2))
+        for warning in report.warnings:  # also in the JSON ("warnings"); said where a person reads it too
+            print(f"stratagem bench: warning: {warning}", file=sys.stderr)
     else:
         console.print(_table(report))
         if report.machine.no_gpu_reason:
             console.print(Text(f"No GPU rows: {report.machine.no_gpu_reason}", style="yellow"))
         for name in ("ratio_vs_plain", "scaling_efficiency", "ideal_speedup"):
             console.print(Text(f"{name}: {DEFINITIONS[name]}", style="dim"))
+        for warning in report.warnings:
+            console.print(Text(f"Warning: {warning}", style="bold yellow"))
         console.print(f"wrote {json_path} and {plot_path} ({report.elapsed_s:.0f} s)")
     if report.failed:
         print(f"stratagem bench: {len(report.failed)} configuration(s) failed: "
@@ -180,10 +190,18 @@ def _table(report: ScalingReport) -> Table:
     for row in report.rows:
         table.add_row(row.workload, row.kind, row.strategy, str(row.replicas), _number(row.samples_per_s, ",.0f"),
                       _number(row.ratio_vs_plain, ".3f"), _number(row.speedup, ".2f"),
-                      _number(row.scaling_efficiency, ".2f"), _number(row.final_loss, ".5f"), _status(row),
+                      _efficiency(row), _number(row.final_loss, ".5f"), _status(row),
                       style="dim" if row.status == "unavailable" else None,
                       end_section=row is _last_of_group(report.rows, row))
     return table
+
+
+def _efficiency(row: ScalingRow) -> Text:
+    """The efficiency, flagged where it is above what the hardware allows (the warnings say why)."""
+    text = _number(row.scaling_efficiency, ".2f")
+    if row.scaling_efficiency is not None and row.scaling_efficiency > EFFICIENCY_LIMIT:
+        return Text(f"{text} (!)", style="bold yellow")
+    return Text(text)
 
 
 def _status(row: ScalingRow) -> Text:

@@ -140,15 +140,24 @@ class ShuffledBatches:
         return torch.randperm(self._num_examples, generator=generator)
 
     def __iter__(self) -> Iterator[Any]:
+        for indices in self.batch_indices():
+            yield self.batch_of(indices)
+
+    def batch_indices(self) -> Iterator[torch.Tensor]:
+        """The example indices of each global batch that the next iteration would yield, in order.
+
+        Moves the position as iterating does (a worker that reads only its part of each batch uses it).
+        """
         # The position is read once: the iteration that starts now serves this epoch from this offset,
         # and the next iteration starts at the following epoch's beginning (as a DataLoader would).
         epoch, offset = self.epoch, self.offset
         self.epoch, self.offset = epoch + 1, 0
         order = self._order(epoch)
         for index in range(offset, len(self)):
-            yield self._batch(order[index * self.batch_size:(index + 1) * self.batch_size])
+            yield order[index * self.batch_size:(index + 1) * self.batch_size]
 
-    def _batch(self, indices: torch.Tensor) -> Any:
+    def batch_of(self, indices: torch.Tensor) -> Any:
+        """The batch of the examples at `indices`, built as this source builds its batches."""
         if self._tensors is not None:
             picked = tuple(t[indices] for t in self._tensors)
             return picked[0] if self._single else picked
@@ -198,8 +207,9 @@ def batches_left(data: Any) -> int | None:
 
     A `ShuffledBatches` set to a position mid-epoch yields fewer batches than its ``len()`` (an epoch's).
     """
-    if isinstance(data, ShuffledBatches):
-        return data.batches_left
+    left = getattr(data, "batches_left", None)
+    if isinstance(data, ShuffledBatches) or isinstance(left, int):
+        return left
     try:
         return len(data)
     except TypeError:

@@ -210,8 +210,8 @@ class MirroredStrategy(Strategy):
                 f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU replica(s), so replicas "
                 "running at once do not oversubscribe the cores"
             )
-        if len(self._devices) > 1 or intra_op_threads is not None:
-            self._decisions.append(PlacementDecision(subject="intra-op threads per CPU replica", choice=str(threads), reason=why))
+        # Said for one CPU replica too (OneDevice, one replica per worker): the same rule gives it every thread.
+        self._decisions.append(PlacementDecision(subject="intra-op threads per CPU replica", choice=str(threads), reason=why))
         return threads
 
     @property

@@ -20,7 +20,7 @@ import logging
 import socket
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.data.files import FileDataset
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
+from stratagem.data import worker_shards
+from stratagem.data.worker_shards import WorkerPart
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies import loss_weight
@@ -345,8 +347,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> MultiWorkerDataset:  # type: ignore[override]
         """Distributes a loader across workers and their local replicas.
 
-        shard="data": every worker iterates the same GLOBAL batches and keeps its contiguous part,
-        so the split is the one a single process with all replicas would make (exact equivalence).
+        shard="data": every worker trains on its contiguous part of the same GLOBAL batches, so the split is
+        the one a single process with all replicas would make (exact equivalence). A DataLoader over a
+        map-style data set with a batch size (or batch sampler), or a `ShuffledBatches`, is cut at the index
+        level: each worker reads only its part of each global batch. Any other input (an IterableDataset, a
+        generator, a list of batches) is read whole by every worker, which keeps its part; `explain()`
+        says which ("input sharding").
         shard="file": the input is a `sg.data.FileDataset` with at least one file per worker; each
         worker reads every N-th file, in batches of its share of the global batch size.
         shard="auto" (default): "file" for a FileDataset with enough files, else "data".
@@ -362,10 +368,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         is_files = isinstance(dataset, FileDataset)
         if shard == "auto":
             shard = "file" if is_files and len(dataset.files) >= world else "data"
-            why = ("a FileDataset with at least one file per worker" if shard == "file"
-                   else "every worker reads the same global batches and keeps its part")
-            self._decisions = [d for d in self._decisions if d.subject != "input sharding"]
-            self._decisions.append(PlacementDecision(subject="input sharding", choice=shard, reason=why))
+            if shard == "file":
+                self._note_input_sharding("file", "a FileDataset with at least one file per worker")
         if shard == "file":
             if not is_files or len(dataset.files) < world:
                 received = f"{len(dataset.files)} file(s)" if is_files else type(dataset).__name__
@@ -376,7 +380,31 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             mine = dataset.files[rank::world]
             dataset = dataset.with_files(mine, split_sizes(dataset.batch_size, world)[rank] or 1)
             return MultiWorkerDataset(self, dataset, "off")
-        return MultiWorkerDataset(self, dataset, shard)
+        if shard == "data":
+            dataset = self._shard_input(dataset)
+        return MultiWorkerDataset(self, dataset, shard, on_first_batch=self._observe_input_sharding)
+
+    def _shard_input(self, data: Any, note: bool = True) -> Any:
+        """`data` cut at the index level for this worker where it can be (data/worker_shards.py), else as it is.
+
+        `fit` calls it on its data before wrapping it, since what reaches `distribute_dataset` there is a generator.
+        """
+        local = len(self._devices)
+        worker = worker_shards.WorkerRange(self.num_replicas_in_sync, int(self._cluster.rank) * local, local)
+        data, decision = worker_shards.input_sharding(data, worker)
+        if note and decision is not None:
+            self._note_input_sharding(*decision)
+        return data
+
+    def _note_input_sharding(self, choice: str, why: str) -> None:
+        self._decisions = [d for d in self._decisions if d.subject != "input sharding"]
+        self._decisions.append(PlacementDecision(subject="input sharding", choice=choice, reason=why))
+
+    def _observe_input_sharding(self, index_level: bool, dataset: Any) -> None:
+        current = next((d.choice for d in self._decisions if d.subject == "input sharding"), None)
+        seen = worker_shards.observed_sharding(index_level, dataset, current)
+        if seen is not None:
+            self._note_input_sharding(*seen)
 
     def close(self) -> None:
         """Stops the replica threads and frees the process group, whose Gloo threads then end. Runs by itself
@@ -413,13 +441,15 @@ def _close_at_exit(ref: weakref.ref[MultiWorkerMirroredStrategy]) -> None:
 class MultiWorkerDataset:
     """Per-step batches for this worker's replicas, with an end-of-data agreement across workers."""
 
-    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str) -> None:
+    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str,
+                 on_first_batch: Callable[[bool, Any], None] | None = None) -> None:
         self._strategy = strategy
         self._dataset = dataset
         self._shard = shard
         self.unused_examples = 0
         """Examples this worker had fetched but did not train on because another worker ran out."""
         self.steps = 0
+        self._on_first_batch = on_first_batch
 
     def __iter__(self) -> Iterator[Any]:
         steps = self._agreed_steps() if self._shard == "data" else None
@@ -436,7 +466,7 @@ class MultiWorkerDataset:
             have, total = int(agreement[0]), int(agreement[1])
             if have < cw.world_size:
                 if pending is not None:
-                    self.unused_examples = batch_size_of(pending) if self._shard == "off" else self._my_share(pending)
+                    self.unused_examples = self._unused(pending)
                     logger.warning(
                         "%s stops after %d steps because %d of %d workers ran out of data; %d example(s) this worker "
                         "had fetched were left unused.", cw.task_name, step, cw.world_size - have, cw.world_size,
@@ -482,7 +512,7 @@ class MultiWorkerDataset:
         for step in range(steps):
             try:
                 batch = next(iterator)
-                size = batch_size_of(batch)
+                size = _global_size_of(batch)
             except StopIteration:
                 raise InputError(
                     f"{cw.task_name}'s loader stopped after {step} batches although its len() is {steps} or more. "
@@ -500,7 +530,7 @@ class MultiWorkerDataset:
     def _fetch(self, iterator: Iterator[Any], step: int) -> tuple[Any, torch.Tensor, list[Any]]:
         try:
             batch = next(iterator)
-            size = batch_size_of(batch)
+            size = _global_size_of(batch)
         except StopIteration:
             batch, size = None, 0
         except InputError as error:
@@ -512,9 +542,12 @@ class MultiWorkerDataset:
         agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
         return batch, agreement, self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step)
 
-    def _my_share(self, batch: Any) -> int:
-        sizes = self._global_sizes(batch_size_of(batch))
-        return sum(sizes)
+    def _unused(self, batch: Any) -> int:
+        if isinstance(batch, WorkerPart):
+            return batch_size_of(batch.batch)
+        if self._shard == "off":
+            return batch_size_of(batch)
+        return sum(self._global_sizes(batch_size_of(batch)))
 
     def _global_sizes(self, global_size: int) -> list[int]:
         strategy = self._strategy
@@ -526,7 +559,19 @@ class MultiWorkerDataset:
     def _distribute(self, batch: Any, global_size: int, step: int) -> Any:
         strategy = self._strategy
         devices = strategy._devices
-        if self._shard == "off":
+        if self._on_first_batch is not None and self._shard == "data":
+            # A generator's first batch tells whether it carries parts cut by index (fit's).
+            self._on_first_batch(isinstance(batch, WorkerPart), self._dataset)
+            self._on_first_batch = None
+        if isinstance(batch, WorkerPart):
+            local_sizes = self._global_sizes(global_size)
+            have = batch_size_of(batch.batch)
+            if have != sum(local_sizes):
+                raise InputError(
+                    f"Batch {step}: this worker's part of a global batch of {global_size} examples should hold "
+                    f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples.")
+            pieces = split_batch(batch.batch, local_sizes, devices)
+        elif self._shard == "off":
             sizes = split_sizes(batch_size_of(batch), len(devices))
             pieces = split_batch(batch, sizes, devices)
         else:
@@ -538,6 +583,11 @@ class MultiWorkerDataset:
             pieces = split_batch(mine, local_sizes, devices)
         stacked = stack_batch(pieces)
         return map_structure(lambda v: _with_global(v, global_size), stacked)
+
+
+def _global_size_of(batch: Any) -> int:
+    """The examples of the step's GLOBAL batch: carried by a part cut at the index level, else the batch's own."""
+    return batch.global_size if isinstance(batch, WorkerPart) else batch_size_of(batch)
 
 
 def _with_global(value: Any, global_size: int) -> Any:

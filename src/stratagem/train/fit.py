@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,6 +296,8 @@ def fit(
         validation_batch_size = batch_size  # a validation data set is batched as the training one
     val_data = None if validation_data is None else _as_batches(validation_data, validation_batch_size,
                                                                 False, seed, "validation_data")
+    train_data = _worker_part(strategy, train_data, note=True)
+    val_data = None if val_data is None else _worker_part(strategy, val_data, note=False)
     callbacks = list(callbacks or [])
     for callback in callbacks:
         if not isinstance(callback, Callback):
@@ -493,9 +495,20 @@ def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, nam
     if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         raise InputError(f"{name} is a pair of tensors: give a batch size to batch it. Received: tensors of shapes "
                          f"{[tuple(t.shape) for t in data]} and no batch size. Add batch_size=64 (or validation_batch_size).")
-    if iter(data) is data:
+    # Not iter(data) is data: that starts a DataLoader's iteration (its worker processes too) and draws from
+    # its generator, so the first epoch's shuffle would differ from the loader's own first order.
+    if isinstance(data, Iterator):
         logger.info("%s is an iterator: it can be read only once, so it serves one epoch.", name)
     return data
+
+
+def _worker_part(strategy: Strategy, data: Any, *, note: bool) -> Any:
+    """Under several worker processes, the data each worker reads only its part of (when it can be cut by index).
+
+    Done here, before the data is wrapped for an epoch: what reaches `distribute_dataset` is then a generator.
+    """
+    shard = getattr(strategy, "_shard_input", None)
+    return data if shard is None else shard(data, note)
 
 
 def _is_resumable(data: Any) -> bool:

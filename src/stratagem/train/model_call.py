@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from stratagem.data.split import batch_size_of
+from stratagem.data.worker_shards import WorkerPart
 from stratagem.errors import InputError
 
 LABELS = "labels"
@@ -40,10 +41,16 @@ LABELS = "labels"
 def as_pairs(batches: Iterable[Any]) -> Iterator[Any]:
     """Each batch as ``(inputs, targets)``: a pair as it is, any other batch as ``(batch, None)``."""
     for batch in batches:
-        if isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields"):
-            yield batch
+        if isinstance(batch, WorkerPart):  # a worker's part of a global batch (data/worker_shards.py)
+            yield WorkerPart(_as_pair(batch.batch), batch.global_size)
         else:
-            yield (batch, None)
+            yield _as_pair(batch)
+
+
+def _as_pair(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields"):
+        return batch
+    return (batch, None)
 
 
 @dataclass(frozen=True)
