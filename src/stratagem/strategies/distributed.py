@@ -74,13 +74,14 @@ class DistributedModel(nn.Module):
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         return self.module.named_children()
 
-    def modules(self) -> Iterator[nn.Module]:
-        return self.module.modules()
+    def modules(self, *args: Any, **kwargs: Any) -> Iterator[nn.Module]:
+        # Every argument passed on: torch 2.13's Module.modules takes remove_duplicate.
+        return self.module.modules(*args, **kwargs)
 
     def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
         return self.module.named_modules(*args, **kwargs)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # passes on every overload of torch's
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -124,6 +125,7 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
 
     _optimizers: list[torch.optim.Optimizer]
     _strategy: Any
+    _schedulers: lr_schedulers.SchedulerSet  # set by each subclass's __init__ (Optimizer.__init__ is not called)
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
