@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -245,7 +245,7 @@ def _private_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def clone_optimizer(
-    optimizer: torch.optim.Optimizer, mapping: dict[int, torch.Tensor], *, with_state: bool = True
+    optimizer: torch.optim.Optimizer, mapping: Mapping[int, torch.Tensor], *, with_state: bool = True
 ) -> torch.optim.Optimizer:
     """A copy of `optimizer` over other parameters: `mapping` takes the id of each parameter it holds to
     the parameter the copy holds instead. Every state tensor of the copy is its own (with_state=False:
