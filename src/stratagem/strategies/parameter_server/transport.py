@@ -299,7 +299,7 @@ class Client:
         self._metadata = ((TOKEN_KEY, security.token),)
         self._methods: dict[str, Any] = {}
 
-    def call(self, method: str, op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None, *,
+    def call(self, method: str, op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | wire.Flat] | None = None, *,
              timeout: float, wait_for_ready: bool = False, small_reply: bool = False
              ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         """Sends one message to ``method`` and returns the decoded reply.
@@ -337,7 +337,7 @@ class Client:
         return self._stub("stream_stream", method)(itertools.chain((first, second), pieces), timeout=timeout,
                                                    metadata=self._metadata, wait_for_ready=wait_for_ready)
 
-    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor], *,
+    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor | wire.Flat], *,
                   timeout: float) -> tuple[str, Any]:
         """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
         try:
