@@ -249,6 +249,13 @@ def test_fit_refuses_an_accumulate_steps_that_is_not_a_positive_count(bad):
                accumulate_steps=bad)
 
 
+def test_fit_refuses_accumulate_steps_without_a_loss_function():
+    # loss=None (the model's own loss) once reached the micro-step's loss(outputs, targets): a bare TypeError.
+    model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
+    with pytest.raises(InputError, match="Gradient accumulation needs a loss function. Received: loss=None"):
+        sg.fit(sg.OneDeviceStrategy("cpu"), model, opt, None, make_batches(shape, torch.float64), accumulate_steps=2)
+
+
 @pytest.mark.timeout(60)
 def test_fit_refuses_accumulate_steps_under_the_parameter_server():
     from stratagem.strategies.parameter_server import InProcessCluster, ParameterServerStrategy

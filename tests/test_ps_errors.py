@@ -53,6 +53,26 @@ def test_server_reports_an_address_it_cannot_listen_on():
 
 
 @pytest.mark.timeout(30)
+def test_a_shared_file_let_go_before_its_serving_thread_starts_ends_that_thread_quietly():
+    # The thread read areas.control, which closing the areas sets to None: an AttributeError in the thread.
+    import mmap
+    import os
+
+    from stratagem.strategies.parameter_server import shared
+
+    buckets = [(torch.float32, 4)]
+    areas = shared.Areas(mmap.mmap(-1, shared.file_size(buckets)), buckets)
+    attached = shared.Attached(areas, "fingerprint", "worker:0", (os.getpid(), None), False)
+    areas.close()  # what detaching the file does, before the thread ran
+    attached.let_go = True
+    ps = ParameterServer(security=SECURITY, task="ps:0")
+    try:
+        assert ps._serve_file(attached) is None
+    finally:
+        ps.stop()
+
+
+@pytest.mark.timeout(30)
 def test_a_second_parameter_server_cannot_take_the_port_of_a_running_one():
     # gRPC's default SO_REUSEPORT let a second server bind the port and take part of the calls.
     first = ParameterServer(security=SECURITY, task="ps:0")

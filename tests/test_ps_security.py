@@ -178,6 +178,13 @@ def test_bad_security_settings_are_refused(tmp_path):
         Security(token="t", private_key=str(tmp_path / "key.pem"))
 
 
+def test_a_tls_server_without_its_private_key_is_refused(self_signed):
+    # A client's settings (the authority only) once reached Path(None) in the server: a bare TypeError.
+    cert, _ = self_signed
+    with pytest.raises(ParameterServerError, match="A TLS server needs its private key. Received: certificate="):
+        Server(SERVICE, {"Echo": _echo}, security=Security(token="t", certificate=str(cert)))
+
+
 @pytest.mark.timeout(60)
 def test_tls_round_trip_with_a_self_signed_certificate(self_signed):
     cert, key = self_signed

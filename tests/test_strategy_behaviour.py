@@ -218,6 +218,15 @@ def test_distributed_model_cannot_be_moved():
         model.to("cpu")
 
 
+def test_distributed_model_modules_takes_torchs_arguments():
+    # Module.modules(remove_duplicate=...) once raised TypeError on a distributed model.
+    shared = nn.Linear(2, 2)
+    model = two_replicas().distribute(nn.Sequential(shared, shared))
+    replica = model.replicas[0]
+    assert list(model.modules(remove_duplicate=False)) == [replica, replica[0], replica[0]]
+    assert list(model.modules()) == [replica, replica[0]]
+
+
 def test_no_grad_in_the_caller_reaches_every_replica():
     strategy = two_replicas()
     model = strategy.distribute(nn.Linear(2, 1))

@@ -69,7 +69,7 @@ def rebuild(value: Any, new_children: list[Any]) -> Any:
 
 
 def _rebuild_mapping(value: Mapping, items: dict[Any, Any]) -> Mapping:
-    kind = type(value)
+    kind: type[Any] = type(value)  # a Mapping subclass: its constructor takes what that class takes
     if kind is dict:
         return items
     if _is_dataclass_instance(value):

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
                                         on_stall=lambda *args: None)
     if shared is None:
         raise RuntimeError(f"the shared-memory path cannot run here: {why}")
-    results = {}
+    results: dict[str, Any] = {}
 
     big = nn.Parameter(torch.zeros(16 * 1024 * 1024))  # 64 MiB of float32
     big.grad = torch.ones_like(big)
@@ -118,6 +119,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     run, prepare, buckets = _bucketed(small, weight)
     bucketed_small = _timed(run, repeats, prepare)
     # The bucketed path's arithmetic: every rank holds ones, weighted by 1/world and summed: ones again.
+    assert small[0].grad is not None  # set to ones above; the sums write into it
     check_ok = torch.equal(small[0].grad, torch.ones(1024))
     for p in small:
         p.grad = torch.ones_like(p)
@@ -127,6 +129,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
                              "speedup_vs_per_tensor": raw_small / bucketed_small,
                              "shared_memory_s": shared_small, "shared_memory_speedup_vs_per_tensor": raw_small / shared_small,
                              "buckets": buckets.describe()}
+    assert small[0].grad is not None
     results["check_ok"] = bool(check_ok and big_ok and torch.equal(small[0].grad, torch.ones(1024)))
     shared.close()
     if rank == 0:

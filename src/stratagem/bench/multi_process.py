@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from stratagem.bench.throughput import (
 )
 from stratagem.bench.workloads import WORKLOADS
 from stratagem.cluster.rendezvous import import_group_defaults
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 
 def _free_port() -> int:
@@ -119,7 +122,8 @@ def spawn_ranks(target, world: int, *args, timeout: float = 600, start_method: s
     loopback port); returns what rank 0 put on the queue, or raises naming the ranks that failed.
     `start_method="forkserver"` forks each rank from a server process that has already imported
     torch (see `multiprocessing.set_forkserver_preload`), sparing every rank seconds of imports."""
-    ctx = mp.get_context(start_method)
+    # Every context get_context returns has Process; typeshed types its str overload as BaseContext, which has not.
+    ctx = cast("SpawnContext | ForkServerContext | ForkContext", mp.get_context(start_method))
     queue = ctx.SimpleQueue()
     port = _free_port()
     args = tuple(port if a == "PORT" else a for a in args)

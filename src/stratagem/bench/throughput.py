@@ -85,6 +85,7 @@ def measure_plain(workload: Workload, warmup: int, steps: int) -> Measurement:
 def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int, steps: int) -> Measurement:
     import stratagem as sg
 
+    strategy: sg.Strategy
     if config == "one_device":
         strategy = sg.OneDeviceStrategy("cpu")
     else:

@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -41,6 +41,9 @@ from stratagem.bench.scaling import (
 from stratagem.bench.workloads import WORKLOADS
 from stratagem.cli.checks import check_writable_directory
 from stratagem.errors import InputError, StratagemError
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 JSON_NAME = "stratagem-bench.json"
 PLOT_NAME = "stratagem-bench.png"
@@ -182,9 +185,10 @@ def _describe(config: ScalingConfig, *, quick: bool) -> str:
 
 def _table(report: ScalingReport) -> Table:
     table = Table(title="stratagem bench: samples/s against plain PyTorch (one process)")
-    for column, justify in (("workload", "left"), ("device", "left"), ("strategy", "left"), ("replicas", "right"),
-                            ("samples/s", "right"), ("x plain", "right"), ("speedup", "right"),
-                            ("efficiency", "right"), ("final loss", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("workload", "left"), ("device", "left"), ("strategy", "left"), ("replicas", "right"), ("samples/s", "right"),
+        ("x plain", "right"), ("speedup", "right"), ("efficiency", "right"), ("final loss", "right"))
+    for column, justify in columns:
         table.add_column(column, justify=justify, no_wrap=True)
     table.add_column("status", overflow="fold")  # reasons can be long: they wrap, the figures never do
     for row in report.rows:

@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title="Logical devices")
     for column in ("device", "runs on", "memory limit"):
         table.add_column(column)
-    for device in logical:
-        limit = "" if device.memory_limit is None else format_bytes(device.memory_limit)
-        table.add_row(device.name, str(device.physical), limit)
+    for logical_device in logical:
+        limit = "" if logical_device.memory_limit is None else format_bytes(logical_device.memory_limit)
+        table.add_row(logical_device.name, str(logical_device.physical), limit)
     console.print(table)
     if no_gpu is not None:
         console.print(f"No GPU: {no_gpu.message}", markup=False, highlight=False)

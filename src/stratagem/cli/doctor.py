@@ -153,6 +153,7 @@ def _all_reduce(strategy, device_names: Sequence[str]) -> SmokeResult:
     try:
         def replica_value() -> torch.Tensor:
             context = sg.current_replica_context()
+            assert context is not None  # strategy.run calls it inside a replica
             return torch.full((3,), float(context.replica_id_in_sync_group + 1), device=context.device)
 
         total = strategy.reduce("sum", strategy.run(replica_value))

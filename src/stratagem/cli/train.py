@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # soft_wrap: long reasons stay on one line when piped to a file, instead of breaking at 80 columns.
     console = Console(highlight=False, soft_wrap=True)
-    chief = getattr(strategy, "cluster", None) is None or strategy.cluster.is_chief
+    cluster = getattr(strategy, "cluster", None)  # only the strategies of several processes have one
+    chief = cluster is None or cluster.is_chief
     if not chief:
         args.json = True  # workers other than the chief train silently; the chief reports for the job
     if not args.json:

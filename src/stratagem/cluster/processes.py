@@ -91,6 +91,8 @@ class _Guard:
         self._process = subprocess.Popen([sys.executable, "-I", "-S", script, repr(float(grace_period))],
                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, start_new_session=True)
+        assert self._process.stdin is not None  # stdin=subprocess.PIPE always gives a pipe
+        self._stdin = self._process.stdin
         self._lock = threading.Lock()
         self._closed = False
 
@@ -99,8 +101,8 @@ class _Guard:
             if self._closed:
                 return
             try:
-                self._process.stdin.write(f"{line}\n".encode())
-                self._process.stdin.flush()
+                self._stdin.write(f"{line}\n".encode())
+                self._stdin.flush()
             except (BrokenPipeError, ValueError):
                 logger.warning("the guard of the tasks has exited; a launcher killed now would leave its tasks running")
 
@@ -111,7 +113,7 @@ class _Guard:
                 return
             self._closed = True
             try:
-                self._process.stdin.close()
+                self._stdin.close()
             except BrokenPipeError:
                 pass
         try:

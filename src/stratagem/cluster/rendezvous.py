@@ -103,12 +103,12 @@ GRACE_SECONDS = 0.5
 """Past the timeout, how long the caller gives the meeting to report its own (more precise) error."""
 
 
-def _missing(store: dist.TCPStore, cluster: Cluster, keys: list[str]) -> tuple[list[int], str]:
+def _missing(store: dist.Store, cluster: Cluster, keys: list[str]) -> tuple[list[int], str]:
     missing = [r for r, key in enumerate(keys) if not store.check([key])]
     return missing, ", ".join(f"rank {r} ({cluster.task_for_rank(r)})" for r in missing)
 
 
-def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta, deadline: float,
+def _wait_for_all(store: dist.Store, cluster: Cluster, rank: int, timeout: timedelta, deadline: float,
                   warn_at: float) -> None:
     keys = [_ARRIVED.format(rank=r) for r in range(cluster.world_size)]
     try:
@@ -138,10 +138,10 @@ def _wait_for_all(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: ti
 class _Meeting:
     """The steps of the meeting, run in a helper thread; ``phase`` says how far it got (for the errors)."""
 
-    def __init__(self, steps: Callable[["_Meeting"], dist.TCPStore]) -> None:
+    def __init__(self, steps: Callable[["_Meeting"], dist.Store]) -> None:
         self.phase = "connecting"
         self.done = threading.Event()
-        self.result: dist.TCPStore | None = None
+        self.result: dist.Store | None = None
         self.error: BaseException | None = None
         self._steps = steps
 
@@ -184,7 +184,7 @@ def _bounded_meeting(cluster: Cluster, rank: int, timeout: timedelta, steps: Cal
     return meeting.result
 
 
-def _check_tokens(store: dist.TCPStore, cluster: Cluster, rank: int, timeout: timedelta) -> None:
+def _check_tokens(store: dist.Store, cluster: Cluster, rank: int, timeout: timedelta) -> None:
     """Every rank checks every token, so all of them fail at once rather than hang in init."""
     try:
         digests = [d.decode() for d in store.multi_get([_TOKEN.format(rank=r) for r in range(cluster.world_size)])]
@@ -258,7 +258,7 @@ address, instead of the chief serving a second one on the same port.
     start = time.monotonic()
     deadline = start + wait.total_seconds()
 
-    def steps(meeting: _Meeting) -> dist.TCPStore:
+    def steps(meeting: _Meeting) -> dist.Store:
         store = _connect(cluster, rank, wait, agent_store)
         meeting.phase = "arriving"
         store.set(_TOKEN.format(rank=rank), _token_digest(token))
@@ -273,7 +273,7 @@ address, instead of the chief serving a second one on the same port.
 
     store = _bounded_meeting(cluster, rank, wait, steps, start)
     import_group_defaults()
-    options = {} if device_id is None else {"device_id": device_id}
+    options: dict[str, Any] = {} if device_id is None else {"device_id": device_id}
     dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait, **options)
     return store
 

@@ -104,7 +104,8 @@ class GradientBuckets:
             first = self.params[0]
             last = _Bucket([], direct=False, flat=torch.zeros(0, dtype=first.dtype, device=first.device))
             self.buckets.append(last)
-        size = last.flat.numel()  # type: ignore[union-attr]
+        assert last.flat is not None  # every fused bucket got its flat tensor in _allocate, or just above
+        size = last.flat.numel()
         last.wire = torch.zeros(size + n + 2, dtype=last.flat.dtype, device=last.flat.device)
         last.flat = last.wire[:size]
         offset = 0
@@ -214,12 +215,14 @@ class GradientBuckets:
                 self._launch_direct(self.params[bucket.members[0]], launch)
             elif bucket.wire is not None:
                 # Launched last, so every gradient has come by now: this rank's use of each parameter is known.
-                self._users.copy_(  # type: ignore[union-attr]
-                    torch.tensor(self._used, dtype=bucket.wire.dtype))
-                self._declared_tail.copy_(torch.tensor(  # type: ignore[union-attr]
+                # A wire exists only with count_users, and _allocate_user_counts made both views into it.
+                assert self._users is not None and self._declared_tail is not None
+                self._users.copy_(torch.tensor(self._used, dtype=bucket.wire.dtype))
+                self._declared_tail.copy_(torch.tensor(
                     [self._weight if self._declared else 0.0, 1.0 if self._declared else 0.0], dtype=bucket.wire.dtype))
                 self._works.append(launch(bucket.wire))
             else:
+                assert bucket.flat is not None  # a fused bucket: _allocate gave it its flat tensor
                 self._works.append(launch(bucket.flat))
             self._next_to_launch += 1
 

@@ -53,7 +53,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import numpy
 import torch
@@ -101,7 +101,7 @@ class SharedMemoryGroup:
         self.rank = rank
         self.world_size = world_size
         self.capacity = capacity
-        self.processes = [tuple(p) for p in processes]
+        self.processes = [cast("tuple[int, str | None]", tuple(p)) for p in processes]  # pairs, as annotated
         # A peer in another pid namespace is not visible here (or another process has its number): its death is
         # then found by the timeout only.
         self._watched = [start is not None and process_start(pid) == start for pid, start in self.processes]
@@ -269,7 +269,7 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
     path = None
     try:
         if rank == 0:
-            offer = {"path": None, "nonce": secrets.token_hex(16), "why_not": _decide(infos, task_names, world_size)}
+            offer: dict[str, Any] = {"path": None, "nonce": secrets.token_hex(16), "why_not": _decide(infos, task_names, world_size)}
             if offer["why_not"] is None:
                 path, offer["why_not"] = shm_files.create(directory, size, _head(offer["nonce"], world_size, capacity))
                 offer["path"] = path
@@ -298,6 +298,7 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
             mapping.close()
         one_host = world_size > 1 and len({info["host"] for info in infos}) == 1
         return None, refused[0], one_host and all(info["why_not"] != TURNED_OFF for info in infos)
+    assert mapping is not None  # no rank refused, this one included: it mapped the file
     group = SharedMemoryGroup(mapping, rank=rank, world_size=world_size, capacity=capacity,
                               processes=[(info["pid"], info["start"]) for info in infos], task_names=task_names,
                               timeout=timeout,

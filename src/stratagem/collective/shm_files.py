@@ -29,6 +29,8 @@ import socket
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import numpy
 import torch
@@ -61,7 +63,7 @@ def ordered_stores() -> str | None:
     return None
 
 
-def _syscall() -> object:
+def _syscall() -> Callable[..., Any]:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL while they sleep
@@ -114,6 +116,7 @@ def remove_stale(directory: str) -> list[str]:
     """Removes the files of ``directory`` that this module made on this host for a process that is gone
     (its pid no longer runs, or runs another process); returns their names. A file of a live process, of
     another host or container (another host tag), or of another user is left alone."""
+    removed: list[str]
     tag, removed = _host_tag(), []
     try:
         names = os.listdir(directory)

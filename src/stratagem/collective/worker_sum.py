@@ -11,7 +11,7 @@ as on one device; one used elsewhere only gets the others' sum.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ def sum_gradients_across_workers(cw: Any, replica_params: Sequence[Sequence[nn.P
     returns (total declared loss weight, number of replicas that declared one) across every worker."""
     params = replica_params
     used = [any(replica[i].grad is not None for replica in params) for i in range(len(params[0]))]
-    grads = [p.grad if u else torch.zeros_like(p) for p, u in zip(params[0], used)]
+    # Used by some local replica: the local combine has given every replica the sum, replica 0 included.
+    grads = [cast(torch.Tensor, p.grad) if u else torch.zeros_like(p) for p, u in zip(params[0], used)]
     if not grads:
         return declared
     total, num_declared = declared

@@ -54,7 +54,11 @@ class FileDataset:
             start = 0
             while start < n:
                 take = min(self.batch_size - count, n - start)
-                pending.append(map_structure(lambda t, a=start, b=start + take: t[a:b] if isinstance(t, torch.Tensor) else t, examples))
+
+                def rows(t: Any, a: int = start, b: int = start + take) -> Any:
+                    return t[a:b] if isinstance(t, torch.Tensor) else t
+
+                pending.append(map_structure(rows, examples))
                 count += take
                 start += take
                 if count == self.batch_size:

@@ -178,7 +178,7 @@ class DeviceRegistry:
             _check_fits(gpu, gpu_configs, call)
         with self._lock:
             for gpu in targets:
-                self._gpu_configs[gpu.index] = gpu_configs
+                self._gpu_configs[_gpu_index(gpu)] = gpu_configs
 
     def get_logical_devices(self, device_type: str | None = None) -> list[LogicalDevice]:
         """Logical CPUs then logical GPUs; ``device_type`` ``"cpu"`` or ``"cuda"``/``"gpu"`` filters."""
@@ -190,12 +190,12 @@ class DeviceRegistry:
             num_cpus = self._num_cpus if self._num_cpus is not None else cores
             devices += [LogicalDevice(name=f"cpu:{i}", physical=torch.device("cpu")) for i in range(num_cpus)]
         if wanted in (None, "cuda"):
-            gpus = sorted((d for d in physical if d.device_type == "cuda"), key=lambda d: d.index)
+            gpus = sorted((d for d in physical if d.device_type == "cuda"), key=_gpu_index)
             for gpu in gpus:
-                for config in self._gpu_configs.get(gpu.index, (LogicalDeviceConfiguration(),)):
+                for config in self._gpu_configs.get(_gpu_index(gpu), (LogicalDeviceConfiguration(),)):
                     devices.append(LogicalDevice(
                         name=f"cuda:{sum(d.device_type == 'cuda' for d in devices)}",
-                        physical=torch.device("cuda", gpu.index), memory_limit=config.memory_limit))
+                        physical=torch.device("cuda", _gpu_index(gpu)), memory_limit=config.memory_limit))
         return devices
 
 
@@ -296,6 +296,12 @@ def _gpu_configs(configs: CpuConfigs, call: str) -> tuple[LogicalDeviceConfigura
             "for two 8 GiB logical GPUs."
         )
     return tuple(configs)
+
+
+def _gpu_index(gpu: PhysicalDevice) -> int:
+    """The CUDA index of a physical GPU (only the CPU has none: GPUs are made from GpuFacts, which always have one)."""
+    assert gpu.index is not None, gpu
+    return gpu.index
 
 
 def _check_fits(gpu: PhysicalDevice, configs: Sequence[LogicalDeviceConfiguration], call: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal, Union
+from typing import Literal, Union, cast
 
 import torch
 
@@ -110,12 +110,12 @@ def parse_device(name: DeviceName) -> DeviceSpec:
 def _from_torch_device(device: torch.device) -> DeviceSpec:
     if device.type not in ("cpu", "cuda"):
         raise _unknown(device)
-    return DeviceSpec(device_type=device.type, index=device.index)
+    return DeviceSpec(device_type=cast(DeviceType, device.type), index=device.index)  # one of the two: checked above
 
 
 def _parse_tf(name: str, text: str) -> DeviceSpec:
     fields: dict[str, str] = {}
-    device_type: str | None = None
+    device_type: DeviceType | None = None
     index: int | None = None
     for part in text.strip("/").split("/"):
         field = _TF_FIELD.match(part)

@@ -42,7 +42,7 @@ class PhysicalDevice:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device_type, self.index)
+        return torch.device(self.device_type, self.index)  # type: ignore[arg-type]  # torch takes index None; its stubs say int
 
     @classmethod
     def from_gpu_facts(cls, gpu: GpuFacts) -> PhysicalDevice:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from stratagem.diagnose.checks import Check
-from stratagem.diagnose.facts import EnvironmentFacts
+from stratagem.diagnose.facts import EnvironmentFacts, GpuFacts
 from stratagem.errors import MemoryEstimateError, MemoryEstimateInputError
 
 
@@ -89,13 +89,13 @@ def check_memory(facts: EnvironmentFacts, estimate: MemoryEstimate,
     known = [gpu for gpu in gpus if gpu.free_memory is not None]
     if not known:
         return Check(name="memory", verdict="ok", reason="Not checked: no GPU with known free memory.")
-    short = [gpu for gpu in known if gpu.free_memory < estimate.total_bytes]
+    short = [gpu for gpu in known if _free(gpu) < estimate.total_bytes]
     if not short:
-        least = min(known, key=lambda gpu: gpu.free_memory)
+        least = min(known, key=_free)
         return Check(name="memory", verdict="ok",
                      reason=(f"Training needs at least {estimate.describe()} per replica; the GPU with "
-                             f"the least free memory, cuda:{least.index}, has {format_bytes(least.free_memory)}."))
-    lacking = ", ".join(f"cuda:{gpu.index} has {format_bytes(gpu.free_memory)} free of "
+                             f"the least free memory, cuda:{least.index}, has {format_bytes(_free(least))}."))
+    lacking = ", ".join(f"cuda:{gpu.index} has {format_bytes(_free(gpu))} free of "
                         f"{format_bytes(gpu.total_memory)}" for gpu in short)
     roomy = [f"cuda:{gpu.index}" for gpu in known if gpu not in short]
     fewer = (f"use fewer replicas, on the GPUs with room (devices={roomy})" if roomy
@@ -107,6 +107,12 @@ def check_memory(facts: EnvironmentFacts, estimate: MemoryEstimate,
              "state on the CPU; or model parallelism, which splits the model across GPUs; or an "
              "optimizer with less state (SGD keeps none)."),
     )
+
+
+def _free(gpu: GpuFacts) -> int:
+    """The free memory of a GPU of `check_memory`'s `known` list (those whose free memory was read)."""
+    assert gpu.free_memory is not None
+    return gpu.free_memory
 
 
 def ensure_fits(facts: EnvironmentFacts, estimate: MemoryEstimate,

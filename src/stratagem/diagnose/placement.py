@@ -87,7 +87,7 @@ class PlacementLog:
         self._region.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         region, self._region = self._region, None
         if region is not None:
             region.__exit__(*exc)

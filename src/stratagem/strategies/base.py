@@ -68,6 +68,10 @@ class Strategy(abc.ABC):
         """Every worker's `items` (its replicas' contributions to a gather), joined in rank order."""
         return items
 
+    def close(self) -> None:
+        """Releases what this strategy holds (replica threads, process groups, servers); every strategy that
+        holds something overrides it, so here there is nothing to release."""
+
     # ---- shared vocabulary --------------------------------------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context in which backward passes only accumulate gradients (see `MirroredStrategy.no_sync`).

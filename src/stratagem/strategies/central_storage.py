@@ -357,6 +357,7 @@ class CentralStorageStrategy(MirroredStrategy):
         state = self._run_state
         together = len(self._devices) > 1 and state is not None
         if together:
+            assert state is not None  # together needs a running step
             # Nobody may still read the parameters this update overwrites (replicas on the central device share them).
             self._barrier.wait(replica, "optimizer step", state.step)
         result = None
@@ -365,6 +366,7 @@ class CentralStorageStrategy(MirroredStrategy):
                 self._stage_gradients()
             result = optimizer.step()
         if together:
+            assert state is not None
             # Nobody reads the parameters (or steps again) before the update is complete.
             self._barrier.wait(replica, "end of the optimizer step", state.step)
         return result
@@ -387,7 +389,7 @@ class CentralStorageStrategy(MirroredStrategy):
         """Inside a step: the running replica's gradients; outside: every replica's and the central ones."""
         replica = self._current_replica()
         if replica is None:
-            targets = [self._central] if self._central is not None else []
+            targets: list[nn.Module | None] = [self._central] if self._central is not None else []
             targets += self._replicas
         else:
             targets = [self._replicas[replica]]

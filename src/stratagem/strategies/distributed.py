@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,13 +74,14 @@ class DistributedModel(nn.Module):
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         return self.module.named_children()
 
-    def modules(self) -> Iterator[nn.Module]:
-        return self.module.modules()
+    def modules(self, *args: Any, **kwargs: Any) -> Iterator[nn.Module]:
+        # Every argument passed on: torch 2.13's Module.modules takes remove_duplicate.
+        return self.module.modules(*args, **kwargs)
 
     def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
         return self.module.named_modules(*args, **kwargs)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # passes on every overload of torch's
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -124,6 +125,7 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
 
     _optimizers: list[torch.optim.Optimizer]
     _strategy: Any
+    _schedulers: lr_schedulers.SchedulerSet  # set by each subclass's __init__ (Optimizer.__init__ is not called)
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -243,7 +245,7 @@ def _private_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def clone_optimizer(
-    optimizer: torch.optim.Optimizer, mapping: dict[int, torch.Tensor], *, with_state: bool = True
+    optimizer: torch.optim.Optimizer, mapping: Mapping[int, torch.Tensor], *, with_state: bool = True
 ) -> torch.optim.Optimizer:
     """A copy of `optimizer` over other parameters: `mapping` takes the id of each parameter it holds to
     the parameter the copy holds instead. Every state tensor of the copy is its own (with_state=False:

@@ -22,11 +22,14 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from stratagem.errors import InputError
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 _local = threading.local()
 _CALLER_FRAMES = 4
@@ -75,7 +78,7 @@ def executing() -> bool:
 
 def adopt_calling_scheduler(host: SchedulerHost) -> None:
     """Adopts the scheduler whose code (a few frames up) is reading `host.param_groups`, if any."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(_CALLER_FRAMES):
         if frame is None:
             return
@@ -109,6 +112,7 @@ def adopt(scheduler: LRScheduler, host: SchedulerHost) -> None:
                 f"by replica {replica}. Call scheduler.step(metric) outside strategy.run(), with the metric over the "
                 "global batch (e.g. strategy.reduce('mean', losses))."
             )
+        assert owner is not None  # replica is None when the owner is gone
         owner._meet(replica, "scheduler step")
         result = _execute(owner, original_step, args, kwargs) if replica == 0 else None
         owner._meet(replica, "end of the scheduler step")  # nobody reads the hyper-parameters half-written

@@ -16,7 +16,7 @@ import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -254,7 +254,7 @@ class MirroredStrategy(Strategy):
             replicas.append(copy.deepcopy(model).to(device))
         if shared:
             alias_parameters(replicas)
-        distributed_optimizer: torch.optim.Optimizer | None = None
+        distributed_optimizer: ShardedOptimizer | DistributedOptimizer | None = None
         if optimizer is not None:
             if optimizer.state and self._devices[0].type != "cpu":
                 optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
@@ -523,7 +523,7 @@ class MirroredStrategy(Strategy):
         steal = (lambda: self._claim_combination(replica, current, state.weights)) if self._stealing else None
         self._barrier.wait(replica, "end of backward", state.step, steal=steal)
         slots = self._grad_slots
-        keep = range(len(grads))
+        keep: Sequence[int] = range(len(grads))
         if any(g is None for slot in slots for g in slot):
             keep = self._fill_missing_grads(replica, slots, state.step)
         lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
@@ -568,7 +568,8 @@ class MirroredStrategy(Strategy):
         shares = [k for k in range(num_replicas) if k != replica] + [replica]
         while self._full:  # the gradient that became complete last first: backward produces the last layers first
             i = self._full[-1]
-            grads = [[params[i].grad] for params in self._replica_params]
+            # Every replica's gradient i is in (a post-accumulate hook marked it), so none is None.
+            grads = cast("list[list[torch.Tensor]]", [[params[i].grad] for params in self._replica_params])
             if all(ready[i] == current for ready in self._ready) and all(g[0].is_contiguous() for g in grads):
                 for share in shares:
                     if self._claimed[i][share] != current:

@@ -445,7 +445,9 @@ class PipelineModel(nn.Module):
         >>> out = model(x)              # on the last stage's device
     """
 
-    def __init__(self, layers: nn.Sequential, pipeline: Pipeline) -> None:
+    _pipeline: Pipeline  # set in __init__ as a plain attribute, which nn.Module's __getattr__ does not type
+
+    def __init__(self, layers: nn.Module, pipeline: Pipeline) -> None:
         super().__init__()
         for name, layer in layers.named_children():
             self.add_module(name, layer)

@@ -118,7 +118,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         world = self._cluster.world_size
         self._cw = CrossWorker(
             store,
-            rank=self._cluster.rank,
+            rank=_rank(self._cluster),
             task_names=[self._cluster.task_for_rank(r) for r in range(world)],
             timeout=timeout,
         )
@@ -189,10 +189,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return len(self._devices) * self._cluster.world_size
 
     def _first_global_replica(self) -> int:
-        return int(self._cluster.rank) * len(self._devices)
+        return _rank(self._cluster) * len(self._devices)
 
     def _input_pipeline(self) -> tuple[int, int]:
-        return self._cluster.world_size, int(self._cluster.rank)
+        return self._cluster.world_size, _rank(self._cluster)
 
     def _needs_gradient_sync(self) -> bool:
         return True
@@ -364,15 +364,14 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         _check_iterable(dataset, "distribute_dataset")
         if shard not in SHARD_POLICIES:
             raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")
-        world, rank = self._cluster.world_size, int(self._cluster.rank)
-        is_files = isinstance(dataset, FileDataset)
+        world, rank = self._cluster.world_size, _rank(self._cluster)
         if shard == "auto":
-            shard = "file" if is_files and len(dataset.files) >= world else "data"
+            shard = "file" if isinstance(dataset, FileDataset) and len(dataset.files) >= world else "data"
             if shard == "file":
                 self._note_input_sharding("file", "a FileDataset with at least one file per worker")
         if shard == "file":
-            if not is_files or len(dataset.files) < world:
-                received = f"{len(dataset.files)} file(s)" if is_files else type(dataset).__name__
+            if not isinstance(dataset, FileDataset) or len(dataset.files) < world:
+                received = f"{len(dataset.files)} file(s)" if isinstance(dataset, FileDataset) else type(dataset).__name__
                 raise InputError(
                     f"shard='file' needs a sg.data.FileDataset with at least one file per worker ({world}). "
                     f"Received: {received}. Use shard='data', or split the input into more files."
@@ -390,7 +389,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         `fit` calls it on its data before wrapping it, since what reaches `distribute_dataset` there is a generator.
         """
         local = len(self._devices)
-        worker = worker_shards.WorkerRange(self.num_replicas_in_sync, int(self._cluster.rank) * local, local)
+        worker = worker_shards.WorkerRange(self.num_replicas_in_sync, _rank(self._cluster) * local, local)
         data, decision = worker_shards.input_sharding(data, worker)
         if note and decision is not None:
             self._note_input_sharding(*decision)
@@ -436,6 +435,12 @@ def _close_at_exit(ref: weakref.ref[MultiWorkerMirroredStrategy]) -> None:
     strategy = ref()
     if strategy is not None:
         strategy._close(release=False)
+
+
+def _rank(cluster: Cluster) -> int:
+    """This worker's rank: every task of the strategy has one (start_process_group refuses a task without)."""
+    assert cluster.rank is not None
+    return cluster.rank
 
 
 class MultiWorkerDataset:
@@ -552,7 +557,7 @@ class MultiWorkerDataset:
     def _global_sizes(self, global_size: int) -> list[int]:
         strategy = self._strategy
         local = len(strategy._devices)
-        rank = int(strategy._cluster.rank)
+        rank = _rank(strategy._cluster)
         all_sizes = split_sizes(global_size, strategy.num_replicas_in_sync)
         return all_sizes[rank * local:(rank + 1) * local]
 
@@ -576,7 +581,7 @@ class MultiWorkerDataset:
             pieces = split_batch(batch, sizes, devices)
         else:
             local_sizes = self._global_sizes(global_size)
-            start = sum(split_sizes(global_size, strategy.num_replicas_in_sync)[: int(strategy._cluster.rank) * len(devices)])
+            start = sum(split_sizes(global_size, strategy.num_replicas_in_sync)[: _rank(strategy._cluster) * len(devices)])
             mine = map_structure(
                 lambda t: t[start:start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
             )

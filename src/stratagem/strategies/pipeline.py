@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -150,7 +151,7 @@ class Pipeline:
         with self._lock:
             if self._threads is None:  # started on first use, and again after close()
                 self._threads = [
-                    _StageThread(f"stratagem-stage-{s}", lambda s=s: self._setup_thread(s))
+                    _StageThread(f"stratagem-stage-{s}", functools.partial(self._setup_thread, s))
                     for s in range(self.num_stages)
                 ]
             return self._threads
@@ -189,7 +190,7 @@ class Pipeline:
         threads = self._stage_threads()
         for m, chunk in enumerate(x.split(sizes)):
             chunk = chunk.to(self._devices[0])
-            threads[0].submit(lambda m=m, chunk=chunk: self._forward(run, 0, m, chunk))
+            threads[0].submit(functools.partial(self._forward, run, 0, m, chunk))
         outputs = self._wait_for_outputs(run)
         run.outputs[-1] = [None] * len(sizes)  # the graph holds what backward needs; the run need not
         if not run.grad_enabled or not any(o.requires_grad for o in outputs):

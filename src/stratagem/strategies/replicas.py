@@ -108,7 +108,7 @@ class ReplicaBarrier:
                 self._what = what
             elif what != self._what:
                 # Two different meetings would otherwise be taken for one (a replica ran another path).
-                error = ReplicaError(
+                error: ReplicaError | CollectiveTimeoutError = ReplicaError(
                     f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step}, but "
                     f"{self._describe(sorted(self._arrived))} wait(s) at the {self._what}. Every replica must run the "
                     "same model calls and backward() passes in each step, whatever its slice."
@@ -220,9 +220,9 @@ class ReplicaPool:
         errors: list[tuple[int, BaseException]] = []
         try:
             results[0] = job(0)
-        except BaseException as error:  # noqa: BLE001 - re-raised below with the others
-            errors.append((0, error))
-            on_error(error)
+        except BaseException as replica_0_error:  # noqa: BLE001 - re-raised below with the others
+            errors.append((0, replica_0_error))
+            on_error(replica_0_error)
         deadline = time.monotonic() + self._timeout
         pending = set(range(1, len(self._names)))
         while pending:

@@ -216,8 +216,9 @@ def _prefer_fast_kernels(optimizer: torch.optim.Optimizer) -> None:
         flags = {"fused": True, "foreach": None}
         # What the class's __init__ does for fused=True: GradScaler may hand it the scale, and the
         # parameters' device and dtype are checked at the first step.
-        optimizer._step_supports_amp_scaling = True
-        optimizer._need_device_dtype_check_for_fused = True
+        # Attributes torch's optimizer classes set for themselves, undeclared on Optimizer in torch's stubs.
+        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
     elif "foreach" in defaults:
         flags = {"foreach": True}
     else:

@@ -37,12 +37,21 @@ def make_accumulating_train_step(model: nn.Module, optimizer: torch.optim.Optimi
                                  metric_set: MetricSet, *, clip_grad_norm: float | None = None,
                                  precision: str = "32") -> MicroStepFn:
     """One micro-batch on one replica: forward, backward of the scaled mean loss; the last of a group steps.
-    `precision` ("32" or "bf16"): the forward pass and the loss under that autocast."""
+    `precision` ("32" or "bf16"): the forward pass and the loss under that autocast.
+
+    Raises:
+        InputError: ``loss`` is None (the model's own loss): the micro-steps call ``loss(outputs, targets)``.
+    """
+    if loss is None:
+        raise InputError("Gradient accumulation needs a loss function. Received: loss=None with accumulate_steps > 1. "
+                         "Pass loss=loss_fn (called as loss_fn(outputs, targets)), or accumulate_steps=1 to train "
+                         "on the model's own loss.")
+    loss_fn = loss  # narrowed for the closure below
 
     def train_step(inputs: Any, targets: torch.Tensor, scale: float, last: bool) -> torch.Tensor:
         with precision_autocast(precision, targets.device.type):
             outputs = model(inputs)
-            loss_value = loss(outputs, targets)
+            loss_value = loss_fn(outputs, targets)
         _check_scalar_loss(loss_value)
         (loss_value * scale).backward()
         if last:

@@ -109,9 +109,10 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
 
 def is_temporary_of(name: str, checkpoint_name: str | None = None) -> bool:
     """Whether `name` is a temporary that `save_checkpoint` made (for `checkpoint_name`, when given)."""
-    if not name.startswith(_TEMP_PREFIX) or not _TEMP_RANDOM.search(name):
+    random_part = _TEMP_RANDOM.search(name)
+    if not name.startswith(_TEMP_PREFIX) or random_part is None:
         return False
-    target = name[len(_TEMP_PREFIX):_TEMP_RANDOM.search(name).start()]
+    target = name[len(_TEMP_PREFIX):random_part.start()]
     return bool(target) and (checkpoint_name is None or target == checkpoint_name)
 
 

@@ -317,6 +317,7 @@ def fit(
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
     scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda")) if precision == "fp16" else None
+    train_step: Any  # a micro-step (inputs, targets, scale, last) or a whole step (inputs, targets)
     if accumulate_steps > 1:
         train_step = make_accumulating_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
                                                   precision=precision)

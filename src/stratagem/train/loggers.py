@@ -99,7 +99,8 @@ class TensorBoard(Callback):
             self._writer = self._writer_class(log_dir=str(self.log_dir))
 
     def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
-        if self._writer is not None and self.update_freq != "epoch" and context.step % self.update_freq == 0:
+        # update_freq is "epoch" or a whole number of steps (checked in __init__).
+        if self._writer is not None and isinstance(self.update_freq, int) and context.step % self.update_freq == 0:
             for name, value in context.running_metrics().items():
                 self._writer.add_scalar(f"batch_{name}", value, context.step)
 

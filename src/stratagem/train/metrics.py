@@ -180,6 +180,7 @@ class MetricSet:
         if num_examples is not None:
             num = num_examples
         else:
+            assert targets is not None, "the callers without targets count the examples (num_examples)"
             num = targets.shape[0] if targets.dim() else 1
         if num == 0:
             # An empty slice (fewer examples than replicas): its mean loss is NaN and it has nothing to count.
@@ -187,6 +188,7 @@ class MetricSet:
         parts = [torch.stack([mean_loss.detach().to(torch.float64) * num,
                               torch.tensor(float(num), dtype=torch.float64, device=device)])]
         for metric in self.metrics:
+            assert outputs is not None and targets is not None  # with metrics, both were checked above
             part = metric.state(outputs, targets).to(torch.float64).reshape(-1)
             if part.numel() != metric.state_size:
                 raise InputError(f"Metric {metric.name!r} returned a state of {part.numel()} value(s). "
@@ -210,5 +212,5 @@ def _count(targets: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
-    den = float(den)
-    return float(num) / den if den > 0 else float("nan")
+    count = float(den)
+    return float(num) / count if count > 0 else float("nan")

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 FORMATS = ("state_dict", "safetensors")
 
 
-def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Writes a file through `write(handle)` into a temporary file beside `path`, fsyncs it, renames it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

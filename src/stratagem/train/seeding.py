@@ -50,8 +50,8 @@ def seed_everything(seed: int) -> int:
     try:
         import numpy
     except ImportError:  # NumPy is optional for torch; a run without it draws nothing from it
-        numpy = None
-    if numpy is not None:
+        pass
+    else:
         numpy.random.seed(seed)
     torch.manual_seed(seed)  # the CPU generator and, lazily, every CUDA device's
     seeded = ["python random", "torch (cpu and every cuda device)"] + (["numpy"] if "numpy" in sys.modules else [])

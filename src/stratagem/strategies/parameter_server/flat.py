@@ -89,7 +89,8 @@ class Flat:
                 blocks.append((torch.empty(sum(p.numel() for p in scattered), dtype=self.dtype), scattered))
                 scattered = []
             first = run[0]
-            block = torch.empty(0, dtype=self.dtype).set_(first.untyped_storage(), first.storage_offset(),
+            # torch's stubs type storage_offset() as int | SymInt, which no overload of set_ takes.
+            block = torch.empty(0, dtype=self.dtype).set_(first.untyped_storage(), first.storage_offset(),  # type: ignore[call-overload]
                                                           (sum(p.numel() for p in run),))
             blocks.append((block, None))
         if scattered:

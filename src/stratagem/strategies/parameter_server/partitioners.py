@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +146,7 @@ class Shard:
 
 
 def place(parameters: Iterable[tuple[str, torch.Tensor, int]], num_ps: int,
-          partitioner: Partitioner | None) -> list[Shard]:
+          partitioner: Partitioner | Callable[..., int] | None) -> list[Shard]:
     """Cuts each ``(name, tensor, group)`` into shards and deals them round-robin over ``num_ps`` servers.
 
     Example:

@@ -111,7 +111,7 @@ def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Opti
     return target
 
 
-def _build(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def _build(cls: Callable[..., torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """The optimizer over this server's shards, with torch's foreach kernels where the user left the choice
     to torch (same arithmetic, one call over many shards instead of a Python loop; torch picks the loop
     on a CPU)."""
@@ -248,6 +248,7 @@ class ParameterServer:
             reply, info = self._segments.attach(meta, store.fingerprint, buckets)
             if reply == "attached" and info["counters"]:
                 attached = self._segments.get(info["segment"], store.fingerprint)
+                assert attached is not None  # attached just now, under the same lock and fingerprint
                 threading.Thread(target=self._serve_file, args=(attached,), daemon=True,
                                  name=f"{self.task}-shared-{attached.task}").start()
             return reply, info, {}
@@ -256,6 +257,8 @@ class ParameterServer:
         """Serves the requests a worker makes through its file's counters, one at a time, until the file is let
         go (the worker detached or exited, the shards were created anew, or this server stops)."""
         control = attached.areas.control
+        if control is None:
+            return  # let go (its areas closed) before this thread started: nothing left to serve
         words = control.words
 
         def check() -> None:

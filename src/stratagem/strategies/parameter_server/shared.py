@@ -232,6 +232,8 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
     """One pull or push through the file's counters: True once the server has done it, False when it no
     longer serves this file (attach again). Raises when it fails, exits, or does not answer in time."""
     control = link.areas.control
+    # The caller holds the link (open: its areas close with it) and asks the counters only of a server that serves them.
+    assert control is not None and link.server is not None, "a request through a closed link or without a server"
     words = control.words
     if op == PUSH:
         control.listed[:len(buckets)] = buckets

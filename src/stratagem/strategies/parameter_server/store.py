@@ -83,6 +83,18 @@ class Segment:
     grad: torch.Tensor | None = None
 
 
+def _param(segment: Segment) -> nn.Parameter:
+    """A segment's parameter: ShardStore gives every segment one as it builds its buckets."""
+    assert segment.param is not None
+    return segment.param
+
+
+def _grad(segment: Segment) -> torch.Tensor:
+    """A segment's gradient view: there is one wherever there is an optimizer to step."""
+    assert segment.grad is not None
+    return segment.grad
+
+
 @dataclass
 class Bucket:
     """The shards of one group and dtype as views of one flat tensor."""
@@ -202,7 +214,7 @@ class ShardStore:
             raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
                                   "shards with an optimizer (distribute(model, optimizer) on the chief).")
         if self.flat:
-            self._step_with([(segment.param, grad[segment.start:segment.stop])
+            self._step_with([(_param(segment), grad[segment.start:segment.stop])
                              for index, grad in grads.items() for segment in self.buckets[index].segments])
             return
         for index, grad in grads.items():
@@ -235,10 +247,11 @@ class ShardStore:
     def _step(self, segments: list[Segment]) -> None:
         if segments:
             self._stepped.update(id(segment) for segment in segments)
-            self._step_with([(segment.param, segment.grad) for segment in segments])
+            self._step_with([(_param(segment), _grad(segment)) for segment in segments])
 
     def _step_with(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """One optimizer step over exactly these parameters: the others have no gradient, so torch skips them."""
+        assert self.optimizer is not None  # the pushes that step checked it first
         for param, grad in pairs:
             param.grad = grad
         try:
@@ -252,15 +265,16 @@ class ShardStore:
         logger.info("a push left out part of a bucket (a parameter without a gradient): updating shard by shard "
                     "from now on, as torch leaves such a parameter's state alone")
         old = self.optimizer
+        assert old is not None  # only a push splits, and a push needs the optimizer
         self.flat = False
         self.optimizer = self._new_optimizer()
         for bucket in self.buckets:
             for segment in bucket.segments:
-                state = old.state.get(segment.param)
+                state = old.state.get(_param(segment))
                 if state:
                     for name, span, shape in zip(segment.names, segment.spans, segment.shapes):
                         self.optimizer.state[self.shards[name]] = _slice_state(state, span, shape,
-                                                                               segment.param.numel())
+                                                                               _param(segment).numel())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def shard_state(self, name: str) -> dict[str, Any]:
@@ -270,11 +284,11 @@ class ShardStore:
         if not self.flat:
             return dict(self.optimizer.state.get(self.shards[name], {}))
         segment = self._segment_of[name]
-        state = self.optimizer.state.get(segment.param)
+        state = self.optimizer.state.get(_param(segment))
         if not state:
             return {}
         position = segment.names.index(name)
-        return _slice_state(state, segment.spans[position], segment.shapes[position], segment.param.numel())
+        return _slice_state(state, segment.spans[position], segment.shapes[position], _param(segment).numel())
 
     def load_state(self, states: Mapping[str, dict[str, Any]]) -> None:
         """Replaces the optimizer state with per-shard ``states`` (shards not named start fresh)."""
@@ -287,7 +301,7 @@ class ShardStore:
             if all(m is not None for m in merged):
                 for segment, state in zip(segments, merged):
                     if state:
-                        self.optimizer.state[segment.param] = state
+                        self.optimizer.state[_param(segment)] = state
                 return
             self.flat = False  # shards at different points (step counts differ): per-shard from here on
             self.optimizer = self._new_optimizer()

@@ -104,7 +104,8 @@ class InProcessCluster:
         self.ps[index].stop()
 
     def stop(self) -> None:
-        for server in [*self.workers, *self.ps]:
+        servers: list[WorkerService | ParameterServer] = [*self.workers, *self.ps]
+        for server in servers:
             server.stop()
 
     def __enter__(self) -> InProcessCluster:  # noqa: PYI034 - Self needs Python 3.11

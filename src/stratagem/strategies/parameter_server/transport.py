@@ -189,6 +189,10 @@ class Server:
                  address: str = "127.0.0.1:0", max_workers: int = 8,
                  limits: Mapping[str, Limit] | None = None, default_limit: Limit | None = None) -> None:
         self.service = service
+        if security.tls and security.private_key is None:
+            raise ParameterServerError(
+                f"A TLS server needs its private key. Received: certificate={security.certificate!r}, private_key=None. "
+                "Fix: pass private_key= with certificate= on every task that serves (parameter servers and workers).")
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
                                    interceptors=[_TokenInterceptor(security.token)], options=_SERVER_OPTIONS)
         methods = {}
@@ -205,6 +209,7 @@ class Server:
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, methods)])
         try:
             if security.tls:
+                assert security.private_key is not None and security.certificate is not None  # tls; key checked above
                 credentials = grpc.ssl_server_credentials(
                     [(Path(security.private_key).read_bytes(), Path(security.certificate).read_bytes())])
                 self.port = self._server.add_secure_port(address, credentials)
@@ -283,6 +288,7 @@ class Client:
         self.task = task
         self._service = service
         if security.tls:
+            assert security.certificate is not None  # what tls means
             credentials = grpc.ssl_channel_credentials(root_certificates=Path(security.certificate).read_bytes())
             options = list(_CLIENT_OPTIONS)
             if security.server_name:
@@ -293,7 +299,7 @@ class Client:
         self._metadata = ((TOKEN_KEY, security.token),)
         self._methods: dict[str, Any] = {}
 
-    def call(self, method: str, op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor] | None = None, *,
+    def call(self, method: str, op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | wire.Flat] | None = None, *,
              timeout: float, wait_for_ready: bool = False, small_reply: bool = False
              ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         """Sends one message to ``method`` and returns the decoded reply.
@@ -331,7 +337,7 @@ class Client:
         return self._stub("stream_stream", method)(itertools.chain((first, second), pieces), timeout=timeout,
                                                    metadata=self._metadata, wait_for_ready=wait_for_ready)
 
-    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor], *,
+    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor | wire.Flat], *,
                   timeout: float) -> tuple[str, Any]:
         """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
         try:

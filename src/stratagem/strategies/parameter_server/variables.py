@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -112,7 +112,7 @@ class ShardedVariables:
         return missed
 
     # ---- workers -------------------------------------------------------------------------------
-    def _layout(self, ps: int, shards: list[Shard], tensors: Mapping[str, torch.Tensor]) -> _Layout:
+    def _layout(self, ps: int, shards: list[Shard], tensors: Mapping[str, torch.Tensor | None]) -> _Layout:
         """The buckets of ``ps`` as its server keeps them (``store.bucket_layout``), worked out once."""
         layout = self._layouts.get(ps)
         if layout is None:
@@ -121,14 +121,15 @@ class ShardedVariables:
                 raise ParameterServerError(
                     f"Cannot tell the dtypes of the shards on ps:{ps}. Received: no tensor for {missing[:3]}. "
                     "Fix: pull the values (run the model) before the first push.")
-            entries = [(s.name, s.group, tensors[s.parameter].dtype, shard_of(tensors[s.parameter], s).numel())
+            known = cast("Mapping[str, torch.Tensor]", tensors)  # every shard's tensor is there: checked just above
+            entries = [(s.name, s.group, known[s.parameter].dtype, shard_of(known[s.parameter], s).numel())
                        for s in shards]
             by_name = {s.name: s for s in shards}
             members = bucket_layout(entries)
             buckets = [[by_name[name] for name, _ in bucket] for bucket in members]
-            dtypes = [tensors[bucket[0].parameter].dtype for bucket in buckets]
+            dtypes = [known[bucket[0].parameter].dtype for bucket in buckets]
             sizes = [(dtype, sum(n for _, n in bucket)) for dtype, bucket in zip(dtypes, members)]
-            shapes = [[shard_of(tensors[s.parameter], s).shape for s in bucket] for bucket in buckets]
+            shapes = [[shard_of(known[s.parameter], s).shape for s in bucket] for bucket in buckets]
             layout = self._layouts[ps] = _Layout(fingerprint(entries), buckets, sizes, shapes)
         return layout
 
@@ -199,7 +200,8 @@ class ShardedVariables:
             for index, bucket in enumerate(layout.buckets):
                 grads = list(map(gradients.get, layout.parameters[index]))
                 if all(g is not None for g in grads):
-                    parts = grads if layout.whole[index] else [shard_of(g, s) for g, s in zip(grads, bucket)]
+                    present = cast("list[torch.Tensor]", grads)  # none is None: checked just above
+                    parts = present if layout.whole[index] else [shard_of(g, s) for g, s in zip(present, bucket)]
                     tensors[bucket_name(index)] = wire.Flat(parts, staging=layout.staging[index])
                 else:
                     tensors.update((s.name, shard_of(g, s)) for g, s in zip(grads, bucket) if g is not None)
@@ -331,14 +333,17 @@ class ShardedVariables:
         link = self._link(ps, layout)
         if link is None:
             return False
-        targets, sources, indices = [], [], []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        indices: list[int] = []
         for index, bucket in enumerate(layout.buckets):
             grads = list(map(gradients.get, layout.parameters[index]))
             if all(g is None for g in grads):
                 continue
             if any(g is None for g in grads):
                 return False  # the server must leave the others' optimizer state alone: shard by shard, over gRPC
-            parts = grads if layout.whole[index] else [shard_of(g, s) for g, s in zip(grads, bucket)]
+            present = cast("list[torch.Tensor]", grads)  # none is None: checked just above
+            parts = present if layout.whole[index] else [shard_of(g, s) for g, s in zip(present, bucket)]
             dtype = layout.sizes[index][0]
             if [p.shape for p in parts] != layout.shapes[index] or any(p.dtype != dtype for p in parts):
                 return False  # not this server's shards: the gRPC push says what does not match

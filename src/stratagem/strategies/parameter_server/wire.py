@@ -97,13 +97,13 @@ def stream_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
 
 
 def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None
-             ) -> list[memoryview | bytes]:
+             ) -> list[memoryview | bytes | numpy.ndarray]:
     """The parts a message is made of, in order: its prefix and header, then views of the tensors' bytes
     and padding (nothing copied yet). Two messages with the same operation, metadata, names, dtypes
     and shapes have parts of the same lengths, so a piece (``piece_bounds``) can be cut from either."""
     tensors = tensors or {}
     entries = []
-    parts: list[memoryview | bytes] = []
+    parts: list[memoryview | bytes | numpy.ndarray] = []
     offset = 0
     for name, tensor in tensors.items():
         if not isinstance(tensor, (torch.Tensor, Flat)):
@@ -156,13 +156,14 @@ def piece_bounds(sizes: Iterable[int], chunk_bytes: int = CHUNK_BYTES) -> list[l
     return pieces
 
 
-def join_piece(parts: list[memoryview | bytes], bounds: list[tuple[int, int, int]]) -> bytes:
+def join_piece(parts: list[memoryview | bytes | numpy.ndarray], bounds: list[tuple[int, int, int]]) -> bytes:
     """One piece (``piece_bounds``) copied out of the message's parts: the one copy gRPC needs."""
-    return b"".join([memoryview(parts[index])[start:stop] for index, start, stop in bounds])
+    # A numpy array is a buffer; numpy's stubs declare it only for Python 3.12 and later (__buffer__).
+    return b"".join([memoryview(parts[index])[start:stop] for index, start, stop in bounds])  # type: ignore[arg-type]
 
 
-def _pieces(parts: list[memoryview | bytes], chunk_bytes: int) -> Iterator[bytes]:
-    for bounds in piece_bounds([memoryview(part).nbytes for part in parts], chunk_bytes):
+def _pieces(parts: list[memoryview | bytes | numpy.ndarray], chunk_bytes: int) -> Iterator[bytes]:
+    for bounds in piece_bounds([memoryview(part).nbytes for part in parts], chunk_bytes):  # type: ignore[arg-type]
         yield join_piece(parts, bounds)
 
 

@@ -142,10 +142,11 @@ class WorkerRuntime:
         return replica
 
     def push(self, model: ParameterServerModel) -> None:
-        replica, variables = self._replicas.get(id(model), (None, None))
-        if replica is None:
+        entry = self._replicas.get(id(model))
+        if entry is None:
             raise ParameterServerError(f"optimizer.step() before the model ran on {self.task}. Received: no forward "
                                        "pass in this function. Fix: run the model, then backward, then step.")
+        replica, variables = entry
         variables.push({name: p.grad for name, p in replica.named_parameters()})
 
     def run(self, fn_ref: Any, args_tree: Any, kwargs_tree: Any, tensors: dict[str, torch.Tensor],
@@ -216,7 +217,7 @@ class WorkerService:
             tree = encoder.encode(result, "the scheduled function's result")
             return "result", {"value": tree}, encoder.tensors
         except Exception as exc:  # noqa: BLE001 - every error of the user's function goes back to the chief
-            info = functions.describe_error(exc)
+            info: dict[str, Any] = functions.describe_error(exc)
             info["traceback"] = traceback.format_exc()
             info["ps_lost"] = _lost_ps(exc)
             logger.info("%s: scheduled function failed: %s", self.task, exc)
