@@ -1,0 +1,195 @@
+"""MultiWorkerMirroredStrategy's input: each step's batches for this worker's replicas, and the
+agreement across workers that every one of them has a batch (so they all stop at the same step).
+
+With `shard="data"` every worker iterates the same global batches (or, cut at the index level by
+`data/worker_shards.py`, only its own part of each, with the global size carried along) and keeps
+its contiguous part; with `shard="file"` or `"off"` each worker's loader already yields its part.
+When the loaders know their length the workers agree on the number of steps once per pass;
+otherwise they agree at every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stratagem.cluster import Cluster
+from stratagem.data.resume import batches_left
+from stratagem.data.split import batch_size_of, split_batch, split_sizes
+from stratagem.data.worker_shards import WorkerPart
+from stratagem.errors import InputError
+from stratagem.strategies.base import stack_batch
+from stratagem.values import PerReplica, map_structure
+
+if TYPE_CHECKING:
+    from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+logger = logging.getLogger(__name__)
+
+
+def _rank(cluster: Cluster) -> int:
+    """This worker's rank: every task of the strategy has one (start_process_group refuses a task without)."""
+    assert cluster.rank is not None
+    return cluster.rank
+
+
+class MultiWorkerDataset:
+    """Per-step batches for this worker's replicas, with an end-of-data agreement across workers."""
+
+    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str,
+                 on_first_batch: Callable[[bool, Any], None] | None = None) -> None:
+        self._strategy = strategy
+        self._dataset = dataset
+        self._shard = shard
+        self.unused_examples = 0
+        """Examples this worker had fetched but did not train on because another worker ran out."""
+        self.steps = 0
+        self._on_first_batch = on_first_batch
+
+    def __iter__(self) -> Iterator[Any]:
+        steps = self._agreed_steps() if self._shard == "data" else None
+        if steps is not None:
+            yield from self._iterate_agreed(steps)
+            return
+        strategy = self._strategy
+        cw = strategy._cw
+        iterator = iter(self._dataset)
+        pending, agreement, works = self._fetch(iterator, 0)
+        step = 0
+        while True:
+            cw.wait(works, what="end-of-data agreement", step=step)
+            have, total = int(agreement[0]), int(agreement[1])
+            if have < cw.world_size:
+                if pending is not None:
+                    self.unused_examples = self._unused(pending)
+                    logger.warning(
+                        "%s stops after %d steps because %d of %d workers ran out of data; %d example(s) this worker "
+                        "had fetched were left unused.", cw.task_name, step, cw.world_size - have, cw.world_size,
+                        self.unused_examples,
+                    )
+                self.steps = step
+                return
+            current = pending
+            # Fetch and agree on the next step now: over Gloo the agreement overlaps this step's compute; through
+            # shared memory it is done here, at once, since the workers left the last step together.
+            pending, agreement, works = self._fetch(iterator, step + 1)
+            yield self._distribute(current, total, step)
+            step += 1
+
+    def _agreed_steps(self) -> int | None:
+        """When every worker's loader knows its length: the number of steps of this pass, agreed once.
+
+        The per-step agreement reads a collective's result on the host at every step, which makes the CPU
+        wait for the GPU (NCCL) before it can queue the next step. With shard="data" every worker iterates
+        the same global batches, so knowing the lengths is enough: one collective per pass, and each
+        step's global batch size is the batch's own. None (some loader has no len()): agree per step.
+        """
+        strategy = self._strategy
+        cw = strategy._cw
+        left = batches_left(self._dataset)
+        mine = -1 if left is None else left
+        device = strategy._devices[0] if strategy._backend == "nccl" else torch.device("cpu")
+        lengths = torch.zeros(cw.world_size, dtype=torch.int64, device=device)
+        lengths[cw.rank] = mine + 1  # 0: this worker's loader has no length
+        cw.all_reduce_([lengths], what="agreement on the number of steps", step=0)
+        known = [int(n) - 1 for n in lengths.tolist()]  # the one host read of the pass
+        if min(known) < 0:
+            return None
+        steps = min(known)
+        if mine > steps:
+            logger.warning("%s stops after %d steps because another worker's loader has only %d batches; %d batch(es) "
+                           "of this worker's loader are left unused.", cw.task_name, steps, steps, mine - steps)
+        return steps
+
+    def _iterate_agreed(self, steps: int) -> Iterator[Any]:
+        cw = self._strategy._cw
+        iterator = iter(self._dataset)
+        for step in range(steps):
+            try:
+                batch = next(iterator)
+                size = _global_size_of(batch)
+            except StopIteration:
+                raise InputError(
+                    f"{cw.task_name}'s loader stopped after {step} batches although its len() is {steps} or more. "
+                    "Received: a loader whose length is wrong. Give it a correct __len__, or none (the workers then "
+                    "agree at every step)."
+                ) from None
+            except InputError as error:
+                raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
+            if size == 0:
+                raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
+            yield self._distribute(batch, size, step)
+            self.steps = step + 1
+        self.steps = steps
+
+    def _fetch(self, iterator: Iterator[Any], step: int) -> tuple[Any, torch.Tensor, list[Any]]:
+        try:
+            batch = next(iterator)
+            size = _global_size_of(batch)
+        except StopIteration:
+            batch, size = None, 0
+        except InputError as error:
+            raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
+        if batch is not None and size == 0:
+            raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
+        count = size if self._shard == "off" else (size if self._strategy._cw.rank == 0 else 0)
+        device = self._strategy._devices[0] if self._strategy._backend == "nccl" else torch.device("cpu")
+        agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
+        return batch, agreement, self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step)
+
+    def _unused(self, batch: Any) -> int:
+        if isinstance(batch, WorkerPart):
+            return batch_size_of(batch.batch)
+        if self._shard == "off":
+            return batch_size_of(batch)
+        return sum(self._global_sizes(batch_size_of(batch)))
+
+    def _global_sizes(self, global_size: int) -> list[int]:
+        strategy = self._strategy
+        local = len(strategy._devices)
+        rank = _rank(strategy._cluster)
+        all_sizes = split_sizes(global_size, strategy.num_replicas_in_sync)
+        return all_sizes[rank * local:(rank + 1) * local]
+
+    def _distribute(self, batch: Any, global_size: int, step: int) -> Any:
+        strategy = self._strategy
+        devices = strategy._devices
+        if self._on_first_batch is not None and self._shard == "data":
+            # A generator's first batch tells whether it carries parts cut by index (fit's).
+            self._on_first_batch(isinstance(batch, WorkerPart), self._dataset)
+            self._on_first_batch = None
+        if isinstance(batch, WorkerPart):
+            local_sizes = self._global_sizes(global_size)
+            have = batch_size_of(batch.batch)
+            if have != sum(local_sizes):
+                raise InputError(
+                    f"Batch {step}: this worker's part of a global batch of {global_size} examples should hold "
+                    f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples.")
+            pieces = split_batch(batch.batch, local_sizes, devices)
+        elif self._shard == "off":
+            sizes = split_sizes(batch_size_of(batch), len(devices))
+            pieces = split_batch(batch, sizes, devices)
+        else:
+            local_sizes = self._global_sizes(global_size)
+            start = sum(split_sizes(global_size, strategy.num_replicas_in_sync)[: _rank(strategy._cluster) * len(devices)])
+            mine = map_structure(
+                lambda t: t[start:start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
+            )
+            pieces = split_batch(mine, local_sizes, devices)
+        stacked = stack_batch(pieces)
+        return map_structure(lambda v: _with_global(v, global_size), stacked)
+
+
+def _global_size_of(batch: Any) -> int:
+    """The examples of the step's GLOBAL batch: carried by a part cut at the index level, else the batch's own."""
+    return batch.global_size if isinstance(batch, WorkerPart) else batch_size_of(batch)
+
+
+def _with_global(value: Any, global_size: int) -> Any:
+
+    if isinstance(value, PerReplica):
+        return PerReplica(value.values, value.batch_sizes, global_size)
+    return value
