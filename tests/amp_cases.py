@@ -7,7 +7,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from cases import make_batches, mlp
+from cases import make_batches, mlp, train_step
 
 BF16_EPS = 2.0**-7
 """bfloat16's machine epsilon (8 significant bits): the tolerance unit of the bf16 comparisons."""
@@ -37,18 +37,24 @@ def train_bf16(strategy, batches):
             opt.zero_grad()
         return net.state_dict()
     model, opt = strategy.distribute(net, opt)
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = train_step(model, opt, clip=False)
     for x, y in strategy.distribute_dataset(batches):
         with _bf16():
             strategy.run(step, args=(x, y))
     return model.state_dict()
+
+
+def _scaled_step(model, opt, scaler, x, y):
+    """One loss-scaled step (on one device or per replica): backward of the scaled loss, the gradient unscaled
+    and clipped to norm 1, the scaler's step and update; returns the scale after it."""
+    loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return scaler.get_scale()
 
 
 def train_scaled(strategy, batches):
@@ -60,27 +66,13 @@ def train_scaled(strategy, batches):
     scales = []
     if strategy is None:
         for x, y in batches:
-            loss = F.cross_entropy(net(x), y)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            scales.append([scaler.get_scale()])
+            scales.append([_scaled_step(net, opt, scaler, x, y)])
         return net.state_dict(), scales
     model, opt = strategy.distribute(net, opt)
     scaler = strategy.distribute_scaler(scaler)
 
     def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return scaler.get_scale()
+        return _scaled_step(model, opt, scaler, x, y)
 
     for x, y in strategy.distribute_dataset(batches):
         scales.append(list(strategy.experimental_local_results(strategy.run(step, args=(x, y)))))

@@ -35,27 +35,34 @@ def make_batches(shape, dtype, sizes=BATCH_SIZES, seed=1):
     return [(torch.randn((n, *shape), generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
 
 
-def train_reference(model, optimizer, batches):
-    for x, y in batches:
+def train_step(model, optimizer, *, clip=True):
+    """The step of the equivalence loops, on one device or per replica: cross-entropy, backward, (`clip`) the
+    gradient clipped to norm 1 (under a strategy it must see the combined gradient), an optimizer step."""
+
+    def step(x, y):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def train_reference(model, optimizer, batches, *, clip=True, epochs=1):
+    """The plain one-device loop: train_step over `batches`, `epochs` times."""
+    step = train_step(model, optimizer, clip=clip)
+    for _ in range(epochs):
+        for x, y in batches:
+            step(x, y)
     return model, optimizer
 
 
 def train_with(strategy, model, optimizer, batches):
     model, optimizer = strategy.distribute(model, optimizer)
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # must see the combined gradient
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    step = train_step(model, optimizer)
     losses = []
     for x, y in strategy.distribute_dataset(batches):
         losses.append(strategy.reduce("mean", strategy.run(step, args=(x, y))))

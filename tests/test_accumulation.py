@@ -9,25 +9,22 @@ a micro-batch inside no_sync(), so each replica's weight changes from one micro-
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from cases import TOL, assert_same_state, build, make_batches
 from conftest import cpu_registry
+from helpers import launch_workers
+from in_process_strategies import STRATEGIES
 
 import stratagem as sg
-from stratagem import environ
-from stratagem.cluster import launch
 from stratagem.errors import InputError
 
 K = 3
 # Groups of K micro-batches: over 3 replicas, 2 -> (1, 1, 0) and 1 -> (1, 0, 0) inside no_sync(); over
 # 4 (2 workers x 2), 2 -> (1, 1, 0, 0) and 1 -> (1, 0, 0, 0). The batches that end a group fill every replica.
 SIZES = [5, 2, 4, 7, 1, 6]
-WORKER = str(Path(__file__).parent / "workers" / "accumulate_train.py")
 
 
 def reference_accumulation(model, optimizer, batches, k=K):
@@ -57,16 +54,6 @@ def train_accumulating(strategy, model, optimizer, batches, use_no_sync, k=K):
         with strategy.no_sync() if use_no_sync and not last else contextlib.nullcontext():
             strategy.run(micro_step, args=(x, y, last))
     return model
-
-
-STRATEGIES = {
-    "one-device": lambda: sg.OneDeviceStrategy("cpu"),
-    "mirrored-2": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
-    "mirrored-3": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    "mirrored-3-copies": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False,
-                                                     registry=cpu_registry(3)),
-    "central-storage-3": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-}
 
 
 @pytest.mark.parametrize("use_no_sync", [False, True], ids=["every-backward-combines", "no-sync"])
@@ -163,13 +150,10 @@ def test_no_sync_inside_the_step_function_is_refused_with_the_fix():
 @pytest.mark.parametrize("local", [1, 2], ids=["2x1-buckets", "2x2-local-then-workers"])
 def test_no_sync_across_workers_matches_one_device(tmp_path, local):
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env.update({"ACC_OUT": str(out), "ACC_LOCAL": str(local), "ACC_K": str(K),
-                "ACC_SIZES": ",".join(map(str, SIZES))})
-    lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=150, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-30:])
+    exit_code, output = launch_workers("accumulate_train.py", {
+        "ACC_OUT": str(out), "ACC_LOCAL": str(local), "ACC_K": str(K), "ACC_SIZES": ",".join(map(str, SIZES))},
+        timeout=150, tail=30)
+    assert exit_code == 0, output
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     reference_accumulation(reference, ref_opt, make_batches(shape, torch.float64, sizes=SIZES))
     saved = [torch.load(f"{out}.{rank}") for rank in range(2)]
@@ -207,7 +191,7 @@ class _CountSteps(sg.callbacks.Callback):
 FIT_SIZES = [5, 2, 4, 7, 1, 6, 3]
 
 
-@pytest.mark.parametrize("strategy_name", ["one-device", "mirrored-3", "central-storage-3"])
+@pytest.mark.parametrize("strategy_name", ["one-device", "mirrored-3", "central-3"])
 def test_fit_with_accumulate_steps_matches_one_batch_per_group(strategy_name):
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     batches = make_batches(shape, torch.float64, sizes=FIT_SIZES)
@@ -276,13 +260,10 @@ def test_fit_with_accumulate_steps_across_workers_matches_one_batch_per_group(tm
     """2 workers x 2 replicas: each micro-batch's scale comes from the global count, which each worker
     learns from its distributed batch (its own part of it is smaller)."""
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env.update({"ACC_OUT": str(out), "ACC_LOCAL": "2", "ACC_K": str(K), "ACC_FIT": "1",
-                "ACC_SIZES": ",".join(map(str, FIT_SIZES))})
-    lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=150, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-30:])
+    exit_code, output = launch_workers("accumulate_train.py", {
+        "ACC_OUT": str(out), "ACC_LOCAL": "2", "ACC_K": str(K), "ACC_FIT": "1",
+        "ACC_SIZES": ",".join(map(str, FIT_SIZES))}, timeout=150, tail=30)
+    assert exit_code == 0, output
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     reference_group_means(reference, ref_opt, make_batches(shape, torch.float64, sizes=FIT_SIZES), K)
     for rank in range(2):

@@ -11,27 +11,21 @@ SGD-momentum steps: at most 1.2e-3 of it, for every strategy here).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from amp_cases import BF16_EPS, overflow_batches, train_bf16, train_scaled
 from cases import make_batches, mlp
 from conftest import cpu_registry
+from helpers import launch_workers
+from in_process_strategies import STRATEGIES as IN_PROCESS
 from torch import nn
 
 import stratagem as sg
 from stratagem.cli.main import main
 
 STRATEGIES = {
-    "one-device": lambda: sg.OneDeviceStrategy("cpu"),
-    "mirrored-2": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
-    "mirrored-3": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    "mirrored-3-copies": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False,
-                                                     registry=cpu_registry(3)),
-    "central-3": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
+    **IN_PROCESS,
     "model-parallel-2": lambda: sg.ModelParallelStrategy(["cpu:0", "cpu:1"], num_micro_batches=2,
                                                          registry=cpu_registry(3)),
 }
@@ -169,17 +163,9 @@ def test_stratagem_train_runs_in_bf16(capsys):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_workers_train_in_bf16_and_share_one_loss_scale(tmp_path):
-    from stratagem import environ
-    from stratagem.cluster import launch
-
-    worker = str(Path(__file__).parent / "workers" / "mwms_amp.py")
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env["MW_OUT"] = str(out)
-    lines: list[str] = []
-    result = launch([sys.executable, worker], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=280, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-40:])
+    exit_code, output = launch_workers("mwms_amp.py", {"MW_OUT": str(out)}, timeout=280)
+    assert exit_code == 0, output
     saved = torch.load(out)
     expected_bf16 = train_bf16(None, make_batches((6,), torch.float32))
     expected_scaled, ref_scales = train_scaled(None, overflow_batches())

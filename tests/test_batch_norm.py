@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import TOL
+from cases import TOL, train_step, train_reference
 from conftest import cpu_registry
+from helpers import WORKERS, launch_workers
 from torch import nn
 
 import stratagem as sg
@@ -59,26 +60,9 @@ def batches(shape, sizes=SIZES, dtype=torch.float64, seed=1):
             for n in sizes]
 
 
-def train_plain(model, optimizer, data):
-    for x, y in data:
-        F.cross_entropy(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
-
-
 def train_distributed(strategy, model, optimizer, data):
     model, optimizer = strategy.distribute(model, optimizer)
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    step = train_step(model, optimizer)
     for x, y in strategy.distribute_dataset(data):
         strategy.run(step, args=(x, y))
     return model, optimizer
@@ -103,7 +87,7 @@ def mirrored(n, **kwargs):
 def test_mirrored_with_batch_norm_matches_one_device(model_name, num_replicas, share):
     reference, ref_opt, shape = build(model_name)
     data = batches(shape)
-    train_plain(reference, ref_opt, data)
+    train_reference(reference, ref_opt, data)
     model, opt, _ = build(model_name)
     strategy = mirrored(num_replicas, share_parameters=share)
     model, opt = train_distributed(strategy, model, opt, data)
@@ -120,7 +104,7 @@ def test_float32_and_the_layer_variants_match_one_device():
     for dtype, name in [(torch.float32, "conv"), (torch.float64, "variants")]:
         reference, ref_opt, shape = build(name, dtype)
         data = batches(shape, sizes=[9, 8, 2], dtype=dtype)
-        train_plain(reference, ref_opt, data)
+        train_reference(reference, ref_opt, data)
         model, opt, _ = build(name, dtype)
         strategy = mirrored(3)
         model, _ = train_distributed(strategy, model, opt, data)
@@ -140,7 +124,7 @@ def test_float32_and_the_layer_variants_match_one_device():
 def test_central_storage_central_copy_gets_the_global_running_statistics(share):
     reference, ref_opt, shape = build("conv")
     data = batches(shape)
-    train_plain(reference, ref_opt, data)
+    train_reference(reference, ref_opt, data)
     model, opt, _ = build("conv")
     strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=share, registry=cpu_registry(3))
     model, _ = train_distributed(strategy, model, opt, data)
@@ -175,7 +159,7 @@ def test_one_example_slices_train_with_global_statistics():
     for name, sizes in [("mlp", [2, 4, 5]), ("conv", [1, 2, 4])]:
         reference, ref_opt, shape = build(name)
         data = batches(shape, sizes=sizes)
-        train_plain(reference, ref_opt, data)
+        train_reference(reference, ref_opt, data)
         model, opt, _ = build(name)
         strategy = mirrored(3)
         model, _ = train_distributed(strategy, model, opt, data)
@@ -196,7 +180,7 @@ def test_one_example_slice_with_per_replica_statistics_is_a_clear_error():
 def test_a_global_batch_of_one_example_fails_as_on_one_device():
     reference, ref_opt, shape = build("mlp")
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
-        train_plain(reference, ref_opt, batches(shape, sizes=[1]))
+        train_reference(reference, ref_opt, batches(shape, sizes=[1]))
     model, opt, _ = build("mlp")
     strategy = mirrored(2)
     with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got 1 over the global "
@@ -317,29 +301,16 @@ def test_bad_settings_are_refused():
 def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path):
     """One launch, several checks: 2 workers x 2 replicas, a step in which worker 1's replicas are all idle."""
     import importlib.util
-    import sys
-    from pathlib import Path
 
-    from stratagem import environ
-    from stratagem.cluster import launch
-
-    path = Path(__file__).parent / "workers" / "mwms_batch_norm.py"
-    spec = importlib.util.spec_from_file_location("mwms_batch_norm", path)
+    spec = importlib.util.spec_from_file_location("mwms_batch_norm", WORKERS / "mwms_batch_norm.py")
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    env = dict(environ.current())
-    env.update({"MW_OUT": str(tmp_path / "out"), "STRATAGEM_DEVICES_PER_WORKER": "2"})
-    lines: list[str] = []
-    result = launch([sys.executable, str(path)], workers=2, env=env, timeout=200, grace_period=2,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"))
-    assert result.exit_code == 0, "\n".join(lines[-30:])
+    exit_code, output = launch_workers("mwms_batch_norm.py", {
+        "MW_OUT": str(tmp_path / "out"), "STRATAGEM_DEVICES_PER_WORKER": "2"}, timeout=200, tail=30)
+    assert exit_code == 0, output
 
     reference, ref_opt = worker.build()
-    for x, y in worker.batches():
-        F.cross_entropy(reference(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_reference(reference, ref_opt, worker.batches())
     reference.eval()
     with torch.no_grad():
         test = worker.batches([7, 1], seed=4)

@@ -9,20 +9,15 @@ aten operations as eager mode, so the comparison keeps the float64 tolerance.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import TOL, build, make_batches, train_reference
+from cases import TOL, build, train_step, make_batches, train_reference
 from conftest import cpu_registry
+from helpers import launch_workers
 
 import stratagem as sg
-from stratagem import environ
-from stratagem.cluster import launch
 
-WORKER = str(Path(__file__).parent / "workers" / "compile_train.py")
 BACKEND = "aot_eager"
 SIZES = [12, 7, 2]  # uneven over 2 and 3 replicas, and an empty slice for the third
 
@@ -54,15 +49,7 @@ def train_compiled(strategy, when: str, batches):
     else:
         distributed, opt = strategy.distribute(model, opt)
         model = torch.compile(distributed, backend=BACKEND)
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = train_step(model, opt)
     for x, y in strategy.distribute_dataset(batches):
         strategy.run(step, args=(x, y))
     return distributed
@@ -107,13 +94,10 @@ def test_a_compiled_model_across_two_workers_matches_one_device(tmp_path):
     through the all-reduce buckets as the compiled backward produces them."""
     out = tmp_path / "result.pt"
     when = "before"
-    env = dict(environ.current())
-    env.update({"COMPILE_OUT": str(out), "COMPILE_WHEN": when, "COMPILE_BACKEND": BACKEND,
-                "COMPILE_SIZES": ",".join(map(str, SIZES))})
-    lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=200, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-30:])
+    exit_code, output = launch_workers("compile_train.py", {
+        "COMPILE_OUT": str(out), "COMPILE_WHEN": when, "COMPILE_BACKEND": BACKEND,
+        "COMPILE_SIZES": ",".join(map(str, SIZES))}, timeout=200, tail=30)
+    assert exit_code == 0, output
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     train_reference(reference, ref_opt, make_batches(shape, torch.float64, sizes=SIZES))
     for rank in range(2):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from cases import TOL, build, make_batches
+from cases import TOL, build, make_batches, train_reference
 from conftest import cpu_registry
 from stratagem.train.model_checkpoint import write_atomically
 
@@ -28,11 +28,7 @@ def mirrored2() -> sg.MirroredStrategy:
 def reference_after(epochs: int, batches) -> dict[str, torch.Tensor]:
     """A plain one-device loop over the same global batches, `epochs` times."""
     model, optimizer, _ = build("mlp", "sgd_momentum", torch.float64)
-    for _ in range(epochs):
-        for x, y in batches:
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_reference(model, optimizer, batches, clip=False, epochs=epochs)
     return model.state_dict()
 
 

@@ -3,26 +3,15 @@ sg.set_loss_weight, every strategy gives one device's update and `reduce("mean")
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import cpu_registry
+from helpers import launch_workers
+from in_process_strategies import STRATEGIES
 from loss_weight_cases import train
 
 import stratagem as sg
 
 TOL = dict(rtol=1e-9, atol=1e-12)
-
-STRATEGIES = {
-    "one-device": lambda: sg.OneDeviceStrategy("cpu"),
-    "mirrored-2": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
-    "mirrored-3": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    "mirrored-3-copies": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False,
-                                                     registry=cpu_registry(3)),
-    "central-3": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-}
 
 
 def _assert_state(got, expected):
@@ -81,17 +70,9 @@ def test_set_loss_weight_outside_run_is_refused():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_workers_combine_by_declared_counts(tmp_path):
-    from stratagem import environ
-    from stratagem.cluster import launch
-
-    worker = str(Path(__file__).parent / "workers" / "mwms_loss_weights.py")
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env["MW_OUT"] = str(out)
-    lines: list[str] = []
-    result = launch([sys.executable, worker], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=280, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-40:])
+    exit_code, output = launch_workers("mwms_loss_weights.py", {"MW_OUT": str(out)}, timeout=280)
+    assert exit_code == 0, output
     saved = torch.load(out)
     expected, expected_losses = train(None)
     for key in [(1, "mean"), (2, "mean"), (1, "sum"), (2, "sum")]:

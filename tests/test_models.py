@@ -11,22 +11,16 @@ failure of the real cases that the simple ones do not share is the strategy's, n
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import zoo
 from conftest import cpu_registry
+from helpers import launch_workers
 
 import stratagem as sg
-from stratagem import environ
-from stratagem.cluster import launch
 from stratagem.strategies.parameter_server import ClusterCoordinator, InProcessCluster, ParameterServerStrategy
 
 pytestmark = [pytest.mark.models]
-
-WORKER = str(Path(__file__).parent / "workers" / "zoo_train.py")
 
 STRATEGIES = {
     "one-device": lambda: sg.OneDeviceStrategy("cpu"),
@@ -75,12 +69,10 @@ def test_the_harness_matches_one_device_with_sgd_and_no_batch_norm(name, strateg
 def test_two_workers_match_one_device(tmp_path, name, simple=False):
     """One launch per model: 2 worker processes, one replica each; both workers' final states are checked."""
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env.update({"ZOO_MODEL": name, "ZOO_OUT": str(out), "ZOO_TIMEOUT": "60", "ZOO_SIMPLE": "1" if simple else "0"})
-    lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=200, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-40:])
+    exit_code, output = launch_workers("zoo_train.py", {
+        "ZOO_MODEL": name, "ZOO_OUT": str(out), "ZOO_TIMEOUT": "60", "ZOO_SIMPLE": "1" if simple else "0"},
+        timeout=200)
+    assert exit_code == 0, output
     expected, ref_losses = zoo.train_reference(name, simple)
     for rank in range(2):
         saved = torch.load(f"{out}.{rank}")

@@ -8,20 +8,17 @@ made for other replicas must keep per-group settings, not only the optimizer's d
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from cases import BATCH_SIZES, TOL, assert_same_state, make_batches, mlp, train_reference, train_with
 from conftest import cpu_registry
+from helpers import launch_workers
 from optimizer_cases import build_heads, heads_loss
 from torch import nn
 
 import stratagem as sg
-from stratagem import environ
-from stratagem.cluster import launch
 
 SIZES = [12, 7, 5, 2]  # uneven over 2 and 3 replicas; the last smaller than 3
 
@@ -210,9 +207,6 @@ def test_lbfgs_with_its_closure_works_on_one_replica():
     assert_same_state(reference, model, torch.float64)
 
 
-OPTIMIZERS_WORKER = str(Path(__file__).parent / "workers" / "mwms_optimizers.py")
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_every_optimizer_and_a_scheduler_match_one_device_across_two_workers(tmp_path):
@@ -220,12 +214,9 @@ def test_every_optimizer_and_a_scheduler_match_one_device_across_two_workers(tmp
     # head of the model through a user's Optimizer subclass, copied for each worker's second local replica,
     # with a LambdaLR stepped in the step function by every replica.
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env.update({"MW_OUT": str(out), "MW_LOCAL": "2"})
-    lines: list[str] = []
-    result = launch([sys.executable, OPTIMIZERS_WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=120, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-30:])
+    exit_code, output = launch_workers("mwms_optimizers.py", {"MW_OUT": str(out), "MW_LOCAL": "2"}, timeout=120,
+                                       tail=30)
+    assert exit_code == 0, output
     saved = torch.load(out)
     reference, optimizer = build_heads()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))

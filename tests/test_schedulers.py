@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import TOL, assert_same_state, make_batches, mlp
+from cases import TOL, assert_same_state, make_batches, mlp, train_step
 from conftest import cpu_registry
 
 import stratagem as sg
@@ -133,14 +133,7 @@ def test_reduce_lr_on_plateau_outside_run_with_the_global_loss_matches_one_devic
     scheduler = make(optimizer) if order == "before" else None
     model, optimizer = strategy.distribute(model, optimizer)
     scheduler = scheduler or make(optimizer)
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    step = train_step(model, optimizer, clip=False)
     for x, y in strategy.distribute_dataset(batches):
         scheduler.step(strategy.reduce("mean", strategy.run(step, args=(x, y))).item())
     assert expected.get_last_lr() != [0.05, 0.1], "the case reduces the rate at least once"

@@ -4,20 +4,15 @@ skips it, as on one device)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import cpu_registry
+from helpers import launch_workers
 from unused_cases import train_reference, train_with
 
 import stratagem as sg
-from stratagem import environ
-from stratagem.cluster import launch
 
 TOL = dict(rtol=1e-9, atol=1e-12)
-WORKER = str(Path(__file__).parent / "workers" / "mwms_unused.py")
 
 
 def _assert_state(got, expected):
@@ -51,12 +46,8 @@ def test_unused_and_frozen_parameters_match_one_device(make):
 @pytest.mark.timeout(240)
 def test_workers_keep_unused_gradients_none_and_a_second_strategy_follows_close(tmp_path):
     out = tmp_path / "result.pt"
-    env = dict(environ.current())
-    env["MW_OUT"] = str(out)
-    lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=200, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-40:])
+    exit_code, output = launch_workers("mwms_unused.py", {"MW_OUT": str(out)}, timeout=200)
+    assert exit_code == 0, output
     saved = torch.load(out)
     expected, _ = train_reference()
     for local in (1, 2):  # one replica per worker (buckets), then two (local sum, then across workers)

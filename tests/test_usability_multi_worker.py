@@ -4,32 +4,22 @@ with 2 local replicas each (tests/workers/usability_mw.py)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import csv
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from cases import TOL, build, make_batches
+from cases import TOL, build, make_batches, train_reference
+from helpers import launch_workers
 
-from stratagem import environ
-from stratagem.cluster import launch
-
-WORKER = str(Path(__file__).parent / "workers" / "usability_mw.py")
 pytestmark = [pytest.mark.multiprocess]
 
 
 @pytest.mark.timeout(180)
 def test_gather_and_callbacks_across_two_workers(tmp_path):
-    env = dict(environ.current())
-    env["UW_OUT"] = str(tmp_path)
-    lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=150, grace_period=2)
-    assert result.exit_code == 0, "\n".join(lines[-40:])
+    exit_code, output = launch_workers("usability_mw.py", {"UW_OUT": str(tmp_path)}, timeout=150)
+    assert exit_code == 0, output
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in range(2):
         gathered = seen[rank]["gather"]
@@ -61,10 +51,6 @@ def _first_draw(seed: int) -> float:
 
 def reference_after(epochs: int) -> dict:
     model, optimizer, shape = build("mlp", "sgd_momentum", torch.float64)
-    batches = make_batches(shape, torch.float64, sizes=[12, 11, 7, 5])
-    for _ in range(epochs):
-        for x, y in batches:
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_reference(model, optimizer, make_batches(shape, torch.float64, sizes=[12, 11, 7, 5]), clip=False,
+                    epochs=epochs)
     return model.state_dict()

@@ -61,21 +61,28 @@ def _autocast(device_type: str, dtype: torch.dtype | None):
     return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+def _step(model: Any, opt: Any, scaler: torch.amp.GradScaler, amp: torch.dtype | None, x: torch.Tensor,
+          y: torch.Tensor) -> torch.Tensor:
+    """One step of the equivalence loop, on one device or per replica: the loss (under autocast with `amp`),
+    backward through the GradScaler (which passes through when disabled), the gradient clipped to norm 1."""
+    with _autocast(x.device.type, amp):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def reference(model_name: str, dtype: torch.dtype, device: str, amp: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A plain PyTorch loop on one device: the expected parameters."""
     model = BUILDERS[model_name]().to(device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cuda", enabled=amp is not None)
     for x, y in batches(model_name, dtype):
-        x, y = x.to(device), y.to(device)
-        with _autocast(torch.device(device).type, amp):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+        _step(model, opt, scaler, amp, x.to(device), y.to(device))
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
@@ -86,15 +93,7 @@ def train(strategy: Any, model_name: str, dtype: torch.dtype, amp: torch.dtype |
     scaler = torch.amp.GradScaler("cuda", enabled=amp is not None)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with _autocast(x.device.type, amp):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss.detach()
+        return _step(model, opt, scaler, amp, x, y)
 
     try:
         for x, y in strategy.distribute_dataset(batches(model_name, dtype)):

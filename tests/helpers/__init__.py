@@ -7,11 +7,16 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+WORKERS = Path(__file__).resolve().parent.parent / "workers"
+"""tests/workers/: the scripts that launch_workers runs."""
 
 
 def free_port() -> int:
@@ -39,6 +44,21 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} did not stop within {timeout:g} s: thread states {states}")
         time.sleep(0.001)
+
+
+def launch_workers(script: str, settings: dict[str, str], *, timeout: float, tail: int = 40) -> tuple[int, str]:
+    """Runs tests/workers/`script` as 2 workers under `stratagem launch` (loopback, free ports), with the test's
+    settings added to the environment; returns the job's exit code and its last `tail` lines of output, each
+    prefixed with its task, for the test's assertion message."""
+    from stratagem import environ
+    from stratagem.cluster import launch
+
+    env = dict(environ.current())
+    env.update(settings)
+    lines: list[str] = []
+    result = launch([sys.executable, str(WORKERS / script)], workers=2, env=env,
+                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=timeout, grace_period=2)
+    return result.exit_code, "\n".join(lines[-tail:])
 
 
 @dataclass(frozen=True)

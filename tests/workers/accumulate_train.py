@@ -22,17 +22,12 @@ import torch.nn.functional as F  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 from cases import build, make_batches  # noqa: E402
-from stratagem.devices import DeviceRegistry  # noqa: E402
+from workers.common import save_per_rank, setting, sizes, strategy_for  # noqa: E402
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    env = os.environ
-    local, k = int(env["ACC_LOCAL"]), int(env["ACC_K"])
-    registry = DeviceRegistry()
-    registry.set_logical_device_configuration("cpu", max(local, 2))
-    strategy = sg.MultiWorkerMirroredStrategy([f"cpu:{i}" for i in range(local)], timeout=60.0, registry=registry)
-    try:
+    k = int(setting("ACC_K"))
+    with strategy_for(int(setting("ACC_LOCAL")), 60.0) as strategy:
         model, opt, shape = build("mlp", "adam", torch.float64)
         model, opt = strategy.distribute(model, opt)
 
@@ -43,12 +38,11 @@ def main() -> int:
                 opt.step()
                 opt.zero_grad()
 
-        sizes = [int(n) for n in env["ACC_SIZES"].split(",")]
-        batches = make_batches(shape, torch.float64, sizes=sizes)
-        if env.get("ACC_FIT") == "1":
+        batches = make_batches(shape, torch.float64, sizes=sizes("ACC_SIZES"))
+        if setting("ACC_FIT", "0") == "1":
             history = sg.fit(strategy, model, opt, F.cross_entropy, batches, accumulate_steps=k, clip_grad_norm=1.0)
-            torch.save({"state": history.model.state_dict(), "num_examples": history.epochs[0].num_examples},
-                       f"{env['ACC_OUT']}.{strategy.cluster.rank}")
+            save_per_rank({"state": history.model.state_dict(), "num_examples": history.epochs[0].num_examples},
+                          strategy, "ACC_OUT")
             return 0
         first_grad = None
         for i, (x, y) in enumerate(strategy.distribute_dataset(batches)):
@@ -57,9 +51,7 @@ def main() -> int:
                 strategy.run(micro_step, args=(x, y, last))
             if i == 0:
                 first_grad = next(model.parameters()).grad.clone()  # this worker's own, if nothing was combined
-        torch.save({"state": model.state_dict(), "first_grad": first_grad}, f"{env['ACC_OUT']}.{strategy.cluster.rank}")
-    finally:
-        strategy.close()
+        save_per_rank({"state": model.state_dict(), "first_grad": first_grad}, strategy, "ACC_OUT")
     return 0
 
 

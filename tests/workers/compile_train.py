@@ -15,42 +15,27 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-import stratagem as sg  # noqa: E402
-from cases import build, make_batches  # noqa: E402
+from cases import build, train_step, make_batches  # noqa: E402
+from workers.common import save_per_rank, setting, sizes, strategy_for  # noqa: E402
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    env = os.environ
-    backend = env["COMPILE_BACKEND"]
-    sizes = [int(n) for n in env["COMPILE_SIZES"].split(",")]
-    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], timeout=120.0)
-    try:
+    backend = setting("COMPILE_BACKEND")
+    with strategy_for(1, 120.0, logical=False) as strategy:
         model, opt, shape = build("mlp", "adam", torch.float64)
-        if env["COMPILE_WHEN"] == "before":
+        if setting("COMPILE_WHEN") == "before":
             model, opt = strategy.distribute(torch.compile(model, backend=backend), opt)
             distributed = model
         else:
             distributed, opt = strategy.distribute(model, opt)
             model = torch.compile(distributed, backend=backend)
-
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=sizes)):
+        step = train_step(model, opt)
+        for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=sizes("COMPILE_SIZES"))):
             strategy.run(step, args=(x, y))
-        torch.save({"state": distributed.state_dict(), "compiled_graphs": counters["aot_autograd"]["ok"]},
-                   f"{env['COMPILE_OUT']}.{strategy.cluster.rank}")
-    finally:
-        strategy.close()
+        save_per_rank({"state": distributed.state_dict(), "compiled_graphs": counters["aot_autograd"]["ok"]},
+                      strategy, "COMPILE_OUT")
     return 0
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import stratagem as sg
-from stratagem.devices import DeviceRegistry
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import stratagem as sg  # noqa: E402
+from cases import train_step  # noqa: E402
+from workers.common import save_per_rank, strategy_for  # noqa: E402
 
 SIZES = [6, 2, 3, 5]
 """Over 2 workers x 2 replicas: slices (2, 2, 1, 1), (1, 1, 0, 0), (1, 1, 1, 0), (2, 1, 1, 1)."""
@@ -53,26 +56,15 @@ def batches(sizes=SIZES, seed=3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    registry = DeviceRegistry()
-    registry.set_logical_device_configuration("cpu", 2)
-    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"], timeout=60, registry=registry)
-    rank = strategy.cluster.rank
-    model, opt = strategy.distribute(*build())
-
-    def step(x, y):
-        F.cross_entropy(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-
-    for x, y in strategy.distribute_dataset(batches()):
-        strategy.run(step, args=(x, y))
-    evaluation = sg.evaluate(strategy, model, batches([7, 1], seed=4), F.cross_entropy, metrics=())
-    torch.save({"states": [r.state_dict() for r in model.replicas], "optimizer": opt.state_dict(),
-                "seen": [list(r.seen) for r in model.replicas], "loss": evaluation.metrics["loss"],
-                "explain": str(strategy.explain())}, f"{os.environ['MW_OUT']}.{rank}")
-    strategy.close()
+    with strategy_for(2, 60) as strategy:
+        model, opt = strategy.distribute(*build())
+        step = train_step(model, opt)
+        for x, y in strategy.distribute_dataset(batches()):
+            strategy.run(step, args=(x, y))
+        evaluation = sg.evaluate(strategy, model, batches([7, 1], seed=4), F.cross_entropy, metrics=())
+        save_per_rank({"states": [r.state_dict() for r in model.replicas], "optimizer": opt.state_dict(),
+                       "seen": [list(r.seen) for r in model.replicas], "loss": evaluation.metrics["loss"],
+                       "explain": str(strategy.explain())}, strategy, "MW_OUT")
     return 0
 
 

@@ -14,19 +14,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-
-import stratagem as sg  # noqa: E402
 from cases import make_batches  # noqa: E402
 from optimizer_cases import build_heads, heads_loss  # noqa: E402
-from stratagem.devices import DeviceRegistry  # noqa: E402
+from workers.common import multi_worker, setting  # noqa: E402
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    local = int(os.environ.get("MW_LOCAL", "2"))
-    registry = DeviceRegistry()
-    registry.set_logical_device_configuration("cpu", max(local, 2))
-    strategy = sg.MultiWorkerMirroredStrategy([f"cpu:{i}" for i in range(local)], timeout=60.0, registry=registry)
+    strategy = multi_worker(int(setting("MW_LOCAL", "2")), 60.0)
     model, optimizer = strategy.distribute(*build_heads())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
 
@@ -40,7 +34,7 @@ def main() -> int:
         strategy.run(step, args=(x, y))
     if strategy.cluster.rank == 0:
         torch.save({"state": model.state_dict(), "last_epoch": scheduler.last_epoch,
-                    "explain": str(strategy.explain())}, os.environ["MW_OUT"])
+                    "explain": str(strategy.explain())}, setting("MW_OUT"))
     strategy.close()
     return 0
 

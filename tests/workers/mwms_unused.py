@@ -13,29 +13,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-import stratagem as sg  # noqa: E402
-from stratagem.devices import DeviceRegistry  # noqa: E402
 from unused_cases import train_with  # noqa: E402
+from workers.common import chief_saves_each_case  # noqa: E402
+
+
+def train(strategy, local):
+    state, aux_none = train_with(strategy)
+    return {"state": state, "aux_none": aux_none}
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    results = {}
-    rank = None
-    for local in (1, 2):
-        registry = DeviceRegistry()
-        registry.set_logical_device_configuration("cpu", 2)
-        strategy = sg.MultiWorkerMirroredStrategy([f"cpu:{i}" for i in range(local)], timeout=60, registry=registry)
-        rank = strategy.cluster.rank
-        state, aux_none = train_with(strategy)
-        results[local] = {"state": state, "aux_none": aux_none}
-        strategy.close()
-    if rank == 0:
-        torch.save(results, os.environ["MW_OUT"])
-    print(f"rank {rank} done", flush=True)
-    return 0
+    return chief_saves_each_case({local: local for local in (1, 2)}, train)
 
 
 if __name__ == "__main__":

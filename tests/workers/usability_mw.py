@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from stratagem.devices import DeviceRegistry  # noqa: E402
+from workers.common import multi_worker, setting  # noqa: E402
 
 
 def gather_checks(strategy: sg.MultiWorkerMirroredStrategy) -> dict:
@@ -47,14 +47,11 @@ def fit_checks(strategy: sg.MultiWorkerMirroredStrategy, out: Path) -> dict:
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    registry = DeviceRegistry()
-    registry.set_logical_device_configuration("cpu", 2)
-    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"], timeout=60, registry=registry)
+    strategy = multi_worker(2, 60)
     sg.seed_everything(11)
     seen = {"gather": gather_checks(strategy), "draw": float(torch.rand(1))}
-    seen["fit"] = fit_checks(strategy, Path(os.environ["UW_OUT"]))
-    Path(os.environ["UW_OUT"], f"rank{strategy.cluster.rank}.json").write_text(json.dumps(seen))
+    seen["fit"] = fit_checks(strategy, Path(setting("UW_OUT")))
+    Path(setting("UW_OUT"), f"rank{strategy.cluster.rank}.json").write_text(json.dumps(seen))
     strategy.close()
     return 0
 

@@ -14,21 +14,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-import stratagem as sg  # noqa: E402
 import zoo  # noqa: E402
+from workers.common import save_per_rank, setting, strategy_for  # noqa: E402
 
 
 def main() -> int:
-    torch.set_num_threads(1)
-    env = os.environ
-    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], timeout=float(env.get("ZOO_TIMEOUT", "60")))
-    try:
-        model, losses = zoo.train_with(strategy, env["ZOO_MODEL"], simple=env.get("ZOO_SIMPLE") == "1")
-        torch.save({"state": model.state_dict(), "losses": losses}, f"{env['ZOO_OUT']}.{strategy.cluster.rank}")
-    finally:
-        strategy.close()
+    with strategy_for(1, float(setting("ZOO_TIMEOUT", "60")), logical=False) as strategy:
+        model, losses = zoo.train_with(strategy, setting("ZOO_MODEL"), simple=setting("ZOO_SIMPLE", "0") == "1")
+        save_per_rank({"state": model.state_dict(), "losses": losses}, strategy, "ZOO_OUT")
     return 0
 
 

@@ -63,9 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--devices", metavar="NAMES", type=_device_list,
                         help="comma-separated devices in TF or torch spelling, e.g. cpu:0,cpu:1 or /gpu:0,/gpu:1 "
                              "(default: every GPU, else two logical CPUs; one_device: the first GPU, else cpu:0)")
-    parser.add_argument("--epochs", type=_positive_int, default=_DEFAULTS.epochs,
+    parser.add_argument("--epochs", type=_count("10"), default=_DEFAULTS.epochs,
                         help=f"passes over the training set (default: {_DEFAULTS.epochs})")
-    parser.add_argument("--batch-size", type=_positive_int, default=_DEFAULTS.batch_size,
+    parser.add_argument("--batch-size", type=_count("10"), default=_DEFAULTS.batch_size,
                         help=f"GLOBAL batch size, split among the replicas (default: {_DEFAULTS.batch_size})")
     parser.add_argument("--lr", type=_positive_float, default=_DEFAULTS.lr,
                         help=f"Adam learning rate (default: {_DEFAULTS.lr})")
@@ -277,7 +277,7 @@ def _device_list(text: str) -> tuple[str, ...]:
 
 
 def _count(example: str) -> Any:
-    """A positive integer option whose error gives an example that suits it (--workers 2, --ps 1)."""
+    """A positive integer option whose error gives an example that suits it (--workers 2, --ps 1, --epochs 10)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -288,16 +288,6 @@ def _count(example: str) -> Any:
         return value
 
     return parse
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {text!r}. Use e.g. 10")
-    return value
 
 
 def _positive_float(text: str) -> float:
