@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from stratagem import devices as sg_devices
-from stratagem import diagnose
+from stratagem import diagnose  # noqa: F401  (reached as mirrored.diagnose, as before the placement moved)
 from stratagem.collective.local import (
     InMemoryReduce,
     LocalReducer,
@@ -31,7 +31,7 @@ from stratagem.collective.local import (
 from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
-from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
+from stratagem.errors import InputError
 from stratagem.strategies import lr_schedulers
 from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies import loss_weight
@@ -48,6 +48,8 @@ from stratagem.strategies.distributed import (
 from stratagem.strategies.empty_slices import RULE as EMPTY_SLICE_RULE
 from stratagem.strategies.empty_slices import EmptySlices
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies import mirrored_placement as placement
+from stratagem.strategies.mirrored_placement import nccl_available as _nccl_available
 from stratagem.strategies.profiling import warn_if_profiling_one_thread
 from stratagem.strategies.replicas import (
     ReplicaBarrier,
@@ -59,7 +61,6 @@ from stratagem.strategies.replicas import (
 from stratagem.strategies.sharded import (
     ShardedOptimizer,
     alias_parameters,
-    why_not_shareable,
 )
 from stratagem.values import PerReplica, flatten, select_replica, stack_replicas
 
@@ -161,57 +162,19 @@ class MirroredStrategy(Strategy):
         self._accumulation = LocalAccumulation()
 
     # ---- placement ----------------------------------------------------------------------------
+    # Each decision is made in strategies/mirrored_placement.py; these thin methods record it.
     def _choose_devices(self, devices, require_gpu, registry) -> list[sg_devices.LogicalDevice]:
-        if devices is None:
-            chosen, decision = sg_devices.default_devices(registry=registry)
-            self._decisions.append(decision)
-            if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
-                facts = diagnose.collect_facts(_env())
-                reason = diagnose.gpu_unavailable_reason(facts)
-                detail = f" {reason.reason} Fix: {reason.fix}" if reason is not None else ""
-                raise GpuUnavailableError(
-                    f"require_gpu=True, but no GPU can be used, so MirroredStrategy would run on the CPU.{detail}"
-                )
-            return chosen
-        chosen = sg_devices.resolve_devices(devices, registry=registry)
-        if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
-            raise GpuUnavailableError(
-                f"require_gpu=True, but the devices given are not GPUs. Received: devices={list(map(str, devices))}. "
-                "Name GPUs (e.g. ['cuda:0', 'cuda:1']) or drop require_gpu."
-            )
-        self._decisions.append(
-            PlacementDecision(subject="devices", choice=", ".join(d.name for d in chosen), reason="given by devices=")
-        )
+        chosen, decision = placement.choose_devices(devices, require_gpu, registry)
+        self._decisions.append(decision)
         return chosen
 
     def _check_one_replica_per_gpu(self) -> None:
-        gpus = [d for d in self._devices if d.type == "cuda"]
-        shared = sorted({str(d) for d in gpus if gpus.count(d) > 1})
-        if shared:
-            raise InputError(
-                f"MirroredStrategy runs at most one replica per physical GPU. Received: several logical GPUs on "
-                f"{', '.join(shared)} ({', '.join(self._names)}). torch runs the backward passes of one GPU on a single "
-                "autograd thread, so replicas sharing it would wait for each other forever at the end of backward. "
-                "Use one logical GPU per physical GPU, or MultiWorkerMirroredStrategy with one process per replica."
-            )
+        placement.check_one_replica_per_gpu(self._devices, self._names)
 
     def _choose_threads(self, intra_op_threads: int | None) -> int | None:
-        num_cpu = sum(1 for d in self._devices if d.type == "cpu")
-        if num_cpu == 0:
-            return None
-        if intra_op_threads is not None:
-            if intra_op_threads < 1:
-                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads}.")
-            threads, why = intra_op_threads, "given by intra_op_threads="
-        else:
-            total = torch.get_num_threads()
-            threads = max(1, total // num_cpu)
-            why = (
-                f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU replica(s), so replicas "
-                "running at once do not oversubscribe the cores"
-            )
-        # Said for one CPU replica too (OneDevice, one replica per worker): the same rule gives it every thread.
-        self._decisions.append(PlacementDecision(subject="intra-op threads per CPU replica", choice=str(threads), reason=why))
+        threads, decision = placement.choose_threads(self._devices, intra_op_threads)
+        if decision is not None:
+            self._decisions.append(decision)
         return threads
 
     @property
@@ -299,54 +262,13 @@ class MirroredStrategy(Strategy):
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: does each GPU replica have room for the model's training state?"""
-        gpus = [d for d in self._logical if d.physical.type == "cuda"]
-        if not gpus:
-            return
-        estimate = diagnose.estimate_training_memory(model, optimizer)
-        held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-        if optimizer is not None:
-            held += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        for device in gpus:
-            # The replica on the model's own GPU is the model itself: what it holds there is no new memory.
-            resident = sg_devices.resident_bytes(held, device.physical) if device is self._logical[0] else 0
-            known = device.memory_room(resident_bytes=resident)
-            if known is None:
-                continue
-            room, what = known
-            if estimate.total_bytes > room:
-                raise MemoryEstimateError(
-                    f"Replica on {device.name} needs at least {estimate.describe()}, but {what} is "
-                    f"{diagnose.format_bytes(room)}. Options: fewer replicas per GPU or a GPU with more memory, "
-                    "central storage (parameters and optimizer state on one device), or model parallelism "
-                    "(the model split across devices)."
-                )
+        placement.check_memory(self._logical, model, optimizer)
 
     def _decide_sharing(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether the replicas share one copy of the parameters (see strategies/sharded.py)."""
-        if len(self._devices) == 1:
-            return False
-        if len(set(self._devices)) != 1:
-            reason: str | None = "the replicas are on different physical devices"
-        else:
-            reason = why_not_shareable(optimizer, model)
-        if self._share_parameters is False:
-            shared, why = False, "share_parameters=False"
-        elif reason is not None:
-            if self._share_parameters:
-                raise InputError(
-                    f"share_parameters=True, but the replicas cannot share parameters: {reason}. "
-                    "Drop share_parameters=True to keep a private copy per replica."
-                )
-            shared, why = False, reason
-        else:
-            shared = True
-            why = (
-                f"all replicas run on {self._devices[0]}, so they read one copy of the parameters and each "
-                f"updates 1/{len(self._devices)} of it (optimizer state exists once); update parameters only "
-                "through the optimizer"
-            )
-        choice = "shared, update sharded" if shared else "a private copy per replica"
-        self._decisions.append(PlacementDecision(subject="parameter storage", choice=choice, reason=why))
+        shared, decision = placement.decide_sharing(self._devices, self._share_parameters, model, optimizer)
+        if decision is not None:
+            self._decisions.append(decision)
         return shared
 
     def _current_replica(self) -> int | None:
@@ -697,21 +619,3 @@ def _device_guard(device: torch.device) -> Any:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return _NullGuard()
-
-
-def _nccl_available(devices: Sequence[torch.device]) -> bool:
-    """Whether `torch.cuda.nccl` can all-reduce across these replicas' GPUs, touching no device.
-
-    NCCL serves only replicas on two or more distinct GPUs; for any other set nothing is probed, so a
-    CPU strategy never starts CUDA (a context costs about 0.5 GiB on the GPU it lands on). The probe is
-    the build's NCCL binding, not an allocation: `nccl.is_available(tensors)` would need tensors on a GPU.
-    """
-    if len({d for d in devices if d.type == "cuda"}) < 2:
-        return False
-    return hasattr(torch._C, "_nccl_all_reduce")
-
-
-def _env() -> Mapping[str, str]:
-    from stratagem import environ
-
-    return environ.current()
