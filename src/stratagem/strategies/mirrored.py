@@ -16,7 +16,7 @@ import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from stratagem.strategies import loss_weight
 from stratagem.strategies import cuda_numerics
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
+from stratagem.strategies.combine import LocalCombination
 from stratagem.strategies.compiled import make_room_for_replicas
 from stratagem.strategies.distributed import (
     DistributedModel,
@@ -140,19 +141,7 @@ class MirroredStrategy(Strategy):
         self._model: DistributedModel | None = None
         self._replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self._devices)
-        self._grad_slots: list[Any] = [None] * len(self._devices)
-        # Work stealing at the end of backward (in-memory reduction only): a replica that finishes its
-        # backward pass first combines, while it waits, shares of the parameters whose gradients every
-        # replica already has. _ready[r][i] / _claimed[i][k] hold the number of the backward pass (per run)
-        # in which replica r produced gradient i / share k of gradient i was combined, so nothing needs
-        # clearing between passes.
-        self._steal = False
-        self._stealing = False  # in this run: not while a placement log records, so each replica logs its own work
-        self._passes: list[int] = []
-        self._ready: list[list[int]] = []
-        self._claimed: list[list[int]] = []
-        self._full: list[int] = []  # gradients every replica has produced in the current pass, to claim from
-        self._stealable: list[bool] = []  # large enough that combining one share early pays for the Python it costs
+        self._combination = LocalCombination(self._barrier, len(self._devices))
         self._run_state: _RunState | None = None
         self._step = 0
         self._empty_slices = EmptySlices()
@@ -235,11 +224,10 @@ class MirroredStrategy(Strategy):
         self._accumulation.attach(self._replica_params, plain)
         self._prepare_replicas(replicas)
         self._install_batch_norm(replicas)
-        self._steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
         # A share of a small gradient costs more in Python calls than it saves; those are combined after
         # the meeting, all in one call (a model of 300 small layers ran 30-50% slower stealing them all).
-        self._stealable = [p.numel() // len(replicas) >= STEAL_MIN_ELEMENTS for p in self._replica_params[0]]
-        self._reset_steal_state()
+        steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
+        self._combination.attach(self._replica_params, steal, STEAL_MIN_ELEMENTS)
         if self._needs_gradient_sync():
             for r, params in enumerate(self._replica_params):
                 for i, p in enumerate(params):
@@ -304,9 +292,7 @@ class MirroredStrategy(Strategy):
         self._run_state = state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
         self._begin_parts(batch_sizes)
         self._queued = [False] * num_replicas
-        # The last step's gradients must not outlive zero_grad(): held here, they would make backward
-        # take fresh memory every step (page faults) instead of reusing theirs.
-        self._grad_slots = [None] * num_replicas
+        self._combination.begin_run()
         self._accumulation.begin_run(self._run_state.weights, self._step)
         self._begin_step(self._run_state)
         if num_replicas == 1:
@@ -321,8 +307,8 @@ class MirroredStrategy(Strategy):
         if self._pool is None:
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         self._barrier.reset()
-        self._reset_steal_state()
-        self._stealing = self._steal and capture_placement() is None
+        self._combination.reset(self._replica_params)
+        self._combination.stealing = self._combination.steal and capture_placement() is None
         grad_enabled = torch.is_grad_enabled()
         warn_if_profiling_one_thread(self, num_replicas)
 
@@ -392,26 +378,11 @@ class MirroredStrategy(Strategy):
     def _grad_ready(self, replica: int, index: int) -> None:
         """Called as soon as gradient `index` of `replica` has been accumulated (multi-worker: buckets)."""
 
-    def _reset_steal_state(self) -> None:
-        num_params = len(self._replica_params[0]) if self._replica_params else 0
-        self._passes = [0] * len(self._devices)
-        self._ready = [[0] * num_params for _ in self._devices]
-        self._claimed = [[0] * len(self._devices) for _ in range(num_params)]
-        self._full = []
-
-    def _mark_ready(self, replica: int, index: int) -> None:
-        """Under the barrier's lock: gradient `index` of `replica` is in; once every replica's is, it can be claimed."""
-        current = self._passes[replica] + 1
-        self._ready[replica][index] = current
-        if all(ready[index] == current for ready in self._ready):
-            self._full.append(index)
-
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             if self._accumulation.active and self._accumulation.skips(replica):
                 return  # inside no_sync(): this replica's gradient only accumulates (strategies/accumulation.py)
-            if self._stealing and self._stealable[index]:  # a replica waiting may combine this one now
-                self._barrier.notify(lambda: self._mark_ready(replica, index))
+            self._combination.grad_ready(replica, index)  # a replica waiting may combine this one now
             self._grad_ready(replica, index)
             if not self._queued[replica]:
                 self._queued[replica] = True
@@ -431,31 +402,7 @@ class MirroredStrategy(Strategy):
                 "their gradients and would drift apart. Call loss.backward() inside the function given to "
                 "strategy.run()."
             )
-        grads = [p.grad for p in self._replica_params[replica]]
-        self._grad_slots[replica] = grads
-        weight = state.weights[replica]
-        if self._reducer.prescale:
-            present = [g for g in grads if g is not None]
-            if weight == 0:
-                torch._foreach_zero_(present)  # an empty slice's gradient may be NaN: it must not be scaled
-            elif weight != 1.0:
-                torch._foreach_mul_(present, weight)
-        self._passes[replica] += 1
-        current = self._passes[replica]
-        steal = (lambda: self._claim_combination(replica, current, state.weights)) if self._stealing else None
-        self._barrier.wait(replica, "end of backward", state.step, steal=steal)
-        slots = self._grad_slots
-        keep: Sequence[int] = range(len(grads))
-        if any(g is None for slot in slots for g in slot):
-            keep = self._fill_missing_grads(replica, slots, state.step)
-        lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
-        if self._stealing and lists[0]:
-            # The claims are final: they were made before the last replica arrived at the barrier.
-            done = {pos for pos, i in enumerate(keep) if self._claimed[i][replica] == current}
-            self._reducer.combine_(replica, lists, state.weights, skip=done)  # type: ignore[call-arg]
-        elif lists[0]:
-            self._reducer.combine_(replica, lists, state.weights)
-        self._barrier.wait(replica, "gradient combination", state.step)
+        lists = self._combination.combine(replica, self._replica_params, self._reducer, state.weights, state.step)
         # Not only when this worker has gradients: the others may, and every worker must join the sum.
         if self._combine_across_workers(replica, lists, state.step):
             self._barrier.wait(replica, "gradient combination across workers", state.step)
@@ -481,41 +428,20 @@ class MirroredStrategy(Strategy):
         if total is not None:
             loss_weight.divide_gradients_(self._replica_params[replica], total)
 
-    def _claim_combination(self, replica: int, current: int, weights: list[float]) -> Callable[[], None] | None:
-        """Called with the barrier's lock held by `replica`, waiting at the end of backward pass `current`:
-        claims one share of a parameter whose gradient every replica has produced (another replica's
-        share first: that one would otherwise do it after the meeting) and returns the job that combines
-        it, with the same arithmetic as after the meeting; None when there is nothing to claim."""
-        num_replicas = len(self._devices)
-        shares = [k for k in range(num_replicas) if k != replica] + [replica]
-        while self._full:  # the gradient that became complete last first: backward produces the last layers first
-            i = self._full[-1]
-            # Every replica's gradient i is in (a post-accumulate hook marked it), so none is None.
-            grads = cast("list[list[torch.Tensor]]", [[params[i].grad] for params in self._replica_params])
-            if all(ready[i] == current for ready in self._ready) and all(g[0].is_contiguous() for g in grads):
-                for share in shares:
-                    if self._claimed[i][share] != current:
-                        self._claimed[i][share] = current
-                        return lambda: self._reducer.combine_(share, grads, weights)
-            self._full.pop()  # every share claimed, from an earlier pass, or combined whole after the meeting
-        return None
+    @property
+    def _claimed(self) -> list[list[int]]:
+        """Per gradient, per share: the backward pass in which a waiting replica combined it (strategies/combine.py)."""
+        return self._combination.claimed
+
+    @property
+    def _stealable(self) -> list[bool]:
+        """Per gradient: whether a waiting replica may combine its shares early (strategies/combine.py)."""
+        return self._combination.stealable
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
         """After the local combination: sum across worker processes. Returns True when it did work
         that the other local replicas must wait for."""
         return False
-
-    def _fill_missing_grads(self, replica: int, slots: list[list[Any]], step: int) -> list[int]:
-        """A parameter some replicas gave no gradient: zeros there; one no replica touched stays None."""
-        keep = [i for i in range(len(slots[0])) if any(slot[i] is not None for slot in slots)]
-        mine = slots[replica]
-        for i in keep:
-            if mine[i] is None:
-                param = self._replica_params[replica][i]
-                param.grad = torch.zeros_like(param)
-                mine[i] = param.grad
-        self._barrier.wait(replica, "filling of missing gradients", step)
-        return keep
 
     def no_sync(self) -> Any:
         """A context in which backward only accumulates each replica's gradients, as DDP's `no_sync`.
