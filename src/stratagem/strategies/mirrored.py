@@ -6,13 +6,15 @@ once per replica, in parallel threads (replica 0 on the caller's thread). When a
 the replica's share of the global batch, so by the time `backward()` returns every replica
 holds the gradient of the mean loss over the whole global batch. Clipping and the optimizer
 then see the same combined gradient on every replica and apply the same update.
+
+The class assembles parts, each a module of its own (the "parts" comment in MirroredStrategy lists
+them in order); CentralStorageStrategy, MultiWorkerMirroredStrategy and OneDeviceStrategy build on it
+through the thin methods and empty hooks it keeps here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,16 +25,11 @@ from torch import nn
 
 from stratagem import devices as sg_devices
 from stratagem import diagnose  # noqa: F401  (reached as mirrored.diagnose, as before the placement moved)
-from stratagem.collective.local import (
-    InMemoryReduce,
-    LocalReducer,
-    choose_local_reducer,
-)
+from stratagem.collective.local import InMemoryReduce, LocalReducer, choose_local_reducer
 from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import InputError
-from stratagem.strategies import lr_schedulers
 from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies import loss_weight
 from stratagem.strategies import cuda_numerics
@@ -40,30 +37,18 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
 from stratagem.strategies.combine import LocalCombination
 from stratagem.strategies.compiled import make_room_for_replicas
-from stratagem.strategies.distributed import (
-    DistributedModel,
-    DistributedOptimizer,
-    check_optimizer_supported,
-    replicate_optimizer,
-)
+from stratagem.strategies import run_inputs
+from stratagem.strategies.distributed import DistributedModel, check_optimizer_supported
 from stratagem.strategies.empty_slices import RULE as EMPTY_SLICE_RULE
 from stratagem.strategies.empty_slices import EmptySlices
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies import mirrored_placement as placement
 from stratagem.strategies.mirrored_placement import nccl_available as _nccl_available
 from stratagem.strategies.profiling import warn_if_profiling_one_thread
-from stratagem.strategies.replicas import (
-    ReplicaBarrier,
-    ReplicaContext,
-    ReplicaPool,
-    current_replica_context,
-    enter_replica,
-)
-from stratagem.strategies.sharded import (
-    ShardedOptimizer,
-    alias_parameters,
-)
-from stratagem.values import PerReplica, flatten, select_replica, stack_replicas
+from stratagem.strategies.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
+from stratagem.strategies.replicas import current_replica_context, enter_replica
+from stratagem.strategies.mirrored_replicas import distribute_optimizer, make_replicas
+from stratagem.values import select_replica, stack_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +89,20 @@ class MirroredStrategy(Strategy):
         ...     losses = strategy.run(train_step, args=(x, y))
         ...     print(strategy.reduce("mean", losses))
     """
+
+    # Parts, in the order a step meets them (each module owns one idea and reports its decisions):
+    #  1. placement: devices, one replica per GPU, memory limits and check, intra-op threads, parameter
+    #     sharing (mirrored_placement.py); the local reducer (collective/local.py)
+    #  2. replicas: a model copy per device and their optimizer (mirrored_replicas.py, sharded.py,
+    #     distributed.py), run on threads meeting at a barrier (replicas.py); compiled models
+    #     (compiled.py), CUDA random streams and TF32 (cuda_numerics.py)
+    #  3. run's inputs: slice sizes and each replica's weight (run_inputs.py); empty slices (empty_slices.py)
+    #  4. BatchNorm statistics across replicas (batch_norm.py)
+    #  5. end of backward: the local combination and its work stealing (combine.py), then the sum across
+    #     workers (the _combine_across_workers hook: multi_worker.py); declared loss weights (loss_weight.py)
+    #  6. accumulation under no_sync() (accumulation.py); schedulers built before distribute (lr_schedulers.py)
+    #  7. explain() gathers every part's decisions (explain.py); run() warns when a profiler would see
+    #     only replica 0's thread (profiling.py)
 
     def __init__(
         self,
@@ -201,24 +200,11 @@ class MirroredStrategy(Strategy):
             self._decisions.append(streams)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
-        replicas = [model.to(self._devices[0])]
-        for device in self._devices[1:]:
-            replicas.append(copy.deepcopy(model).to(device))
-        if shared:
-            alias_parameters(replicas)
-        distributed_optimizer: ShardedOptimizer | DistributedOptimizer | None = None
+        replicas = make_replicas(model, self._devices, shared)
+        distributed_optimizer = None
         if optimizer is not None:
-            if optimizer.state and self._devices[0].type != "cpu":
-                optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
-            if shared:
-                distributed_optimizer = ShardedOptimizer(optimizer, [list(r.parameters()) for r in replicas], self)
-            elif len(replicas) > 1:
-                distributed_optimizer = DistributedOptimizer(
-                    [optimizer] + [replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]],
-                    self,
-                )
-            if distributed_optimizer is not None:  # schedulers built before distribute step once per step too
-                lr_schedulers.adopt_existing(optimizer, distributed_optimizer, gc.get_referrers)
+            distributed_optimizer = distribute_optimizer(
+                optimizer, source_params, replicas, self._devices[0], shared, self)
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         plain = getattr(distributed_optimizer, "_optimizers", None) or ([optimizer] if optimizer is not None else [])
         self._accumulation.attach(self._replica_params, plain)
@@ -286,8 +272,8 @@ class MirroredStrategy(Strategy):
         kwargs = dict(kwargs or {})
         args = tuple(args)
         num_replicas = len(self._devices)
-        batch_sizes = _batch_sizes(args, kwargs, num_replicas)
-        global_size = _global_size(args, kwargs)
+        batch_sizes = run_inputs.batch_sizes(args, kwargs, num_replicas)
+        global_size = run_inputs.global_size(args, kwargs)
         self._step += 1
         self._run_state = state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
         self._begin_parts(batch_sizes)
@@ -315,7 +301,7 @@ class MirroredStrategy(Strategy):
         def job(replica: int) -> Any:
             previous = enter_replica(ReplicaContext(replica, self.num_replicas_in_sync, self._devices[replica], self))
             try:
-                with torch.set_grad_enabled(grad_enabled), _device_guard(self._devices[replica]):
+                with torch.set_grad_enabled(grad_enabled), run_inputs.device_guard(self._devices[replica]):
                     return fn(*select_replica(args, replica), **select_replica(kwargs, replica))
             except BaseException as error:
                 self._barrier.abort(error)  # before finish(): waiting replicas must see the cause, not an early exit
@@ -338,11 +324,7 @@ class MirroredStrategy(Strategy):
 
     def _replica_weights(self, batch_sizes: tuple[int, ...] | None, global_size: int | None) -> list[float]:
         """Each local replica's share of the global batch (equal shares when the batch is unknown)."""
-        num_replicas = len(self._devices)
-        if batch_sizes is None:
-            return [1.0 / self.num_replicas_in_sync] * num_replicas
-        total = global_size if global_size is not None else sum(batch_sizes)
-        return [n / total for n in batch_sizes]
+        return run_inputs.replica_weights(batch_sizes, global_size, len(self._devices), self.num_replicas_in_sync)
 
     def _begin_step(self, state: _RunState) -> None:
         """Called at the start of each run (multi-worker: heartbeat, bucket reset)."""
@@ -350,7 +332,7 @@ class MirroredStrategy(Strategy):
     def _run_one(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         previous = enter_replica(ReplicaContext(0, self.num_replicas_in_sync, self._devices[0], self))
         try:
-            with _device_guard(self._devices[0]):
+            with run_inputs.device_guard(self._devices[0]):
                 return fn(*select_replica(args, 0), **select_replica(kwargs, 0))
         except NotImplementedError as error:
             translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
@@ -505,43 +487,3 @@ class MirroredStrategy(Strategy):
         if self._batch_norm is not None:
             details.update(self._batch_norm.describe())
         return details
-
-
-def _global_size(args: tuple, kwargs: dict) -> int | None:
-    for leaf in flatten((args, kwargs)):
-        if isinstance(leaf, PerReplica) and leaf.global_size is not None:
-            return leaf.global_size
-    return None
-
-
-def _batch_sizes(args: tuple, kwargs: dict, num_replicas: int) -> tuple[int, ...] | None:
-    sizes = None
-    for leaf in flatten((args, kwargs)):
-        if isinstance(leaf, PerReplica):
-            if len(leaf.values) != num_replicas:
-                raise InputError(
-                    f"A per-replica value has {len(leaf.values)} values but this strategy has {num_replicas} "
-                    "replicas. Distribute the input with this strategy's distribute_dataset."
-                )
-            if leaf.batch_sizes is not None:
-                if sizes is not None and leaf.batch_sizes != sizes:
-                    raise InputError(
-                        "The per-replica arguments of run() come from batches split differently. "
-                        f"Received: batch sizes {sizes} and {leaf.batch_sizes}. Pass pieces of one distributed batch."
-                    )
-                sizes = leaf.batch_sizes
-    return sizes
-
-
-class _NullGuard:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _device_guard(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return _NullGuard()

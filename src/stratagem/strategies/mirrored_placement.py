@@ -41,8 +41,8 @@ def choose_devices(
             f"require_gpu=True, but the devices given are not GPUs. Received: devices={list(map(str, devices))}. "
             "Name GPUs (e.g. ['cuda:0', 'cuda:1']) or drop require_gpu."
         )
-    decision = PlacementDecision(subject="devices", choice=", ".join(d.name for d in chosen), reason="given by devices=")
-    return chosen, decision
+    names = ", ".join(d.name for d in chosen)
+    return chosen, PlacementDecision(subject="devices", choice=names, reason="given by devices=")
 
 
 def check_one_replica_per_gpu(devices: Sequence[torch.device], names: Sequence[str]) -> None:
