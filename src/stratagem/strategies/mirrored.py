@@ -6,62 +6,49 @@ once per replica, in parallel threads (replica 0 on the caller's thread). When a
 the replica's share of the global batch, so by the time `backward()` returns every replica
 holds the gradient of the mean loss over the whole global batch. Clipping and the optimizer
 then see the same combined gradient on every replica and apply the same update.
+
+The class assembles parts, each a module of its own (the "parts" comment in MirroredStrategy lists
+them in order); CentralStorageStrategy, MultiWorkerMirroredStrategy and OneDeviceStrategy build on it
+through the thin methods and empty hooks it keeps here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from stratagem import devices as sg_devices
-from stratagem import diagnose
-from stratagem.collective.local import (
-    InMemoryReduce,
-    LocalReducer,
-    choose_local_reducer,
-)
+from stratagem import diagnose  # noqa: F401  (reached as mirrored.diagnose, as before the placement moved)
+from stratagem.collective.local import InMemoryReduce, LocalReducer, choose_local_reducer
 from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
-from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
-from stratagem.strategies import lr_schedulers
+from stratagem.errors import InputError
 from stratagem.strategies.accumulation import LocalAccumulation
 from stratagem.strategies import loss_weight
 from stratagem.strategies import cuda_numerics
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batch_norm import BatchNormSync, CrossWorkerSum, batch_norm_decision, check_batch_norm_mode
+from stratagem.strategies.combine import LocalCombination
 from stratagem.strategies.compiled import make_room_for_replicas
-from stratagem.strategies.distributed import (
-    DistributedModel,
-    DistributedOptimizer,
-    check_optimizer_supported,
-    replicate_optimizer,
-)
+from stratagem.strategies import run_inputs
+from stratagem.strategies.distributed import DistributedModel, check_optimizer_supported
 from stratagem.strategies.empty_slices import RULE as EMPTY_SLICE_RULE
 from stratagem.strategies.empty_slices import EmptySlices
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies import mirrored_placement as placement
+from stratagem.strategies.mirrored_placement import nccl_available as _nccl_available
 from stratagem.strategies.profiling import warn_if_profiling_one_thread
-from stratagem.strategies.replicas import (
-    ReplicaBarrier,
-    ReplicaContext,
-    ReplicaPool,
-    current_replica_context,
-    enter_replica,
-)
-from stratagem.strategies.sharded import (
-    ShardedOptimizer,
-    alias_parameters,
-    why_not_shareable,
-)
-from stratagem.values import PerReplica, flatten, select_replica, stack_replicas
+from stratagem.strategies.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
+from stratagem.strategies.replicas import current_replica_context, enter_replica
+from stratagem.strategies.mirrored_replicas import distribute_optimizer, make_replicas
+from stratagem.values import select_replica, stack_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +90,20 @@ class MirroredStrategy(Strategy):
         ...     print(strategy.reduce("mean", losses))
     """
 
+    # Parts, in the order a step meets them (each module owns one idea and reports its decisions):
+    #  1. placement: devices, one replica per GPU, memory limits and check, intra-op threads, parameter
+    #     sharing (mirrored_placement.py); the local reducer (collective/local.py)
+    #  2. replicas: a model copy per device and their optimizer (mirrored_replicas.py, sharded.py,
+    #     distributed.py), run on threads meeting at a barrier (replicas.py); compiled models
+    #     (compiled.py), CUDA random streams and TF32 (cuda_numerics.py)
+    #  3. run's inputs: slice sizes and each replica's weight (run_inputs.py); empty slices (empty_slices.py)
+    #  4. BatchNorm statistics across replicas (batch_norm.py)
+    #  5. end of backward: the local combination and its work stealing (combine.py), then the sum across
+    #     workers (the _combine_across_workers hook: multi_worker.py); declared loss weights (loss_weight.py)
+    #  6. accumulation under no_sync() (accumulation.py); schedulers built before distribute (lr_schedulers.py)
+    #  7. explain() gathers every part's decisions (explain.py); run() warns when a profiler would see
+    #     only replica 0's thread (profiling.py)
+
     def __init__(
         self,
         devices: Sequence[str | torch.device] | None = None,
@@ -139,19 +140,7 @@ class MirroredStrategy(Strategy):
         self._model: DistributedModel | None = None
         self._replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self._devices)
-        self._grad_slots: list[Any] = [None] * len(self._devices)
-        # Work stealing at the end of backward (in-memory reduction only): a replica that finishes its
-        # backward pass first combines, while it waits, shares of the parameters whose gradients every
-        # replica already has. _ready[r][i] / _claimed[i][k] hold the number of the backward pass (per run)
-        # in which replica r produced gradient i / share k of gradient i was combined, so nothing needs
-        # clearing between passes.
-        self._steal = False
-        self._stealing = False  # in this run: not while a placement log records, so each replica logs its own work
-        self._passes: list[int] = []
-        self._ready: list[list[int]] = []
-        self._claimed: list[list[int]] = []
-        self._full: list[int] = []  # gradients every replica has produced in the current pass, to claim from
-        self._stealable: list[bool] = []  # large enough that combining one share early pays for the Python it costs
+        self._combination = LocalCombination(self._barrier, len(self._devices))
         self._run_state: _RunState | None = None
         self._step = 0
         self._empty_slices = EmptySlices()
@@ -161,57 +150,19 @@ class MirroredStrategy(Strategy):
         self._accumulation = LocalAccumulation()
 
     # ---- placement ----------------------------------------------------------------------------
+    # Each decision is made in strategies/mirrored_placement.py; these thin methods record it.
     def _choose_devices(self, devices, require_gpu, registry) -> list[sg_devices.LogicalDevice]:
-        if devices is None:
-            chosen, decision = sg_devices.default_devices(registry=registry)
-            self._decisions.append(decision)
-            if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
-                facts = diagnose.collect_facts(_env())
-                reason = diagnose.gpu_unavailable_reason(facts)
-                detail = f" {reason.reason} Fix: {reason.fix}" if reason is not None else ""
-                raise GpuUnavailableError(
-                    f"require_gpu=True, but no GPU can be used, so MirroredStrategy would run on the CPU.{detail}"
-                )
-            return chosen
-        chosen = sg_devices.resolve_devices(devices, registry=registry)
-        if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
-            raise GpuUnavailableError(
-                f"require_gpu=True, but the devices given are not GPUs. Received: devices={list(map(str, devices))}. "
-                "Name GPUs (e.g. ['cuda:0', 'cuda:1']) or drop require_gpu."
-            )
-        self._decisions.append(
-            PlacementDecision(subject="devices", choice=", ".join(d.name for d in chosen), reason="given by devices=")
-        )
+        chosen, decision = placement.choose_devices(devices, require_gpu, registry)
+        self._decisions.append(decision)
         return chosen
 
     def _check_one_replica_per_gpu(self) -> None:
-        gpus = [d for d in self._devices if d.type == "cuda"]
-        shared = sorted({str(d) for d in gpus if gpus.count(d) > 1})
-        if shared:
-            raise InputError(
-                f"MirroredStrategy runs at most one replica per physical GPU. Received: several logical GPUs on "
-                f"{', '.join(shared)} ({', '.join(self._names)}). torch runs the backward passes of one GPU on a single "
-                "autograd thread, so replicas sharing it would wait for each other forever at the end of backward. "
-                "Use one logical GPU per physical GPU, or MultiWorkerMirroredStrategy with one process per replica."
-            )
+        placement.check_one_replica_per_gpu(self._devices, self._names)
 
     def _choose_threads(self, intra_op_threads: int | None) -> int | None:
-        num_cpu = sum(1 for d in self._devices if d.type == "cpu")
-        if num_cpu == 0:
-            return None
-        if intra_op_threads is not None:
-            if intra_op_threads < 1:
-                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads}.")
-            threads, why = intra_op_threads, "given by intra_op_threads="
-        else:
-            total = torch.get_num_threads()
-            threads = max(1, total // num_cpu)
-            why = (
-                f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU replica(s), so replicas "
-                "running at once do not oversubscribe the cores"
-            )
-        # Said for one CPU replica too (OneDevice, one replica per worker): the same rule gives it every thread.
-        self._decisions.append(PlacementDecision(subject="intra-op threads per CPU replica", choice=str(threads), reason=why))
+        threads, decision = placement.choose_threads(self._devices, intra_op_threads)
+        if decision is not None:
+            self._decisions.append(decision)
         return threads
 
     @property
@@ -249,34 +200,20 @@ class MirroredStrategy(Strategy):
             self._decisions.append(streams)
         source_params = list(model.parameters())
         shared = self._decide_sharing(model, optimizer)
-        replicas = [model.to(self._devices[0])]
-        for device in self._devices[1:]:
-            replicas.append(copy.deepcopy(model).to(device))
-        if shared:
-            alias_parameters(replicas)
-        distributed_optimizer: ShardedOptimizer | DistributedOptimizer | None = None
+        replicas = make_replicas(model, self._devices, shared)
+        distributed_optimizer = None
         if optimizer is not None:
-            if optimizer.state and self._devices[0].type != "cpu":
-                optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
-            if shared:
-                distributed_optimizer = ShardedOptimizer(optimizer, [list(r.parameters()) for r in replicas], self)
-            elif len(replicas) > 1:
-                distributed_optimizer = DistributedOptimizer(
-                    [optimizer] + [replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]],
-                    self,
-                )
-            if distributed_optimizer is not None:  # schedulers built before distribute step once per step too
-                lr_schedulers.adopt_existing(optimizer, distributed_optimizer, gc.get_referrers)
+            distributed_optimizer = distribute_optimizer(
+                optimizer, source_params, replicas, self._devices[0], shared, self)
         self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         plain = getattr(distributed_optimizer, "_optimizers", None) or ([optimizer] if optimizer is not None else [])
         self._accumulation.attach(self._replica_params, plain)
         self._prepare_replicas(replicas)
         self._install_batch_norm(replicas)
-        self._steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
         # A share of a small gradient costs more in Python calls than it saves; those are combined after
         # the meeting, all in one call (a model of 300 small layers ran 30-50% slower stealing them all).
-        self._stealable = [p.numel() // len(replicas) >= STEAL_MIN_ELEMENTS for p in self._replica_params[0]]
-        self._reset_steal_state()
+        steal = isinstance(self._reducer, InMemoryReduce) and len(replicas) > 1
+        self._combination.attach(self._replica_params, steal, STEAL_MIN_ELEMENTS)
         if self._needs_gradient_sync():
             for r, params in enumerate(self._replica_params):
                 for i, p in enumerate(params):
@@ -299,54 +236,13 @@ class MirroredStrategy(Strategy):
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: does each GPU replica have room for the model's training state?"""
-        gpus = [d for d in self._logical if d.physical.type == "cuda"]
-        if not gpus:
-            return
-        estimate = diagnose.estimate_training_memory(model, optimizer)
-        held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-        if optimizer is not None:
-            held += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        for device in gpus:
-            # The replica on the model's own GPU is the model itself: what it holds there is no new memory.
-            resident = sg_devices.resident_bytes(held, device.physical) if device is self._logical[0] else 0
-            known = device.memory_room(resident_bytes=resident)
-            if known is None:
-                continue
-            room, what = known
-            if estimate.total_bytes > room:
-                raise MemoryEstimateError(
-                    f"Replica on {device.name} needs at least {estimate.describe()}, but {what} is "
-                    f"{diagnose.format_bytes(room)}. Options: fewer replicas per GPU or a GPU with more memory, "
-                    "central storage (parameters and optimizer state on one device), or model parallelism "
-                    "(the model split across devices)."
-                )
+        placement.check_memory(self._logical, model, optimizer)
 
     def _decide_sharing(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether the replicas share one copy of the parameters (see strategies/sharded.py)."""
-        if len(self._devices) == 1:
-            return False
-        if len(set(self._devices)) != 1:
-            reason: str | None = "the replicas are on different physical devices"
-        else:
-            reason = why_not_shareable(optimizer, model)
-        if self._share_parameters is False:
-            shared, why = False, "share_parameters=False"
-        elif reason is not None:
-            if self._share_parameters:
-                raise InputError(
-                    f"share_parameters=True, but the replicas cannot share parameters: {reason}. "
-                    "Drop share_parameters=True to keep a private copy per replica."
-                )
-            shared, why = False, reason
-        else:
-            shared = True
-            why = (
-                f"all replicas run on {self._devices[0]}, so they read one copy of the parameters and each "
-                f"updates 1/{len(self._devices)} of it (optimizer state exists once); update parameters only "
-                "through the optimizer"
-            )
-        choice = "shared, update sharded" if shared else "a private copy per replica"
-        self._decisions.append(PlacementDecision(subject="parameter storage", choice=choice, reason=why))
+        shared, decision = placement.decide_sharing(self._devices, self._share_parameters, model, optimizer)
+        if decision is not None:
+            self._decisions.append(decision)
         return shared
 
     def _current_replica(self) -> int | None:
@@ -376,15 +272,13 @@ class MirroredStrategy(Strategy):
         kwargs = dict(kwargs or {})
         args = tuple(args)
         num_replicas = len(self._devices)
-        batch_sizes = _batch_sizes(args, kwargs, num_replicas)
-        global_size = _global_size(args, kwargs)
+        batch_sizes = run_inputs.batch_sizes(args, kwargs, num_replicas)
+        global_size = run_inputs.global_size(args, kwargs)
         self._step += 1
         self._run_state = state = _RunState(self._step, self._replica_weights(batch_sizes, global_size))
         self._begin_parts(batch_sizes)
         self._queued = [False] * num_replicas
-        # The last step's gradients must not outlive zero_grad(): held here, they would make backward
-        # take fresh memory every step (page faults) instead of reusing theirs.
-        self._grad_slots = [None] * num_replicas
+        self._combination.begin_run()
         self._accumulation.begin_run(self._run_state.weights, self._step)
         self._begin_step(self._run_state)
         if num_replicas == 1:
@@ -399,15 +293,15 @@ class MirroredStrategy(Strategy):
         if self._pool is None:
             self._pool = ReplicaPool(self._names, self._setup_replica_thread, self._timeout)
         self._barrier.reset()
-        self._reset_steal_state()
-        self._stealing = self._steal and capture_placement() is None
+        self._combination.reset(self._replica_params)
+        self._combination.stealing = self._combination.steal and capture_placement() is None
         grad_enabled = torch.is_grad_enabled()
         warn_if_profiling_one_thread(self, num_replicas)
 
         def job(replica: int) -> Any:
             previous = enter_replica(ReplicaContext(replica, self.num_replicas_in_sync, self._devices[replica], self))
             try:
-                with torch.set_grad_enabled(grad_enabled), _device_guard(self._devices[replica]):
+                with torch.set_grad_enabled(grad_enabled), run_inputs.device_guard(self._devices[replica]):
                     return fn(*select_replica(args, replica), **select_replica(kwargs, replica))
             except BaseException as error:
                 self._barrier.abort(error)  # before finish(): waiting replicas must see the cause, not an early exit
@@ -430,11 +324,7 @@ class MirroredStrategy(Strategy):
 
     def _replica_weights(self, batch_sizes: tuple[int, ...] | None, global_size: int | None) -> list[float]:
         """Each local replica's share of the global batch (equal shares when the batch is unknown)."""
-        num_replicas = len(self._devices)
-        if batch_sizes is None:
-            return [1.0 / self.num_replicas_in_sync] * num_replicas
-        total = global_size if global_size is not None else sum(batch_sizes)
-        return [n / total for n in batch_sizes]
+        return run_inputs.replica_weights(batch_sizes, global_size, len(self._devices), self.num_replicas_in_sync)
 
     def _begin_step(self, state: _RunState) -> None:
         """Called at the start of each run (multi-worker: heartbeat, bucket reset)."""
@@ -442,7 +332,7 @@ class MirroredStrategy(Strategy):
     def _run_one(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         previous = enter_replica(ReplicaContext(0, self.num_replicas_in_sync, self._devices[0], self))
         try:
-            with _device_guard(self._devices[0]):
+            with run_inputs.device_guard(self._devices[0]):
                 return fn(*select_replica(args, 0), **select_replica(kwargs, 0))
         except NotImplementedError as error:
             translated = as_placement_error(error)  # torch's "Could not run ... backend", with the fix
@@ -470,26 +360,11 @@ class MirroredStrategy(Strategy):
     def _grad_ready(self, replica: int, index: int) -> None:
         """Called as soon as gradient `index` of `replica` has been accumulated (multi-worker: buckets)."""
 
-    def _reset_steal_state(self) -> None:
-        num_params = len(self._replica_params[0]) if self._replica_params else 0
-        self._passes = [0] * len(self._devices)
-        self._ready = [[0] * num_params for _ in self._devices]
-        self._claimed = [[0] * len(self._devices) for _ in range(num_params)]
-        self._full = []
-
-    def _mark_ready(self, replica: int, index: int) -> None:
-        """Under the barrier's lock: gradient `index` of `replica` is in; once every replica's is, it can be claimed."""
-        current = self._passes[replica] + 1
-        self._ready[replica][index] = current
-        if all(ready[index] == current for ready in self._ready):
-            self._full.append(index)
-
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             if self._accumulation.active and self._accumulation.skips(replica):
                 return  # inside no_sync(): this replica's gradient only accumulates (strategies/accumulation.py)
-            if self._stealing and self._stealable[index]:  # a replica waiting may combine this one now
-                self._barrier.notify(lambda: self._mark_ready(replica, index))
+            self._combination.grad_ready(replica, index)  # a replica waiting may combine this one now
             self._grad_ready(replica, index)
             if not self._queued[replica]:
                 self._queued[replica] = True
@@ -509,31 +384,7 @@ class MirroredStrategy(Strategy):
                 "their gradients and would drift apart. Call loss.backward() inside the function given to "
                 "strategy.run()."
             )
-        grads = [p.grad for p in self._replica_params[replica]]
-        self._grad_slots[replica] = grads
-        weight = state.weights[replica]
-        if self._reducer.prescale:
-            present = [g for g in grads if g is not None]
-            if weight == 0:
-                torch._foreach_zero_(present)  # an empty slice's gradient may be NaN: it must not be scaled
-            elif weight != 1.0:
-                torch._foreach_mul_(present, weight)
-        self._passes[replica] += 1
-        current = self._passes[replica]
-        steal = (lambda: self._claim_combination(replica, current, state.weights)) if self._stealing else None
-        self._barrier.wait(replica, "end of backward", state.step, steal=steal)
-        slots = self._grad_slots
-        keep: Sequence[int] = range(len(grads))
-        if any(g is None for slot in slots for g in slot):
-            keep = self._fill_missing_grads(replica, slots, state.step)
-        lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
-        if self._stealing and lists[0]:
-            # The claims are final: they were made before the last replica arrived at the barrier.
-            done = {pos for pos, i in enumerate(keep) if self._claimed[i][replica] == current}
-            self._reducer.combine_(replica, lists, state.weights, skip=done)  # type: ignore[call-arg]
-        elif lists[0]:
-            self._reducer.combine_(replica, lists, state.weights)
-        self._barrier.wait(replica, "gradient combination", state.step)
+        lists = self._combination.combine(replica, self._replica_params, self._reducer, state.weights, state.step)
         # Not only when this worker has gradients: the others may, and every worker must join the sum.
         if self._combine_across_workers(replica, lists, state.step):
             self._barrier.wait(replica, "gradient combination across workers", state.step)
@@ -559,41 +410,20 @@ class MirroredStrategy(Strategy):
         if total is not None:
             loss_weight.divide_gradients_(self._replica_params[replica], total)
 
-    def _claim_combination(self, replica: int, current: int, weights: list[float]) -> Callable[[], None] | None:
-        """Called with the barrier's lock held by `replica`, waiting at the end of backward pass `current`:
-        claims one share of a parameter whose gradient every replica has produced (another replica's
-        share first: that one would otherwise do it after the meeting) and returns the job that combines
-        it, with the same arithmetic as after the meeting; None when there is nothing to claim."""
-        num_replicas = len(self._devices)
-        shares = [k for k in range(num_replicas) if k != replica] + [replica]
-        while self._full:  # the gradient that became complete last first: backward produces the last layers first
-            i = self._full[-1]
-            # Every replica's gradient i is in (a post-accumulate hook marked it), so none is None.
-            grads = cast("list[list[torch.Tensor]]", [[params[i].grad] for params in self._replica_params])
-            if all(ready[i] == current for ready in self._ready) and all(g[0].is_contiguous() for g in grads):
-                for share in shares:
-                    if self._claimed[i][share] != current:
-                        self._claimed[i][share] = current
-                        return lambda: self._reducer.combine_(share, grads, weights)
-            self._full.pop()  # every share claimed, from an earlier pass, or combined whole after the meeting
-        return None
+    @property
+    def _claimed(self) -> list[list[int]]:
+        """Per gradient, per share: the backward pass in which a waiting replica combined it (strategies/combine.py)."""
+        return self._combination.claimed
+
+    @property
+    def _stealable(self) -> list[bool]:
+        """Per gradient: whether a waiting replica may combine its shares early (strategies/combine.py)."""
+        return self._combination.stealable
 
     def _combine_across_workers(self, replica: int, lists: Any, step: int) -> bool:
         """After the local combination: sum across worker processes. Returns True when it did work
         that the other local replicas must wait for."""
         return False
-
-    def _fill_missing_grads(self, replica: int, slots: list[list[Any]], step: int) -> list[int]:
-        """A parameter some replicas gave no gradient: zeros there; one no replica touched stays None."""
-        keep = [i for i in range(len(slots[0])) if any(slot[i] is not None for slot in slots)]
-        mine = slots[replica]
-        for i in keep:
-            if mine[i] is None:
-                param = self._replica_params[replica][i]
-                param.grad = torch.zeros_like(param)
-                mine[i] = param.grad
-        self._barrier.wait(replica, "filling of missing gradients", step)
-        return keep
 
     def no_sync(self) -> Any:
         """A context in which backward only accumulates each replica's gradients, as DDP's `no_sync`.
@@ -657,61 +487,3 @@ class MirroredStrategy(Strategy):
         if self._batch_norm is not None:
             details.update(self._batch_norm.describe())
         return details
-
-
-def _global_size(args: tuple, kwargs: dict) -> int | None:
-    for leaf in flatten((args, kwargs)):
-        if isinstance(leaf, PerReplica) and leaf.global_size is not None:
-            return leaf.global_size
-    return None
-
-
-def _batch_sizes(args: tuple, kwargs: dict, num_replicas: int) -> tuple[int, ...] | None:
-    sizes = None
-    for leaf in flatten((args, kwargs)):
-        if isinstance(leaf, PerReplica):
-            if len(leaf.values) != num_replicas:
-                raise InputError(
-                    f"A per-replica value has {len(leaf.values)} values but this strategy has {num_replicas} "
-                    "replicas. Distribute the input with this strategy's distribute_dataset."
-                )
-            if leaf.batch_sizes is not None:
-                if sizes is not None and leaf.batch_sizes != sizes:
-                    raise InputError(
-                        "The per-replica arguments of run() come from batches split differently. "
-                        f"Received: batch sizes {sizes} and {leaf.batch_sizes}. Pass pieces of one distributed batch."
-                    )
-                sizes = leaf.batch_sizes
-    return sizes
-
-
-class _NullGuard:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _device_guard(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return _NullGuard()
-
-
-def _nccl_available(devices: Sequence[torch.device]) -> bool:
-    """Whether `torch.cuda.nccl` can all-reduce across these replicas' GPUs, touching no device.
-
-    NCCL serves only replicas on two or more distinct GPUs; for any other set nothing is probed, so a
-    CPU strategy never starts CUDA (a context costs about 0.5 GiB on the GPU it lands on). The probe is
-    the build's NCCL binding, not an allocation: `nccl.is_available(tensors)` would need tensors on a GPU.
-    """
-    if len({d for d in devices if d.type == "cuda"}) < 2:
-        return False
-    return hasattr(torch._C, "_nccl_all_reduce")
-
-
-def _env() -> Mapping[str, str]:
-    from stratagem import environ
-
-    return environ.current()
