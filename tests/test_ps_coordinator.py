@@ -241,6 +241,43 @@ def test_lost_worker_functions_run_elsewhere_and_it_comes_back(cluster2):
     strategy.shutdown()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "CANCELLED"])
+def test_a_call_cut_by_its_worker_stopping_runs_again_elsewhere(cluster2, monkeypatch, code):
+    """A worker that stops while it runs a function ends the call CANCELLED (gRPC aborts a stopping server's
+    calls) or UNAVAILABLE (its port is gone); either way the function runs again, it does not fail the job."""
+    import grpc
+
+    from stratagem.strategies.parameter_server import transport
+
+    model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
+    strategy = ParameterServerStrategy(cluster2)
+    strategy.distribute(model, optimizer)
+    coordinator = ClusterCoordinator(strategy, worker_recovery_timeout=20)
+    real_call = transport.Client.call
+    cut: list[str] = []
+
+    def call(self, method, op, *args, **kwargs):
+        if method == "Run" and self.task == "worker:0" and not cut:
+            cut.append(self.task)
+            error = ParameterServerError(f"{self.task} failed Run. Received: {code}")
+            error.code = getattr(grpc.StatusCode, code)  # type: ignore[attr-defined]
+            error.task = self.task  # type: ignore[attr-defined]
+            raise error
+        return real_call(self, method, op, *args, **kwargs)
+
+    monkeypatch.setattr(transport.Client, "call", call)
+    values = [coordinator.schedule(_constant, args=(i,)) for i in range(6)]
+    coordinator.join()
+    assert cut == ["worker:0"]
+    assert [v.fetch() for v in values] == list(range(6))
+    strategy.shutdown()
+
+
+def _constant(i):
+    return i
+
+
 def test_schedule_refuses_what_cannot_travel(cluster2):
     model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
     strategy = ParameterServerStrategy(cluster2)
@@ -329,3 +366,14 @@ def test_remote_values_can_be_arguments_of_later_functions(cluster2):
     assert torch.equal(second.fetch(), torch.full((3,), 3.0))
     assert coordinator.fetch({"x": [first]})["x"][0].tolist() == [1.0, 1.0, 1.0]
     strategy.shutdown()
+
+
+@pytest.mark.parametrize(("code", "lost"), [("UNAVAILABLE", True), ("CANCELLED", True), ("PERMISSION_DENIED", False)])
+def test_a_parameter_server_that_stops_mid_call_is_named_lost(code, lost):
+    import grpc
+
+    from stratagem.strategies.parameter_server.worker import _lost_ps
+
+    error = ParameterServerError(f"ps:1 failed Pull. Received: {code}")
+    error.code, error.task = getattr(grpc.StatusCode, code), "ps:1"  # type: ignore[attr-defined]
+    assert _lost_ps(error) == ("ps:1" if lost else None)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
-from stratagem.strategies.parameter_server.transport import Client
+from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 
 if TYPE_CHECKING:
@@ -287,7 +287,7 @@ class ClusterCoordinator:
             try:
                 reply = self._run_on(client, closure)
             except ParameterServerError as exc:
-                if getattr(exc, "code", None) is None or exc.code.name != "UNAVAILABLE":  # type: ignore[attr-defined]
+                if not task_lost(exc):
                     with self._cv:
                         self._fail(exc, closure)
                     continue

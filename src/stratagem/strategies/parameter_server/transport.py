@@ -359,6 +359,17 @@ class Client:
         self._channel.close()
 
 
+LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+"""What a call to a task that went away ends with: UNAVAILABLE when its port no longer answers, CANCELLED
+when the server stopped while the call was in flight (gRPC aborts the calls of a server that stops, and
+stratagem's clients never cancel a call of their own)."""
+
+
+def task_lost(exc: BaseException) -> bool:
+    """True when ``exc`` is a failed call that says its task went away (as opposed to refusing the call)."""
+    return getattr(exc, "code", None) in LOST_CODES
+
+
 def rpc_error(exc: grpc.RpcError, task: str, address: str, method: str, timeout: float) -> Exception:
     """The stratagem error for a failed call to ``task``."""
     code = exc.code() if hasattr(exc, "code") else None

@@ -28,7 +28,7 @@ from torch import nn
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.partitioners import Shard
-from stratagem.strategies.parameter_server.transport import LARGE, SMALL, Reply, Security, Server
+from stratagem.strategies.parameter_server.transport import LARGE, SMALL, Reply, Security, Server, task_lost
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,7 @@ class WorkerRuntime:
 def _lost_ps(exc: BaseException) -> str | None:
     """The parameter server that could not be reached, when that is what ``exc`` says."""
     task = getattr(exc, "task", None)
-    unreachable = getattr(getattr(exc, "code", None), "name", None) == "UNAVAILABLE"
-    return task if unreachable and isinstance(task, str) and task.startswith("ps:") else None
+    return task if task_lost(exc) and isinstance(task, str) and task.startswith("ps:") else None
 
 
 class WorkerService:
