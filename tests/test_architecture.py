@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),
     ("stratagem",),
     ("bench",),
+    ("demo",),
     ("cli",),
     ("__main__",),
 ]
