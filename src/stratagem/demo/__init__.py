@@ -13,7 +13,11 @@ Example:
     >>> from stratagem.strategies.by_name import build_strategy
     >>> config = TrainConfig(epochs=2)
     >>> strategy, decision = build_strategy(config.strategy, config.devices)
-    >>> report = train_digits(config, strategy, decision)
+    >>> try:
+    ...     report = train_digits(config, strategy, decision)
+    ... finally:
+    ...     strategy.close()
+    >>> report.reached_target
 """
 
 from stratagem.demo.digits import DigitsData, build_digits_model, load_digits_data, make_loader

@@ -1,4 +1,4 @@
-"""The digits job behind ``stratagem train``: choose the devices, train, evaluate, report.
+"""The digits job behind ``stratagem train``: train under a strategy, evaluate, report.
 
 The strategy comes from `stratagem.strategies.by_name` (the same names and default devices as
 ``stratagem launch --strategy NAME``); this module only trains and reports.
