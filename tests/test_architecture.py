@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),
     ("stratagem",),
     ("bench",),
+    ("demo",),
     ("cli",),
     ("__main__",),
 ]
@@ -131,6 +134,16 @@ def test_the_document_shows_the_same_layers() -> None:
     documented = [tuple(re.findall(r"`([^`]+)`", units)) for _, units in rows]
     expected = [tuple(u if u == "stratagem" else f"stratagem.{u}" for u in units) for units in LAYERS]
     assert documented == expected
+
+
+def test_importing_the_library_loads_no_demo_module() -> None:
+    # The demo sits above the library: `import stratagem` (and sg.strategy_from_env, which builds
+    # strategies by name) must work without it. Checked in a fresh interpreter, on the modules
+    # really loaded, so an import the parser cannot see (importlib, __import__) is caught too.
+    probe = ("import sys, stratagem, stratagem.train, stratagem.strategies.by_name; "
+             "print(sorted(m for m in sys.modules if m.startswith('stratagem.demo')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert loaded.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(

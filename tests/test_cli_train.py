@@ -16,7 +16,7 @@ import stratagem as sg
 from stratagem.cli.main import main
 from stratagem.cluster import allocator
 from stratagem.devices import get_logical_devices
-from stratagem.train import job
+from stratagem.demo import job
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from stratagem.cli.main import main
-from stratagem.train import STRATEGY_NAMES
+from stratagem.strategies.by_name import STRATEGY_NAMES
 
 IN_PROCESS = {"mirrored": "MirroredStrategy", "one_device": "OneDeviceStrategy",
               "central_storage": "CentralStorageStrategy", "model_parallel": "ModelParallelStrategy",

@@ -10,16 +10,9 @@ from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from stratagem.train import (
-    Callback,
-    TrainConfig,
-    build_digits_model,
-    build_strategy,
-    evaluate,
-    fit,
-    load_digits_data,
-    make_loader,
-)
+from stratagem.demo import TrainConfig, build_digits_model, load_digits_data, make_loader
+from stratagem.strategies.by_name import build_strategy
+from stratagem.train import Callback, evaluate, fit
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import pytest
 
 from stratagem.cli import train as train_cli
 from stratagem.cli.main import main
-from stratagem.train import job
+from stratagem.demo import job
 
 pytestmark = pytest.mark.timeout(120)
 

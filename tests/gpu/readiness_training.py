@@ -27,7 +27,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.bench.workloads import WORKLOADS
-from stratagem.train.digits import build_digits_model
+from stratagem.demo.digits import build_digits_model
 
 STEPS_BATCHES = (64, 63, 37, 5)  # uneven: 63 and 37 split unevenly, 5 leaves some replicas 1 or 2 examples
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from stratagem import environ
 from stratagem.cluster import OutputLine, launch
 from stratagem.errors import StratagemError
-from stratagem.train.job import STRATEGY_NAMES
+from stratagem.strategies.by_name import STRATEGY_NAMES
 
 ONE_PROCESS_STRATEGIES = tuple(name for name in STRATEGY_NAMES if name not in ("multi_worker", "parameter_server"))
 

@@ -35,19 +35,11 @@ from stratagem import environ
 from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
 from stratagem.diagnose import log_placement
 from stratagem.cli.checks import check_device_flags, check_writable_directory
+from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
 from stratagem.errors import InputError, StratagemError
 from stratagem.strategies.amp import PRECISIONS, check_precision
-from stratagem.train import (
-    STRATEGY_NAMES,
-    TARGET_ACCURACY,
-    BackupAndRestore,
-    Callback,
-    ProgressBar,
-    TrainConfig,
-    TrainReport,
-    build_strategy,
-    train_digits,
-)
+from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
+from stratagem.train import BackupAndRestore, Callback, ProgressBar
 
 _DEFAULTS = TrainConfig()
 

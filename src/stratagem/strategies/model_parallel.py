@@ -11,6 +11,10 @@ Two ways to give the split:
   moved back to the device of the code that called it (the enclosing placed module's, or the
   model's own). The model's forward runs as written, so there are no stages to pipeline.
 
+How a model is cut into stages or grouped by placement, and the hooks that move tensors between
+devices, are in strategies/model_split.py; this module checks the arguments, records the
+decisions and builds the pipeline or the placed model.
+
 There is one copy of the model, so `num_replicas_in_sync` is 1 and the training step is the one
 every other strategy runs. The model's output is on the last stage's device (the model's own
 device with `placement=`), and `distribute_dataset` puts batches there too, so targets meet the
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,17 +38,12 @@ from stratagem.diagnose import MemoryEstimate, PlacementDecision
 from stratagem.errors import InputError, MemoryEstimateError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.pipeline import Pipeline, ScheduleEvent, balanced_split_points
+from stratagem.strategies.model_split import ROOT, group_placement, place_modules, split_sequential
+from stratagem.strategies.pipeline import Pipeline, PipelineModel, ScheduleEvent
 from stratagem.strategies.replicas import ReplicaContext, enter_replica
-from stratagem.values import map_structure, select_replica
-
-_Group = tuple[sg_devices.LogicalDevice, list[str], list[nn.Parameter]]
-"""A stage: its device, the names of its modules, its parameters."""
+from stratagem.values import select_replica
 
 logger = logging.getLogger(__name__)
-
-ROOT = ""
-"""The placement key of the model itself (where code not in a placed module runs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,9 +314,10 @@ class ModelParallelStrategy(Strategy):
         self._check_distribute_args(model, optimizer, self._model)
         decisions: list[PlacementDecision] = []
         if self._placement is None:
-            groups = self._split_sequential(model, decisions)
+            groups, split = split_sequential(model, self._stage_devices, self._split_points, self._num_micro_batches)
+            decisions.append(split)
         else:
-            groups = _group_placement(model, self._placement)
+            groups = group_placement(model, self._placement)
         stages = [self._stage_info(s, device, names, params, optimizer)
                   for s, (device, names, params) in enumerate(groups)]
         self._check_memory(stages)
@@ -330,59 +329,12 @@ class ModelParallelStrategy(Strategy):
         if self._placement is None:
             distributed = self._build_pipeline(model)
         else:
-            distributed = self._place(model, self._placement)
+            self._hooks.extend(place_modules(model, self._placement))
+            distributed = model
         if optimizer is not None and optimizer.state and any(d.physical.type != "cpu" for d in self._stage_devices):
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to its parameter
         self._model = distributed
         return distributed if optimizer is None else (distributed, optimizer)
-
-    def _split_sequential(self, model: nn.Module, decisions: list[PlacementDecision]) -> list[_Group]:
-        num_stages = len(self._stage_devices)
-        if not isinstance(model, nn.Sequential):
-            raise InputError(
-                f"stages= cuts the layers of an nn.Sequential into consecutive stages. Received: a "
-                f"{type(model).__name__}. Write the model as an nn.Sequential of its layers, or use "
-                "placement={'module name': 'device', ...}, which places named modules of any model."
-            )
-        layers = list(model.named_children())
-        if len(layers) < num_stages:
-            raise InputError(
-                f"{num_stages} stages need at least {num_stages} layers to cut. Received: an nn.Sequential of "
-                f"{len(layers)} layer(s) and stages={[d.name for d in self._stage_devices]}. Use fewer stages."
-            )
-        if self._num_micro_batches > 1:
-            norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-            if norms:
-                raise InputError(
-                    f"BatchNorm layers {norms} would normalise each micro-batch with its own statistics, so training "
-                    f"would differ from one device on the whole batch. Received: num_micro_batches="
-                    f"{self._num_micro_batches}. Use num_micro_batches=1 (exact), or a per-example normalisation "
-                    "(nn.GroupNorm, nn.LayerNorm)."
-                )
-        counts = [sum(p.numel() for p in layer.parameters()) for _, layer in layers]
-        if self._split_points is not None:
-            points, why = self._split_points, f"given by split_points={self._split_points}"
-            if points[-1] >= len(layers):
-                raise InputError(
-                    f"split_points must be layer indices between 1 and {len(layers) - 1} for this nn.Sequential of "
-                    f"{len(layers)} layers. Received: split_points={points}. Every stage needs at least one layer."
-                )
-        else:
-            points = balanced_split_points(counts, num_stages)
-            why = ("balanced by parameter count (the largest stage as small as possible; an activation stays "
-                   "with the layer before it); set split_points= to choose")
-        bounds = [0, *points, len(layers)]
-        stage_counts = [sum(counts[a:b]) for a, b in itertools.pairwise(bounds)]
-        decisions.append(PlacementDecision(
-            subject="split", choice=f"stages start at layers {bounds[:-1]}",
-            reason=f"{why}; parameters per stage {stage_counts}"))
-        groups = []
-        for device, (a, b) in zip(self._stage_devices, itertools.pairwise(bounds)):
-            names = [name for name, _ in layers[a:b]]
-            params = _unique([p for _, layer in layers[a:b] for p in layer.parameters()])
-            groups.append((device, names, params))
-        _check_not_shared(groups)
-        return groups
 
     def _stage_info(self, stage: int, device: sg_devices.LogicalDevice, names: list[str],
                     params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> StageInfo:
@@ -421,114 +373,6 @@ class ModelParallelStrategy(Strategy):
             num_micro_batches=self._num_micro_batches, timeout=self._timeout,
             threads_per_stage=self._threads_per_stage, strategy=self)
         return PipelineModel(model, self._pipeline)
-
-    def _place(self, model: nn.Module, placement: dict[str, sg_devices.LogicalDevice]) -> nn.Module:
-        modules = dict(model.named_modules())
-        # Shallow first, so that a module placed inside another placed module ends up on its own device.
-        for name in sorted(placement, key=lambda n: (n.count(".") + bool(n), n)):
-            modules[name].to(placement[name].physical)
-        for name, device in placement.items():
-            parent = placement[_owner(name.rpartition(".")[0], placement)]
-            if name == ROOT or parent.name == device.name:
-                continue
-            module = modules[name]
-            self._hooks.append(module.register_forward_pre_hook(_move_inputs(device.physical), with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(_move_outputs(parent.physical)))
-        return model
-
-
-class PipelineModel(nn.Module):
-    """The layers of the user's `nn.Sequential`, run as a pipeline: same names, same `state_dict()` keys.
-
-    Example:
-        >>> model, optimizer = strategy.distribute(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)), opt)
-        >>> out = model(x)              # on the last stage's device
-    """
-
-    _pipeline: Pipeline  # set in __init__ as a plain attribute, which nn.Module's __getattr__ does not type
-
-    def __init__(self, layers: nn.Module, pipeline: Pipeline) -> None:
-        super().__init__()
-        for name, layer in layers.named_children():
-            self.add_module(name, layer)
-        self.train(layers.training)
-        object.__setattr__(self, "_pipeline", pipeline)  # a plain attribute: not a sub-module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._pipeline.forward(x)
-
-    def to(self, *args: Any, **kwargs: Any) -> PipelineModel:
-        raise InputError(
-            "A model split across devices stays on the devices its strategy chose; it cannot be moved with .to(). "
-            f"Received: .to({', '.join(map(repr, args))}). Choose devices with the strategy's stages= instead."
-        )
-
-
-def _group_placement(model: nn.Module, placement: dict[str, sg_devices.LogicalDevice]) -> list[_Group]:
-    """Which parameters each device holds: a parameter goes with the longest placed prefix of its module."""
-    modules = dict(model.named_modules())
-    unknown = [name for name in placement if name not in modules]
-    if unknown:
-        valid = [name for name in modules if name]
-        shown = ", ".join(map(repr, valid[:40])) + (f", ... ({len(valid)} in all)" if len(valid) > 40 else "")
-        raise InputError(
-            f"placement names modules that this {type(model).__name__} does not have: {unknown}. Valid names "
-            f"(as in model.named_modules()): {shown}; '' is the model itself."
-        )
-    by_device: dict[str, tuple[sg_devices.LogicalDevice, list[str], list[nn.Parameter]]] = {}
-    for name, device in placement.items():
-        by_device.setdefault(device.name, (device, [], []))[1].append(name)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owner = _owner(name.rpartition(".")[0], placement)
-        by_device[placement[owner].name][2].append(param)
-    groups = [(d, names, _unique(params)) for d, names, params in by_device.values()]
-    _check_not_shared(groups)
-    return groups
-
-
-def _owner(module_name: str, placement: Mapping[str, Any]) -> str:
-    """The placed module whose device `module_name` runs on: the longest placed prefix ("" at worst)."""
-    best = ROOT
-    for name in placement:
-        if name and (module_name == name or module_name.startswith(name + ".")) and len(name) > len(best):
-            best = name
-    return best
-
-
-def _move_inputs(device: torch.device) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _to(args, device), _to(kwargs, device)
-
-    return hook
-
-
-def _move_outputs(device: torch.device) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return _to(output, device)
-
-    return hook
-
-
-def _to(structure: Any, device: torch.device) -> Any:
-    return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
-
-
-def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    return list({id(p): p for p in params}.values())
-
-
-def _check_not_shared(groups: Sequence[_Group]) -> None:
-    """A parameter used by modules on two devices can live on only one of them: refuse the split."""
-    seen: dict[int, str] = {}
-    for device, names, params in groups:
-        for p in params:
-            other = seen.setdefault(id(p), device.name)
-            if other != device.name:
-                raise InputError(
-                    f"A parameter of shape {tuple(p.shape)} is shared by modules on {other} and {device.name} (tied "
-                    f"weights), but it can live on one device only. Received: modules {names} on {device.name}. Put "
-                    "the modules that share it on the same device."
-                )
 
 
 def _show(value: Any) -> str:

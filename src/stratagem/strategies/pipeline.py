@@ -401,3 +401,30 @@ def _describe_value(value: Any) -> str:
 def _add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note") and note not in getattr(error, "__notes__", []):
         error.add_note(note)
+
+
+class PipelineModel(nn.Module):
+    """The layers of the user's `nn.Sequential`, run as a pipeline: same names, same `state_dict()` keys.
+
+    Example:
+        >>> model, optimizer = strategy.distribute(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)), opt)
+        >>> out = model(x)              # on the last stage's device
+    """
+
+    _pipeline: Pipeline  # set in __init__ as a plain attribute, which nn.Module's __getattr__ does not type
+
+    def __init__(self, layers: nn.Module, pipeline: Pipeline) -> None:
+        super().__init__()
+        for name, layer in layers.named_children():
+            self.add_module(name, layer)
+        self.train(layers.training)
+        object.__setattr__(self, "_pipeline", pipeline)  # a plain attribute: not a sub-module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pipeline.forward(x)
+
+    def to(self, *args: Any, **kwargs: Any) -> PipelineModel:
+        raise InputError(
+            "A model split across devices stays on the devices its strategy chose; it cannot be moved with .to(). "
+            f"Received: .to({', '.join(map(repr, args))}). Choose devices with the strategy's stages= instead."
+        )

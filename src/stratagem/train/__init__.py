@@ -1,4 +1,4 @@
-"""Training on top of the strategies: `fit`, metrics, callbacks, checkpoints, and the digits job.
+"""Training on top of the strategies: `fit`, metrics, callbacks, checkpoints.
 
 Example:
     >>> from stratagem.train import fit, BackupAndRestore
@@ -24,22 +24,7 @@ from stratagem.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from stratagem.train.digits import (
-    DigitsData,
-    build_digits_model,
-    load_digits_data,
-    make_loader,
-)
 from stratagem.train.fit import EpochLog, History, TrainingContext, fit, is_chief
-from stratagem.train.job import (
-    STRATEGY_BUILDERS,
-    STRATEGY_NAMES,
-    TARGET_ACCURACY,
-    TrainConfig,
-    TrainReport,
-    build_strategy,
-    train_digits,
-)
 from stratagem.train.loop import (
     FIT_HOOK,
     Evaluation,
@@ -62,15 +47,11 @@ from stratagem.train.seeding import seed_everything
 __all__ = [
     "FIT_HOOK",
     "METRICS",
-    "STRATEGY_BUILDERS",
-    "STRATEGY_NAMES",
-    "TARGET_ACCURACY",
     "Accuracy",
     "BackupAndRestore",
     "BinaryAccuracy",
     "CSVLogger",
     "Callback",
-    "DigitsData",
     "EarlyStopping",
     "EpochLog",
     "Evaluation",
@@ -83,11 +64,7 @@ __all__ = [
     "ModelCheckpoint",
     "ProgressBar",
     "TensorBoard",
-    "TrainConfig",
-    "TrainReport",
     "TrainingContext",
-    "build_digits_model",
-    "build_strategy",
     "capture_rng_state",
     "evaluate",
     "fit",
@@ -95,12 +72,9 @@ __all__ = [
     "get_metrics",
     "is_chief",
     "load_checkpoint",
-    "load_digits_data",
-    "make_loader",
     "restore_rng_state",
     "run_steps",
     "run_steps_synchronously",
     "save_checkpoint",
     "seed_everything",
-    "train_digits",
 ]

@@ -24,7 +24,7 @@ from stratagem import environ
 from stratagem.cluster import resolve_cluster
 from stratagem.errors import InputError
 from stratagem.strategies import MirroredStrategy, Strategy
-from stratagem.train.job import STRATEGY_NAMES, build_strategy
+from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The digits job's data and model: scikit-learn's 8x8 handwritten digits and a small conv net.
+"""The digits demo's data and model: scikit-learn's 8x8 handwritten digits and a small conv net.
 
 The data set ships inside scikit-learn (1797 images, no download), so ``stratagem train`` runs
 anywhere, offline, in seconds, and still shows a real learning curve.
