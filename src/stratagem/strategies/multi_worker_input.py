@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.cluster import Cluster
+from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
-from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.worker_shards import WorkerPart
 from stratagem.errors import InputError
 from stratagem.strategies.base import stack_batch
