@@ -1,4 +1,5 @@
-"""fit keeps each step's metric state where the strategy reduced it and reads the sums once an epoch.
+"""fit keeps each step's metric state where the strategy reduced it and reads the sums once an epoch,
+with accumulate_steps too (each micro-batch's state summed on the device).
 
 On a CPU machine a device read cannot be timed, so the test records it: the strategy's reduce returns
 a tensor that notes every way of reading it on the host (.cpu(), .to("cpu"), .item(), int(), float(),
