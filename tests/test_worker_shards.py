@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
+from stratagem.data.distributed_sampler import PerWorkerLoader, WorkerBatch
 from stratagem.data.resume import ShuffledBatches
+from stratagem.errors import InputError
 from stratagem.data.worker_shards import (
     WorkerLoader,
     WorkerPart,
@@ -139,3 +142,42 @@ def test_the_decision_is_taken_from_the_input_or_else_from_a_streams_first_batch
         "each worker slices every global batch", why_not_shardable(batches))
     parts = list(sharded)
     assert input_sharding(parts, worker) == (parts, None)  # fit's accumulation groups
+
+
+def _ddp_loader(rank, num_replicas=2, inside_batch_sampler=False):
+    sampler = DistributedSampler(TensorDataset(X, Y), num_replicas=num_replicas, rank=rank, shuffle=True, seed=6)
+    if inside_batch_sampler:
+        return DataLoader(TensorDataset(X, Y), batch_sampler=BatchSampler(sampler, 4, drop_last=False))
+    return DataLoader(TensorDataset(X, Y), batch_size=4, sampler=sampler)
+
+
+@pytest.mark.parametrize("inside_batch_sampler", [False, True], ids=["sampler", "in-batch-sampler"])
+def test_a_loader_with_a_distributed_sampler_is_read_whole_as_the_workers_own(inside_batch_sampler):
+    # Rank 1 of 2 workers with one replica each, then with two: the sampler's 12 examples (23 and one padded)
+    # are this worker's part already, so its batches are not cut again.
+    for worker in (WorkerRange(2, 1, 1), WorkerRange(4, 2, 2)):
+        loader = _ddp_loader(1, inside_batch_sampler=inside_batch_sampler)
+        expected = list(_ddp_loader(1))
+        wrapped, decision = input_sharding(loader, worker)
+        assert isinstance(wrapped, PerWorkerLoader) and len(wrapped) == len(expected) == 3
+        assert decision[0] == "each worker's own loader" and "DistributedSampler gives each worker its own 1/2" in decision[1]
+        batches = list(wrapped)
+        assert all(isinstance(b, WorkerBatch) for b in batches)
+        for (x, y), got in zip(expected, batches):
+            torch.testing.assert_close(got.batch[1], y)
+            torch.testing.assert_close(got.batch[0], x)
+        assert input_sharding(wrapped, worker) == (wrapped, None)
+        assert input_sharding(batches, worker) == (batches, None)  # fit's accumulation groups
+    # set_epoch reaches the sampler wherever it sits: the next epoch's order, as DDP's loop gets it.
+    wrapped.set_epoch(3)
+    reference = _ddp_loader(1)
+    reference.sampler.set_epoch(3)
+    torch.testing.assert_close(next(iter(wrapped)).batch[1], next(iter(reference))[1])
+
+
+def test_a_distributed_sampler_for_another_cluster_is_refused():
+    with pytest.raises(InputError, match=r"The DataLoader's DistributedSampler splits the data among 4 processes and "
+                                         r"reads the part of rank 1, but this job has 2 workers and this one is rank "
+                                         r"0\. Received: DistributedSampler\(num_replicas=4, rank=1\)\. Build it after "
+                                         r"the strategy, with num_replicas and rank left unset"):
+        input_sharding(_ddp_loader(1, num_replicas=4), WorkerRange(4, 0, 2))

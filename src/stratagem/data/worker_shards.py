@@ -13,7 +13,8 @@ weights are their share of the global batch, which a worker no longer sees whole
 
 Inputs that do not name a batch's examples before building it (an IterableDataset, a generator,
 a list of batches) cannot be cut before reading; `why_not_shardable` says why, and the strategy
-slices each global batch instead.
+slices each global batch instead. A DataLoader with torch's DistributedSampler is cut per worker
+already and is read whole (data/distributed_sampler.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from stratagem.data import distributed_sampler
 from stratagem.data.resume import ShuffledBatches
 from stratagem.data.split import split_sizes
 from stratagem.values import map_structure
@@ -81,10 +83,15 @@ def input_sharding(data: Any, worker: WorkerRange) -> tuple[Any, tuple[str, str]
     The decision is None for a generator or other one-pass iterator: it may yield parts already cut
     (`fit` cuts its data before wrapping it), which only its first batch tells (`observed_sharding`).
     """
-    if isinstance(data, (WorkerLoader, WorkerShuffledBatches)):
+    if isinstance(data, (WorkerLoader, WorkerShuffledBatches)) or distributed_sampler.is_per_worker(data):
         return data, None
     if isinstance(data, list) and data and isinstance(data[0], WorkerPart):
         return data, None  # parts cut already, gathered in a list (fit's accumulation groups)
+    sampler = distributed_sampler.distributed_sampler_of(data)
+    if sampler is not None:
+        # A DDP script's loader, each worker's 1/N already: read whole, never cut again.
+        return distributed_sampler.per_worker_loader(data, sampler, worker.num_replicas // worker.count,
+                                                     worker.first // worker.count)
     why = why_not_shardable(data)
     if why is None:
         return shard_input(data, worker), (INDEX_LEVEL, (

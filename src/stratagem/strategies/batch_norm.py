@@ -17,7 +17,10 @@ instance's `forward` is replaced, while a strategy runs, by one that calls `_Glo
   global statistics: torch's sum_dy_xmu over sigma) weighted by its share of the
   global batch (the weight its gradient is combined with), the same meeting sums them, and
   each replica's input gradient is that of the global loss divided by its own weight, so that
-  after the weighted gradient combination every parameter gets one device's gradient.
+  after the weighted gradient combination every parameter gets one device's gradient. With
+  `sg.set_loss_weight` the weight is the declared count (the total it is later divided by cancels
+  out); a weight of 0 on a slice that holds examples is refused, since the gradient those examples
+  get through the global statistics cannot pass a combination that multiplies it by 0.
 
 With `batch_norm="per_replica"` (TensorFlow's default, no meetings) each replica normalises with
 its own slice's statistics and keeps its own running statistics, which then differ between
@@ -309,7 +312,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = torch.zeros_like(sum_dy) if call.standing_in else sum_dy
         if ctx.needs_input_grad[0]:
-            share = call.sync._weight(call.replica) or 0.0
+            combination = call.sync._weight(call.replica)
+            if combination == 0 and not call.standing_in:
+                _refuse_zero_weight(call, x)
+            share = combination or 0.0
             idle = call.standing_in or share == 0
             if idle:
                 local = torch.zeros(2 * channels, dtype=torch.float64, device=x.device)
@@ -331,6 +337,21 @@ class _GlobalBatchNorm(torch.autograd.Function):
                 grad_x = F.batch_norm(x, mean, var, -gain * c, -gain * a, False, 0.0, call.eps)
                 grad_x.addcmul_(dy, _channel_view(gain, x.dim()))
         return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+def _refuse_zero_weight(call: _Call, x: torch.Tensor) -> None:
+    """A loss weight of 0 declared on a slice with examples: through the global statistics those examples move the
+    other replicas' losses, a gradient that the combination, multiplying this replica's by 0, would drop."""
+    name = call.sync._layer_name(call.layer)
+    raise InputError(
+        f"BatchNorm layer '{name}' normalises with the statistics of the whole global batch, so the examples of "
+        f"replica {call.replica} move every replica's loss, but in step {call.sync._step()} replica {call.replica} "
+        "declared a loss weight of 0 with sg.set_loss_weight(), which would drop the gradient they get through "
+        f"those statistics. Received: sg.set_loss_weight(0) on a slice of {x.shape[0]} example(s) with "
+        "batch_norm='global'. Make each replica's loss its share of the global one (its sum over tokens divided "
+        "by the global count, times num_replicas_in_sync) and declare sg.set_loss_weight(1) on every replica, or "
+        "use batch_norm='per_replica'."
+    )
 
 
 def per_replica_check(module: _BatchNorm, input: torch.Tensor, replica: int, name: str) -> None:

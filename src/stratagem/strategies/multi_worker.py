@@ -351,7 +351,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         map-style data set with a batch size (or batch sampler), or a `ShuffledBatches`, is cut at the index
         level: each worker reads only its part of each global batch. Any other input (an IterableDataset, a
         generator, a list of batches) is read whole by every worker, which keeps its part; `explain()`
-        says which ("input sharding").
+        says which ("input sharding"). A DataLoader with torch's DistributedSampler (a DDP script's) is this
+        worker's own part already: it is not cut again, and a step's global batch is every worker's batch.
         shard="file": the input is a `sg.data.FileDataset` with at least one file per worker; each
         worker reads every N-th file, in batches of its share of the global batch size.
         shard="auto" (default): "file" for a FileDataset with enough files, else "data".

@@ -3,7 +3,8 @@ agreement across workers that every one of them has a batch (so they all stop at
 
 With `shard="data"` every worker iterates the same global batches (or, cut at the index level by
 `data/worker_shards.py`, only its own part of each, with the global size carried along) and keeps
-its contiguous part; with `shard="file"` or `"off"` each worker's loader already yields its part.
+its contiguous part; with `shard="file"` or `"off"`, or a DataLoader with a DistributedSampler
+(`data/distributed_sampler.py`), each worker's loader already yields its part.
 When the loaders know their length the workers agree on the number of steps once per pass;
 otherwise they agree at every step.
 """
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.cluster import Cluster
+from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.data.worker_shards import WorkerPart
@@ -50,7 +52,9 @@ class MultiWorkerDataset:
         self._on_first_batch = on_first_batch
 
     def __iter__(self) -> Iterator[Any]:
-        steps = self._agreed_steps() if self._shard == "data" else None
+        # A loader already cut per worker (a DistributedSampler's) knows its length but not the others' batch
+        # sizes, so the workers sum them at every step.
+        steps = self._agreed_steps() if self._shard == "data" and not is_per_worker(self._dataset) else None
         if steps is not None:
             yield from self._iterate_agreed(steps)
             return
@@ -135,13 +139,14 @@ class MultiWorkerDataset:
             raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
         if batch is not None and size == 0:
             raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
-        count = size if self._shard == "off" else (size if self._strategy._cw.rank == 0 else 0)
+        own = self._shard == "off" or isinstance(batch, WorkerBatch)
+        count = size if own else (size if self._strategy._cw.rank == 0 else 0)
         device = self._strategy._devices[0] if self._strategy._backend == "nccl" else torch.device("cpu")
         agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
         return batch, agreement, self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step)
 
     def _unused(self, batch: Any) -> int:
-        if isinstance(batch, WorkerPart):
+        if isinstance(batch, (WorkerPart, WorkerBatch)):
             return batch_size_of(batch.batch)
         if self._shard == "off":
             return batch_size_of(batch)
@@ -158,8 +163,10 @@ class MultiWorkerDataset:
         strategy = self._strategy
         devices = strategy._devices
         if self._on_first_batch is not None and self._shard == "data":
-            # A generator's first batch tells whether it carries parts cut by index (fit's).
-            self._on_first_batch(isinstance(batch, WorkerPart), self._dataset)
+            # A generator's first batch tells whether it carries parts cut by index (fit's); a worker's own
+            # batches were noted when their loader was wrapped.
+            if not isinstance(batch, WorkerBatch):
+                self._on_first_batch(isinstance(batch, WorkerPart), self._dataset)
             self._on_first_batch = None
         if isinstance(batch, WorkerPart):
             local_sizes = self._global_sizes(global_size)
@@ -169,9 +176,9 @@ class MultiWorkerDataset:
                     f"Batch {step}: this worker's part of a global batch of {global_size} examples should hold "
                     f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples.")
             pieces = split_batch(batch.batch, local_sizes, devices)
-        elif self._shard == "off":
-            sizes = split_sizes(batch_size_of(batch), len(devices))
-            pieces = split_batch(batch, sizes, devices)
+        elif self._shard == "off" or isinstance(batch, WorkerBatch):
+            own = batch.batch if isinstance(batch, WorkerBatch) else batch
+            pieces = split_batch(own, split_sizes(batch_size_of(own), len(devices)), devices)
         else:
             local_sizes = self._global_sizes(global_size)
             start = sum(split_sizes(global_size, strategy.num_replicas_in_sync)[: _rank(strategy._cluster) * len(devices)])
@@ -185,6 +192,8 @@ class MultiWorkerDataset:
 
 def _global_size_of(batch: Any) -> int:
     """The examples of the step's GLOBAL batch: carried by a part cut at the index level, else the batch's own."""
+    if isinstance(batch, WorkerBatch):
+        return batch_size_of(batch.batch)  # this worker's own: the workers sum theirs
     return batch.global_size if isinstance(batch, WorkerPart) else batch_size_of(batch)
 
 

@@ -8,8 +8,9 @@ group, whatever the micro-batch sizes. The first K-1 backward passes run inside
 `stratagem.strategies.accumulation`), the last combines them and steps the optimizer.
 
 For `fit` and its callbacks a group is one step: `on_step` is called once per group with the
-metric states of its micro-batches summed, so ``save_freq`` and schedulers count updates, and a
-backup always falls between two updates (no accumulated gradient is lost by a restart).
+metric states of its micro-batches summed (on the device the strategy reduced them to, read by `fit`
+once an epoch) and the group's global example count, so ``save_freq`` and schedulers count updates, and
+a backup always falls between two updates (no accumulated gradient is lost by a restart).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def make_accumulating_train_step(model: nn.Module, optimizer: torch.optim.Optimi
 
 def run_accumulated_steps(strategy: Strategy, step_fn: MicroStepFn, batches: Iterable[Any], accumulate_steps: int,
                           on_step: Callable[..., None]) -> None:
-    """Runs `step_fn` over every global batch, K at a time; ``on_step(state, num_batches=n)`` once per group.
+    """Runs `step_fn` over every global batch, K at a time; ``on_step(state, num_examples, num_batches=n)`` once
+    per group, `state` left on the device the strategy reduced it to.
 
     Raises:
         InputError: a batch is not an ``(inputs, targets)`` pair.
@@ -98,10 +100,12 @@ def _run_group(strategy: Strategy, step_fn: MicroStepFn, group: list[Any], on_st
         last = index == len(distributed) - 1
         with contextlib.nullcontext() if last else strategy.no_sync():
             per_replica = strategy.run(step_fn, args=(*batch, count / total, last))
-        state = strategy.reduce("sum", per_replica).detach().to("cpu", torch.float64)
+        # Summed where the strategy reduced it: a copy to the CPU here would make the CPU wait for the GPU
+        # at every micro-batch. fit reads the sums once an epoch; the group's example count is known here.
+        state = strategy.reduce("sum", per_replica).detach().to(dtype=torch.float64)
         summed = state if summed is None else summed + state
     if summed is not None:
-        on_step(summed, num_batches=len(distributed))
+        on_step(summed, total, num_batches=len(distributed))
 
 
 def _global_examples(batch: Any) -> int:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from stratagem.data.split import batch_size_of
+from stratagem.data.distributed_sampler import WorkerBatch
 from stratagem.data.worker_shards import WorkerPart
 from stratagem.errors import InputError
 
@@ -43,6 +44,8 @@ def as_pairs(batches: Iterable[Any]) -> Iterator[Any]:
     for batch in batches:
         if isinstance(batch, WorkerPart):  # a worker's part of a global batch (data/worker_shards.py)
             yield WorkerPart(_as_pair(batch.batch), batch.global_size)
+        elif isinstance(batch, WorkerBatch):  # a worker's own batch (data/distributed_sampler.py)
+            yield WorkerBatch(_as_pair(batch.batch))
         else:
             yield _as_pair(batch)
 
