@@ -360,3 +360,50 @@ def test_an_idle_watchdog_polls_nothing():
         dog.check()
     finally:
         dog.close()
+
+
+# ---- host reads after a device wait: checked, so a value from an aborted collective is never used ---------
+
+class Aborted:
+    """What the watchdog recorded for the collective the host has just read from."""
+
+    def __init__(self) -> None:
+        self.reads_checked = 0
+
+    def __call__(self) -> None:
+        self.reads_checked += 1
+        raise CollectiveTimeoutError("worker:0 (rank 0): the gradient all-reduce of step 4 timed out")
+
+
+def test_the_bucket_counts_read_on_the_host_are_checked_before_use():
+    from stratagem.collective.buckets import GradientBuckets
+
+    ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    aborted = Aborted()
+    buckets = GradientBuckets(ps, bucket_bytes=10**6, first_bucket_bytes=10**6, count_users=True,
+                              after_host_read=aborted)
+    buckets.start(1.0)
+    for p in ps:
+        p.grad = torch.ones(3)
+    buckets.finish(lambda tensor: tensor.zero_())  # an aborted all-reduce: the counts read 0, "nobody used it"
+    with pytest.raises(CollectiveTimeoutError, match=r"step 4 timed out"):
+        buckets.hand_out()
+    with pytest.raises(CollectiveTimeoutError, match=r"step 4 timed out"):
+        buckets.declared_total()
+    assert aborted.reads_checked == 2
+
+
+def test_the_worker_sum_counts_read_on_the_host_are_checked_before_use():
+    from stratagem.collective.worker_sum import sum_gradients_across_workers
+
+    class AbortedWorld:
+        def all_reduce_(self, tensors, *, what, step):
+            tensors[0].zero_()  # what an aborted collective may leave
+
+        check = Aborted()
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    params[0].grad = torch.ones(2)
+    with pytest.raises(CollectiveTimeoutError, match=r"step 4 timed out"):
+        sum_gradients_across_workers(AbortedWorld(), [params], (0.0, 0), step=4)
+    assert torch.equal(params[0].grad, torch.ones(2))  # left as it was, not handed a garbage sum

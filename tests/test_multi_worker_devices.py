@@ -12,7 +12,7 @@ import torch
 from stratagem.cluster import from_slurm, from_torchrun, single_process
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
-from stratagem.errors import InputError
+from stratagem.errors import CollectiveTimeoutError, InputError
 from stratagem.strategies import worker_devices
 from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
 
@@ -112,13 +112,29 @@ class CountingWorld:
     def wait(self, works, *, what, step):
         pass
 
+    def check(self):
+        pass
 
-def one_worker_dataset(data, shard="data"):
+
+class AbortedWorld(CountingWorld):
+    """As a CrossWorker whose watchdog aborted the `fails_at`-th collective: what the host then read is garbage,
+    and check() raises the recorded error."""
+
+    def __init__(self, fails_at: int) -> None:
+        super().__init__()
+        self.fails_at = fails_at
+
+    def check(self):
+        if self.collectives >= self.fails_at:
+            raise CollectiveTimeoutError(f"the collective {self.fails_at} timed out")
+
+
+def one_worker_dataset(data, shard="data", world=None):
     import types
 
     from stratagem.strategies.multi_worker import MultiWorkerDataset
 
-    strategy = types.SimpleNamespace(_cw=CountingWorld(), _devices=[torch.device("cpu")], _backend="gloo",
+    strategy = types.SimpleNamespace(_cw=world or CountingWorld(), _devices=[torch.device("cpu")], _backend="gloo",
                                      _cluster=single_process(), num_replicas_in_sync=1)
     return MultiWorkerDataset(strategy, data, shard), strategy._cw
 
@@ -158,3 +174,17 @@ def test_a_pass_resumed_mid_epoch_agrees_on_the_batches_left_not_the_epoch_lengt
     dataset, world = one_worker_dataset(data)
     assert [x.batch_sizes for x, _ in dataset] == [(3,), (1,)]
     assert world.collectives == 1
+
+
+def test_an_agreement_read_after_the_watchdog_aborted_its_collective_is_never_used():
+    # Under NCCL the host reads the agreement after a wait that did not block; the watchdog's error comes first.
+    batches = [(torch.ones(2, 2), torch.zeros(2))] * 3
+    dataset, _ = one_worker_dataset(iter(batches), world=AbortedWorld(fails_at=3))  # the length, steps 0, 1
+    seen = []
+    with pytest.raises(CollectiveTimeoutError, match=r"the collective 3 timed out"):
+        for x, _ in dataset:
+            seen.append(x.batch_sizes)
+    assert seen == [(2,)]  # step 0 only: step 1's agreement came from the aborted collective
+    dataset, _ = one_worker_dataset(batches, world=AbortedWorld(fails_at=1))
+    with pytest.raises(CollectiveTimeoutError, match=r"the collective 1 timed out"):
+        next(iter(dataset))
