@@ -77,7 +77,7 @@ def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monke
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None: calls.append(("init", backend, device_id)))
+                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(("init", backend, device_id)))
     env = torchrun_env(1, 2)
     start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
     assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
@@ -87,9 +87,35 @@ def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None: calls.append(("init", backend, device_id)))
+                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(("init", backend, device_id)))
     start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
     assert calls == [("init", "gloo", None)]
+
+
+@pytest.mark.parametrize("backend,expected", [("nccl", 60.0 + 2 * 2.0 + 30.0), ("gloo", 60.0)])
+def test_the_nccl_group_waits_longer_than_stratagem_so_the_named_error_comes_first(monkeypatch, backend, expected):
+    # torch's NCCL watchdog ends a collective at the group's timeout, with its own message and no roll call.
+    seen = {}
+    monkeypatch.setattr(worker_devices, "init_process_group",
+                        lambda cluster, backend, timeout, **options: seen.update(timeout=timeout, **options))
+    start_process_group(single_process(), [torch.device("cpu")], backend, 60.0, token=None)
+    assert seen["timeout"] == 60.0  # the rendezvous keeps the strategy's timeout
+    assert seen["group_timeout"] == expected
+
+
+def test_the_group_timeout_reaches_torch_and_the_rendezvous_keeps_its_own(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from stratagem.cluster import init_process_group
+
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **options: seen.update(options))
+    init_process_group(single_process(), "gloo", timeout=10, group_timeout=44.5)
+    assert seen["timeout"] == datetime.timedelta(seconds=44.5)
+    init_process_group(single_process(), "gloo", timeout=10)
+    assert seen["timeout"] == datetime.timedelta(seconds=10)
 
 
 # ---- the end-of-data agreement: once per pass when the loaders know their length ------------------------
