@@ -329,10 +329,13 @@ def test_close_ends_the_watchdog_thread_even_with_a_collective_pending(make):
     cw = make(FakeStore(), device_collectives=True, abort=abort)
     work = FakeNcclWork(torch.zeros(1), torch.ones(1), run_seconds=30.0)
     try:
+        before = set(threading.enumerate())
         cw.wait([work], what="gradient all-reduce", step=1)
-        assert cw.watchdog.is_alive()
+        started = [t for t in set(threading.enumerate()) - before if t.name == "stratagem-collective-watchdog"]
+        assert len(started) == 1 and cw.watchdog.is_alive()
         cw.close()
-        assert not cw.watchdog.is_alive() and abort.calls == 0
+        assert not started[0].is_alive() and not cw.watchdog.is_alive() and abort.calls == 0
+        assert cw.watchdog.pending == 0  # the handle let go
     finally:
         work.timer.cancel()
 

@@ -89,8 +89,9 @@ class Watchdog:
         self._pending: collections.deque[tuple[Any, _Batch]] = collections.deque()
         self._changed = threading.Condition()
         self._error: Exception | None = None
-        self._stopping = False
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        """The running thread's own stop signal: a thread that close() gave up waiting for never takes new handles."""
 
     def watch(self, works: Sequence[Any], *, what: str, step: int) -> None:
         """Hands over work handles (their `wait()` already called) whose collective is `what` of `step`."""
@@ -99,13 +100,13 @@ class Watchdog:
             return
         batch = _Batch(what, step, time.monotonic())
         with self._changed:
-            if self._stopping:
-                return
             self._pending.extend((work, batch) for work in works)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="stratagem-collective-watchdog")
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), daemon=True,
+                                                name="stratagem-collective-watchdog")
                 self._thread.start()
-            self._changed.notify()
+            self._changed.notify_all()
 
     def check(self) -> None:
         """Raises the recorded failure (CollectiveTimeoutError or ReplicaError naming who is missing), if any."""
@@ -121,26 +122,28 @@ class Watchdog:
 
     def is_alive(self) -> bool:
         """Whether the watchdog's thread runs (it starts with the first handles and ends at `close` or a failure)."""
-        return self._thread is not None and self._thread.is_alive()
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def close(self, seconds: float = 1.0) -> None:
-        """Stops the thread (waiting for it at most `seconds`: one inside a roll call ends with the process)."""
+        """Stops the thread and lets go of the pending handles (waiting for the thread at most `seconds`: one
+        inside a roll call ends with the process). A later `watch` starts another thread."""
         with self._changed:
-            self._stopping = True
+            self._stop.set()
             self._pending.clear()
-            self._changed.notify()
-            thread = self._thread
+            self._changed.notify_all()
+            thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=seconds)
 
     # ---- the thread ---------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         pause = _POLL_FIRST_S
         while True:
             with self._changed:
-                while not self._pending and not self._stopping:
+                while not self._pending and not stop.is_set():
                     self._changed.wait()  # idle: no wake-up until handles come or close() is called
-                if self._stopping:
+                if stop.is_set():
                     return
                 work, batch = self._pending[0]
             try:
@@ -166,7 +169,7 @@ class Watchdog:
                     logger.warning("The stall warning for the %s of step %d failed: %s", batch.what, batch.step, error)
                 continue
             with self._changed:
-                if not self._stopping:
+                if not stop.is_set():
                     self._changed.wait(min(pause, max(0.0, batch.start + self.timeout - now)))
             pause = min(2 * pause, _POLL_MAX_S)
 
