@@ -229,9 +229,11 @@ def test_the_shared_memory_meeting_at_a_stopped_chief_ends_within_the_timeout(st
 class AbortRecorder:
     def __init__(self) -> None:
         self.calls = 0
+        self.called = threading.Event()
 
     def __call__(self) -> None:
         self.calls += 1
+        self.called.set()
 
 
 class BrokenNcclWork(FakeNcclWork):
@@ -410,3 +412,26 @@ def test_the_worker_sum_counts_read_on_the_host_are_checked_before_use():
     with pytest.raises(CollectiveTimeoutError, match=r"step 4 timed out"):
         sum_gradients_across_workers(AbortedWorld(), [params], (0.0, 0), step=4)
     assert torch.equal(params[0].grad, torch.ones(2))  # left as it was, not handed a garbage sum
+
+
+def test_a_collective_started_as_the_watchdog_aborts_the_group_raises_the_watchdogs_error(make, monkeypatch):
+    store = FakeStore()
+    store.set("stratagem/rollcall/8/1", "here")
+    store.set("stratagem/rollcall/8/2", "here")
+    abort = AbortRecorder()
+    cw = make(store, timeout=0.3, device_collectives=True, abort=abort)
+    work = FakeNcclWork(torch.zeros(1), torch.ones(1), run_seconds=30.0)
+
+    def all_reduce_as_the_group_is_aborted(*args, **kwargs):
+        # The host got past check() just before the watchdog fired; torch then finds no process group.
+        assert abort.called.wait(3.0)
+        raise RuntimeError("Default process group has not been initialized")
+
+    try:
+        cw.wait([work], what="gradient all-reduce", step=8)
+        monkeypatch.setattr(dist, "all_reduce", all_reduce_as_the_group_is_aborted)
+        with pytest.raises(CollectiveTimeoutError, match=r"the gradient all-reduce of step 8 timed out"):
+            cw.all_reduce_async([torch.ones(1)], what="gradient all-reduce", step=9)
+    finally:
+        work.timer.cancel()
+        cw.close()

@@ -133,7 +133,7 @@ class CrossWorker:
             if self.shared is not None and self.shared.supports(tensor):
                 self.shared.all_reduce_(tensor, what=what, step=step)
             else:
-                works.append(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+                works.append(self._start(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True))
         return works
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> None:
@@ -147,7 +147,8 @@ class CrossWorker:
         lengths = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         lengths[self.rank] = len(payload)
         # Through the process group, never the shared-memory sums: those are for floating-point gradients.
-        self.wait([dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True)], what=f"{what} (sizes)", step=step)
+        self.wait([self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)], what=f"{what} (sizes)",
+                  step=step)
         sizes = [int(n) for n in lengths.tolist()]  # a host read: on the device path it waits for the GPU
         self.check()  # the sizes came from a collective that did not fail
         longest = max(sizes)
@@ -155,10 +156,19 @@ class CrossWorker:
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
-        self.wait([dist.all_gather(received, mine, async_op=True)], what=what, step=step)
+        self.wait([self._start(dist.all_gather, received, mine, async_op=True)], what=what, step=step)
         payloads = [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(received, sizes)]
         self.check()
         return payloads
+
+    def _start(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Starts a collective; when that fails because the watchdog has just aborted the process group (from
+        its thread), the watchdog's error, which names who is missing, is raised instead of torch's."""
+        try:
+            return collective(*args, **kwargs)
+        except Exception:
+            self.check()
+            raise
 
     def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> tuple[str, bool]:
         """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it).
