@@ -214,3 +214,46 @@ def test_an_agreement_read_after_the_watchdog_aborted_its_collective_is_never_us
     dataset, _ = one_worker_dataset(batches, world=AbortedWorld(fails_at=1))
     with pytest.raises(CollectiveTimeoutError, match=r"the collective 1 timed out"):
         next(iter(dataset))
+
+
+# ---- the NCCL device path's wiring, on Gloo ----------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_device(monkeypatch, backend):
+    import torch.nn.functional as F
+
+    import stratagem as sg
+    from stratagem.cluster import free_ports
+    from stratagem.strategies import multi_worker
+
+    # The strategy believes it has chosen NCCL; the group underneath is Gloo (no GPU here), whose wait() blocks.
+    monkeypatch.setattr(multi_worker.MultiWorkerMirroredStrategy, "_choose_backend", lambda self: (backend, "a test"))
+    real = multi_worker.start_process_group
+    monkeypatch.setattr(multi_worker, "start_process_group",
+                        lambda cluster, devices, _backend, timeout, **kw: real(cluster, devices, "gloo", timeout, **kw))
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{free_ports(1)[0]}"]}, "task": {"type": "worker", "index": 0}}
+    torch.manual_seed(0)
+    net, x, y = torch.nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)
+    reference = torch.nn.Linear(3, 2)
+    reference.load_state_dict(net.state_dict())
+    strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster, timeout=20)
+    try:
+        assert (strategy._cw.watchdog is not None) == (backend == "nccl")
+        model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.5))
+
+        def step(xs, ys):
+            F.mse_loss(model(xs), ys).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for batch in strategy.distribute_dataset([(x, y)]):
+            strategy.run(step, args=batch)
+        strategy._cw.check()
+    finally:
+        strategy.close()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
