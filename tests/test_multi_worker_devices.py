@@ -12,7 +12,7 @@ import torch
 from stratagem.cluster import from_slurm, from_torchrun, single_process
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
-from stratagem.errors import InputError
+from stratagem.errors import CollectiveTimeoutError, InputError
 from stratagem.strategies import worker_devices
 from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
 
@@ -77,7 +77,7 @@ def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monke
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None: calls.append(("init", backend, device_id)))
+                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(("init", backend, device_id)))
     env = torchrun_env(1, 2)
     start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
     assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
@@ -87,9 +87,35 @@ def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None: calls.append(("init", backend, device_id)))
+                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(("init", backend, device_id)))
     start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
     assert calls == [("init", "gloo", None)]
+
+
+@pytest.mark.parametrize("backend,expected", [("nccl", 60.0 + 2 * 2.0 + 30.0), ("gloo", 60.0)])
+def test_the_nccl_group_waits_longer_than_stratagem_so_the_named_error_comes_first(monkeypatch, backend, expected):
+    # torch's NCCL watchdog ends a collective at the group's timeout, with its own message and no roll call.
+    seen = {}
+    monkeypatch.setattr(worker_devices, "init_process_group",
+                        lambda cluster, backend, timeout, **options: seen.update(timeout=timeout, **options))
+    start_process_group(single_process(), [torch.device("cpu")], backend, 60.0, token=None)
+    assert seen["timeout"] == 60.0  # the rendezvous keeps the strategy's timeout
+    assert seen["group_timeout"] == expected
+
+
+def test_the_group_timeout_reaches_torch_and_the_rendezvous_keeps_its_own(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from stratagem.cluster import init_process_group
+
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **options: seen.update(options))
+    init_process_group(single_process(), "gloo", timeout=10, group_timeout=44.5)
+    assert seen["timeout"] == datetime.timedelta(seconds=44.5)
+    init_process_group(single_process(), "gloo", timeout=10)
+    assert seen["timeout"] == datetime.timedelta(seconds=10)
 
 
 # ---- the end-of-data agreement: once per pass when the loaders know their length ------------------------
@@ -112,13 +138,29 @@ class CountingWorld:
     def wait(self, works, *, what, step):
         pass
 
+    def check(self):
+        pass
 
-def one_worker_dataset(data, shard="data"):
+
+class AbortedWorld(CountingWorld):
+    """As a CrossWorker whose watchdog aborted the `fails_at`-th collective: what the host then read is garbage,
+    and check() raises the recorded error."""
+
+    def __init__(self, fails_at: int) -> None:
+        super().__init__()
+        self.fails_at = fails_at
+
+    def check(self):
+        if self.collectives >= self.fails_at:
+            raise CollectiveTimeoutError(f"the collective {self.fails_at} timed out")
+
+
+def one_worker_dataset(data, shard="data", world=None):
     import types
 
     from stratagem.strategies.multi_worker import MultiWorkerDataset
 
-    strategy = types.SimpleNamespace(_cw=CountingWorld(), _devices=[torch.device("cpu")], _backend="gloo",
+    strategy = types.SimpleNamespace(_cw=world or CountingWorld(), _devices=[torch.device("cpu")], _backend="gloo",
                                      _cluster=single_process(), num_replicas_in_sync=1)
     return MultiWorkerDataset(strategy, data, shard), strategy._cw
 
@@ -158,3 +200,60 @@ def test_a_pass_resumed_mid_epoch_agrees_on_the_batches_left_not_the_epoch_lengt
     dataset, world = one_worker_dataset(data)
     assert [x.batch_sizes for x, _ in dataset] == [(3,), (1,)]
     assert world.collectives == 1
+
+
+def test_an_agreement_read_after_the_watchdog_aborted_its_collective_is_never_used():
+    # Under NCCL the host reads the agreement after a wait that did not block; the watchdog's error comes first.
+    batches = [(torch.ones(2, 2), torch.zeros(2))] * 3
+    dataset, _ = one_worker_dataset(iter(batches), world=AbortedWorld(fails_at=3))  # the length, steps 0, 1
+    seen = []
+    with pytest.raises(CollectiveTimeoutError, match=r"the collective 3 timed out"):
+        for x, _ in dataset:
+            seen.append(x.batch_sizes)
+    assert seen == [(2,)]  # step 0 only: step 1's agreement came from the aborted collective
+    dataset, _ = one_worker_dataset(batches, world=AbortedWorld(fails_at=1))
+    with pytest.raises(CollectiveTimeoutError, match=r"the collective 1 timed out"):
+        next(iter(dataset))
+
+
+# ---- the NCCL device path's wiring, on Gloo ----------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_device(monkeypatch, backend):
+    import torch.nn.functional as F
+
+    import stratagem as sg
+    from stratagem.cluster import free_ports
+    from stratagem.strategies import multi_worker
+
+    # The strategy believes it has chosen NCCL; the group underneath is Gloo (no GPU here), whose wait() blocks.
+    monkeypatch.setattr(multi_worker.MultiWorkerMirroredStrategy, "_choose_backend", lambda self: (backend, "a test"))
+    real = multi_worker.start_process_group
+    monkeypatch.setattr(multi_worker, "start_process_group",
+                        lambda cluster, devices, _backend, timeout, **kw: real(cluster, devices, "gloo", timeout, **kw))
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{free_ports(1)[0]}"]}, "task": {"type": "worker", "index": 0}}
+    torch.manual_seed(0)
+    net, x, y = torch.nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)
+    reference = torch.nn.Linear(3, 2)
+    reference.load_state_dict(net.state_dict())
+    strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster, timeout=20)
+    try:
+        assert (strategy._cw.watchdog is not None) == (backend == "nccl")
+        model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.5))
+
+        def step(xs, ys):
+            F.mse_loss(model(xs), ys).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for batch in strategy.distribute_dataset([(x, y)]):
+            strategy.run(step, args=batch)
+        strategy._cw.check()
+    finally:
+        strategy.close()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6)

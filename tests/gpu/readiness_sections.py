@@ -50,10 +50,24 @@ def _python(code: str, *, timeout: float, **env: str | None) -> subprocess.Compl
 
 # ---- NCCL waits ---------------------------------------------------------------------------------------
 
+class _NeverDone:
+    """A work handle whose collective never ends (the dry run's stand-in for one queued behind a long kernel)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> bool:
+        return True
+
+
 def nccl_wait(ctx: Any) -> dict[str, Any]:
-    """A one-worker group, a long kernel queued before the collective, then stratagem's wait: the value
-    read afterwards must be the collective's result, and the wait must have lasted as long as the kernel."""
+    """A one-worker group, a long kernel queued before the collective, then stratagem's wait, which under
+    NCCL hands the handle to its watchdog instead of blocking the host: the wait must return before the
+    kernel ends, the value read afterwards must be the collective's result, the watchdog must warn about
+    the stall, and a collective that outlasts the timeout must be named by the watchdog's error."""
     from stratagem.collective.cross_worker import CrossWorker
+    from stratagem.collective.watchdog import abort_process_group
+    from stratagem.errors import CollectiveTimeoutError
 
     on_gpu = not ctx.dry_run
     backend = "nccl" if on_gpu else "gloo"
@@ -65,7 +79,8 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
     dist.init_process_group(backend, store=store, rank=0, world_size=1, **options)
     figures: dict[str, Any] = {"backend": backend}
     try:
-        cw = CrossWorker(store, rank=0, task_names=["worker:0"], timeout=60.0, stall_warning_after=0.1)
+        cw = CrossWorker(store, rank=0, task_names=["worker:0"], timeout=60.0, stall_warning_after=0.1,
+                         device_collectives=on_gpu)
         warnings: list[str] = []
 
         class Keep(logging.Handler):
@@ -87,15 +102,20 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
             queued = {"future_done_when_queued": bool(work.get_future().done()),
                       "is_completed_when_queued": bool(work.is_completed())}
             cw.wait([work], what="readiness all-gather", step=0)
-            waited = time.perf_counter() - start
+            returned = time.perf_counter() - start
             result = out if on_gpu else x
-            low, high = float(result.min()), float(result.max())  # read on the current stream, after the wait
+            low, high = float(result.min()), float(result.max())  # a host read: waits for the GPU, after the wait
+            read = time.perf_counter() - start
+            cw.check()
             expect(low == high == 2.0, f"read {low}..{high} after the wait, expected 2.0 everywhere")
             if on_gpu:
-                expect(waited > 0.2, f"the wait returned after {waited:.3f} s, before the queued kernel could end")
-                expect(any("has waited" in w for w in warnings), "no stall warning although the wait lasted "
-                       f"{waited:.2f} s past the 0.1 s warning threshold")
-            return {**queued, "waited_s": round(waited, 3), "value": low, "stall_warned": bool(warnings)}
+                expect(returned < 0.5, f"the wait blocked the host for {returned:.3f} s, though NCCL's wait() "
+                       "only orders the stream")
+                expect(read > 0.2, f"the read returned after {read:.3f} s, before the queued kernel could end")
+                expect(any("has waited" in w for w in warnings), "no stall warning from the watchdog although the "
+                       f"collective took {read:.2f} s past the 0.1 s warning threshold")
+            return {**queued, "wait_returned_s": round(returned, 3), "read_s": round(read, 3), "value": low,
+                    "stall_warned": bool(warnings)}
 
         figures["gather_after_long_kernel"] = ctx.case("collective after a long queued kernel", gather_after_a_long_kernel)
 
@@ -106,12 +126,56 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
             y.add_(1.0)
             cw.all_reduce_([y], what="readiness all-reduce", step=1)
             value = float(y[-1])
+            cw.check()
             expect(value == 4.0, f"read {value} after all_reduce_, expected 4.0")
             return {"value": value}
 
         figures["all_reduce"] = ctx.case("all_reduce_ waits for its own result", all_reduce_through_stratagem)
+
+        def a_stuck_collective_is_named_by_the_watchdog() -> dict[str, Any]:
+            aborts: list[float] = []
+            stuck = CrossWorker(store, rank=0, task_names=["worker:0"], timeout=0.5, stall_warning_after=0.1,
+                                roll_call_seconds=0.2, device_collectives=True,
+                                abort=lambda: aborts.append(time.perf_counter()))
+            try:
+                z = torch.ones(1 << 10, device=device)
+                if on_gpu:
+                    torch.cuda._sleep(int(6e9))  # a few seconds: the all-reduce outlasts the 0.5 s timeout
+                    work = dist.all_reduce(z, async_op=True)
+                else:
+                    work = _NeverDone()
+                start = time.perf_counter()
+                stuck.wait([work], what="readiness all-reduce", step=7)
+                error: Exception | None = None
+                while error is None and time.perf_counter() - start < 5.0:
+                    try:
+                        stuck.check()
+                    except CollectiveTimeoutError as raised:
+                        error = raised
+                    time.sleep(0.01)
+                named = time.perf_counter() - start
+                expect(error is not None, "the watchdog recorded no error within 5 s of a 0.5 s timeout")
+                expect("every task answered the roll call" in str(error), f"unexpected error: {error}")
+                expect(len(aborts) == 1, f"the abort was called {len(aborts)} times, expected once")
+                return {"named_after_s": round(named, 3), "error": str(error)[:200]}
+            finally:
+                stuck.close()
+                if on_gpu:
+                    torch.cuda.synchronize()
+
+        figures["stuck"] = ctx.case("a stuck collective is named by the watchdog", a_stuck_collective_is_named_by_the_watchdog)
+
+        if on_gpu:
+            def the_abort_runs_on_nccl() -> dict[str, Any]:
+                abort_process_group()  # the real one (experimental in torch): the group must be gone after it
+                expect(not dist.is_initialized(), "the process group is still initialized after the abort")
+                return {"aborted": True}
+
+            figures["abort"] = ctx.case("the process group's abort runs under NCCL", the_abort_runs_on_nccl)
+        cw.close()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return figures
 
 

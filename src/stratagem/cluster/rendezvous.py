@@ -218,6 +218,7 @@ def init_process_group(
     token: str | None = None,
     device_id: torch.device | None = None,
     agent_store: str | None = None,
+    group_timeout: float | timedelta | None = None,
 ) -> dist.Store:
     """Meet every rank of ``cluster`` at the chief's TCP store and initialize torch.distributed.
 
@@ -228,7 +229,9 @@ def init_process_group(
 device, for NCCL) is handed to ``torch.distributed.init_process_group``: the communicator forms at
 once on that GPU; set it as the current device first (``torch.cuda.set_device``). ``agent_store`` (a key prefix, see
 `agent_store_prefix`) makes every rank a client of the store torchrun's agent serves at the chief's
-address, instead of the chief serving a second one on the same port.
+address, instead of the chief serving a second one on the same port. ``group_timeout`` (default: ``timeout``)
+is the process group's own timeout, after which torch ends a collective (for NCCL: its watchdog aborts
+the communicator).
 
     Example:
         >>> cluster = resolve_cluster(env=environ.current())          # doctest: +SKIP
@@ -274,7 +277,9 @@ address, instead of the chief serving a second one on the same port.
     store = _bounded_meeting(cluster, rank, wait, steps, start)
     import_group_defaults()
     options: dict[str, Any] = {} if device_id is None else {"device_id": device_id}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=wait, **options)
+    group_wait = wait if group_timeout is None else _as_timedelta(group_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=group_wait,
+                            **options)
     return store
 
 

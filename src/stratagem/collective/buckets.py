@@ -49,7 +49,11 @@ class _Bucket:
 
 
 class GradientBuckets:
-    """Buckets over one replica's parameters (those that require grad)."""
+    """Buckets over one replica's parameters (those that require grad).
+
+    `after_host_read`: called right after each host read of the summed counts (`hand_out`, `declared_total`);
+    MultiWorkerMirroredStrategy passes `CrossWorker.check`, which raises when the collective failed.
+    """
 
     def __init__(
         self,
@@ -59,6 +63,7 @@ class GradientBuckets:
         first_bucket_bytes: int = 1024 * 1024,
         direct_bytes: int | None = None,
         count_users: bool = False,
+        after_host_read: Callable[[], None] | None = None,
     ) -> None:
         # A first bucket of 1 MiB, as DDP's: 128 KiB (the CNN's dense layers sent before its convolutions'
         # gradients exist) measured 2-3% slower a step against an A/A control.
@@ -67,6 +72,9 @@ class GradientBuckets:
         # that outweighs copying a few MiB.
         direct_bytes = bucket_bytes if direct_bytes is None else direct_bytes
         self.params = list(params)
+        # Called right after each host read of the summed counts (CrossWorker.check): raises when the
+        # collective that wrote them failed, so a value read from an aborted one is never used.
+        self._after_host_read = after_host_read or (lambda: None)
         self.bucket_bytes = bucket_bytes
         self.buckets = _assign(self.params, bucket_bytes, first_bucket_bytes, direct_bytes)
         self._users: torch.Tensor | None = None
@@ -147,7 +155,8 @@ class GradientBuckets:
         """After the all-reduce: (sum of the declared loss weights, how many ranks declared one)."""
         if self._declared_tail is None:
             return 0.0, 0
-        total, count = self._declared_tail.tolist()
+        total, count = self._declared_tail.tolist()  # a host read: a host sync under NCCL (see hand_out)
+        self._after_host_read()
         return float(total), int(round(count))
 
     def mark_ready(self, index: int, launch: Launch) -> None:
@@ -187,7 +196,11 @@ class GradientBuckets:
         already in its bucket, and taking it in is a multiplication in place.
 
         With user counts, a parameter that no rank used gets `grad = None` instead."""
+        # The counts are read on the host, which under NCCL is a host sync each step: whether a parameter ends
+        # the step with grad None is a Python attribute, so the host must know who used it.
         unused = set() if self._users is None else {i for i, c in enumerate(self._users.tolist()) if c == 0}
+        if self._users is not None:
+            self._after_host_read()
         for bucket in self.buckets:
             for i, view in bucket.views.items():
                 p = self.params[i]

@@ -1,18 +1,22 @@
 """Collectives across worker processes, every wait bounded, every failure naming who is missing.
 
-Every backend waits through one path (`CrossWorker.wait`): each work handle's `is_completed()` is
-polled against the deadline, then its `wait()` orders the caller's CUDA stream after the collective
-(NCCL) and re-raises its error. Before the timeout
-runs out a stall warning is logged with the step each rank last reported; when a collective
-fails or times out, the surviving ranks hold a roll call through the TCP store so the error
-names the task(s) that are gone.
+Two paths, one set of promises. On the host path (Gloo, CPU tensors) `CrossWorker.wait` polls each
+work handle's `is_completed()` against the deadline, then calls its `wait()`, which re-raises the
+collective's error. On the device path (`device_collectives=True`: NCCL) the host does not wait:
+each handle's `wait()` orders the current CUDA stream after the collective, and a watchdog thread
+(`collective/watchdog.py`) polls the handles instead, so the CPU can queue the next step's work
+while the GPU still communicates. Either way a stall warning is logged before the timeout with the
+step each rank last reported, and when a collective fails or times out the surviving ranks hold a
+roll call through the TCP store so the error names the task(s) that are gone; on the device path
+that error is raised by the next call here (or `check()`), and the process group is aborted so a
+host blocked on the collective's result is released.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.collective.store_calls import StoreCalls
+from stratagem.collective.watchdog import Watchdog
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 
 logger = logging.getLogger(__name__)
@@ -28,10 +33,16 @@ _STEP = "stratagem/step/{rank}"
 _ROLL_CALL = "stratagem/rollcall/{step}/{rank}"
 _POLL_FIRST_S = 50e-6
 _POLL_MAX_S = 1e-3
+ROLL_CALL_SECONDS = 2.0
+"""How long, after a failure or timeout, the survivors wait for each other to sign in to the roll call."""
 
 
 class CrossWorker:
     """This process's view of the collective world: rank, task names, timeouts, heartbeats.
+
+    `device_collectives`: the collectives run on the GPU (NCCL), so `wait` hands the handles to a
+    watchdog instead of blocking the host (see the module's docstring); `abort` is what the watchdog
+    calls after a failure (default: abort the process group).
 
     Example:
         >>> cw = CrossWorker(store, rank=0, task_names=["worker:0", "worker:1"], timeout=60)
@@ -46,8 +57,10 @@ class CrossWorker:
         task_names: Sequence[str],
         timeout: float,
         stall_warning_after: float | None = None,
-        roll_call_seconds: float = 2.0,
+        roll_call_seconds: float = ROLL_CALL_SECONDS,
         heartbeat_seconds: float = 1.0,
+        device_collectives: bool = False,
+        abort: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -63,6 +76,11 @@ class CrossWorker:
         """The shared-memory group (`connect_shared_memory`), or None: every sum goes through the process group."""
         # Every call on the chief's store is bounded (torch's client can wait forever on a stopped chief).
         self._store_calls = StoreCalls(store, chief=self.task_names[0], caller=f"{self.task_name} (rank {rank})")
+        self.watchdog: Watchdog | None = None
+        """The device path's watchdog (None on the host path)."""
+        if device_collectives:
+            self.watchdog = Watchdog(timeout=self.timeout, stall_warning_after=self.stall_warning_after,
+                                     on_stall=self._warn_stall, on_failure=self._failure, abort=abort)
 
     @property
     def task_name(self) -> str:
@@ -75,6 +93,7 @@ class CrossWorker:
         whose server thread competes for the same cores as the training, so the steps shown in
         errors are the last ones reported, at most that much behind.
         """
+        self.check()
         now = time.monotonic()
         if step != self._last_step_reported and now - self._last_report_time >= self.heartbeat_seconds:
             self._store_calls.run(f"the heartbeat of step {step}", self.store.set, _STEP.format(rank=self.rank),
@@ -108,12 +127,13 @@ class CrossWorker:
         A tensor the shared-memory group takes (`self.shared`: every worker on this host, a CPU tensor)
         is summed there and then, so it has no handle; the others start on the process group.
         """
+        self.check()
         works = []
         for tensor in tensors:
             if self.shared is not None and self.shared.supports(tensor):
                 self.shared.all_reduce_(tensor, what=what, step=step)
             else:
-                works.append(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+                works.append(self._start(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True))
         return works
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> None:
@@ -127,15 +147,28 @@ class CrossWorker:
         lengths = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         lengths[self.rank] = len(payload)
         # Through the process group, never the shared-memory sums: those are for floating-point gradients.
-        self.wait([dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True)], what=f"{what} (sizes)", step=step)
-        sizes = [int(n) for n in lengths.tolist()]
+        self.wait([self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)], what=f"{what} (sizes)",
+                  step=step)
+        sizes = [int(n) for n in lengths.tolist()]  # a host read: on the device path it waits for the GPU
+        self.check()  # the sizes came from a collective that did not fail
         longest = max(sizes)
         mine = torch.zeros(longest, dtype=torch.uint8, device=device)
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
-        self.wait([dist.all_gather(received, mine, async_op=True)], what=what, step=step)
-        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(received, sizes)]
+        self.wait([self._start(dist.all_gather, received, mine, async_op=True)], what=what, step=step)
+        payloads = [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(received, sizes)]
+        self.check()
+        return payloads
+
+    def _start(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Starts a collective; when that fails because the watchdog has just aborted the process group (from
+        its thread), the watchdog's error, which names who is missing, is raised instead of torch's."""
+        try:
+            return collective(*args, **kwargs)
+        except Exception:
+            self.check()
+            raise
 
     def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> tuple[str, bool]:
         """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it).
@@ -151,7 +184,16 @@ class CrossWorker:
             why_not=why_not if wanted else shared_memory.TURNED_OFF)
         return reason, fell_back
 
+    def check(self) -> None:
+        """Raises the failure the watchdog recorded (device path): the CollectiveTimeoutError or ReplicaError
+        naming who is missing. Call it after every host read of a device collective's result (`.tolist()`,
+        `int()`): after a failure the process group is aborted and such a read returns whatever was there."""
+        if self.watchdog is not None:
+            self.watchdog.check()
+
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.shared is not None:
             self.shared.close()
             self.shared = None
@@ -161,17 +203,22 @@ class CrossWorker:
         """Waits for work handles (None: a collective already done); raises an error naming the missing tasks
         on failure or timeout.
 
-        One path for every backend: poll each handle's `is_completed()` against the deadline, then call its
-        `wait()`. A future's `done()` cannot stand in for completion: for GPU work (NCCL) it turns true once
-        the collective is queued, and `value()` does not order the caller's stream after NCCL's, so a tensor
-        read then may not hold the sum yet. `is_completed()` is true only when the work has finished (for
-        NCCL: its end event has fired on the GPU); `wait()` then makes the current CUDA stream wait for the
-        collective's stream (for NCCL) and re-raises the collective's error (every backend). `wait(timeout)`
-        is not used for the bound: for NCCL a timed-out wait may abort the communicator, which would turn a
-        stall warning into a failure.
+        Host path: poll each handle's `is_completed()` against the deadline, then call its `wait()`, which
+        re-raises the collective's error. A future's `done()` cannot stand in for completion: for GPU work
+        (NCCL) it turns true once the collective is queued. `wait(timeout)` is not used for the bound: for
+        NCCL a timed-out wait may abort the communicator, which would turn a stall warning into a failure.
+
+        Device path (`device_collectives`): each handle's `wait()` at once, which orders the current CUDA
+        stream after the collective without blocking the host, then the watchdog polls `is_completed()`
+        against the same deadline (`_hand_to_watchdog`). A read of the result on the host (`.tolist()`)
+        then waits for the GPU, and must be followed by `check()`.
         """
+        self.check()
         works = [w for w in works if w is not None]
         if not works:
+            return
+        if self.watchdog is not None:
+            self._hand_to_watchdog(self.watchdog, works, what, step)
             return
         start = time.monotonic()
         warn_at = start + min(self.stall_warning_after, self.timeout)
@@ -194,6 +241,26 @@ class CrossWorker:
                 work.wait()
             except Exception as error:  # noqa: BLE001 - translated into an error that names the missing task
                 raise self._failure(what, step, error) from error
+
+    def _hand_to_watchdog(self, watchdog: Watchdog, works: Sequence[Any], what: str, step: int) -> None:
+        """The device path: each handle's `wait()` at once, then the watchdog polls it.
+
+        ProcessGroupNCCL's `WorkNCCL::wait` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) calls
+        `synchronize()`, which blocks the current CUDA stream on the collective's end event
+        (`ncclEndEvent_->block(currentStream)`), and blocks the CPU thread only "in case of blockingWait or a
+        timeout value is specified by the user": so without TORCH_NCCL_BLOCKING_WAIT=1, and with no timeout
+        given here, it returns at once and later work on this stream runs after the sum has landed
+        (torch.distributed's docs: the output can then be used on that stream without further sync). With
+        TORCH_NCCL_BLOCKING_WAIT=1 it blocks up to the process group's timeout, which is longer than ours
+        (strategies/worker_devices.py): the watchdog still fires first, and its abort ends that wait.
+        """
+        for work in works:
+            try:
+                work.wait()
+            except Exception as error:  # noqa: BLE001 - translated into an error that names the missing task
+                self.check()  # the watchdog's abort ended this wait: its error is the one to raise
+                raise self._failure(what, step, error) from error
+        watchdog.watch(works, what=what, step=step)
 
     def _completed(self, work: Any, what: str, step: int) -> bool:
         try:

@@ -33,7 +33,10 @@ def sum_gradients_across_workers(cw: Any, replica_params: Sequence[Sequence[nn.P
     flat = torch._utils._flatten_dense_tensors([*grads, counts])
     cw.all_reduce_([flat], what="gradient all-reduce", step=step)
     *summed, users = torch._utils._unflatten_dense_tensors(flat, [*grads, counts])
+    # A host read, so under NCCL a host sync each step: which parameters end with grad None must be known on
+    # the host. cw.check() after it: a value read from a collective the watchdog aborted is never used.
     *users_list, total, num_declared = users.tolist()
+    cw.check()
     for i, count in enumerate(users_list):
         if count == 0:
             continue  # nobody used it: every local replica's grad is already None

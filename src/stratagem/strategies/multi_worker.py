@@ -120,6 +120,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             rank=_rank(self._cluster),
             task_names=[self._cluster.task_for_rank(r) for r in range(world)],
             timeout=timeout,
+            device_collectives=backend == "nccl",  # the host does not wait for GPU collectives: a watchdog does
         )
         # A script that never calls close() still frees the process group while Python is alive (see close).
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -215,7 +216,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if len(replicas) == 1:
             self._buckets = GradientBuckets(
                 self._replica_params[0], bucket_bytes=self._bucket_bytes, first_bucket_bytes=self._first_bucket_bytes,
-                count_users=True,  # a parameter no worker used keeps grad None, as on one device
+                count_users=True, after_host_read=self._cw.check,  # grad None where no worker used it, as on one device
             )
 
     def _check_same_model(self, model: nn.Module) -> None:

@@ -66,6 +66,7 @@ class MultiWorkerDataset:
         while True:
             cw.wait(works, what="end-of-data agreement", step=step)
             have, total = int(agreement[0]), int(agreement[1])
+            cw.check()  # under NCCL the read above waited for the GPU: not a value from an aborted collective
             if have < cw.world_size:
                 if pending is not None:
                     self.unused_examples = self._unused(pending)
@@ -100,6 +101,7 @@ class MultiWorkerDataset:
         lengths[cw.rank] = mine + 1  # 0: this worker's loader has no length
         cw.all_reduce_([lengths], what="agreement on the number of steps", step=0)
         known = [int(n) - 1 for n in lengths.tolist()]  # the one host read of the pass
+        cw.check()
         if min(known) < 0:
             return None
         steps = min(known)

@@ -14,8 +14,27 @@ from typing import Any
 import torch
 
 from stratagem.cluster import Cluster, init_process_group
+from stratagem.collective.cross_worker import ROLL_CALL_SECONDS
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+
+NCCL_TIMEOUT_MARGIN_S = 30.0
+"""How much longer than stratagem's own deadline and roll call torch's NCCL watchdog waits for a collective.
+
+torch's NCCL watchdog ends a collective at the process group's timeout (by default tearing the
+process down with its own message); stratagem's watchdog must come first, so that the error names
+who is missing. Its clock starts when the host hands a collective over, which can be the rest of a
+backward pass after torch's starts (a bucket queued early); the margin covers that, the roll call's
+store calls and the stall warning's read of the steps reached, with room to spare."""
+
+
+def process_group_timeout(backend: str, timeout: float) -> float:
+    """The process group's own timeout: under NCCL the strategy's timeout plus two roll calls (the call and
+    the read of the steps reached after it) plus `NCCL_TIMEOUT_MARGIN_S`; under Gloo the strategy's timeout,
+    which the host path's own waits come before anyway (it polls, then waits on finished work only)."""
+    if backend == "nccl":
+        return timeout + 2 * ROLL_CALL_SECONDS + NCCL_TIMEOUT_MARGIN_S
+    return timeout
 
 
 def default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: Any) -> tuple[list[str], PlacementDecision]:
@@ -100,7 +119,7 @@ def start_process_group(cluster: Cluster, devices: Sequence[torch.device], backe
     object collectives (all_gather_object) use `torch.cuda.current_device()`, which is cuda:0 in every
     process that never set it, so every rank of a machine would land on GPU 0. `device_id` makes NCCL
     form its communicator at once, on that device (and report an NCCL start-up error here, not at the
-    first all-reduce).
+    first all-reduce). The group's own timeout is `process_group_timeout` (longer under NCCL).
     """
     first = devices[0] if devices else torch.device("cpu")
     device_id = None
@@ -109,4 +128,5 @@ def start_process_group(cluster: Cluster, devices: Sequence[torch.device], backe
         torch.cuda.set_device(index)
         if backend == "nccl":
             device_id = torch.device("cuda", index)
-    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id, agent_store=agent_store)
+    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id, agent_store=agent_store,
+                              group_timeout=process_group_timeout(backend, timeout))
