@@ -21,8 +21,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stratagem.collective import shared_memory, shm_files
-from stratagem.collective.shared_memory import SharedMemoryGroup, connect
+from stratagem.shm import files as shm_files
+from stratagem.shm import sums as shared_memory
+from stratagem.shm.sums import SharedMemoryGroup, connect
 from stratagem.errors import ReplicaError
 
 pytestmark = pytest.mark.skipif(shared_memory.eligible() is not None, reason="shared-memory sums need Linux on x86-64")
@@ -231,7 +232,7 @@ def test_a_rank_that_never_checks_in_is_named():
 _RANK_ZERO = """
 import json, os, sys, time
 import torch.distributed as dist
-from stratagem.collective.shared_memory import connect
+from stratagem.shm.sums import connect
 store = dist.FileStore(sys.argv[1], 2)
 connect(store, rank=0, world_size=2, task_names=["worker:0", "worker:1"], timeout=60, stall_warning_after=60,
         on_failure=lambda *a: RuntimeError(a), on_stall=lambda *a: None, namespace="leak", directory=sys.argv[2])
