@@ -82,8 +82,8 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
         return RuntimeError(f"the shared-memory {what} failed: {error or 'timed out'}")
 
     shared, why, _ = sums.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
-                                        timeout=120, stall_warning_after=60, on_failure=failed,
-                                        on_stall=lambda *args: None)
+                               timeout=120, stall_warning_after=60, on_failure=failed,
+                               on_stall=lambda *args: None)
     if shared is None:
         raise RuntimeError(f"the shared-memory path cannot run here: {why}")
     results: dict[str, Any] = {}

@@ -21,11 +21,11 @@ server's buckets (each at a multiple of 64 bytes)::
 How the worker asks. On Linux x86-64 (ordered stores, futex(2)) through the control block: the
 worker writes the operation, then the request number, and wakes the server's thread for this file,
 which handles it under the server's lock, writes the outcome, then the answer number, and wakes the
-worker (``counters``; a round trip of tens of microseconds, where a gRPC call takes about a millisecond). Every
-wait is bounded: the worker polls for 100 µs, then sleeps, and every 50 ms checks that the server's
-process still runs (by pid and start time: a lost server is named at once, as gRPC would name it)
-and the clock (the RPC timeout); the server's thread checks that the worker's process still runs
-and lets the file go when it is gone. Elsewhere each request is a small gRPC call (``PullShared``,
+worker (``counters``; a round trip of tens of microseconds, where a gRPC call takes about a
+millisecond). Every wait is bounded: the worker polls for 100 µs, then sleeps, and every 50 ms
+checks that the server's process still runs (by pid and start time: a lost server is named at
+once, as gRPC would name it) and the clock (the RPC timeout); the server's thread checks that the
+worker's process still runs and lets the file go when it is gone. Elsewhere each request is a small gRPC call (``PullShared``,
 ``PushShared``). Either way the worker writes an area only before it asks and reads it only after
 the answer, one request at a time per file. A push that leaves out part of a bucket (a parameter
 without a gradient) goes over gRPC.

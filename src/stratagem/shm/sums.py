@@ -3,10 +3,11 @@
 When every worker of a job runs on the same host (a local cluster under ``stratagem launch``, or
 several CPU workers on one node), their tensors need not cross a socket. Each process maps one
 file in ``/dev/shm`` (gone from the directory once every rank has mapped it, see ``files``); to
-sum a tensor, every rank copies it into its own slot of the file, then sums one slice of all the slots while the others sum theirs, then copies the whole sum back. Gloo
-on loopback moves the same bytes through the kernel and wakes two of its threads per message on
-each side: on a 2-core machine a 0.23 MiB all-reduce took 0.77 ms (median, 4.3 ms at the 90th
-percentile) and a 6.1 MiB one 7.4 ms.
+sum a tensor, every rank copies it into its own slot of the file, then sums one slice of all the
+slots while the others sum theirs, then copies the whole sum back. Gloo on loopback moves the
+same bytes through the kernel and wakes two of its threads per message on each side: on a 2-core
+machine a 0.23 MiB all-reduce took 0.77 ms (median, 4.3 ms at the 90th percentile) and a 6.1 MiB
+one 7.4 ms.
 
 The file::
 
@@ -35,10 +36,10 @@ Counters are 8-byte aligned stores published after the data, read before it (``c
 store order makes that enough; other architectures use Gloo, see ``eligible``). A waiting rank
 spins for a few microseconds, then sleeps on a futex of the counter it waits for; the rank that
 moves a counter wakes its sleepers. ``STRATAGEM_SHARED_MEMORY=0`` keeps every rank on Gloo
-(``eligibility``). Every wait is bounded: it checks twenty times a
-second whether the ranks it waits for are still running (their pid and start time, exchanged when
-the group is made; a peer whose process this one cannot see, in another pid namespace, is left to
-the timeout) and gives up after the timeout, naming them.
+(``eligibility``). Every wait is bounded: it checks twenty times a second whether the ranks it
+waits for are still running (their pid and start time, exchanged when the group is made; a peer
+whose process this one cannot see, in another pid namespace, is left to the timeout) and gives up
+after the timeout, naming them.
 """
 
 from __future__ import annotations
