@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("values", "archive"),
     ("diagnose",),
     ("devices",),
+    ("shm",),
     ("collective",),
     ("cluster",),
     ("data",),

@@ -58,7 +58,7 @@ def test_a_shared_file_let_go_before_its_serving_thread_starts_ends_that_thread_
     import mmap
     import os
 
-    from stratagem.strategies.parameter_server import shared
+    from stratagem.shm import parameter_server as shared
 
     buckets = [(torch.float32, 4)]
     areas = shared.Areas(mmap.mmap(-1, shared.file_size(buckets)), buckets)

@@ -26,9 +26,10 @@ import torch
 
 from helpers import stop_process
 
-from stratagem.collective import shm_files
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
-from stratagem.strategies.parameter_server import shared
+from stratagem.shm import eligibility
+from stratagem.shm import files as shm_files
+from stratagem.shm import parameter_server as shared
 from stratagem.strategies.parameter_server.partitioners import place
 from stratagem.strategies.parameter_server.server import SERVICE, ParameterServer
 from stratagem.strategies.parameter_server.transport import Client, Security
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(shared.eligible() is not None, reason=f"{shared.eligible()}")]
 
 SECURITY = Security(token="shared-test")
-COUNTERS = pytest.mark.skipif(shm_files.ordered_stores() is not None, reason=f"{shm_files.ordered_stores()}")
+COUNTERS = pytest.mark.skipif(eligibility.ordered_stores() is not None, reason=f"{eligibility.ordered_stores()}")
 
 
 @pytest.fixture
@@ -85,9 +86,9 @@ def _pulled(address, **kwargs):
 @pytest.mark.parametrize("counters", [True, False], ids=["asking-by-counters", "asking-by-grpc-calls"])
 def test_buckets_of_two_dtypes_and_groups_train_as_torch_does_and_live_in_the_file(server, monkeypatch, counters):
     if not counters:  # as on a machine without ordered stores: each pull and push is a small gRPC call
-        monkeypatch.setattr(shm_files, "ordered_stores", lambda: "not x86-64")
-    elif shm_files.ordered_stores() is not None:
-        pytest.skip(shm_files.ordered_stores())
+        monkeypatch.setattr(eligibility, "ordered_stores", lambda *what: "not x86-64")
+    elif eligibility.ordered_stores() is not None:
+        pytest.skip(eligibility.ordered_stores())
     model, optimizer = _mixed_model()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.Adam([{"params": reference[0].parameters(), "lr": 0.05},
@@ -205,14 +206,16 @@ def test_the_server_maps_only_the_file_the_worker_made_on_this_host(server, chan
 @pytest.mark.parametrize(("changes", "complaint"), [
     ({"name": "../../etc/passwd"}, "not one of stratagem's in /dev/shm"),
     ({"name": "stratagem-ps-x/../../y"}, "not one of stratagem's in /dev/shm"),
-    ({"nonce": "zz"}, "a nonce of 32 hex digits"),
-    ({"pid": "1"}, "pid (an integer)"),
+    ({"nonce": "zz"}, "a nonce of 32 hex digits. Received: nonce='zz'. Offer a file made by "
+                      "stratagem.shm.parameter_server.make_file."),
+    ({"pid": "1"}, "pid (an integer). Received: host="),
+    ("not a dict", "Attach needs a JSON object. Received: str. Send {name, nonce, host, task, pid, start, layout}."),
 ])
 def test_a_malformed_offer_is_refused_and_the_server_goes_on_serving(server, changes, complaint):
     path, mapping, meta = _offer(server)
     try:
         with pytest.raises(ParameterServerError, match=f"INVALID_ARGUMENT: .*{re.escape(complaint)}"):
-            _call(server, "Attach", {**meta, **changes})
+            _call(server, "Attach", changes if isinstance(changes, str) else {**meta, **changes})
         op, _, _ = _call(server, "Attach", meta)  # the same server takes the good offer
         # Both hold the file now, so the server has removed its name (a worker killed now leaves nothing).
         assert not os.path.exists(path)
@@ -243,8 +246,8 @@ def test_an_offer_without_the_token_is_refused_before_it_is_read(server, token):
 
 @pytest.mark.parametrize("counters", [True, False], ids=["served-by-counters", "served-by-calls"])
 def test_the_file_of_a_worker_process_that_exited_is_let_go(server, counters):
-    if counters and shm_files.ordered_stores() is not None:
-        pytest.skip(shm_files.ordered_stores())
+    if counters and eligibility.ordered_stores() is not None:
+        pytest.skip(eligibility.ordered_stores())
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid),
@@ -305,6 +308,37 @@ def test_one_host_without_room_in_dev_shm_warns_and_trains_over_grpc(server, mon
     variables.close()
 
 
+def test_the_switch_sends_values_over_grpc_and_says_why_without_a_warning(server, monkeypatch, caplog):
+    monkeypatch.setenv("STRATAGEM_SHARED_MEMORY", "0")
+    model, optimizer = _mixed_model()
+    variables = _variables(model, optimizer, [server.address])
+    variables.create(dict(model.named_parameters()), optimizer)
+    params = dict(copy.deepcopy(model).named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    with caplog.at_level(logging.INFO):
+        variables.pull_into(params)
+    assert variables.transfers == {"ps:0": "gRPC: turned off by STRATAGEM_SHARED_MEMORY=0"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # asked for: nothing to fix
+    assert len(server._segments) == 0
+    for name, p in model.named_parameters():
+        assert torch.equal(params[name], p.detach()), name
+    variables.close()
+
+
+def test_a_server_with_the_switch_off_refuses_the_file_it_is_offered(server, monkeypatch):
+    path, mapping, meta = _offer(server)  # made while the switch is on (the worker's side)
+    monkeypatch.setenv("STRATAGEM_SHARED_MEMORY", "0")  # and the server's side reads it off
+    try:
+        op, reply, _ = _call(server, "Attach", meta)
+    finally:
+        shm_files.unlink(path)
+        mapping.close()
+    assert (op, reply) == ("refused", {"why": "ps:0: turned off by STRATAGEM_SHARED_MEMORY=0", "same_host": False})
+    assert len(server._segments) == 0
+
+
 def test_shared_memory_must_be_none_true_or_false():
     with pytest.raises(ParameterServerError, match="shared_memory must be None, True or False. Received: 'yes'"):
         ShardedVariables([], ["127.0.0.1:1"], security=SECURITY, shared_memory="yes")
@@ -317,7 +351,7 @@ def test_a_failed_request_names_the_error_and_the_server_goes_on(server):
     link = variables._links[0]
     with pytest.raises(ParameterServerError, match=r"ps:0 failed a push through shared memory. Received: "
                        r"WireFormatError: A shared push names buckets this server does not hold. Received: "
-                       r"buckets=\[99\], 2 buckets here. Fix: name each bucket the push carries once. Fix: see"):
+                       r"buckets=\[99\], 2 buckets here\. .*bucket the push carries once\. See the log of ps:0 for the cause"):
         shared.request(link, shared.PUSH, [99], timeout=10, server="ps:0", what="push")
     variables.pull_into(params)  # the link was good; the server still serves it
     assert torch.equal(params["2.weight"], model[2].weight.detach())
@@ -367,8 +401,8 @@ def test_a_server_process_that_dies_is_named_at_once_as_lost(server_process):
     child.kill()
     child.wait(10)
     started = time.monotonic()
-    with pytest.raises(ParameterServerError, match=r"ps:0 \(pid \d+\) exited during a pull through shared memory"
-                       ) as caught:
+    with pytest.raises(ParameterServerError, match=r"ps:0 \(pid \d+\) exited during a pull through shared memory. "
+                       r"Received: no answer, and no such process. Restart the job; it resumes") as caught:
         variables.pull_into(params)
     assert time.monotonic() - started < 3  # against a 30 s timeout
     assert caught.value.code.name == "UNAVAILABLE" and caught.value.task == "ps:0"  # the coordinator's "lost ps"
@@ -388,7 +422,8 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
     stop_process(child.pid)  # every thread stopped before the pull, so none can answer it first
     try:
         started = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a pull through shared memory within 1 s"):
+        with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a pull through shared memory within 1 s. "
+                           "Received: no answer. Check that ps:0 is alive and not overloaded, or raise rpc_timeout."):
             variables.pull_into(params)
         assert time.monotonic() - started < 5
         assert 0 not in variables._links

@@ -12,8 +12,8 @@ import stratagem.errors
 # Exception classes that never leave the module that raises them, with the reason. A class named
 # with a leading underscore is private by its name and needs no entry here.
 INTERNAL = {
-    # Raised by a wait's own check to end the wait; caught in shared.py and server.py, never re-raised.
-    "stratagem.strategies.parameter_server.shared.Stop",
+    # Raised by a wait's own check to end the wait; caught in shm/parameter_server.py and server.py, never re-raised.
+    "stratagem.shm.counters.Stop",
 }
 
 

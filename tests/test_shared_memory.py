@@ -21,8 +21,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stratagem.collective import shared_memory, shm_files
-from stratagem.collective.shared_memory import SharedMemoryGroup, connect
+from stratagem.shm import files as shm_files
+from stratagem.shm import sums as shared_memory
+from stratagem.shm.sums import SharedMemoryGroup, connect
 from stratagem.errors import ReplicaError
 
 pytestmark = pytest.mark.skipif(shared_memory.eligible() is not None, reason="shared-memory sums need Linux on x86-64")
@@ -204,6 +205,12 @@ def test_one_rank_that_cannot_take_part_keeps_every_rank_out():
     assert reasons == [(None, "worker:1: turned off (shared_memory=False)", False)] * 3
 
 
+def test_the_switch_keeps_every_rank_on_the_process_group_without_a_warning(monkeypatch):
+    monkeypatch.setenv("STRATAGEM_SHARED_MEMORY", "0")
+    reasons = run_ranks(2, lambda rank, group, reason, fell_back: (group, reason, fell_back))
+    assert reasons == [(None, "turned off by STRATAGEM_SHARED_MEMORY=0", False)] * 2
+
+
 def test_a_single_worker_has_nothing_to_share():
     assert run_ranks(1, lambda rank, group, reason, fell_back: (group, reason, fell_back)) == \
         [(None, "one worker: nothing to sum across processes", False)]
@@ -223,7 +230,8 @@ def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkey
 
 def test_a_rank_that_never_checks_in_is_named():
     store = dist.HashStore()
-    with pytest.raises(Exception, match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1"):
+    with pytest.raises(Exception, match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1. "
+                       r"Received: \w+. Check that every worker is running, or raise the timeout.$"):
         connect(store, rank=0, world_size=2, task_names=NAMES[:2], timeout=0.3, stall_warning_after=0.1,
                 on_failure=Failure, on_stall=lambda *a: None)
 
@@ -231,7 +239,7 @@ def test_a_rank_that_never_checks_in_is_named():
 _RANK_ZERO = """
 import json, os, sys, time
 import torch.distributed as dist
-from stratagem.collective.shared_memory import connect
+from stratagem.shm.sums import connect
 store = dist.FileStore(sys.argv[1], 2)
 connect(store, rank=0, world_size=2, task_names=["worker:0", "worker:1"], timeout=60, stall_warning_after=60,
         on_failure=lambda *a: RuntimeError(a), on_stall=lambda *a: None, namespace="leak", directory=sys.argv[2])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stratagem.collective import shm_files
+from stratagem.shm import files as shm_files
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="needs posix_fallocate (Linux)")
 
@@ -45,7 +45,7 @@ def test_no_room_leaves_no_file(tmp_path, monkeypatch):
 
 _MAKER = """
 import sys, time
-from stratagem.strategies.parameter_server import shared
+from stratagem.shm import parameter_server as shared
 path, nonce, mapping = shared.make_file([(shared.torch.float32, 4096)], directory=sys.argv[1])
 print(path, flush=True)
 time.sleep(60)

@@ -21,3 +21,14 @@ def set_default(name: str, value: str) -> None:
     Used for settings that libraries read from the environment only (GLOO_SOCKET_IFNAME).
     """
     os.environ.setdefault(name, value)
+
+
+SHARED_MEMORY = "STRATAGEM_SHARED_MEMORY"
+"""Set to 0 to turn off every shared-memory transport (the multi-worker sums, the parameter server's files)."""
+
+
+def shared_memory_setting(env: Mapping[str, str] | None = None) -> str | None:
+    """``STRATAGEM_SHARED_MEMORY`` as set in ``env`` (default: this process's environment), stripped, or None
+    when it is unset or empty. ``stratagem.shm.eligibility`` says what the values mean."""
+    value = (current() if env is None else env).get(SHARED_MEMORY, "").strip()
+    return value or None

@@ -5,7 +5,7 @@
 (a) one 64 MiB gradient: raw all_reduce of the tensor vs the bucketed path (weighting included);
 (b) 500 gradients of 4 KiB: one raw all_reduce per tensor vs the bucketed path (fused).
 The bucketed path runs twice: over Gloo, and over the shared-memory sum MultiWorkerMirroredStrategy
-uses when every worker is on one host (``stratagem.collective.shared_memory``), which is what it does
+uses when every worker is on one host (``stratagem.shm.sums``), which is what it does
 here. Each figure is the median over repetitions of the slowest rank's time. Rank 0 prints JSON.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.bench.multi_process import spawn_ranks
-from stratagem.collective import shared_memory
+from stratagem.shm import sums
 from stratagem.collective.buckets import GradientBuckets
 
 
@@ -81,9 +81,9 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     def failed(what: str, step: int, error: Exception | None) -> Exception:
         return RuntimeError(f"the shared-memory {what} failed: {error or 'timed out'}")
 
-    shared, why, _ = shared_memory.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
-                                        timeout=120, stall_warning_after=60, on_failure=failed,
-                                        on_stall=lambda *args: None)
+    shared, why, _ = sums.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
+                               timeout=120, stall_warning_after=60, on_failure=failed,
+                               on_stall=lambda *args: None)
     if shared is None:
         raise RuntimeError(f"the shared-memory path cannot run here: {why}")
     results: dict[str, Any] = {}

@@ -174,14 +174,14 @@ class CrossWorker:
         """Every rank calls this once: sets `self.shared` when every worker runs on this host (and wants it).
         Returns the reason either way, in words, and whether the sums fell back to the process group although
         every worker runs on this host. `why_not`: this rank's own reason to stay on the process group."""
-        from stratagem.collective import shared_memory
+        from stratagem.shm import sums
 
         # The meeting's store calls end within the timeout, whatever the chief's store does.
         store = self._store_calls.bounded(self.timeout + self.roll_call_seconds, "the shared-memory meeting")
-        self.shared, reason, fell_back = shared_memory.connect(
+        self.shared, reason, fell_back = sums.connect(
             store, rank=self.rank, world_size=self.world_size, task_names=self.task_names, timeout=self.timeout,
             stall_warning_after=self.stall_warning_after, on_failure=self._failure, on_stall=self._warn_stall,
-            why_not=why_not if wanted else shared_memory.TURNED_OFF)
+            why_not=why_not if wanted else sums.TURNED_OFF)
         return reason, fell_back
 
     def check(self) -> None:

@@ -2,7 +2,7 @@
 
 Each worker process holds one replica per local device, exactly as MirroredStrategy does;
 across processes gradients are summed with `torch.distributed` (Gloo on CPU, NCCL on GPU), or,
-when every worker runs on this host, through shared memory (`stratagem.collective.shared_memory`).
+when every worker runs on this host, through shared memory (`stratagem.shm.sums`).
 With one local replica, gradients are copied (and weighted) into buckets as backward
 produces them and each bucket's all-reduce starts at once, overlapping the rest of the
 backward pass; with several, the local replicas combine first and replica 0 then sums
@@ -40,6 +40,7 @@ from stratagem.data.split import batch_size_of, split_sizes
 from stratagem.data import worker_shards
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.shm import eligibility
 from stratagem.strategies import loss_weight
 from stratagem.strategies.base import _check_iterable
 from stratagem.strategies.explain import Explanation
@@ -91,6 +92,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         registry: Any = None,
     ) -> None:
         env = environ.current()
+        eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         self._cluster = resolve_cluster(cluster, env=env)
         local_decision = None
         if devices is None:

@@ -42,7 +42,8 @@ from stratagem.errors import (
     ParameterServerError,
     WireFormatError,
 )
-from stratagem.strategies.parameter_server import shared, wire
+from stratagem.shm import parameter_server as shared
+from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.store import (
     BUCKET_PREFIX,
     ShardStore,

@@ -42,6 +42,7 @@ from stratagem import environ
 from stratagem.cluster import Cluster, free_ports, resolve_cluster
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
+from stratagem.shm import eligibility
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.parameter_server import fit_steps as fit_support
@@ -167,6 +168,7 @@ class ParameterServerStrategy(Strategy):
         if shared_memory not in (None, True, False):
             raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
                                        "None uses shared memory with servers on this host, False never, True insists.")
+        eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         self.cluster = cluster
         self.partitioner = partitioner
         self.shared_memory = shared_memory

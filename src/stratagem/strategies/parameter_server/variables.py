@@ -30,9 +30,10 @@ from typing import Any, cast
 import torch
 
 from stratagem.archive import load_verified
-from stratagem.collective import shm_files
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
-from stratagem.strategies.parameter_server import shared, wire
+from stratagem.shm import files as shm_files
+from stratagem.shm import parameter_server as shared
+from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.server import (
     SERVICE,

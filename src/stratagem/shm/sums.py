@@ -2,11 +2,12 @@
 
 When every worker of a job runs on the same host (a local cluster under ``stratagem launch``, or
 several CPU workers on one node), their tensors need not cross a socket. Each process maps one
-file in ``/dev/shm`` (gone from the directory once every rank has mapped it, see ``shm_files``); to sum a tensor, every rank copies it into its own slot of the file, then
-sums one slice of all the slots while the others sum theirs, then copies the whole sum back. Gloo
-on loopback moves the same bytes through the kernel and wakes two of its threads per message on
-each side: on a 2-core machine a 0.23 MiB all-reduce took 0.77 ms (median, 4.3 ms at the 90th
-percentile) and a 6.1 MiB one 7.4 ms.
+file in ``/dev/shm`` (gone from the directory once every rank has mapped it, see ``files``); to
+sum a tensor, every rank copies it into its own slot of the file, then sums one slice of all the
+slots while the others sum theirs, then copies the whole sum back. Gloo on loopback moves the
+same bytes through the kernel and wakes two of its threads per message on each side: on a 2-core
+machine a 0.23 MiB all-reduce took 0.77 ms (median, 4.3 ms at the 90th percentile) and a 6.1 MiB
+one 7.4 ms.
 
 The file::
 
@@ -31,19 +32,18 @@ only after step 4 of ``s``, when every rank has finished reading the slots (step
 the result of ``s + 1`` only after every rank arrived at ``s + 1``, that is after each finished
 step 5 of ``s``, the last read of the result of ``s``.
 
-Counters are 8-byte aligned stores published after the data, read before it. x86-64 keeps stores
-in order and loads in order (TSO), so a counter seen at ``s`` means the data before it is
-visible; other architectures would need fences Python cannot issue, so they use Gloo (``eligible``).
-A waiting rank spins for a few microseconds, then sleeps on a futex of the counter it waits for;
-the rank that moves a counter wakes its sleepers. Every wait is bounded: it checks twenty times a
-second whether the ranks it waits for are still running (their pid and start time, exchanged when
-the group is made; a peer whose process this one cannot see, in another pid namespace, is left to
-the timeout) and gives up after the timeout, naming them.
+Counters are 8-byte aligned stores published after the data, read before it (``counters``: x86-64's
+store order makes that enough; other architectures use Gloo, see ``eligible``). A waiting rank
+spins for a few microseconds, then sleeps on a futex of the counter it waits for; the rank that
+moves a counter wakes its sleepers. ``STRATAGEM_SHARED_MEMORY=0`` keeps every rank on Gloo
+(``eligibility``). Every wait is bounded: it checks twenty times a second whether the ranks it
+waits for are still running (their pid and start time, exchanged when the group is made; a peer
+whose process this one cannot see, in another pid namespace, is left to the timeout) and gives up
+after the timeout, naming them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import logging
@@ -55,12 +55,13 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
-import numpy
 import torch
 
-from stratagem.collective import shm_files
-from stratagem.collective.shm_files import host_identity, process_start
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
+from stratagem.shm import eligibility, files
+from stratagem.shm.counters import Counters
+from stratagem.shm.eligibility import TURNED_OFF
+from stratagem.shm.files import host_identity, process_start
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +76,14 @@ SPIN_SECONDS = 50e-6
 behind, short enough not to take a core from a peer still computing."""
 CHECK_SECONDS = 0.05
 """How often a sleeping rank wakes to check that the ranks it waits for are alive, and the clock."""
-TURNED_OFF = "turned off (shared_memory=False)"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 
 _connections = itertools.count()  # store keys of the n-th group made in this process (every rank makes the same ones)
 
-def eligible() -> str | None:
-    """None when this process can sum through shared memory, else why not."""
-    why = shm_files.ordered_stores()
-    return None if why is None else why.replace("counters in shared memory", "shared-memory sums")
+
+def eligible(directory: str = files.DIRECTORY) -> str | None:
+    """None when this process can sum through shared memory in ``directory``, else why not."""
+    return eligibility.why_not("shared-memory sums", directory, ordered=True)
 
 
 class SharedMemoryGroup:
@@ -111,10 +111,8 @@ class SharedMemoryGroup:
         self._on_failure = on_failure
         self._on_stall = on_stall
         self._mapping = mapping
-        self._bytes = shm_files.as_tensor(mapping)
-        self._counters = numpy.frombuffer(mapping, dtype=numpy.int64, count=world_size * _LINE // 8, offset=_HEADER)
-        self._anchor = ctypes.c_char.from_buffer(mapping)
-        self._base = ctypes.addressof(self._anchor)
+        self._bytes = files.as_tensor(mapping)
+        self._counters = Counters(mapping, count=world_size * _LINE // 8, offset=_HEADER)
         self._slots = _HEADER + world_size * _LINE
         self._results = self._slots + world_size * capacity
         self._typed: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -170,40 +168,29 @@ class SharedMemoryGroup:
         return rank * (_LINE // 8) + kind
 
     def _publish(self, kind: int, seq: int) -> None:
-        index = self._index(self.rank, kind)
-        self._counters[index] = seq
-        shm_files.futex_wake(self._base + _HEADER + index * 8)
+        self._counters.publish(self._index(self.rank, kind), seq)
 
     def _wait_all(self, kind: int, seq: int, what: str, step: int) -> None:
         start = None
+        words = self._counters.words
         for q in range(self.world_size):
             index = self._index(q, kind)
-            if self._counters[index] >= seq:
+            if words[index] >= seq:
                 continue
             if start is None:
                 start = time.monotonic()
             self._wait_one(q, index, seq, what, step, start)
 
     def _wait_one(self, q: int, index: int, seq: int, what: str, step: int, start: float) -> None:
-        counters = self._counters
-        spin_until = time.perf_counter() + SPIN_SECONDS
-        while time.perf_counter() < spin_until:
-            if counters[index] >= seq:
-                return
-        address = self._base + _HEADER + index * 8
         warned = False
-        while True:
-            seen = int(counters[index])
-            if seen >= seq:
-                return
-            # Sleeps while the counter's low 32 bits still hold what was just read (a change wakes it at once).
-            shm_files.futex_wait(address, seen, CHECK_SECONDS)
-            if counters[index] >= seq:
-                return
+
+        def check() -> None:  # after each sleep that did not see rank q arrive
+            nonlocal warned
             waited = time.monotonic() - start
             pid, started = self.processes[q]
             if self._watched[q] and process_start(pid) != started:
                 self._broken = f"{self.task_names[q]} exited"
+                # The cause of on_failure's error, which says what to do: a fragment of its message.
                 raise self._on_failure(what, step, ReplicaError(
                     f"{self.task_names[q]} (pid {pid}) exited during the shared-memory {what}"))
             if waited >= self.timeout:
@@ -213,11 +200,14 @@ class SharedMemoryGroup:
                 self._on_stall(what, step, start)
                 warned = True
 
+        self._counters.wait(index, seq, spin=SPIN_SECONDS, check_every=CHECK_SECONDS, check=check)
+
     def close(self) -> None:
         """Unmaps the file (already unlinked: nothing is left in /dev/shm)."""
         if self._mapping.closed:
             return
-        self._bytes = self._counters = self._anchor = None  # type: ignore[assignment]
+        self._counters.close()
+        self._bytes = None  # type: ignore[assignment]
         self._typed.clear()
         try:
             self._mapping.close()
@@ -254,13 +244,15 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
                 [task_names[0]]
             raise CollectiveTimeoutError(
                 f"{task_names[rank]} (rank {rank}) waited {timeout:g} s for {what} from {', '.join(missing)}. "
-                f"Received: {type(exc).__name__}. Fix: check that every worker is running, or raise the timeout."
+                f"Received: {type(exc).__name__}. Check that every worker is running, or raise the timeout."
             ) from None
 
     pid, started = process or (os.getpid(), process_start(os.getpid()))
-    me = {"host": host or host_identity(), "pid": pid, "start": started, "why_not": why_not or eligible()}
-    if me["why_not"] is None and not os.path.isdir(directory):
-        me["why_not"] = f"{directory} does not exist"
+    # "off": this rank's user (shared_memory=False) or its switch turned the sums off, so nobody is told they are
+    # slower than they could be.
+    off = why_not == TURNED_OFF or eligibility.turned_off() is not None
+    me = {"host": host or host_identity(), "pid": pid, "start": started, "why_not": why_not or eligible(directory),
+          "off": off}
     store.set(f"{prefix}rank/{rank}", json.dumps(me))
     ranks = [f"{prefix}rank/{r}" for r in range(world_size)]
     wait_for(ranks, "the shared-memory check-in")
@@ -271,14 +263,14 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
         if rank == 0:
             offer: dict[str, Any] = {"path": None, "nonce": secrets.token_hex(16), "why_not": _decide(infos, task_names, world_size)}
             if offer["why_not"] is None:
-                path, offer["why_not"] = shm_files.create(directory, size, _head(offer["nonce"], world_size, capacity))
+                path, offer["why_not"] = files.create(directory, size, _head(offer["nonce"], world_size, capacity))
                 offer["path"] = path
             store.set(f"{prefix}file", json.dumps(offer))
         wait_for([f"{prefix}file"], "the shared file's name")
         offer = json.loads(store.get(f"{prefix}file"))
         mapping, problem = None, offer["why_not"]
         if problem is None:
-            mapping, problem = shm_files.open_mapped(offer["path"], size, _head(offer["nonce"], world_size, capacity),
+            mapping, problem = files.open_mapped(offer["path"], size, _head(offer["nonce"], world_size, capacity),
                                                      maker="rank 0")
             problem = None if problem is None else f"{task_names[rank]}: {problem}"
         store.set(f"{prefix}mapped/{rank}", json.dumps(problem))
@@ -288,16 +280,16 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
         if offer["path"] is not None:
             # Every rank has mapped it (or never will): whoever gets here first removes the name, so it is gone
             # even if rank 0 was killed meanwhile.
-            shm_files.unlink(offer["path"])
+            files.unlink(offer["path"])
     finally:
         if path is not None:
-            shm_files.unlink(path)
+            files.unlink(path)
     refused = [p for p in problems if p is not None]
     if refused:
         if mapping is not None:
             mapping.close()
         one_host = world_size > 1 and len({info["host"] for info in infos}) == 1
-        return None, refused[0], one_host and all(info["why_not"] != TURNED_OFF for info in infos)
+        return None, refused[0], one_host and not any(info["off"] for info in infos)
     assert mapping is not None  # no rank refused, this one included: it mapped the file
     group = SharedMemoryGroup(mapping, rank=rank, world_size=world_size, capacity=capacity,
                               processes=[(info["pid"], info["start"]) for info in infos], task_names=task_names,

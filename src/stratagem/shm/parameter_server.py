@@ -21,11 +21,11 @@ server's buckets (each at a multiple of 64 bytes)::
 How the worker asks. On Linux x86-64 (ordered stores, futex(2)) through the control block: the
 worker writes the operation, then the request number, and wakes the server's thread for this file,
 which handles it under the server's lock, writes the outcome, then the answer number, and wakes the
-worker (a round trip of tens of microseconds, where a gRPC call takes about a millisecond). Every
-wait is bounded: the worker polls for 100 µs, then sleeps, and every 50 ms checks that the server's
-process still runs (by pid and start time: a lost server is named at once, as gRPC would name it)
-and the clock (the RPC timeout); the server's thread checks that the worker's process still runs
-and lets the file go when it is gone. Elsewhere each request is a small gRPC call (``PullShared``,
+worker (``counters``; a round trip of tens of microseconds, where a gRPC call takes about a
+millisecond). Every wait is bounded: the worker polls for 100 µs, then sleeps, and every 50 ms
+checks that the server's process still runs (by pid and start time: a lost server is named at
+once, as gRPC would name it) and the clock (the RPC timeout); the server's thread checks that the
+worker's process still runs and lets the file go when it is gone. Elsewhere each request is a small gRPC call (``PullShared``,
 ``PushShared``). Either way the worker writes an area only before it asks and reads it only after
 the answer, one request at a time per file. A push that leaves out part of a bucket (a parameter
 without a gradient) goes over gRPC.
@@ -37,21 +37,22 @@ name is one of ours in ``/dev/shm``, the file is a regular file of the server's 
 its buckets need, and it starts with the head the worker sent. The server unlinks the file as soon
 as it has mapped it (and the worker once the server has answered, if it is still there), so nobody
 can open it afterwards; a file of a worker killed before the server mapped it is removed by the next
-file made on this host (``shm_files.remove_stale``). The server lets a file go when the
+file made on this host (``files.remove_stale``). The server lets a file go when the
 worker detaches (``close``), when the process that attached it is gone, when the chief creates the
 shards anew, or when the server stops; a worker waiting on it sees "let go" at once, and attaches
 again (or, if the server is gone, hears so from gRPC).
+
+``STRATAGEM_SHARED_MEMORY=0`` turns this path off on either side (``eligibility``): a worker then
+sends everything over gRPC, and a server refuses the files offered to it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
 import re
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,12 +63,14 @@ import grpc
 import numpy
 import torch
 
-from stratagem.collective import shm_files
 from stratagem.errors import (
     CollectiveTimeoutError,
     ParameterServerError,
     WireFormatError,
 )
+from stratagem.shm import eligibility, files
+from stratagem.shm.counters import Counters, Stop
+from stratagem.shm.eligibility import TURNED_OFF as TURNED_OFF  # what a user of this path shows
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +93,16 @@ CHECK_SECONDS = 0.05
 """How often a sleeping side wakes to check the other is alive, the clock, and whether to stop."""
 PREFIX = "stratagem-ps-"
 _NAME = re.compile(r"stratagem-ps-[A-Za-z0-9_]{1,64}\Z")
-TURNED_OFF = "turned off (shared_memory=False)"
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # how a lost server is told apart from other failures
 
 Buckets = Sequence[tuple[torch.dtype, int]]
 """Each bucket's dtype and element count, in the server's order."""
 
 
-def eligible(directory: str = shm_files.DIRECTORY) -> str | None:
-    """None when this process can share memory with a parameter server, else why not."""
-    if sys.platform != "linux":
-        return f"shared memory between a worker and a parameter server needs Linux; this is {sys.platform}"
-    if not os.path.isdir(directory):
-        return f"{directory} does not exist"
-    return None
+def eligible(directory: str = files.DIRECTORY) -> str | None:
+    """None when this process can share memory with a parameter server, else why not (requests go through the
+    file's counters only where ``eligibility.ordered_stores`` allows; elsewhere they are small gRPC calls)."""
+    return eligibility.why_not("shared memory between a worker and a parameter server", directory, ordered=False)
 
 
 def area_offsets(buckets: Buckets) -> tuple[list[int], int]:
@@ -134,7 +133,7 @@ class Areas:
     def __init__(self, mapping: mmap.mmap, buckets: Buckets) -> None:
         self.mapping = mapping
         offsets, area = area_offsets(buckets)
-        whole = shm_files.as_tensor(mapping)  # views keep the mapping alive: a worker's parameters may be some
+        whole = files.as_tensor(mapping)  # views keep the mapping alive: a worker's parameters may be some
 
         def view(offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -153,47 +152,29 @@ class Areas:
             logger.debug("a view of a shared area is still alive; it is unmapped when the last view is freed")
 
 
-class Stop(Exception):
-    """Raised by a wait's check to stop waiting (not an error)."""
-
-
 class Control:
     """The control block of a file: counters and fields both sides read and write (see the module's docstring)."""
 
     def __init__(self, mapping: mmap.mmap) -> None:
-        self.words = numpy.frombuffer(mapping, dtype=numpy.int64, count=HEAD // 8)
+        self.counters = Counters(mapping, count=HEAD // 8)
+        self.words = self.counters.words
         self.listed = numpy.frombuffer(mapping, dtype=numpy.uint32, count=MAX_LISTED, offset=_LIST)
         self.error = numpy.frombuffer(mapping, dtype=numpy.uint8, count=_ERROR_BYTES, offset=_ERROR)
-        self._anchor = ctypes.c_char.from_buffer(mapping)
-        self._base = ctypes.addressof(self._anchor)
 
     def publish(self, index: int, value: int) -> None:
         """Stores ``value`` in counter ``index`` (after everything written before it) and wakes its sleepers."""
-        self.words[index] = value
-        shm_files.futex_wake(self._base + index * 8)
+        self.counters.publish(index, value)
 
     def wait(self, index: int, target: int, *, spin: float, check: Callable[[], None]) -> None:
         """Returns once counter ``index`` reaches ``target``: polls for ``spin`` seconds, then sleeps on it, and
-        calls ``check`` every ``CHECK_SECONDS`` (it raises to give up)."""
-        words = self.words
-        spin_until = time.perf_counter() + spin
-        while time.perf_counter() < spin_until:
-            if words[index] >= target:
-                return
-        while True:
-            seen = int(words[index])
-            if seen >= target:
-                return
-            shm_files.futex_wait(self._base + index * 8, seen, CHECK_SECONDS)
-            if words[index] >= target:
-                return
-            check()
+        calls ``check`` every ``CHECK_SECONDS`` (it raises to give up: an error, or ``Stop``)."""
+        self.counters.wait(index, target, spin=spin, check_every=CHECK_SECONDS, check=check)
 
     def let_go(self) -> None:
         """The server's last word: it serves this file no more (a worker waiting on it hears at once)."""
         self.words[_LET_GO] = 1
         for index in (_REPLY, _REQUEST):
-            shm_files.futex_wake(self._base + index * 8)
+            self.counters.wake(index)
 
     def answer(self, seq: int, status: int, version: int = 0, error: str = "") -> None:
         """The server's reply to request ``seq``."""
@@ -225,7 +206,7 @@ class Link:
     def __post_init__(self) -> None:
         # Whether the server's process is visible from here (same pid namespace), known while it surely runs.
         self.watched = self.server is not None and self.server[1] is not None and \
-            shm_files.process_start(self.server[0]) == self.server[1]
+            files.process_start(self.server[0]) == self.server[1]
 
 
 def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, server: str, what: str) -> bool:
@@ -247,16 +228,16 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
     def check() -> None:
         if words[_LET_GO]:
             raise Stop
-        if link.watched and shm_files.process_start(pid) != started:
+        if link.watched and files.process_start(pid) != started:
             error = ParameterServerError(
                 f"{server} (pid {pid}) exited during a {what} through shared memory. Received: no answer, and no such "
-                f"process. Fix: restart the job; it resumes from the last checkpoint (strategy.save).")
+                f"process. Restart the job; it resumes from the last checkpoint (strategy.save).")
             error.code, error.task = _UNAVAILABLE, server  # type: ignore[attr-defined]
             raise error
         if time.monotonic() - start > timeout:
             raise CollectiveTimeoutError(
                 f"{server} did not answer a {what} through shared memory within {timeout:g} s. Received: no answer. "
-                f"Fix: check that {server} is alive and not overloaded, or raise rpc_timeout.")
+                f"Check that {server} is alive and not overloaded, or raise rpc_timeout.")
 
     try:
         control.wait(_REPLY, link.seq, spin=SPIN_SECONDS, check=check)
@@ -265,24 +246,24 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
     status = int(words[_STATUS])
     if status == FAILED:
         text = bytes(control.error[:int(words[_ERROR_LEN])]).decode(errors="replace").rstrip(".")
-        error = ParameterServerError(f"{server} failed a {what} through shared memory. Received: {text}. Fix: see "
-                                     f"the log of {server} for the cause.")
+        error = ParameterServerError(f"{server} failed a {what} through shared memory. Received: {text}. See the log "
+                                     f"of {server} for the cause.")
         error.task = server  # type: ignore[attr-defined]
         raise error
     return status == OK
 
 
-def make_file(buckets: Buckets, directory: str = shm_files.DIRECTORY) -> tuple[str, bytes, mmap.mmap] | str:
+def make_file(buckets: Buckets, directory: str = files.DIRECTORY) -> tuple[str, bytes, mmap.mmap] | str:
     """A new file for ``buckets``, mapped: ``(path, nonce, mapping)``, or why there is none."""
     why = eligible(directory)
     if why is not None:
         return why
     nonce = secrets.token_bytes(16)
     size = file_size(buckets)
-    path, why = shm_files.create(directory, size, head(nonce), prefix=PREFIX)
+    path, why = files.create(directory, size, head(nonce), prefix=PREFIX)
     if path is None:
         return why or "cannot create the file"
-    mapping, why = shm_files.open_mapped(path, size, head(nonce), maker="this worker")
+    mapping, why = files.open_mapped(path, size, head(nonce), maker="this worker")
     if mapping is None:
         os.unlink(path)
         return why or "cannot map the file"
@@ -305,16 +286,16 @@ class Attached:
 
     def worker_gone(self) -> bool:
         pid, started = self.process
-        return self.watched and shm_files.process_start(pid) != started
+        return self.watched and files.process_start(pid) != started
 
 
 class Segments:
     """The files workers attached to one parameter server. Not thread-safe: the server uses it under its lock."""
 
-    def __init__(self, task: str, directory: str = shm_files.DIRECTORY) -> None:
+    def __init__(self, task: str, directory: str = files.DIRECTORY) -> None:
         self.task = task
         self.directory = directory
-        self.host = shm_files.host_identity()
+        self.host = files.host_identity()
         self._attached: dict[str, Attached] = {}
 
     def __len__(self) -> int:
@@ -325,24 +306,27 @@ class Segments:
         ``("attached", {"segment": id})`` or ``("refused", {"why": ..., "same_host": bool})``."""
         name, nonce, host, task, process = _offer(meta)
         self.forget_gone()
+        off = eligibility.turned_off()
+        if off is not None:  # this server's own switch: nothing for the worker to fix, so no warning there
+            return "refused", {"why": f"{self.task}: {off}", "same_host": False}
         if host != self.host:
             return "refused", {"why": f"{task} runs on another host than {self.task}", "same_host": False}
         if meta.get("layout") != fingerprint:
             return "refused", {"why": f"{task} expects other shards than {self.task} holds", "same_host": True,
                                "retry": True}
         path = os.path.join(self.directory, name)
-        mapping, why = shm_files.open_mapped(path, file_size(buckets), head(nonce), maker=task)
+        mapping, why = files.open_mapped(path, file_size(buckets), head(nonce), maker=task)
         if mapping is None:
             return "refused", {"why": f"{self.task}: {why}", "same_host": True}
-        shm_files.unlink(path)  # both hold it now; so it is gone even if the worker dies before it hears back
+        files.unlink(path)  # both hold it now; so it is gone even if the worker dies before it hears back
         segment = secrets.token_hex(8)
-        watched = process[1] is not None and shm_files.process_start(process[0]) == process[1]
+        watched = process[1] is not None and files.process_start(process[0]) == process[1]
         self._attached[segment] = Attached(Areas(mapping, buckets), fingerprint, task, process, watched)
         logger.info("%s: %s attached %s of shared memory (%d attached)", self.task, task,
                     describe_bytes(len(mapping)), len(self._attached))
-        counters = meta.get("counters") is True and shm_files.ordered_stores() is None
+        counters = meta.get("counters") is True and eligibility.ordered_stores() is None
         pid = os.getpid()
-        return "attached", {"segment": segment, "counters": counters, "pid": pid, "start": shm_files.process_start(pid)}
+        return "attached", {"segment": segment, "counters": counters, "pid": pid, "start": files.process_start(pid)}
 
     def get(self, segment: Any, fingerprint: str) -> Attached | None:
         """The file ``segment`` names, or None when it is unknown here or was made for other shards."""
@@ -377,29 +361,29 @@ class Segments:
 def _offer(meta: Any) -> tuple[str, bytes, str, str, tuple[int, str | None]]:
     """The fields of an ``Attach`` request, checked."""
     if not isinstance(meta, dict):
-        raise WireFormatError(f"Attach needs a JSON object. Received: {type(meta).__name__}. Fix: send "
+        raise WireFormatError(f"Attach needs a JSON object. Received: {type(meta).__name__}. Send "
                               "{name, nonce, host, task, pid, start, layout}.")
     name, nonce, host, task = (meta.get(key) for key in ("name", "nonce", "host", "task"))
     pid, start = meta.get("pid"), meta.get("start")
     if not (isinstance(name, str) and _NAME.match(name)):
         raise WireFormatError(f"Attach names a file that is not one of stratagem's in /dev/shm. Received: "
-                              f"name={name!r:.80}. Fix: offer a file made by shared.make_file.")
+                              f"name={name!r:.80}. Offer a file made by stratagem.shm.parameter_server.make_file.")
     if not (isinstance(nonce, str) and re.fullmatch(r"[0-9a-f]{32}", nonce)):
         raise WireFormatError(f"Attach needs a nonce of 32 hex digits. Received: nonce={nonce!r:.80}. "
-                              "Fix: offer a file made by shared.make_file.")
+                              "Offer a file made by stratagem.shm.parameter_server.make_file.")
     if not (isinstance(host, str) and isinstance(task, str) and isinstance(pid, int) and not isinstance(pid, bool)
             and (start is None or isinstance(start, str))):
         raise WireFormatError(f"Attach needs host, task (strings) and pid (an integer). Received: host={host!r:.80}, "
-                              f"task={task!r:.80}, pid={pid!r:.20}, start={start!r:.20}. Fix: send all of them.")
+                              f"task={task!r:.80}, pid={pid!r:.20}, start={start!r:.20}. Send all of them.")
     return name, bytes.fromhex(nonce), host, task, (pid, start)
 
 
 def offer(path: str, nonce: bytes, task: str, fingerprint: str) -> dict[str, Any]:
     """The ``Attach`` request's metadata for a file made by ``make_file``."""
     pid = os.getpid()
-    return {"name": os.path.basename(path), "nonce": nonce.hex(), "host": shm_files.host_identity(), "task": task,
-            "pid": pid, "start": shm_files.process_start(pid), "layout": fingerprint,
-            "counters": shm_files.ordered_stores() is None}
+    return {"name": os.path.basename(path), "nonce": nonce.hex(), "host": files.host_identity(), "task": task,
+            "pid": pid, "start": files.process_start(pid), "layout": fingerprint,
+            "counters": eligibility.ordered_stores() is None}
 
 
 def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

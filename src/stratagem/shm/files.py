@@ -1,9 +1,11 @@
 """Files in ``/dev/shm`` that processes of one host map to share memory, and how a process tells who is who.
 
-Two users: the sums of co-located multi-worker workers (``collective.shared_memory``) and the
-pulls and pushes of a worker and a parameter server on one host (``parameter_server.shared``).
-Both follow the same rules, which live here:
+Two users: the sums of co-located multi-worker workers (``shm.sums``) and the pulls and pushes
+of a worker and a parameter server on one host (``shm.parameter_server``). Both follow the same
+rules, which live here:
 
+- it is readable and writable by its maker's user only (mode 0600, as ``mkstemp`` makes it), under
+  a name with a random part, and a process maps only a regular file of its own user;
 - the file's space is reserved when it is made (``posix_fallocate``): a tmpfs that runs out would
   otherwise kill the first process to write past its end with SIGBUS;
 - it begins with a random ``head`` (a magic and a nonce) that the maker sends to the others over an
@@ -18,19 +20,14 @@ Both follow the same rules, which live here:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import mmap
 import os
-import platform
 import re
 import socket
 import stat
-import sys
 import tempfile
-from collections.abc import Callable
-from typing import Any
 
 import numpy
 import torch
@@ -39,49 +36,6 @@ DIRECTORY = "/dev/shm"
 # stratagem-<kind->?<host tag>_<pid>_<start time>_<random>: every file this module makes.
 _OWNED = re.compile(r"stratagem-(?:[a-z]+-)?([0-9a-f]{8})_([0-9]+)_([0-9]+)_[a-z0-9_]+\Z")
 logger = logging.getLogger(__name__)
-
-# Linux x86-64 futex(2): sleep while a 32-bit word holds a value, wake the sleepers of a word.
-_SYS_FUTEX = 202
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-_libc: ctypes.CDLL | None = None
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def ordered_stores() -> str | None:
-    """None when processes can order their use of shared memory with counters in it, else why not.
-
-    A counter stored after the data it announces, and read before that data, orders them only where
-    the processor keeps stores in order and loads in order (x86-64's TSO); other architectures need
-    fences Python cannot issue. Sleeping on a counter needs Linux's futex(2).
-    """
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return (f"counters in shared memory need Linux on x86-64 (ordered stores without explicit fences); this is "
-                f"{sys.platform} on {platform.machine()}")
-    return None
-
-
-def _syscall() -> Callable[..., Any]:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL while they sleep
-    return _libc.syscall
-
-
-def futex_wake(address: int) -> None:
-    """Wakes every process sleeping on the 32-bit word at ``address`` (see ``futex_wait``)."""
-    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAKE),
-               ctypes.c_long(2**31 - 1), None, None, ctypes.c_long(0))
-
-
-def futex_wait(address: int, seen: int, seconds: float) -> None:
-    """Sleeps while the low 32 bits of the counter at ``address`` still hold those of ``seen``, at most
-    ``seconds`` (a change and a ``futex_wake`` end it at once; a change before the call, at once too)."""
-    pause = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAIT),
-               ctypes.c_long(seen & 0xFFFFFFFF), ctypes.byref(pause), None, ctypes.c_long(0))
 
 
 def host_identity() -> str:
