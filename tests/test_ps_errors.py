@@ -79,7 +79,7 @@ def test_a_second_parameter_server_cannot_take_the_port_of_a_running_one():
     try:
         port = first.address.rsplit(":", 1)[1]
         with pytest.raises(ParameterServerError,
-                           match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Fix: stop the process"):
+                           match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Stop the process"):
             ParameterServer(security=SECURITY, address=first.address, task="ps:0")
         client = Client(first.address, PS_SERVICE, security=SECURITY, task="ps:0")
         assert client.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"

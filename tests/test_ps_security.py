@@ -204,7 +204,7 @@ def test_tls_round_trip_with_a_self_signed_certificate(self_signed):
 
 def test_wire_error_from_handler_is_invalid_argument():
     def bad(op, meta, tensors):
-        raise wire.WireFormatError("bad shard name. Received: x. Fix: y.")
+        raise wire.WireFormatError("bad shard name. Received: x. Y.")
 
     srv = Server(SERVICE, {"Echo": bad}, security=Security(token="t"))
     try:

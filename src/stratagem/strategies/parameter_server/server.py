@@ -85,7 +85,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             if not isinstance(value, (int, float, bool, str, type(None), dict, list)):
                 raise ParameterServerError(
                     f"An optimizer hyper-parameter cannot be sent to the parameter servers. Received: "
-                    f"param_groups[{index}][{key!r}]={value!r:.80}. Fix: use numbers, booleans or tuples of them.")
+                    f"param_groups[{index}][{key!r}]={value!r:.80}. Use numbers, booleans or tuples of them.")
             hyper[key] = value
         groups.append(hyper)
     return {"module": cls.__module__, "qualname": cls.__qualname__, "groups": groups}
@@ -104,10 +104,10 @@ def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Opti
         target = getattr(target, part, None)
     if target is None:
         raise ParameterServerError(f"Cannot find the optimizer class on this task. Received: {module}.{qualname}. "
-                                   "Fix: define it in a module every task imports (the same script runs everywhere).")
+                                   "Define it in a module every task imports (the same script runs everywhere).")
     if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
         raise ParameterServerError(f"Not a torch optimizer class. Received: {module}.{qualname}={target!r:.80}. "
-                                   "Fix: pass a torch.optim.Optimizer.")
+                                   "Pass a torch.optim.Optimizer.")
     return target
 
 
@@ -172,14 +172,14 @@ class ParameterServer:
         spec = meta.get("optimizer") if isinstance(meta, dict) else None
         if set(groups_of) != set(tensors) or not all(isinstance(g, int) and g >= 0 for g in groups_of.values()):
             raise WireFormatError(f"Create needs a group index for every shard. Received: shards {sorted(tensors)[:5]}, "
-                                  f"groups {dict(list(groups_of.items())[:5])}. Fix: send both.")
+                                  f"groups {dict(list(groups_of.items())[:5])}. Send both.")
         cls, hypers = None, []
         if spec is not None and tensors:
             cls = resolve_optimizer_class(spec["module"], spec["qualname"])
             hypers = [_hyper_from_json(hyper) for hyper in spec["groups"]]
             if max(groups_of.values()) >= len(hypers):
                 raise WireFormatError(f"A shard names a parameter group the optimizer lacks. Received: group "
-                                      f"{max(groups_of.values())} of {len(hypers)}. Fix: send every group's hyper-parameters.")
+                                      f"{max(groups_of.values())} of {len(hypers)}. Send every group's hyper-parameters.")
         store = ShardStore(tensors, groups_of, cls, hypers, build=_build)
         with self._lock:
             self._store, self._num_updates = store, 0
@@ -208,7 +208,7 @@ class ParameterServer:
         if given != self._store.fingerprint:
             raise WireFormatError(
                 f"{self.task} holds a different set of shards than the caller expects. Received: layout {given!r}, "
-                f"this server's is {self._store.fingerprint!r} ({len(self._store.shards)} shards). Fix: run the same "
+                f"this server's is {self._store.fingerprint!r} ({len(self._store.shards)} shards). Run the same "
                 "model on every task, and distribute it on the chief before workers pull (a restarted chief "
                 "creates the shards again).")
 
@@ -289,8 +289,8 @@ class ParameterServer:
                         indices = control.listed[:min(max(count, 0), shared.MAX_LISTED)].tolist()
                         version = self._apply_gradients(attached, indices)
                     else:
-                        raise WireFormatError(f"Unknown request in a shared file. Received: operation {op}. Fix: "
-                                              f"use {shared.PULL} (pull) or {shared.PUSH} (push).")
+                        raise WireFormatError(f"Unknown request in a shared file. Received: operation {op}. "
+                                              f"Use {shared.PULL} (pull) or {shared.PUSH} (push).")
                     control.answer(handled, shared.OK, version)
             except Exception as exc:  # the worker gets the error; the server goes on serving
                 logger.exception("%s: a request of %s through shared memory failed", self.task, attached.task)
@@ -331,7 +331,7 @@ class ParameterServer:
         if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
             raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
-                                  f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Fix: name each "
+                                  f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Name each "
                                   "bucket the push carries once.")
         self._keep_reads()
         store.apply_buckets({index: attached.areas.push[index] for index in indices})
@@ -342,7 +342,7 @@ class ParameterServer:
         """The store a push updates (under ``_lock``); refuses a push that comes before ``Create``."""
         if self._store.optimizer is None:
             raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
-                                       "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+                                       "push before Create. Call distribute(model, optimizer) on the chief first.")
         return self._store
 
     def _keep_reads(self) -> None:
@@ -391,7 +391,7 @@ class ParameterServer:
         unknown = [n for n in names if n not in self._store.shards]
         if unknown:
             raise WireFormatError(f"{self.task} holds no shard named {unknown[:3]}. Received: {len(names)} names. "
-                                  f"Fix: send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
+                                  f"Send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
                                   "was the model distributed by this job's chief?")
 
     def _save(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:

@@ -211,7 +211,7 @@ class ShardStore:
         """One optimizer step with a gradient for every shard of the buckets named (index to a flat gradient,
         read where it lies when the optimizer runs over buckets)."""
         if self.optimizer is None:
-            raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
+            raise WireFormatError("This parameter server has no optimizer. Received: a push. Create the "
                                   "shards with an optimizer (distribute(model, optimizer) on the chief).")
         if self.flat:
             self._step_with([(_param(segment), grad[segment.start:segment.stop])
@@ -231,10 +231,10 @@ class ShardStore:
                 index, members = self._bucket_of[name], [name]
             if covered[index].intersection(members):
                 raise WireFormatError(f"A push carries a shard twice. Received: {name!r} and a bucket or shard that "
-                                      "holds the same rows. Fix: send each shard once, by bucket or by name.")
+                                      "holds the same rows. Send each shard once, by bucket or by name.")
             covered[index].update(members)
         if self.optimizer is None:
-            raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
+            raise WireFormatError("This parameter server has no optimizer. Received: a push. Create the "
                                   "shards with an optimizer (distribute(model, optimizer) on the chief).")
         if self.flat and any(0 < len(c) < len(b.names) for c, b in zip(covered, self.buckets)):
             self._split()

@@ -58,8 +58,8 @@ class ShardedVariables:
     def __init__(self, shards: Sequence[Shard], ps_addresses: Sequence[str], *, security: Security,
                  rpc_timeout: float = 60.0, shared_memory: bool | None = None, task: str = "chief") -> None:
         if shared_memory not in (None, True, False):
-            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
-                                       "None uses shared memory with servers on this host, False never, True insists.")
+            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
+                                       "Pass None to use shared memory with servers on this host, False never to, True to insist.")
         self.shards = list(shards)
         self.rpc_timeout = rpc_timeout
         self.shared_memory = shared_memory
@@ -120,7 +120,7 @@ class ShardedVariables:
             if missing:
                 raise ParameterServerError(
                     f"Cannot tell the dtypes of the shards on ps:{ps}. Received: no tensor for {missing[:3]}. "
-                    "Fix: pull the values (run the model) before the first push.")
+                    "Pull the values (run the model) before the first push.")
             known = cast("Mapping[str, torch.Tensor]", tensors)  # every shard's tensor is there: checked just above
             entries = [(s.name, s.group, known[s.parameter].dtype, shard_of(known[s.parameter], s).numel())
                        for s in shards]
@@ -181,7 +181,7 @@ class ShardedVariables:
                 raise ParameterServerError(
                     f"The parameters do not match the shards on {self._clients[ps].task}. Received: shapes "
                     f"{[[tuple(shard_of(parameters[s.parameter], s).shape) for s in b] for b in layout.buckets]!r:.200}, "
-                    f"expected {[[tuple(x) for x in b] for b in layout.shapes]!r:.200}. Fix: pull into the model "
+                    f"expected {[[tuple(x) for x in b] for b in layout.shapes]!r:.200}. Pull into the model "
                     "that was distributed.")
 
         self._each_ps(call)
@@ -265,12 +265,12 @@ class ShardedVariables:
         task = self._clients[ps].task
         if self.shared_memory is True:
             raise ParameterServerError(
-                f"shared_memory=True, but {self.task} cannot share memory with {task}. Received: {why}. Fix: run "
+                f"shared_memory=True, but {self.task} cannot share memory with {task}. Received: {why}. Run "
                 f"them on one host with room in /dev/shm, or pass shared_memory=None to send values over gRPC there.")
         self._transfers[task] = f"gRPC: {why}"
         if warn and self.shared_memory is None:
-            logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. Fix: "
-                           "give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
+            logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. "
+                           "Give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
                            "or pass shared_memory=False to say gRPC is meant.", self.task, task, why)
         else:
             logger.info("%s: values to and from %s go over gRPC: %s", self.task, task, why)
@@ -406,7 +406,7 @@ class ShardedVariables:
         missing = sorted({s.parameter for s in self.shards} - set(variables))
         if missing:
             raise ParameterServerError(f"The checkpoint lacks parameters of this model. Received: missing {missing[:5]}. "
-                                       "Fix: restore a checkpoint written for this model.")
+                                       "Restore a checkpoint written for this model.")
 
         def call(ps: int, shards: list[Shard]) -> None:
             tensors: dict[str, torch.Tensor] = {}
@@ -443,10 +443,10 @@ class ShardedVariables:
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ParameterServerError(f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
                                        f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
-                                       f"Fix: pass a file written by ParameterServerStrategy.save.")
+                                       f"Pass a file written by ParameterServerStrategy.save.")
         if not all(isinstance(state.get(key), Mapping) for key in ("variables", "optimizer_state")):
             raise ParameterServerError(f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
-                                       f"state. Received: fields {sorted(map(str, state))[:10]}. Fix: pass a file "
+                                       f"state. Received: fields {sorted(map(str, state))[:10]}. Pass a file "
                                        "written by ParameterServerStrategy.save.")
         self.load_state(state)
 
