@@ -7,7 +7,7 @@ import json
 import pytest
 
 from stratagem.cluster import Cluster, parse_tf_config, split_address
-from stratagem.errors import ClusterError
+from stratagem.errors import ClusterError, InputError
 
 FULL = {
     "cluster": {
@@ -146,6 +146,12 @@ MALFORMED = [
 def test_malformed_tf_config(config, message):
     with pytest.raises(ClusterError, match=message):
         parse_tf_config(config)
+
+
+def test_a_malformed_cluster_is_a_bad_argument_like_any_other():
+    # ClusterError is an InputError, so `except sg.InputError` catches every bad argument, cluster included.
+    with pytest.raises(InputError, match=r"TF_CONFIG is not a JSON object\. Received: \[1, 2\]\."):
+        parse_tf_config("[1, 2]")
 
 
 def test_to_tf_config_needs_addresses():

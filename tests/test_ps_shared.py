@@ -27,7 +27,7 @@ import torch
 from helpers import stop_process
 
 from stratagem.collective import shm_files
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import shared
 from stratagem.strategies.parameter_server.partitioners import place
 from stratagem.strategies.parameter_server.server import SERVICE, ParameterServer
@@ -306,7 +306,7 @@ def test_one_host_without_room_in_dev_shm_warns_and_trains_over_grpc(server, mon
 
 
 def test_shared_memory_must_be_none_true_or_false():
-    with pytest.raises(ParameterServerError, match="shared_memory must be None, True or False. Received: 'yes'"):
+    with pytest.raises(InputError, match="shared_memory must be None, True or False. Received: 'yes'"):
         ShardedVariables([], ["127.0.0.1:1"], security=SECURITY, shared_memory="yes")
 
 

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
@@ -112,8 +112,8 @@ class PerWorkerIterator:
         self.dataset = dataset
 
     def __next__(self) -> Any:
-        raise ParameterServerError("A per-worker iterator is read on the workers. Received: next() on the chief. "
-                                   "Pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
+        raise InputError("A per-worker iterator is read on the workers. Received: next() on the chief. "
+                         "Pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
 
 
 class _Closure:
@@ -156,8 +156,8 @@ class ClusterCoordinator:
                  closure_timeout: float = 600.0) -> None:
         for name, value in (("worker_recovery_timeout", worker_recovery_timeout), ("closure_timeout", closure_timeout)):
             if not isinstance(value, (int, float)) or value <= 0:
-                raise ParameterServerError(f"{name} must be a positive number of seconds. Received: {name}={value!r}. "
-                                           "Pass seconds > 0.")
+                raise InputError(f"{name} must be a positive number of seconds. Received: {name}={value!r}. "
+                                 "Pass seconds > 0.")
         self.strategy = strategy
         self.worker_recovery_timeout = float(worker_recovery_timeout)
         self.closure_timeout = float(closure_timeout)
@@ -209,8 +209,8 @@ class ClusterCoordinator:
         with self._cv:
             self._raise_error(clear=False)
             if self._closed:
-                raise ParameterServerError("The coordinator is shut down. Received: a schedule() after "
-                                           "strategy.shutdown(). Schedule before shutting down.")
+                raise InputError("The coordinator is shut down. Received: a schedule() after "
+                                 "strategy.shutdown(). Schedule before shutting down.")
             closure = _Closure(next(self._numbers), fn, fn_ref, tuple(args), kwargs, self.closure_timeout)
             self._queue.append(closure)
             self._inflight += 1

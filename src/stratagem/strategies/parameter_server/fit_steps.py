@@ -81,8 +81,8 @@ def fit_steps(coordinator: ClusterCoordinator, step_fn: StepFn, batches: Iterabl
         coordinator.join()  # every scheduled update lands before the chief reads the parameters
         model = coordinator.strategy._model
         if model is None:
-            raise ParameterServerError("A step ran before strategy.distribute(model, optimizer). Received: no model. "
-                                       "Distribute the model first (sg.fit does it for you).")
+            raise InputError("A step ran before strategy.distribute(model, optimizer). Received: no model. "
+                             "Distribute the model first (sg.fit does it for you).")
         model.pull()
         for index, batch in enumerate(batches):
             _check_pair(index, batch)

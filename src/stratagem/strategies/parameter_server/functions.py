@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from stratagem.errors import ParameterServerError, ReplicaError
+from stratagem.errors import InputError, ParameterServerError, ReplicaError
 
 PROCESS_ID = secrets.token_hex(8)
 _local_functions: dict[int, Callable[..., Any]] = {}
@@ -50,13 +50,13 @@ def _named(fn: Callable[..., Any]) -> dict[str, str] | None:
 def function_ref(fn: Callable[..., Any], *, local_ok: bool) -> dict[str, Any]:
     """How ``fn`` travels: by name, or (``local_ok``: only workers in this process) by a local number."""
     if not callable(fn):
-        raise ParameterServerError(f"Only functions can be scheduled. Received: {fn!r:.80}. "
-                                   "Pass a function defined at module level.")
+        raise InputError(f"Only functions can be scheduled. Received: {fn!r:.80}. "
+                         "Pass a function defined at module level.")
     named = _named(fn)
     if named is not None:
         return named
     if not local_ok:
-        raise ParameterServerError(
+        raise InputError(
             f"A function sent to workers in other processes needs a module-level name. Received: "
             f"{getattr(fn, '__qualname__', fn)!r} from module {getattr(fn, '__module__', None)!r}. Define it with "
             "`def` at the top level of the script (every task runs the same script and finds it by name).")
@@ -123,7 +123,7 @@ class Encoder:
             ref = self._refs(value)
             if ref is not None:
                 return ref
-        raise ParameterServerError(
+        raise InputError(
             f"This value cannot travel between tasks. Received: {where} of type {type(value).__name__}. Use "
             "tensors, numbers, strings, None, lists, tuples, dicts with string keys, or per-worker iterators.")
 

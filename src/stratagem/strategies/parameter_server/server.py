@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import (
+    InputError,
     ParameterServerError,
     WireFormatError,
 )
@@ -83,7 +84,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             if isinstance(value, tuple):
                 value = {"tuple": list(value)}
             if not isinstance(value, (int, float, bool, str, type(None), dict, list)):
-                raise ParameterServerError(
+                raise InputError(
                     f"An optimizer hyper-parameter cannot be sent to the parameter servers. Received: "
                     f"param_groups[{index}][{key!r}]={value!r:.80}. Use numbers, booleans or tuples of them.")
             hyper[key] = value

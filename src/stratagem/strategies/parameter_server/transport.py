@@ -33,6 +33,7 @@ import torch
 
 from stratagem.errors import (
     CollectiveTimeoutError,
+    InputError,
     ParameterServerError,
     WireFormatError,
 )
@@ -126,16 +127,16 @@ class Security:
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or not self.token:
-            raise ParameterServerError(
+            raise InputError(
                 f"The cluster token is empty. Received: token={self.token!r}. Pass cluster_token=..., or run "
                 "under `stratagem launch`, which sets STRATAGEM_CLUSTER_TOKEN.")
         if (self.private_key is None) != (self.certificate is None) and self.private_key is not None:
-            raise ParameterServerError(
+            raise InputError(
                 f"A private key needs its certificate. Received: private_key={self.private_key!r}, certificate=None. "
                 "Pass both certificate= and private_key= for TLS.")
         for path in (self.certificate, self.private_key):
             if path is not None and not Path(path).is_file():
-                raise ParameterServerError(f"TLS file not found. Received: {path!r}. Pass the path of a PEM file.")
+                raise InputError(f"TLS file not found. Received: {path!r}. Pass the path of a PEM file.")
 
     @property
     def tls(self) -> bool:
@@ -190,7 +191,7 @@ class Server:
                  limits: Mapping[str, Limit] | None = None, default_limit: Limit | None = None) -> None:
         self.service = service
         if security.tls and security.private_key is None:
-            raise ParameterServerError(
+            raise InputError(
                 f"A TLS server needs its private key. Received: certificate={security.certificate!r}, private_key=None. "
                 "Pass private_key= with certificate= on every task that serves (parameter servers and workers).")
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),

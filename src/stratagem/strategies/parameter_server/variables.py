@@ -31,7 +31,7 @@ import torch
 
 from stratagem.archive import load_verified
 from stratagem.collective import shm_files
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import shared, wire
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.server import (
@@ -58,8 +58,9 @@ class ShardedVariables:
     def __init__(self, shards: Sequence[Shard], ps_addresses: Sequence[str], *, security: Security,
                  rpc_timeout: float = 60.0, shared_memory: bool | None = None, task: str = "chief") -> None:
         if shared_memory not in (None, True, False):
-            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
-                                       "Pass None to use shared memory with servers on this host, False never to, True to insist.")
+            raise InputError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
+                             "Pass None to use shared memory with servers on this host, False never to, "
+                             "True to insist.")
         self.shards = list(shards)
         self.rpc_timeout = rpc_timeout
         self.shared_memory = shared_memory
@@ -405,8 +406,8 @@ class ShardedVariables:
         variables, opt_state = state["variables"], state["optimizer_state"]
         missing = sorted({s.parameter for s in self.shards} - set(variables))
         if missing:
-            raise ParameterServerError(f"The checkpoint lacks parameters of this model. Received: missing {missing[:5]}. "
-                                       "Restore a checkpoint written for this model.")
+            raise InputError(f"The checkpoint lacks parameters of this model. Received: missing {missing[:5]}. "
+                             "Restore a checkpoint written for this model.")
 
         def call(ps: int, shards: list[Shard]) -> None:
             tensors: dict[str, torch.Tensor] = {}
@@ -435,19 +436,19 @@ class ShardedVariables:
         """Loads a checkpoint written by ``save``, after checking the checksums of its archive.
 
         Raises:
-            InputError: no file at ``path``, or it holds objects other than tensors.
+            InputError: no file at ``path``, it holds objects other than tensors, it is not a
+                parameter-server checkpoint, or not of this model.
             CorruptCheckpointError: the file is damaged or torch cannot read it.
-            ParameterServerError: it is not a parameter-server checkpoint, or not of this model.
         """
         state = load_verified(path)
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ParameterServerError(f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
-                                       f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
-                                       f"Pass a file written by ParameterServerStrategy.save.")
+            raise InputError(f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
+                             f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
+                             f"Pass a file written by ParameterServerStrategy.save.")
         if not all(isinstance(state.get(key), Mapping) for key in ("variables", "optimizer_state")):
-            raise ParameterServerError(f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
-                                       f"state. Received: fields {sorted(map(str, state))[:10]}. Pass a file "
-                                       "written by ParameterServerStrategy.save.")
+            raise InputError(f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
+                             f"state. Received: fields {sorted(map(str, state))[:10]}. Pass a file "
+                             "written by ParameterServerStrategy.save.")
         self.load_state(state)
 
     def close(self) -> None:

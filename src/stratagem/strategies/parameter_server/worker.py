@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.partitioners import Shard
 from stratagem.strategies.parameter_server.transport import LARGE, SMALL, Reply, Security, Server, task_lost
@@ -102,7 +102,7 @@ class ParameterServerOptimizer:
         """Sends the gradients of this worker's replica to the parameter servers."""
         runtime = current_worker()
         if runtime is None or closure is not None:
-            raise ParameterServerError(
+            raise InputError(
                 f"optimizer.step() pushes a worker's gradients, so it runs inside a scheduled function, without a "
                 f"closure. Received: a call {'with a closure' if closure is not None else 'on the chief'}. "
                 "Call it in the function given to coordinator.schedule.")
@@ -144,8 +144,8 @@ class WorkerRuntime:
     def push(self, model: ParameterServerModel) -> None:
         entry = self._replicas.get(id(model))
         if entry is None:
-            raise ParameterServerError(f"optimizer.step() before the model ran on {self.task}. Received: no forward "
-                                       "pass in this function. Run the model, then backward, then step.")
+            raise InputError(f"optimizer.step() before the model ran on {self.task}. Received: no forward "
+                             "pass in this function. Run the model, then backward, then step.")
         replica, variables = entry
         variables.push({name: p.grad for name, p in replica.named_parameters()})
 
