@@ -13,6 +13,7 @@ from cases import TOL, build, make_batches, train_reference
 
 from stratagem.errors import CorruptCheckpointError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server.checkpoint import CHECKPOINT_FORMAT
 from stratagem.strategies.parameter_server.partitioners import (
     FixedShardsPartitioner,
     place,
@@ -23,7 +24,7 @@ from stratagem.strategies.parameter_server.server import (
     resolve_optimizer_class,
 )
 from stratagem.strategies.parameter_server.transport import Security
-from stratagem.strategies.parameter_server.variables import CHECKPOINT_FORMAT, ShardedVariables
+from stratagem.strategies.parameter_server.variables import ShardedVariables
 
 SECURITY = Security(token="service-test")
 
