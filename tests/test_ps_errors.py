@@ -29,8 +29,9 @@ from stratagem.strategies.parameter_server import (
 from stratagem.strategies.parameter_server import (
     strategy as strategy_module,
 )
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.server import SERVICE as PS_SERVICE
-from stratagem.strategies.parameter_server.server import ParameterServer, optimizer_spec
+from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 from stratagem.strategies.parameter_server.worker import WorkerService

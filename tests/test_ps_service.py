@@ -14,15 +14,12 @@ from cases import TOL, build, make_batches, train_reference
 from stratagem.errors import CorruptCheckpointError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import wire
 from stratagem.strategies.parameter_server.checkpoint import CHECKPOINT_FORMAT
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec, resolve_optimizer_class
 from stratagem.strategies.parameter_server.partitioners import (
     FixedShardsPartitioner,
     place,
 )
-from stratagem.strategies.parameter_server.server import (
-    ParameterServer,
-    optimizer_spec,
-    resolve_optimizer_class,
-)
+from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Security
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 

@@ -1,8 +1,8 @@
 """The parameter-server task: holds shards of the model's parameters and applies the user's optimizer.
 
-The chief creates the shards (``Create``: initial values, the optimizer's class and the
-hyper-parameters of each parameter group); workers read them (``Pull``, many shards in one call)
-and send gradients (``Push``). A push applies the same torch optimizer the user built, with its
+The chief creates the shards (``Create``: initial values and the optimizer's spec, its class,
+hyper-parameters and options, from which ``optimizers`` builds it again); workers read them
+(``Pull``, many shards in one call) and send gradients (``Push``). A push applies the same torch optimizer the user built, with its
 state (momentum buffers, Adam moments, step counts), to the shards it names, under a lock, so each
 update is atomic and updates from different workers apply one after another (asynchronous
 training: no worker waits for another). The optimizers torch ships update each element from its
@@ -29,8 +29,8 @@ applies the gradients it holds, ``Detach`` lets it go.
 
 from __future__ import annotations
 
+import functools
 import logging
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from stratagem.errors import (
-    InputError,
     ParameterServerError,
     WireFormatError,
 )
 from stratagem.strategies.parameter_server import shared, wire
+from stratagem.strategies.parameter_server.optimizers import build_optimizer, hypers_of, resolve_optimizer_class
 from stratagem.strategies.parameter_server.store import (
     BUCKET_PREFIX,
     ShardStore,
@@ -68,60 +68,6 @@ HEADER_BYTES_PER_SHARD = 512
 MAX_STATE_TENSORS = 8
 """A checkpoint's shard: its values and at most 7 state tensors of its size (Adam with amsgrad keeps 3)."""
 STATE_SEPARATOR = "#"
-
-
-def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's class path and each group's hyper-parameters as JSON (no parameters, no state)."""
-    cls = type(optimizer)
-    groups = []
-    for index, group in enumerate(optimizer.param_groups):
-        hyper = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, tuple):
-                value = {"tuple": list(value)}
-            if not isinstance(value, (int, float, bool, str, type(None), dict, list)):
-                raise InputError(
-                    f"An optimizer hyper-parameter cannot be sent to the parameter servers. Received: "
-                    f"param_groups[{index}][{key!r}]={value!r:.80}. Use numbers, booleans or tuples of them.")
-            hyper[key] = value
-        groups.append(hyper)
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "groups": groups}
-
-
-def _hyper_from_json(hyper: dict[str, Any]) -> dict[str, Any]:
-    return {key: tuple(value["tuple"]) if isinstance(value, dict) and set(value) == {"tuple"} else value
-            for key, value in hyper.items()}
-
-
-def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Optimizer]:
-    """The optimizer class named by ``module`` and ``qualname``; refuses anything else."""
-    # Only modules this task has already imported: a message never makes a task import (run) new code.
-    target: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
-    if target is None:
-        raise ParameterServerError(f"Cannot find the optimizer class on this task. Received: {module}.{qualname}. "
-                                   "Define it in a module every task imports (the same script runs everywhere).")
-    if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
-        raise ParameterServerError(f"Not a torch optimizer class. Received: {module}.{qualname}={target!r:.80}. "
-                                   "Pass a torch.optim.Optimizer.")
-    return target
-
-
-def _build(cls: Callable[..., torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """The optimizer over this server's shards, with torch's foreach kernels where the user left the choice
-    to torch (same arithmetic, one call over many shards instead of a Python loop; torch picks the loop
-    on a CPU)."""
-    if all(g.get("foreach", False) is None and not g.get("fused") and not g.get("differentiable") for g in groups):
-        try:
-            return cls([{**g, "foreach": True} for g in groups])
-        except (RuntimeError, TypeError, ValueError):
-            pass  # this optimizer has no foreach kernel
-    return cls(groups)
 
 
 class _Read:
@@ -177,11 +123,11 @@ class ParameterServer:
         cls, hypers = None, []
         if spec is not None and tensors:
             cls = resolve_optimizer_class(spec["module"], spec["qualname"])
-            hypers = [_hyper_from_json(hyper) for hyper in spec["groups"]]
+            hypers = hypers_of(spec)
             if max(groups_of.values()) >= len(hypers):
                 raise WireFormatError(f"A shard names a parameter group the optimizer lacks. Received: group "
                                       f"{max(groups_of.values())} of {len(hypers)}. Send every group's hyper-parameters.")
-        store = ShardStore(tensors, groups_of, cls, hypers, build=_build)
+        store = ShardStore(tensors, groups_of, cls, hypers, build=functools.partial(build_optimizer, spec=spec or {}))
         with self._lock:
             self._store, self._num_updates = store, 0
             self._segments.clear()  # laid out for the old shards: workers attach again

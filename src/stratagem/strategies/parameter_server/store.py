@@ -109,7 +109,11 @@ class Bucket:
 class ShardStore:
     """The shards one parameter server holds, their gradient buffers and the optimizer over them.
 
-    Not thread-safe: the server calls it under its lock.
+    Not thread-safe: the server calls it under its lock. ``build(optimizer_class, param_groups)`` makes the
+    optimizer over the store's parameters (again when the store turns to per-shard updates): a parameter
+    server passes ``optimizers.build_optimizer`` with the chief's spec, which never calls the class's
+    ``__init__``; without it the class is called with the groups, which suits torch's own optimizers given
+    bare hyper-parameters (the example above, the store's tests).
     """
 
     def __init__(self, values: Mapping[str, torch.Tensor], groups: Mapping[str, int],

@@ -29,11 +29,9 @@ import torch
 from stratagem.collective import shm_files
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import checkpoint, shared, wire
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
-from stratagem.strategies.parameter_server.server import (
-    SERVICE,
-    optimizer_spec,
-)
+from stratagem.strategies.parameter_server.server import SERVICE
 from stratagem.strategies.parameter_server.store import (
     bucket_layout,
     bucket_name,
