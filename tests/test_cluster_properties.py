@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,14 @@ from stratagem.errors import ClusterError
 DEADLINE_MS = 2000
 # The longest error message any input may produce: the value is cut, never quoted whole.
 MAX_MESSAGE = 1500
+
+# The project's error dialect: "What is wrong. Received: VALUE. What to do.", the advice a sentence of its own.
+ADVICE_AFTER_RECEIVED = re.compile(r"Received: .*\. [A-Z]", re.DOTALL)
+
+
+def _says_what_to_do(message: str) -> bool:
+    return ADVICE_AFTER_RECEIVED.search(message) is not None and "Fix:" not in message
+
 
 HOSTS = ["h0", "h1", "10.0.0.7", "[::1]", "node-3.example.org"]
 
@@ -166,7 +175,7 @@ def test_every_malformed_config_is_a_cluster_error(config, how, data):
     try:
         parse_tf_config(json.dumps(broken))
     except ClusterError as exc:
-        assert "Received:" in str(exc) and "Fix:" in str(exc)
+        assert _says_what_to_do(str(exc)), str(exc)
     else:
         raise AssertionError(f"{how} was accepted: {broken}")
 
@@ -252,7 +261,7 @@ def bounded(call, *args, max_bytes: int = 1 << 20):
     assert peak < max_bytes, f"{call.__name__} took {peak} bytes"
     if isinstance(result, ClusterError):
         message = str(result)
-        assert "Received:" in message and "Fix:" in message and len(message) < MAX_MESSAGE, message
+        assert _says_what_to_do(message) and len(message) < MAX_MESSAGE, message
     return result
 
 

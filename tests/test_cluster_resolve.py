@@ -83,9 +83,9 @@ def test_torchrun_wins_over_slurm():
 @pytest.mark.parametrize(("change", "message"), [
     ({"MASTER_PORT": None, "LOCAL_RANK": None},
      r"torchrun's variables are only partly set: LOCAL_RANK, MASTER_PORT missing\. Received: \{'RANK': '3'"),
-    ({"RANK": "one"}, r"RANK is not an integer >= 0\. Received: RANK='one'\. Fix: set RANK to a whole number"),
+    ({"RANK": "one"}, r"RANK is not an integer >= 0\. Received: RANK='one'\. Set RANK to a whole number"),
     ({"WORLD_SIZE": "0"}, r"WORLD_SIZE is not an integer >= 1\. Received: WORLD_SIZE='0'"),
-    ({"RANK": "4"}, r"RANK must be smaller than WORLD_SIZE\. Received: RANK=4, WORLD_SIZE=4\. Fix: give each of "
+    ({"RANK": "4"}, r"RANK must be smaller than WORLD_SIZE\. Received: RANK=4, WORLD_SIZE=4\. Give each of "
                     r"the 4 processes a distinct RANK in 0\.\.3"),
     ({"LOCAL_RANK": "2"}, r"LOCAL_RANK must be smaller than LOCAL_WORLD_SIZE\. Received: LOCAL_RANK=2"),
     ({"LOCAL_WORLD_SIZE": "8"}, r"LOCAL_WORLD_SIZE cannot exceed WORLD_SIZE\. Received: LOCAL_WORLD_SIZE=8, WORLD_SIZE=4"),
@@ -141,7 +141,7 @@ def _without(env, *names):
 
 @pytest.mark.parametrize(("env", "message"), [
     (_without(SLURM, "SLURM_LOCALID"), r"SLURM's variables are only partly set: SLURM_LOCALID missing\. "
-                                       r"Received: SLURM_PROCID='5'\. Fix: start the tasks with srun"),
+                                       r"Received: SLURM_PROCID='5'\. Start the tasks with srun"),
     ({**SLURM, "SLURM_PROCID": "8"}, r"SLURM_PROCID must be smaller than SLURM_NTASKS\. Received: SLURM_PROCID=8"),
     ({**SLURM, "SLURM_LOCALID": "4"}, r"SLURM_LOCALID must be smaller than the tasks on this node"),
     (_without(SLURM, "SLURM_NTASKS_PER_NODE"), r"Cannot tell how many tasks run on this node\. Received: neither"),
@@ -151,7 +151,7 @@ def _without(env, *names):
      r"SLURM_TASKS_PER_NODE has a bad entry '4x2'"),
     (_without(SLURM, "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST"), r"Cannot find the master host under SLURM"),
     (_without(SLURM, "SLURM_JOB_ID"), r"Cannot choose a rendezvous port under SLURM: SLURM_JOB_ID is not set\. "
-                                      r"Received: SLURM_PROCID='5'\. Fix: set STRATAGEM_MASTER_PORT"),
+                                      r"Received: SLURM_PROCID='5'\. Set STRATAGEM_MASTER_PORT"),
     ({**SLURM, "STRATAGEM_MASTER_PORT": "0"}, r"STRATAGEM_MASTER_PORT is not a valid port\. Received: STRATAGEM_MASTER_PORT=0"),
     ({**SLURM, "SLURM_STEP_NODELIST": "gpu[09-08]"}, r"has a descending range \[09-08\]\. Received: 'gpu\[09-08\]'"),
 ])
@@ -175,13 +175,13 @@ def test_expand_nodelist(nodelist, hosts):
 
 @pytest.mark.parametrize(("nodelist", "message"), [
     ("", r"SLURM host list is empty\. Received: ''"),
-    ("node[1-2", r"has a '\[' without '\]'\. Received: 'node\[1-2'\. Fix: balance the brackets"),
+    ("node[1-2", r"has a '\[' without '\]'\. Received: 'node\[1-2'\. Balance the brackets"),
     ("node1-2]", r"has a '\]' without '\['"),
     ("n[1-[2]]", r"has nested brackets"),
-    ("a,,b", r"has an empty entry\. Received: 'a,,b'\. Fix: remove the stray comma"),
+    ("a,,b", r"has an empty entry\. Received: 'a,,b'\. Remove the stray comma"),
     ("n[]", r"has a bad range \[\]"),
     ("n[1-x]", r"has a bad range \[1-x\]"),
-    ("n[5-3]", r"has a descending range \[5-3\]\. Received: 'n\[5-3\]'\. Fix: write it as \[3-5\]"),
+    ("n[5-3]", r"has a descending range \[5-3\]\. Received: 'n\[5-3\]'\. Write it as \[3-5\]"),
 ])
 def test_expand_nodelist_errors(nodelist, message):
     with pytest.raises(ClusterError, match=message):

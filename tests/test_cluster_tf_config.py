@@ -7,7 +7,7 @@ import json
 import pytest
 
 from stratagem.cluster import Cluster, parse_tf_config, split_address
-from stratagem.errors import ClusterError
+from stratagem.errors import ClusterError, InputError
 
 FULL = {
     "cluster": {
@@ -96,9 +96,9 @@ GOOD = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index
 # (config, regex the message must match): every error quotes the offending part and a fix.
 MALFORMED = [
     ('{"cluster": ', r"TF_CONFIG is not valid JSON \(Expecting value at line 1 column 13\)\. "
-                     r"Received: '\{\"cluster\": '\. Fix: write it as JSON"),
+                     r"Received: '\{\"cluster\": '\. Write it as JSON"),
     ("[1, 2]", r"TF_CONFIG is not a JSON object\. Received: \[1, 2\]\."),
-    ({**GOOD, "job": {}}, r"TF_CONFIG has unknown key\(s\) \['job'\]\. .*Fix: use only \['cluster', 'task'"),
+    ({**GOOD, "job": {}}, r"TF_CONFIG has unknown key\(s\) \['job'\]\. .*Use only \['cluster', 'task'"),
     ({"task": GOOD["task"]}, r"TF_CONFIG has no 'cluster'\..*or unset TF_CONFIG"),
     ({}, r"TF_CONFIG has no 'cluster'\. Received: \{\}\."),
     ({**GOOD, "cluster": {}}, r"'cluster' must be a non-empty object of address lists\. Received: cluster=\{\}"),
@@ -107,18 +107,18 @@ MALFORMED = [
      r"unknown task type in 'cluster' \('master' is TensorFlow 1's name for the chief: rename it 'chief'\)\. "
      r"Received: 'master'"),
     ({"cluster": {"workers": ["a:1"]}, "task": GOOD["task"]},
-     r"unknown task type in 'cluster'\. Received: 'workers'\. Fix: use only \['chief', 'worker', 'ps', 'evaluator'\]"),
+     r"unknown task type in 'cluster'\. Received: 'workers'\. Use only \['chief', 'worker', 'ps', 'evaluator'\]"),
     ({**GOOD, "cluster": {"worker": "a:1"}}, r"cluster\['worker'\] is not a list of addresses\. Received: worker='a:1'"),
     ({**GOOD, "cluster": {"worker": ["a:1", 7]}}, r"cluster\['worker'\]\[1\] is not a string\. Received: 7"),
     ({**GOOD, "cluster": {"worker": ["a"]}}, r"cluster\['worker'\]\[0\] has no port\. Received: 'a'\. "
-                                              r"Fix: write it as \"host:port\", e.g\. \"a:2222\""),
+                                              r"Write it as \"host:port\", e.g\. \"a:2222\""),
     ({**GOOD, "cluster": {"worker": [":80"]}}, r"cluster\['worker'\]\[0\] has no port\. Received: ':80'"),
-    ({**GOOD, "cluster": {"worker": ["a:http"]}}, r"has an invalid port\. Received: 'a:http'\. Fix: use a port number in 1\.\.65535"),
+    ({**GOOD, "cluster": {"worker": ["a:http"]}}, r"has an invalid port\. Received: 'a:http'\. Use a port number in 1\.\.65535"),
     ({**GOOD, "cluster": {"worker": ["a:70000"]}}, r"has an invalid port\. Received: 'a:70000'"),
     ({**GOOD, "cluster": {"worker": ["::1:80"]}}, r"is an IPv6 address without brackets\. Received: '::1:80'\. "
-                                                  r"Fix: write it as \"\[addr\]:port\""),
+                                                  r"Write it as \"\[addr\]:port\""),
     ({**GOOD, "cluster": {"chief": ["a:1", "b:1"], "worker": ["c:1"]}},
-     r"TF_CONFIG lists more than one chief\. Received: chief=\['a:1', 'b:1'\]\. Fix: keep one chief"),
+     r"TF_CONFIG lists more than one chief\. Received: chief=\['a:1', 'b:1'\]\. Keep one chief"),
     ({"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]}, "task": GOOD["task"]},
      r"TF_CONFIG lists more than one evaluator\. Received: evaluator=\['e:1', 'f:1'\]"),
     ({"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}},
@@ -131,12 +131,12 @@ MALFORMED = [
     ({**GOOD, "task": {"type": "worker", "index": 0, "trial": 1}}, r"must have exactly 'type' and 'index'"),
     ({**GOOD, "task": {"type": "boss", "index": 0}}, r"unknown task type in 'task'\. Received: type='boss'"),
     ({**GOOD, "task": {"type": "evaluator", "index": 0}},
-     r"names task type 'evaluator', which 'cluster' does not list\. .*Fix: add \"evaluator\": \[\"host:port\"\]"),
+     r"names task type 'evaluator', which 'cluster' does not list\. .*Add \"evaluator\": \[\"host:port\"\]"),
     ({**GOOD, "task": {"type": "ps", "index": 0}}, r"names task type 'ps', which 'cluster' does not list"),
     ({**GOOD, "task": {"type": "worker", "index": "0"}}, r"'task\.index' is not an integer\. Received: index='0'"),
     ({**GOOD, "task": {"type": "worker", "index": True}}, r"'task\.index' is not an integer\. Received: index=True"),
     ({**GOOD, "task": {"type": "worker", "index": 2}},
-     r"'task\.index' is out of range for 2 worker task\(s\)\. Received: task=worker:2\. Fix: use an index in 0\.\.1"),
+     r"'task\.index' is out of range for 2 worker task\(s\)\. Received: task=worker:2\. Use an index in 0\.\.1"),
     ({**GOOD, "task": {"type": "worker", "index": -1}}, r"out of range for 2 worker task\(s\)\. Received: task=worker:-1"),
     ({**GOOD, "rpc_layer": 5}, r"'rpc_layer' is not a string\. Received: rpc_layer=5"),
 ]
@@ -146,6 +146,12 @@ MALFORMED = [
 def test_malformed_tf_config(config, message):
     with pytest.raises(ClusterError, match=message):
         parse_tf_config(config)
+
+
+def test_a_malformed_cluster_is_a_bad_argument_like_any_other():
+    # ClusterError is an InputError, so `except sg.InputError` catches every bad argument, cluster included.
+    with pytest.raises(InputError, match=r"TF_CONFIG is not a JSON object\. Received: \[1, 2\]\."):
+        parse_tf_config("[1, 2]")
 
 
 def test_to_tf_config_needs_addresses():
@@ -162,7 +168,7 @@ def _cluster(**changes) -> Cluster:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"source": "mpi"}, r"Unknown cluster source\. Received: source='mpi'\. Fix: use one of"),
+    ({"source": "mpi"}, r"Unknown cluster source\. Received: source='mpi'\. Use one of"),
     ({"task_type": "boss"}, r"Unknown task type\. Received: task_type='boss'"),
     ({"addresses": {"workers": ["h:1"]}}, r"Unknown task type in addresses\. Received: \['workers'\]"),
     ({"rank": 2}, r"rank must be in 0\.\.world_size-1\. Received: rank=2, world_size=2"),

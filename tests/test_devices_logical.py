@@ -236,7 +236,7 @@ def test_resolve_gpu_without_gpus_carries_the_diagnosis():
                              driver_version="550.54.15", cuda_visible_devices="", nvml_device_count=2)
     with pytest.raises(DeviceError, match=r"^Device 'cuda:0' is a GPU, but no GPU is visible to torch\. "
                                           r"Received: name='cuda:0'\. CUDA_VISIBLE_DEVICES='' hides every GPU "
-                                          r"from torch\. Fix: Unset it .* Or use the CPU: devices=\['cpu:0'\]\.$"):
+                                          r"from torch\. Unset it .* Or use the CPU: devices=\['cpu:0'\]\.$"):
         resolve_devices(["cuda:0"], machine(), facts=facts)
 
 

@@ -273,6 +273,6 @@ def test_check_environment_places_optional_checks():
 
 def test_check_message_and_dict():
     check = Check(name="x", verdict="problem", reason="Broken.", fix="Mend it.")
-    assert check.message == "Broken. Fix: Mend it."
+    assert check.message == "Broken. Mend it."
     assert Check(name="x", verdict="ok", reason="Fine.").message == "Fine."
     assert check.to_dict() == {"name": "x", "verdict": "problem", "reason": "Broken.", "fix": "Mend it."}

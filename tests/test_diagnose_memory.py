@@ -106,6 +106,6 @@ def test_memory_not_checked_without_gpus():
 
 def test_ensure_fits_raises_with_both_numbers():
     with pytest.raises(MemoryEstimateError, match=r"needs at least 4\.00 GiB .* but cuda:0 has 1\.00 GiB free of "
-                                                  r"16\.00 GiB\. Fix: Either"):
+                                                  r"16\.00 GiB\. Either"):
         ensure_fits(facts_with_free(GiB), estimate_training_memory(GiB, "adam"))
     ensure_fits(facts_with_free(10 * GiB), estimate_training_memory(GiB, "adam"))

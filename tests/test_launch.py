@@ -271,7 +271,7 @@ time.sleep(60 if task["type"] == "worker" else 0)
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"argv": []}, r"The command to launch is empty\. Received: argv=\[\]"),
-    ({"workers": 0}, r"At least one worker is needed\. Received: workers=0\. Fix: pass workers >= 1"),
+    ({"workers": 0}, r"At least one worker is needed\. Received: workers=0\. Pass workers >= 1"),
     ({"ps": -1}, r"parameter servers cannot be negative\. Received: ps=-1"),
     ({"devices_per_worker": 0}, r"Each worker needs at least one device\. Received: devices_per_worker=0"),
     ({"max_restarts": -1}, r"max_restarts cannot be negative\. Received: max_restarts=-1"),

@@ -65,7 +65,7 @@ def test_a_launch_past_its_timeout_fails_naming_the_running_tasks() -> None:
 
 def test_a_lambda_is_refused_with_what_to_do() -> None:
     with pytest.raises(sg.InputError, match="cannot find a lambda or a function defined inside another function.*"
-                                            "define it at the top level of a .py module"):
+                                            "Define it at the top level of a .py module"):
         sg.launch(lambda: 1, workers=2)
 
 
@@ -86,7 +86,7 @@ def test_a_notebook_function_is_refused_with_what_to_do(monkeypatch: pytest.Monk
     train.__module__, train.__qualname__ = "__main__", "train"
     monkeypatch.setitem(sys.modules, "__main__", notebook)
     with pytest.raises(sg.InputError, match="defined in a notebook or an interactive session.*"
-                                            "Received: __main__.train. Fix: define it at the top level"):
+                                            "Received: __main__.train. Define it at the top level"):
         sg.launch(train, workers=2)
 
 

@@ -13,6 +13,7 @@ from cases import build
 from stratagem.cluster import free_ports
 from stratagem.errors import (
     CollectiveTimeoutError,
+    InputError,
     ParameterServerError,
     ReplicaError,
     WireFormatError,
@@ -21,14 +22,16 @@ from stratagem.strategies.parameter_server import (
     ClusterCoordinator,
     InProcessCluster,
     ParameterServerStrategy,
+    fit_steps,
     functions,
     wire,
 )
 from stratagem.strategies.parameter_server import (
     strategy as strategy_module,
 )
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.server import SERVICE as PS_SERVICE
-from stratagem.strategies.parameter_server.server import ParameterServer, optimizer_spec
+from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 from stratagem.strategies.parameter_server.worker import WorkerService
@@ -79,7 +82,7 @@ def test_a_second_parameter_server_cannot_take_the_port_of_a_running_one():
     try:
         port = first.address.rsplit(":", 1)[1]
         with pytest.raises(ParameterServerError,
-                           match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Fix: stop the process"):
+                           match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Stop the process"):
             ParameterServer(security=SECURITY, address=first.address, task="ps:0")
         client = Client(first.address, PS_SERVICE, security=SECURITY, task="ps:0")
         assert client.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"
@@ -139,7 +142,7 @@ def test_optimizer_hyper_parameters_must_be_plain_values():
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=0.1)
     optimizer.param_groups[0]["schedule"] = object()
-    with pytest.raises(ParameterServerError, match=r"hyper-parameter cannot be sent.*param_groups\[0\]\['schedule'\]"):
+    with pytest.raises(InputError, match=r"hyper-parameter cannot be sent.*param_groups\[0\]\['schedule'\]"):
         optimizer_spec(optimizer)
 
 
@@ -189,22 +192,22 @@ def test_worker_refuses_to_run_before_its_script_is_ready():
 def test_chief_side_misuse_is_refused():
     with InProcessCluster(num_workers=1, num_ps=1) as cluster:
         strategy = ParameterServerStrategy(cluster)
-        with pytest.raises(ParameterServerError, match="save needs a distributed model"):
+        with pytest.raises(InputError, match="save needs a distributed model"):
             strategy.save("x.pt")
-        with pytest.raises(ParameterServerError, match="distribute needs a torch.nn.Module. Received: str"):
+        with pytest.raises(InputError, match="distribute needs a torch.nn.Module. Received: str"):
             strategy.distribute("model")
         model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
-        with pytest.raises(ParameterServerError, match="optimizer must be a torch.optim.Optimizer. Received: dict"):
+        with pytest.raises(InputError, match="optimizer must be a torch.optim.Optimizer. Received: dict"):
             strategy.distribute(model, {"lr": 0.1})
         model, optimizer = strategy.distribute(model, optimizer)
-        with pytest.raises(ParameterServerError, match="runs inside a scheduled function.*on the chief"):
+        with pytest.raises(InputError, match="runs inside a scheduled function.*on the chief"):
             optimizer.step()
         coordinator = ClusterCoordinator(strategy)
         iterator = iter(coordinator.create_per_worker_dataset(_numbers))
-        with pytest.raises(ParameterServerError, match="per-worker iterator is read on the workers"):
+        with pytest.raises(InputError, match="per-worker iterator is read on the workers"):
             next(iterator)
         assert coordinator.fetch(coordinator.schedule(_next_number, args=(iterator,))) == 0
-        with pytest.raises(ParameterServerError, match="optimizer.step\\(\\) before the model ran on worker:0"):
+        with pytest.raises(InputError, match="optimizer.step\\(\\) before the model ran on worker:0"):
             coordinator.schedule(lambda: optimizer.step())  # in-process workers take closures
             coordinator.join()
         blocker = threading.Event()
@@ -214,8 +217,20 @@ def test_chief_side_misuse_is_refused():
         blocker.set()
         coordinator.join()
         strategy.shutdown()
-        with pytest.raises(ParameterServerError, match="The coordinator is shut down"):
+        with pytest.raises(InputError, match="The coordinator is shut down"):
             coordinator.schedule(_next_number, args=(iterator,))
+
+
+@pytest.mark.timeout(60)
+def test_a_chief_step_before_distribute_is_refused():
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ParameterServerStrategy(cluster)
+        coordinator = ClusterCoordinator(strategy)
+        with pytest.raises(InputError, match=r"A step ran before strategy.distribute\(model, optimizer\). Received: no "
+                                             r"model. Distribute the model first"):
+            fit_steps.fit_steps(coordinator, lambda x, y: x.sum(), [(torch.zeros(2, 3), torch.zeros(2))],
+                                lambda loss: None)
+        strategy.shutdown()
 
 
 def _numbers():
@@ -243,20 +258,25 @@ def test_every_worker_lost_fails_the_coordinator():
 
 
 def test_cluster_and_role_errors():
-    with pytest.raises(ParameterServerError, match="num_ps must be at least 1. Received: num_ps=0"):
+    with pytest.raises(InputError, match="num_ps must be at least 1. Received: num_ps=0"):
         InProcessCluster(num_workers=1, num_ps=0)
     config = _cluster("chief")
     config["cluster"]["evaluator"] = ["127.0.0.1:1"]
     config["task"] = {"type": "evaluator", "index": 0}
-    with pytest.raises(ParameterServerError, match="no evaluator role. Received: task evaluator:0"):
+    with pytest.raises(InputError, match="no evaluator role. Received: task evaluator:0"):
         ParameterServerStrategy(config, cluster_token="t", env={})
-    with pytest.raises(ParameterServerError, match="rpc_timeout must be a number of seconds > 0. Received: rpc_timeout=0"):
+    with pytest.raises(InputError, match="rpc_timeout must be a number of seconds > 0. Received: rpc_timeout=0. "
+                                         "Pass a positive number of seconds."):
         ParameterServerStrategy(_cluster("chief"), cluster_token="t", rpc_timeout=0, env={})
-    with pytest.raises(ParameterServerError, match="ps_exit_delay must be a number of seconds >= 0"):
+    with pytest.raises(InputError, match="ps_exit_delay must be a number of seconds >= 0. Received: ps_exit_delay=-1. "
+                                         "Pass a non-negative number of seconds."):
         ParameterServerStrategy(_cluster("chief"), cluster_token="t", ps_exit_delay=-1, env={})
+    with pytest.raises(InputError, match="shared_memory must be None, True or False. Received: 'yes'. Pass None to use "
+                                         "shared memory with servers on this host"):
+        ParameterServerStrategy(_cluster("chief"), cluster_token="t", shared_memory="yes", env={})
     no_workers = _cluster("chief")
     del no_workers["cluster"]["worker"]
-    with pytest.raises(ParameterServerError, match="needs at least one worker task"):
+    with pytest.raises(InputError, match="needs at least one worker task"):
         ParameterServerStrategy(no_workers, cluster_token="t", env={})
 
 
@@ -265,7 +285,7 @@ def test_worker_task_refuses_to_serve_before_distribute_and_stops_when_the_chief
     monkeypatch.setattr(strategy_module, "CHIEF_CHECK_SECONDS", 0.1)
     strategy = ParameterServerStrategy(_cluster("worker"), cluster_token="t", chief_timeout=0.5, env={})
     coordinator = ClusterCoordinator(strategy)
-    with pytest.raises(ParameterServerError, match="worker:0 reached coordinator.schedule before strategy.distribute"):
+    with pytest.raises(InputError, match="worker:0 reached coordinator.schedule before strategy.distribute"):
         coordinator.schedule(_numbers)
     strategy.distribute(torch.nn.Linear(2, 2))  # a worker task sends nothing to the parameter servers
     started = time.monotonic()

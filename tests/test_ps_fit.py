@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from cases import TOL, build, make_batches, train_reference
 
 import stratagem as sg
-from stratagem.errors import ParameterServerError
+from stratagem.errors import InputError
 from stratagem.strategies.parameter_server import (
     FixedShardsPartitioner,
     InProcessCluster,
@@ -84,7 +84,7 @@ def test_a_step_that_trains_outside_a_scheduled_function_is_refused_with_the_fix
                 ps_optimizer.step()
                 return torch.zeros(3)
 
-            with pytest.raises(ParameterServerError, match="scheduled function"):
+            with pytest.raises(InputError, match="scheduled function"):
                 strategy.fit_steps(step, make_batches(shape, torch.float64, sizes=[4]), lambda state: None)
         finally:
             strategy.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratagem.errors import ParameterServerError
+from stratagem.errors import InputError
 from stratagem.strategies.parameter_server.partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -78,5 +78,5 @@ def test_place_partitions_and_deals_shards_round_robin():
     (lambda: place([("w", torch.zeros(2), 0)], 1, lambda shape, dtype: 7), "impossible shard count. Received: 7"),
 ])
 def test_bad_arguments_are_refused(make, match):
-    with pytest.raises(ParameterServerError, match=match):
+    with pytest.raises(InputError, match=match):
         make()

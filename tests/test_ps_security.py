@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from stratagem.errors import ParameterServerError
+from stratagem.errors import InputError, ParameterServerError
 from stratagem.strategies.parameter_server import transport, wire
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
 
@@ -170,18 +170,18 @@ def test_unreachable_task_is_named():
 
 
 def test_bad_security_settings_are_refused(tmp_path):
-    with pytest.raises(ParameterServerError, match="cluster token is empty"):
+    with pytest.raises(InputError, match="cluster token is empty"):
         Security(token="")
-    with pytest.raises(ParameterServerError, match="TLS file not found"):
+    with pytest.raises(InputError, match="TLS file not found"):
         Security(token="t", certificate=str(tmp_path / "missing.pem"))
-    with pytest.raises(ParameterServerError, match="private key needs its certificate"):
+    with pytest.raises(InputError, match="private key needs its certificate"):
         Security(token="t", private_key=str(tmp_path / "key.pem"))
 
 
 def test_a_tls_server_without_its_private_key_is_refused(self_signed):
     # A client's settings (the authority only) once reached Path(None) in the server: a bare TypeError.
     cert, _ = self_signed
-    with pytest.raises(ParameterServerError, match="A TLS server needs its private key. Received: certificate="):
+    with pytest.raises(InputError, match="A TLS server needs its private key. Received: certificate="):
         Server(SERVICE, {"Echo": _echo}, security=Security(token="t", certificate=str(cert)))
 
 
@@ -204,7 +204,7 @@ def test_tls_round_trip_with_a_self_signed_certificate(self_signed):
 
 def test_wire_error_from_handler_is_invalid_argument():
     def bad(op, meta, tensors):
-        raise wire.WireFormatError("bad shard name. Received: x. Fix: y.")
+        raise wire.WireFormatError("bad shard name. Received: x. Y.")
 
     srv = Server(SERVICE, {"Echo": bad}, security=Security(token="t"))
     try:

@@ -13,17 +13,15 @@ from cases import TOL, build, make_batches, train_reference
 
 from stratagem.errors import CorruptCheckpointError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server.checkpoint import CHECKPOINT_FORMAT
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec, resolve_optimizer_class
 from stratagem.strategies.parameter_server.partitioners import (
     FixedShardsPartitioner,
     place,
 )
-from stratagem.strategies.parameter_server.server import (
-    ParameterServer,
-    optimizer_spec,
-    resolve_optimizer_class,
-)
+from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Security
-from stratagem.strategies.parameter_server.variables import CHECKPOINT_FORMAT, ShardedVariables
+from stratagem.strategies.parameter_server.variables import ShardedVariables
 
 SECURITY = Security(token="service-test")
 
@@ -123,9 +121,9 @@ def test_restore_refuses_a_foreign_file(servers, tmp_path):
     model, optimizer, _ = build("mlp", "sgd_momentum", torch.float32)
     variables = _variables(model, optimizer, servers, None)
     torch.save({"weights": torch.ones(1)}, tmp_path / "other.pt")
-    with pytest.raises(ParameterServerError, match="Not a parameter-server checkpoint"):
+    with pytest.raises(InputError, match="Not a parameter-server checkpoint"):
         variables.restore(tmp_path / "other.pt")
-    with pytest.raises(ParameterServerError, match="lacks parameters of this model"):
+    with pytest.raises(InputError, match="lacks parameters of this model"):
         variables.load_state({"variables": {}, "optimizer_state": {}})
     variables.close()
 
@@ -147,7 +145,7 @@ def test_restore_of_a_missing_damaged_or_unsafe_file_names_it_and_says_what_to_d
         variables.restore(tmp_path / "foreign.pt")
     assert "weights_only=False" not in str(caught.value)
     torch.save({"format": CHECKPOINT_FORMAT}, tmp_path / "empty.pt")
-    with pytest.raises(ParameterServerError, match=r"empty.pt' lacks its variables or optimizer state"):
+    with pytest.raises(InputError, match=r"empty.pt' lacks its variables or optimizer state"):
         variables.restore(tmp_path / "empty.pt")
     variables.close()
 

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from stratagem.strategies.parameter_server import store as store_module
 from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.partitioners import place
-from stratagem.strategies.parameter_server.server import ParameterServer, optimizer_spec
+from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.store import ShardStore
 from stratagem.strategies.parameter_server.transport import Security
 from stratagem.strategies.parameter_server.variables import ShardedVariables

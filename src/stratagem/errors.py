@@ -22,7 +22,8 @@ class GpuUnavailableError(StratagemError, RuntimeError):
 
 
 class InputError(StratagemError, ValueError):
-    """Training input is malformed (not an iterable of batches, mismatched first dimensions...)."""
+    """A bad argument or malformed input: a value out of range, training data that is not an iterable of
+    batches, a call the API does not allow at that point (``distribute`` twice, a step before ``distribute``)."""
 
 
 class CorruptCheckpointError(InputError):
@@ -37,8 +38,8 @@ class CollectiveTimeoutError(StratagemError, TimeoutError):
     """A wait for other replicas, ranks or tasks ran out; the message names who was missing."""
 
 
-class ClusterError(StratagemError, ValueError):
-    """The cluster description (TF_CONFIG, torchrun or SLURM variables) is malformed."""
+class ClusterError(InputError):
+    """The cluster description (TF_CONFIG, torchrun or SLURM variables) or a launch's arguments are malformed."""
 
 
 class RendezvousError(StratagemError, RuntimeError):

@@ -81,16 +81,16 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         print(f"stratagem launch: error: no such script. Received: {args.script!r}. "
-              "Fix: give the path of a Python file, or use -m for a module.", file=sys.stderr)
+              "Give the path of a Python file, or use -m for a module.", file=sys.stderr)
         return 2
     if args.no_python and shutil.which(args.script) is None:
-        print(f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Fix: give the "
+        print(f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Give the "
               "path of an executable file (chmod +x), or a command on PATH.", file=sys.stderr)
         return 2
     if args.strategy in ONE_PROCESS_STRATEGIES and (args.workers > 1 or args.ps > 0):
         print(f"stratagem launch: error: --strategy {args.strategy} trains in one process, so each of the "
               f"{args.workers + args.ps} tasks would train its own model. Received: --strategy {args.strategy} "
-              f"--workers {args.workers} --ps {args.ps}. Fix: use --strategy multi_worker (or parameter_server with "
+              f"--workers {args.workers} --ps {args.ps}. Use --strategy multi_worker (or parameter_server with "
               "--ps), or --workers 1.", file=sys.stderr)
         return 2
     # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it

@@ -57,7 +57,7 @@ def _check_importable(fn: Callable[..., Any]) -> str | None:
         raise InputError(f"launch() needs a function to run in every task. Received: {type(fn).__name__}.")
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", type(fn).__name__))
-    fix = ("Fix: define it at the top level of a .py module (e.g. train.py beside the notebook), "
+    fix = ("Define it at the top level of a .py module (e.g. train.py beside the notebook), "
            "import it (from train import main), and launch that.")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise InputError(f"A new process cannot find a lambda or a function defined inside another function. "
@@ -109,7 +109,7 @@ def launch(
     if launched_by_stratagem(env):
         raise ClusterError(
             "launch() was called inside a task of a launch, so every task would start a cluster of its own. "
-            f"Received: STRATAGEM_CLUSTER_TOKEN set, TF_CONFIG={env.get('TF_CONFIG', '')!r:.120}. Fix: when the "
+            f"Received: STRATAGEM_CLUSTER_TOKEN set, TF_CONFIG={env.get('TF_CONFIG', '')!r:.120}. When the "
             "function lives in the main script, call launch() under `if __name__ == \"__main__\":`."
         )
     main_file = _check_importable(fn)
@@ -117,7 +117,7 @@ def launch(
         call = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:  # pickle raises several kinds (PicklingError, TypeError, AttributeError)
         raise InputError(f"The function's arguments cannot be sent to a new process. Received: {error}. "
-                         "Fix: pass values that pickle (tensors, numbers, strings, lists, dicts...).") from None
+                         "Pass values that pickle (tensors, numbers, strings, lists, dicts...).") from None
     with tempfile.TemporaryDirectory(prefix="stratagem-launch-") as directory:
         # Two layers: the task sets its import path and runs the main script before unpickling the call.
         payload = pickle.dumps({"sys_path": list(sys.path), "main_file": main_file, "call": call})
@@ -127,6 +127,6 @@ def launch(
                                 max_restarts=max_restarts, devices_per_worker=devices_per_worker, strategy=strategy)
         if not result.ok:
             raise LaunchError(f"{result.failed_task or 'launch'} {result.reason}; the other tasks were stopped. "
-                              f"Received: exit code {result.exit_code}. Fix: see the task's output above "
+                              f"Received: exit code {result.exit_code}. See the task's output above "
                               f"(lines prefixed [{result.failed_task or 'worker:0'}]).", result)
         return [pickle.loads(result_path(directory, f"worker:{rank}").read_bytes()) for rank in range(workers)]

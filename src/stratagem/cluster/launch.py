@@ -174,7 +174,7 @@ def task_environments(
     """
     if len(ports) != workers + ps:
         raise ClusterError(f"Need one port per task. Received: {len(ports)} ports for {workers} workers "
-                           f"and {ps} ps tasks. Fix: pass {workers + ps} ports.")
+                           f"and {ps} ps tasks. Pass {workers + ps} ports.")
     addresses = {"worker": [f"{HOST}:{port}" for port in ports[:workers]]}
     if ps:
         addresses["ps"] = [f"{HOST}:{port}" for port in ports[workers:]]
@@ -215,18 +215,18 @@ def task_environments(
 def _validate(argv: Sequence[str], workers: int, ps: int, devices_per_worker: int | None,
               max_restarts: int, timeout: float | None, grace_period: float) -> None:
     checks = [
-        (len(argv) > 0, "The command to launch is empty", f"argv={list(argv)!r}", "pass the command, e.g. [sys.executable, 'train.py']"),
-        (workers >= 1, "At least one worker is needed", f"workers={workers}", "pass workers >= 1"),
-        (ps >= 0, "The number of parameter servers cannot be negative", f"ps={ps}", "pass ps >= 0"),
+        (len(argv) > 0, "The command to launch is empty", f"argv={list(argv)!r}", "Pass the command, e.g. [sys.executable, 'train.py']"),
+        (workers >= 1, "At least one worker is needed", f"workers={workers}", "Pass workers >= 1"),
+        (ps >= 0, "The number of parameter servers cannot be negative", f"ps={ps}", "Pass ps >= 0"),
         (devices_per_worker is None or devices_per_worker >= 1, "Each worker needs at least one device",
-         f"devices_per_worker={devices_per_worker}", "pass devices_per_worker >= 1, or leave it out"),
-        (max_restarts >= 0, "max_restarts cannot be negative", f"max_restarts={max_restarts}", "pass max_restarts >= 0"),
-        (timeout is None or timeout > 0, "The timeout must be positive", f"timeout={timeout}", "pass seconds > 0, or no timeout"),
-        (grace_period >= 0, "The grace period cannot be negative", f"grace_period={grace_period}", "pass seconds >= 0"),
+         f"devices_per_worker={devices_per_worker}", "Pass devices_per_worker >= 1, or leave it out"),
+        (max_restarts >= 0, "max_restarts cannot be negative", f"max_restarts={max_restarts}", "Pass max_restarts >= 0"),
+        (timeout is None or timeout > 0, "The timeout must be positive", f"timeout={timeout}", "Pass seconds > 0, or no timeout"),
+        (grace_period >= 0, "The grace period cannot be negative", f"grace_period={grace_period}", "Pass seconds >= 0"),
     ]
     for ok, what, received, fix in checks:
         if not ok:
-            raise ClusterError(f"{what}. Received: {received}. Fix: {fix}.")
+            raise ClusterError(f"{what}. Received: {received}. {fix}.")
 
 
 def _exit_code(returncode: int) -> int:
@@ -384,7 +384,7 @@ def relaunch(command: Sequence[str], *, workers: int, env: Mapping[str, str], si
         raise ClusterError(
             "Already running inside a task of `stratagem launch`, so relaunching would start "
             f"{workers} more processes per task. Received: STRATAGEM_CLUSTER_TOKEN set, "
-            f"TF_CONFIG={env.get('TF_CONFIG', '')!r:.120}. Fix: check launched_by_stratagem(env) "
+            f"TF_CONFIG={env.get('TF_CONFIG', '')!r:.120}. Check launched_by_stratagem(env) "
             "and run the training directly in that case."
         )
     return launch([sys.executable, "-m", "stratagem", *command], workers=workers, env=env, sink=sink, **options)

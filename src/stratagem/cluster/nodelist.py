@@ -35,7 +35,7 @@ _Set = list[tuple[str, int]]
 
 
 def _fail(what: str, nodelist: object, fix: str) -> ClusterError:
-    return ClusterError(f"SLURM host list {what}. Received: {show(nodelist)}. Fix: {fix}")
+    return ClusterError(f"SLURM host list {what}. Received: {show(nodelist)}. {fix}")
 
 
 def _split_top_level(text: str, nodelist: str) -> list[str]:
@@ -44,17 +44,17 @@ def _split_top_level(text: str, nodelist: str) -> list[str]:
     for position, char in enumerate(text):
         if char == "[":
             if depth:
-                raise _fail("has nested brackets", nodelist, "write ranges as name[1-3,5], one level deep")
+                raise _fail("has nested brackets", nodelist, "Write ranges as name[1-3,5], one level deep")
             depth = 1
         elif char == "]":
             if not depth:
-                raise _fail("has a ']' without '['", nodelist, "balance the brackets")
+                raise _fail("has a ']' without '['", nodelist, "Balance the brackets")
             depth = 0
         elif char == "," and not depth:
             parts.append(text[start:position])
             start = position + 1
     if depth:
-        raise _fail("has a '[' without ']'", nodelist, "balance the brackets")
+        raise _fail("has a '[' without ']'", nodelist, "Balance the brackets")
     parts.append(text[start:])
     return parts
 
@@ -66,10 +66,10 @@ def _parse_set(body: str, nodelist: str) -> _Set:
         match = _RANGE.fullmatch(item)
         if not match:
             raise _fail(f"has a bad range [{show(body, 40)[1:-1]}]", nodelist,
-                        "use numbers (at most 18 digits) and ranges such as [1-4,7]")
+                        "Use numbers (at most 18 digits) and ranges such as [1-4,7]")
         low, high = match.group(1), match.group(2)
         if high is not None and int(high) < int(low):
-            raise _fail(f"has a descending range [{item}]", nodelist, f"write it as [{high}-{low}]")
+            raise _fail(f"has a descending range [{item}]", nodelist, f"Write it as [{high}-{low}]")
         ranges.append((low, int(low) if high is None else int(high)))
     return ranges
 
@@ -77,14 +77,14 @@ def _parse_set(body: str, nodelist: str) -> _Set:
 def _patterns(nodelist: str) -> list[list[str | _Set]]:
     """Each host pattern as its pieces: literal text, and bracket sets at the odd positions."""
     if not isinstance(nodelist, str):
-        raise _fail("is not a string", nodelist, "pass the variable's text")
+        raise _fail("is not a string", nodelist, "Pass the variable's text")
     text = nodelist.strip()
     if not text:
-        raise _fail("is empty", nodelist, "run inside a SLURM allocation (srun/sbatch) or set the variable")
+        raise _fail("is empty", nodelist, "Run inside a SLURM allocation (srun/sbatch) or set the variable")
     patterns = []
     for pattern in _split_top_level(text, nodelist):
         if not pattern:
-            raise _fail("has an empty entry", nodelist, "remove the stray comma")
+            raise _fail("has an empty entry", nodelist, "Remove the stray comma")
         # re.split with a group keeps the bracket bodies at the odd positions.
         pieces = re.split(r"\[([^\]]*)\]", pattern)
         patterns.append([_parse_set(piece, nodelist) if odd else piece
@@ -130,7 +130,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
         total += count
         if total > MAX_HOSTS:
             raise _fail(f"names more than {MAX_HOSTS} hosts", nodelist,
-                        "check the ranges; to find the master host only, use first_host")
+                        "Check the ranges; to find the master host only, use first_host")
     hosts: list[str] = []
     for pieces in patterns:
         choices = [[piece] if isinstance(piece, str) else list(_values(piece)) for piece in pieces]
@@ -141,13 +141,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
 def _tasks_entries(value: str) -> Iterator[tuple[int, int]]:
     """SLURM_TASKS_PER_NODE's entries as (tasks, repeat), every entry checked."""
     if not isinstance(value, str):
-        raise ClusterError(f"SLURM_TASKS_PER_NODE is not a string. Received: {show(value)}. Fix: pass the variable's text.")
+        raise ClusterError(f"SLURM_TASKS_PER_NODE is not a string. Received: {show(value)}. Pass the variable's text.")
     for item in value.split(","):
         match = _TASKS_PER_NODE.fullmatch(item.strip())
         if not match:
             raise ClusterError(
                 f"SLURM_TASKS_PER_NODE has a bad entry {show(item, 40)}. Received: {show(value)}. "
-                "Fix: expect the form 2(x3),1 (numbers of at most 9 and 18 digits); set SLURM_NTASKS_PER_NODE "
+                "Expect the form 2(x3),1 (numbers of at most 9 and 18 digits); set SLURM_NTASKS_PER_NODE "
                 "(srun --ntasks-per-node) instead."
             )
         yield int(match.group(1)), int(match.group(2) or 1)
@@ -171,7 +171,7 @@ def tasks_on_node(value: str, node: int) -> int:
         first += repeat
     raise ClusterError(
         f"SLURM_NODEID is beyond SLURM_TASKS_PER_NODE. Received: SLURM_NODEID={node}, "
-        f"SLURM_TASKS_PER_NODE={show(value)} ({first} nodes). Fix: run under srun, which sets both."
+        f"SLURM_TASKS_PER_NODE={show(value)} ({first} nodes). Run under srun, which sets both."
     )
 
 
@@ -186,6 +186,6 @@ def expand_tasks_per_node(value: str) -> list[int]:
     if sum(repeat for _, repeat in entries) > MAX_HOSTS:
         raise ClusterError(
             f"SLURM_TASKS_PER_NODE lists more than {MAX_HOSTS} nodes. Received: {show(value)}. "
-            "Fix: check the repeat counts (x N); to read one node's count, use tasks_on_node."
+            "Check the repeat counts (x N); to read one node's count, use tasks_on_node."
         )
     return [tasks for tasks, repeat in entries for _ in range(repeat)]

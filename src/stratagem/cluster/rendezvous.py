@@ -41,7 +41,7 @@ def _as_timedelta(timeout: float | timedelta) -> timedelta:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not seconds > 0:
         raise ClusterError(f"The rendezvous timeout must be positive. Received: timeout={timeout!r}. "
-                           "Fix: pass a number of seconds, e.g. timeout=300.")
+                           "Pass a number of seconds, e.g. timeout=300.")
     return timedelta(seconds=seconds)
 
 
@@ -67,7 +67,7 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str |
             raise ClusterError(
                 f"The chief ({cluster.task_name}) cannot listen at {where}: {str(exc).splitlines()[0]} "
                 f"Received: master_addr={cluster.master_addr!r}, master_port={cluster.master_port}. "
-                "Fix: choose a free port for the chief (another process may hold this one)."
+                "Choose a free port for the chief (another process may hold this one)."
             ) from exc
         raise _unreachable(cluster, rank, timeout) from exc
 
@@ -76,7 +76,7 @@ def _unreachable(cluster: Cluster, rank: int, timeout: timedelta) -> CollectiveT
     return CollectiveTimeoutError(
         f"Rank {rank} ({cluster.task_name}) could not reach the chief (rank 0, {cluster.task_for_rank(0)}) "
         f"at {cluster.master_addr}:{cluster.master_port} within {timeout.total_seconds():g} s. Missing: rank 0 "
-        f"({cluster.task_for_rank(0)}). Fix: start the chief, check that it listens at that address and port, or "
+        f"({cluster.task_for_rank(0)}). Start the chief, check that it listens at that address and port, or "
         "raise the timeout.")
 
 
@@ -93,7 +93,7 @@ def _lost_chief(cluster: Cluster, rank: int, exc: Exception) -> RendezvousError:
     return RendezvousError(
         f"Rank {rank} ({cluster.task_name}) lost the connection to the chief (rank 0, "
         f"{cluster.task_for_rank(0)}) at {cluster.master_addr}:{cluster.master_port} during the rendezvous. "
-        f"Received: {str(exc).splitlines()[0]} Fix: the chief probably exited; read its log for the cause."
+        f"Received: {str(exc).splitlines()[0]} The chief probably exited; read its log for the cause."
     )
 
 
@@ -129,7 +129,7 @@ def _wait_for_all(store: dist.Store, cluster: Cluster, rank: int, timeout: timed
             f"Rendezvous at {cluster.master_addr}:{cluster.master_port} timed out after "
             f"{timeout.total_seconds():g} s on rank {rank} ({cluster.task_name}): "
             f"{len(missing)} of {cluster.world_size} ranks did not arrive. Missing: {names}. "
-            "Fix: start the missing tasks (check their logs for an earlier crash), or raise the timeout."
+            "Start the missing tasks (check their logs for an earlier crash), or raise the timeout."
         ) from exc
     except dist.DistNetworkError as exc:
         raise _lost_chief(cluster, rank, exc) from exc
@@ -170,14 +170,14 @@ def _bounded_meeting(cluster: Cluster, rank: int, timeout: timedelta, steps: Cal
             raise CollectiveTimeoutError(
                 f"Rank {rank} ({cluster.task_name}) could not meet the chief (rank 0, {cluster.task_for_rank(0)}) at "
                 f"{where} within {seconds:g} s: the address accepts connections but its store never answered. "
-                f"Missing: rank 0 ({cluster.task_for_rank(0)}). Fix: check that the chief runs (not stopped) and "
+                f"Missing: rank 0 ({cluster.task_for_rank(0)}). Check that the chief runs (not stopped) and "
                 f"that {where} is its port, not another program's, or raise the timeout.")
         if meeting.phase == "connecting":
             raise _unreachable(cluster, rank, timeout)
         raise CollectiveTimeoutError(
             f"Rendezvous at {where} timed out after {seconds:g} s on rank {rank} ({cluster.task_name}): the chief's "
             f"store (rank 0, {cluster.task_for_rank(0)}) stopped answering while {meeting.phase}. Missing: rank 0 "
-            f"({cluster.task_for_rank(0)}). Fix: check that the chief runs (not stopped, not overloaded), or raise the "
+            f"({cluster.task_for_rank(0)}). Check that the chief runs (not stopped, not overloaded), or raise the "
             "timeout.")
     if meeting.error is not None:
         raise meeting.error
@@ -205,7 +205,7 @@ def _check_tokens(store: dist.Store, cluster: Cluster, rank: int, timeout: timed
     raise ClusterError(
         f"Ranks with a different cluster token from the chief's joined the rendezvous at "
         f"{cluster.master_addr}:{cluster.master_port}: {names}. Received: token digests {digests}. "
-        "Fix: a process from another launch is using this address; stop it, or give every task "
+        "A process from another launch is using this address; stop it, or give every task "
         "the same STRATAGEM_CLUSTER_TOKEN."
     )
 
@@ -242,20 +242,20 @@ the communicator).
     if rank is None:
         raise ClusterError(
             f"Task {cluster.task_name} is not a member of the collective world, so it has no rank to "
-            f"join with. Received: task_type={cluster.task_type!r}. Fix: only the chief and workers call "
+            f"join with. Received: task_type={cluster.task_type!r}. Only the chief and workers call "
             "init_process_group; parameter servers and the evaluator serve over gRPC instead."
         )
     if not dist.is_available() or not dist.is_backend_available(backend):
         raise ClusterError(
             f"torch.distributed backend {backend!r} is not available in this torch build. "
             f"Received: backend={backend!r}, torch built with gloo={dist.is_gloo_available()}, "
-            f"nccl={dist.is_nccl_available()}. Fix: use 'gloo' on CPU, 'nccl' with a CUDA build of torch."
+            f"nccl={dist.is_nccl_available()}. Use 'gloo' on CPU, 'nccl' with a CUDA build of torch."
         )
     if dist.is_initialized():
         raise ClusterError(
             f"torch.distributed is already initialized in this process (rank {dist.get_rank()} of "
             f"{dist.get_world_size()}). Received: a second init for {cluster.task_name}. "
-            "Fix: call init_process_group once per process, or destroy_process_group() first."
+            "Call init_process_group once per process, or destroy_process_group() first."
         )
     wait = _as_timedelta(timeout)
     start = time.monotonic()

@@ -43,25 +43,25 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
     if match is None or int(match.group(1)) < minimum:
         raise ClusterError(
             f"{name} is not an integer >= {minimum}. Received: {name}={show(value)}. "
-            f"Fix: set {name} to a whole number (ASCII digits, at most 18), or unset it."
+            f"Set {name} to a whole number (ASCII digits, at most 18), or unset it."
         )
     return int(match.group(1))
 
 
 def _host(name: str, value: Any, how: str) -> str:
     if isinstance(value, str) and not value.strip():
-        raise ClusterError(f"{name} is empty. Received: {how}={show(value)}. Fix: set it to the chief's host.")
+        raise ClusterError(f"{name} is empty. Received: {how}={show(value)}. Set it to the chief's host.")
     if not isinstance(value, str) or not _HOST.fullmatch(value.strip()):
         raise ClusterError(
             f"{name} is not a host name or address. Received: {how}={show(value)}. "
-            f"Fix: set {name} to the chief's host (1-255 characters, no spaces)."
+            f"Set {name} to the chief's host (1-255 characters, no spaces)."
         )
     return value.strip()
 
 
 def _port(name: str, value: int) -> int:
     if not 1 <= value <= 65535:
-        raise ClusterError(f"{name} is not a valid port. Received: {name}={value}. Fix: use a port in 1..65535.")
+        raise ClusterError(f"{name} is not a valid port. Received: {name}={value}. Use a port in 1..65535.")
     return value
 
 
@@ -69,7 +69,7 @@ def _check_rank(rank_name: str, rank: int, size_name: str, size: int) -> None:
     if rank >= size:
         raise ClusterError(
             f"{rank_name} must be smaller than {size_name}. Received: {rank_name}={rank}, {size_name}={size}. "
-            f"Fix: give each of the {size} processes a distinct {rank_name} in 0..{size - 1}."
+            f"Give each of the {size} processes a distinct {rank_name} in 0..{size - 1}."
         )
 
 
@@ -83,7 +83,7 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster:
         present = {name: env[name][:40] for name in TORCHRUN_VARIABLES if name in env}
         raise ClusterError(
             f"torchrun's variables are only partly set: {', '.join(missing)} missing. Received: {present}. "
-            f"Fix: launch with torchrun (it sets all of {', '.join(TORCHRUN_VARIABLES)}), set the missing ones, "
+            f"Launch with torchrun (it sets all of {', '.join(TORCHRUN_VARIABLES)}), set the missing ones, "
             "or unset RANK and WORLD_SIZE to run one process."
         )
     rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE", minimum=1)
@@ -93,7 +93,7 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster:
     if local_world_size > world_size:
         raise ClusterError(
             f"LOCAL_WORLD_SIZE cannot exceed WORLD_SIZE. Received: LOCAL_WORLD_SIZE={local_world_size}, "
-            f"WORLD_SIZE={world_size}. Fix: LOCAL_WORLD_SIZE counts the processes on this host only."
+            f"WORLD_SIZE={world_size}. LOCAL_WORLD_SIZE counts the processes on this host only."
         )
     master_addr = _host("MASTER_ADDR", env["MASTER_ADDR"], "MASTER_ADDR")
     master_port = _port("MASTER_PORT", _int(env, "MASTER_PORT"))
@@ -120,7 +120,7 @@ def slurm_master_port(env: Mapping[str, str]) -> tuple[int, str]:
     if "SLURM_JOB_ID" not in env:
         raise ClusterError(
             "Cannot choose a rendezvous port under SLURM: SLURM_JOB_ID is not set. "
-            f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Fix: set STRATAGEM_MASTER_PORT to a free port."
+            f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Set STRATAGEM_MASTER_PORT to a free port."
         )
     job_id = _int(env, "SLURM_JOB_ID")
     port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
@@ -136,7 +136,7 @@ def _slurm_local_world_size(env: Mapping[str, str]) -> tuple[int, str]:
         return tasks, f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE'][:SHOWN]} on node {node}"
     raise ClusterError(
         "Cannot tell how many tasks run on this node. Received: neither SLURM_NTASKS_PER_NODE nor "
-        "SLURM_TASKS_PER_NODE with SLURM_NODEID. Fix: start the tasks with srun (or pass --ntasks-per-node)."
+        "SLURM_TASKS_PER_NODE with SLURM_NODEID. Start the tasks with srun (or pass --ntasks-per-node)."
     )
 
 
@@ -147,7 +147,7 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
     if missing:
         raise ClusterError(
             f"SLURM's variables are only partly set: {', '.join(missing)} missing. "
-            f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Fix: start the tasks with srun."
+            f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Start the tasks with srun."
         )
     rank, world_size, local_rank = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS", minimum=1), _int(env, "SLURM_LOCALID")
     _check_rank("SLURM_PROCID", rank, "SLURM_NTASKS", world_size)
@@ -161,7 +161,7 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
         if name is None:
             raise ClusterError(
                 "Cannot find the master host under SLURM: no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST. "
-                f"Received: SLURM_PROCID={show(env['SLURM_PROCID'])}. Fix: start the tasks with srun, or set MASTER_ADDR."
+                f"Received: SLURM_PROCID={show(env['SLURM_PROCID'])}. Start the tasks with srun, or set MASTER_ADDR."
             )
         master_addr = _host(name, first_host(env[name]), f"the first host of {name}")
         addr_reason = f"first host of {name}={env[name][:SHOWN]}"
@@ -222,7 +222,7 @@ def _agree_with_torchrun(cluster: Cluster, env: Mapping[str, str]) -> None:
         raise ClusterError(
             f"TF_CONFIG and torchrun's variables disagree. Received: TF_CONFIG gives {cluster.task_name} "
             f"rank {cluster.rank} of {cluster.world_size}, RANK={env['RANK'][:40]}, WORLD_SIZE={env['WORLD_SIZE'][:40]}. "
-            "Fix: unset one of them (TF_CONFIG takes precedence), or make them agree."
+            "Unset one of them (TF_CONFIG takes precedence), or make them agree."
         )
 
 
@@ -245,7 +245,7 @@ def resolve_cluster(explicit: Cluster | Mapping[str, Any] | None = None, *, env:
         if not isinstance(explicit, Mapping):
             raise ClusterError(
                 f"An explicit cluster must be a Cluster or a dict in TF_CONFIG form. "
-                f"Received: {type(explicit).__name__} {show(explicit)}. Fix: pass Cluster(...) or "
+                f"Received: {type(explicit).__name__} {show(explicit)}. Pass Cluster(...) or "
                 '{"cluster": {...}, "task": {"type": ..., "index": ...}}.'
             )
         cluster, shadowed = parse_tf_config(explicit, source="explicit"), detected

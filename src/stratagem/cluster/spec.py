@@ -91,28 +91,28 @@ class Cluster:
         self._check_types()
         unknown = [kind for kind in self.addresses if kind not in TASK_TYPES]
         checks = [
-            (self.source in SOURCES, "Unknown cluster source", f"source={show(self.source)}", f"use one of {SOURCES}"),
+            (self.source in SOURCES, "Unknown cluster source", f"source={show(self.source)}", f"Use one of {SOURCES}"),
             (self.task_type in TASK_TYPES, "Unknown task type", f"task_type={show(self.task_type)}",
-             f"use one of {TASK_TYPES}"),
-            (not unknown, "Unknown task type in addresses", show(unknown), f"use only {TASK_TYPES}"),
+             f"Use one of {TASK_TYPES}"),
+            (not unknown, "Unknown task type in addresses", show(unknown), f"Use only {TASK_TYPES}"),
             (self.world_size >= 1 and (self.rank is None or 0 <= self.rank < self.world_size),
              "rank must be in 0..world_size-1", f"rank={show(self.rank)}, world_size={show(self.world_size)}",
-             "give each of the world_size processes a distinct rank"),
+             "Give each of the world_size processes a distinct rank"),
             ((self.rank is None) == (self.task_type not in COLLECTIVE_TASK_TYPES),
              "Only the chief and workers have a rank", f"task_type={show(self.task_type)}, rank={show(self.rank)}",
-             "set rank=None for ps and evaluator tasks, and a rank for the others"),
+             "Set rank=None for ps and evaluator tasks, and a rank for the others"),
             (self.local_rank is None or 0 <= self.local_rank < self.local_world_size,
              "local_rank must be in 0..local_world_size-1",
              f"local_rank={show(self.local_rank)}, local_world_size={show(self.local_world_size)}",
-             "count local ranks among the processes of this host"),
+             "Count local ranks among the processes of this host"),
             (0 <= self.master_port <= 65535, "master_port is not a port", f"master_port={show(self.master_port)}",
-             "use 1..65535, or 0 to pick a free port (single process only)"),
+             "Use 1..65535, or 0 to pick a free port (single process only)"),
             (self.task_index >= 0, "task_index must be >= 0", f"task_index={show(self.task_index)}",
-             "number the tasks of each type from 0"),
+             "Number the tasks of each type from 0"),
         ]
         for ok, what, received, fix in checks:
             if not ok:
-                raise ClusterError(f"{what}. Received: {received}. Fix: {fix}.")
+                raise ClusterError(f"{what}. Received: {received}. {fix}.")
         # Freeze the address lists so a Cluster can be shared between threads without copies.
         frozen = {kind: tuple(self.addresses[kind]) for kind in TASK_TYPES if kind in self.addresses}
         object.__setattr__(self, "addresses", frozen)
@@ -122,7 +122,7 @@ class Cluster:
         """Every field of the type it is documented with, before any comparison could raise TypeError."""
         def fail(name: str, expected: str) -> ClusterError:
             return ClusterError(f"Cluster.{name} must be {expected}. Received: {name}={show(getattr(self, name))}. "
-                                f"Fix: pass {expected} (or build the Cluster with resolve_cluster or from_tf_config).")
+                                f"Pass {expected} (or build the Cluster with resolve_cluster or from_tf_config).")
 
         def is_int(value: Any) -> bool:  # bounded, so that every message and rendering can print it
             return isinstance(value, int) and not isinstance(value, bool) and -_INT_BOUND < value < _INT_BOUND
@@ -198,7 +198,7 @@ class Cluster:
             raise ClusterError(
                 f"This cluster has no per-task addresses, so it cannot be written as TF_CONFIG. "
                 f"Received: a cluster from {self.source} ({self.task_name}, world_size={self.world_size}). "
-                "Fix: describe the cluster with TF_CONFIG or an explicit dict instead."
+                "Describe the cluster with TF_CONFIG or an explicit dict instead."
             )
         config: dict[str, Any] = {
             "cluster": {kind: list(addrs) for kind, addrs in self.addresses.items()},

@@ -81,7 +81,7 @@ class StoreCalls:
     def _error(self, what: str, received: str, seconds: float) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(
             f"{self.caller}: the chief ({self.chief}, rank 0), which hosts the rendezvous store, did not answer "
-            f"{what}. Received: {received}. Fix: check that {self.chief} is running and not stopped or overloaded; "
+            f"{what}. Received: {received}. Check that {self.chief} is running and not stopped or overloaded; "
             "restart the job (it resumes from the last checkpoint), or raise the timeout.")
 
     def _serve(self) -> None:

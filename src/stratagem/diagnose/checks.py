@@ -42,7 +42,7 @@ class Check:
     @property
     def message(self) -> str:
         """Reason and fix in one sentence pair, for error messages."""
-        return f"{self.reason} Fix: {self.fix}" if self.fix else self.reason
+        return f"{self.reason} {self.fix}" if self.fix else self.reason
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -129,7 +129,7 @@ class CentralStorageStrategy(MirroredStrategy):
                 "Name GPUs (e.g. ['cuda:0', 'cuda:1']) or drop require_gpu."
             )
         reason = diagnose.gpu_unavailable_reason(diagnose.collect_facts(environ.current()))
-        detail = f" {reason.reason} Fix: {reason.fix}" if reason is not None else ""
+        detail = f" {reason.reason} {reason.fix}" if reason is not None else ""
         return f"require_gpu=True, but no GPU can be used, so CentralStorageStrategy would compute on the CPU.{detail}"
 
     def _choose_parameter_device(

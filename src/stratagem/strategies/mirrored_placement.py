@@ -30,7 +30,7 @@ def choose_devices(
         if require_gpu and not any(d.physical.type == "cuda" for d in chosen):
             facts = diagnose.collect_facts(_env())
             reason = diagnose.gpu_unavailable_reason(facts)
-            detail = f" {reason.reason} Fix: {reason.fix}" if reason is not None else ""
+            detail = f" {reason.reason} {reason.fix}" if reason is not None else ""
             raise GpuUnavailableError(
                 f"require_gpu=True, but no GPU can be used, so MirroredStrategy would run on the CPU.{detail}"
             )

@@ -177,7 +177,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                              "Leave shared_memory unset to use Gloo in that case.")
         if fell_back and self._cluster.rank == 0:
             logger.warning("Every worker runs on this host, but gradients cross workers through Gloo's loopback TCP, "
-                           "which is slower than shared memory: %s. Fix: make room in /dev/shm (a container's "
+                           "which is slower than shared memory: %s. Make room in /dev/shm (a container's "
                            "--shm-size), or pass shared_memory=False to keep Gloo without this warning.", why)
         choice = "shared memory" if self._cw.shared is not None else "gloo"
         self._decisions.append(PlacementDecision(subject="cross-worker sums", choice=choice, reason=why))

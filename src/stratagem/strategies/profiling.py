@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 ONE_THREAD_WARNING = (
     "torch.profiler is recording this thread only, so it sees replica 0 of %d and none of the other replicas' "
-    "threads. Fix: start it with experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True)."
+    "threads. Start it with experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True)."
 )
 
 

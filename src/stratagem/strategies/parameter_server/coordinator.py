@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
@@ -81,7 +81,7 @@ class RemoteValue:
         wait = self._timeout if timeout is None else timeout
         if not self._event.wait(wait):
             raise CollectiveTimeoutError(f"{self._name} has no result after {wait:g} s. Received: it is still queued "
-                                         "or running. Fix: coordinator.join() first, or pass a longer timeout.")
+                                         "or running. Call coordinator.join() first, or pass a longer timeout.")
         if self._error is not None:
             raise self._error
         return self._value
@@ -112,8 +112,8 @@ class PerWorkerIterator:
         self.dataset = dataset
 
     def __next__(self) -> Any:
-        raise ParameterServerError("A per-worker iterator is read on the workers. Received: next() on the chief. "
-                                   "Fix: pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
+        raise InputError("A per-worker iterator is read on the workers. Received: next() on the chief. "
+                         "Pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
 
 
 class _Closure:
@@ -156,8 +156,8 @@ class ClusterCoordinator:
                  closure_timeout: float = 600.0) -> None:
         for name, value in (("worker_recovery_timeout", worker_recovery_timeout), ("closure_timeout", closure_timeout)):
             if not isinstance(value, (int, float)) or value <= 0:
-                raise ParameterServerError(f"{name} must be a positive number of seconds. Received: {name}={value!r}. "
-                                           "Fix: pass seconds > 0.")
+                raise InputError(f"{name} must be a positive number of seconds. Received: {name}={value!r}. "
+                                 "Pass seconds > 0.")
         self.strategy = strategy
         self.worker_recovery_timeout = float(worker_recovery_timeout)
         self.closure_timeout = float(closure_timeout)
@@ -209,8 +209,8 @@ class ClusterCoordinator:
         with self._cv:
             self._raise_error(clear=False)
             if self._closed:
-                raise ParameterServerError("The coordinator is shut down. Received: a schedule() after "
-                                           "strategy.shutdown(). Fix: schedule before shutting down.")
+                raise InputError("The coordinator is shut down. Received: a schedule() after "
+                                 "strategy.shutdown(). Schedule before shutting down.")
             closure = _Closure(next(self._numbers), fn, fn_ref, tuple(args), kwargs, self.closure_timeout)
             self._queue.append(closure)
             self._inflight += 1
@@ -228,7 +228,7 @@ class ClusterCoordinator:
                 if remaining is not None and remaining <= 0:
                     raise CollectiveTimeoutError(
                         f"join() timed out after {timeout:g} s. Received: {self._inflight} functions still queued or "
-                        f"running on {self.num_workers} workers. Fix: wait longer, or check the workers' logs.")
+                        f"running on {self.num_workers} workers. Wait longer, or check the workers' logs.")
                 self._cv.wait(remaining)
             self._raise_error(clear=True)
 
@@ -322,7 +322,7 @@ class ClusterCoordinator:
                 if meta.get("ps_lost"):
                     error: BaseException = ParameterServerError(
                         f"Parameter server {meta['ps_lost']} was lost while {where} ran. Received: "
-                        f"{meta.get('message')}. Fix: restart the job; it resumes from the last checkpoint "
+                        f"{meta.get('message')}. Restart the job; it resumes from the last checkpoint "
                         "(strategy.save / strategy.restore).")
                 else:
                     error = functions.rebuild_error(meta, where)
@@ -357,7 +357,7 @@ class ClusterCoordinator:
             if len(self._lost) == len(self._threads):
                 self._fail(ParameterServerError(
                     f"Every worker was lost. Received: {', '.join(self._lost)} did not come back within "
-                    f"{self.worker_recovery_timeout:g} s. Fix: restart the workers (same TF_CONFIG) or the job."), None)
+                    f"{self.worker_recovery_timeout:g} s. Restart the workers (same TF_CONFIG) or the job."), None)
         logger.error("%s did not come back within %g s; it gets no more functions", client.task,
                      self.worker_recovery_timeout)
 

@@ -49,7 +49,7 @@ def run_fit_step(role: str, inputs: Any, targets: Any) -> torch.Tensor:
         entry = _steps.get(role)
     if entry is None:
         raise ParameterServerError(
-            f"This worker has no fit step for {role!r}. Received: steps for {sorted(_steps)}. Fix: run the same "
+            f"This worker has no fit step for {role!r}. Received: steps for {sorted(_steps)}. Run the same "
             "script on every task, so that every worker reaches the same sg.fit call as the chief.")
     step, model = entry
     model.train(role == "train")  # the worker's own replica: the chief's mode does not reach it
@@ -60,7 +60,7 @@ def prepare_fit_steps(strategy: ParameterServerStrategy, steps: Mapping[str, Ste
     """Keeps `fit`'s step functions for the workers of this process; on a worker task, serves (never returns)."""
     for role, step in steps.items():
         if not callable(step):
-            raise InputError(f"A fit step must be callable. Received: {role}={step!r}. Fix: report this as a bug.")
+            raise InputError(f"A fit step must be callable. Received: {role}={step!r}. Report this as a bug.")
     with _lock:
         _steps.update({role: (step, model) for role, step in steps.items()})
     if not strategy._is_coordinator:
@@ -81,8 +81,8 @@ def fit_steps(coordinator: ClusterCoordinator, step_fn: StepFn, batches: Iterabl
         coordinator.join()  # every scheduled update lands before the chief reads the parameters
         model = coordinator.strategy._model
         if model is None:
-            raise ParameterServerError("A step ran before strategy.distribute(model, optimizer). Received: no model. "
-                                       "Fix: distribute the model first (sg.fit does it for you).")
+            raise InputError("A step ran before strategy.distribute(model, optimizer). Received: no model. "
+                             "Distribute the model first (sg.fit does it for you).")
         model.pull()
         for index, batch in enumerate(batches):
             _check_pair(index, batch)

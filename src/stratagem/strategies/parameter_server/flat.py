@@ -37,12 +37,12 @@ class Flat:
         self.parts = list(parts)
         self._staging = staging
         if not self.parts:
-            raise WireFormatError("A Flat needs at least one tensor. Received: none. Fix: leave it out of the message.")
+            raise WireFormatError("A Flat needs at least one tensor. Received: none. Leave it out of the message.")
         self.dtype = self.parts[0].dtype
         dtypes = {p.dtype for p in self.parts}
         if len(dtypes) > 1:
             raise WireFormatError(f"The parts of a Flat must share one dtype. Received: "
-                                  f"{sorted(str(d) for d in dtypes)}. Fix: one Flat per dtype.")
+                                  f"{sorted(str(d) for d in dtypes)}. Use one Flat per dtype.")
         self.numel = sum(map(torch.Tensor.numel, self.parts))
         self._blocks: list[tuple[torch.Tensor, list[torch.Tensor] | None]] | None = None
 
@@ -70,7 +70,7 @@ class Flat:
                 raise WireFormatError(
                     f"Received tensors are written into contiguous CPU tensors that do not require grad. Received: "
                     f"a destination on {part.device} (contiguous: {part.is_contiguous()}, requires_grad: "
-                    f"{part.requires_grad}). Fix: pass detached, contiguous CPU tensors, or decode then copy.")
+                    f"{part.requires_grad}). Pass detached, contiguous CPU tensors, or decode then copy.")
             if part.numel() == 0:
                 continue
             storage = part.untyped_storage().data_ptr()

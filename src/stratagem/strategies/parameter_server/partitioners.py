@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stratagem.errors import ParameterServerError
+from stratagem.errors import InputError
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
@@ -38,8 +38,8 @@ def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None
     if allow_none and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ParameterServerError(f"{name} must be a positive integer. Received: {name}={value!r}. "
-                                   f"Fix: pass an int >= 1{' or None' if allow_none else ''}.")
+        raise InputError(f"{name} must be a positive integer. Received: {name}={value!r}. "
+                         f"Pass an int >= 1{' or None' if allow_none else ''}.")
 
 
 class Partitioner(abc.ABC):
@@ -156,17 +156,17 @@ def place(parameters: Iterable[tuple[str, torch.Tensor, int]], num_ps: int,
     """
     _positive_int("num_ps", num_ps)
     if partitioner is not None and not callable(partitioner):
-        raise ParameterServerError(f"partitioner must be callable as partitioner(shape, dtype). "
-                                   f"Received: {partitioner!r}. Fix: pass a FixedShardsPartitioner, "
-                                   "MinSizePartitioner or MaxSizePartitioner, or None.")
+        raise InputError(f"partitioner must be callable as partitioner(shape, dtype). "
+                         f"Received: {partitioner!r}. Pass a FixedShardsPartitioner, "
+                         "MinSizePartitioner or MaxSizePartitioner, or None.")
     shards = []
     turn = 0
     for name, tensor, group in parameters:
         rows = tensor.shape[0] if tensor.dim() else 1
         count = 1 if partitioner is None or tensor.dim() == 0 else partitioner(tuple(tensor.shape), tensor.dtype)
         if not isinstance(count, int) or not 1 <= count <= max(rows, 1):
-            raise ParameterServerError(f"The partitioner returned an impossible shard count. Received: {count!r} "
-                                       f"for {name} of shape {tuple(tensor.shape)}. Fix: return 1..{max(rows, 1)}.")
+            raise InputError(f"The partitioner returned an impossible shard count. Received: {count!r} "
+                             f"for {name} of shape {tuple(tensor.shape)}. Return 1..{max(rows, 1)}.")
         start = 0
         for i, size in enumerate(shard_rows(rows, count)):
             shard_name = name if count == 1 else f"{name}/part_{i}"

@@ -1,8 +1,8 @@
 """The parameter-server task: holds shards of the model's parameters and applies the user's optimizer.
 
-The chief creates the shards (``Create``: initial values, the optimizer's class and the
-hyper-parameters of each parameter group); workers read them (``Pull``, many shards in one call)
-and send gradients (``Push``). A push applies the same torch optimizer the user built, with its
+The chief creates the shards (``Create``: initial values and the optimizer's spec, its class,
+hyper-parameters and options, from which ``optimizers`` builds it again); workers read them
+(``Pull``, many shards in one call) and send gradients (``Push``). A push applies the same torch optimizer the user built, with its
 state (momentum buffers, Adam moments, step counts), to the shards it names, under a lock, so each
 update is atomic and updates from different workers apply one after another (asynchronous
 training: no worker waits for another). The optimizers torch ships update each element from its
@@ -29,8 +29,8 @@ applies the gradients it holds, ``Detach`` lets it go.
 
 from __future__ import annotations
 
+import functools
 import logging
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,6 +44,7 @@ from stratagem.errors import (
 )
 from stratagem.shm import parameter_server as shared
 from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server.optimizers import build_optimizer, hypers_of, resolve_optimizer_class
 from stratagem.strategies.parameter_server.store import (
     BUCKET_PREFIX,
     ShardStore,
@@ -68,60 +69,6 @@ HEADER_BYTES_PER_SHARD = 512
 MAX_STATE_TENSORS = 8
 """A checkpoint's shard: its values and at most 7 state tensors of its size (Adam with amsgrad keeps 3)."""
 STATE_SEPARATOR = "#"
-
-
-def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's class path and each group's hyper-parameters as JSON (no parameters, no state)."""
-    cls = type(optimizer)
-    groups = []
-    for index, group in enumerate(optimizer.param_groups):
-        hyper = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, tuple):
-                value = {"tuple": list(value)}
-            if not isinstance(value, (int, float, bool, str, type(None), dict, list)):
-                raise ParameterServerError(
-                    f"An optimizer hyper-parameter cannot be sent to the parameter servers. Received: "
-                    f"param_groups[{index}][{key!r}]={value!r:.80}. Fix: use numbers, booleans or tuples of them.")
-            hyper[key] = value
-        groups.append(hyper)
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "groups": groups}
-
-
-def _hyper_from_json(hyper: dict[str, Any]) -> dict[str, Any]:
-    return {key: tuple(value["tuple"]) if isinstance(value, dict) and set(value) == {"tuple"} else value
-            for key, value in hyper.items()}
-
-
-def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Optimizer]:
-    """The optimizer class named by ``module`` and ``qualname``; refuses anything else."""
-    # Only modules this task has already imported: a message never makes a task import (run) new code.
-    target: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
-    if target is None:
-        raise ParameterServerError(f"Cannot find the optimizer class on this task. Received: {module}.{qualname}. "
-                                   "Fix: define it in a module every task imports (the same script runs everywhere).")
-    if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
-        raise ParameterServerError(f"Not a torch optimizer class. Received: {module}.{qualname}={target!r:.80}. "
-                                   "Fix: pass a torch.optim.Optimizer.")
-    return target
-
-
-def _build(cls: Callable[..., torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """The optimizer over this server's shards, with torch's foreach kernels where the user left the choice
-    to torch (same arithmetic, one call over many shards instead of a Python loop; torch picks the loop
-    on a CPU)."""
-    if all(g.get("foreach", False) is None and not g.get("fused") and not g.get("differentiable") for g in groups):
-        try:
-            return cls([{**g, "foreach": True} for g in groups])
-        except (RuntimeError, TypeError, ValueError):
-            pass  # this optimizer has no foreach kernel
-    return cls(groups)
 
 
 class _Read:
@@ -173,15 +120,15 @@ class ParameterServer:
         spec = meta.get("optimizer") if isinstance(meta, dict) else None
         if set(groups_of) != set(tensors) or not all(isinstance(g, int) and g >= 0 for g in groups_of.values()):
             raise WireFormatError(f"Create needs a group index for every shard. Received: shards {sorted(tensors)[:5]}, "
-                                  f"groups {dict(list(groups_of.items())[:5])}. Fix: send both.")
+                                  f"groups {dict(list(groups_of.items())[:5])}. Send both.")
         cls, hypers = None, []
         if spec is not None and tensors:
             cls = resolve_optimizer_class(spec["module"], spec["qualname"])
-            hypers = [_hyper_from_json(hyper) for hyper in spec["groups"]]
+            hypers = hypers_of(spec)
             if max(groups_of.values()) >= len(hypers):
                 raise WireFormatError(f"A shard names a parameter group the optimizer lacks. Received: group "
-                                      f"{max(groups_of.values())} of {len(hypers)}. Fix: send every group's hyper-parameters.")
-        store = ShardStore(tensors, groups_of, cls, hypers, build=_build)
+                                      f"{max(groups_of.values())} of {len(hypers)}. Send every group's hyper-parameters.")
+        store = ShardStore(tensors, groups_of, cls, hypers, build=functools.partial(build_optimizer, spec=spec or {}))
         with self._lock:
             self._store, self._num_updates = store, 0
             self._segments.clear()  # laid out for the old shards: workers attach again
@@ -209,7 +156,7 @@ class ParameterServer:
         if given != self._store.fingerprint:
             raise WireFormatError(
                 f"{self.task} holds a different set of shards than the caller expects. Received: layout {given!r}, "
-                f"this server's is {self._store.fingerprint!r} ({len(self._store.shards)} shards). Fix: run the same "
+                f"this server's is {self._store.fingerprint!r} ({len(self._store.shards)} shards). Run the same "
                 "model on every task, and distribute it on the chief before workers pull (a restarted chief "
                 "creates the shards again).")
 
@@ -290,8 +237,8 @@ class ParameterServer:
                         indices = control.listed[:min(max(count, 0), shared.MAX_LISTED)].tolist()
                         version = self._apply_gradients(attached, indices)
                     else:
-                        raise WireFormatError(f"Unknown request in a shared file. Received: operation {op}. Fix: "
-                                              f"use {shared.PULL} (pull) or {shared.PUSH} (push).")
+                        raise WireFormatError(f"Unknown request in a shared file. Received: operation {op}. "
+                                              f"Use {shared.PULL} (pull) or {shared.PUSH} (push).")
                     control.answer(handled, shared.OK, version)
             except Exception as exc:  # the worker gets the error; the server goes on serving
                 logger.exception("%s: a request of %s through shared memory failed", self.task, attached.task)
@@ -332,7 +279,7 @@ class ParameterServer:
         if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
             raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
-                                  f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Fix: name each "
+                                  f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Name each "
                                   "bucket the push carries once.")
         self._keep_reads()
         store.apply_buckets({index: attached.areas.push[index] for index in indices})
@@ -343,7 +290,7 @@ class ParameterServer:
         """The store a push updates (under ``_lock``); refuses a push that comes before ``Create``."""
         if self._store.optimizer is None:
             raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
-                                       "push before Create. Fix: distribute(model, optimizer) on the chief first.")
+                                       "push before Create. Call distribute(model, optimizer) on the chief first.")
         return self._store
 
     def _keep_reads(self) -> None:
@@ -392,7 +339,7 @@ class ParameterServer:
         unknown = [n for n in names if n not in self._store.shards]
         if unknown:
             raise WireFormatError(f"{self.task} holds no shard named {unknown[:3]}. Received: {len(names)} names. "
-                                  f"Fix: send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
+                                  f"Send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
                                   "was the model distributed by this job's chief?")
 
     def _save(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:

@@ -109,7 +109,11 @@ class Bucket:
 class ShardStore:
     """The shards one parameter server holds, their gradient buffers and the optimizer over them.
 
-    Not thread-safe: the server calls it under its lock.
+    Not thread-safe: the server calls it under its lock. ``build(optimizer_class, param_groups)`` makes the
+    optimizer over the store's parameters (again when the store turns to per-shard updates): a parameter
+    server passes ``optimizers.build_optimizer`` with the chief's spec, which never calls the class's
+    ``__init__``; without it the class is called with the groups, which suits torch's own optimizers given
+    bare hyper-parameters (the example above, the store's tests).
     """
 
     def __init__(self, values: Mapping[str, torch.Tensor], groups: Mapping[str, int],
@@ -211,7 +215,7 @@ class ShardStore:
         """One optimizer step with a gradient for every shard of the buckets named (index to a flat gradient,
         read where it lies when the optimizer runs over buckets)."""
         if self.optimizer is None:
-            raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
+            raise WireFormatError("This parameter server has no optimizer. Received: a push. Create the "
                                   "shards with an optimizer (distribute(model, optimizer) on the chief).")
         if self.flat:
             self._step_with([(_param(segment), grad[segment.start:segment.stop])
@@ -231,10 +235,10 @@ class ShardStore:
                 index, members = self._bucket_of[name], [name]
             if covered[index].intersection(members):
                 raise WireFormatError(f"A push carries a shard twice. Received: {name!r} and a bucket or shard that "
-                                      "holds the same rows. Fix: send each shard once, by bucket or by name.")
+                                      "holds the same rows. Send each shard once, by bucket or by name.")
             covered[index].update(members)
         if self.optimizer is None:
-            raise WireFormatError("This parameter server has no optimizer. Received: a push. Fix: create the "
+            raise WireFormatError("This parameter server has no optimizer. Received: a push. Create the "
                                   "shards with an optimizer (distribute(model, optimizer) on the chief).")
         if self.flat and any(0 < len(c) < len(b.names) for c, b in zip(covered, self.buckets)):
             self._split()

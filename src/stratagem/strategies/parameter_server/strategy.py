@@ -80,7 +80,7 @@ class InProcessCluster:
                  server_name: str | None = None) -> None:
         for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
             if not isinstance(value, int) or value < 1:
-                raise ParameterServerError(f"{name} must be at least 1. Received: {name}={value!r}. Fix: pass an int >= 1.")
+                raise InputError(f"{name} must be at least 1. Received: {name}={value!r}. Pass an int >= 1.")
         self.token = token or secrets.token_hex(16)
         self.security = Security(token=self.token, certificate=certificate, private_key=private_key,
                                  server_name=server_name)
@@ -150,8 +150,8 @@ class ParameterServerStrategy(Strategy):
         for name, value, least in (("rpc_timeout", rpc_timeout, 1e-9), ("chief_timeout", chief_timeout, 1e-9),
                                    ("ps_exit_delay", ps_exit_delay, 0.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
-                raise ParameterServerError(f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
-                                           f"Received: {name}={value!r}. Fix: pass a non-negative number of seconds.")
+                raise InputError(f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
+                                 f"Received: {name}={value!r}. Pass a {'positive' if least else 'non-negative'} number of seconds.")
         self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
         self._in_process = cluster_resolver if isinstance(cluster_resolver, InProcessCluster) else None
         if isinstance(cluster_resolver, InProcessCluster):
@@ -162,12 +162,13 @@ class ParameterServerStrategy(Strategy):
         else:
             cluster = resolve_cluster(cluster_resolver, env=env)
         if partitioner is not None and not callable(partitioner):
-            raise ParameterServerError(f"partitioner must be callable as partitioner(shape, dtype). Received: "
-                                       f"{partitioner!r}. Fix: pass FixedShardsPartitioner(n), MinSizePartitioner() "
-                                       "or MaxSizePartitioner(bytes), or None.")
+            raise InputError(f"partitioner must be callable as partitioner(shape, dtype). Received: "
+                             f"{partitioner!r}. Pass FixedShardsPartitioner(n), MinSizePartitioner() "
+                             "or MaxSizePartitioner(bytes), or None.")
         if shared_memory not in (None, True, False):
-            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
-                                       "None uses shared memory with servers on this host, False never, True insists.")
+            raise InputError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
+                             "Pass None to use shared memory with servers on this host, False never to, "
+                             "True to insist.")
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         self.cluster = cluster
         self.partitioner = partitioner
@@ -177,17 +178,17 @@ class ParameterServerStrategy(Strategy):
         self.ps_exit_delay = ps_exit_delay
         self._ps_addresses = list(cluster.addresses.get("ps", ()))
         if not self._ps_addresses:
-            raise ParameterServerError(
+            raise InputError(
                 f"ParameterServerStrategy needs at least one parameter-server task. Received: a cluster from "
-                f"{cluster.source} with tasks {dict(cluster.addresses)}. Fix: run under `stratagem launch --workers 2 "
+                f"{cluster.source} with tasks {dict(cluster.addresses)}. Run under `stratagem launch --workers 2 "
                 "--ps 1`, or give TF_CONFIG a 'ps' list.")
         if not cluster.addresses.get("worker"):
-            raise ParameterServerError(f"ParameterServerStrategy needs at least one worker task. Received: "
-                                       f"{dict(cluster.addresses)}. Fix: add a 'worker' list to the cluster.")
+            raise InputError(f"ParameterServerStrategy needs at least one worker task. Received: "
+                             f"{dict(cluster.addresses)}. Add a 'worker' list to the cluster.")
         token = cluster_token or env.get("STRATAGEM_CLUSTER_TOKEN")
         if not token:
-            raise ParameterServerError(
-                "No cluster token. Received: neither cluster_token= nor STRATAGEM_CLUSTER_TOKEN. Fix: run under "
+            raise InputError(
+                "No cluster token. Received: neither cluster_token= nor STRATAGEM_CLUSTER_TOKEN. Run under "
                 "`stratagem launch` (it makes one), or give every task the same secret in STRATAGEM_CLUSTER_TOKEN.")
         self._security = Security(token=token, certificate=certificate, private_key=private_key,
                                   server_name=server_name)
@@ -200,8 +201,8 @@ class ParameterServerStrategy(Strategy):
         if cluster.task_type == "ps":
             self._serve_as_ps()
         elif cluster.task_type == "evaluator":
-            raise ParameterServerError(f"This strategy has no evaluator role. Received: task {task}. "
-                                       "Fix: run evaluation in the chief's script.")
+            raise InputError(f"This strategy has no evaluator role. Received: task {task}. "
+                             "Run evaluation in the chief's script.")
         elif cluster.task_type == "worker" and not self._workers_in_process:
             # Worker 0 inside the chief (no 'chief' task) is ready at once: the chief's script is already running.
             self._worker_service = WorkerService(task, security=self._security,
@@ -233,11 +234,11 @@ class ParameterServerStrategy(Strategy):
         service = self._worker_service
         if service is None:  # pragma: no cover - only a worker task gets here
             raise ParameterServerError(f"{self.cluster.task_name} has no worker service. Received: a call that serves "
-                                       "on a task that is not a worker. Fix: report this as a bug.")
+                                       "on a task that is not a worker. Report this as a bug.")
         if self._model is None:
-            raise ParameterServerError(f"{self.cluster.task_name} reached coordinator.schedule before "
-                                       "strategy.distribute(model, optimizer). Received: no distributed model. Fix: "
-                                       "distribute the model before scheduling, in the script every task runs.")
+            raise InputError(f"{self.cluster.task_name} reached coordinator.schedule before "
+                             "strategy.distribute(model, optimizer). Received: no distributed model. "
+                             "Distribute the model before scheduling, in the script every task runs.")
         service.ready.set()
         logger.info("%s serving scheduled functions", self.cluster.task_name)
         try:
@@ -264,7 +265,7 @@ class ParameterServerStrategy(Strategy):
                     if silent > self.chief_timeout:
                         raise CollectiveTimeoutError(
                             f"{self.cluster.task_name} lost the chief: {chief_task} at {address} has not answered for "
-                            f"{silent:.0f} s. Received: {exc}. Fix: the chief died or ended without telling this task; "
+                            f"{silent:.0f} s. Received: {exc}. The chief died or ended without telling this task; "
                             "restart the job (it resumes from its last checkpoint).") from None
         finally:
             chief.close()
@@ -284,24 +285,24 @@ class ParameterServerStrategy(Strategy):
         hyper-parameters and state.
         """
         if not isinstance(model, nn.Module):
-            raise ParameterServerError(f"distribute needs a torch.nn.Module. Received: {type(model).__name__}. "
-                                       "Fix: pass the model itself.")
+            raise InputError(f"distribute needs a torch.nn.Module. Received: {type(model).__name__}. "
+                             "Pass the model itself.")
         if self._model is not None:
-            raise ParameterServerError("This strategy already holds a model. Received: a second distribute() call. "
-                                       "Fix: use one ParameterServerStrategy per model.")
+            raise InputError("This strategy already holds a model. Received: a second distribute() call. "
+                             "Use one ParameterServerStrategy per model.")
         named = list(model.named_parameters())
         groups: dict[int, int] = {}
         if optimizer is not None:
             if not isinstance(optimizer, torch.optim.Optimizer):
-                raise ParameterServerError(f"optimizer must be a torch.optim.Optimizer. Received: "
-                                           f"{type(optimizer).__name__}. Fix: build it over model.parameters().")
+                raise InputError(f"optimizer must be a torch.optim.Optimizer. Received: "
+                                 f"{type(optimizer).__name__}. Build it over model.parameters().")
             groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
             strangers = [name for name, p in named if id(p) not in groups]
             if len(groups) != len(named) or strangers:
-                raise ParameterServerError(
+                raise InputError(
                     f"The optimizer must hold exactly the model's parameters. Received: {len(groups)} optimizer "
                     f"parameters, {len(named)} model parameters, not in the optimizer: {strangers[:5]}. "
-                    "Fix: build the optimizer over model.parameters().")
+                    "Build the optimizer over model.parameters().")
         shards = place([(name, p, groups.get(id(p), 0)) for name, p in named], len(self._ps_addresses),
                        self.partitioner)
         variables = ShardedVariables(shards, self._ps_addresses, security=self._security, rpc_timeout=self.rpc_timeout,
@@ -384,8 +385,8 @@ class ParameterServerStrategy(Strategy):
 
     def _require_model(self, what: str) -> ShardedVariables:
         if self._model is None:
-            raise ParameterServerError(f"{what} needs a distributed model. Received: none yet. "
-                                       "Fix: call strategy.distribute(model, optimizer) first.")
+            raise InputError(f"{what} needs a distributed model. Received: none yet. "
+                             "Call strategy.distribute(model, optimizer) first.")
         return self._model._variables
 
     def shutdown(self) -> None:

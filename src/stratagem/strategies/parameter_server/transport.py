@@ -33,6 +33,7 @@ import torch
 
 from stratagem.errors import (
     CollectiveTimeoutError,
+    InputError,
     ParameterServerError,
     WireFormatError,
 )
@@ -126,16 +127,16 @@ class Security:
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or not self.token:
-            raise ParameterServerError(
-                f"The cluster token is empty. Received: token={self.token!r}. Fix: pass cluster_token=..., or run "
+            raise InputError(
+                f"The cluster token is empty. Received: token={self.token!r}. Pass cluster_token=..., or run "
                 "under `stratagem launch`, which sets STRATAGEM_CLUSTER_TOKEN.")
         if (self.private_key is None) != (self.certificate is None) and self.private_key is not None:
-            raise ParameterServerError(
+            raise InputError(
                 f"A private key needs its certificate. Received: private_key={self.private_key!r}, certificate=None. "
-                "Fix: pass both certificate= and private_key= for TLS.")
+                "Pass both certificate= and private_key= for TLS.")
         for path in (self.certificate, self.private_key):
             if path is not None and not Path(path).is_file():
-                raise ParameterServerError(f"TLS file not found. Received: {path!r}. Fix: pass the path of a PEM file.")
+                raise InputError(f"TLS file not found. Received: {path!r}. Pass the path of a PEM file.")
 
     @property
     def tls(self) -> bool:
@@ -165,12 +166,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         if given is None:
             logger.warning("refused %s: no cluster token", details.method)
             return _refuse(f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
-                           "Fix: connect with the job's cluster token.", continuation(details))
+                           "Connect with the job's cluster token.", continuation(details))
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
         if not hmac.compare_digest(given_bytes, self._token):
             logger.warning("refused %s: wrong cluster token", details.method)
             return _refuse(f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
-                           "match this job's. Fix: use the STRATAGEM_CLUSTER_TOKEN of this job.", continuation(details))
+                           "match this job's. Use the STRATAGEM_CLUSTER_TOKEN of this job.", continuation(details))
         return continuation(details)
 
 
@@ -190,9 +191,9 @@ class Server:
                  limits: Mapping[str, Limit] | None = None, default_limit: Limit | None = None) -> None:
         self.service = service
         if security.tls and security.private_key is None:
-            raise ParameterServerError(
+            raise InputError(
                 f"A TLS server needs its private key. Received: certificate={security.certificate!r}, private_key=None. "
-                "Fix: pass private_key= with certificate= on every task that serves (parameter servers and workers).")
+                "Pass private_key= with certificate= on every task that serves (parameter servers and workers).")
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
                                    interceptors=[_TokenInterceptor(security.token)], options=_SERVER_OPTIONS)
         methods = {}
@@ -219,7 +220,7 @@ class Server:
             self.port = 0
         if self.port == 0:
             raise ParameterServerError(f"Could not listen at {address}: {_why_not_listening(address)}. Received: "
-                                       f"address={address!r}. Fix: stop the process that holds the port, or pass a "
+                                       f"address={address!r}. Stop the process that holds the port, or pass a "
                                        "free host:port (port 0 picks one).")
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._server.start()
@@ -276,7 +277,7 @@ def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
     if size > MAX_MESSAGE_BYTES:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"The reply is too large for a unary call. Received: a reply of {size} bytes, at most "
-                      f"{MAX_MESSAGE_BYTES} fit. Fix: call without small_reply=True, so the reply is streamed.")
+                      f"{MAX_MESSAGE_BYTES} fit. Call without small_reply=True, so the reply is streamed.")
     return b"".join(reply)
 
 
@@ -377,10 +378,10 @@ def rpc_error(exc: grpc.RpcError, task: str, address: str, method: str, timeout:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return CollectiveTimeoutError(
             f"{task} at {address} did not answer {method} within {timeout:g} s. Received: DEADLINE_EXCEEDED. "
-            f"Fix: check that {task} is alive and not overloaded, or raise the timeout.")
+            f"Check that {task} is alive and not overloaded, or raise the timeout.")
     error = ParameterServerError(
         f"{task} at {address} failed {method}. Received: {code.name if code else 'error'}: {str(details).rstrip('.')}. "
-        f"Fix: check that {task} is running with this job's cluster token (its log says why it stopped).")
+        f"Check that {task} is running with this job's cluster token (its log says why it stopped).")
     error.code = code  # type: ignore[attr-defined]
     error.task = task  # type: ignore[attr-defined]
     return error

@@ -10,11 +10,8 @@ of gRPC messages (``shared``): attached at the first pull or push, after one ``A
 ``shared_memory=None`` (the default) uses it where it can, ``False`` never, ``True`` makes a server
 that cannot share memory an error. ``transfers`` says, for each server, which way was chosen and why.
 
-Checkpoints are one file written with ``torch.save`` and read with ``weights_only=True``:
-whole parameters (shards put back together) and the optimizer state of each parameter (per-row
-state such as momentum or Adam moments put back together the same way; scalar state such as
-Adam's step count taken from the first shard). A checkpoint can therefore be restored under a
-different partitioner or number of parameter servers.
+A checkpoint is one file of whole parameters and their optimizer state, whatever the placement
+(``checkpoint`` says how it is put together and cut again).
 """
 
 from __future__ import annotations
@@ -29,17 +26,13 @@ from typing import Any, cast
 
 import torch
 
-from stratagem.archive import load_verified
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.shm import files as shm_files
 from stratagem.shm import parameter_server as shared
-from stratagem.strategies.parameter_server import wire
+from stratagem.strategies.parameter_server import checkpoint, wire
+from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
-from stratagem.strategies.parameter_server.server import (
-    SERVICE,
-    STATE_SEPARATOR,
-    optimizer_spec,
-)
+from stratagem.strategies.parameter_server.server import SERVICE
 from stratagem.strategies.parameter_server.store import (
     bucket_layout,
     bucket_name,
@@ -50,8 +43,6 @@ from stratagem.strategies.parameter_server.transport import Client, Security
 logger = logging.getLogger(__name__)
 DETACH_PATIENCE_SECONDS = 60.0  # how long a worker goes on telling a stuck server to let go of a file
 
-CHECKPOINT_FORMAT = "stratagem.parameter_server/1"
-
 
 class ShardedVariables:
     """A model's parameters as shards on parameter servers, seen from a chief or a worker."""
@@ -59,8 +50,9 @@ class ShardedVariables:
     def __init__(self, shards: Sequence[Shard], ps_addresses: Sequence[str], *, security: Security,
                  rpc_timeout: float = 60.0, shared_memory: bool | None = None, task: str = "chief") -> None:
         if shared_memory not in (None, True, False):
-            raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
-                                       "None uses shared memory with servers on this host, False never, True insists.")
+            raise InputError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
+                             "Pass None to use shared memory with servers on this host, False never to, "
+                             "True to insist.")
         self.shards = list(shards)
         self.rpc_timeout = rpc_timeout
         self.shared_memory = shared_memory
@@ -121,7 +113,7 @@ class ShardedVariables:
             if missing:
                 raise ParameterServerError(
                     f"Cannot tell the dtypes of the shards on ps:{ps}. Received: no tensor for {missing[:3]}. "
-                    "Fix: pull the values (run the model) before the first push.")
+                    "Pull the values (run the model) before the first push.")
             known = cast("Mapping[str, torch.Tensor]", tensors)  # every shard's tensor is there: checked just above
             entries = [(s.name, s.group, known[s.parameter].dtype, shard_of(known[s.parameter], s).numel())
                        for s in shards]
@@ -182,7 +174,7 @@ class ShardedVariables:
                 raise ParameterServerError(
                     f"The parameters do not match the shards on {self._clients[ps].task}. Received: shapes "
                     f"{[[tuple(shard_of(parameters[s.parameter], s).shape) for s in b] for b in layout.buckets]!r:.200}, "
-                    f"expected {[[tuple(x) for x in b] for b in layout.shapes]!r:.200}. Fix: pull into the model "
+                    f"expected {[[tuple(x) for x in b] for b in layout.shapes]!r:.200}. Pull into the model "
                     "that was distributed.")
 
         self._each_ps(call)
@@ -266,12 +258,12 @@ class ShardedVariables:
         task = self._clients[ps].task
         if self.shared_memory is True:
             raise ParameterServerError(
-                f"shared_memory=True, but {self.task} cannot share memory with {task}. Received: {why}. Fix: run "
+                f"shared_memory=True, but {self.task} cannot share memory with {task}. Received: {why}. Run "
                 f"them on one host with room in /dev/shm, or pass shared_memory=None to send values over gRPC there.")
         self._transfers[task] = f"gRPC: {why}"
         if warn and self.shared_memory is None:
-            logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. Fix: "
-                           "give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
+            logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. "
+                           "Give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
                            "or pass shared_memory=False to say gRPC is meant.", self.task, task, why)
         else:
             logger.info("%s: values to and from %s go over gRPC: %s", self.task, task, why)
@@ -380,76 +372,35 @@ class ShardedVariables:
             self._forget(ps, link)
         return done
 
-    # ---- checkpoints ---------------------------------------------------------------------------
+    # ---- checkpoints (the format: ``checkpoint``) --------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Every parameter and its optimizer state, shards put back together."""
         replies = self._each_ps(lambda ps, shards: self._clients[ps].call("Save", "save", timeout=self.rpc_timeout))
-        variables: dict[str, list[torch.Tensor]] = {}
-        states: dict[str, dict[str, list[Any]]] = {}
-        for shard in self.shards:
-            _, meta, tensors = replies[shard.ps]
-            variables.setdefault(shard.parameter, []).append(tensors[shard.name])
-            state = states.setdefault(shard.parameter, {})
-            prefix = f"{shard.name}{STATE_SEPARATOR}"
-            for key, value in tensors.items():
-                if key.startswith(prefix):
-                    state.setdefault(key[len(prefix):], []).append(value)
-            for key, value in meta["scalars"].get(shard.name, {}).items():
-                state.setdefault(key, []).append(value)
-        out_vars = {name: _join(parts) for name, parts in variables.items()}
-        out_state = {name: {key: _join(parts) if _per_row(parts) else parts[0] for key, parts in state.items()}
-                     for name, state in states.items()}
-        return {"format": CHECKPOINT_FORMAT, "variables": out_vars, "optimizer_state": out_state}
+        return checkpoint.join_state(self.shards, replies)
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Puts parameters and optimizer state back on the servers (any placement)."""
-        variables, opt_state = state["variables"], state["optimizer_state"]
-        missing = sorted({s.parameter for s in self.shards} - set(variables))
-        if missing:
-            raise ParameterServerError(f"The checkpoint lacks parameters of this model. Received: missing {missing[:5]}. "
-                                       "Fix: restore a checkpoint written for this model.")
+        checkpoint.check_covers(state, self.shards)
 
         def call(ps: int, shards: list[Shard]) -> None:
-            tensors: dict[str, torch.Tensor] = {}
-            scalars: dict[str, dict[str, Any]] = {}
-            for s in shards:
-                full = variables[s.parameter]
-                tensors[s.name] = shard_of(full, s)
-                for key, value in opt_state.get(s.parameter, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        per_row = value.dim() > 0 and value.shape == full.shape
-                        tensors[f"{s.name}{STATE_SEPARATOR}{key}"] = shard_of(value, s) if per_row else value
-                    else:
-                        scalars.setdefault(s.name, {})[key] = value
+            tensors, scalars = checkpoint.shard_state(state, shards)
             self._clients[ps].call("Load", "load", {"scalars": scalars}, tensors, timeout=self.rpc_timeout)
 
         self._each_ps(call)
 
     def save(self, path: str | Path) -> None:
         """Writes ``state()`` to ``path`` (through a temporary file, so a crash leaves the old one)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(self.state(), tmp)
-        tmp.replace(path)
+        checkpoint.write(self.state(), path)
 
     def restore(self, path: str | Path) -> None:
         """Loads a checkpoint written by ``save``, after checking the checksums of its archive.
 
         Raises:
-            InputError: no file at ``path``, or it holds objects other than tensors.
+            InputError: no file at ``path``, it holds objects other than tensors, it is not a
+                parameter-server checkpoint, or not of this model.
             CorruptCheckpointError: the file is damaged or torch cannot read it.
-            ParameterServerError: it is not a parameter-server checkpoint, or not of this model.
         """
-        state = load_verified(path)
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ParameterServerError(f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
-                                       f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
-                                       f"Fix: pass a file written by ParameterServerStrategy.save.")
-        if not all(isinstance(state.get(key), Mapping) for key in ("variables", "optimizer_state")):
-            raise ParameterServerError(f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
-                                       f"state. Received: fields {sorted(map(str, state))[:10]}. Fix: pass a file "
-                                       "written by ParameterServerStrategy.save.")
-        self.load_state(state)
+        self.load_state(checkpoint.read(path))
 
     def close(self) -> None:
         for ps, link in list(self._links.items()):
@@ -506,11 +457,3 @@ class _Layout:
         self._pulled, self._pulled_key = tensors, key
         return self._destinations
 
-
-def _join(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
-
-
-def _per_row(parts: list[Any]) -> bool:
-    return all(isinstance(p, torch.Tensor) and p.dim() > 0 for p in parts) and (
-        len(parts) == 1 or len({p.shape[1:] for p in parts}) == 1)

@@ -108,10 +108,10 @@ def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Fla
     for name, tensor in tensors.items():
         if not isinstance(tensor, (torch.Tensor, Flat)):
             raise WireFormatError(f"Only tensors travel as tensors. Received: {name}={type(tensor).__name__}. "
-                                  "Fix: pass torch.Tensor values, or put plain values in meta.")
+                                  "Pass torch.Tensor values, or put plain values in meta.")
         if tensor.dtype not in _NAMES:
             raise WireFormatError(f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
-                                  f"Fix: convert it to one of {sorted(DTYPES)}.")
+                                  f"Convert it to one of {sorted(DTYPES)}.")
         nbytes = tensor.nbytes
         if isinstance(tensor, Flat):
             entries.append([name, _NAMES[tensor.dtype], [tensor.numel], offset])
@@ -128,7 +128,7 @@ def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Fla
         header = json.dumps({"op": op, "meta": meta, "tensors": entries}, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise WireFormatError(f"The metadata is not plain JSON. Received: meta={meta!r:.200} ({exc}). "
-                              "Fix: use numbers, strings, booleans, None, lists and dicts with string keys.") from exc
+                              "Use numbers, strings, booleans, None, lists and dicts with string keys.") from exc
     # Spaces after the JSON put the payload at a multiple of ALIGN, so tensors decode in place, aligned.
     header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
     parts.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
@@ -172,13 +172,13 @@ def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat]
     return join_chunks(encode_chunks(op, meta, tensors))
 
 
-_TOO_LARGE = ("a stratagem task never sends this method more; check that only this job's tasks hold its cluster "
+_TOO_LARGE = ("A stratagem task never sends this method more; check that only this job's tasks hold its cluster "
               "token, and that both ends run the same model")
 
 
 def _fail(what: str, received: str, fix: str | None = None) -> WireFormatError:
-    return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. Fix: "
-                           f"{fix or 'send messages built by stratagem.strategies.parameter_server.wire.encode_chunks'}.")
+    return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. "
+                           f"{fix or 'Send messages built by stratagem.strategies.parameter_server.wire.encode_chunks'}.")
 
 
 def _is_int(value: Any) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.errors import CollectiveTimeoutError, ParameterServerError
+from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.partitioners import Shard
 from stratagem.strategies.parameter_server.transport import LARGE, SMALL, Reply, Security, Server, task_lost
@@ -102,10 +102,10 @@ class ParameterServerOptimizer:
         """Sends the gradients of this worker's replica to the parameter servers."""
         runtime = current_worker()
         if runtime is None or closure is not None:
-            raise ParameterServerError(
+            raise InputError(
                 f"optimizer.step() pushes a worker's gradients, so it runs inside a scheduled function, without a "
                 f"closure. Received: a call {'with a closure' if closure is not None else 'on the chief'}. "
-                "Fix: call it in the function given to coordinator.schedule.")
+                "Call it in the function given to coordinator.schedule.")
         runtime.push(self._model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -144,8 +144,8 @@ class WorkerRuntime:
     def push(self, model: ParameterServerModel) -> None:
         entry = self._replicas.get(id(model))
         if entry is None:
-            raise ParameterServerError(f"optimizer.step() before the model ran on {self.task}. Received: no forward "
-                                       "pass in this function. Fix: run the model, then backward, then step.")
+            raise InputError(f"optimizer.step() before the model ran on {self.task}. Received: no forward "
+                             "pass in this function. Run the model, then backward, then step.")
         replica, variables = entry
         variables.push({name: p.grad for name, p in replica.named_parameters()})
 
@@ -171,7 +171,7 @@ class WorkerRuntime:
         if set(tree) == {"$iter"} and tree["$iter"] in self._iterators:
             return self._iterators[tree["$iter"]]
         raise ParameterServerError(f"Unknown reference on {self.task}. Received: {tree!r:.120}. "
-                                   "Fix: pass iterators made by coordinator.create_per_worker_dataset.")
+                                   "Pass iterators made by coordinator.create_per_worker_dataset.")
 
     def variables(self) -> list[ShardedVariables]:
         """The parameter-server clients of this worker's replicas."""
@@ -208,7 +208,7 @@ class WorkerService:
     def _run(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         if not self.ready.wait(self._ready_timeout):
             raise CollectiveTimeoutError(f"{self.task} never reached coordinator.schedule in its script within "
-                                         f"{self._ready_timeout:g} s. Received: a Run call. Fix: run the same script "
+                                         f"{self._ready_timeout:g} s. Received: a Run call. Run the same script "
                                          "on every task.")
         try:
             result = self.runtime.run(meta["fn"], meta["args"], meta["kwargs"], tensors, meta["datasets"])
