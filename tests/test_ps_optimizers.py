@@ -81,3 +81,10 @@ def test_an_optimizer_attribute_that_json_cannot_carry_is_refused_before_any_wor
     with pytest.raises(InputError, match=r"An optimizer attribute cannot be sent to the parameter servers\. "
                                          r"Received: ScaledSGD\.scale=tensor\(\[1\., 1\., 1\.\]\)\. Keep numbers, booleans"):
         optimizer_spec(optimizer)
+
+
+def test_lbfgs_is_refused_by_name_not_by_its_attributes():
+    optimizer = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(InputError, match=r"cannot apply LBFGS: its step re-evaluates the loss through a closure.*"
+                                         r"Received: LBFGS\. Choose a first-order optimizer"):
+        optimizer_spec(optimizer)

@@ -70,6 +70,12 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer as JSON: class path, each group's hyper-parameters, ``defaults`` and the attributes its
     class set (no parameters, no state); raises ``InputError`` for a value JSON cannot carry."""
     cls = type(optimizer)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise InputError(
+            "The parameter servers cannot apply LBFGS: its step re-evaluates the loss through a closure and "
+            "searches along the whole parameter vector, while each server holds some shards and gets gradients "
+            f"only. Received: {cls.__name__}. Choose a first-order optimizer (SGD, Adam, AdamW, ...), or train "
+            "with LBFGS on one device (OneDeviceStrategy).")
     groups = [{key: _plain(value, f"param_groups[{index}][{key!r}]") for key, value in group.items() if key != "params"}
               for index, group in enumerate(optimizer.param_groups)]
     attributes = {}
