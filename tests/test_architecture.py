@@ -182,3 +182,37 @@ def test_every_decision_subject_is_in_the_documents_table() -> None:
     recorded = _recorded_subjects()
     assert {"devices", "gradient combination", "cross-worker sums"} <= recorded  # the walk finds them
     assert recorded - documented == set(), "decision subjects missing from docs/architecture.md"
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """`strategy` or `<anything>.strategy` (a training context's, say)."""
+    return (isinstance(node, ast.Name) and node.id == "strategy") or (
+        isinstance(node, ast.Attribute) and node.attr == "strategy")
+
+
+def _strategy_reaches(path: Path) -> list[str]:
+    """Where `path` reads a private member of a strategy or looks one of its members up by name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and _names_a_strategy(node.value)):
+            found.append(f"{path.name}:{node.lineno} reads strategy.{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and node.args and _names_a_strategy(node.args[0])):
+            found.append(f"{path.name}:{node.lineno} looks a strategy's member up with {node.func.id}")
+    return found
+
+
+def test_train_cli_and_bench_use_only_the_members_the_strategy_base_declares() -> None:
+    # fit, evaluate, the command line and the benchmarks drive every strategy through strategies.base.Strategy.
+    found = [reach for unit in ("train", "cli", "bench") for path in sorted((SRC / unit).rglob("*.py"))
+             for reach in _strategy_reaches(path)]
+    assert found == [], "declare these on strategies.base.Strategy and use the declared member:\n" + "\n".join(found)
+
+
+def test_a_private_read_or_a_lookup_by_name_of_a_strategy_is_reported(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(strategy, context):\n    strategy._model\n    getattr(context.strategy, 'fit_steps', None)\n"
+                     "    strategy.cluster\n")
+    assert _strategy_reaches(probe) == ["probe.py:2 reads strategy._model",
+                                        "probe.py:3 looks a strategy's member up with getattr"]

@@ -190,7 +190,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def _first_global_replica(self) -> int:
         return _rank(self._cluster) * len(self._devices)
 
-    def _input_pipeline(self) -> tuple[int, int]:
+    def input_pipeline(self) -> tuple[int, int]:
         return self._cluster.world_size, _rank(self._cluster)
 
     def _needs_gradient_sync(self) -> bool:
@@ -379,10 +379,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             dataset = dataset.with_files(mine, split_sizes(dataset.batch_size, world)[rank] or 1)
             return MultiWorkerDataset(self, dataset, "off")
         if shard == "data":
-            dataset = self._shard_input(dataset)
+            dataset = self.shard_input(dataset)
         return MultiWorkerDataset(self, dataset, shard, on_first_batch=self._observe_input_sharding)
 
-    def _shard_input(self, data: Any, note: bool = True) -> Any:
+    def shard_input(self, data: Any, *, note: bool = True) -> Any:
         """`data` cut at the index level for this worker where it can be (data/worker_shards.py), else as it is.
 
         `fit` calls it on its data before wrapping it, since what reaches `distribute_dataset` there is a generator.

@@ -41,7 +41,6 @@ from stratagem.train.job import (
     train_digits,
 )
 from stratagem.train.loop import (
-    FIT_HOOK,
     Evaluation,
     evaluate,
     run_steps,
@@ -60,7 +59,6 @@ from stratagem.train.metrics import (
 from stratagem.train.seeding import seed_everything
 
 __all__ = [
-    "FIT_HOOK",
     "METRICS",
     "STRATEGY_BUILDERS",
     "STRATEGY_NAMES",

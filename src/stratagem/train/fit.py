@@ -3,9 +3,9 @@
 `fit` distributes the model with the strategy it is given, feeds it GLOBAL batches, reports the
 loss and the metrics of each epoch exactly (states summed over replicas and workers, then
 read), evaluates on validation data, and calls callbacks (backups, progress). It uses only the
-`Strategy` base class (`distribute`, `distribute_dataset`, `run`, `reduce`), so every strategy
-runs it; a strategy that runs steps its own way plugs in through ``fit_steps`` (see
-`stratagem.train.loop`).
+`Strategy` base class (`distribute`, `distribute_dataset`, `run`, `reduce`, and the fit steps,
+input pipeline, cluster and model it declares), so every strategy runs it; a strategy that runs
+steps its own way overrides ``Strategy.run_fit_steps`` (see `stratagem.train.loop`).
 
 Example:
     >>> strategy = sg.MirroredStrategy()
@@ -32,13 +32,11 @@ from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
 from stratagem.strategies.amp import check_precision
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.distributed import DistributedModel
+from stratagem.strategies.distributed import DistributedModel, distributing_strategy
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
 from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
 from stratagem.train.loop import (
-    FIT_HOOK,
-    PREPARE_HOOK,
     LossFn,
     evaluate_with,
     make_eval_step,
@@ -283,7 +281,7 @@ def fit(
     """
     _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
     _check_accumulate_steps(strategy, accumulate_steps)
-    precision = check_precision(precision, [d.type for d in strategy._local_devices])
+    precision = check_precision(precision, [d.type for d in strategy.local_devices])
     if precision == "fp16" and accumulate_steps > 1:
         raise InputError(
             "precision='fp16' and accumulate_steps > 1 cannot be combined yet: the loss scaler would have to skip a "
@@ -325,11 +323,9 @@ def fit(
         train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
                                      precision=precision, scaler=scaler)
     eval_step = make_eval_step(model, loss, metric_set, precision=precision)
-    prepare = getattr(strategy, PREPARE_HOOK, None)
-    if prepare is not None:
-        # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
-        # worker) serves from here until the chief ends the job.
-        prepare({"train": train_step, "eval": eval_step}, model)
+    # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
+    # worker) serves from here until the chief ends the job.
+    strategy.prepare_fit_steps({"train": train_step, "eval": eval_step}, model)
     try:
         history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps)
     except BaseException:
@@ -431,14 +427,14 @@ def _epoch_batches(context: TrainingContext) -> Iterable[Any]:
 
 def is_chief(strategy: Strategy) -> bool:
     """Whether this process is the chief of `strategy`'s cluster (True for single-process strategies)."""
-    cluster = getattr(strategy, "cluster", None)
+    cluster = strategy.cluster
     return cluster is None or bool(cluster.is_chief)
 
 
 def _check_workers_agree(context: TrainingContext) -> None:
     """Every process running this fit must start at the same step (they restored the same backup, or none)."""
     # One input pipeline per process that runs the training loop (MultiWorkerMirrored: every worker).
-    num_processes, process_id = context.strategy._input_pipeline()
+    num_processes, process_id = context.strategy.input_pipeline()
     if num_processes <= 1:
         return
     mine = torch.tensor([float(context.step), float(context.step) ** 2], dtype=torch.float64)
@@ -446,7 +442,7 @@ def _check_workers_agree(context: TrainingContext) -> None:
     sums = context.strategy.reduce("sum", mine).to("cpu") / context.strategy.num_replicas_in_sync
     mean, mean_square = float(sums[0]), float(sums[1])
     if abs(mean - context.step) > 1e-6 or abs(mean_square - mean * mean) > 1e-6:
-        cluster = getattr(context.strategy, "cluster", None)
+        cluster = context.strategy.cluster
         who = cluster.task_name if cluster is not None else f"process {process_id}"
         raise InputError(
             f"The workers start from different steps: {who} is at step {context.step}, the mean over the "
@@ -463,11 +459,11 @@ def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.o
                     "This model was distributed with another optimizer by an earlier fit. Received: an optimizer that "
                     "is not the one fit distributed with it. Pass history.optimizer of the earlier fit.")
             return dist_model, dist_opt
-    if (isinstance(model, DistributedModel) and model._strategy is strategy) or getattr(strategy, "_model", None) is model:
+    if model is strategy.distributed_model:
         return model, optimizer  # the user already called strategy.distribute
     if isinstance(model, DistributedModel):
         raise InputError("The model was distributed by another strategy. Received: a DistributedModel of "
-                         f"{type(model._strategy).__name__}. Pass the plain model, or use that strategy.")
+                         f"{type(distributing_strategy(model)).__name__}. Pass the plain model, or use that strategy.")
     result = strategy.distribute(model, optimizer)
     dist_model, dist_opt = result
     _DISTRIBUTED.setdefault(strategy, []).append((model, optimizer, dist_model, dist_opt))
@@ -508,8 +504,7 @@ def _worker_part(strategy: Strategy, data: Any, *, note: bool) -> Any:
 
     Done here, before the data is wrapped for an epoch: what reaches `distribute_dataset` is then a generator.
     """
-    shard = getattr(strategy, "_shard_input", None)
-    return data if shard is None else shard(data, note)
+    return strategy.shard_input(data, note=note)
 
 
 def _is_resumable(data: Any) -> bool:
@@ -520,7 +515,7 @@ def _check_accumulate_steps(strategy: Strategy, accumulate_steps: Any) -> None:
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise InputError(f"accumulate_steps must be a positive whole number of batches per update. "
                          f"Received: accumulate_steps={accumulate_steps!r}. Use e.g. accumulate_steps=4.")
-    if accumulate_steps > 1 and getattr(strategy, FIT_HOOK, None) is not None:
+    if accumulate_steps > 1 and not strategy.is_synchronous:
         raise InputError(f"accumulate_steps needs a synchronous strategy, where every replica takes part in each "
                          f"update; {type(strategy).__name__} runs each step on one worker, on its own schedule. "
                          f"Received: accumulate_steps={accumulate_steps}. Use a larger batch_size instead, or a "

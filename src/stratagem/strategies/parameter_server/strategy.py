@@ -167,7 +167,7 @@ class ParameterServerStrategy(Strategy):
         if shared_memory not in (None, True, False):
             raise ParameterServerError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. Fix: "
                                        "None uses shared memory with servers on this host, False never, True insists.")
-        self.cluster = cluster
+        self._cluster = cluster
         self.partitioner = partitioner
         self.shared_memory = shared_memory
         self.rpc_timeout = rpc_timeout
@@ -343,6 +343,16 @@ class ParameterServerStrategy(Strategy):
         )
 
     @property
+    def cluster(self) -> Cluster:
+        """The job's tasks (chief, workers, parameter servers) and this one's place among them."""
+        return self._cluster
+
+    @property
+    def is_synchronous(self) -> bool:
+        """False: each step runs on one worker, on its own schedule, and updates the variables when it lands."""
+        return False
+
+    @property
     def num_workers(self) -> int:
         """Worker tasks that run scheduled functions."""
         return len(self.cluster.addresses["worker"])
@@ -357,7 +367,7 @@ class ParameterServerStrategy(Strategy):
         """`fit`'s step functions, on every task; a worker task serves them from here until the job ends."""
         fit_support.prepare_fit_steps(self, steps, model)
 
-    def fit_steps(self, step_fn: Callable[..., Any], batches: Any, on_step: Callable[[torch.Tensor], None]) -> None:
+    def run_fit_steps(self, step_fn: Callable[..., Any], batches: Any, on_step: Callable[..., None]) -> None:
         """`fit`'s step loop on the chief: each global batch a step scheduled on a worker."""
         if self._fit_coordinator is None:
             self._fit_coordinator = ClusterCoordinator(self)
