@@ -78,3 +78,22 @@ def test_distributed_model_is_the_model_distribute_returned():
         assert len(strategy.local_devices) == 2
     finally:
         strategy.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
+    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
+    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
+], ids=["one-device", "mirrored", "central-storage", "central-storage-copies"])
+def test_each_decision_is_reported_once_by_the_part_that_made_it(make):
+    strategy = make()
+    try:
+        strategy.distribute(nn.Linear(3, 2))  # the replicas part decides where the parameters live now
+        subjects = [d.subject for d in strategy.explain().decisions]
+        assert len(subjects) == len(set(subjects)), subjects
+        assert "devices" in subjects
+        if strategy.num_replicas_in_sync > 1:
+            assert {"gradient combination", "BatchNorm statistics", "parameter storage"} <= set(subjects)
+    finally:
+        strategy.close()
