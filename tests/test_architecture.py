@@ -196,3 +196,115 @@ def test_every_decision_subject_is_in_the_documents_table() -> None:
     recorded = _recorded_subjects()
     assert {"devices", "gradient combination", "cross-worker sums"} <= recorded  # the walk finds them
     assert recorded - documented == set(), "decision subjects missing from docs/architecture.md"
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """`strategy` or `<anything>.strategy` (a training context's, say)."""
+    return (isinstance(node, ast.Name) and node.id == "strategy") or (
+        isinstance(node, ast.Attribute) and node.attr == "strategy")
+
+
+def _strategy_reaches(path: Path) -> list[str]:
+    """Where `path` reads a private member of a strategy or looks one of its members up by name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and _names_a_strategy(node.value)):
+            found.append(f"{path.name}:{node.lineno} reads strategy.{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and node.args and _names_a_strategy(node.args[0])):
+            found.append(f"{path.name}:{node.lineno} looks a strategy's member up with {node.func.id}")
+    return found
+
+
+def test_train_cli_and_bench_use_only_the_members_the_strategy_base_declares() -> None:
+    # fit, evaluate, the command line and the benchmarks drive every strategy through strategies.base.Strategy.
+    found = [reach for unit in ("train", "cli", "bench") for path in sorted((SRC / unit).rglob("*.py"))
+             for reach in _strategy_reaches(path)]
+    assert found == [], "declare these on strategies.base.Strategy and use the declared member:\n" + "\n".join(found)
+
+
+def test_a_private_read_or_a_lookup_by_name_of_a_strategy_is_reported(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(strategy, context):\n    strategy._model\n    getattr(context.strategy, 'fit_steps', None)\n"
+                     "    strategy.cluster\n")
+    assert _strategy_reaches(probe) == ["probe.py:2 reads strategy._model",
+                                        "probe.py:3 looks a strategy's member up with getattr"]
+
+
+# The classes a strategy may subclass: the base, and the data-parallel strategies' delegation to their ReplicaSet.
+STRATEGY_BASES = {"Strategy": "strategies/base.py", "ReplicatedStrategy": "strategies/replicated.py"}
+
+
+def _strategy_classes(src: Path = SRC) -> list[tuple[Path, ast.ClassDef]]:
+    found = []
+    for path in _modules(src / "strategies"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef) and (node.name in STRATEGY_BASES or any(
+                    isinstance(b, ast.Name) and b.id.endswith("Strategy") for b in node.bases)):
+                found.append((path, node))
+    return found
+
+
+def _own_members(cls: ast.ClassDef) -> set[str]:
+    """Names a class defines: its methods and class attributes, and every `self.<name> = ...` in its methods."""
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                names.add(target.attr)
+    return names
+
+
+def _private_reads_of_others(src: Path = SRC) -> list[str]:
+    """`self._x` reads, in a strategy class, of a member neither the class nor the bases it may have define."""
+    classes = _strategy_classes(src)
+    declared = {cls.name: _own_members(cls) for _, cls in classes if cls.name in STRATEGY_BASES}
+    declared["Strategy"] = declared.get("Strategy", set())
+    found = []
+    for path, cls in classes:
+        if cls.name in STRATEGY_BASES:
+            continue
+        bases = [b.id for b in cls.bases if isinstance(b, ast.Name)]
+        allowed = _own_members(cls) | declared["Strategy"] | set().union(*(declared.get(b, set()) for b in bases))
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in allowed):
+                found.append(f"{path.relative_to(src.parent)}:{node.lineno} {cls.name} reads self.{node.attr}")
+    return found
+
+
+def test_no_strategy_subclasses_another_strategy() -> None:
+    classes = _strategy_classes()
+    assert {"MirroredStrategy", "CentralStorageStrategy", "MultiWorkerMirroredStrategy",
+            "OneDeviceStrategy"} <= {cls.name for _, cls in classes}  # the walk finds them
+    wrong = [f"{cls.name}({', '.join(b.id for b in cls.bases if isinstance(b, ast.Name))})" for _, cls in classes
+             if cls.name not in STRATEGY_BASES
+             and not all(isinstance(b, ast.Name) and b.id in STRATEGY_BASES for b in cls.bases)]
+    assert wrong == [], "a strategy is assembled from parts, not made by editing another strategy"
+
+
+def test_no_strategy_reads_private_state_it_does_not_own() -> None:
+    found = _private_reads_of_others()
+    assert found == [], "a strategy reads private members another class owns:\n" + "\n".join(found)
+
+
+def test_a_strategy_reading_its_base_classs_private_state_is_reported(tmp_path: Path) -> None:
+    strategies = tmp_path / "stratagem" / "strategies"
+    strategies.mkdir(parents=True)
+    (strategies / "base.py").write_text("class Strategy:\n    def close(self):\n        self._pool = None\n")
+    (strategies / "probe.py").write_text(
+        "class WideStrategy(Strategy):\n    def __init__(self):\n        self._mine = 1\n"
+        "class NarrowStrategy(WideStrategy):\n    def explain(self):\n        return self._mine, self._pool, self._decisions\n")
+    assert _private_reads_of_others(tmp_path / "stratagem") == [
+        "stratagem/strategies/probe.py:6 NarrowStrategy reads self._mine",
+        "stratagem/strategies/probe.py:6 NarrowStrategy reads self._decisions"]

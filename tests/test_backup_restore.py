@@ -199,7 +199,7 @@ def test_a_scheduler_of_an_optimizer_fit_does_not_train_with_is_refused():
 class OneOfTwoWorkers(sg.OneDeviceStrategy):
     """This process as worker 0 of two whose peer restored nothing: the peer adds zeros to every sum."""
 
-    def _input_pipeline(self):
+    def input_pipeline(self):
         return 2, 0
 
     @property

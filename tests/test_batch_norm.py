@@ -17,6 +17,11 @@ from helpers import WORKERS, launch_workers
 from torch import nn
 
 import stratagem as sg
+from stratagem.strategies.combine import choose_local_combine
+from stratagem.strategies.mirrored_placement import place_replicas
+from stratagem.strategies.mirrored_replicas import MirroredReplicas
+from stratagem.strategies.replica_set import ReplicaSet
+from stratagem.strategies.replicated import ReplicatedStrategy
 
 SIZES = [12, 11, 7, 2, 5]  # uneven splits, a batch smaller than 3 replicas, a last short batch
 
@@ -360,16 +365,51 @@ def test_bfloat16_autocast_input_with_float32_parameters():
     strategy.close()
 
 
-class _TwinWorkers(sg.MirroredStrategy):
-    """One local replica and a stand-in for a second worker process holding the same slice: the sum across
-    workers doubles (the path of MultiWorkerMirroredStrategy with one replica per worker, without processes)."""
+class _TwinWorker:
+    """The cross-worker part of MultiWorkerMirroredStrategy with one replica per worker, without processes: a
+    stand-in for a second worker holding the same slice, so every sum across workers doubles."""
 
-    @property
-    def num_replicas_in_sync(self) -> int:
-        return 2
+    world_size = 2
+    sums_whole_backward = True  # one local replica: no local meeting
 
-    def _batch_norm_cross_worker(self):
-        return lambda tensor, what, step: tensor.mul_(2)
+    def prepare(self, replicas, replica_params):
+        self.params = replica_params[0]
+
+    def begin_step(self, state):
+        pass
+
+    def grad_ready(self, index, state):
+        pass
+
+    def finish_backward(self, state):
+        for p in self.params:  # weighted by this worker's share, summed with the twin's identical gradient
+            p.grad.mul_(self.world_size * state.weights[0])
+
+    def after_backward(self, state):
+        pass
+
+    def loss_weight_declared(self, count):
+        pass
+
+    def loss_weight_total(self, state, num_replicas_in_sync):
+        return None
+
+    def batch_norm_sum(self, tensor, what, step):
+        return tensor.mul_(2)
+
+    def decisions(self):
+        return []
+
+    def details(self):
+        return {}
+
+
+class _TwinWorkers(ReplicatedStrategy):
+    def __init__(self) -> None:
+        placement = place_replicas(["cpu:0"], require_gpu=False, registry=cpu_registry(1), intra_op_threads=None)
+        self._replicas = ReplicaSet(self, placement, build=MirroredReplicas(None), across=_TwinWorker(),
+                                    combine=choose_local_combine(placement.devices, nccl_available=False),
+                                    batch_norm="global", timeout=60.0)
 
 
 def test_one_replica_per_worker_sums_across_workers_without_a_local_meeting():
@@ -378,7 +418,7 @@ def test_one_replica_per_worker_sums_across_workers_without_a_local_meeting():
     (x, y), = batches(shape, sizes=[5])
     # One device on the global batch: this worker's slice and the other worker's identical one.
     F.cross_entropy(reference(torch.cat([x, x])), torch.cat([y, y])).backward()
-    strategy = _TwinWorkers(["cpu:0"], registry=cpu_registry(1))
+    strategy = _TwinWorkers()
     model = strategy.distribute(model)
     strategy.run(lambda x, y: F.cross_entropy(model(x), y).backward(), args=(x, y))
     # Weighted 1/2 here and summed over the two workers, each gradient is one device's.

@@ -256,9 +256,9 @@ class _Pause(torch.nn.Module):
 def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_have_ready_exactly(monkeypatch):
     """Replica 0 waits while replica 1 pauses before the first layer's gradient; meanwhile it combines
     both shares of the later layers' gradients. The result still equals one device (uneven splits)."""
-    from stratagem.strategies import mirrored
+    from stratagem.strategies import replica_set
 
-    monkeypatch.setattr(mirrored, "STEAL_MIN_ELEMENTS", 1)  # these layers are tiny: let every share be claimed
+    monkeypatch.setattr(replica_set, "STEAL_MIN_ELEMENTS", 1)  # these layers are tiny: let every share be claimed
     def model_with_pause():
         torch.manual_seed(42)
         return torch.nn.Sequential(torch.nn.Linear(6, 16), _Pause(), torch.nn.ReLU(), torch.nn.Linear(16, 16),
@@ -276,7 +276,7 @@ def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_
     assert_same_state(reference, model, torch.float64)
     # Parameters 2-5 (the last two layers) were ready in both replicas while replica 0 waited: both of
     # their shares were combined then, in the one backward pass of the last step.
-    assert [strategy._claimed[i] for i in range(2, 6)] == [[1, 1]] * 4
+    assert [strategy._replicas.combination.claimed[i] for i in range(2, 6)] == [[1, 1]] * 4
     strategy.close()
 
 
@@ -291,5 +291,6 @@ def test_small_gradients_are_left_for_the_combination_after_the_meeting():
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
     model, _, _ = train_with(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
     assert_same_state(reference, model, torch.float64)
-    assert strategy._stealable == [False] * 4 and all(c == [0, 0] for c in strategy._claimed)
+    combination = strategy._replicas.combination
+    assert combination.stealable == [False] * 4 and all(c == [0, 0] for c in combination.claimed)
     strategy.close()

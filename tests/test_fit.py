@@ -136,13 +136,13 @@ def test_fit_again_continues_training_the_same_model():
 
 
 class ReversingStrategy(sg.OneDeviceStrategy):
-    """Runs each epoch's steps in reverse order through the `fit_steps` extension point."""
+    """Runs each epoch's steps in reverse order through the `run_fit_steps` extension point."""
 
     def __init__(self) -> None:
         super().__init__("cpu:0", registry=cpu_registry(1))
         self.calls = 0
 
-    def fit_steps(self, step_fn, batches, on_step) -> None:
+    def run_fit_steps(self, step_fn, batches, on_step) -> None:
         self.calls += 1
         for x, y in reversed(list(batches)):
             on_step(self.reduce("sum", self.run(step_fn, args=(x, y))).to(torch.float64))

@@ -12,6 +12,7 @@ from stratagem.devices import DeviceRegistry, LogicalDevice, LogicalDeviceConfig
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import MemoryEstimateError
 from stratagem.strategies import mirrored
+from stratagem.strategies.mirrored_placement import check_memory
 
 GiB = 2**30
 
@@ -58,7 +59,7 @@ def test_a_model_that_fits_in_cached_memory_is_not_refused(gpu_memory, monkeypat
     monkeypatch.setattr(mirrored.diagnose, "estimate_training_memory", lambda *args, **kwargs: big)
     strategy = mirrored.MirroredStrategy(["cuda:0"], registry=gpu_registry())
     try:
-        strategy._check_memory(torch.nn.Linear(1, 1), None)
+        check_memory(strategy._replicas.placement.logical, torch.nn.Linear(1, 1), None)
     finally:
         strategy.close()
 
@@ -72,10 +73,10 @@ def test_a_model_that_does_not_fit_is_refused_with_the_figures(gpu_memory, monke
     try:
         with pytest.raises(MemoryEstimateError, match=r"Replica on cuda:0 needs at least .* but the room on cuda:0 "
                                                       r"\(1\.00 GiB free, 0 B cached"):
-            strategy._check_memory(torch.nn.Linear(1, 1), None)
+            check_memory(strategy._replicas.placement.logical, torch.nn.Linear(1, 1), None)
         # What the model already holds on the first replica's GPU is no new memory.
         monkeypatch.setattr(mirrored.sg_devices, "resident_bytes", lambda tensors, device: 4 * GiB)
-        strategy._check_memory(torch.nn.Linear(1, 1), None)
+        check_memory(strategy._replicas.placement.logical, torch.nn.Linear(1, 1), None)
     finally:
         strategy.close()
 

@@ -85,6 +85,6 @@ def test_a_step_that_trains_outside_a_scheduled_function_is_refused_with_the_fix
                 return torch.zeros(3)
 
             with pytest.raises(InputError, match="scheduled function"):
-                strategy.fit_steps(step, make_batches(shape, torch.float64, sizes=[4]), lambda state: None)
+                strategy.run_fit_steps(step, make_batches(shape, torch.float64, sizes=[4]), lambda state: None)
         finally:
             strategy.close()

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             callbacks += [backup, BackupSettings(config, backup, json_output=args.json)]
         strategy, decision = build_strategy(config.strategy, config.devices)
         try:
-            check_precision(config.precision, [d.type for d in strategy._local_devices])  # before any work
+            check_precision(config.precision, [d.type for d in strategy.local_devices])  # before any work
         except StratagemError:
             strategy.close()
             raise
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # soft_wrap: long reasons stay on one line when piped to a file, instead of breaking at 80 columns.
     console = Console(highlight=False, soft_wrap=True)
-    cluster = getattr(strategy, "cluster", None)  # only the strategies of several processes have one
+    cluster = strategy.cluster  # only the strategies of several processes have one
     chief = cluster is None or cluster.is_chief
     if not chief:
         args.json = True  # workers other than the chief train silently; the chief reports for the job

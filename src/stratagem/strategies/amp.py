@@ -127,7 +127,7 @@ def _parameter_indices(strategy: Any, optimizer: Any) -> list[int] | None:
     if isinstance(optimizer, ShardedOptimizer):
         return list(optimizer._order)  # its param_groups hold 1/N shards, not parameters
     if isinstance(optimizer, CentralOptimizer):
-        own = strategy._central_params  # its param_groups hold the central copy, in this order
+        own = optimizer._central_params  # its param_groups hold the central copy, in this order
         groups = optimizer.param_groups
     elif isinstance(optimizer, DistributedOptimizer):
         own = strategy._replica_params[0]

@@ -9,8 +9,13 @@ the user's step function stays the same under every strategy:
         losses = strategy.run(train_step, args=(x, y))
         print(strategy.reduce("mean", losses))
 
-Subclasses implement `distribute`, `run`, `_local_devices` and, when they span processes,
-`_input_pipeline` and `_cross_worker_sum`.
+Subclasses implement `distribute`, `run`, `explain` and `_local_devices`; `fit`, `evaluate`, the
+command line and the benchmarks use only the members declared here (the fit steps, the input
+pipeline and its sharding, the cluster, the distributed model, `close`), each with a default that
+holds for a strategy of one process whose replicas run in lockstep. A strategy that spans
+processes overrides `cluster`, `input_pipeline`, `shard_input`, `_cross_worker_sum` and
+`_gather_across_workers`; one that runs its steps its own way (the parameter server) overrides
+`run_fit_steps`, `prepare_fit_steps` and `is_synchronous`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import abc
 import builtins
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,7 +36,11 @@ from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
 from stratagem.strategies.replicas import current_replica_context
 from stratagem.strategies.steps import check_returns, make_step
+from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
 from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
+
+if TYPE_CHECKING:
+    from stratagem.cluster import Cluster
 
 
 class Strategy(abc.ABC):
@@ -56,9 +65,51 @@ class Strategy(abc.ABC):
     def explain(self) -> Explanation:
         """Where this strategy runs and why."""
 
-    def _input_pipeline(self) -> tuple[int, int]:
+    _model: Any = None
+    """The model `distribute` returned (None before it ran); set by each strategy's `distribute`."""
+
+    # ---- what fit, evaluate, the command line and the benchmarks read ---------------------------
+    @property
+    def local_devices(self) -> list[torch.device]:
+        """The torch device of each replica of this process, in replica order."""
+        return list(self._local_devices)
+
+    @property
+    def cluster(self) -> Cluster | None:
+        """The cluster this strategy's processes form; None for a strategy of one process."""
+        return None
+
+    @property
+    def distributed_model(self) -> nn.Module | None:
+        """The model `distribute` returned, or None before it ran (a strategy distributes one model)."""
+        return self._model
+
+    @property
+    def is_synchronous(self) -> bool:
+        """True when every replica takes part in each update (False: the parameter server's asynchronous steps)."""
+        return True
+
+    def input_pipeline(self) -> tuple[int, int]:
         """(number of input pipelines, this process's pipeline id): one pipeline per worker process."""
         return 1, 0
+
+    def shard_input(self, data: Any, *, note: bool = True) -> Any:
+        """The part of `data` this process reads (all of it in one process), cut before `data` is wrapped;
+        `note`: record the choice for `explain()` ("input sharding")."""
+        return data
+
+    def prepare_fit_steps(self, steps: Mapping[str, StepFn], model: Any) -> None:
+        """`fit`'s step functions by role (``{"train": ..., "eval": ...}``), on every task, before the first
+        step: nothing to do where the steps run in this process."""
+
+    def run_fit_steps(self, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
+        """`fit`'s and `evaluate`'s step loop: `step_fn(inputs, targets)` on every replica for each GLOBAL
+        batch, `on_step(state, num_examples)` once per batch with the state summed over every replica.
+
+        The default runs the replicas in lockstep (`strategies/lockstep.py`, whose docstring gives the
+        contract an override keeps); the parameter server schedules each step on a worker instead.
+        """
+        run_in_lockstep(self, step_fn, batches, on_step)
 
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over worker processes (identity within one process)."""
@@ -117,7 +168,7 @@ class Strategy(abc.ABC):
                 "distribute_datasets_from_function needs a function of an InputContext. "
                 f"Received: {type(dataset_fn).__name__}. For a loader of global batches use distribute_dataset."
             )
-        num_pipelines, pipeline_id = self._input_pipeline()
+        num_pipelines, pipeline_id = self.input_pipeline()
         ctx = InputContext(
             num_input_pipelines=num_pipelines,
             input_pipeline_id=pipeline_id,

@@ -22,14 +22,16 @@ from stratagem.strategies.distributed import DistributedModel, ReplicatedOptimiz
 from stratagem.strategies.replicas import current_replica_context
 
 
-class _CentralOwner(Protocol):
-    """What the model and optimizer need from their strategy."""
+class _CentralUpdate(Protocol):
+    """What the model and optimizer need from the central-storage part (strategies/central_update.py)."""
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any: ...
+    central_params: list[nn.Parameter]
 
-    def _zero_grad(self, set_to_none: bool) -> None: ...
+    def apply_update(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any: ...
 
-    def _refresh_replicas(self) -> None: ...
+    def zero_grad(self, set_to_none: bool) -> None: ...
+
+    def refresh_replicas(self) -> None: ...
 
     def _current_replica(self) -> int | None: ...
 
@@ -48,9 +50,11 @@ class CentralModel(DistributedModel):
         >>> model.state_dict()       # outside: the central copy (the parameters, once)
     """
 
-    def __init__(self, central: nn.Module, replicas: Sequence[nn.Module], strategy: _CentralOwner) -> None:
+    def __init__(self, central: nn.Module, replicas: Sequence[nn.Module], strategy: Any,
+                 update: _CentralUpdate) -> None:
         # Not registered as a sub-module (nn.Module's __setattr__ would): parameters() lists one copy's parameters.
         object.__setattr__(self, "_central", central)
+        object.__setattr__(self, "_update", update)
         super().__init__(replicas, strategy)
 
     @property
@@ -68,7 +72,7 @@ class CentralModel(DistributedModel):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         result = self._central.load_state_dict(state_dict, strict=strict, assign=assign)
-        self._strategy._refresh_replicas()
+        self._update.refresh_replicas()
         return result
 
     def train(self, mode: bool = True) -> CentralModel:
@@ -77,10 +81,10 @@ class CentralModel(DistributedModel):
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._strategy._zero_grad(set_to_none)
+        self._update.zero_grad(set_to_none)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_central":
+        if name in ("_central", "_update"):
             raise AttributeError(name)
         return super().__getattr__(name)
 
@@ -96,10 +100,11 @@ class CentralOptimizer(ReplicatedOptimizer):
     replica inside `strategy.run`; the update happens once, on the central device.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: _CentralOwner) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, update: _CentralUpdate) -> None:
         # torch.optim.Optimizer.__init__ is not called: the user's optimizer owns the parameters.
         self._optimizers = [optimizer]
-        self._strategy = strategy
+        self._strategy = update  # the part, which answers _current_replica and _meet as a strategy would
+        self._central_params = update.central_params  # in the order of the central model's parameters (amp.py)
         self._schedulers = lr_schedulers.SchedulerSet()
 
     @property
@@ -115,10 +120,10 @@ class CentralOptimizer(ReplicatedOptimizer):
         return self.optimizer.state
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        return self._strategy._apply_update(self.optimizer, closure)
+        return self._strategy.apply_update(self.optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._strategy._zero_grad(set_to_none)
+        self._strategy.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -1,4 +1,8 @@
-"""The local combination at the end of backward, with its work stealing (MirroredStrategy's part).
+"""The local combination at the end of backward, with its work stealing (a data-parallel strategy's part).
+
+`LocalCombine` is the part a strategy chooses (which reducer, and why: `choose_local_combine` for
+Mirrored and MultiWorker, the central device's reduction for CentralStorage); `LocalCombination`
+is the state of the meeting the replica set runs with it.
 
 When a replica's backward pass ends, this process's replicas meet and each combines its share of
 every gradient (`LocalReducer.combine_`), each replica's gradient weighted by its share of the
@@ -16,13 +20,36 @@ a small gradient costs more in Python calls than it saves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from stratagem.collective.local import LocalReducer
+from stratagem.collective.local import LocalReducer, choose_local_reducer
+from stratagem.diagnose import PlacementDecision
 from stratagem.strategies.replicas import ReplicaBarrier
+
+
+@dataclass(frozen=True)
+class LocalCombine:
+    """The local-combination part: the reducer that sums this process's replicas' gradients, and why."""
+
+    reducer: LocalReducer
+    decision: PlacementDecision | None
+    """None where there is nothing to say (one replica)."""
+
+    def decisions(self) -> list[PlacementDecision]:
+        return [] if self.decision is None else [self.decision]
+
+    def details(self) -> dict[str, str]:
+        return {}
+
+
+def choose_local_combine(devices: Sequence[torch.device], *, nccl_available: bool) -> LocalCombine:
+    """In memory, NCCL or onto one device (`collective.local.choose_local_reducer`); said with several replicas."""
+    reducer, decision = choose_local_reducer(devices, nccl_available=nccl_available)
+    return LocalCombine(reducer, decision if len(devices) > 1 else None)
 
 
 class LocalCombination:

@@ -20,6 +20,11 @@ from stratagem.strategies import lr_schedulers
 from stratagem.strategies.replicas import current_replica_context
 
 
+def distributing_strategy(model: DistributedModel) -> Any:
+    """The strategy whose `distribute` made `model` (not an attribute: it would hide one of the user's model)."""
+    return model._strategy
+
+
 def _replica_index(owner: Any) -> int:
     ctx = current_replica_context()
     if ctx is None or ctx.strategy is not owner._strategy:

@@ -1,15 +1,17 @@
-"""Where MirroredStrategy's replicas go: devices, one replica per GPU, threads, parameter sharing, memory.
+"""Where the replicas of a data-parallel strategy go: devices, one replica per GPU, threads, parameter
+sharing, memory.
 
 Each decision is a plain function that takes what it needs and returns its value with the
-`PlacementDecision` that `explain()` reports (None where there is nothing to say), so that the
-strategy's thin methods, which subclasses override, only record it. A decision that cannot be
-honoured raises: a GPU asked for but absent, two replicas on one GPU, a replica without the memory
-its training state needs, parameters that cannot be shared although share_parameters=True.
+`PlacementDecision` that `explain()` reports (None where there is nothing to say); `place_replicas`
+makes the placement part, `ReplicaDevices`, which keeps the decisions it made. A decision that
+cannot be honoured raises: a GPU asked for but absent, two replicas on one GPU, a replica without
+the memory its training state needs, parameters that cannot be shared although share_parameters=True.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,6 +21,55 @@ from stratagem import diagnose
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies.sharded import why_not_shareable
+
+
+@dataclass(frozen=True)
+class ReplicaDevices:
+    """The placement part: each local replica's logical device, the intra-op threads of a CPU replica, and
+    the decisions that chose them (devices, GPU memory limits, threads)."""
+
+    logical: list[sg_devices.LogicalDevice]
+    threads: int | None
+    """torch intra-op threads per CPU replica (None without CPU replicas)."""
+    recorded: tuple[PlacementDecision, ...]
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The torch device each replica runs on."""
+        return [d.physical for d in self.logical]
+
+    @property
+    def names(self) -> list[str]:
+        """Each replica's logical device name ("cpu:1", "cuda:0")."""
+        return [d.name for d in self.logical]
+
+    def decisions(self) -> list[PlacementDecision]:
+        return list(self.recorded)
+
+    def details(self) -> dict[str, str]:
+        return {}
+
+
+def place_replicas(
+    devices: Sequence[str | torch.device] | None,
+    *,
+    require_gpu: bool,
+    registry: sg_devices.DeviceRegistry | None,
+    intra_op_threads: int | None,
+    devices_decision: PlacementDecision | None = None,
+) -> ReplicaDevices:
+    """Resolves the replicas' devices and their threads. `devices_decision`: why these devices, when the
+    caller chose them (a worker's own GPU) rather than the user."""
+    chosen, decision = choose_devices(devices, require_gpu, registry)
+    recorded = [devices_decision if devices_decision is not None else decision]
+    physical = [d.physical for d in chosen]
+    check_one_replica_per_gpu(physical, [d.name for d in chosen])
+    for choice, why in sg_devices.enforce_memory_limits(chosen):
+        recorded.append(PlacementDecision(subject="GPU memory limit", choice=choice, reason=why))
+    threads, threads_decision = choose_threads(physical, intra_op_threads)
+    if threads_decision is not None:
+        recorded.append(threads_decision)
+    return ReplicaDevices(list(chosen), threads, tuple(recorded))
 
 
 def choose_devices(

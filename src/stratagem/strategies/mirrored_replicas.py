@@ -1,4 +1,5 @@
-"""MirroredStrategy's replicas: a copy of the model per device, and the optimizer that updates them all.
+"""The replicas of Mirrored, OneDevice and MultiWorkerMirrored: a copy of the model per device, and the
+optimizer that updates them all (`MirroredReplicas`, the part the replica set builds them with).
 
 Replica 0 is the model itself, moved to the first device; every other replica is a deep copy on its
 own device. Replicas that share one copy of the parameters (logical devices of one CPU, see
@@ -17,8 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.strategies import lr_schedulers
-from stratagem.strategies.distributed import DistributedOptimizer, replicate_optimizer
+from stratagem.diagnose import PlacementDecision
+from stratagem.strategies import cuda_numerics, lr_schedulers
+from stratagem.strategies import mirrored_placement as placement
+from stratagem.strategies.compiled import make_room_for_replicas
+from stratagem.strategies.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
+from stratagem.strategies.replica_set import Built
 from stratagem.strategies.sharded import ShardedOptimizer, alias_parameters
 
 
@@ -54,3 +59,55 @@ def distribute_optimizer(
     if distributed is not None:  # schedulers built before distribute step once per step too
         lr_schedulers.adopt_existing(optimizer, distributed, gc.get_referrers)
     return distributed
+
+
+class MirroredReplicas:
+    """The replicas part of Mirrored, OneDevice and MultiWorkerMirrored: at `distribute`, a copy of the model
+    per device (one copy read by all, on logical devices of one CPU, when the optimizer allows it), and the
+    optimizer that updates them all. It records the decisions it makes then: room in torch.compile's cache,
+    each GPU replica's random stream, and where the parameters live ("parameter storage")."""
+
+    steal = True  # replicas waiting at the end of backward may combine the others' gradients early
+    accumulates = True  # no_sync() skips the combination of a backward pass
+
+    def __init__(self, share_parameters: bool | None, first_global_replica: int = 0) -> None:
+        self._share_parameters = share_parameters
+        self._first_global_replica = first_global_replica  # seeds each GPU replica's random stream
+        self._recorded: list[PlacementDecision] = []
+        self._set: Any = None
+
+    def attach(self, replica_set: Any) -> None:
+        self._set = replica_set
+
+    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Built:
+        owner, devices = self._set.owner, self._set.devices
+        placement.check_memory(self._set.placement.logical, model, optimizer)  # before anything is copied
+        self._record(make_room_for_replicas(model, len(devices)))
+        self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
+        source_params = list(model.parameters())
+        shared, decision = placement.decide_sharing(devices, self._share_parameters, model, optimizer)
+        self._record(decision)
+        replicas = make_replicas(model, devices, shared)
+        distributed = None
+        if optimizer is not None:
+            distributed = distribute_optimizer(optimizer, source_params, replicas, devices[0], shared, owner)
+        plain = getattr(distributed, "_optimizers", None) or ([optimizer] if optimizer is not None else [])
+        if len(replicas) == 1:
+            return Built(replicas, model, optimizer, plain)
+        return Built(replicas, DistributedModel(replicas, owner), distributed, plain)
+
+    def _record(self, decision: PlacementDecision | None) -> None:
+        if decision is not None:
+            self._recorded.append(decision)
+
+    def begin_step(self) -> None:
+        """Nothing to hand out: every replica keeps its own parameters, updated alike."""
+
+    def end_run(self) -> None:
+        """Nothing to collect after a step."""
+
+    def decisions(self) -> list[PlacementDecision]:
+        return list(self._recorded)
+
+    def details(self) -> dict[str, str]:
+        return {}

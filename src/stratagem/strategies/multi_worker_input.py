@@ -22,6 +22,7 @@ from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.data.worker_shards import WorkerPart
+from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.base import stack_batch
 from stratagem.values import PerReplica, map_structure
@@ -36,6 +37,27 @@ def _rank(cluster: Cluster) -> int:
     """This worker's rank: every task of the strategy has one (start_process_group refuses a task without)."""
     assert cluster.rank is not None
     return cluster.rank
+
+
+class InputSharding:
+    """The input-sharding part: how this worker reads its part of the input, as last noted ("input sharding")."""
+
+    def __init__(self) -> None:
+        self._decision: PlacementDecision | None = None
+
+    @property
+    def choice(self) -> str | None:
+        return None if self._decision is None else self._decision.choice
+
+    def note(self, choice: str, why: str) -> None:
+        """The way the input that is read now is sharded (each `distribute_dataset` or `fit` says it again)."""
+        self._decision = PlacementDecision(subject="input sharding", choice=choice, reason=why)
+
+    def decisions(self) -> list[PlacementDecision]:
+        return [] if self._decision is None else [self._decision]
+
+    def details(self) -> dict[str, str]:
+        return {}
 
 
 class MultiWorkerDataset:

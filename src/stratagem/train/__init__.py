@@ -26,7 +26,6 @@ from stratagem.train.checkpoint import (
 )
 from stratagem.train.fit import EpochLog, History, TrainingContext, fit, is_chief
 from stratagem.train.loop import (
-    FIT_HOOK,
     Evaluation,
     evaluate,
     run_steps,
@@ -45,7 +44,6 @@ from stratagem.train.metrics import (
 from stratagem.train.seeding import seed_everything
 
 __all__ = [
-    "FIT_HOOK",
     "METRICS",
     "Accuracy",
     "BackupAndRestore",

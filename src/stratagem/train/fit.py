@@ -3,9 +3,9 @@
 `fit` distributes the model with the strategy it is given, feeds it GLOBAL batches, reports the
 loss and the metrics of each epoch exactly (states summed over replicas and workers, then
 read), evaluates on validation data, and calls callbacks (backups, progress). It uses only the
-`Strategy` base class (`distribute`, `distribute_dataset`, `run`, `reduce`), so every strategy
-runs it; a strategy that runs steps its own way plugs in through ``fit_steps`` (see
-`stratagem.train.loop`).
+`Strategy` base class (`distribute`, `distribute_dataset`, `run`, `reduce`, and the fit steps,
+input pipeline, cluster and model it declares), so every strategy runs it; a strategy that runs
+steps its own way overrides ``Strategy.run_fit_steps`` (see `stratagem.train.loop`).
 
 Example:
     >>> strategy = sg.MirroredStrategy()
@@ -21,24 +21,21 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
-from stratagem.strategies.amp import check_precision
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.distributed import DistributedModel
+from stratagem.strategies.distributed import DistributedModel, distributing_strategy
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
-from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
+from stratagem.train.callbacks import BackupAndRestore, Callback
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
+from stratagem.train.fit_checks import check_backups_possible, check_callbacks, check_fit_arguments, fit_data
 from stratagem.train.loop import (
-    FIT_HOOK,
-    PREPARE_HOOK,
     LossFn,
     evaluate_with,
     make_eval_step,
@@ -281,38 +278,13 @@ def fit(
         InputError: a bad argument (checked before any work starts), or a backup that does not
             match this run.
     """
-    _check_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm)
-    _check_accumulate_steps(strategy, accumulate_steps)
-    precision = check_precision(precision, [d.type for d in strategy._local_devices])
-    if precision == "fp16" and accumulate_steps > 1:
-        raise InputError(
-            "precision='fp16' and accumulate_steps > 1 cannot be combined yet: the loss scaler would have to skip a "
-            f"whole group of micro-batches. Received: precision='fp16', accumulate_steps={accumulate_steps}. Use "
-            "precision='bf16' (no loss scaling needed) or accumulate_steps=1."
-        )
+    precision = check_fit_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm,
+                                    accumulate_steps, precision)
     metric_set = MetricSet(get_metrics(metrics))
-    train_data = _as_batches(data, batch_size, shuffle, seed, "data")
-    if validation_batch_size is None and not _is_batched(validation_data):
-        validation_batch_size = batch_size  # a validation data set is batched as the training one
-    val_data = None if validation_data is None else _as_batches(validation_data, validation_batch_size,
-                                                                False, seed, "validation_data")
-    train_data = _worker_part(strategy, train_data, note=True)
-    val_data = None if val_data is None else _worker_part(strategy, val_data, note=False)
-    callbacks = list(callbacks or [])
-    for callback in callbacks:
-        if not isinstance(callback, Callback):
-            raise InputError(f"Every callback must be a stratagem.train.Callback. Received: {type(callback).__name__}. "
-                             "Subclass Callback and override the hooks you need.")
-    if verbose and not any(isinstance(c, ProgressBar) for c in callbacks):
-        callbacks.append(ProgressBar())
+    train_data, val_data = fit_data(strategy, data, batch_size, shuffle, seed, validation_data, validation_batch_size)
+    callbacks = check_callbacks(callbacks, verbose)
     model, optimizer = _ensure_distributed(strategy, model, optimizer)
-    if any(isinstance(c, BackupAndRestore) for c in callbacks) and not callable(getattr(optimizer, "state_dict", None)):
-        # Found now rather than at the first backup, an epoch in.
-        raise InputError(
-            f"BackupAndRestore cannot back up this optimizer: {type(optimizer).__name__} has no state_dict (under "
-            "ParameterServerStrategy the optimizer state lives on the parameter servers). Received: callbacks="
-            f"{[type(c).__name__ for c in callbacks]}. Leave BackupAndRestore out; under the parameter server save "
-            "with strategy.save(path) and strategy.restore(path).")
+    check_backups_possible(callbacks, optimizer)  # found now rather than at the first backup, an epoch in
     context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
                               totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
@@ -325,11 +297,9 @@ def fit(
         train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
                                      precision=precision, scaler=scaler)
     eval_step = make_eval_step(model, loss, metric_set, precision=precision)
-    prepare = getattr(strategy, PREPARE_HOOK, None)
-    if prepare is not None:
-        # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
-        # worker) serves from here until the chief ends the job.
-        prepare({"train": train_step, "eval": eval_step}, model)
+    # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
+    # worker) serves from here until the chief ends the job.
+    strategy.prepare_fit_steps({"train": train_step, "eval": eval_step}, model)
     try:
         history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps)
     except BaseException:
@@ -431,14 +401,14 @@ def _epoch_batches(context: TrainingContext) -> Iterable[Any]:
 
 def is_chief(strategy: Strategy) -> bool:
     """Whether this process is the chief of `strategy`'s cluster (True for single-process strategies)."""
-    cluster = getattr(strategy, "cluster", None)
+    cluster = strategy.cluster
     return cluster is None or bool(cluster.is_chief)
 
 
 def _check_workers_agree(context: TrainingContext) -> None:
     """Every process running this fit must start at the same step (they restored the same backup, or none)."""
     # One input pipeline per process that runs the training loop (MultiWorkerMirrored: every worker).
-    num_processes, process_id = context.strategy._input_pipeline()
+    num_processes, process_id = context.strategy.input_pipeline()
     if num_processes <= 1:
         return
     mine = torch.tensor([float(context.step), float(context.step) ** 2], dtype=torch.float64)
@@ -446,7 +416,7 @@ def _check_workers_agree(context: TrainingContext) -> None:
     sums = context.strategy.reduce("sum", mine).to("cpu") / context.strategy.num_replicas_in_sync
     mean, mean_square = float(sums[0]), float(sums[1])
     if abs(mean - context.step) > 1e-6 or abs(mean_square - mean * mean) > 1e-6:
-        cluster = getattr(context.strategy, "cluster", None)
+        cluster = context.strategy.cluster
         who = cluster.task_name if cluster is not None else f"process {process_id}"
         raise InputError(
             f"The workers start from different steps: {who} is at step {context.step}, the mean over the "
@@ -463,86 +433,16 @@ def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.o
                     "This model was distributed with another optimizer by an earlier fit. Received: an optimizer that "
                     "is not the one fit distributed with it. Pass history.optimizer of the earlier fit.")
             return dist_model, dist_opt
-    if (isinstance(model, DistributedModel) and model._strategy is strategy) or getattr(strategy, "_model", None) is model:
+    if model is strategy.distributed_model:
         return model, optimizer  # the user already called strategy.distribute
     if isinstance(model, DistributedModel):
         raise InputError("The model was distributed by another strategy. Received: a DistributedModel of "
-                         f"{type(model._strategy).__name__}. Pass the plain model, or use that strategy.")
+                         f"{type(distributing_strategy(model)).__name__}. Pass the plain model, or use that strategy.")
     result = strategy.distribute(model, optimizer)
     dist_model, dist_opt = result
     _DISTRIBUTED.setdefault(strategy, []).append((model, optimizer, dist_model, dist_opt))
     return dist_model, dist_opt
 
 
-def _is_batched(data: Any) -> bool:
-    """A DataLoader, a generator, a ShuffledBatches: an iterable that yields batches already."""
-    return (hasattr(data, "__iter__") and not hasattr(data, "__getitem__")) or isinstance(data, ShuffledBatches)
-
-
-def _as_batches(data: Any, batch_size: int | None, shuffle: bool, seed: int, name: str) -> Any:
-    if batch_size is not None:
-        if _is_batched(data):
-            # A DataLoader, a generator, a ShuffledBatches: already batched.
-            raise InputError(
-                f"{name} is already an iterable of batches, so a batch size cannot apply to it. Received: "
-                f"{type(data).__name__} with a batch size of {batch_size}. Drop the batch size, or pass the data set "
-                "itself (for a DataLoader: loader.dataset).")
-        return ShuffledBatches(data, batch_size, shuffle=shuffle, seed=seed)
-    if isinstance(data, (torch.Tensor, str, bytes, dict)) or not isinstance(data, Iterable):
-        raise InputError(
-            f"{name} must be an iterable of GLOBAL (inputs, targets) batches, or a data set with a batch size. "
-            f"Received: {type(data).__name__}. Pass e.g. a DataLoader, or (x, y) with batch_size=64."
-        )
-    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        raise InputError(f"{name} is a pair of tensors: give a batch size to batch it. Received: tensors of shapes "
-                         f"{[tuple(t.shape) for t in data]} and no batch size. Add batch_size=64 (or validation_batch_size).")
-    # Not iter(data) is data: that starts a DataLoader's iteration (its worker processes too) and draws from
-    # its generator, so the first epoch's shuffle would differ from the loader's own first order.
-    if isinstance(data, Iterator):
-        logger.info("%s is an iterator: it can be read only once, so it serves one epoch.", name)
-    return data
-
-
-def _worker_part(strategy: Strategy, data: Any, *, note: bool) -> Any:
-    """Under several worker processes, the data each worker reads only its part of (when it can be cut by index).
-
-    Done here, before the data is wrapped for an epoch: what reaches `distribute_dataset` is then a generator.
-    """
-    shard = getattr(strategy, "_shard_input", None)
-    return data if shard is None else shard(data, note)
-
-
 def _is_resumable(data: Any) -> bool:
     return all(callable(getattr(data, name, None)) for name in ("set_position", "state_dict", "load_state_dict"))
-
-
-def _check_accumulate_steps(strategy: Strategy, accumulate_steps: Any) -> None:
-    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
-        raise InputError(f"accumulate_steps must be a positive whole number of batches per update. "
-                         f"Received: accumulate_steps={accumulate_steps!r}. Use e.g. accumulate_steps=4.")
-    if accumulate_steps > 1 and getattr(strategy, FIT_HOOK, None) is not None:
-        raise InputError(f"accumulate_steps needs a synchronous strategy, where every replica takes part in each "
-                         f"update; {type(strategy).__name__} runs each step on one worker, on its own schedule. "
-                         f"Received: accumulate_steps={accumulate_steps}. Use a larger batch_size instead, or a "
-                         "synchronous strategy (MirroredStrategy, MultiWorkerMirroredStrategy).")
-
-
-def _check_arguments(strategy: Any, optimizer: Any, loss: Any, epochs: Any, steps_per_epoch: Any,
-                     clip_grad_norm: Any) -> None:
-    if not isinstance(strategy, Strategy):
-        raise InputError(f"fit needs a stratagem strategy first. Received: {type(strategy).__name__}. "
-                         "Use e.g. sg.MirroredStrategy() or sg.OneDeviceStrategy('cpu:0').")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputError(f"fit needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}. "
-                         "Build one from model.parameters(), e.g. torch.optim.Adam(model.parameters()).")
-    if loss is not None and not callable(loss):
-        raise InputError(f"loss must be a function of (outputs, targets). Received: {type(loss).__name__}. "
-                         "Use e.g. torch.nn.functional.cross_entropy, or loss=None when the model computes the "
-                         "loss itself (outputs.loss).")
-    for name, value in (("epochs", epochs), ("steps_per_epoch", steps_per_epoch)):
-        if value is None and name == "steps_per_epoch":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be a positive integer. Received: {name}={value!r}.")
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-        raise InputError(f"clip_grad_norm must be a positive number or None. Received: clip_grad_norm={clip_grad_norm!r}.")

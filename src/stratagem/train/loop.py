@@ -1,24 +1,12 @@
-"""The step loop that `fit` and `evaluate` drive, and the extension point strategies can override.
+"""The step loop that `fit` and `evaluate` drive.
 
 A step function runs once per replica on its slice of a global ``(inputs, targets)`` batch and
-returns the replica's metric STATE (sums, see `stratagem.train.metrics`). The step loop feeds the
-global batches to the strategy and hands every step's state, summed over every replica and
-worker, to ``on_step``.
-
-Extension point: a strategy that runs steps its own way (the parameter server's
-``ClusterCoordinator.schedule``/``join``) defines a method
-
-    def fit_steps(self, step_fn, batches, on_step) -> None
-
-and, when its steps run in other processes that must know them, `PREPARE_HOOK`:
-``prepare_fit_steps(steps, model)``, which `fit` calls on every task with its step functions by
-role (``{"train": ..., "eval": ...}``) before the first step;
-
-with the contract of `run_steps_synchronously`: iterate the GLOBAL batches of `batches` lazily,
-run ``step_fn(inputs, targets)`` on a replica for each one, call ``on_step(state)`` exactly once
-per batch with that step's state summed over replicas (a float64 tensor; the order of calls
-may differ from the order of batches for an asynchronous strategy), and return only when every
-step has been applied (after ``join``). `run_steps` uses it when the strategy has it.
+returns the replica's metric STATE (sums, see `stratagem.train.metrics`). `run_steps` hands the
+global batches to the strategy's `run_fit_steps` (`stratagem.strategies.base.Strategy`), which
+calls ``on_step`` with every step's state, summed over every replica and worker. Its default runs
+the replicas in lockstep (`run_steps_synchronously`); a strategy that runs steps its own way (the
+parameter server's ``ClusterCoordinator.schedule``/``join``) overrides it, and learns `fit`'s step
+functions on every task through `prepare_fit_steps`.
 
 Example:
     >>> totals = []
@@ -37,66 +25,24 @@ from torch import nn
 from stratagem.errors import InputError
 from stratagem.strategies.amp import precision_autocast
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
+from stratagem.strategies.lockstep import _describe as _describe  # accumulate.py's errors describe batches alike
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 from stratagem.train.model_call import as_pairs, forward
-from stratagem.values import PerReplica, flatten
-
-StepFn = Callable[[Any, Any], torch.Tensor]
-"""``step_fn(inputs, targets)`` on one replica -> that replica's metric state vector."""
-
-OnStep = Callable[..., None]
-"""``on_step(state, num_examples=None)``, once per step: the state vector summed over every replica and
-worker (float64; on the device the strategy reduced it to, so reading it waits for that device), and the
-step's global example count when the loop knows it without reading the state."""
-
-FIT_HOOK = "fit_steps"
-"""The name of the method a strategy defines to run the step loop its own way."""
-
-PREPARE_HOOK = "prepare_fit_steps"
-"""The name of the method a strategy defines to learn `fit`'s step functions on every task."""
+from stratagem.values import flatten
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
 """``loss(outputs, targets)``, or None when the model computes the loss (see `stratagem.train.model_call`)."""
 
 
 def run_steps(strategy: Strategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
-    """Runs `step_fn` over every global batch: the strategy's own `fit_steps` if it has one, else in lockstep."""
+    """Runs `step_fn` over every global batch through the strategy's `run_fit_steps` (in lockstep by default)."""
     batches = as_pairs(batches)  # a dict or any other batch travels whole, as (batch, None)
-    hook = getattr(strategy, FIT_HOOK, None)
-    if hook is not None:
-        hook(step_fn, batches, on_step)
-        return
-    run_steps_synchronously(strategy, step_fn, batches, on_step)
+    strategy.run_fit_steps(step_fn, batches, on_step)
 
 
-def run_steps_synchronously(strategy: Strategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
-    """The default step loop of synchronous strategies: distribute, run on every replica, sum the states.
-
-    Raises:
-        InputError: a batch is not an ``(inputs, targets)`` pair.
-    """
-    for index, batch in enumerate(strategy.distribute_dataset(batches)):
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise InputError(
-                f"Batch {index} is not an (inputs, targets) pair. Received: {_describe(batch)}. "
-                "Make the loader yield (x, y) tuples, e.g. DataLoader(TensorDataset(x, y), batch_size=64)."
-            )
-        per_replica = strategy.run(step_fn, args=tuple(batch))
-        # The state stays on the device the strategy reduced it to: a copy to the CPU here would make the CPU
-        # wait for the GPU at every step. The step's example count is known on the host, from the batch.
-        state = strategy.reduce("sum", per_replica).detach().to(dtype=torch.float64)
-        on_step(state, _global_examples(batch[1]))
-
-
-def _global_examples(targets: Any) -> int | None:
-    """The examples of a distributed global batch, read from its sizes (no device read); None if unknown."""
-    if isinstance(targets, PerReplica):
-        if targets.global_size is not None:
-            return int(targets.global_size)
-        return None if targets.batch_sizes is None else int(sum(targets.batch_sizes))
-    if isinstance(targets, torch.Tensor) and targets.dim() > 0:
-        return int(targets.shape[0])
-    return None
+run_steps_synchronously = run_in_lockstep
+"""The default step loop of synchronous strategies (`stratagem.strategies.lockstep.run_in_lockstep`)."""
 
 
 def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn, metric_set: MetricSet, *,
@@ -207,12 +153,6 @@ def _check_scalar_loss(loss_value: Any) -> None:
             f"The loss must be a scalar tensor, the mean over the replica's examples. Received: {shape}. "
             "Use a reduction='mean' loss such as torch.nn.functional.cross_entropy."
         )
-
-
-def _describe(batch: Any) -> str:
-    if isinstance(batch, (tuple, list)):
-        return f"a {type(batch).__name__} of {len(batch)} element(s)"
-    return type(batch).__name__
 
 
 def _device_type(*values: Any) -> str:

@@ -170,7 +170,7 @@ class ParameterServerStrategy(Strategy):
                              "Pass None to use shared memory with servers on this host, False never to, "
                              "True to insist.")
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
-        self.cluster = cluster
+        self._cluster = cluster
         self.partitioner = partitioner
         self.shared_memory = shared_memory
         self.rpc_timeout = rpc_timeout
@@ -346,6 +346,16 @@ class ParameterServerStrategy(Strategy):
         )
 
     @property
+    def cluster(self) -> Cluster:
+        """The job's tasks (chief, workers, parameter servers) and this one's place among them."""
+        return self._cluster
+
+    @property
+    def is_synchronous(self) -> bool:
+        """False: each step runs on one worker, on its own schedule, and updates the variables when it lands."""
+        return False
+
+    @property
     def num_workers(self) -> int:
         """Worker tasks that run scheduled functions."""
         return len(self.cluster.addresses["worker"])
@@ -360,7 +370,7 @@ class ParameterServerStrategy(Strategy):
         """`fit`'s step functions, on every task; a worker task serves them from here until the job ends."""
         fit_support.prepare_fit_steps(self, steps, model)
 
-    def fit_steps(self, step_fn: Callable[..., Any], batches: Any, on_step: Callable[[torch.Tensor], None]) -> None:
+    def run_fit_steps(self, step_fn: Callable[..., Any], batches: Any, on_step: Callable[..., None]) -> None:
         """`fit`'s step loop on the chief: each global batch a step scheduled on a worker."""
         if self._fit_coordinator is None:
             self._fit_coordinator = ClusterCoordinator(self)

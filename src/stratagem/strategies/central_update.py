@@ -1,0 +1,314 @@
+"""The central-storage part: the parameters and the optimizer state once, on one device, updated once.
+
+`CentralUpdate` is the replicas part of CentralStorageStrategy's `ReplicaSet`. At `distribute` it
+places the model on the central device and gives every replica a compute copy (replicas on the
+central device read its parameters in place unless share_parameters=False); at the start of each
+step it hands those copies the current central parameters; `optimizer.step()`, called by every
+replica, applies the user's optimizer once, on the central device; after each run the central
+copy keeps replica 0's buffers. Its local combination (`local_combine`) sums the weighted
+gradients on the central device and hands the sum back to every replica.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import devices as sg_devices
+from stratagem import diagnose
+from stratagem.collective.local import choose_local_reducer
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import DeviceError, InputError, MemoryEstimateError
+from stratagem.strategies import lr_schedulers
+from stratagem.strategies.central_parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
+from stratagem.strategies.combine import LocalCombine
+from stratagem.strategies.mirrored_placement import ReplicaDevices, nccl_available
+from stratagem.strategies.replica_set import Built
+from stratagem.strategies.sharded import alias_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class CentralUpdate:
+    """Parameters and optimizer state once on the central device; a compute copy per replica."""
+
+    steal = False  # the central reduction is done by one thread; nothing to combine early
+    accumulates = False  # every backward combines onto the central device; no_sync() has nothing to skip
+
+    def __init__(self, placement: ReplicaDevices, parameter_device: str | torch.device | None, share_parameters: bool,
+                 registry: sg_devices.DeviceRegistry | None) -> None:
+        self._logical = placement.logical
+        self._devices = placement.devices
+        self._names = placement.names
+        self.central_logical, storage = self._choose_parameter_device(parameter_device, registry)
+        self.central_device = self.central_logical.physical
+        # A replica "aliases" when it computes on the central device and shares its parameter storage.
+        self._aliased = [share_parameters and d == self.central_device for d in self._devices]
+        # The anchor's model IS the central copy, so its gradients are the central gradients (no staging).
+        self._anchor = next((r for r, a in enumerate(self._aliased) if a), None)
+        self._applier = self._anchor if self._anchor is not None else 0  # whose thread applies the update
+        self.central: nn.Module | None = None
+        self.central_params: list[nn.Parameter] = []
+        self._replicas: list[nn.Module] = []
+        self._recorded = [storage, self._copies_decision(), self._update_decision()]
+        self._set: Any = None
+
+    def attach(self, replica_set: Any) -> None:
+        self._set = replica_set
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def _choose_parameter_device(
+        self, parameter_device: str | torch.device | None, registry: sg_devices.DeviceRegistry | None
+    ) -> tuple[sg_devices.LogicalDevice, PlacementDecision]:
+        if parameter_device is not None:
+            try:
+                (logical,) = sg_devices.resolve_devices([parameter_device], registry=registry)
+            except DeviceError as error:
+                raise DeviceError(f"parameter_device={str(parameter_device)!r} cannot hold the parameters: {error}") from None
+            why = "given by parameter_device="
+        elif len(self._logical) == 1:
+            logical = self._logical[0]
+            why = (
+                f"one compute device ({logical.name}), so the parameters live where they are used and no step "
+                "copies them (tf.distribute's rule); set parameter_device= to choose"
+            )
+        else:
+            (logical,) = sg_devices.resolve_devices(["cpu:0"], registry=registry)
+            why = (
+                f"{len(self._logical)} compute devices ({', '.join(self._names)}): the parameters and optimizer "
+                "state live on the CPU, whose memory every device reaches (tf.distribute's rule); set "
+                "parameter_device= to choose"
+            )
+        decision = PlacementDecision(subject="parameter storage", choice=f"once, on {logical.physical}", reason=why)
+        return logical, decision
+
+    def _copies_decision(self) -> PlacementDecision:
+        central = self.central_device
+        in_place = [r for r, a in enumerate(self._aliased) if a]
+        by_choice = [r for r, d in enumerate(self._devices) if d == central and not self._aliased[r]]
+        elsewhere = [r for r, d in enumerate(self._devices) if d != central]
+        parts = []
+        if in_place:
+            parts.append(f"{self._describe(in_place)} compute on {central}, the central device, and read its "
+                         "parameters in place (no copy)")
+        if by_choice:
+            parts.append(f"{self._describe(by_choice)} receive a copy of every parameter at the start of each step "
+                         "(share_parameters=False)")
+        if elsewhere:
+            parts.append(f"{self._describe(elsewhere)} compute on another device than {central}, so they receive a "
+                         "copy of every parameter at the start of each step")
+        copied = len(by_choice) + len(elsewhere)
+        choice = "none" if not copied else f"one per step to {copied} replica(s)"
+        return PlacementDecision(subject="parameter copies", choice=choice, reason="; ".join(parts))
+
+    def local_combine(self) -> LocalCombine:
+        """The local-combination part: the weighted gradients summed on the central device."""
+        central = self.central_device
+        reducer, _ = choose_local_reducer(self._devices, nccl_available=nccl_available(self._devices))
+        if len(self._devices) == 1:
+            if self._aliased[0]:
+                return LocalCombine(reducer, None)  # one replica on the central parameters: nothing to combine
+            return LocalCombine(reducer, PlacementDecision(
+                subject="gradient combination", choice="none (one replica)",
+                reason=f"the replica's gradient is copied to {central} when optimizer.step() runs",
+            ))
+        if all(self._aliased):
+            # Every replica is a logical device of the central CPU: the in-memory reduction already forms the
+            # weighted sum in the central memory, spread over the replica threads.
+            return LocalCombine(reducer, PlacementDecision(
+                subject="gradient combination", choice=f"in-memory, on {central}",
+                reason=f"every replica computes on {central}, the central device, so each replica thread sums 1/N of "
+                "every weighted gradient in place there and writes the sum into every replica's gradient",
+            ))
+        return LocalCombine(ReduceToCentralDevice(central, self._anchor), PlacementDecision(
+            subject="gradient combination", choice=f"reduce onto {central}",
+            reason=f"each replica's weighted gradient is copied to {central} and summed there; the sum is copied back "
+            "to every replica so that clipping in the step function sees the gradient of the global batch",
+        ))
+
+    def _update_decision(self) -> PlacementDecision:
+        central = self.central_device
+        return PlacementDecision(
+            subject="optimizer update", choice=f"once per step, on {central}",
+            reason=f"every replica calls optimizer.step(); once all have, replica {self._applier} "
+            f"({self._names[self._applier]}) applies the optimizer given to distribute() to the central parameters, "
+            f"so its state exists once, on {central}",
+        )
+
+    def _describe(self, replicas: Sequence[int]) -> str:
+        return "replica(s) " + ", ".join(f"{r} ({self._names[r]})" for r in replicas)
+
+    def decisions(self) -> list[PlacementDecision]:
+        return list(self._recorded)
+
+    def details(self) -> dict[str, str]:
+        details = {"parameter device": f"{self.central_logical.name} (runs on {self.central_device})"}
+        if self.central is not None:
+            params = list(self.central.parameters())
+            copies = sum(1 for a in self._aliased if not a)
+            details["parameters"] = (
+                f"{len(params)} tensors, {sum(p.numel() for p in params)} values, trained once on {self.central_device}"
+                + (f"; {copies} replica(s) hold a compute copy, refreshed every step" if copies else "")
+            )
+        return details
+
+    # ---- distribute ---------------------------------------------------------------------------
+    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Built:
+        """The central copy and a compute copy per replica; the optimizer given stays the one that updates."""
+        self._check_memory(model, optimizer)
+        central = model.to(self.central_device)
+        if optimizer is not None and optimizer.state:
+            optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the central parameters
+        replicas: list[nn.Module] = []
+        for r, device in enumerate(self._devices):
+            if r == self._anchor:
+                replicas.append(central)
+                continue
+            replica = copy.deepcopy(central)
+            if self._aliased[r]:
+                alias_parameters([central, replica])
+            else:
+                replica = replica.to(device)
+            replicas.append(replica)
+        self.central = central
+        self.central_params = [p for p in central.parameters() if p.requires_grad]
+        self._replicas = replicas
+        distributed = CentralModel(central, replicas, self._set.owner, self)
+        logger.info("CentralStorageStrategy: parameters on %s, replicas on %s", self.central_device, self._names)
+        if optimizer is None:
+            return Built(replicas, distributed, None, [])
+        central_optimizer = CentralOptimizer(optimizer, self)
+        lr_schedulers.adopt_existing(optimizer, central_optimizer, gc.get_referrers)  # built before distribute
+        return Built(replicas, distributed, central_optimizer, [optimizer])
+
+    def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Before anything is copied: room for the central state (parameters, gradients, optimizer state)
+        on the central device, and for a compute copy (parameters, gradients) on every other GPU."""
+        central = self.central_logical
+        needs = []
+        if central.physical.type == "cuda":
+            needs.append((central, diagnose.estimate_training_memory(model, optimizer),
+                          "The central copy (parameters, gradients and optimizer state)",
+                          ("Keep the parameters on the CPU (parameter_device='cpu'), or split the model across "
+                           "devices (model parallelism).")))
+        for device in self._logical:
+            if device.physical.type == "cuda" and device.physical != central.physical:
+                needs.append((device, diagnose.estimate_training_memory(model, None),
+                              "A replica's compute copy (parameters and gradients)",
+                              ("Compute on GPUs with more free memory, or split the model across devices (model "
+                               "parallelism).")))
+        for device, estimate, what, fix in needs:
+            known = device.memory_room()
+            if known is None:
+                continue
+            room, where = known
+            if estimate.total_bytes > room:
+                raise MemoryEstimateError(
+                    f"{what} on {device.name} needs at least {estimate.describe()}, but {where} is "
+                    f"{diagnose.format_bytes(room)}. {fix}"
+                )
+
+    # ---- each step ----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.refresh_replicas()
+
+    def end_run(self) -> None:
+        """The central copy keeps the buffers of replica 0 (e.g. batch-norm statistics), as Mirrored reports
+        replica 0's."""
+        if self.central is not None and self._anchor != 0:
+            _copy_buffers(self._replicas[0], self.central)
+
+    def refresh_replicas(self) -> None:
+        """Hands every replica the current central parameters (those it does not read in place) and buffers."""
+        central = self.central
+        if central is None:
+            return
+        with torch.no_grad():
+            for r, replica in enumerate(self._replicas):
+                if r == self._anchor:
+                    continue
+                if not self._aliased[r]:
+                    torch._foreach_copy_(list(replica.parameters()), list(central.parameters()))
+                _copy_buffers(central, replica)
+
+    def _current_replica(self) -> int | None:
+        return self._set.current_replica()
+
+    def _meet(self, replica: int, what: str) -> None:
+        self._set.meet(replica, what)
+
+    def apply_update(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        """`optimizer.step()` from each replica: the first to come waits for the others, one applies it."""
+        if closure is not None:
+            raise InputError(
+                "CentralStorageStrategy applies optimizer.step() once, on the central device, so a closure that "
+                f"re-evaluates the loss cannot run on every replica. Received: closure={closure!r}. Call "
+                "optimizer.step() without a closure, or use MirroredStrategy(share_parameters=False) for such optimizers."
+            )
+        replica = self._set.current_replica()
+        num_replicas = len(self._devices)
+        if replica is None:
+            if num_replicas > 1:
+                raise InputError(
+                    "optimizer.step() ran outside strategy.run(), where the replicas' gradients are not combined. "
+                    f"Received: a call with {num_replicas} replicas and no step running. Call it in the "
+                    "function given to strategy.run()."
+                )
+            replica = 0
+        state = self._set.run_state
+        together = num_replicas > 1 and state is not None
+        if together:
+            assert state is not None  # together needs a running step
+            # Nobody may still read the parameters this update overwrites (replicas on the central device share them).
+            self._set.barrier.wait(replica, "optimizer step", state.step)
+        result = None
+        if replica == self._applier:
+            if state is not None:  # outside a step (one replica) the central gradients are the user's own
+                self._stage_gradients()
+            result = optimizer.step()
+        if together:
+            assert state is not None
+            # Nobody reads the parameters (or steps again) before the update is complete.
+            self._set.barrier.wait(replica, "end of the optimizer step", state.step)
+        return result
+
+    def _stage_gradients(self) -> None:
+        """Without an anchor the central parameters have no gradients of their own: copy the applier's
+        (combined, and clipped if the step function clipped) gradients to the central device."""
+        if self._anchor is not None:
+            return
+        with torch.no_grad():
+            for central, mine in zip(self.central_params, self._set.replica_params[self._applier]):
+                if mine.grad is None:
+                    central.grad = None
+                    continue
+                if central.grad is None:
+                    central.grad = torch.empty_like(central)
+                central.grad.copy_(mine.grad)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Inside a step: the running replica's gradients; outside: every replica's and the central ones."""
+        replica = self._set.current_replica()
+        if replica is None:
+            targets: list[nn.Module | None] = [self.central] if self.central is not None else []
+            targets += self._replicas
+        else:
+            targets = [self._replicas[replica]]
+            if replica == self._applier and self._anchor is None:
+                targets.append(self.central)
+        for module in targets:
+            if module is not None:
+                module.zero_grad(set_to_none)
+
+
+def _copy_buffers(source: nn.Module, target: nn.Module) -> None:
+    buffers = list(target.buffers())
+    if buffers:
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, list(source.buffers()))

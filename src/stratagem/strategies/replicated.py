@@ -1,0 +1,125 @@
+"""What the data-parallel strategies share: a `ReplicaSet` each holds, and the members their parts call.
+
+Mirrored, OneDevice, CentralStorage and MultiWorkerMirrored subclass `ReplicatedStrategy` and only
+build their `ReplicaSet` from parts (see each class's parts list); the `Strategy` members and the
+members the distributed model and optimizer call back (`_current_replica`, `_meet`, ...) are
+delegated to that set here, once. No strategy subclasses another one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.errors import InputError
+from stratagem.strategies import cuda_numerics
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.replica_set import ReplicaSet
+
+
+def check_timeout(timeout: float) -> float:
+    """The replicas' timeout in seconds, refused unless positive."""
+    if timeout <= 0:
+        raise InputError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}.")
+    return float(timeout)
+
+
+class ReplicatedStrategy(Strategy):
+    """A strategy made of one `ReplicaSet` (`_replicas`, built by the subclass's constructor from its parts)."""
+
+    _replicas: ReplicaSet
+
+    @property
+    def _local_devices(self) -> list[torch.device]:
+        return self._replicas.devices
+
+    def _num_local_replicas(self) -> int:
+        return len(self._replicas.devices)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._replicas.num_replicas_in_sync
+
+    @property
+    def distributed_model(self) -> nn.Module | None:
+        return self._replicas.model
+
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Places a replica of `model` on every device (see the class's parts); returns `(model, optimizer)`,
+        or the model alone when no optimizer is given."""
+        self._check_distribute_args(model, optimizer, self._replicas.model)
+        return self._replicas.distribute(model, optimizer)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs `fn` once per replica, in parallel, each with its slice of the distributed inputs.
+
+        Returns the per-replica results (`PerReplica` leaves; the plain result with one replica).
+        An exception in any replica stops the others and is re-raised here.
+        """
+        return self._replicas.run(fn, args, kwargs)
+
+    def no_sync(self) -> Any:
+        """A context in which backward only accumulates each replica's gradients, as DDP's `no_sync`.
+
+        Gradient accumulation over K micro-batches combines once instead of K times: run the first
+        K-1 micro-batches inside it and the last one outside; that last backward combines everything
+        accumulated, each micro-batch weighted by each replica's share of it, so the result is one
+        device's sum of the K gradients. `optimizer.step()` before that last backward is refused.
+        Where every backward pass combines anyway (one replica, central storage) it changes nothing.
+
+        Example:
+            >>> for i, batch in enumerate(strategy.distribute_dataset(loader)):
+            ...     last = i % k == k - 1
+            ...     with contextlib.nullcontext() if last else strategy.no_sync():
+            ...         strategy.run(micro_step, args=(batch, last))  # steps the optimizer when last
+        """
+        return self._replicas.no_sync()
+
+    def explain(self) -> Explanation:
+        """Where the replicas run and why: the decisions of every part, in the order a step meets them."""
+        replica_set = self._replicas
+        replicas = [ReplicaPlacement(r, name, str(device))
+                    for r, (name, device) in enumerate(zip(replica_set.names, replica_set.devices))]
+        parts = self._parts()
+        decisions = [decision for part in parts for decision in part.decisions()]
+        tf32 = cuda_numerics.tf32_decision(replica_set.devices)  # read now: the switches are the user's to flip
+        if tf32 is not None:
+            decisions.append(tf32)
+        details: dict[str, Any] = {}
+        for part in parts:
+            details.update(part.details())
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
+
+    def _parts(self) -> tuple[Any, ...]:
+        """Every part of this strategy, in the order a step meets them (the replica set's, and any of its own)."""
+        return self._replicas.parts
+
+    def close(self) -> None:
+        """Stops the replica threads (they also stop when the process exits); BatchNorm layers get their own
+        forward back."""
+        self._replicas.close()
+
+    # ---- what the distributed model, its optimizer and sg.set_loss_weight call ------------------
+    def _current_replica(self) -> int | None:
+        return self._replicas.current_replica()
+
+    def _meet(self, replica: int, what: str) -> None:
+        self._replicas.meet(replica, what)
+
+    def _after_optimizer_step(self, replica: int) -> None:
+        self._replicas.meet(replica, "optimizer step")
+
+    def _call_replica(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return self._replicas.call_replica(model, args, kwargs)
+
+    def _declare_loss_weight(self, replica: int, count: float) -> None:
+        self._replicas.declare_loss_weight(replica, count)
+
+    @property
+    def _replica_params(self) -> list[list[nn.Parameter]]:
+        """Each local replica's trainable parameters, in the order of `model.parameters()` (amp's scalers)."""
+        return self._replicas.replica_params
