@@ -228,7 +228,7 @@ def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_
     from stratagem.strategies import multi_worker
 
     # The strategy believes it has chosen NCCL; the group underneath is Gloo (no GPU here), whose wait() blocks.
-    monkeypatch.setattr(multi_worker.MultiWorkerMirroredStrategy, "_choose_backend", lambda self: (backend, "a test"))
+    monkeypatch.setattr(multi_worker, "choose_backend", lambda devices: (backend, "a test"))
     real = multi_worker.start_process_group
     monkeypatch.setattr(multi_worker, "start_process_group",
                         lambda cluster, devices, _backend, timeout, **kw: real(cluster, devices, "gloo", timeout, **kw))

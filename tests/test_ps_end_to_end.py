@@ -24,7 +24,10 @@ pytestmark = pytest.mark.multiprocess
 def test_launch_runs_the_same_script_on_chief_worker_and_ps(tmp_path):
     lines: list[str] = []
     env = dict(environ.current(), PS_TEST_STEPS="30", PS_TEST_OUT=str(tmp_path / "losses.json"),
-               PS_TEST_CHECKPOINT=str(tmp_path / "ckpt.pt"))
+               PS_TEST_CHECKPOINT=str(tmp_path / "ckpt.pt"),
+               # Steps of 0.2 s: worker:0 (inside the chief) alone would need 6 s, time enough for worker:1's
+               # process to start (importing torch) and take some, even on a loaded machine.
+               PS_TEST_STEP_SLEEP="0.2")
     result = launch([sys.executable, SCRIPT], workers=2, ps=1, env=env,
                     sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=100)
     assert result.ok, result.explain() + "\n" + "\n".join(lines[-40:])

@@ -326,3 +326,23 @@ def test_ps_task_without_a_chief_fails_naming_it(monkeypatch):
     monkeypatch.setattr(strategy_module, "CHIEF_CHECK_SECONDS", 0.1)
     with pytest.raises(CollectiveTimeoutError, match="ps:0 lost the chief: chief:0"):
         ParameterServerStrategy(_cluster("ps"), cluster_token="t", chief_timeout=0.3, env={})
+
+
+@pytest.mark.timeout(30)
+def test_a_new_client_of_a_task_restarted_on_its_port_reaches_it_at_once():
+    # gRPC shared one connection per address between every channel of the process: a new client inherited the
+    # dead server's failure and its back-off, and was refused ("Connection refused") by the restarted one.
+    first = ParameterServer(security=SECURITY, task="ps:0")
+    old = Client(first.address, PS_SERVICE, security=SECURITY, task="ps:0")
+    old.call("Ping", "ping", timeout=10)
+    first.stop()
+    with pytest.raises(ParameterServerError):
+        old.call("Ping", "ping", timeout=2)
+    again = ParameterServer(security=SECURITY, address=first.address, task="ps:0")
+    new = Client(first.address, PS_SERVICE, security=SECURITY, task="ps:0")
+    try:
+        assert new.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"
+    finally:
+        for client in (old, new):
+            client.close()
+        again.stop()

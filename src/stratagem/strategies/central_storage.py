@@ -116,5 +116,5 @@ def _no_gpu_message(devices: Sequence[str | torch.device] | None) -> str:
             "Name GPUs (e.g. ['cuda:0', 'cuda:1']) or drop require_gpu."
         )
     reason = diagnose.gpu_unavailable_reason(diagnose.collect_facts(environ.current()))
-    detail = f" {reason.reason} Fix: {reason.fix}" if reason is not None else ""
+    detail = f" {reason.reason} {reason.fix}" if reason is not None else ""
     return f"require_gpu=True, but no GPU can be used, so CentralStorageStrategy would compute on the CPU.{detail}"

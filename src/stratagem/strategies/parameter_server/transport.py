@@ -64,6 +64,10 @@ _CLIENT_OPTIONS = _CHANNEL_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # gRPC shares connections ("subchannels") between every channel of the process to one address, with
+    # their reconnect back-off: a new client of a task restarted on its old port inherited the dead
+    # connection's failure and was refused at once ("Connection refused"). Each client keeps its own.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 # A handler gets (op, meta, tensors) and returns (op, meta, tensors) for the reply, or the reply's
 # pieces (wire.encode_chunks or wire.stream_chunks, or cut as they are sent: a parameter server's pull).
