@@ -18,8 +18,13 @@ def mlp() -> nn.Module:
 
 def convnet() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 4),
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 4),
     )
 
 
@@ -84,5 +89,3 @@ def build(model_name, opt_name, dtype):
     torch.manual_seed(42)
     model = factory().to(dtype)
     return model, OPTIMIZERS[opt_name](model.parameters()), shape
-
-

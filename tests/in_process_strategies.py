@@ -11,7 +11,8 @@ STRATEGIES = {
     "one-device": lambda: sg.OneDeviceStrategy("cpu"),
     "mirrored-2": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
     "mirrored-3": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    "mirrored-3-copies": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False,
-                                                     registry=cpu_registry(3)),
+    "mirrored-3-copies": lambda: sg.MirroredStrategy(
+        ["cpu:0", "cpu:1", "cpu:2"], share_parameters=False, registry=cpu_registry(3)
+    ),
     "central-3": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
 }

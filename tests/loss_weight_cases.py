@@ -43,8 +43,9 @@ def batches() -> list[dict[str, torch.Tensor]]:
 
 def token_loss(model: nn.Module, batch: dict[str, torch.Tensor], reduction: str = "mean") -> torch.Tensor:
     logits = model(batch["input_ids"])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100,
-                           reduction=reduction)
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100, reduction=reduction
+    )
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -56,7 +56,9 @@ def build_heads(dtype: torch.dtype = torch.float64) -> tuple[Heads, PerHead]:
     optimizers = []
     for head, make in zip(model.heads, HEAD_OPTIMIZERS.values()):
         first, second = head[0], head[2]
-        optimizers.append(make([{"params": list(first.parameters()), "lr": 0.02}, {"params": list(second.parameters())}]))
+        optimizers.append(
+            make([{"params": list(first.parameters()), "lr": 0.02}, {"params": list(second.parameters())}])
+        )
     return model, PerHead(optimizers)
 
 

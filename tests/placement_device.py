@@ -28,9 +28,30 @@ DEVICE = "sgdev"
 
 # The aten operations sgdev has kernels for; anything else has none on sgdev.
 _DELEGATED = [
-    "empty.memory_format", "empty_strided", "zeros_like", "ones_like", "fill_.Scalar", "zero_",
-    "add.Tensor", "add_.Tensor", "sub.Tensor", "mul.Tensor", "mul_.Tensor", "div.Tensor", "neg", "pow.Tensor_Scalar",
-    "sum", "sum.dim_IntList", "mean", "mm", "t", "view", "expand", "detach", "clone", "alias",
+    "empty.memory_format",
+    "empty_strided",
+    "zeros_like",
+    "ones_like",
+    "fill_.Scalar",
+    "zero_",
+    "add.Tensor",
+    "add_.Tensor",
+    "sub.Tensor",
+    "mul.Tensor",
+    "mul_.Tensor",
+    "div.Tensor",
+    "neg",
+    "pow.Tensor_Scalar",
+    "sum",
+    "sum.dim_IntList",
+    "mean",
+    "mm",
+    "t",
+    "view",
+    "expand",
+    "detach",
+    "clone",
+    "alias",
     "_local_scalar_dense",
 ]
 
@@ -83,8 +104,9 @@ def _wrap(value: Any, by_raw: dict[int, SgdevTensor]) -> Any:
     return same if same is not None else SgdevTensor(value)
 
 
-def _to_copy(x: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
-             memory_format=None) -> torch.Tensor:
+def _to_copy(
+    x: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None
+) -> torch.Tensor:
     source = x.raw if isinstance(x, SgdevTensor) else x
     out = torch.ops.aten._to_copy.default(source, dtype=dtype, device=torch.device("cpu"))
     target = torch.device(device) if device is not None else x.device

@@ -76,7 +76,7 @@ def test_inside_no_sync_each_replica_keeps_its_own_gradient():
     """Proof that no_sync() skips the combination: after it the replicas' gradients differ, each its own
     slice's gradient times its share; the synchronising backward then gives every replica the same."""
     model, _, shape = build("mlp", "sgd_momentum", torch.float64)
-    (x, y), = make_batches(shape, torch.float64, sizes=[5])
+    ((x, y),) = make_batches(shape, torch.float64, sizes=[5])
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2))
     dist = strategy.distribute(model)
     plain = [build("mlp", "sgd_momentum", torch.float64)[0] for _ in range(2)]
@@ -127,7 +127,10 @@ def test_optimizer_step_on_uncombined_gradients_is_refused():
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-    with strategy.no_sync(), pytest.raises(InputError, match="optimizer.step\\(\\) was called on gradients accumulated"):
+    with (
+        strategy.no_sync(),
+        pytest.raises(InputError, match="optimizer.step\\(\\) was called on gradients accumulated"),
+    ):
         strategy.run(backward_and_step, args=batch)
     strategy.close()
 
@@ -150,17 +153,21 @@ def test_no_sync_inside_the_step_function_is_refused_with_the_fix():
 @pytest.mark.parametrize("local", [1, 2], ids=["2x1-buckets", "2x2-local-then-workers"])
 def test_no_sync_across_workers_matches_one_device(tmp_path, local):
     out = tmp_path / "result.pt"
-    exit_code, output = launch_workers("accumulate_train.py", {
-        "ACC_OUT": str(out), "ACC_LOCAL": str(local), "ACC_K": str(K), "ACC_SIZES": ",".join(map(str, SIZES))},
-        timeout=150, tail=30)
+    exit_code, output = launch_workers(
+        "accumulate_train.py",
+        {"ACC_OUT": str(out), "ACC_LOCAL": str(local), "ACC_K": str(K), "ACC_SIZES": ",".join(map(str, SIZES))},
+        timeout=150,
+        tail=30,
+    )
     assert exit_code == 0, output
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     reference_accumulation(reference, ref_opt, make_batches(shape, torch.float64, sizes=SIZES))
     saved = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for rank in range(2):
         for key, value in reference.state_dict().items():
-            torch.testing.assert_close(saved[rank]["state"][key], value, **TOL[torch.float64],
-                                       msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                saved[rank]["state"][key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}"
+            )
     # After the first no_sync() run each worker holds its own slices' gradient: nothing was all-reduced.
     assert (saved[0]["first_grad"] - saved[1]["first_grad"]).abs().max() > 1e-3
 
@@ -170,7 +177,7 @@ def reference_group_means(model, optimizer, batches, k):
     """One device: each group of k batches trained as one batch of all its examples (mean loss over the
     group), written as k backward passes of micro-batch losses weighted by their share of the group."""
     for start in range(0, len(batches), k):
-        group = batches[start:start + k]
+        group = batches[start : start + k]
         total = sum(len(y) for _, y in group)
         for x, y in group:
             (F.cross_entropy(model(x), y) * (len(y) / total)).backward()
@@ -199,8 +206,9 @@ def test_fit_with_accumulate_steps_matches_one_batch_per_group(strategy_name):
     model, opt, _ = build("mlp", "adam", torch.float64)
     counter = _CountSteps()
     strategy = STRATEGIES[strategy_name]()
-    history = sg.fit(strategy, model, opt, F.cross_entropy, batches, accumulate_steps=K, clip_grad_norm=1.0,
-                     callbacks=[counter])
+    history = sg.fit(
+        strategy, model, opt, F.cross_entropy, batches, accumulate_steps=K, clip_grad_norm=1.0, callbacks=[counter]
+    )
     strategy.close()
     assert_same_state(reference, history.model, torch.float64)
     # A step is an update; the data position counts batches; examples per update are the group's.
@@ -220,8 +228,15 @@ def test_fit_with_accumulate_steps_reports_the_loss_over_every_example():
         def on_train_batch_end(self, context, num_examples):
             steps.append(context.running_metrics()["loss"])
 
-    sg.fit(sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)), model, opt, F.cross_entropy, batches,
-           accumulate_steps=K, callbacks=[FirstLoss()])
+    sg.fit(
+        sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
+        model,
+        opt,
+        F.cross_entropy,
+        batches,
+        accumulate_steps=K,
+        callbacks=[FirstLoss()],
+    )
     assert steps[0] == pytest.approx(float(first), rel=1e-12)
 
 
@@ -229,8 +244,14 @@ def test_fit_with_accumulate_steps_reports_the_loss_over_every_example():
 def test_fit_refuses_an_accumulate_steps_that_is_not_a_positive_count(bad):
     model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
     with pytest.raises(InputError, match="accumulate_steps must be a positive whole number"):
-        sg.fit(sg.OneDeviceStrategy("cpu"), model, opt, F.cross_entropy, make_batches(shape, torch.float64),
-               accumulate_steps=bad)
+        sg.fit(
+            sg.OneDeviceStrategy("cpu"),
+            model,
+            opt,
+            F.cross_entropy,
+            make_batches(shape, torch.float64),
+            accumulate_steps=bad,
+        )
 
 
 def test_fit_refuses_accumulate_steps_without_a_loss_function():
@@ -260,9 +281,18 @@ def test_fit_with_accumulate_steps_across_workers_matches_one_batch_per_group(tm
     """2 workers x 2 replicas: each micro-batch's scale comes from the global count, which each worker
     learns from its distributed batch (its own part of it is smaller)."""
     out = tmp_path / "result.pt"
-    exit_code, output = launch_workers("accumulate_train.py", {
-        "ACC_OUT": str(out), "ACC_LOCAL": "2", "ACC_K": str(K), "ACC_FIT": "1",
-        "ACC_SIZES": ",".join(map(str, FIT_SIZES))}, timeout=150, tail=30)
+    exit_code, output = launch_workers(
+        "accumulate_train.py",
+        {
+            "ACC_OUT": str(out),
+            "ACC_LOCAL": "2",
+            "ACC_K": str(K),
+            "ACC_FIT": "1",
+            "ACC_SIZES": ",".join(map(str, FIT_SIZES)),
+        },
+        timeout=150,
+        tail=30,
+    )
     assert exit_code == 0, output
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     reference_group_means(reference, ref_opt, make_batches(shape, torch.float64, sizes=FIT_SIZES), K)
@@ -270,4 +300,6 @@ def test_fit_with_accumulate_steps_across_workers_matches_one_batch_per_group(tm
         saved = torch.load(f"{out}.{rank}")
         assert saved["num_examples"] == sum(FIT_SIZES)
         for key, value in reference.state_dict().items():
-            torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                saved["state"][key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}"
+            )

@@ -21,16 +21,22 @@ def test_a_new_process_gets_both_thresholds():
 def test_other_tunables_of_the_user_are_kept_and_ours_appended():
     env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F"}
     assert allocator.keep_freed_memory_env(env, glibc=(2, 36)) == {
-        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F:{OURS}"}
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F:{OURS}"
+    }
 
 
-@pytest.mark.parametrize("env, named", [
-    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_=0"),
-    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "MALLOC_MMAP_THRESHOLD_=131072"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=65536"},
-     "glibc.malloc.mmap_threshold=65536"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}, "glibc.malloc.top_pad=0"),
-])
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_=0"),
+        ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "MALLOC_MMAP_THRESHOLD_=131072"),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=65536"},
+            "glibc.malloc.mmap_threshold=65536",
+        ),
+        ({"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}, "glibc.malloc.top_pad=0"),
+    ],
+)
 def test_a_threshold_the_user_set_wins(env, named):
     assert allocator.user_setting(env, glibc=(2, 36)) == named
     assert allocator.keep_freed_memory_env(env, glibc=(2, 36)) == {}
@@ -42,8 +48,11 @@ def test_other_c_libraries_and_a_glibc_without_tunables_are_left_alone():
     assert allocator.describe({}, glibc=None) == ("the C library's default", "not glibc, so not tuned")
     assert allocator.keep_freed_memory_env({}, glibc=(2, 17)) == {}
     choice, why = allocator.describe({"GLIBC_TUNABLES": OURS}, glibc=(2, 17))
-    assert choice == "returned to the system" and "glibc 2.17 reads no GLIBC_TUNABLES" in why \
+    assert (
+        choice == "returned to the system"
+        and "glibc 2.17 reads no GLIBC_TUNABLES" in why
         and "MALLOC_TRIM_THRESHOLD_=1073741824" in why
+    )
     assert allocator.describe({"MALLOC_TRIM_THRESHOLD_": "1073741824"}, glibc=(2, 17))[0] == "as set by the user"
 
 
@@ -54,8 +63,9 @@ def test_the_glibc_version_is_read_from_the_c_library():
 
 def test_describe_tells_the_state_and_the_fix(monkeypatch):
     monkeypatch.setattr(allocator, "_applied_here", False)
-    assert allocator.describe({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{OURS}"}, glibc=(2, 36))[0] \
-        == "kept for reuse"
+    assert (
+        allocator.describe({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{OURS}"}, glibc=(2, 36))[0] == "kept for reuse"
+    )
     choice, why = allocator.describe({}, glibc=(2, 36))
     assert choice == "returned to the system" and f"GLIBC_TUNABLES={OURS}" in why and "stratagem launch" in why
 
@@ -94,12 +104,17 @@ print((faults() - before) / 20)
 @pytest.mark.skipif(not allocator.READS_TUNABLES, reason="needs glibc 2.26 or newer, whose malloc reads GLIBC_TUNABLES")
 @pytest.mark.timeout(60)
 def test_glibc_honours_the_settings():
-    base = {k: v for k, v in os.environ.items()
-            if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
 
     def faults_per_round(mode: str, extra: dict[str, str]) -> float:
-        out = subprocess.run([sys.executable, "-c", _CHURN, mode], env={**base, **extra}, capture_output=True,
-                             text=True, timeout=30, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHURN, mode],
+            env={**base, **extra},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return float(out.stdout)
 
     default = faults_per_round("default", {})

@@ -141,8 +141,10 @@ def test_importing_the_library_loads_no_demo_module() -> None:
     # The demo sits above the library: `import stratagem` (and sg.strategy_from_env, which builds
     # strategies by name) must work without it. Checked in a fresh interpreter, on the modules
     # really loaded, so an import the parser cannot see (importlib, __import__) is caught too.
-    probe = ("import sys, stratagem, stratagem.train, stratagem.strategies.by_name; "
-             "print(sorted(m for m in sys.modules if m.startswith('stratagem.demo')))")
+    probe = (
+        "import sys, stratagem, stratagem.train, stratagem.strategies.by_name; "
+        "print(sorted(m for m in sys.modules if m.startswith('stratagem.demo')))"
+    )
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert loaded.stdout.strip() == "[]"
 
@@ -173,7 +175,8 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     module.parent.mkdir(parents=True)
     module.write_text("import torch\nfrom stratagem.strategies import base\n")
     assert _violations(tmp_path / "stratagem") == [
-        "stratagem/diagnose/probe.py:2 (diagnose) imports stratagem.strategies (strategies)"]
+        "stratagem/diagnose/probe.py:2 (diagnose) imports stratagem.strategies (strategies)"
+    ]
 
 
 def _recorded_subjects(src: Path = SRC) -> set[str]:
@@ -191,8 +194,11 @@ def _recorded_subjects(src: Path = SRC) -> set[str]:
 def test_every_decision_subject_is_in_the_documents_table() -> None:
     text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
     section = text.split("## Where each placement decision is made", 1)[1].split("\n## ", 1)[0]
-    documented = {subject for row in re.findall(r"^\| ([^|]+) \|", section, flags=re.MULTILINE)
-                  for subject in re.findall(r"`([^`]+)`", row)}
+    documented = {
+        subject
+        for row in re.findall(r"^\| ([^|]+) \|", section, flags=re.MULTILINE)
+        for subject in re.findall(r"`([^`]+)`", row)
+    }
     recorded = _recorded_subjects()
     assert {"devices", "gradient combination", "cross-worker sums"} <= recorded  # the walk finds them
     assert recorded - documented == set(), "decision subjects missing from docs/architecture.md"
@@ -201,35 +207,53 @@ def test_every_decision_subject_is_in_the_documents_table() -> None:
 def _names_a_strategy(node: ast.AST) -> bool:
     """`strategy` or `<anything>.strategy` (a training context's, say)."""
     return (isinstance(node, ast.Name) and node.id == "strategy") or (
-        isinstance(node, ast.Attribute) and node.attr == "strategy")
+        isinstance(node, ast.Attribute) and node.attr == "strategy"
+    )
 
 
 def _strategy_reaches(path: Path) -> list[str]:
     """Where `path` reads a private member of a strategy or looks one of its members up by name."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                and _names_a_strategy(node.value)):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and _names_a_strategy(node.value)
+        ):
             found.append(f"{path.name}:{node.lineno} reads strategy.{node.attr}")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and node.args and _names_a_strategy(node.args[0])):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and _names_a_strategy(node.args[0])
+        ):
             found.append(f"{path.name}:{node.lineno} looks a strategy's member up with {node.func.id}")
     return found
 
 
 def test_train_cli_and_bench_use_only_the_members_the_strategy_base_declares() -> None:
     # fit, evaluate, the command line and the benchmarks drive every strategy through strategies.base.Strategy.
-    found = [reach for unit in ("train", "cli", "bench") for path in sorted((SRC / unit).rglob("*.py"))
-             for reach in _strategy_reaches(path)]
+    found = [
+        reach
+        for unit in ("train", "cli", "bench")
+        for path in sorted((SRC / unit).rglob("*.py"))
+        for reach in _strategy_reaches(path)
+    ]
     assert found == [], "declare these on strategies.base.Strategy and use the declared member:\n" + "\n".join(found)
 
 
 def test_a_private_read_or_a_lookup_by_name_of_a_strategy_is_reported(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("def f(strategy, context):\n    strategy._model\n    getattr(context.strategy, 'fit_steps', None)\n"
-                     "    strategy.cluster\n")
-    assert _strategy_reaches(probe) == ["probe.py:2 reads strategy._model",
-                                        "probe.py:3 looks a strategy's member up with getattr"]
+    probe.write_text(
+        "def f(strategy, context):\n    strategy._model\n    getattr(context.strategy, 'fit_steps', None)\n"
+        "    strategy.cluster\n"
+    )
+    assert _strategy_reaches(probe) == [
+        "probe.py:2 reads strategy._model",
+        "probe.py:3 looks a strategy's member up with getattr",
+    ]
 
 
 # The classes a strategy may subclass: the base, and the data-parallel strategies' delegation to their ReplicaSet.
@@ -240,8 +264,10 @@ def _strategy_classes(src: Path = SRC) -> list[tuple[Path, ast.ClassDef]]:
     found = []
     for path in _modules(src / "strategies"):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.ClassDef) and (node.name in STRATEGY_BASES or any(
-                    isinstance(b, ast.Name) and b.id.endswith("Strategy") for b in node.bases)):
+            if isinstance(node, ast.ClassDef) and (
+                node.name in STRATEGY_BASES
+                or any(isinstance(b, ast.Name) and b.id.endswith("Strategy") for b in node.bases)
+            ):
                 found.append((path, node))
     return found
 
@@ -257,8 +283,13 @@ def _own_members(cls: ast.ClassDef) -> set[str]:
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AnnAssign, ast.AugAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         for target in targets:
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
                 names.add(target.attr)
@@ -277,19 +308,29 @@ def _private_reads_of_others(src: Path = SRC) -> list[str]:
         bases = [b.id for b in cls.bases if isinstance(b, ast.Name)]
         allowed = _own_members(cls) | declared["Strategy"] | set().union(*(declared.get(b, set()) for b in bases))
         for node in ast.walk(cls):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
-                    and node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in allowed):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in allowed
+            ):
                 found.append(f"{path.relative_to(src.parent)}:{node.lineno} {cls.name} reads self.{node.attr}")
     return found
 
 
 def test_no_strategy_subclasses_another_strategy() -> None:
     classes = _strategy_classes()
-    assert {"MirroredStrategy", "CentralStorageStrategy", "MultiWorkerMirroredStrategy",
-            "OneDeviceStrategy"} <= {cls.name for _, cls in classes}  # the walk finds them
-    wrong = [f"{cls.name}({', '.join(b.id for b in cls.bases if isinstance(b, ast.Name))})" for _, cls in classes
-             if cls.name not in STRATEGY_BASES
-             and not all(isinstance(b, ast.Name) and b.id in STRATEGY_BASES for b in cls.bases)]
+    assert {"MirroredStrategy", "CentralStorageStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy"} <= {
+        cls.name for _, cls in classes
+    }  # the walk finds them
+    wrong = [
+        f"{cls.name}({', '.join(b.id for b in cls.bases if isinstance(b, ast.Name))})"
+        for _, cls in classes
+        if cls.name not in STRATEGY_BASES
+        and not all(isinstance(b, ast.Name) and b.id in STRATEGY_BASES for b in cls.bases)
+    ]
     assert wrong == [], "a strategy is assembled from parts, not made by editing another strategy"
 
 
@@ -304,7 +345,9 @@ def test_a_strategy_reading_its_base_classs_private_state_is_reported(tmp_path: 
     (strategies / "base.py").write_text("class Strategy:\n    def close(self):\n        self._pool = None\n")
     (strategies / "probe.py").write_text(
         "class WideStrategy(Strategy):\n    def __init__(self):\n        self._mine = 1\n"
-        "class NarrowStrategy(WideStrategy):\n    def explain(self):\n        return self._mine, self._pool, self._decisions\n")
+        "class NarrowStrategy(WideStrategy):\n    def explain(self):\n        return self._mine, self._pool, self._decisions\n"
+    )
     assert _private_reads_of_others(tmp_path / "stratagem") == [
         "stratagem/strategies/probe.py:6 NarrowStrategy reads self._mine",
-        "stratagem/strategies/probe.py:6 NarrowStrategy reads self._decisions"]
+        "stratagem/strategies/probe.py:6 NarrowStrategy reads self._decisions",
+    ]

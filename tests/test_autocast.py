@@ -26,8 +26,9 @@ from stratagem.cli.main import main
 
 STRATEGIES = {
     **IN_PROCESS,
-    "model-parallel-2": lambda: sg.ModelParallelStrategy(["cpu:0", "cpu:1"], num_micro_batches=2,
-                                                         registry=cpu_registry(3)),
+    "model-parallel-2": lambda: sg.ModelParallelStrategy(
+        ["cpu:0", "cpu:1"], num_micro_batches=2, registry=cpu_registry(3)
+    ),
 }
 
 
@@ -112,8 +113,16 @@ def _fit(strategy, precision):
     torch.manual_seed(42)
     net = mlp()
     x, y = torch.randn(40, 6, generator=torch.Generator().manual_seed(1)), torch.arange(40) % 4
-    history = sg.fit(strategy, net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, (x, y),
-                     batch_size=10, shuffle=False, precision=precision)
+    history = sg.fit(
+        strategy,
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        F.cross_entropy,
+        (x, y),
+        batch_size=10,
+        shuffle=False,
+        precision=precision,
+    )
     return history.model.state_dict(), history.history["loss"]
 
 
@@ -134,11 +143,25 @@ def test_fit_refuses_fp16_on_the_cpu_and_unknown_precisions():
     net = mlp()
     data = (torch.randn(8, 6), torch.zeros(8, dtype=torch.long))
     with pytest.raises(sg.InputError, match=r"precision='fp16' needs loss scaling .* on cpu\. Use precision='bf16'"):
-        sg.fit(strategy, net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, data, batch_size=4,
-               precision="fp16")
+        sg.fit(
+            strategy,
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            F.cross_entropy,
+            data,
+            batch_size=4,
+            precision="fp16",
+        )
     with pytest.raises(sg.InputError, match=r"Unknown precision. Received: precision='16'"):
-        sg.fit(strategy, net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, data, batch_size=4,
-               precision="16")
+        sg.fit(
+            strategy,
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            F.cross_entropy,
+            data,
+            batch_size=4,
+            precision="16",
+        )
     strategy.close()
 
 
@@ -190,7 +213,7 @@ def test_a_plain_grad_scaler_shared_by_replicas_is_refused_with_the_fix():
         scaler.step(opt)
         scaler.update()
 
-    (x, y), = list(strategy.distribute_dataset(make_batches((6,), torch.float32, sizes=[4])))
+    ((x, y),) = list(strategy.distribute_dataset(make_batches((6,), torch.float32, sizes=[4])))
     with pytest.raises(sg.InputError, match=r"GradScaler was called by several replicas .* strategy.distribute_scaler"):
         strategy.run(step, args=(x, y))
     strategy.close()

@@ -41,7 +41,9 @@ def reference_state(dropout: bool = False, epochs: int = EPOCHS, lr_decay: float
     x, y = data()
     model, optimizer = build_model(dropout)
     for epoch in range(epochs):
-        order = torch.randperm(NUM_EXAMPLES, generator=torch.Generator().manual_seed(SHUFFLE_SEED * 1_000_003 + epoch + 1))
+        order = torch.randperm(
+            NUM_EXAMPLES, generator=torch.Generator().manual_seed(SHUFFLE_SEED * 1_000_003 + epoch + 1)
+        )
         optimizer.param_groups[0]["lr"] = 0.1 * lr_decay**epoch
         train_reference(model, optimizer, [(x[idx], y[idx]) for idx in order.split(BATCH_SIZE)])
     return model.state_dict()
@@ -55,8 +57,14 @@ def assert_matches(saved: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 def run_worker(tmp_path: Path, kind: str, **settings: object) -> subprocess.CompletedProcess[bytes]:
     env = dict(environ.current())
-    env.update({"FIT_STRATEGY": kind, "FIT_BACKUP": str(tmp_path / "backup"), "FIT_OUT": str(tmp_path / "out.pt"),
-                "FIT_SAVE_FREQ": str(SAVE_FREQ)})
+    env.update(
+        {
+            "FIT_STRATEGY": kind,
+            "FIT_BACKUP": str(tmp_path / "backup"),
+            "FIT_OUT": str(tmp_path / "out.pt"),
+            "FIT_SAVE_FREQ": str(SAVE_FREQ),
+        }
+    )
     env.update({k: str(v) for k, v in settings.items()})
     return subprocess.run([sys.executable, WORKER], env=env, capture_output=True, timeout=90, check=False)
 
@@ -80,10 +88,20 @@ def test_a_killed_single_process_run_resumes_mid_epoch_and_ends_like_an_uninterr
         # The history too: the interrupted epoch's metric sums travelled in the backup.
         model, optimizer = build_model(dropout)
         x, y = data()
-        uninterrupted = sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, optimizer,
-                               F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED, epochs=EPOCHS,
-                               metrics=["accuracy"], validation_data=(x, y), validation_batch_size=16,
-                               clip_grad_norm=1.0)
+        uninterrupted = sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            model,
+            optimizer,
+            F.cross_entropy,
+            (x, y),
+            batch_size=BATCH_SIZE,
+            seed=SHUFFLE_SEED,
+            epochs=EPOCHS,
+            metrics=["accuracy"],
+            validation_data=(x, y),
+            validation_batch_size=16,
+            clip_grad_norm=1.0,
+        )
         for got, expected in zip(saved["history"], (log.metrics for log in uninterrupted.epochs)):
             assert got.keys() == expected.keys()
             for name in expected:
@@ -94,11 +112,25 @@ def test_a_killed_single_process_run_resumes_mid_epoch_and_ends_like_an_uninterr
 @pytest.mark.timeout(180)
 def test_a_multi_worker_run_whose_chief_is_killed_is_restarted_by_the_launcher_and_resumes(tmp_path):
     env = dict(environ.current())
-    env.update({"FIT_STRATEGY": "multi_worker", "FIT_BACKUP": str(tmp_path / "backup"),
-                "FIT_OUT": str(tmp_path / "out.pt"), "FIT_SAVE_FREQ": str(SAVE_FREQ), "FIT_KILL_AFTER": str(KILL_AFTER)})
+    env.update(
+        {
+            "FIT_STRATEGY": "multi_worker",
+            "FIT_BACKUP": str(tmp_path / "backup"),
+            "FIT_OUT": str(tmp_path / "out.pt"),
+            "FIT_SAVE_FREQ": str(SAVE_FREQ),
+            "FIT_KILL_AFTER": str(KILL_AFTER),
+        }
+    )
     lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env, max_restarts=1, timeout=150, grace_period=2,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"))
+    result = launch(
+        [sys.executable, WORKER],
+        workers=2,
+        env=env,
+        max_restarts=1,
+        timeout=150,
+        grace_period=2,
+        sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
+    )
     assert result.exit_code == 0, result.explain() + "\n" + "\n".join(lines[-40:])
     assert result.restarts == 1 and result.failures[0].task == "worker:0"
     assert "SIGKILL" in result.failures[0].reason
@@ -121,9 +153,18 @@ class FailAtStep(sg.callbacks.Callback):
 def _fit(backup, callbacks, strategy=None):
     model, optimizer = build_model(False)
     x, y = data()
-    return sg.fit(strategy or sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, optimizer,
-                  F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED, epochs=EPOCHS,
-                  clip_grad_norm=1.0, callbacks=[backup, *callbacks])
+    return sg.fit(
+        strategy or sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+        model,
+        optimizer,
+        F.cross_entropy,
+        (x, y),
+        batch_size=BATCH_SIZE,
+        seed=SHUFFLE_SEED,
+        epochs=EPOCHS,
+        clip_grad_norm=1.0,
+        callbacks=[backup, *callbacks],
+    )
 
 
 def test_epoch_backups_resume_at_the_start_of_the_interrupted_epoch(tmp_path):
@@ -142,12 +183,24 @@ def test_adam_resumes_exactly_from_a_mid_epoch_backup(tmp_path, kind):
     # Adam keeps a step count per parameter: a restore that miscounts it changes every later update.
     def run(callbacks):
         model, _ = build_model(False)
-        strategy = (sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)) if kind == "one_device"
-                    else sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)))
+        strategy = (
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1))
+            if kind == "one_device"
+            else sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+        )
         x, y = data()
         try:
-            return sg.fit(strategy, model, torch.optim.Adam(model.parameters(), lr=0.01), F.cross_entropy, (x, y),
-                          batch_size=BATCH_SIZE, seed=SHUFFLE_SEED, epochs=EPOCHS, callbacks=callbacks)
+            return sg.fit(
+                strategy,
+                model,
+                torch.optim.Adam(model.parameters(), lr=0.01),
+                F.cross_entropy,
+                (x, y),
+                batch_size=BATCH_SIZE,
+                seed=SHUFFLE_SEED,
+                epochs=EPOCHS,
+                callbacks=callbacks,
+            )
         finally:
             strategy.close()
 
@@ -166,14 +219,26 @@ def test_a_learning_rate_schedule_resumes_with_the_run(tmp_path):
         schedule = [sg.callbacks.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))]
         x, y = data()
         try:
-            return sg.fit(strategy, model, optimizer, F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED,
-                          epochs=3, clip_grad_norm=1.0, callbacks=[*(schedule if with_schedule else []), *extra])
+            return sg.fit(
+                strategy,
+                model,
+                optimizer,
+                F.cross_entropy,
+                (x, y),
+                batch_size=BATCH_SIZE,
+                seed=SHUFFLE_SEED,
+                epochs=3,
+                clip_grad_norm=1.0,
+                callbacks=[*(schedule if with_schedule else []), *extra],
+            )
         finally:
             strategy.close()
 
     with pytest.raises(RuntimeError, match="failure at step 6"):
         run(True, sg.callbacks.BackupAndRestore(tmp_path / "b"), FailAtStep(6))
-    with pytest.raises(sg.InputError, match=r"The backup holds the state of callbacks \['0:LearningRateScheduler'\] but"):
+    with pytest.raises(
+        sg.InputError, match=r"The backup holds the state of callbacks \['0:LearningRateScheduler'\] but"
+    ):
         run(False, sg.callbacks.BackupAndRestore(tmp_path / "b"))
     resumed = run(True, sg.callbacks.BackupAndRestore(tmp_path / "b"))
     assert_matches(resumed.model.state_dict(), reference_state(epochs=3, lr_decay=0.5))
@@ -214,8 +279,11 @@ def test_workers_that_restored_different_backups_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match="failure at step 3"):
         _fit(sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1), [FailAtStep(3)])
     strategy = OneOfTwoWorkers("cpu:0", registry=cpu_registry(1))
-    with pytest.raises(sg.InputError, match=r"The workers start from different steps: process 0 is at step 2, the mean "
-                                            r"over the 2 workers is 1. Received: backups that differ between workers"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"The workers start from different steps: process 0 is at step 2, the mean "
+        r"over the 2 workers is 1. Received: backups that differ between workers",
+    ):
         _fit(sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1), [], strategy=strategy)
 
 
@@ -234,11 +302,17 @@ def test_keeping_the_backup_and_a_directory_with_other_files(tmp_path):
     assert_matches(history.model.state_dict(), reference_state())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"backup_dir": "", "save_freq": "epoch"}, r"backup_dir must be a directory path. Received: backup_dir=''"),
-    ({"backup_dir": "b", "save_freq": 0}, r"save_freq must be 'epoch' or a positive number of steps. Received: save_freq=0"),
-    ({"backup_dir": "b", "save_freq": "batch"}, r"Received: save_freq='batch'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"backup_dir": "", "save_freq": "epoch"}, r"backup_dir must be a directory path. Received: backup_dir=''"),
+        (
+            {"backup_dir": "b", "save_freq": 0},
+            r"save_freq must be 'epoch' or a positive number of steps. Received: save_freq=0",
+        ),
+        ({"backup_dir": "b", "save_freq": "batch"}, r"Received: save_freq='batch'"),
+    ],
+)
 def test_bad_backup_settings_are_refused(tmp_path, monkeypatch, kwargs, message):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(sg.InputError, match=message):

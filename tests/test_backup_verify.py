@@ -34,9 +34,18 @@ class FailAtStep(sg.callbacks.Callback):
 def fit(backup: sg.callbacks.BackupAndRestore, *callbacks: sg.callbacks.Callback, model=None):
     net, optimizer = build_model(False) if model is None else (model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = data()
-    return sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), net, optimizer, F.cross_entropy, (x, y),
-                  batch_size=BATCH_SIZE, seed=SHUFFLE_SEED, epochs=EPOCHS, clip_grad_norm=1.0,
-                  callbacks=[backup, *callbacks])
+    return sg.fit(
+        sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+        net,
+        optimizer,
+        F.cross_entropy,
+        (x, y),
+        batch_size=BATCH_SIZE,
+        seed=SHUFFLE_SEED,
+        epochs=EPOCHS,
+        clip_grad_norm=1.0,
+        callbacks=[backup, *callbacks],
+    )
 
 
 def interrupted_run(directory: Path, **settings) -> sg.callbacks.BackupAndRestore:
@@ -79,7 +88,9 @@ def test_a_flipped_byte_in_a_tensor_is_refused_and_the_run_resumes_from_the_prev
     assert resumed.restored_from == {"epoch": 0, "step": 1}
     assert resumed.restored_path == resumed.previous_path
     warned = " ".join(record.getMessage() for record in caplog.records)
-    assert f"{str(resumed.path)!r} is not a readable checkpoint: it is damaged (Bad CRC-32 for file '{member}')" in warned
+    assert (
+        f"{str(resumed.path)!r} is not a readable checkpoint: it is damaged (Bad CRC-32 for file '{member}')" in warned
+    )
     assert f"Resuming from the previous backup {resumed.previous_path}" in warned
     assert_matches(history.model.state_dict(), reference_state())  # nothing of the damaged backup was used
     # The damaged file is kept aside for inspection, so the directory stays; the backups themselves are gone.
@@ -90,9 +101,11 @@ def test_a_damaged_backup_with_no_previous_one_is_refused_with_its_name(tmp_path
     backup = interrupted_run(tmp_path / "b", keep_previous=False)
     assert not backup.previous_path.exists()  # one backup on disk, as asked
     member = flip_a_byte_in_tensor_data(backup.path)
-    with pytest.raises(sg.CorruptCheckpointError,
-                       match=rf"'{backup.path}' is not a readable checkpoint: it is damaged \(Bad CRC-32 for file "
-                             rf"'{member}'\).* No whole backup is left to resume from \(and there is no previous backup"):
+    with pytest.raises(
+        sg.CorruptCheckpointError,
+        match=rf"'{backup.path}' is not a readable checkpoint: it is damaged \(Bad CRC-32 for file "
+        rf"'{member}'\).* No whole backup is left to resume from \(and there is no previous backup",
+    ):
         fit(sg.callbacks.BackupAndRestore(tmp_path / "b"))
     assert backup.path.exists()  # refused, not deleted
 
@@ -101,8 +114,11 @@ def test_both_backups_damaged_are_refused_naming_both(tmp_path):
     backup = interrupted_run(tmp_path / "b")
     flip_a_byte_in_tensor_data(backup.path)
     flip_a_byte_in_tensor_data(backup.previous_path)
-    with pytest.raises(sg.CorruptCheckpointError, match=rf"(?s)'{backup.path}' is not a readable.*"
-                                                        rf"'{backup.previous_path}' is not a readable.*No whole backup"):
+    with pytest.raises(
+        sg.CorruptCheckpointError,
+        match=rf"(?s)'{backup.path}' is not a readable.*"
+        rf"'{backup.previous_path}' is not a readable.*No whole backup",
+    ):
         fit(sg.callbacks.BackupAndRestore(tmp_path / "b"))
 
 
@@ -120,11 +136,14 @@ def test_a_run_killed_between_the_two_renames_of_a_save_resumes_from_the_previou
 def test_a_truncated_backup_is_refused(tmp_path):
     path = save_checkpoint(tmp_path / "state.pt", {"weights": torch.ones(1000)})
     path.write_bytes(path.read_bytes()[:-200])  # the archive's directory at the end is cut off
-    with pytest.raises(sg.CorruptCheckpointError, match=r"state.pt' is not a readable checkpoint: it is not a zip archive"):
+    with pytest.raises(
+        sg.CorruptCheckpointError, match=r"state.pt' is not a readable checkpoint: it is not a zip archive"
+    ):
         load_checkpoint(path)
 
 
 # ---- clean-up: only what BackupAndRestore wrote ---------------------------------------------------
+
 
 def test_clean_up_removes_only_its_own_temporaries_and_never_a_directory_it_did_not_create(tmp_path):
     mine = tmp_path / "user_dir"
@@ -149,20 +168,27 @@ def test_clean_up_removes_only_its_own_temporaries_and_never_a_directory_it_did_
 
 # ---- errors that name the backup and say what to do ----------------------------------------------
 
+
 def test_a_backup_missing_fields_names_the_file_and_the_fields(tmp_path):
     backup = interrupted_run(tmp_path / "b")
     state = load_checkpoint(backup.path)
     del state["metric_names"], state["format"], state["version"]
     save_checkpoint(backup.path, state)
-    with pytest.raises(sg.InputError, match=rf"Cannot resume from the backup '{backup.path}': The backup lacks fields "
-                                            r"that fit writes: \['metric_names'\].*remove it to start afresh"):
+    with pytest.raises(
+        sg.InputError,
+        match=rf"Cannot resume from the backup '{backup.path}': The backup lacks fields "
+        r"that fit writes: \['metric_names'\].*remove it to start afresh",
+    ):
         fit(sg.callbacks.BackupAndRestore(tmp_path / "b"))
 
 
 def test_a_backup_of_another_model_names_the_file(tmp_path):
     interrupted_run(tmp_path / "b")
-    with pytest.raises(sg.InputError, match=rf"(?s)Cannot resume from the backup '{tmp_path / 'b' / 'backup.pt'}': The "
-                                            r"backup does not fit this model or optimizer.*Build the same model"):
+    with pytest.raises(
+        sg.InputError,
+        match=rf"(?s)Cannot resume from the backup '{tmp_path / 'b' / 'backup.pt'}': The "
+        r"backup does not fit this model or optimizer.*Build the same model",
+    ):
         fit(sg.callbacks.BackupAndRestore(tmp_path / "b"), model=torch.nn.Linear(6, 4, dtype=torch.float64))
 
 
@@ -172,7 +198,10 @@ class Foreign:
 
 def test_a_file_with_foreign_objects_is_refused_without_advice_to_turn_the_check_off(tmp_path):
     torch.save({"format": "stratagem-checkpoint", "object": Foreign()}, tmp_path / "foreign.pt")
-    with pytest.raises(sg.InputError, match=r"foreign.pt' holds objects other than tensors and plain containers "
-                                            r"\(Unsupported global: .*Foreign.*\).*never unpickles") as caught:
+    with pytest.raises(
+        sg.InputError,
+        match=r"foreign.pt' holds objects other than tensors and plain containers "
+        r"\(Unsupported global: .*Foreign.*\).*never unpickles",
+    ) as caught:
         load_checkpoint(tmp_path / "foreign.pt")
     assert "weights_only=False" not in str(caught.value) and not isinstance(caught.value, sg.CorruptCheckpointError)

@@ -28,24 +28,41 @@ SIZES = [12, 11, 7, 2, 5]  # uneven splits, a batch smaller than 3 replicas, a l
 
 def bn_convnet() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=None), nn.ReLU(),
-        nn.Flatten(), nn.Linear(6 * 4 * 4, 4),
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.BatchNorm2d(6, momentum=None),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 4),
     )
 
 
 def bn_mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(),
-        nn.Linear(16, 16), nn.BatchNorm1d(16, affine=False, momentum=0.3), nn.Tanh(), nn.Linear(16, 4),
+        nn.Linear(6, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.BatchNorm1d(16, affine=False, momentum=0.3),
+        nn.Tanh(),
+        nn.Linear(16, 4),
     )
 
 
 def bn_variants() -> nn.Module:
     """BatchNorm3d, and a layer without running statistics (it uses batch statistics in eval mode too)."""
     return nn.Sequential(
-        nn.Conv3d(1, 3, 2), nn.BatchNorm3d(3, momentum=None), nn.ReLU(), nn.Flatten(),
-        nn.Linear(3 * 2 * 2 * 2, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(), nn.Linear(8, 4),
+        nn.Conv3d(1, 3, 2),
+        nn.BatchNorm3d(3, momentum=None),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 2 * 2 * 2, 8),
+        nn.BatchNorm1d(8, track_running_stats=False),
+        nn.ReLU(),
+        nn.Linear(8, 4),
     )
 
 
@@ -61,8 +78,10 @@ def build(name, dtype=torch.float64):
 
 def batches(shape, sizes=SIZES, dtype=torch.float64, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn((n, *shape), generator=g, dtype=dtype) * 2 + 0.5, torch.randint(0, 4, (n,), generator=g))
-            for n in sizes]
+    return [
+        (torch.randn((n, *shape), generator=g, dtype=dtype) * 2 + 0.5, torch.randint(0, 4, (n,), generator=g))
+        for n in sizes
+    ]
 
 
 def train_distributed(strategy, model, optimizer, data):
@@ -87,8 +106,11 @@ def mirrored(n, **kwargs):
 
 
 @pytest.mark.parametrize("model_name", ["conv", "mlp"])
-@pytest.mark.parametrize("num_replicas,share", [(2, None), (3, None), (2, False), (3, False)],
-                         ids=["2-shared", "3-shared", "2-copies", "3-copies"])
+@pytest.mark.parametrize(
+    "num_replicas,share",
+    [(2, None), (3, None), (2, False), (3, False)],
+    ids=["2-shared", "3-shared", "2-copies", "3-copies"],
+)
 def test_mirrored_with_batch_norm_matches_one_device(model_name, num_replicas, share):
     reference, ref_opt, shape = build(model_name)
     data = batches(shape)
@@ -100,8 +122,9 @@ def test_mirrored_with_batch_norm_matches_one_device(model_name, num_replicas, s
     assert_states_equal(reference, model.replicas)
     for got in [opt] if share is None else opt._optimizers:  # shared: one state, whole tensors
         for index, entry in ref_opt.state_dict()["state"].items():
-            torch.testing.assert_close(got.state_dict()["state"][index]["momentum_buffer"], entry["momentum_buffer"],
-                                       **TOL[torch.float64])
+            torch.testing.assert_close(
+                got.state_dict()["state"][index]["momentum_buffer"], entry["momentum_buffer"], **TOL[torch.float64]
+            )
     strategy.close()
 
 
@@ -175,9 +198,12 @@ def test_one_example_slices_train_with_global_statistics():
 def test_one_example_slice_with_per_replica_statistics_is_a_clear_error():
     model, opt, shape = build("mlp")
     strategy = mirrored(3, batch_norm="per_replica")
-    with pytest.raises(sg.InputError, match=r"BatchNorm layer '1' normalises with each replica's own statistics "
-                                            r"\(batch_norm='per_replica'\), but replica [12]'s slice has one value per "
-                                            r"channel\. Received: input of shape \(1, 16\)"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"BatchNorm layer '1' normalises with each replica's own statistics "
+        r"\(batch_norm='per_replica'\), but replica [12]'s slice has one value per "
+        r"channel\. Received: input of shape \(1, 16\)",
+    ):
         train_distributed(strategy, model, opt, batches(shape, sizes=[4]))
     strategy.close()
 
@@ -188,8 +214,11 @@ def test_a_global_batch_of_one_example_fails_as_on_one_device():
         train_reference(reference, ref_opt, batches(shape, sizes=[1]))
     model, opt, _ = build("mlp")
     strategy = mirrored(2)
-    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got 1 over the global "
-                                         r"batch in BatchNorm layer '1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected more than 1 value per channel when training, got 1 over the global "
+        r"batch in BatchNorm layer '1'",
+    ):
         train_distributed(strategy, model, opt, batches(shape, sizes=[1]))
     strategy.close()
 
@@ -197,7 +226,7 @@ def test_a_global_batch_of_one_example_fails_as_on_one_device():
 def test_per_replica_statistics_are_each_replicas_own():
     model, opt, shape = build("mlp")
     strategy = mirrored(2, batch_norm="per_replica")
-    (x, y), = batches(shape, sizes=[8])
+    ((x, y),) = batches(shape, sizes=[8])
     plain = copy.deepcopy(model)
     model, _ = train_distributed(strategy, model, opt, [(x, y)])
     plain.train()
@@ -259,10 +288,13 @@ def test_a_replica_that_calls_the_model_once_more_is_named():
             time.sleep(1.0)  # replica 0 waits at its second forward first
         F.cross_entropy(out, y).backward()
 
-    (x, y), = strategy.distribute_dataset(batches(shape, sizes=[6]))
-    with pytest.raises(sg.ReplicaError, match=r"Replica 1 \(cpu:1\) reached the BatchNorm statistics of '4' "
-                                              r"\(backward\) of step 1, but replica 0 \(cpu:0\) wait\(s\) at the "
-                                              r"BatchNorm statistics of '1' \(forward\)"):
+    ((x, y),) = strategy.distribute_dataset(batches(shape, sizes=[6]))
+    with pytest.raises(
+        sg.ReplicaError,
+        match=r"Replica 1 \(cpu:1\) reached the BatchNorm statistics of '4' "
+        r"\(backward\) of step 1, but replica 0 \(cpu:0\) wait\(s\) at the "
+        r"BatchNorm statistics of '1' \(forward\)",
+    ):
         strategy.run(step, args=(x, y))
     strategy.close()
 
@@ -271,16 +303,19 @@ def test_a_replica_that_skips_the_model_or_is_late_is_named():
     model, opt, shape = build("mlp")
     strategy = mirrored(2, timeout=0.5)
     model, opt = strategy.distribute(model, opt)
-    (x, y), = strategy.distribute_dataset(batches(shape, sizes=[6]))
+    ((x, y),) = strategy.distribute_dataset(batches(shape, sizes=[6]))
 
     def skipping(x, y):
         if sg.current_replica_context().replica_id_in_sync_group == 0:
             model(x)
 
-    with pytest.raises(sg.ReplicaError, match=r"Replica 0 \(cpu:0\) is waiting at the BatchNorm statistics of '1' "
-                                              r"\(forward\) of step 1, but replica 1 \(cpu:1\) returned from the step "
-                                              r"function without getting there\. Every replica must call the model "
-                                              r"\(and backward\(\)\) the same number of times"):
+    with pytest.raises(
+        sg.ReplicaError,
+        match=r"Replica 0 \(cpu:0\) is waiting at the BatchNorm statistics of '1' "
+        r"\(forward\) of step 1, but replica 1 \(cpu:1\) returned from the step "
+        r"function without getting there\. Every replica must call the model "
+        r"\(and backward\(\)\) the same number of times",
+    ):
         strategy.run(skipping, args=(x, y))
 
     def late(x, y):
@@ -288,16 +323,22 @@ def test_a_replica_that_skips_the_model_or_is_late_is_named():
             time.sleep(1.0)
         model(x)
 
-    with pytest.raises(sg.CollectiveTimeoutError, match=r"Timed out after 0.5 s at the BatchNorm statistics of '1' "
-                                                        r"\(forward\) of step 2: replica 0 \(cpu:0\) was waiting for "
-                                                        r"replica 1 \(cpu:1\)"):
+    with pytest.raises(
+        sg.CollectiveTimeoutError,
+        match=r"Timed out after 0.5 s at the BatchNorm statistics of '1' "
+        r"\(forward\) of step 2: replica 0 \(cpu:0\) was waiting for "
+        r"replica 1 \(cpu:1\)",
+    ):
         strategy.run(late, args=(x, y))
     strategy.close()
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(sg.InputError, match=r"batch_norm must be one of \('global', 'per_replica'\)\. "
-                                            r"Received: batch_norm='sync'"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"batch_norm must be one of \('global', 'per_replica'\)\. "
+        r"Received: batch_norm='sync'",
+    ):
         mirrored(2, batch_norm="sync")
 
 
@@ -310,8 +351,12 @@ def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path
     spec = importlib.util.spec_from_file_location("mwms_batch_norm", WORKERS / "mwms_batch_norm.py")
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    exit_code, output = launch_workers("mwms_batch_norm.py", {
-        "MW_OUT": str(tmp_path / "out"), "STRATAGEM_DEVICES_PER_WORKER": "2"}, timeout=200, tail=30)
+    exit_code, output = launch_workers(
+        "mwms_batch_norm.py",
+        {"MW_OUT": str(tmp_path / "out"), "STRATAGEM_DEVICES_PER_WORKER": "2"},
+        timeout=200,
+        tail=30,
+    )
     assert exit_code == 0, output
 
     reference, ref_opt = worker.build()
@@ -326,8 +371,9 @@ def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path
             for key, value in reference.state_dict().items():
                 torch.testing.assert_close(state[key], value, **TOL[torch.float64], msg=lambda m, k=key: f"{k}: {m}")
         for index, entry in ref_opt.state_dict()["state"].items():
-            torch.testing.assert_close(saved["optimizer"]["state"][index]["momentum_buffer"], entry["momentum_buffer"],
-                                       **TOL[torch.float64])
+            torch.testing.assert_close(
+                saved["optimizer"]["state"][index]["momentum_buffer"], entry["momentum_buffer"], **TOL[torch.float64]
+            )
         assert all(0 not in seen for seen in saved["seen"]), saved["seen"]
         assert saved["loss"] == pytest.approx(want_loss, rel=1e-9)
         assert "BatchNorm statistics: global batch" in saved["explain"]
@@ -339,7 +385,7 @@ def test_bfloat16_autocast_input_with_float32_parameters():
     # Under autocast BatchNorm gets a bfloat16 input and float32 parameters, which torch's kernels allow.
     model, _, shape = build("conv", torch.float32)
     reference = copy.deepcopy(model)
-    (x, y), = batches(shape, sizes=[8], dtype=torch.float32)
+    ((x, y),) = batches(shape, sizes=[8], dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = reference(x)
     F.cross_entropy(out.float(), y).backward()
@@ -352,7 +398,7 @@ def test_bfloat16_autocast_input_with_float32_parameters():
         F.cross_entropy(out.float(), y).backward()
         return out
 
-    (piece, labels), = strategy.distribute_dataset([(x, y)])
+    ((piece, labels),) = strategy.distribute_dataset([(x, y)])
     outputs = strategy.run(step, args=(piece, labels))
     assert strategy.experimental_local_results(outputs)[0].dtype == torch.bfloat16
     mine = dict(model.replicas[1].named_parameters())
@@ -407,15 +453,21 @@ class _TwinWorker:
 class _TwinWorkers(ReplicatedStrategy):
     def __init__(self) -> None:
         placement = place_replicas(["cpu:0"], require_gpu=False, registry=cpu_registry(1), intra_op_threads=None)
-        self._replicas = ReplicaSet(self, placement, build=MirroredReplicas(None), across=_TwinWorker(),
-                                    combine=choose_local_combine(placement.devices, nccl_available=False),
-                                    batch_norm="global", timeout=60.0)
+        self._replicas = ReplicaSet(
+            self,
+            placement,
+            build=MirroredReplicas(None),
+            across=_TwinWorker(),
+            combine=choose_local_combine(placement.devices, nccl_available=False),
+            batch_norm="global",
+            timeout=60.0,
+        )
 
 
 def test_one_replica_per_worker_sums_across_workers_without_a_local_meeting():
     model, _, shape = build("mlp")
     reference = copy.deepcopy(model)
-    (x, y), = batches(shape, sizes=[5])
+    ((x, y),) = batches(shape, sizes=[5])
     # One device on the global batch: this worker's slice and the other worker's identical one.
     F.cross_entropy(reference(torch.cat([x, x])), torch.cat([y, y])).backward()
     strategy = _TwinWorkers()

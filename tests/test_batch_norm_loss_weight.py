@@ -117,11 +117,14 @@ def test_a_weight_of_zero_on_a_slice_with_examples_is_refused():
     # Its examples still move the others' losses through the global statistics: a weight of 0 would drop that
     # gradient (the parameters drifted from one device's by 4e-3 on this data).
     data = token_batches([6, 6], NO_TOKEN_SLICE)
-    with pytest.raises(sg.InputError, match=r"BatchNorm layer 'norm' normalises with the statistics of the whole "
-                                            r"global batch, so the examples of replica 1 move every replica's loss, "
-                                            r"but in step 2 replica 1 declared a loss weight of 0 .* Received: "
-                                            r"sg.set_loss_weight\(0\) on a slice of 3 example\(s\) with "
-                                            r"batch_norm='global'\. Make each replica's loss its share"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"BatchNorm layer 'norm' normalises with the statistics of the whole "
+        r"global batch, so the examples of replica 1 move every replica's loss, "
+        r"but in step 2 replica 1 declared a loss weight of 0 .* Received: "
+        r"sg.set_loss_weight\(0\) on a slice of 3 example\(s\) with "
+        r"batch_norm='global'\. Make each replica's loss its share",
+    ):
         train_mirrored(2, data)
 
 

@@ -46,8 +46,14 @@ def test_a_ddp_model_freed_first_lets_destroy_process_group_end_gloo_threads(ord
     # DDP's reducer holds the process group; while it lives, destroy_process_group() leaves Gloo's threads
     # running, and freeing the reducer later joins them with the GIL held, which can deadlock with a Gloo
     # thread that needs the GIL. Freed first, the group and its threads end at destroy_process_group().
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, order, str(free_port())], check=False,
-                          env=environ.current(), capture_output=True, text=True, timeout=100)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, order, str(free_port())],
+        check=False,
+        env=environ.current(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["trained"] > counts["start"] + 1, counts  # Gloo's threads were there
@@ -59,8 +65,13 @@ def test_a_ddp_model_freed_first_lets_destroy_process_group_end_gloo_threads(ord
 
 @pytest.mark.timeout(180)
 def test_the_all_reduce_benchmark_measures_both_paths_and_checks_their_sums():
-    proc = subprocess.run([sys.executable, "-m", "stratagem.bench.allreduce", "--repeats", "1"],
-                          capture_output=True, text=True, timeout=170, env=dict(environ.current()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratagem.bench.allreduce", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=dict(environ.current()),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["check_ok"] is True

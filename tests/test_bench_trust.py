@@ -13,14 +13,42 @@ from stratagem.cli.bench import _table
 
 def _rows(plain_runs, two_replicas_efficiency):
     return [
-        ScalingRow(workload="mlp", strategy="plain", kind="cpu", replicas=1, devices=["cpu"], status="ok",
-                   samples_per_s_runs=plain_runs, ratios_runs=[1.0]),
-        ScalingRow(workload="mlp", strategy="mirrored", kind="cpu", replicas=1, devices=["cpu:0"], status="ok",
-                   samples_per_s_runs=[105.0], ratios_runs=[0.1], speedup=1.0, ideal_speedup=1,
-                   scaling_efficiency=1.0),
-        ScalingRow(workload="mlp", strategy="mirrored", kind="cpu", replicas=2, devices=["cpu:0", "cpu:1"],
-                   status="ok", samples_per_s_runs=[527.0], ratios_runs=[9.37], speedup=two_replicas_efficiency,
-                   ideal_speedup=1, scaling_efficiency=two_replicas_efficiency),
+        ScalingRow(
+            workload="mlp",
+            strategy="plain",
+            kind="cpu",
+            replicas=1,
+            devices=["cpu"],
+            status="ok",
+            samples_per_s_runs=plain_runs,
+            ratios_runs=[1.0],
+        ),
+        ScalingRow(
+            workload="mlp",
+            strategy="mirrored",
+            kind="cpu",
+            replicas=1,
+            devices=["cpu:0"],
+            status="ok",
+            samples_per_s_runs=[105.0],
+            ratios_runs=[0.1],
+            speedup=1.0,
+            ideal_speedup=1,
+            scaling_efficiency=1.0,
+        ),
+        ScalingRow(
+            workload="mlp",
+            strategy="mirrored",
+            kind="cpu",
+            replicas=2,
+            devices=["cpu:0", "cpu:1"],
+            status="ok",
+            samples_per_s_runs=[527.0],
+            ratios_runs=[9.37],
+            speedup=two_replicas_efficiency,
+            ideal_speedup=1,
+            scaling_efficiency=two_replicas_efficiency,
+        ),
     ]
 
 
@@ -46,8 +74,14 @@ def test_runs_that_disagree_and_an_impossible_efficiency_are_each_named():
 def test_the_report_carries_the_warnings_and_the_table_flags_the_efficiency():
     rows = _rows([1000.0, 1100.0], 5.02)
     load = Load(one_minute=0.2, cores=2)
-    report = ScalingReport(config=ScalingConfig(), machine=BenchMachine(cpu_devices=2), rows=rows, elapsed_s=1.0,
-                           load_before=load, warnings=trust_warnings(rows, load))
+    report = ScalingReport(
+        config=ScalingConfig(),
+        machine=BenchMachine(cpu_devices=2),
+        rows=rows,
+        elapsed_s=1.0,
+        load_before=load,
+        warnings=trust_warnings(rows, load),
+    )
     data = report.to_dict()
     assert data["trusted"] is False and len(data["warnings"]) == 1
     assert data["machine"]["load_average_1min"] == 0.2 and data["machine"]["cores"] == 2

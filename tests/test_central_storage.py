@@ -37,8 +37,10 @@ def central(num_replicas: int, **kwargs) -> sg.CentralStorageStrategy:
 
 def gpu_machine(num_gpus: int, memory_limit: int | None = None) -> DeviceRegistry:
     """A constructed machine with GPUs: placement is decided and checked without any CUDA call."""
-    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2)] + [
-        PhysicalDevice(device_type="cuda", index=i, name="H200", total_memory=2**37) for i in range(num_gpus)])
+    registry = DeviceRegistry(
+        physical=[PhysicalDevice(device_type="cpu", core_count=2)]
+        + [PhysicalDevice(device_type="cuda", index=i, name="H200", total_memory=2**37) for i in range(num_gpus)]
+    )
     if memory_limit is not None:
         registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(memory_limit=memory_limit)])
     return registry
@@ -53,8 +55,11 @@ def grad_norm(model) -> torch.Tensor:
 # Replicas reading the central parameters in place (logical CPUs), in float64 and float32; replicas with
 # their own copy (the GPU path: parameters copied in, gradients reduced onto the central device) in float64
 # only, to keep the suite short (float32 rounding is covered by the in-place cases).
-CONFIGS = [pytest.param(n, True, dtype, id=f"{n}-in-place-{name}")
-           for n in (1, 2, 3) for dtype, name in ((torch.float64, "f64"), (torch.float32, "f32"))]
+CONFIGS = [
+    pytest.param(n, True, dtype, id=f"{n}-in-place-{name}")
+    for n in (1, 2, 3)
+    for dtype, name in ((torch.float64, "f64"), (torch.float32, "f32"))
+]
 CONFIGS += [pytest.param(n, False, torch.float64, id=f"{n}-copies-f64") for n in (2, 3)]
 
 
@@ -151,6 +156,7 @@ def test_lr_scheduler_on_the_returned_optimizer_drives_the_central_update():
 
 # ---- storage: once, on the central device ----------------------------------------------------
 
+
 def test_parameters_and_optimizer_state_exist_once_and_the_update_runs_once_per_step():
     model, user_opt, shape = build("mlp", "adam", torch.float64)
     num_params = len(list(model.parameters()))
@@ -227,6 +233,7 @@ def test_central_copy_keeps_the_buffers_replica_0_computed(share):
 
 # ---- placement and explain() -----------------------------------------------------------------
 
+
 def test_explain_on_logical_cpus_says_where_parameters_live_why_and_how_gradients_combine():
     strategy = central(3)
     explanation = strategy.explain()
@@ -265,8 +272,10 @@ def test_several_gpus_compute_and_the_cpu_holds_the_parameters():
     assert [r.device for r in explanation.replicas] == ["cuda:0", "cuda:1"]
     assert strategy.parameter_device == torch.device("cpu")
     assert explanation.decision("parameter copies").choice == "one per step to 2 replica(s)"
-    assert ("replica(s) 0 (cuda:0), 1 (cuda:1) compute on another device than cpu, so they receive a copy of every "
-            "parameter at the start of each step") == explanation.decision("parameter copies").reason
+    assert (
+        "replica(s) 0 (cuda:0), 1 (cuda:1) compute on another device than cpu, so they receive a copy of every "
+        "parameter at the start of each step"
+    ) == explanation.decision("parameter copies").reason
     combination = explanation.decision("gradient combination")
     assert combination.choice == "reduce onto cpu" and "copied back to every replica" in combination.reason
 
@@ -283,16 +292,33 @@ def test_parameter_device_given_explicitly():
 
 # ---- errors ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value,message", [
-    (3, r"parameter_device must be one device name. Received: parameter_device=3 \(int\)"),
-    (["cpu"], r"parameter_device must be one device name. Received: parameter_device=\['cpu'\] \(list\)"),
-    ("tpu:0", r"parameter_device='tpu:0' cannot hold the parameters: .*tpu:0"),
-    ("cpu:7", (r"parameter_device='cpu:7' cannot hold the parameters: Device 'cpu:7' is out of range: this machine "
-               r"has 3 logical CPU devices")),
-    ("cuda:0", r"parameter_device='cuda:0' cannot hold the parameters: Device 'cuda:0' is a GPU, but no GPU is visible"),
-    ("/job:worker/task:1/device:CPU:0", (r"cannot hold the parameters: Device '/job:worker/task:1/device:CPU:0' "
-                                         r"is on task worker:1")),
-])
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (3, r"parameter_device must be one device name. Received: parameter_device=3 \(int\)"),
+        (["cpu"], r"parameter_device must be one device name. Received: parameter_device=\['cpu'\] \(list\)"),
+        ("tpu:0", r"parameter_device='tpu:0' cannot hold the parameters: .*tpu:0"),
+        (
+            "cpu:7",
+            (
+                r"parameter_device='cpu:7' cannot hold the parameters: Device 'cpu:7' is out of range: this machine "
+                r"has 3 logical CPU devices"
+            ),
+        ),
+        (
+            "cuda:0",
+            r"parameter_device='cuda:0' cannot hold the parameters: Device 'cuda:0' is a GPU, but no GPU is visible",
+        ),
+        (
+            "/job:worker/task:1/device:CPU:0",
+            (
+                r"cannot hold the parameters: Device '/job:worker/task:1/device:CPU:0' "
+                r"is on task worker:1"
+            ),
+        ),
+    ],
+)
 def test_bad_parameter_device_is_refused(value, message):
     with pytest.raises(DeviceError, match=message):
         central(2, parameter_device=value)
@@ -310,13 +336,19 @@ def test_bad_share_parameters_and_require_gpu_without_gpu():
 def test_models_too_large_for_a_gpu_are_refused_before_anything_is_copied():
     net = nn.Linear(100, 100)  # 40,400 bytes of parameters, as much for gradients, twice that for Adam's state
     strategy = sg.CentralStorageStrategy(registry=gpu_machine(1, memory_limit=1000))
-    with pytest.raises(MemoryEstimateError, match=r"The central copy \(parameters, gradients and optimizer state\) on "
-                       r"cuda:0 needs at least 157.81 KiB .* limit of logical device cuda:0 is 1000 B. Keep the "
-                       r"parameters on the CPU \(parameter_device='cpu'\)"):
+    with pytest.raises(
+        MemoryEstimateError,
+        match=r"The central copy \(parameters, gradients and optimizer state\) on "
+        r"cuda:0 needs at least 157.81 KiB .* limit of logical device cuda:0 is 1000 B. Keep the "
+        r"parameters on the CPU \(parameter_device='cpu'\)",
+    ):
         strategy.distribute(net, torch.optim.Adam(net.parameters()))
     compute_only = sg.CentralStorageStrategy(["cuda:0"], parameter_device="cpu", registry=gpu_machine(1, 1000))
-    with pytest.raises(MemoryEstimateError, match=r"A replica's compute copy \(parameters and gradients\) on cuda:0 "
-                       r"needs at least 78.91 KiB"):
+    with pytest.raises(
+        MemoryEstimateError,
+        match=r"A replica's compute copy \(parameters and gradients\) on cuda:0 "
+        r"needs at least 78.91 KiB",
+    ):
         compute_only.distribute(net, torch.optim.Adam(net.parameters()))
     assert next(net.parameters()).device.type == "cpu"
 
@@ -325,11 +357,17 @@ def test_step_outside_run_with_a_closure_or_in_one_replica_only_is_an_error():
     net = mlp().double()
     strategy = central(2)
     model, opt = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    with pytest.raises(sg.InputError, match=r"optimizer.step\(\) ran outside strategy.run\(\).*Received: a call with 2 "
-                                            r"replicas and no step running"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"optimizer.step\(\) ran outside strategy.run\(\).*Received: a call with 2 "
+        r"replicas and no step running",
+    ):
         opt.step()
-    with pytest.raises(sg.InputError, match=r"a closure that re-evaluates the loss cannot run on every replica. "
-                                            r"Received: closure="):
+    with pytest.raises(
+        sg.InputError,
+        match=r"a closure that re-evaluates the loss cannot run on every replica. "
+        r"Received: closure=",
+    ):
         strategy.run(lambda: opt.step(lambda: 0.0))
     x, y = make_batches((6,), torch.float64, sizes=[4])[0]
 
@@ -339,14 +377,20 @@ def test_step_outside_run_with_a_closure_or_in_one_replica_only_is_an_error():
             opt.step()
 
     (batch,) = list(strategy.distribute_dataset([(x, y)]))
-    with pytest.raises(sg.ReplicaError, match=r"waiting at the optimizer step of step \d+, but replica 1 \(cpu:1\) "
-                                              r"returned from the step function .* must call optimizer.step\(\)"):
+    with pytest.raises(
+        sg.ReplicaError,
+        match=r"waiting at the optimizer step of step \d+, but replica 1 \(cpu:1\) "
+        r"returned from the step function .* must call optimizer.step\(\)",
+    ):
         strategy.run(step_in_replica_0_only, args=batch)
     assert all(p.grad is not None for replica in model.replicas for p in replica.parameters())
     opt.zero_grad()  # outside run: every replica's gradients (and the central ones)
     assert all(p.grad is None for replica in model.replicas for p in replica.parameters())
-    with pytest.raises(sg.InputError, match=r"Parameter groups cannot be added to an optimizer after it was "
-                                            r"distributed. Received: a group with keys \['params'\]"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"Parameter groups cannot be added to an optimizer after it was "
+        r"distributed. Received: a group with keys \['params'\]",
+    ):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     with pytest.raises(sg.InputError, match="already holds a distributed model"):
         strategy.distribute(mlp())
@@ -366,7 +410,7 @@ def test_one_replica_computing_on_its_own_copy_matches_one_device():
     assert_same_state(reference, dist_model.central, torch.float64)
 
     # Outside strategy.run, one replica's model and optimizer are the central ones, as on one device.
-    (x, y), = make_batches(shape, torch.float64, sizes=[6], seed=2)
+    ((x, y),) = make_batches(shape, torch.float64, sizes=[6], seed=2)
     F.cross_entropy(reference(x), y).backward()
     ref_opt.step()
     F.cross_entropy(dist_model(x), y).backward()

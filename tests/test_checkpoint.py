@@ -34,7 +34,9 @@ def test_a_checkpoint_round_trips_model_and_optimizer_and_leaves_no_temporary(tm
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
-    path = save_checkpoint(tmp_path / "run" / "state.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7})
+    path = save_checkpoint(
+        tmp_path / "run" / "state.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7}
+    )
     assert sorted(p.name for p in path.parent.iterdir()) == ["state.pt"]
     state = load_checkpoint(path)
     assert state["step"] == 7 and state["format"] == "stratagem-checkpoint"
@@ -59,12 +61,16 @@ CRASH_SCRIPT = textwrap.dedent("""
 
 def test_a_process_killed_between_write_and_rename_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "state.pt"
-    result = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(path)], capture_output=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", CRASH_SCRIPT, str(path)], capture_output=True, timeout=60, check=False
+    )
     assert result.returncode == -9, result.stderr.decode()
     state = load_checkpoint(path)
     assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(1000))
     leftovers = [p for p in tmp_path.iterdir() if p.name != "state.pt"]
-    assert len(leftovers) == 1 and leftovers[0].name.startswith(".stratagem-partial.state.pt.")  # the unfinished second write
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(
+        ".stratagem-partial.state.pt."
+    )  # the unfinished second write
     assert remove_stale_temporaries(tmp_path) == leftovers
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
 
@@ -98,6 +104,7 @@ def test_random_states_are_restored_through_a_checkpoint_file(tmp_path):
 
 # ---- the resumable data source -------------------------------------------------------------------
 
+
 def _data(n=10):
     return torch.arange(n, dtype=torch.float64)[:, None], torch.arange(n)
 
@@ -119,25 +126,37 @@ def test_shuffled_batches_depend_only_on_seed_and_epoch_and_resume_mid_epoch():
     assert [b.tolist() for b in ShuffledBatches(y, 4, shuffle=False, drop_last=True)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: ShuffledBatches(_data(), 0), r"batch_size must be a positive integer. Received: batch_size=0"),
-    (lambda: ShuffledBatches(_data(), 2, seed=1.5), r"seed must be an integer. Received: seed=1.5"),
-    (lambda: ShuffledBatches(_data(0), 2), r"needs at least one example. Received: an empty data set"),
-    (lambda: ShuffledBatches((torch.ones(3), torch.ones(4)), 2), r"share their first \(example\) dimension"),
-    (lambda: ShuffledBatches({"x": 1}, 2), r"needs a tensor, a tuple of tensors.*Received: dict"),
-    (lambda: ShuffledBatches(torch.tensor(3.0), 2), r"A data tensor needs a first \(example\) dimension. Received: shape \(\)"),
-    (lambda: ShuffledBatches(_data(3), 4, drop_last=True), r"drop_last=True leaves no batch"),
-    (lambda: ShuffledBatches(_data(), 3).set_position(0, 5), r"offset must be between 0 and the 4 batches"),
-    (lambda: ShuffledBatches(_data(), 3).set_position(-1), r"epoch must be a non-negative integer. Received: epoch=-1"),
-    (lambda: ShuffledBatches(_data(), 3).load_state_dict(ShuffledBatches(_data(), 2).state_dict()),
-     r"taken with batch_size=2 but this source has batch_size=3"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ShuffledBatches(_data(), 0), r"batch_size must be a positive integer. Received: batch_size=0"),
+        (lambda: ShuffledBatches(_data(), 2, seed=1.5), r"seed must be an integer. Received: seed=1.5"),
+        (lambda: ShuffledBatches(_data(0), 2), r"needs at least one example. Received: an empty data set"),
+        (lambda: ShuffledBatches((torch.ones(3), torch.ones(4)), 2), r"share their first \(example\) dimension"),
+        (lambda: ShuffledBatches({"x": 1}, 2), r"needs a tensor, a tuple of tensors.*Received: dict"),
+        (
+            lambda: ShuffledBatches(torch.tensor(3.0), 2),
+            r"A data tensor needs a first \(example\) dimension. Received: shape \(\)",
+        ),
+        (lambda: ShuffledBatches(_data(3), 4, drop_last=True), r"drop_last=True leaves no batch"),
+        (lambda: ShuffledBatches(_data(), 3).set_position(0, 5), r"offset must be between 0 and the 4 batches"),
+        (
+            lambda: ShuffledBatches(_data(), 3).set_position(-1),
+            r"epoch must be a non-negative integer. Received: epoch=-1",
+        ),
+        (
+            lambda: ShuffledBatches(_data(), 3).load_state_dict(ShuffledBatches(_data(), 2).state_dict()),
+            r"taken with batch_size=2 but this source has batch_size=3",
+        ),
+    ],
+)
 def test_shuffled_batches_refuse_bad_input(make, message):
     with pytest.raises(sg.InputError, match=message):
         make()
 
 
 # ---- a backup that does not fit the run --------------------------------------------------------
+
 
 def _backup_of(tmp_path, model, **fit_args):
     """Runs one epoch that fails at step 2, leaving the backup of step 1 behind; returns the backup directory."""
@@ -150,8 +169,16 @@ def _backup_of(tmp_path, model, **fit_args):
     backup = tmp_path / "backup"
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
     with pytest.raises(RuntimeError, match="interrupted"):
-        sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, torch.optim.SGD(model.parameters(), lr=0.1),
-               F.cross_entropy, (x, y), batch_size=4, callbacks=[BackupAndRestore(backup, save_freq=1), Fail()], **fit_args)
+        sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            F.cross_entropy,
+            (x, y),
+            batch_size=4,
+            callbacks=[BackupAndRestore(backup, save_freq=1), Fail()],
+            **fit_args,
+        )
     assert (backup / "backup.pt").exists()
     return backup, (x, y)
 
@@ -160,21 +187,52 @@ def test_a_backup_of_another_model_or_other_metrics_is_refused(tmp_path):
     backup, data = _backup_of(tmp_path, torch.nn.Linear(3, 2), metrics=["accuracy"])
     other = torch.nn.Linear(3, 5)
     with pytest.raises(sg.InputError, match=r"The backup does not fit this model or optimizer"):
-        sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), other, torch.optim.SGD(other.parameters(), lr=0.1),
-               F.cross_entropy, data, batch_size=4, metrics=["accuracy"], callbacks=[BackupAndRestore(backup)])
+        sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            other,
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            F.cross_entropy,
+            data,
+            batch_size=4,
+            metrics=["accuracy"],
+            callbacks=[BackupAndRestore(backup)],
+        )
     same = torch.nn.Linear(3, 2)
-    with pytest.raises(sg.InputError, match=r"The backup tracked metrics \['loss', 'accuracy'\] but this run tracks \['loss'\]"):
-        sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), same, torch.optim.SGD(same.parameters(), lr=0.1),
-               F.cross_entropy, data, batch_size=4, callbacks=[BackupAndRestore(backup)])
+    with pytest.raises(
+        sg.InputError, match=r"The backup tracked metrics \['loss', 'accuracy'\] but this run tracks \['loss'\]"
+    ):
+        sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            same,
+            torch.optim.SGD(same.parameters(), lr=0.1),
+            F.cross_entropy,
+            data,
+            batch_size=4,
+            callbacks=[BackupAndRestore(backup)],
+        )
     with pytest.raises(sg.InputError, match=r"taken with batch_size=4 but this source has batch_size=2"):
-        sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), same, torch.optim.SGD(same.parameters(), lr=0.1),
-               F.cross_entropy, data, batch_size=2, metrics=["accuracy"], callbacks=[BackupAndRestore(backup)])
+        sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            same,
+            torch.optim.SGD(same.parameters(), lr=0.1),
+            F.cross_entropy,
+            data,
+            batch_size=2,
+            metrics=["accuracy"],
+            callbacks=[BackupAndRestore(backup)],
+        )
 
 
 def test_a_checkpoint_not_written_by_fit_is_refused(tmp_path):
     save_checkpoint(tmp_path / "backup" / "backup.pt", {"model": {}})
     model = torch.nn.Linear(3, 2)
     with pytest.raises(sg.InputError, match=r"This checkpoint was not written by fit. Received: kind=None"):
-        sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, torch.optim.SGD(model.parameters(), lr=0.1),
-               F.cross_entropy, (torch.randn(4, 3), torch.zeros(4, dtype=torch.int64)), batch_size=2,
-               callbacks=[BackupAndRestore(tmp_path / "backup")])
+        sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            F.cross_entropy,
+            (torch.randn(4, 3), torch.zeros(4, dtype=torch.int64)),
+            batch_size=2,
+            callbacks=[BackupAndRestore(tmp_path / "backup")],
+        )

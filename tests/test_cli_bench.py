@@ -33,10 +33,10 @@ def png_text_chunks(data: bytes) -> dict[str, str]:
     assert data[:8] == PNG_SIGNATURE
     chunks, offset = {}, 8
     while offset < len(data):
-        length = int.from_bytes(data[offset:offset + 4], "big")
-        kind = data[offset + 4:offset + 8]
-        body = data[offset + 8:offset + 8 + length]
-        crc = int.from_bytes(data[offset + 8 + length:offset + 12 + length], "big")
+        length = int.from_bytes(data[offset : offset + 4], "big")
+        kind = data[offset + 4 : offset + 8]
+        body = data[offset + 8 : offset + 8 + length]
+        crc = int.from_bytes(data[offset + 8 + length : offset + 12 + length], "big")
         assert zlib.crc32(kind + body) == crc, f"corrupt {kind!r} chunk"
         if kind == b"tEXt":
             key, _, text = body.partition(b"\0")
@@ -47,6 +47,7 @@ def png_text_chunks(data: bytes) -> dict[str, str]:
 
 
 # ---- arithmetic, worked by hand ----------------------------------------------------------------
+
 
 def test_ratio_is_against_the_mean_of_the_rounds_plain_runs():
     # plain ran at 1000 and 800 samples/s around the configuration: mean 900.
@@ -70,12 +71,36 @@ def test_default_replica_counts_double_up_to_the_device_count():
 
 
 def test_rows_report_medians_and_scaling_against_their_own_one_replica_run():
-    one = ScalingRow(workload="mlp", strategy="mirrored", kind="gpu", replicas=1, devices=["cuda:0"], status="ok",
-                     samples_per_s_runs=[1000.0, 1200.0, 1100.0], ratios_runs=[0.9, 1.0, 0.95])
-    two = ScalingRow(workload="mlp", strategy="mirrored", kind="gpu", replicas=2, devices=["cuda:0", "cuda:1"],
-                     status="ok", samples_per_s_runs=[2000.0, 1900.0, 1500.0], ratios_runs=[1.8, 1.6, 1.7])
-    failed = ScalingRow(workload="mlp", strategy="multi_worker", kind="gpu", replicas=2, devices=["cuda:0", "cuda:1"],
-                        status="failed", reason="boom", samples_per_s_runs=[5000.0])
+    one = ScalingRow(
+        workload="mlp",
+        strategy="mirrored",
+        kind="gpu",
+        replicas=1,
+        devices=["cuda:0"],
+        status="ok",
+        samples_per_s_runs=[1000.0, 1200.0, 1100.0],
+        ratios_runs=[0.9, 1.0, 0.95],
+    )
+    two = ScalingRow(
+        workload="mlp",
+        strategy="mirrored",
+        kind="gpu",
+        replicas=2,
+        devices=["cuda:0", "cuda:1"],
+        status="ok",
+        samples_per_s_runs=[2000.0, 1900.0, 1500.0],
+        ratios_runs=[1.8, 1.6, 1.7],
+    )
+    failed = ScalingRow(
+        workload="mlp",
+        strategy="multi_worker",
+        kind="gpu",
+        replicas=2,
+        devices=["cuda:0", "cuda:1"],
+        status="failed",
+        reason="boom",
+        samples_per_s_runs=[5000.0],
+    )
     _fill_scaling([one, two, failed])
     assert (one.samples_per_s, one.ratio_vs_plain) == (1100.0, 0.95)
     assert (two.samples_per_s, two.ratio_vs_plain) == (1900.0, 1.7)
@@ -89,14 +114,20 @@ def test_rows_report_medians_and_scaling_against_their_own_one_replica_run():
 
 # ---- the plan: every configuration listed, those that cannot run say why --------------------------
 
+
 def test_plan_on_a_machine_with_gpus_measures_both_kinds():
     machine = BenchMachine(cpu_devices=2, gpu_devices=2, gloo=True, nccl=True)
-    rows = plan_rows(ScalingConfig(workloads=("mlp",), strategies=("one_device", "mirrored", "multi_worker")),
-                     machine)
+    rows = plan_rows(ScalingConfig(workloads=("mlp",), strategies=("one_device", "mirrored", "multi_worker")), machine)
     table = {(r.kind, r.strategy, r.replicas): r for r in rows}
     assert [key for key in table if key[0] == "gpu"] == [
-        ("gpu", "plain", 1), ("gpu", "one_device", 1), ("gpu", "one_device", 2), ("gpu", "mirrored", 1),
-        ("gpu", "mirrored", 2), ("gpu", "multi_worker", 1), ("gpu", "multi_worker", 2)]
+        ("gpu", "plain", 1),
+        ("gpu", "one_device", 1),
+        ("gpu", "one_device", 2),
+        ("gpu", "mirrored", 1),
+        ("gpu", "mirrored", 2),
+        ("gpu", "multi_worker", 1),
+        ("gpu", "multi_worker", 2),
+    ]
     assert table[("gpu", "plain", 1)].devices == ["cuda:0"]
     assert table[("gpu", "mirrored", 2)].devices == ["cuda:0", "cuda:1"]
     assert table[("gpu", "multi_worker", 2)].devices == ["cuda:0", "cuda:1"]
@@ -108,8 +139,7 @@ def test_plan_on_a_machine_with_gpus_measures_both_kinds():
 
 def test_plan_says_why_a_configuration_cannot_run_here():
     machine = BenchMachine(cpu_devices=2, gpu_devices=4, gloo=True, nccl=False)
-    rows = plan_rows(ScalingConfig(workloads=("cnn",), strategies=("mirrored", "multi_worker"), replicas=(4,)),
-                     machine)
+    rows = plan_rows(ScalingConfig(workloads=("cnn",), strategies=("mirrored", "multi_worker"), replicas=(4,)), machine)
     reasons = {(r.kind, r.strategy): r.reason for r in rows if r.strategy != "plain"}
     assert reasons[("cpu", "mirrored")] == "this machine has 2 logical CPU device(s), fewer than 4 replicas"
     assert reasons[("gpu", "mirrored")] is None
@@ -117,31 +147,45 @@ def test_plan_says_why_a_configuration_cannot_run_here():
 
 
 def test_a_strategy_missing_from_the_build_is_reported_not_dropped():
-    missing = BenchStrategy(name="someday", class_path="stratagem.strategies.someday:SomedayStrategy",
-                            build=BENCH_STRATEGIES["mirrored"].build)
+    missing = BenchStrategy(
+        name="someday",
+        class_path="stratagem.strategies.someday:SomedayStrategy",
+        build=BENCH_STRATEGIES["mirrored"].build,
+    )
     reason = missing.unavailable_reason("cpu", 1, BenchMachine(cpu_devices=2))
     assert reason.startswith("stratagem.strategies.someday.SomedayStrategy is not in this build (ModuleNotFoundError")
 
 
 def test_a_replica_count_no_device_kind_has_is_refused_before_any_work():
-    with pytest.raises(InputError, match=r"more replicas than this machine has devices \(2 logical CPU device\(s\), "
-                                         r"0 GPU\(s\)\)\. Received: replicas=\(1, 3\)\. Use counts up to 2"):
+    with pytest.raises(
+        InputError,
+        match=r"more replicas than this machine has devices \(2 logical CPU device\(s\), "
+        r"0 GPU\(s\)\)\. Received: replicas=\(1, 3\)\. Use counts up to 2",
+    ):
         plan_rows(ScalingConfig(replicas=(1, 3)), BenchMachine(cpu_devices=2))
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"workloads": ("mlp", "resnet")}, (r"Unknown workloads: \['resnet'\]\. Received: workloads=\('mlp', 'resnet'\)\. "
-                                        r"Use some of \['cnn', 'mlp'\]")),
-    ({"workloads": ()}, r"workloads must be a non-empty list of names\. Received: workloads=\(\)"),
-    ({"strategies": ("mirored",)}, r"Unknown strategies: \['mirored'\]\. .* Use some of \['central_storage', "),
-    ({"strategies": ("mirrored", "mirrored")}, r"strategies lists a name twice\. Received: strategies="),
-    ({"replicas": (0, 1)}, r"replicas must be positive whole numbers\. Received: replicas=\(0, 1\)"),
-    ({"replicas": (2, 2)}, r"replicas lists a count twice\. Received: replicas=\(2, 2\)"),
-    ({"steps": 0}, r"steps must be a whole number >= 1\. Received: steps=0"),
-    ({"warmup": -1}, r"warmup must be a whole number >= 0\. Received: warmup=-1"),
-    ({"rounds": 0}, r"rounds must be a whole number >= 1\. Received: rounds=0"),
-    ({"timeout_s": 0}, r"timeout_s must be a positive number of seconds\. Received: timeout_s=0"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"workloads": ("mlp", "resnet")},
+            (
+                r"Unknown workloads: \['resnet'\]\. Received: workloads=\('mlp', 'resnet'\)\. "
+                r"Use some of \['cnn', 'mlp'\]"
+            ),
+        ),
+        ({"workloads": ()}, r"workloads must be a non-empty list of names\. Received: workloads=\(\)"),
+        ({"strategies": ("mirored",)}, r"Unknown strategies: \['mirored'\]\. .* Use some of \['central_storage', "),
+        ({"strategies": ("mirrored", "mirrored")}, r"strategies lists a name twice\. Received: strategies="),
+        ({"replicas": (0, 1)}, r"replicas must be positive whole numbers\. Received: replicas=\(0, 1\)"),
+        ({"replicas": (2, 2)}, r"replicas lists a count twice\. Received: replicas=\(2, 2\)"),
+        ({"steps": 0}, r"steps must be a whole number >= 1\. Received: steps=0"),
+        ({"warmup": -1}, r"warmup must be a whole number >= 0\. Received: warmup=-1"),
+        ({"rounds": 0}, r"rounds must be a whole number >= 1\. Received: rounds=0"),
+        ({"timeout_s": 0}, r"timeout_s must be a positive number of seconds\. Received: timeout_s=0"),
+    ],
+)
 def test_bad_configuration_is_refused_with_the_value(options, message):
     with pytest.raises(InputError, match=message):
         ScalingConfig(**options)
@@ -149,25 +193,37 @@ def test_bad_configuration_is_refused_with_the_value(options, message):
 
 # ---- the command: bad options -------------------------------------------------------------------
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--workloads", "mlp,vgg"], r"stratagem bench: Unknown workloads: \['vgg'\]"),
-    (["--strategies", "parameter_server"], r"Unknown strategies: \['parameter_server'\]"),
-    (["--replicas", "1,64"], r"more replicas than this machine has devices .* Received: replicas=\(1, 64\)"),
-    (["--steps", "0"], r"steps must be a whole number >= 1\. Received: steps=0"),
-    (["--quick", "--timeout", "-1"], r"timeout_s must be a positive number of seconds\. Received: timeout_s=-1"),
-])
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workloads", "mlp,vgg"], r"stratagem bench: Unknown workloads: \['vgg'\]"),
+        (["--strategies", "parameter_server"], r"Unknown strategies: \['parameter_server'\]"),
+        (["--replicas", "1,64"], r"more replicas than this machine has devices .* Received: replicas=\(1, 64\)"),
+        (["--steps", "0"], r"steps must be a whole number >= 1\. Received: steps=0"),
+        (["--quick", "--timeout", "-1"], r"timeout_s must be a positive number of seconds\. Received: timeout_s=-1"),
+    ],
+)
 def test_bad_values_exit_2_with_the_reason(capsys, tmp_path, argv, message):
     assert main(["bench", "--out", str(tmp_path), *argv]) == 2
     assert list(tmp_path.iterdir()) == []  # nothing measured, nothing written
     assert re.search(message, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--replicas", "one,two"], (r"argument --replicas: replica counts must be whole numbers separated by commas\. "
-                                 r"Received: 'one,two'\. Use e\.g\. 1,2")),
-    (["--workloads", ","], r"argument --workloads: expected comma-separated names\. Received: ','"),
-    (["--steps", "ten"], r"argument --steps: expected a whole number\. Received: 'ten'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--replicas", "one,two"],
+            (
+                r"argument --replicas: replica counts must be whole numbers separated by commas\. "
+                r"Received: 'one,two'\. Use e\.g\. 1,2"
+            ),
+        ),
+        (["--workloads", ","], r"argument --workloads: expected comma-separated names\. Received: ','"),
+        (["--steps", "ten"], r"argument --steps: expected a whole number\. Received: 'ten'"),
+    ],
+)
 def test_malformed_options_are_argparse_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *argv])
@@ -188,6 +244,7 @@ def test_output_paths_are_checked_before_measuring(capsys, tmp_path):
 
 # ---- failures become rows with their reason ------------------------------------------------------
 
+
 def test_the_table_shows_figures_and_the_reason_of_every_row_not_measured():
     from rich.console import Console
 
@@ -195,15 +252,49 @@ def test_the_table_shows_figures_and_the_reason_of_every_row_not_measured():
     from stratagem.cli.bench import _table
 
     rows = [
-        ScalingRow(workload="mlp", strategy="plain", kind="cpu", replicas=1, devices=["cpu"], status="ok",
-                   samples_per_s_runs=[10000.0, 9000.0], ratios_runs=[1.0], final_loss=0.5),
-        ScalingRow(workload="mlp", strategy="mirrored", kind="cpu", replicas=2, devices=["cpu:0", "cpu:1"],
-                   status="ok", samples_per_s_runs=[8550.0], ratios_runs=[0.9], final_loss=0.5, speedup=0.95,
-                   ideal_speedup=1, scaling_efficiency=0.95),
-        ScalingRow(workload="mlp", strategy="multi_worker", kind="cpu", replicas=2, devices=["cpu:0", "cpu:0"],
-                   status="failed", reason="rank 1: CollectiveTimeoutError: worker:0 (rank 0) missing"),
-        ScalingRow(workload="mlp", strategy="one_device", kind="cpu", replicas=2, devices=["cpu:0", "cpu:1"],
-                   status="unavailable", reason="one_device runs at most 1 replica(s)"),
+        ScalingRow(
+            workload="mlp",
+            strategy="plain",
+            kind="cpu",
+            replicas=1,
+            devices=["cpu"],
+            status="ok",
+            samples_per_s_runs=[10000.0, 9000.0],
+            ratios_runs=[1.0],
+            final_loss=0.5,
+        ),
+        ScalingRow(
+            workload="mlp",
+            strategy="mirrored",
+            kind="cpu",
+            replicas=2,
+            devices=["cpu:0", "cpu:1"],
+            status="ok",
+            samples_per_s_runs=[8550.0],
+            ratios_runs=[0.9],
+            final_loss=0.5,
+            speedup=0.95,
+            ideal_speedup=1,
+            scaling_efficiency=0.95,
+        ),
+        ScalingRow(
+            workload="mlp",
+            strategy="multi_worker",
+            kind="cpu",
+            replicas=2,
+            devices=["cpu:0", "cpu:0"],
+            status="failed",
+            reason="rank 1: CollectiveTimeoutError: worker:0 (rank 0) missing",
+        ),
+        ScalingRow(
+            workload="mlp",
+            strategy="one_device",
+            kind="cpu",
+            replicas=2,
+            devices=["cpu:0", "cpu:1"],
+            status="unavailable",
+            reason="one_device runs at most 1 replica(s)",
+        ),
     ]
     report = ScalingReport(config=ScalingConfig(), machine=BenchMachine(cpu_devices=2), rows=rows, elapsed_s=1.0)
     console = Console(width=250, record=True)
@@ -217,8 +308,9 @@ def test_the_table_shows_figures_and_the_reason_of_every_row_not_measured():
 
 
 def test_a_rank_that_raises_leaves_its_reason_for_the_table(tmp_path):
-    request = MeasureRequest(strategy="mirrored", kind="cpu", replicas=1, workload="nope", warmup=0, steps=1,
-                             timeout_s=10)
+    request = MeasureRequest(
+        strategy="mirrored", kind="cpu", replicas=1, workload="nope", warmup=0, steps=1, timeout_s=10
+    )
     with pytest.raises(SystemExit):
         measure_rank(0, request, [], str(tmp_path), queue=None)
     reason = _failure_reason(RuntimeError("a benchmark rank failed: exit codes [1]"), str(tmp_path), 1, 0.1, 10)
@@ -228,8 +320,11 @@ def test_a_rank_that_raises_leaves_its_reason_for_the_table(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_configuration_past_its_timeout_is_stopped_and_reported():
     # 1000 CNN steps take minutes on a CPU (about 0.1 s each on 2 cores): 0.5 s cannot be enough.
-    report = run_scaling(ScalingConfig(workloads=("cnn",), strategies=("one_device",), replicas=(1,), warmup=0,
-                                       steps=1000, timeout_s=0.5))
+    report = run_scaling(
+        ScalingConfig(
+            workloads=("cnn",), strategies=("one_device",), replicas=(1,), warmup=0, steps=1000, timeout_s=0.5
+        )
+    )
     assert [(row.strategy, row.status) for row in report.rows] == [("plain", "failed"), ("one_device", "failed")]
     assert report.rows[0].reason.startswith("did not finish within timeout_s=0.5 s and was stopped")
     assert report.failed == report.rows
@@ -237,16 +332,40 @@ def test_a_configuration_past_its_timeout_is_stopped_and_reported():
 
 # ---- end to end -----------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(180)
 def test_bench_measures_writes_png_and_json_and_matches_plain_losses(capsys, tmp_path):
-    argv = ["bench", "--json", "--workloads", "mlp", "--strategies", "mirrored,multi_worker", "--replicas", "1,2",
-            "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
+    argv = [
+        "bench",
+        "--json",
+        "--workloads",
+        "mlp",
+        "--strategies",
+        "mirrored,multi_worker",
+        "--replicas",
+        "1,2",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     code = main(argv)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     printed = json.loads(captured.out)
     assert json.loads((tmp_path / "stratagem-bench.json").read_text()) == printed
-    assert {"config", "machine", "definitions", "results", "elapsed_s", "files", "warnings", "trusted"} <= printed.keys()
+    assert {
+        "config",
+        "machine",
+        "definitions",
+        "results",
+        "elapsed_s",
+        "files",
+        "warnings",
+        "trusted",
+    } <= printed.keys()
     # On a shared machine the run may be flagged; whatever it says is in the JSON and on standard error.
     assert printed["trusted"] == (not printed["warnings"])
     for warning in printed["warnings"]:

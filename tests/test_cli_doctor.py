@@ -11,8 +11,16 @@ from stratagem.cli import doctor
 from stratagem.diagnose import Check, EnvironmentFacts, GpuFacts, SmokeResult, exit_code
 
 GiB = 2**30
-CHECK_NAMES = ["torch_build", "driver", "driver_version", "cuda_start", "cuda_visible_devices", "nvml_vs_torch", "nccl",
-               "cudnn"]
+CHECK_NAMES = [
+    "torch_build",
+    "driver",
+    "driver_version",
+    "cuda_start",
+    "cuda_visible_devices",
+    "nvml_vs_torch",
+    "nccl",
+    "cudnn",
+]
 
 
 def run_command(argv: list[str]) -> int:
@@ -53,7 +61,10 @@ def test_doctor_smoke_test_across_two_logical_cpus(capsys):
     code, report = json_output(capsys, ["doctor", "--json", "--devices", "cpu:0,/cpu:1"])
     assert report["mirrored_strategy"]["devices"] == ["cpu:0", "cpu:1"]
     assert [(s["name"], s["passed"]) for s in report["smoke_test"]] == [
-        ("all-reduce across cpu:0, cpu:1", True), ("training step on cpu:0", True), ("training step on cpu:1", True)]
+        ("all-reduce across cpu:0, cpu:1", True),
+        ("training step on cpu:0", True),
+        ("training step on cpu:1", True),
+    ]
     # Replicas contribute 1 and 2: the sum is 3 in every element.
     assert report["smoke_test"][0]["detail"] == "sum over 2 replica(s) = [3.0, 3.0, 3.0]"
 
@@ -83,6 +94,7 @@ def test_doctor_unreadable_facts_file(tmp_path, capsys):
 
 # ---- the exit-code rule, on facts recorded elsewhere ---------------------------------------------
 
+
 def test_cpu_only_build_on_a_cpu_machine_does_not_block(tmp_path, capsys):
     facts = EnvironmentFacts(torch_version="2.13.0+cpu", cpu_count=2)
     code, report = json_output(capsys, ["doctor", "--json", "--facts", write_facts(tmp_path, facts)])
@@ -90,14 +102,21 @@ def test_cpu_only_build_on_a_cpu_machine_does_not_block(tmp_path, capsys):
     assert report["checks"][0]["verdict"] == "warning"
     assert report["mirrored_strategy"]["devices"] == ["cpu:0"]
     assert "torch 2.13.0+cpu is a CPU-only build" in report["mirrored_strategy"]["decision"]["reason"]
-    assert report["smoke_test"] == [{"name": "smoke test", "passed": None,
-                                     "detail": "skipped: facts were loaded from a file"}]
+    assert report["smoke_test"] == [
+        {"name": "smoke test", "passed": None, "detail": "skipped: facts were loaded from a file"}
+    ]
 
 
 def test_malformed_cuda_visible_devices_with_gpus_blocks(tmp_path, capsys):
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", driver_present=True,
-                             driver_version="550.54.15", cuda_visible_devices="gpu1", nvml_device_count=2,
-                             cpu_count=8)
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        driver_present=True,
+        driver_version="550.54.15",
+        cuda_visible_devices="gpu1",
+        nvml_device_count=2,
+        cpu_count=8,
+    )
     code, report = json_output(capsys, ["doctor", "--json", "--facts", write_facts(tmp_path, facts)])
     assert code == 1
     assert report["blocking"] == ["cuda_visible_devices"]  # NVML vs torch is explained by it: ok
@@ -105,10 +124,18 @@ def test_malformed_cuda_visible_devices_with_gpus_blocks(tmp_path, capsys):
 
 
 def test_gpu_machine_recorded_elsewhere_uses_every_gpu(tmp_path, capsys):
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", driver_present=True,
-                             driver_version="550.54.15", torch_device_count=2, nvml_device_count=2,
-                             nccl_available=False, cudnn_available=True, cpu_count=8,
-                             gpus=[GpuFacts(index=i, name="Test GPU", total_memory=8 * GiB) for i in range(2)])
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        driver_present=True,
+        driver_version="550.54.15",
+        torch_device_count=2,
+        nvml_device_count=2,
+        nccl_available=False,
+        cudnn_available=True,
+        cpu_count=8,
+        gpus=[GpuFacts(index=i, name="Test GPU", total_memory=8 * GiB) for i in range(2)],
+    )
     report_file = tmp_path / "report.json"
     report_file.write_text(json.dumps({"facts": facts.to_dict()}))  # a whole --json report is accepted too
     code, report = json_output(capsys, ["doctor", "--json", "--facts", str(report_file)])
@@ -128,6 +155,7 @@ def test_failed_smoke_step_blocks_and_skipped_does_not():
 
 # ---- stratagem devices ---------------------------------------------------------------------------
 
+
 def test_devices_json(capsys):
     code, report = json_output(capsys, ["devices", "--json"])
     assert code == 0
@@ -145,6 +173,7 @@ def test_devices_text(capsys):
 
 
 # ---- through the real entry point ------------------------------------------------------------------
+
 
 def test_main_dispatches_doctor_and_devices(capsys):
     from stratagem.cli.main import main

@@ -21,9 +21,22 @@ from stratagem.demo import job
 pytestmark = pytest.mark.timeout(120)
 
 SUMMARY_FIELDS = {
-    "strategy", "devices", "num_replicas_in_sync", "device_decision", "config", "epochs", "test_loss",
-    "test_accuracy", "num_test_examples", "target_accuracy", "reached_target", "num_train_examples",
-    "train_time_s", "samples_per_s", "elapsed_s", "explanation",
+    "strategy",
+    "devices",
+    "num_replicas_in_sync",
+    "device_decision",
+    "config",
+    "epochs",
+    "test_loss",
+    "test_accuracy",
+    "num_test_examples",
+    "target_accuracy",
+    "reached_target",
+    "num_train_examples",
+    "train_time_s",
+    "samples_per_s",
+    "elapsed_s",
+    "explanation",
 }
 
 needs_two_cpus = pytest.mark.skipif(len(get_logical_devices("cpu")) < 2, reason="needs two logical CPU devices")
@@ -79,8 +92,9 @@ def test_mirrored_and_one_device_train_the_same_model(capsys):
 
 
 @needs_two_cpus
-@pytest.mark.parametrize(("strategy", "name"), [("central_storage", "CentralStorageStrategy"),
-                                                ("model_parallel", "ModelParallelStrategy")])
+@pytest.mark.parametrize(
+    ("strategy", "name"), [("central_storage", "CentralStorageStrategy"), ("model_parallel", "ModelParallelStrategy")]
+)
 def test_every_synchronous_strategy_trains_the_one_device_model(capsys, strategy, name):
     # The same job, unchanged, under central storage and model parallelism: the one-device numbers.
     got = run_json(capsys, "--epochs", "1", "--strategy", strategy)
@@ -134,12 +148,15 @@ def test_unknown_strategy_lists_the_choices(capsys):
     assert "'nope'" in err and "mirrored" in err and "one_device" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--epochs", "0"], "--epochs: must be a positive integer. Received: '0'"),
-    (["--batch-size", "x"], "--batch-size: must be a positive integer. Received: 'x'"),
-    (["--lr", "-1"], "--lr: must be a positive number. Received: '-1'"),
-    (["--devices", "cpu:0,,cpu:1"], "a device name is empty. Received: 'cpu:0,,cpu:1'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--epochs", "0"], "--epochs: must be a positive integer. Received: '0'"),
+        (["--batch-size", "x"], "--batch-size: must be a positive integer. Received: 'x'"),
+        (["--lr", "-1"], "--lr: must be a positive number. Received: '-1'"),
+        (["--devices", "cpu:0,,cpu:1"], "a device name is empty. Received: 'cpu:0,,cpu:1'"),
+    ],
+)
 def test_bad_options_exit_2_before_training(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *args])
@@ -204,11 +221,35 @@ def test_backup_dir_resumes_a_finished_epoch_and_is_removed_at_the_end(capsys, t
 
     job.fit = fit_keeping_backup
     try:
-        first = run_json(capsys, "--epochs", "1", "--seed", "5", "--batch-size", "256", "--strategy", "mirrored", "--backup-dir", str(tmp_path / "b"))
+        first = run_json(
+            capsys,
+            "--epochs",
+            "1",
+            "--seed",
+            "5",
+            "--batch-size",
+            "256",
+            "--strategy",
+            "mirrored",
+            "--backup-dir",
+            str(tmp_path / "b"),
+        )
     finally:
         job.fit = original
     assert (tmp_path / "b" / "backup.pt").exists()
-    resumed = run_json(capsys, "--epochs", "2", "--seed", "5", "--batch-size", "256", "--strategy", "mirrored", "--backup-dir", str(tmp_path / "b"))
+    resumed = run_json(
+        capsys,
+        "--epochs",
+        "2",
+        "--seed",
+        "5",
+        "--batch-size",
+        "256",
+        "--strategy",
+        "mirrored",
+        "--backup-dir",
+        str(tmp_path / "b"),
+    )
     assert resumed["epochs"][0] == first["epochs"][0]  # restored from the backup, not trained again
     assert resumed["num_train_examples"] == 2 * 1437
     assert not (tmp_path / "b").exists()
@@ -225,7 +266,10 @@ def test_a_backup_dir_that_is_a_file_exits_2(capsys, tmp_path):
 
 def test_workers_without_multi_worker_is_refused(capsys):
     assert main(["train", "--workers", "2"]) == 2
-    assert "--workers 2 needs --strategy multi_worker or parameter_server. Received: --strategy mirrored" in capsys.readouterr().err
+    assert (
+        "--workers 2 needs --strategy multi_worker or parameter_server. Received: --strategy mirrored"
+        in capsys.readouterr().err
+    )
 
 
 @needs_two_cpus
@@ -249,8 +293,22 @@ def test_parameter_server_main_job_runs_under_the_launcher(capfd):
     # Two workers and one parameter server on 127.0.0.1; worker 0 is the chief and prints the JSON summary.
     # Three epochs: asynchronous training's accuracy after two varied from 0.57 to 0.78 (one CI-like run under
     # load fell below 0.6); after three it measured 0.86-0.92 in five runs.
-    code = main(["train", "--strategy", "parameter_server", "--workers", "2", "--ps", "1", "--epochs", "3",
-                 "--batch-size", "128", "--json"])
+    code = main(
+        [
+            "train",
+            "--strategy",
+            "parameter_server",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--epochs",
+            "3",
+            "--batch-size",
+            "128",
+            "--json",
+        ]
+    )
     out, err = capfd.readouterr()
     assert code == 0, err
     summary = json.loads(out)  # one JSON document on standard output: the other tasks' lines went to stderr
@@ -260,7 +318,8 @@ def test_parameter_server_main_job_runs_under_the_launcher(capfd):
     assert summary["num_train_examples"] == 3 * 1437  # every step ran exactly once
     assert summary["epochs"][2]["loss"] < summary["epochs"][0]["loss"]
     assert summary["test_accuracy"] > 0.6
-    transfers = {d["subject"]: d for d in summary["explanation"]["decisions"]}["values between workers and "
-                                                                                "parameter servers"]
+    transfers = {d["subject"]: d for d in summary["explanation"]["decisions"]}[
+        "values between workers and parameter servers"
+    ]
     assert transfers["choice"] == "shared memory"  # every task on this host
     assert "worker:0 -> ps:0: shared memory: ps:0 runs on this host" in transfers["reason"]

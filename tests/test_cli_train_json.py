@@ -13,9 +13,13 @@ import pytest
 from stratagem.cli.main import main
 from stratagem.strategies.by_name import STRATEGY_NAMES
 
-IN_PROCESS = {"mirrored": "MirroredStrategy", "one_device": "OneDeviceStrategy",
-              "central_storage": "CentralStorageStrategy", "model_parallel": "ModelParallelStrategy",
-              "multi_worker": "MultiWorkerMirroredStrategy"}  # multi_worker alone: a cluster of one, no relaunch
+IN_PROCESS = {
+    "mirrored": "MirroredStrategy",
+    "one_device": "OneDeviceStrategy",
+    "central_storage": "CentralStorageStrategy",
+    "model_parallel": "ModelParallelStrategy",
+    "multi_worker": "MultiWorkerMirroredStrategy",
+}  # multi_worker alone: a cluster of one, no relaunch
 
 
 def test_every_strategy_of_the_command_is_covered():
@@ -28,6 +32,6 @@ def test_json_is_one_document_on_stdout(capfd, strategy):
     code = main(["train", "--json", "--strategy", strategy, "--epochs", "1", "--batch-size", "256"])
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
-    summary = json.loads(out)   # the whole of standard output, nothing before or after
+    summary = json.loads(out)  # the whole of standard output, nothing before or after
     assert summary["strategy"] == IN_PROCESS[strategy]
     assert summary["num_train_examples"] == 1437

@@ -83,8 +83,17 @@ def test_fit_on_digits_reports_each_step_and_matches_one_device():
         net = build_digits_model(0)
         try:
             callbacks = [recorder] if len(devices) == 3 else []
-            results.append(fit(strategy, net, torch.optim.Adam(net.parameters(), lr=1e-3), F.cross_entropy,
-                               make_loader(x, y, 10, shuffle=False), metrics=["accuracy"], callbacks=callbacks))
+            results.append(
+                fit(
+                    strategy,
+                    net,
+                    torch.optim.Adam(net.parameters(), lr=1e-3),
+                    F.cross_entropy,
+                    make_loader(x, y, 10, shuffle=False),
+                    metrics=["accuracy"],
+                    callbacks=callbacks,
+                )
+            )
         finally:
             strategy.close()
     one, three = (r.epochs[0] for r in results)
@@ -100,12 +109,15 @@ def test_an_empty_loader_is_an_error():
         evaluate(strategy, nn.Identity(), [], F.cross_entropy)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"epochs": 0}, r"epochs must be a positive integer. Received: epochs=0"),
-    ({"batch_size": 2.5}, r"batch_size must be a positive integer. Received: batch_size=2.5"),
-    ({"lr": float("nan")}, r"lr must be a positive finite number. Received: lr=nan"),
-    ({"strategy": "sync_sgd"}, r"Received: strategy='sync_sgd'. Choose one of mirrored, one_device"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"epochs": 0}, r"epochs must be a positive integer. Received: epochs=0"),
+        ({"batch_size": 2.5}, r"batch_size must be a positive integer. Received: batch_size=2.5"),
+        ({"lr": float("nan")}, r"lr must be a positive finite number. Received: lr=nan"),
+        ({"strategy": "sync_sgd"}, r"Received: strategy='sync_sgd'. Choose one of mirrored, one_device"),
+    ],
+)
 def test_train_config_refuses_bad_values(kwargs, message):
     with pytest.raises(sg.InputError, match=message):
         TrainConfig(**kwargs)

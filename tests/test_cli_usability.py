@@ -23,6 +23,7 @@ def err_of(capsys, *argv: str) -> tuple[int, str]:
 
 def no_work(monkeypatch):
     """Makes any training or relaunch fail the test: the refusals must come first."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
@@ -33,8 +34,9 @@ def no_work(monkeypatch):
 
 def test_parameter_server_with_a_backup_dir_is_refused_before_training(capsys, monkeypatch, tmp_path):
     no_work(monkeypatch)
-    code, err = err_of(capsys, "train", "--strategy", "parameter_server", "--workers", "2", "--backup-dir",
-                       str(tmp_path / "b"))
+    code, err = err_of(
+        capsys, "train", "--strategy", "parameter_server", "--workers", "2", "--backup-dir", str(tmp_path / "b")
+    )
     assert code == 2
     assert "--backup-dir does not work with --strategy parameter_server" in err and "--strategy multi_worker" in err
 
@@ -110,9 +112,9 @@ def test_a_resumed_run_says_so_and_refuses_changed_settings(capsys, monkeypatch,
     code, err = err_of(capsys, "train", "--epochs", "2", "--lr", "0.01", "--seed", "5", *common)
     assert code == 1
     assert f"The backup in {backup} was made with --lr 0.003 --seed 0" in err and "Received: --lr 0.01 --seed 5" in err
-    assert (backup / "backup.pt").exists()       # refused, so the backup is still there to resume from
+    assert (backup / "backup.pt").exists()  # refused, so the backup is still there to resume from
     assert main(["train", "--epochs", "2", "--lr", "0.003", "--seed", "0", *common]) == 0
-    out = capsys.readouterr().out                 # no -v: the line shows all the same
+    out = capsys.readouterr().out  # no -v: the line shows all the same
     assert f"stratagem train: Resumed from {backup / 'backup.pt'}: epoch 2 of 2, after step 6." in out
     assert "--lr 0.003, --seed 0" in out
 
@@ -133,12 +135,28 @@ def test_ctrl_c_in_train_and_train_workers_is_one_line(capsys, monkeypatch):
 def test_ctrl_c_to_launch_stops_the_tasks_with_one_line(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "stratagem", "launch", "--workers", "1", "--grace-period", "1",
-                                 "--timeout", "90", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stratagem",
+            "launch",
+            "--workers",
+            "1",
+            "--grace-period",
+            "1",
+            "--timeout",
+            "90",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert launcher.stdout.readline().strip() == "[worker:0] up"
-        launcher.send_signal(signal.SIGINT)   # what Ctrl-C sends the launcher (its tasks run in their own sessions)
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher (its tasks run in their own sessions)
         out, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
@@ -154,8 +172,11 @@ def test_devices_out_of_range_are_refused_in_command_line_spelling(capsys):
 
 
 def test_counts_are_refused_with_examples_that_suit_them(capsys):
-    for argv, expected in ((["train", "--workers", "0"], "Use e.g. 2"), (["train", "--ps", "0"], "Use e.g. 1"),
-                           (["bench", "--replicas", "0"], "replica counts must be positive")):
+    for argv, expected in (
+        (["train", "--workers", "0"], "Use e.g. 2"),
+        (["train", "--ps", "0"], "Use e.g. 1"),
+        (["bench", "--replicas", "0"], "replica counts must be positive"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         err = capsys.readouterr().err

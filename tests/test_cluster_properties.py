@@ -72,8 +72,11 @@ def tf_configs(draw) -> dict:
 
 
 def every_task(config: dict) -> list:
-    return [parse_tf_config({**config, "task": {"type": kind, "index": index}})
-            for kind, addrs in config["cluster"].items() for index in range(len(addrs))]
+    return [
+        parse_tf_config({**config, "task": {"type": kind, "index": index}})
+        for kind, addrs in config["cluster"].items()
+        for index in range(len(addrs))
+    ]
 
 
 @settings(max_examples=150, deadline=DEADLINE_MS)
@@ -144,7 +147,11 @@ def _break(config: dict, how: str, data) -> dict:
         spec[kind][i] = spec[kind][i].rpartition(":")[0] + ":" + port
     elif how == "non_list_addresses":
         kind = data.draw(st.sampled_from(kinds))
-        spec[kind] = data.draw(st.one_of(st.just(",".join(spec[kind])), st.dictionaries(st.text(max_size=2), st.text(max_size=2)), st.integers()))
+        spec[kind] = data.draw(
+            st.one_of(
+                st.just(",".join(spec[kind])), st.dictionaries(st.text(max_size=2), st.text(max_size=2)), st.integers()
+            )
+        )
     elif how == "non_string_address":
         kind = data.draw(st.sampled_from(kinds))
         spec[kind][0] = data.draw(st.one_of(st.integers(), st.none(), st.lists(st.text(max_size=2), max_size=2)))
@@ -152,7 +159,9 @@ def _break(config: dict, how: str, data) -> dict:
         kind = data.draw(st.sampled_from(kinds))
         spec.setdefault("ps", []).append(spec[kind][0])
     elif how == "unknown_top_level_key":
-        broken[data.draw(st.text(max_size=6).filter(lambda k: k not in ("cluster", "task", "rpc_layer", "environment")))] = 1
+        broken[
+            data.draw(st.text(max_size=6).filter(lambda k: k not in ("cluster", "task", "rpc_layer", "environment")))
+        ] = 1
     elif how == "no_collective_task":
         broken["cluster"] = {"ps": ["p:1"]}
         broken["task"] = {"type": "ps", "index": 0}
@@ -161,11 +170,26 @@ def _break(config: dict, how: str, data) -> dict:
     return broken
 
 
-MUTATIONS = ["drop_cluster", "drop_task", "index_out_of_range", "negative_index", "index_not_int",
-             "unknown_task_type", "unknown_cluster_type", "two_chiefs", "two_evaluators",
-             "evaluator_task_without_evaluator", "missing_port", "bad_port", "non_list_addresses",
-             "non_string_address", "duplicate_address", "unknown_top_level_key", "no_collective_task",
-             "rpc_layer_not_string"]
+MUTATIONS = [
+    "drop_cluster",
+    "drop_task",
+    "index_out_of_range",
+    "negative_index",
+    "index_not_int",
+    "unknown_task_type",
+    "unknown_cluster_type",
+    "two_chiefs",
+    "two_evaluators",
+    "evaluator_task_without_evaluator",
+    "missing_port",
+    "bad_port",
+    "non_list_addresses",
+    "non_string_address",
+    "duplicate_address",
+    "unknown_top_level_key",
+    "no_collective_task",
+    "rpc_layer_not_string",
+]
 
 
 @settings(max_examples=150, deadline=DEADLINE_MS)
@@ -215,6 +239,7 @@ def test_junk_anywhere_raises_only_cluster_errors(config, where, junk):
 
 # -- SLURM host lists ------------------------------------------------------------------------
 
+
 @st.composite
 def host_groups(draw) -> tuple[str, list[str]]:
     """A bracketed host pattern and the hosts it names, built independently of the parser."""
@@ -247,6 +272,7 @@ def test_nodelist_raises_only_cluster_errors(text):
 
 
 # -- bounded in time and memory, whatever the input ------------------------------------------------
+
 
 def bounded(call, *args, max_bytes: int = 1 << 20):
     """Runs ``call(*args)``; returns its result or its ClusterError, checking the Python memory it took."""
@@ -281,13 +307,19 @@ def torchrun_envs(draw) -> tuple[dict[str, str], set[str]]:
     rank = draw(st.integers(0, world_size - 1))
     local_world_size = draw(st.integers(1, min(world_size, BIG)))
     local_rank = draw(st.integers(0, local_world_size - 1))
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-           "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": draw(st.sampled_from(HOSTS[:3])),
-           "MASTER_PORT": str(draw(st.integers(1, 65535)))}
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": draw(st.sampled_from(HOSTS[:3])),
+        "MASTER_PORT": str(draw(st.integers(1, 65535))),
+    }
     broken = set(draw(st.sets(st.sampled_from(sorted(env)), max_size=3)))
     for name in broken:
-        env[name] = draw(st.sampled_from(["", " ", "a b", "h\x00", "x" * 300]) if name == "MASTER_ADDR"
-                         else BAD_NUMBERS)
+        env[name] = draw(
+            st.sampled_from(["", " ", "a b", "h\x00", "x" * 300]) if name == "MASTER_ADDR" else BAD_NUMBERS
+        )
     return env, broken
 
 
@@ -298,8 +330,11 @@ def test_torchrun_variables_give_a_cluster_or_an_error_naming_the_bad_one(drawn)
     result = bounded(lambda: resolve_cluster(env=env))
     if not broken:
         assert isinstance(result, Cluster), result
-        assert (result.rank, result.world_size, result.local_rank) == (int(env["RANK"]), int(env["WORLD_SIZE"]),
-                                                                        int(env["LOCAL_RANK"]))
+        assert (result.rank, result.world_size, result.local_rank) == (
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env["LOCAL_RANK"]),
+        )
     else:
         assert isinstance(result, ClusterError), f"{broken} accepted: {env}"
         assert any(f"{name}=" in str(result) or f"{name} " in str(result) for name in broken), str(result)
@@ -324,8 +359,15 @@ def hostile_nodelists(draw) -> tuple[str, str]:
 @given(hostile_nodelists(), st.integers(1, 8))
 def test_slurm_takes_the_first_host_of_any_node_list_without_expanding_it(drawn, tasks):
     nodelist, first = drawn
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": "0", "SLURM_JOB_ID": "77",
-           "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": f"{tasks}(x{10**17})", "SLURM_STEP_NODELIST": nodelist}
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "77",
+        "SLURM_NODEID": "0",
+        "SLURM_TASKS_PER_NODE": f"{tasks}(x{10**17})",
+        "SLURM_STEP_NODELIST": nodelist,
+    }
     cluster = bounded(lambda: resolve_cluster(env=env))
     assert isinstance(cluster, Cluster), cluster
     assert (cluster.master_addr, cluster.local_world_size) == (first, tasks)
@@ -388,10 +430,12 @@ HOSTILE_TF_CONFIGS = st.one_of(
     st.integers(1, 200_000).map(lambda n: "[" * n),
     st.integers(1, 50_000).map(lambda n: '{"a":' * n),
     st.integers(1, 3000).map(lambda n: '{"cluster": {"worker": ["h:1"]}, "cluster":' + "[" * n + "]" * n + "}"),
-    st.integers(4000, 6000).map(lambda n: '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 1'
-                                          + "0" * n + "}}"),
+    st.integers(4000, 6000).map(
+        lambda n: '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 1' + "0" * n + "}}"
+    ),
     st.sampled_from(["\u00b2", "\u0663", "1" * 5000, "", "65536", "٣٣"]).map(
-        lambda port: json.dumps({"cluster": {"worker": [f"h:{port}"]}, "task": {"type": "worker", "index": 0}})),
+        lambda port: json.dumps({"cluster": {"worker": [f"h:{port}"]}, "task": {"type": "worker", "index": 0}})
+    ),
 )
 
 
@@ -426,22 +470,48 @@ def test_deeply_nested_explicit_configs_are_cluster_errors(depth, where):
 
 # Values for Cluster's fields: right types, wrong types, huge ints, deep nesting.
 FIELD_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 70000), st.sampled_from([2**63, -(2**63), 10**5000]),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 70000),
+    st.sampled_from([2**63, -(2**63), 10**5000]),
     st.sampled_from(["worker", "chief", "ps", "evaluator", "explicit", "torchrun", "h:1", "", "x" * 1000]),
-    st.lists(st.text(max_size=3), max_size=2), st.dictionaries(st.sampled_from(["worker", "ps", "x"]),
-                                                               st.lists(st.sampled_from(["h:1", "h:2"]), max_size=2)),
+    st.lists(st.text(max_size=3), max_size=2),
+    st.dictionaries(st.sampled_from(["worker", "ps", "x"]), st.lists(st.sampled_from(["h:1", "h:2"]), max_size=2)),
     st.just(_nested(5000)),
 )
-CLUSTER_FIELDS = ("task_type", "task_index", "rank", "world_size", "local_rank", "local_world_size", "addresses",
-                  "chief_address", "master_addr", "master_port", "rpc_layer", "source", "evidence")
+CLUSTER_FIELDS = (
+    "task_type",
+    "task_index",
+    "rank",
+    "world_size",
+    "local_rank",
+    "local_world_size",
+    "addresses",
+    "chief_address",
+    "master_addr",
+    "master_port",
+    "rpc_layer",
+    "source",
+    "evidence",
+)
 
 
 @settings(max_examples=100, deadline=DEADLINE_MS)
 @given(st.fixed_dictionaries({}, optional={name: FIELD_VALUES for name in CLUSTER_FIELDS}))
 def test_a_cluster_of_any_field_values_is_built_or_refused_with_a_cluster_error(changes):
-    fields = {"task_type": "worker", "task_index": 0, "rank": 0, "world_size": 1, "local_rank": 0,
-              "local_world_size": 1, "chief_address": "h:1", "master_addr": "h", "master_port": 1,
-              "source": "explicit", **changes}
+    fields = {
+        "task_type": "worker",
+        "task_index": 0,
+        "rank": 0,
+        "world_size": 1,
+        "local_rank": 0,
+        "local_world_size": 1,
+        "chief_address": "h:1",
+        "master_addr": "h",
+        "master_port": 1,
+        "source": "explicit",
+        **changes,
+    }
     result = bounded(lambda: Cluster(**fields))
     if isinstance(result, Cluster):  # every rendering works on what was accepted
         assert result.explain() and json.loads(result.to_json())["world_size"] == result.world_size
@@ -497,8 +567,9 @@ HOSTILE_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(60)
 def test_the_reported_hostile_inputs_are_bounded_and_give_cluster_errors():
     package = str(Path(stratagem.__file__).parent)
-    result = subprocess.run([sys.executable, "-c", HOSTILE_SCRIPT, package], capture_output=True, text=True,
-                            timeout=50, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", HOSTILE_SCRIPT, package], capture_output=True, text=True, timeout=50, check=False
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["RANK=²"][0].startswith("ClusterError: RANK is not an integer >= 0. Received: RANK='²'")

@@ -86,8 +86,9 @@ def test_round_trip_and_renderings():
 
 
 def test_environment_key_is_accepted():
-    cluster = parse_tf_config({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0},
-                               "environment": "cloud"})
+    cluster = parse_tf_config(
+        {"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}, "environment": "cloud"}
+    )
     assert cluster.world_size == 1
 
 
@@ -95,49 +96,86 @@ GOOD = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index
 
 # (config, regex the message must match): every error quotes the offending part and a fix.
 MALFORMED = [
-    ('{"cluster": ', r"TF_CONFIG is not valid JSON \(Expecting value at line 1 column 13\)\. "
-                     r"Received: '\{\"cluster\": '\. Write it as JSON"),
+    (
+        '{"cluster": ',
+        r"TF_CONFIG is not valid JSON \(Expecting value at line 1 column 13\)\. "
+        r"Received: '\{\"cluster\": '\. Write it as JSON",
+    ),
     ("[1, 2]", r"TF_CONFIG is not a JSON object\. Received: \[1, 2\]\."),
     ({**GOOD, "job": {}}, r"TF_CONFIG has unknown key\(s\) \['job'\]\. .*Use only \['cluster', 'task'"),
     ({"task": GOOD["task"]}, r"TF_CONFIG has no 'cluster'\..*or unset TF_CONFIG"),
     ({}, r"TF_CONFIG has no 'cluster'\. Received: \{\}\."),
     ({**GOOD, "cluster": {}}, r"'cluster' must be a non-empty object of address lists\. Received: cluster=\{\}"),
     ({**GOOD, "cluster": ["a:1"]}, r"'cluster' must be a non-empty object.*Received: cluster=\['a:1'\]"),
-    ({"cluster": {"master": ["a:1"]}, "task": {"type": "master", "index": 0}},
-     r"unknown task type in 'cluster' \('master' is TensorFlow 1's name for the chief: rename it 'chief'\)\. "
-     r"Received: 'master'"),
-    ({"cluster": {"workers": ["a:1"]}, "task": GOOD["task"]},
-     r"unknown task type in 'cluster'\. Received: 'workers'\. Use only \['chief', 'worker', 'ps', 'evaluator'\]"),
-    ({**GOOD, "cluster": {"worker": "a:1"}}, r"cluster\['worker'\] is not a list of addresses\. Received: worker='a:1'"),
+    (
+        {"cluster": {"master": ["a:1"]}, "task": {"type": "master", "index": 0}},
+        r"unknown task type in 'cluster' \('master' is TensorFlow 1's name for the chief: rename it 'chief'\)\. "
+        r"Received: 'master'",
+    ),
+    (
+        {"cluster": {"workers": ["a:1"]}, "task": GOOD["task"]},
+        r"unknown task type in 'cluster'\. Received: 'workers'\. Use only \['chief', 'worker', 'ps', 'evaluator'\]",
+    ),
+    (
+        {**GOOD, "cluster": {"worker": "a:1"}},
+        r"cluster\['worker'\] is not a list of addresses\. Received: worker='a:1'",
+    ),
     ({**GOOD, "cluster": {"worker": ["a:1", 7]}}, r"cluster\['worker'\]\[1\] is not a string\. Received: 7"),
-    ({**GOOD, "cluster": {"worker": ["a"]}}, r"cluster\['worker'\]\[0\] has no port\. Received: 'a'\. "
-                                              r"Write it as \"host:port\", e.g\. \"a:2222\""),
+    (
+        {**GOOD, "cluster": {"worker": ["a"]}},
+        r"cluster\['worker'\]\[0\] has no port\. Received: 'a'\. "
+        r"Write it as \"host:port\", e.g\. \"a:2222\"",
+    ),
     ({**GOOD, "cluster": {"worker": [":80"]}}, r"cluster\['worker'\]\[0\] has no port\. Received: ':80'"),
-    ({**GOOD, "cluster": {"worker": ["a:http"]}}, r"has an invalid port\. Received: 'a:http'\. Use a port number in 1\.\.65535"),
+    (
+        {**GOOD, "cluster": {"worker": ["a:http"]}},
+        r"has an invalid port\. Received: 'a:http'\. Use a port number in 1\.\.65535",
+    ),
     ({**GOOD, "cluster": {"worker": ["a:70000"]}}, r"has an invalid port\. Received: 'a:70000'"),
-    ({**GOOD, "cluster": {"worker": ["::1:80"]}}, r"is an IPv6 address without brackets\. Received: '::1:80'\. "
-                                                  r"Write it as \"\[addr\]:port\""),
-    ({**GOOD, "cluster": {"chief": ["a:1", "b:1"], "worker": ["c:1"]}},
-     r"TF_CONFIG lists more than one chief\. Received: chief=\['a:1', 'b:1'\]\. Keep one chief"),
-    ({"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]}, "task": GOOD["task"]},
-     r"TF_CONFIG lists more than one evaluator\. Received: evaluator=\['e:1', 'f:1'\]"),
-    ({"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}},
-     r"has no chief and no worker.*Received: cluster=\{'ps': \['a:1'\]\}.*worker 0 acts as chief"),
-    ({**GOOD, "cluster": {"worker": ["a:1", "a:1"]}},
-     r"gives two tasks the same address\. Received: worker:0 and worker:1 at 'a:1'"),
+    (
+        {**GOOD, "cluster": {"worker": ["::1:80"]}},
+        r"is an IPv6 address without brackets\. Received: '::1:80'\. "
+        r"Write it as \"\[addr\]:port\"",
+    ),
+    (
+        {**GOOD, "cluster": {"chief": ["a:1", "b:1"], "worker": ["c:1"]}},
+        r"TF_CONFIG lists more than one chief\. Received: chief=\['a:1', 'b:1'\]\. Keep one chief",
+    ),
+    (
+        {"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]}, "task": GOOD["task"]},
+        r"TF_CONFIG lists more than one evaluator\. Received: evaluator=\['e:1', 'f:1'\]",
+    ),
+    (
+        {"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}},
+        r"has no chief and no worker.*Received: cluster=\{'ps': \['a:1'\]\}.*worker 0 acts as chief",
+    ),
+    (
+        {**GOOD, "cluster": {"worker": ["a:1", "a:1"]}},
+        r"gives two tasks the same address\. Received: worker:0 and worker:1 at 'a:1'",
+    ),
     ({"cluster": GOOD["cluster"]}, r"TF_CONFIG has no 'task'\..*\"task\": \{\"type\": \"worker\", \"index\": 0\}"),
     ({**GOOD, "task": "worker"}, r"'task' must be an object with 'type' and 'index'\. Received: task='worker'"),
-    ({**GOOD, "task": {"type": "worker"}}, r"'task' must have exactly 'type' and 'index'\. Received: task=\{'type': 'worker'\}"),
+    (
+        {**GOOD, "task": {"type": "worker"}},
+        r"'task' must have exactly 'type' and 'index'\. Received: task=\{'type': 'worker'\}",
+    ),
     ({**GOOD, "task": {"type": "worker", "index": 0, "trial": 1}}, r"must have exactly 'type' and 'index'"),
     ({**GOOD, "task": {"type": "boss", "index": 0}}, r"unknown task type in 'task'\. Received: type='boss'"),
-    ({**GOOD, "task": {"type": "evaluator", "index": 0}},
-     r"names task type 'evaluator', which 'cluster' does not list\. .*Add \"evaluator\": \[\"host:port\"\]"),
+    (
+        {**GOOD, "task": {"type": "evaluator", "index": 0}},
+        r"names task type 'evaluator', which 'cluster' does not list\. .*Add \"evaluator\": \[\"host:port\"\]",
+    ),
     ({**GOOD, "task": {"type": "ps", "index": 0}}, r"names task type 'ps', which 'cluster' does not list"),
     ({**GOOD, "task": {"type": "worker", "index": "0"}}, r"'task\.index' is not an integer\. Received: index='0'"),
     ({**GOOD, "task": {"type": "worker", "index": True}}, r"'task\.index' is not an integer\. Received: index=True"),
-    ({**GOOD, "task": {"type": "worker", "index": 2}},
-     r"'task\.index' is out of range for 2 worker task\(s\)\. Received: task=worker:2\. Use an index in 0\.\.1"),
-    ({**GOOD, "task": {"type": "worker", "index": -1}}, r"out of range for 2 worker task\(s\)\. Received: task=worker:-1"),
+    (
+        {**GOOD, "task": {"type": "worker", "index": 2}},
+        r"'task\.index' is out of range for 2 worker task\(s\)\. Received: task=worker:2\. Use an index in 0\.\.1",
+    ),
+    (
+        {**GOOD, "task": {"type": "worker", "index": -1}},
+        r"out of range for 2 worker task\(s\)\. Received: task=worker:-1",
+    ),
     ({**GOOD, "rpc_layer": 5}, r"'rpc_layer' is not a string\. Received: rpc_layer=5"),
 ]
 
@@ -155,29 +193,55 @@ def test_a_malformed_cluster_is_a_bad_argument_like_any_other():
 
 
 def test_to_tf_config_needs_addresses():
-    cluster = Cluster(task_type="worker", task_index=1, rank=1, world_size=2, local_rank=1, local_world_size=2,
-                      chief_address="h:1", master_addr="h", master_port=1, source="torchrun")
+    cluster = Cluster(
+        task_type="worker",
+        task_index=1,
+        rank=1,
+        world_size=2,
+        local_rank=1,
+        local_world_size=2,
+        chief_address="h:1",
+        master_addr="h",
+        master_port=1,
+        source="torchrun",
+    )
     with pytest.raises(ClusterError, match=r"has no per-task addresses.*Received: a cluster from torchrun \(worker:1"):
         cluster.to_tf_config()
 
 
 def _cluster(**changes) -> Cluster:
-    fields = dict(task_type="worker", task_index=0, rank=0, world_size=2, local_rank=0, local_world_size=1,
-                  chief_address="h:1", master_addr="h", master_port=1, source="explicit")
+    fields = dict(
+        task_type="worker",
+        task_index=0,
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        local_world_size=1,
+        chief_address="h:1",
+        master_addr="h",
+        master_port=1,
+        source="explicit",
+    )
     return Cluster(**{**fields, **changes})
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"source": "mpi"}, r"Unknown cluster source\. Received: source='mpi'\. Use one of"),
-    ({"task_type": "boss"}, r"Unknown task type\. Received: task_type='boss'"),
-    ({"addresses": {"workers": ["h:1"]}}, r"Unknown task type in addresses\. Received: \['workers'\]"),
-    ({"rank": 2}, r"rank must be in 0\.\.world_size-1\. Received: rank=2, world_size=2"),
-    ({"world_size": 0}, r"rank must be in 0\.\.world_size-1\. Received: rank=0, world_size=0"),
-    ({"task_type": "ps"}, r"Only the chief and workers have a rank\. Received: task_type='ps', rank=0"),
-    ({"rank": None}, r"Only the chief and workers have a rank\. Received: task_type='worker', rank=None"),
-    ({"local_rank": 1}, r"local_rank must be in 0\.\.local_world_size-1\. Received: local_rank=1, local_world_size=1"),
-    ({"master_port": 70000}, r"master_port is not a port\. Received: master_port=70000"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"source": "mpi"}, r"Unknown cluster source\. Received: source='mpi'\. Use one of"),
+        ({"task_type": "boss"}, r"Unknown task type\. Received: task_type='boss'"),
+        ({"addresses": {"workers": ["h:1"]}}, r"Unknown task type in addresses\. Received: \['workers'\]"),
+        ({"rank": 2}, r"rank must be in 0\.\.world_size-1\. Received: rank=2, world_size=2"),
+        ({"world_size": 0}, r"rank must be in 0\.\.world_size-1\. Received: rank=0, world_size=0"),
+        ({"task_type": "ps"}, r"Only the chief and workers have a rank\. Received: task_type='ps', rank=0"),
+        ({"rank": None}, r"Only the chief and workers have a rank\. Received: task_type='worker', rank=None"),
+        (
+            {"local_rank": 1},
+            r"local_rank must be in 0\.\.local_world_size-1\. Received: local_rank=1, local_world_size=1",
+        ),
+        ({"master_port": 70000}, r"master_port is not a port\. Received: master_port=70000"),
+    ],
+)
 def test_constructed_cluster_is_validated(changes, message):
     assert _cluster().rank == 0
     with pytest.raises(ClusterError, match=message):

@@ -21,6 +21,7 @@ import stratagem as sg
 BACKEND = "aot_eager"
 SIZES = [12, 7, 2]  # uneven over 2 and 3 replicas, and an empty slice for the third
 
+
 @pytest.fixture(autouse=True)
 def _keep_torchs_recompile_limit():
     """distribute raises torch's process-wide recompile limit for compiled models: put it back after each test."""
@@ -34,8 +35,9 @@ def _keep_torchs_recompile_limit():
 STRATEGIES = {
     "one-device": lambda: sg.OneDeviceStrategy("cpu"),
     "mirrored-2-shared": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
-    "mirrored-3-copies": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False,
-                                                     registry=cpu_registry(3)),
+    "mirrored-3-copies": lambda: sg.MirroredStrategy(
+        ["cpu:0", "cpu:1", "cpu:2"], share_parameters=False, registry=cpu_registry(3)
+    ),
 }
 
 
@@ -61,8 +63,13 @@ def _plain_state(module) -> dict[str, torch.Tensor]:
 
 
 # With one replica distribute hands back the model itself, so "after" would repeat "before" there.
-CASES = [("one-device", "before"), ("mirrored-2-shared", "before"), ("mirrored-2-shared", "after"),
-         ("mirrored-3-copies", "before"), ("mirrored-3-copies", "after")]
+CASES = [
+    ("one-device", "before"),
+    ("mirrored-2-shared", "before"),
+    ("mirrored-2-shared", "after"),
+    ("mirrored-3-copies", "before"),
+    ("mirrored-3-copies", "after"),
+]
 
 
 @pytest.mark.timeout(180)
@@ -94,9 +101,17 @@ def test_a_compiled_model_across_two_workers_matches_one_device(tmp_path):
     through the all-reduce buckets as the compiled backward produces them."""
     out = tmp_path / "result.pt"
     when = "before"
-    exit_code, output = launch_workers("compile_train.py", {
-        "COMPILE_OUT": str(out), "COMPILE_WHEN": when, "COMPILE_BACKEND": BACKEND,
-        "COMPILE_SIZES": ",".join(map(str, SIZES))}, timeout=200, tail=30)
+    exit_code, output = launch_workers(
+        "compile_train.py",
+        {
+            "COMPILE_OUT": str(out),
+            "COMPILE_WHEN": when,
+            "COMPILE_BACKEND": BACKEND,
+            "COMPILE_SIZES": ",".join(map(str, SIZES)),
+        },
+        timeout=200,
+        tail=30,
+    )
     assert exit_code == 0, output
     reference, ref_opt, shape = build("mlp", "adam", torch.float64)
     train_reference(reference, ref_opt, make_batches(shape, torch.float64, sizes=SIZES))
@@ -124,7 +139,9 @@ def test_every_replica_stays_compiled_past_torchs_recompile_limit():
     model, opt = strategy.distribute(torch.compile(model, backend="eager"), opt)
     assert dynamo_config.recompile_limit == 18
     assert strategy.explain().decision("torch.compile").choice == "recompile limit 18 (at least 6 per replica)"
-    for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=[12, 11, 7, 2, 5, 9, 13, 4, 8, 10])):
+    for x, y in strategy.distribute_dataset(
+        make_batches(shape, torch.float64, sizes=[12, 11, 7, 2, 5, 9, 13, 4, 8, 10])
+    ):
         strategy.run(lambda a, b: F.cross_entropy(model(a), b).backward(), args=(x, y))
     strategy.close()
     assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["frames"])

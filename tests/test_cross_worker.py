@@ -133,10 +133,13 @@ def test_a_failed_collective_names_the_tasks_missing_from_the_roll_call(make):
     store.set("stratagem/rollcall/7/2", "here")  # worker:2 survived and signed in; worker:1 did not
     work = FakeWork()
     work.future.set_exception(RuntimeError("Connection closed by peer [127.0.0.1]:4242"))
-    with pytest.raises(ReplicaError, match=r"worker:0 \(rank 0\): the gradient all-reduce of step 7 failed "
-                                           r"\(Connection closed by peer .*\) after waiting for the other workers; "
-                                           r"lost: worker:1 \(rank 1\)\. "
-                                           r"Steps last reported: worker:0: 7, worker:1: 6, worker:2: -"):
+    with pytest.raises(
+        ReplicaError,
+        match=r"worker:0 \(rank 0\): the gradient all-reduce of step 7 failed "
+        r"\(Connection closed by peer .*\) after waiting for the other workers; "
+        r"lost: worker:1 \(rank 1\)\. "
+        r"Steps last reported: worker:0: 7, worker:1: 6, worker:2: -",
+    ):
         cw.wait([work], what="gradient all-reduce", step=7)
 
 
@@ -145,7 +148,9 @@ def test_a_collective_that_never_completes_times_out_and_says_nobody_is_gone(mak
     cw = make(store, timeout=0.3)
     store.set("stratagem/rollcall/3/1", "here")
     store.set("stratagem/rollcall/3/2", "here")
-    with pytest.raises(CollectiveTimeoutError, match=r"step 3 timed out .* every task answered the roll call, so one is stuck"):
+    with pytest.raises(
+        CollectiveTimeoutError, match=r"step 3 timed out .* every task answered the roll call, so one is stuck"
+    ):
         cw.wait([FakeWork()], what="reduce", step=3)
 
 
@@ -176,11 +181,19 @@ def stopped_chief():
     """A chief process that hosts the TCP store, then is stopped (SIGSTOP) with its connections open: its
     kernel still accepts, nobody answers. Yields a client of that store (rank 1's)."""
     port = free_ports(1)[0]
-    chief = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from datetime import timedelta; import torch.distributed as dist\n"
-        f"store = dist.TCPStore('127.0.0.1', {port}, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)\n"
-        "store.set('stratagem/step/0', '5'); print('up', flush=True); time.sleep(120)\n")],
-        stdout=subprocess.PIPE, text=True)
+    chief = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from datetime import timedelta; import torch.distributed as dist\n"
+                f"store = dist.TCPStore('127.0.0.1', {port}, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)\n"
+                "store.set('stratagem/step/0', '5'); print('up', flush=True); time.sleep(120)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert chief.stdout.readline().strip() == "up"
         store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=3))
@@ -196,18 +209,30 @@ def stopped_chief():
 @pytest.mark.timeout(60)
 def test_a_stopped_chief_is_named_within_the_timeout_not_waited_for_forever(stopped_chief, caplog):
     # The stall warning read the steps from the stopped chief's store without a bound: the worker hung there.
-    cw = CrossWorker(stopped_chief, rank=1, task_names=["worker:0", "worker:1"], timeout=2.0,
-                     stall_warning_after=0.5, roll_call_seconds=0.2)
+    cw = CrossWorker(
+        stopped_chief,
+        rank=1,
+        task_names=["worker:0", "worker:1"],
+        timeout=2.0,
+        stall_warning_after=0.5,
+        roll_call_seconds=0.2,
+    )
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="stratagem.collective.cross_worker"):
-        with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the gradient all-reduce of step 6 timed "
-                                                         r"out .*the chief \(worker:0\), which hosts the rendezvous "
-                                                         r"store, is unreachable"):
+        with pytest.raises(
+            CollectiveTimeoutError,
+            match=r"worker:1 \(rank 1\): the gradient all-reduce of step 6 timed "
+            r"out .*the chief \(worker:0\), which hosts the rendezvous "
+            r"store, is unreachable",
+        ):
             cw.wait([FakeWork()], what="gradient all-reduce", step=6)
     assert time.monotonic() - start < 2.0 + 2.5
     assert "steps reached: unknown (the chief's store, worker:0, did not answer within 0.5 s)" in caplog.text
-    with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the chief \(worker:0, rank 0\), which hosts "
-                                                     r"the rendezvous store, did not answer a read of the steps reached"):
+    with pytest.raises(
+        CollectiveTimeoutError,
+        match=r"worker:1 \(rank 1\): the chief \(worker:0, rank 0\), which hosts "
+        r"the rendezvous store, did not answer a read of the steps reached",
+    ):
         cw.steps_reached(0.2)
     with pytest.raises(CollectiveTimeoutError, match=r"did not answer the heartbeat of step 7"):
         cw.heartbeat(7)
@@ -218,13 +243,17 @@ def test_a_stopped_chief_is_named_within_the_timeout_not_waited_for_forever(stop
 def test_the_shared_memory_meeting_at_a_stopped_chief_ends_within_the_timeout(stopped_chief):
     cw = CrossWorker(stopped_chief, rank=1, task_names=["worker:0", "worker:1"], timeout=1.5, roll_call_seconds=0.2)
     start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match=r"worker:1 \(rank 1\): the chief \(worker:0, rank 0\), which hosts "
-                                                     r"the rendezvous store, did not answer the shared-memory meeting"):
+    with pytest.raises(
+        CollectiveTimeoutError,
+        match=r"worker:1 \(rank 1\): the chief \(worker:0, rank 0\), which hosts "
+        r"the rendezvous store, did not answer the shared-memory meeting",
+    ):
         cw.connect_shared_memory(wanted=True)
     assert time.monotonic() - start < 1.5 + 0.2 + 1.5
 
 
 # ---- the device path (NCCL): the host does not wait, a watchdog does ----------------------------------
+
 
 class AbortRecorder:
     def __init__(self) -> None:
@@ -289,8 +318,11 @@ def test_a_device_collective_that_never_ends_is_warned_about_then_raised_at_the_
             cw.wait([work], what="gradient all-reduce", step=5)  # returns at once
             error = raised_within(3.0, cw.check)
         assert isinstance(error, CollectiveTimeoutError)
-        assert re.search(r"worker:0 \(rank 0\): the gradient all-reduce of step 5 timed out .* every task answered "
-                         r"the roll call, so one is stuck", str(error))
+        assert re.search(
+            r"worker:0 \(rank 0\): the gradient all-reduce of step 5 timed out .* every task answered "
+            r"the roll call, so one is stuck",
+            str(error),
+        )
         assert "worker:0 has waited" in caplog.text  # the stall warning, from the watchdog's thread
         assert any(r.levelno == logging.ERROR and "step 5 timed out" in r.getMessage() for r in caplog.records)
         assert abort.calls == 1
@@ -316,8 +348,11 @@ def test_a_device_handle_that_cannot_say_whether_it_completed_is_a_replica_error
         cw.wait([work], what="end-of-data agreement", step=2)
         error = raised_within(3.0, cw.check)
         assert isinstance(error, ReplicaError)
-        assert re.search(r"the end-of-data agreement of step 2 failed \(NCCL error: remote process exited.*\) .*"
-                         r"lost: worker:2 \(rank 2\)", str(error))
+        assert re.search(
+            r"the end-of-data agreement of step 2 failed \(NCCL error: remote process exited.*\) .*"
+            r"lost: worker:2 \(rank 2\)",
+            str(error),
+        )
         with pytest.raises(ReplicaError, match=r"lost: worker:2 \(rank 2\)"):
             cw.wait([], what="gradient all-reduce", step=3)
         assert abort.calls == 1
@@ -352,8 +387,13 @@ def test_an_idle_watchdog_polls_nothing():
             CountedWork.polls += 1
             return CountedWork.polls >= 3
 
-    dog = Watchdog(timeout=5.0, stall_warning_after=1.0, on_stall=lambda *a: None,
-                   on_failure=lambda what, step, error: RuntimeError("unexpected"), abort=AbortRecorder())
+    dog = Watchdog(
+        timeout=5.0,
+        stall_warning_after=1.0,
+        on_stall=lambda *a: None,
+        on_failure=lambda what, step, error: RuntimeError("unexpected"),
+        abort=AbortRecorder(),
+    )
     try:
         dog.watch([CountedWork()], what="gradient all-reduce", step=0)
         deadline = time.monotonic() + 2.0
@@ -368,6 +408,7 @@ def test_an_idle_watchdog_polls_nothing():
 
 
 # ---- host reads after a device wait: checked, so a value from an aborted collective is never used ---------
+
 
 class Aborted:
     """What the watchdog recorded for the collective the host has just read from."""
@@ -385,8 +426,9 @@ def test_the_bucket_counts_read_on_the_host_are_checked_before_use():
 
     ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
     aborted = Aborted()
-    buckets = GradientBuckets(ps, bucket_bytes=10**6, first_bucket_bytes=10**6, count_users=True,
-                              after_host_read=aborted)
+    buckets = GradientBuckets(
+        ps, bucket_bytes=10**6, first_bucket_bytes=10**6, count_users=True, after_host_read=aborted
+    )
     buckets.start(1.0)
     for p in ps:
         p.grad = torch.ones(3)

@@ -45,8 +45,12 @@ def test_tf32_is_stated_for_gpu_replicas_with_its_consequence(tf32):
 
 def test_explain_of_a_gpu_strategy_says_whether_tf32_is_on(tf32):
     tf32(True, True)
-    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", name="cpu", core_count=2),
-                                        PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37)])
+    registry = DeviceRegistry(
+        physical=[
+            PhysicalDevice(device_type="cpu", name="cpu", core_count=2),
+            PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37),
+        ]
+    )
     strategy = mirrored.MirroredStrategy(["cuda:0"], registry=registry)
     try:
         assert strategy.explain().decision("TF32").choice == "matmul on, cuDNN convolutions on"
@@ -88,7 +92,9 @@ def test_distribute_seeds_the_streams_from_this_process_first_global_replica(mon
 
 
 @pytest.mark.parametrize("saved, visible, restored", [(2, 1, [0]), (1, 2, [0]), (2, 2, [0, 1])])
-def test_cuda_rng_states_are_restored_on_a_machine_with_another_gpu_count(monkeypatch, caplog, saved, visible, restored):
+def test_cuda_rng_states_are_restored_on_a_machine_with_another_gpu_count(
+    monkeypatch, caplog, saved, visible, restored
+):
     calls = []
 
     def set_rng_state(state, device):

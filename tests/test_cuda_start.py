@@ -16,18 +16,30 @@ import torch
 import stratagem as sg
 from stratagem.cli import doctor
 from stratagem.devices import DeviceRegistry
-from stratagem.diagnose import EnvironmentFacts, check_environment, check_gpu_visibility, collect_facts, gpu_unavailable_reason
+from stratagem.diagnose import (
+    EnvironmentFacts,
+    check_environment,
+    check_gpu_visibility,
+    collect_facts,
+    gpu_unavailable_reason,
+)
 from stratagem.diagnose import facts as facts_module
 from stratagem.diagnose.cuda_start import check_cuda_start
 
-ERROR_802 = ("CUDA initialization: Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
-             "calling NumCudaDevices() that might have already set an error? Error 802: system not yet initialized "
-             "(Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:109.)")
-ERROR_804 = ("CUDA initialization: Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
-             "calling NumCudaDevices() that might have already set an error? Error 804: forward compatibility was "
-             "attempted on non supported HW (Triggered internally at ../c10/cuda/CUDAFunctions.cpp:109.)")
-TOO_OLD = ("CUDA initialization: The NVIDIA driver on your system is too old (found version 11040). Please update your "
-           "GPU driver by downloading and installing a new version from the URL: http://www.nvidia.com/Download/index.aspx")
+ERROR_802 = (
+    "CUDA initialization: Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
+    "calling NumCudaDevices() that might have already set an error? Error 802: system not yet initialized "
+    "(Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:109.)"
+)
+ERROR_804 = (
+    "CUDA initialization: Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
+    "calling NumCudaDevices() that might have already set an error? Error 804: forward compatibility was "
+    "attempted on non supported HW (Triggered internally at ../c10/cuda/CUDAFunctions.cpp:109.)"
+)
+TOO_OLD = (
+    "CUDA initialization: The NVIDIA driver on your system is too old (found version 11040). Please update your "
+    "GPU driver by downloading and installing a new version from the URL: http://www.nvidia.com/Download/index.aspx"
+)
 
 
 @pytest.fixture
@@ -59,9 +71,11 @@ def test_a_failed_start_is_a_fact_and_torch_counts_no_gpu(broken_cuda):
     broken_cuda(ERROR_802)
     facts = collect_facts({})
     assert facts.torch_device_count == 0 and facts.gpus == []
-    assert facts.cuda_init_error == ("Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
-                                     "calling NumCudaDevices() that might have already set an error? Error 802: system "
-                                     "not yet initialized")
+    assert facts.cuda_init_error == (
+        "Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
+        "calling NumCudaDevices() that might have already set an error? Error 802: system "
+        "not yet initialized"
+    )
     # With torch counting through is_available(), the driver's 8 GPUs against torch's 0 is seen.
     assert check_gpu_visibility(facts).verdict == "problem"
 
@@ -91,8 +105,9 @@ def test_a_driver_too_old_says_which_driver_to_install(broken_cuda):
 
 
 def test_mig_and_unknown_failures_get_their_own_fixes():
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4",
-                             cuda_init_error="CUDA error: MIG configuration changed")
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124", torch_cuda_version="12.4", cuda_init_error="CUDA error: MIG configuration changed"
+    )
     assert "CUDA_VISIBLE_DEVICES=MIG-<uuid>" in check_cuda_start(facts).fix
     facts.cuda_init_error = "CUDA error: unknown error"
     check = check_cuda_start(facts)
@@ -157,9 +172,13 @@ def _subparsers():
 
 def test_a_cuda_build_without_a_driver_leaves_the_verdict_to_the_driver_check():
     # torch warns "Found no NVIDIA driver" on a GPU-less machine with a CUDA wheel: a warning there, not a problem.
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", driver_present=False,
-                             cuda_init_error="Found no NVIDIA driver on your system. Please check that you have an "
-                                             "NVIDIA GPU and installed a driver from http://www.nvidia.com/Download/index.aspx")
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        driver_present=False,
+        cuda_init_error="Found no NVIDIA driver on your system. Please check that you have an "
+        "NVIDIA GPU and installed a driver from http://www.nvidia.com/Download/index.aspx",
+    )
     assert check_cuda_start(facts).verdict == "ok"
     assert gpu_unavailable_reason(facts).name == "driver"
     assert [c.verdict for c in check_environment(facts)].count("problem") == 0

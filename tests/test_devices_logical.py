@@ -23,8 +23,9 @@ CPU2 = PhysicalDevice(device_type="cpu", name="test cpu", core_count=2)
 
 
 def gpu(index: int, total: int = 16 * GiB) -> PhysicalDevice:
-    return PhysicalDevice(device_type="cuda", index=index, name="Test GPU", total_memory=total,
-                          free_memory=total, capability=(8, 0))
+    return PhysicalDevice(
+        device_type="cuda", index=index, name="Test GPU", total_memory=total, free_memory=total, capability=(8, 0)
+    )
 
 
 def machine(num_gpus: int = 0) -> DeviceRegistry:
@@ -39,6 +40,7 @@ def names(devices: list[LogicalDevice]) -> list[str]:
 
 
 # ---- logical devices ----------------------------------------------------------------------------
+
 
 def test_one_logical_cpu_per_core_and_one_logical_gpu_per_gpu():
     devices = machine(num_gpus=2).get_logical_devices()
@@ -82,7 +84,11 @@ def test_split_every_gpu():
     registry = machine(num_gpus=2)
     registry.set_logical_device_configuration("gpu", [LogicalDeviceConfiguration()] * 2)
     assert [(d.name, d.physical.index) for d in registry.get_logical_devices("cuda")] == [
-        ("cuda:0", 0), ("cuda:1", 0), ("cuda:2", 1), ("cuda:3", 1)]
+        ("cuda:0", 0),
+        ("cuda:1", 0),
+        ("cuda:2", 1),
+        ("cuda:3", 1),
+    ]
 
 
 def test_split_by_physical_device_object():
@@ -90,13 +96,19 @@ def test_split_by_physical_device_object():
     physical_gpu1 = registry.physical_devices()[2]
     registry.set_logical_device_configuration(physical_gpu1, [LogicalDeviceConfiguration()] * 2)
     assert [(d.name, d.physical.index) for d in registry.get_logical_devices("cuda")] == [
-        ("cuda:0", 0), ("cuda:1", 1), ("cuda:2", 1)]
+        ("cuda:0", 0),
+        ("cuda:1", 1),
+        ("cuda:2", 1),
+    ]
 
 
 def test_memory_limits_larger_than_the_gpu():
     registry = machine(num_gpus=1)
-    with pytest.raises(DeviceError, match=r"add up to 20\.00 GiB, more than the 16\.00 GiB of cuda:0 \(Test GPU\)"
-                                          r"\. Received: set_logical_device_configuration\('cuda'"):
+    with pytest.raises(
+        DeviceError,
+        match=r"add up to 20\.00 GiB, more than the 16\.00 GiB of cuda:0 \(Test GPU\)"
+        r"\. Received: set_logical_device_configuration\('cuda'",
+    ):
         registry.set_logical_device_configuration("cuda", [LogicalDeviceConfiguration(memory_limit=10 * GiB)] * 2)
 
 
@@ -108,27 +120,43 @@ def test_bad_memory_limit(limit):
 
 def test_cpu_configuration_errors():
     registry = machine()
-    with pytest.raises(DeviceError, match=r"at least one logical CPU.*Received: set_logical_device_configuration\('cpu', 0\)"):
+    with pytest.raises(
+        DeviceError, match=r"at least one logical CPU.*Received: set_logical_device_configuration\('cpu', 0\)"
+    ):
         registry.set_logical_device_configuration("cpu", 0)
     with pytest.raises(DeviceError, match=r"take no memory_limit\. Received:"):
         registry.set_logical_device_configuration("cpu", [LogicalDeviceConfiguration(memory_limit=GiB)])
-    with pytest.raises(DeviceError, match=r"a count or a list of LogicalDeviceConfiguration\. Received: "
-                                          r"set_logical_device_configuration\('cpu', 'two'\)"):
+    with pytest.raises(
+        DeviceError,
+        match=r"a count or a list of LogicalDeviceConfiguration\. Received: "
+        r"set_logical_device_configuration\('cpu', 'two'\)",
+    ):
         registry.set_logical_device_configuration("cpu", "two")
-    with pytest.raises(DeviceError, match=r"one physical CPU device.*Received: set_logical_device_configuration\('cpu:1', 2\)"):
+    with pytest.raises(
+        DeviceError, match=r"one physical CPU device.*Received: set_logical_device_configuration\('cpu:1', 2\)"
+    ):
         registry.set_logical_device_configuration("cpu:1", 2)
-    with pytest.raises(DeviceError, match=r"this machine's physical devices\. Received: "
-                                          r"set_logical_device_configuration\('/job:worker/task:1/cpu:0', 2\)"):
+    with pytest.raises(
+        DeviceError,
+        match=r"this machine's physical devices\. Received: "
+        r"set_logical_device_configuration\('/job:worker/task:1/cpu:0', 2\)",
+    ):
         registry.set_logical_device_configuration("/job:worker/task:1/cpu:0", 2)
 
 
 def test_gpu_configuration_errors():
     registry = machine(num_gpus=1)
-    with pytest.raises(DeviceError, match=r"non-empty list of LogicalDeviceConfiguration.*Received: "
-                                          r"set_logical_device_configuration\('cuda', 2\)"):
+    with pytest.raises(
+        DeviceError,
+        match=r"non-empty list of LogicalDeviceConfiguration.*Received: "
+        r"set_logical_device_configuration\('cuda', 2\)",
+    ):
         registry.set_logical_device_configuration("cuda", 2)
-    with pytest.raises(DeviceError, match=r"no physical GPU to configure\. Received: "
-                                          r"set_logical_device_configuration\('cuda:3', .*Physical GPUs: cuda:0\.\.cuda:0"):
+    with pytest.raises(
+        DeviceError,
+        match=r"no physical GPU to configure\. Received: "
+        r"set_logical_device_configuration\('cuda:3', .*Physical GPUs: cuda:0\.\.cuda:0",
+    ):
         registry.set_logical_device_configuration("cuda:3", [LogicalDeviceConfiguration()])
     with pytest.raises(DeviceError, match=r"Physical GPUs: none; run `stratagem doctor`"):
         machine().set_logical_device_configuration("cuda", [LogicalDeviceConfiguration()])
@@ -140,10 +168,12 @@ def test_configuration_is_frozen_once_a_strategy_resolved_devices():
     registry.set_logical_device_configuration("cpu", 3)
     resolve_devices(["cpu:0", "cpu:2"], registry)
     assert registry.used_by == "resolve_devices(['cpu:0', 'cpu:2'])"
-    with pytest.raises(DeviceConfigurationError,
-                       match=r"cannot be changed after a strategy has used them \(first used by "
-                             r"resolve_devices\(\['cpu:0', 'cpu:2'\]\)\)\. Received: "
-                             r"set_logical_device_configuration\('cpu', 4\)\. Call it at the start"):
+    with pytest.raises(
+        DeviceConfigurationError,
+        match=r"cannot be changed after a strategy has used them \(first used by "
+        r"resolve_devices\(\['cpu:0', 'cpu:2'\]\)\)\. Received: "
+        r"set_logical_device_configuration\('cpu', 4\)\. Call it at the start",
+    ):
         registry.set_logical_device_configuration("cpu", 4)
 
 
@@ -155,9 +185,13 @@ def test_default_devices_freezes_too():
 
 
 def test_registry_from_facts():
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", cpu_count=3, torch_device_count=1,
-                             gpus=[GpuFacts(index=0, name="Test GPU", total_memory=8 * GiB, free_memory=GiB,
-                                            capability=(9, 0))])
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        cpu_count=3,
+        torch_device_count=1,
+        gpus=[GpuFacts(index=0, name="Test GPU", total_memory=8 * GiB, free_memory=GiB, capability=(9, 0))],
+    )
     registry = DeviceRegistry.from_facts(facts)
     assert names(registry.get_logical_devices()) == ["cpu:0", "cpu:1", "cpu:2", "cuda:0"]
     assert registry.physical_devices()[1].free_memory == GiB
@@ -171,10 +205,15 @@ def test_default_registry_discovers_this_machine():
 
 # ---- resolve_devices ----------------------------------------------------------------------------
 
+
 def test_resolve_mixed_spellings_in_order():
     registry = machine(num_gpus=2)
     assert names(resolve_devices(["/gpu:1", "cuda:0", "/device:CPU:1", "cpu"], registry)) == [
-        "cuda:1", "cuda:0", "cpu:1", "cpu:0"]
+        "cuda:1",
+        "cuda:0",
+        "cpu:1",
+        "cpu:0",
+    ]
 
 
 def test_resolve_bare_type_means_index_zero():
@@ -185,26 +224,34 @@ def test_resolve_bare_type_means_index_zero():
 def test_resolve_local_qualified_names():
     registry = machine(num_gpus=1)
     assert names(resolve_devices(["/job:localhost/replica:0/task:0/device:GPU:0"], registry)) == ["cuda:0"]
-    assert names(resolve_devices(["/job:worker/task:1/device:CPU:0"], registry,
-                                 local_task=("worker", 1))) == ["cpu:0"]
+    assert names(resolve_devices(["/job:worker/task:1/device:CPU:0"], registry, local_task=("worker", 1))) == ["cpu:0"]
 
 
 def test_resolve_out_of_range_cpu():
-    with pytest.raises(DeviceError, match=r"^Device 'cpu:5' is out of range: this machine has 2 logical CPU devices "
-                                          r"\(cpu:0\.\.cpu:1\)\. Use one of cpu:0\.\.cpu:1, or call "
-                                          r"sg\.devices\.set_logical_device_configuration\('cpu', 6\)\.$"):
+    with pytest.raises(
+        DeviceError,
+        match=r"^Device 'cpu:5' is out of range: this machine has 2 logical CPU devices "
+        r"\(cpu:0\.\.cpu:1\)\. Use one of cpu:0\.\.cpu:1, or call "
+        r"sg\.devices\.set_logical_device_configuration\('cpu', 6\)\.$",
+    ):
         resolve_devices(["cpu:0", "cpu:5"], machine())
 
 
 def test_resolve_out_of_range_gpu():
-    with pytest.raises(DeviceError, match=r"^Device '/gpu:2' is out of range: this machine has 2 logical GPU devices "
-                                          r"\(cuda:0\.\.cuda:1\)\. Use one of cuda:0\.\.cuda:1, check CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(
+        DeviceError,
+        match=r"^Device '/gpu:2' is out of range: this machine has 2 logical GPU devices "
+        r"\(cuda:0\.\.cuda:1\)\. Use one of cuda:0\.\.cuda:1, check CUDA_VISIBLE_DEVICES",
+    ):
         resolve_devices(["/gpu:2"], machine(num_gpus=2))
 
 
 def test_resolve_duplicates():
-    with pytest.raises(DeviceError, match=r"Devices 'cuda:0' and '/gpu:0' both denote the logical device cuda:0\. "
-                                          r"Received: devices=\['cuda:0', '/gpu:0'\]\. List each device once"):
+    with pytest.raises(
+        DeviceError,
+        match=r"Devices 'cuda:0' and '/gpu:0' both denote the logical device cuda:0\. "
+        r"Received: devices=\['cuda:0', '/gpu:0'\]\. List each device once",
+    ):
         resolve_devices(["cuda:0", "/gpu:0"], machine(num_gpus=1))
     with pytest.raises(DeviceError, match=r"Devices 'cpu' and 'cpu:0' both denote the logical device cpu:0"):
         resolve_devices(["cpu", "cpu:0"], machine())
@@ -213,8 +260,11 @@ def test_resolve_duplicates():
 def test_resolve_empty_and_not_a_list():
     with pytest.raises(DeviceError, match=r"The device list is empty\. Received: devices=\[\]\. Name at least one"):
         resolve_devices([], machine())
-    with pytest.raises(DeviceError, match=r"must be a list of device names\. Received: devices='cpu:0'\. "
-                                          r"Use a list"):
+    with pytest.raises(
+        DeviceError,
+        match=r"must be a list of device names\. Received: devices='cpu:0'\. "
+        r"Use a list",
+    ):
         resolve_devices("cpu:0", machine())
 
 
@@ -224,19 +274,31 @@ def test_resolve_unknown_name():
 
 
 def test_resolve_remote_device_needs_multi_worker():
-    with pytest.raises(DeviceError, match=r"Device '/job:worker/replica:0/task:1/device:GPU:0' is on task worker:1, "
-                                          r"not on this process \(localhost:0\)\. .*MultiWorkerMirroredStrategy"):
+    with pytest.raises(
+        DeviceError,
+        match=r"Device '/job:worker/replica:0/task:1/device:GPU:0' is on task worker:1, "
+        r"not on this process \(localhost:0\)\. .*MultiWorkerMirroredStrategy",
+    ):
         resolve_devices(["/job:worker/replica:0/task:1/device:GPU:0"], machine(num_gpus=1))
     with pytest.raises(DeviceError, match=r"is on task worker:0, not on this process \(worker:1\)"):
         resolve_devices(["/job:worker/task:0/cpu:0"], machine(), local_task=("worker", 1))
 
 
 def test_resolve_gpu_without_gpus_carries_the_diagnosis():
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", driver_present=True,
-                             driver_version="550.54.15", cuda_visible_devices="", nvml_device_count=2)
-    with pytest.raises(DeviceError, match=r"^Device 'cuda:0' is a GPU, but no GPU is visible to torch\. "
-                                          r"Received: name='cuda:0'\. CUDA_VISIBLE_DEVICES='' hides every GPU "
-                                          r"from torch\. Unset it .* Or use the CPU: devices=\['cpu:0'\]\.$"):
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        driver_present=True,
+        driver_version="550.54.15",
+        cuda_visible_devices="",
+        nvml_device_count=2,
+    )
+    with pytest.raises(
+        DeviceError,
+        match=r"^Device 'cuda:0' is a GPU, but no GPU is visible to torch\. "
+        r"Received: name='cuda:0'\. CUDA_VISIBLE_DEVICES='' hides every GPU "
+        r"from torch\. Unset it .* Or use the CPU: devices=\['cpu:0'\]\.$",
+    ):
         resolve_devices(["cuda:0"], machine(), facts=facts)
 
 
@@ -246,6 +308,7 @@ def test_resolve_gpu_on_cpu_only_build():
 
 
 # ---- default_devices ----------------------------------------------------------------------------
+
 
 def test_default_devices_every_gpu():
     registry = machine(num_gpus=2)
@@ -264,4 +327,5 @@ def test_default_devices_cpu_says_why():
     assert decision.reason == (
         "no usable GPU, so the single device cpu:0. torch 2.13.0+cpu is a CPU-only build "
         "(torch.version.cuda is None): training runs on the CPU. For one replica per logical CPU "
-        "pass devices=['cpu:0', 'cpu:1'].")
+        "pass devices=['cpu:0', 'cpu:1']."
+    )

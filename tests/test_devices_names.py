@@ -9,21 +9,24 @@ from stratagem.devices import DeviceSpec, parse_device
 from stratagem.errors import DeviceError
 
 
-@pytest.mark.parametrize("name, device_type, index", [
-    ("/gpu:0", "cuda", 0),
-    ("/GPU:2", "cuda", 2),
-    ("/device:GPU:1", "cuda", 1),
-    ("/device:gpu:1", "cuda", 1),
-    ("/cpu:0", "cpu", 0),
-    ("/device:CPU:3", "cpu", 3),
-    ("GPU:1", "cuda", 1),
-    ("cuda", "cuda", None),
-    ("cuda:1", "cuda", 1),
-    ("cpu", "cpu", None),
-    ("cpu:3", "cpu", 3),
-    (" cuda:0 ", "cuda", 0),
-    ("/device:GPU:*", "cuda", None),
-])
+@pytest.mark.parametrize(
+    "name, device_type, index",
+    [
+        ("/gpu:0", "cuda", 0),
+        ("/GPU:2", "cuda", 2),
+        ("/device:GPU:1", "cuda", 1),
+        ("/device:gpu:1", "cuda", 1),
+        ("/cpu:0", "cpu", 0),
+        ("/device:CPU:3", "cpu", 3),
+        ("GPU:1", "cuda", 1),
+        ("cuda", "cuda", None),
+        ("cuda:1", "cuda", 1),
+        ("cpu", "cpu", None),
+        ("cpu:3", "cpu", 3),
+        (" cuda:0 ", "cuda", 0),
+        ("/device:GPU:*", "cuda", None),
+    ],
+)
 def test_parse_both_spellings(name, device_type, index):
     assert parse_device(name) == DeviceSpec(device_type=device_type, index=index)
 
@@ -36,11 +39,14 @@ def test_parse_qualified_tf_name():
     assert spec.torch_name == "cuda:0"
 
 
-@pytest.mark.parametrize("device, expected", [
-    (torch.device("cuda", 1), DeviceSpec(device_type="cuda", index=1)),
-    (torch.device("cuda"), DeviceSpec(device_type="cuda", index=None)),
-    (torch.device("cpu"), DeviceSpec(device_type="cpu", index=None)),
-])
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        (torch.device("cuda", 1), DeviceSpec(device_type="cuda", index=1)),
+        (torch.device("cuda"), DeviceSpec(device_type="cuda", index=None)),
+        (torch.device("cpu"), DeviceSpec(device_type="cpu", index=None)),
+    ],
+)
 def test_parse_torch_device(device, expected):
     assert parse_device(device) == expected
 
@@ -59,16 +65,21 @@ def test_unsupported_type_quotes_name_and_spellings(name):
         parse_device(name)
 
 
-@pytest.mark.parametrize("name", ["cuda:x", "gpu0", "", "/gpu:0/cpu:0", "/job:worker/task:one/device:GPU:0",
-                                  "/job:a/job:b/device:GPU:0", "cuda:-1"])
+@pytest.mark.parametrize(
+    "name",
+    ["cuda:x", "gpu0", "", "/gpu:0/cpu:0", "/job:worker/task:one/device:GPU:0", "/job:a/job:b/device:GPU:0", "cuda:-1"],
+)
 def test_malformed_name(name):
     with pytest.raises(DeviceError, match=r"not recognised\. Received: name=.*Use 'cpu', 'cpu:N'"):
         parse_device(name)
 
 
 def test_tf_name_without_device_part():
-    with pytest.raises(DeviceError, match=r"has no device part\. Received: name='/job:worker/task:1'\. "
-                                          r"Add one, e\.g\. /job:worker/task:1/device:GPU:0"):
+    with pytest.raises(
+        DeviceError,
+        match=r"has no device part\. Received: name='/job:worker/task:1'\. "
+        r"Add one, e\.g\. /job:worker/task:1/device:GPU:0",
+    ):
         parse_device("/job:worker/task:1")
 
 

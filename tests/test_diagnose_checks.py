@@ -32,12 +32,25 @@ GiB = 2**30
 def cuda_machine(**changes) -> EnvironmentFacts:
     """A healthy machine with two GPUs; each test changes what it diagnoses."""
     facts = EnvironmentFacts(
-        torch_version="2.4.0+cu124", torch_cuda_version="12.4", cuda_runtime_version="12.4",
-        driver_present=True, driver_version="550.54.15", driver_cuda_version="12.4",
-        torch_device_count=2, nvml_device_count=2, nccl_available=True, nccl_version="2.20.5",
-        cudnn_available=True, cudnn_version=90100, cpu_count=16,
-        gpus=[GpuFacts(index=i, name="NVIDIA A100-SXM4-40GB", total_memory=40 * GiB, free_memory=39 * GiB,
-                       capability=(8, 0)) for i in range(2)],
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        cuda_runtime_version="12.4",
+        driver_present=True,
+        driver_version="550.54.15",
+        driver_cuda_version="12.4",
+        torch_device_count=2,
+        nvml_device_count=2,
+        nccl_available=True,
+        nccl_version="2.20.5",
+        cudnn_available=True,
+        cudnn_version=90100,
+        cpu_count=16,
+        gpus=[
+            GpuFacts(
+                index=i, name="NVIDIA A100-SXM4-40GB", total_memory=40 * GiB, free_memory=39 * GiB, capability=(8, 0)
+            )
+            for i in range(2)
+        ],
     )
     return dataclasses.replace(facts, **changes)
 
@@ -48,43 +61,59 @@ CPU_BOX = EnvironmentFacts(torch_version="2.13.0+cpu", cpu_count=2)
 def test_healthy_machine_is_all_ok():
     checks = check_environment(cuda_machine(), requested_gpus=[0, 1])
     assert [(c.name, c.verdict) for c in checks] == [
-        ("torch_build", "ok"), ("driver", "ok"), ("driver_version", "ok"), ("cuda_start", "ok"),
-        ("cuda_visible_devices", "ok"), ("nvml_vs_torch", "ok"), ("device_index", "ok"), ("nccl", "ok"),
-        ("cudnn", "ok")]
+        ("torch_build", "ok"),
+        ("driver", "ok"),
+        ("driver_version", "ok"),
+        ("cuda_start", "ok"),
+        ("cuda_visible_devices", "ok"),
+        ("nvml_vs_torch", "ok"),
+        ("device_index", "ok"),
+        ("nccl", "ok"),
+        ("cudnn", "ok"),
+    ]
     assert gpu_unavailable_reason(cuda_machine()) is None
 
 
 # ---- CPU-only build -----------------------------------------------------------------------------
 
+
 def test_cpu_only_build_without_gpus_is_a_warning():
     check = check_torch_build(CPU_BOX)
     assert check.verdict == "warning"
-    assert check.reason == "torch 2.13.0+cpu is a CPU-only build (torch.version.cuda is None): training runs on the CPU."
+    assert (
+        check.reason == "torch 2.13.0+cpu is a CPU-only build (torch.version.cuda is None): training runs on the CPU."
+    )
     assert "install a CUDA build of torch" in check.fix
     assert gpu_unavailable_reason(CPU_BOX) == check
 
 
 def test_cpu_only_build_with_gpus_present_is_a_problem():
-    facts = dataclasses.replace(CPU_BOX, driver_present=True, driver_version="535.104.05",
-                                driver_cuda_version="12.2", nvml_device_count=4)
+    facts = dataclasses.replace(
+        CPU_BOX, driver_present=True, driver_version="535.104.05", driver_cuda_version="12.2", nvml_device_count=4
+    )
     check = check_torch_build(facts)
     assert check.verdict == "problem"
-    assert check.reason == ("torch 2.13.0+cpu is a CPU-only build (torch.version.cuda is None), but the driver "
-                            "reports 4 GPU(s): they sit idle.")
+    assert check.reason == (
+        "torch 2.13.0+cpu is a CPU-only build (torch.version.cuda is None), but the driver "
+        "reports 4 GPU(s): they sit idle."
+    )
     assert check.fix.startswith("Install a CUDA build of torch for CUDA 12.2 or older")
     assert gpu_unavailable_reason(facts).name == "torch_build"
 
 
 # ---- CUDA_VISIBLE_DEVICES -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("raw", ["", " ", "-1", "-1,0"])
 def test_cuda_visible_devices_hiding_everything(raw):
     facts = cuda_machine(cuda_visible_devices=raw, torch_device_count=0, gpus=[])
     check = check_cuda_visible_devices(facts)
-    assert check == Check(name="cuda_visible_devices", verdict="warning",
-                          reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.",
-                          fix="Unset it (unset CUDA_VISIBLE_DEVICES) or list the GPUs to use, e.g. "
-                              "CUDA_VISIBLE_DEVICES=0,1.")
+    assert check == Check(
+        name="cuda_visible_devices",
+        verdict="warning",
+        reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.",
+        fix="Unset it (unset CUDA_VISIBLE_DEVICES) or list the GPUs to use, e.g. CUDA_VISIBLE_DEVICES=0,1.",
+    )
     assert gpu_unavailable_reason(facts) == check
     assert visible_by_cuda_visible_devices(facts) == 0
 
@@ -93,9 +122,11 @@ def test_cuda_visible_devices_index_out_of_range():
     facts = cuda_machine(cuda_visible_devices="0,5,1", torch_device_count=1)
     check = check_cuda_visible_devices(facts)
     assert check.verdict == "problem"
-    assert check.reason == ("CUDA_VISIBLE_DEVICES='0,5,1' has an invalid entry '5' (index 5 is out of range: the "
-                            "driver reports 2 GPU(s)). CUDA ignores an invalid entry and every entry after it, so "
-                            "torch sees only 0.")
+    assert check.reason == (
+        "CUDA_VISIBLE_DEVICES='0,5,1' has an invalid entry '5' (index 5 is out of range: the "
+        "driver reports 2 GPU(s)). CUDA ignores an invalid entry and every entry after it, so "
+        "torch sees only 0."
+    )
     assert check.fix.startswith("Set CUDA_VISIBLE_DEVICES to comma-separated indices 0..1 or GPU UUIDs")
     assert visible_by_cuda_visible_devices(facts) == 1
 
@@ -116,8 +147,15 @@ def test_cuda_visible_devices_negative_later_entry():
 
 
 def test_cuda_visible_devices_malformed_without_any_gpu_is_a_warning():
-    facts = cuda_machine(cuda_visible_devices="x", driver_present=False, driver_version=None, driver_cuda_version=None,
-                         nvml_device_count=None, torch_device_count=0, gpus=[])
+    facts = cuda_machine(
+        cuda_visible_devices="x",
+        driver_present=False,
+        driver_version=None,
+        driver_cuda_version=None,
+        nvml_device_count=None,
+        torch_device_count=0,
+        gpus=[],
+    )
     check = check_cuda_visible_devices(facts)
     assert check.verdict == "warning"
     assert check.fix.startswith("Set CUDA_VISIBLE_DEVICES to comma-separated GPU indices or GPU UUIDs")
@@ -125,7 +163,8 @@ def test_cuda_visible_devices_malformed_without_any_gpu_is_a_warning():
 
 def test_cuda_visible_devices_valid_selection_and_uuids():
     assert check_cuda_visible_devices(cuda_machine(cuda_visible_devices="1")).reason == (
-        "CUDA_VISIBLE_DEVICES='1' selects 1 GPU(s) of the 2 the driver reports.")
+        "CUDA_VISIBLE_DEVICES='1' selects 1 GPU(s) of the 2 the driver reports."
+    )
     uuid = "GPU-8f6b1d0e-1c2f-4a5b-9c3d-2e1f0a9b8c7d"
     check = check_cuda_visible_devices(cuda_machine(cuda_visible_devices=uuid, nvml_device_count=None))
     assert check.verdict == "ok" and check.reason == f"CUDA_VISIBLE_DEVICES={uuid!r} selects 1 GPU(s)."
@@ -134,15 +173,26 @@ def test_cuda_visible_devices_valid_selection_and_uuids():
 
 # ---- driver -------------------------------------------------------------------------------------
 
+
 def test_no_driver():
-    facts = cuda_machine(driver_present=False, driver_version=None, driver_cuda_version=None, nvml_device_count=None,
-                         torch_device_count=0, gpus=[])
+    facts = cuda_machine(
+        driver_present=False,
+        driver_version=None,
+        driver_cuda_version=None,
+        nvml_device_count=None,
+        torch_device_count=0,
+        gpus=[],
+    )
     check = check_driver(facts)
     assert check.verdict == "warning"
-    assert check.reason == ("torch 2.4.0+cu124 is built for CUDA 12.4, but no NVIDIA driver was found (no libcuda, "
-                            "no /proc/driver/nvidia, no NVML, no nvidia-smi): no GPU can be used.")
-    assert check.fix == ("If this machine has an NVIDIA GPU, install the NVIDIA driver (release 525.60.13 or newer "
-                         "for CUDA 12.4); in a container, start it with GPU access (docker run --gpus all).")
+    assert check.reason == (
+        "torch 2.4.0+cu124 is built for CUDA 12.4, but no NVIDIA driver was found (no libcuda, "
+        "no /proc/driver/nvidia, no NVML, no nvidia-smi): no GPU can be used."
+    )
+    assert check.fix == (
+        "If this machine has an NVIDIA GPU, install the NVIDIA driver (release 525.60.13 or newer "
+        "for CUDA 12.4); in a container, start it with GPU access (docker run --gpus all)."
+    )
     assert gpu_unavailable_reason(facts) == check
 
 
@@ -150,16 +200,21 @@ def test_driver_too_old_for_the_cuda_build():
     facts = cuda_machine(driver_version="470.82.01", driver_cuda_version="11.4", torch_device_count=0, gpus=[])
     check = check_driver_version(facts)
     assert check.verdict == "problem"
-    assert check.reason == ("NVIDIA driver 470.82.01 is too old for torch 2.4.0+cu124, built for CUDA 12.4: "
-                            "CUDA 12.x needs driver 525.60.13 or newer.")
-    assert check.fix == ("Update the NVIDIA driver to 525.60.13 or newer, or install a torch build for a CUDA "
-                         "version that driver 470.82.01 supports (it supports CUDA up to 11.4).")
+    assert check.reason == (
+        "NVIDIA driver 470.82.01 is too old for torch 2.4.0+cu124, built for CUDA 12.4: "
+        "CUDA 12.x needs driver 525.60.13 or newer."
+    )
+    assert check.fix == (
+        "Update the NVIDIA driver to 525.60.13 or newer, or install a torch build for a CUDA "
+        "version that driver 470.82.01 supports (it supports CUDA up to 11.4)."
+    )
     assert gpu_unavailable_reason(facts) == check
 
 
 def test_driver_too_old_for_cuda_11_build():
-    facts = cuda_machine(torch_version="1.13.1+cu117", torch_cuda_version="11.7", driver_version="440.33.01",
-                         driver_cuda_version=None)
+    facts = cuda_machine(
+        torch_version="1.13.1+cu117", torch_cuda_version="11.7", driver_version="440.33.01", driver_cuda_version=None
+    )
     check = check_driver_version(facts)
     assert check.verdict == "problem"
     assert "CUDA 11.x needs driver 450.80.02 or newer" in check.reason
@@ -169,17 +224,22 @@ def test_driver_cuda_level_too_old_when_release_unknown():
     facts = cuda_machine(driver_version=None, driver_cuda_version="11.8")
     check = check_driver_version(facts)
     assert check.verdict == "problem"
-    assert check.reason == ("The NVIDIA driver supports CUDA up to 11.8, older than CUDA 12.4 that torch "
-                            "2.4.0+cu124 is built for.")
-    assert check.fix == "Update the NVIDIA driver to 525.60.13 or newer, or install a torch build for CUDA 11.8 or older."
+    assert check.reason == (
+        "The NVIDIA driver supports CUDA up to 11.8, older than CUDA 12.4 that torch 2.4.0+cu124 is built for."
+    )
+    assert (
+        check.fix == "Update the NVIDIA driver to 525.60.13 or newer, or install a torch build for CUDA 11.8 or older."
+    )
 
 
 def test_driver_under_minor_version_compatibility_is_a_warning():
     facts = cuda_machine(driver_version="530.30.02", driver_cuda_version="12.1")
     check = check_driver_version(facts)
     assert check.verdict == "warning"
-    assert check.reason.startswith("The NVIDIA driver supports CUDA up to 12.1 and torch is built for CUDA 12.4: "
-                                   "it runs under minor-version compatibility")
+    assert check.reason.startswith(
+        "The NVIDIA driver supports CUDA up to 12.1 and torch is built for CUDA 12.4: "
+        "it runs under minor-version compatibility"
+    )
 
 
 def test_driver_checks_not_applicable_to_cpu_build():
@@ -189,6 +249,7 @@ def test_driver_checks_not_applicable_to_cpu_build():
 
 
 # ---- NVML sees GPUs torch does not --------------------------------------------------------------
+
 
 def test_nvml_sees_gpus_torch_does_not():
     facts = cuda_machine(nvml_device_count=4, torch_device_count=2)
@@ -220,18 +281,22 @@ def test_driver_present_but_torch_sees_nothing_falls_back_to_generic_reason():
     facts = cuda_machine(nvml_device_count=0, torch_device_count=0, gpus=[])
     check = gpu_unavailable_reason(facts)
     assert check.name == "gpu_count" and check.verdict == "warning"
-    assert check.reason == ("torch 2.4.0+cu124 is built for CUDA 12.4 and the driver reports no GPU, but torch "
-                            "sees no GPU.")
+    assert check.reason == (
+        "torch 2.4.0+cu124 is built for CUDA 12.4 and the driver reports no GPU, but torch sees no GPU."
+    )
 
 
 # ---- requested device index ---------------------------------------------------------------------
+
 
 def test_requested_index_out_of_range():
     facts = cuda_machine(cuda_visible_devices="0,1")
     check = check_device_index(facts, [0, 3])
     assert check.verdict == "problem"
-    assert check.reason == ("Requested cuda:3 is out of range: torch sees 2 GPU(s) (cuda:0..cuda:1). "
-                            "CUDA_VISIBLE_DEVICES='0,1' renumbers the visible GPUs from 0.")
+    assert check.reason == (
+        "Requested cuda:3 is out of range: torch sees 2 GPU(s) (cuda:0..cuda:1). "
+        "CUDA_VISIBLE_DEVICES='0,1' renumbers the visible GPUs from 0."
+    )
     assert check.fix == "Use indices 0..1."
 
 
@@ -244,11 +309,14 @@ def test_requested_index_with_no_gpu_gives_the_unavailability_fix():
 
 # ---- NCCL and cuDNN -----------------------------------------------------------------------------
 
+
 def test_nccl_missing_with_several_gpus():
     check = check_nccl(cuda_machine(nccl_available=False, nccl_version=None))
     assert check.verdict == "warning"
-    assert check.reason == ("torch 2.4.0+cu124 has no NCCL, so all-reduce across the 2 GPUs falls back to reduction "
-                            "to one device (copy to cuda:0, sum there, copy back), which is slower.")
+    assert check.reason == (
+        "torch 2.4.0+cu124 has no NCCL, so all-reduce across the 2 GPUs falls back to reduction "
+        "to one device (copy to cuda:0, sum there, copy back), which is slower."
+    )
     assert check_nccl(cuda_machine()).reason == "NCCL 2.20.5 is available for all-reduce across GPUs."
     assert check_nccl(cuda_machine(torch_device_count=1, nccl_available=False)).verdict == "ok"
 
@@ -264,11 +332,22 @@ def test_cudnn_missing():
 
 # ---- the whole report ---------------------------------------------------------------------------
 
+
 def test_check_environment_places_optional_checks():
     memory = Check(name="memory", verdict="ok", reason="fits")
     checks = check_environment(cuda_machine(), requested_gpus=[0], memory=memory)
-    assert [c.name for c in checks] == ["torch_build", "driver", "driver_version", "cuda_start", "cuda_visible_devices",
-                                        "nvml_vs_torch", "device_index", "memory", "nccl", "cudnn"]
+    assert [c.name for c in checks] == [
+        "torch_build",
+        "driver",
+        "driver_version",
+        "cuda_start",
+        "cuda_visible_devices",
+        "nvml_vs_torch",
+        "device_index",
+        "memory",
+        "nccl",
+        "cudnn",
+    ]
 
 
 def test_check_message_and_dict():

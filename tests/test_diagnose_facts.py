@@ -33,8 +33,12 @@ def test_cuda_visible_devices_comes_from_the_env_argument():
 
 
 def test_round_trip_through_json():
-    facts = EnvironmentFacts(torch_version="2.4.0+cu124", torch_cuda_version="12.4", torch_device_count=1,
-                             gpus=[GpuFacts(index=0, name="Test GPU", total_memory=8, free_memory=4, capability=(9, 0))])
+    facts = EnvironmentFacts(
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        torch_device_count=1,
+        gpus=[GpuFacts(index=0, name="Test GPU", total_memory=8, free_memory=4, capability=(9, 0))],
+    )
     assert EnvironmentFacts.from_dict(json.loads(json.dumps(facts.to_dict()))) == facts
     # Fields added by a newer stratagem are ignored rather than rejected.
     assert EnvironmentFacts.from_dict({"torch_version": "2.0.0", "future_field": 1}).torch_version == "2.0.0"
@@ -58,8 +62,12 @@ def test_nvidia_smi_answers(monkeypatch):
 
     monkeypatch.setattr(facts_module.subprocess, "run", fake_run)
     assert facts_module._nvidia_smi() == ("550.54.15", 2)
-    assert calls == [(["/usr/bin/nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                      facts_module.NVIDIA_SMI_TIMEOUT_S)]
+    assert calls == [
+        (
+            ["/usr/bin/nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            facts_module.NVIDIA_SMI_TIMEOUT_S,
+        )
+    ]
 
 
 def test_nvidia_smi_hang_or_failure_gives_nothing(monkeypatch):
@@ -70,8 +78,13 @@ def test_nvidia_smi_hang_or_failure_gives_nothing(monkeypatch):
 
     monkeypatch.setattr(facts_module.subprocess, "run", hang)
     assert facts_module._nvidia_smi() == (None, None)
-    monkeypatch.setattr(facts_module.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
-        command, 9, stdout="", stderr="NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"))
+    monkeypatch.setattr(
+        facts_module.subprocess,
+        "run",
+        lambda command, **kwargs: subprocess.CompletedProcess(
+            command, 9, stdout="", stderr="NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"
+        ),
+    )
     assert facts_module._nvidia_smi() == (None, None)
     monkeypatch.setattr(facts_module.shutil, "which", lambda name: None)
     assert facts_module._nvidia_smi() == (None, None)
@@ -124,4 +137,8 @@ def test_driver_probe_combines_sources(monkeypatch):
     facts = EnvironmentFacts(torch_version="2.4.0+cu124")
     facts_module._probe_driver(facts)
     assert (facts.driver_present, facts.driver_version, facts.driver_cuda_version, facts.nvml_device_count) == (
-        True, "550.54.15", "12.4", 2)
+        True,
+        "550.54.15",
+        "12.4",
+        2,
+    )

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratagem.diagnose import EnvironmentFacts, GpuFacts, check_memory, ensure_fits, estimate_training_memory, format_bytes
+from stratagem.diagnose import (
+    EnvironmentFacts,
+    GpuFacts,
+    check_memory,
+    ensure_fits,
+    estimate_training_memory,
+    format_bytes,
+)
 from stratagem.errors import MemoryEstimateError, MemoryEstimateInputError
 
 GiB, MiB = 2**30, 2**20
@@ -23,16 +30,19 @@ def test_estimate_from_bytes_and_name():
     assert estimate.to_dict()["total_bytes"] == 4000
 
 
-@pytest.mark.parametrize("make_optimizer, total", [
-    (lambda p: torch.optim.SGD(p, lr=0.1), 2 * LINEAR_BYTES),
-    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 3 * LINEAR_BYTES),
-    (lambda p: torch.optim.Adam(p), 4 * LINEAR_BYTES),
-    (lambda p: torch.optim.AdamW(p), 4 * LINEAR_BYTES),
-    (lambda p: torch.optim.Adam(p, amsgrad=True), 5 * LINEAR_BYTES),
-    (lambda p: torch.optim.RMSprop(p), 3 * LINEAR_BYTES),
-    (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 5 * LINEAR_BYTES),
-    (lambda p: torch.optim.Adagrad(p), 3 * LINEAR_BYTES),
-])
+@pytest.mark.parametrize(
+    "make_optimizer, total",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 2 * LINEAR_BYTES),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 3 * LINEAR_BYTES),
+        (lambda p: torch.optim.Adam(p), 4 * LINEAR_BYTES),
+        (lambda p: torch.optim.AdamW(p), 4 * LINEAR_BYTES),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), 5 * LINEAR_BYTES),
+        (lambda p: torch.optim.RMSprop(p), 3 * LINEAR_BYTES),
+        (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 5 * LINEAR_BYTES),
+        (lambda p: torch.optim.Adagrad(p), 3 * LINEAR_BYTES),
+    ],
+)
 def test_estimate_from_model_and_optimizer(make_optimizer, total):
     model = linear()
     assert estimate_training_memory(model, make_optimizer(model.parameters())).total_bytes == total
@@ -62,26 +72,34 @@ def test_bad_model_argument():
         estimate_training_memory(-1, "sgd")
 
 
-@pytest.mark.parametrize("count, text", [(1023, "1023 B"), (1536, "1.50 KiB"), (5 * MiB, "5.00 MiB"),
-                                         (3 * GiB, "3.00 GiB"), (1024 * GiB, "1024.00 GiB")])
+@pytest.mark.parametrize(
+    "count, text",
+    [(1023, "1023 B"), (1536, "1.50 KiB"), (5 * MiB, "5.00 MiB"), (3 * GiB, "3.00 GiB"), (1024 * GiB, "1024.00 GiB")],
+)
 def test_format_bytes(count, text):
     assert format_bytes(count) == text
 
 
 def facts_with_free(*free: int) -> EnvironmentFacts:
     return EnvironmentFacts(
-        torch_version="2.4.0+cu124", torch_cuda_version="12.4", torch_device_count=len(free),
-        gpus=[GpuFacts(index=i, name="Test GPU", total_memory=16 * GiB, free_memory=f) for i, f in enumerate(free)])
+        torch_version="2.4.0+cu124",
+        torch_cuda_version="12.4",
+        torch_device_count=len(free),
+        gpus=[GpuFacts(index=i, name="Test GPU", total_memory=16 * GiB, free_memory=f) for i, f in enumerate(free)],
+    )
 
 
 def test_not_enough_free_memory_gives_both_numbers_and_the_options():
     check = check_memory(facts_with_free(1 * GiB, 10 * GiB), estimate_training_memory(GiB, "adam"))
     assert check.verdict == "problem"
-    assert check.reason == ("Training needs at least 4.00 GiB (parameters 1.00 GiB + gradients 1.00 GiB + adam "
-                            "(2x parameters) state 2.00 GiB; activations not counted) per replica, but cuda:0 "
-                            "has 1.00 GiB free of 16.00 GiB.")
-    assert check.fix.startswith("Either use fewer replicas, on the GPUs with room (devices=['cuda:1']); "
-                                "or CentralStorageStrategy")
+    assert check.reason == (
+        "Training needs at least 4.00 GiB (parameters 1.00 GiB + gradients 1.00 GiB + adam "
+        "(2x parameters) state 2.00 GiB; activations not counted) per replica, but cuda:0 "
+        "has 1.00 GiB free of 16.00 GiB."
+    )
+    assert check.fix.startswith(
+        "Either use fewer replicas, on the GPUs with room (devices=['cuda:1']); or CentralStorageStrategy"
+    )
     assert "model parallelism" in check.fix
 
 
@@ -105,7 +123,10 @@ def test_memory_not_checked_without_gpus():
 
 
 def test_ensure_fits_raises_with_both_numbers():
-    with pytest.raises(MemoryEstimateError, match=r"needs at least 4\.00 GiB .* but cuda:0 has 1\.00 GiB free of "
-                                                  r"16\.00 GiB\. Either"):
+    with pytest.raises(
+        MemoryEstimateError,
+        match=r"needs at least 4\.00 GiB .* but cuda:0 has 1\.00 GiB free of "
+        r"16\.00 GiB\. Either",
+    ):
         ensure_fits(facts_with_free(GiB), estimate_training_memory(GiB, "adam"))
     ensure_fits(facts_with_free(10 * GiB), estimate_training_memory(GiB, "adam"))

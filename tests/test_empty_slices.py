@@ -23,7 +23,9 @@ class FlattenNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(2, 3, 3, padding=1, bias=False)  # before BatchNorm a bias gets only rounding noise, which Adam amplifies
+        self.conv = nn.Conv2d(
+            2, 3, 3, padding=1, bias=False
+        )  # before BatchNorm a bias gets only rounding noise, which Adam amplifies
         self.norm = nn.BatchNorm2d(3)
         self.fc = nn.Linear(3 * 4 * 4, 4)
         self.seen: list[int] = []
@@ -50,8 +52,10 @@ class LossInside(nn.Module):
 
 def data(sizes=SIZES, shape=(2, 4, 4), classes=4):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn((n, *shape), generator=g, dtype=torch.float64), torch.randint(0, classes, (n,), generator=g))
-            for n in sizes]
+    return [
+        (torch.randn((n, *shape), generator=g, dtype=torch.float64), torch.randint(0, classes, (n,), generator=g))
+        for n in sizes
+    ]
 
 
 def fresh(factory=FlattenNet):
@@ -74,8 +78,9 @@ def strategy_of(kind: str) -> sg.Strategy:
         return sg.CentralStorageStrategy(devices, registry=cpu_registry(3))
     if kind == "central-copies":
         return sg.CentralStorageStrategy(devices, share_parameters=False, registry=cpu_registry(3))
-    return sg.MirroredStrategy(devices, share_parameters={"shared": None, "copies": False}[kind],
-                               registry=cpu_registry(3))
+    return sg.MirroredStrategy(
+        devices, share_parameters={"shared": None, "copies": False}[kind], registry=cpu_registry(3)
+    )
 
 
 @pytest.mark.parametrize("kind", ["shared", "copies", "central-in-place", "central-copies"])
@@ -146,8 +151,10 @@ def test_a_loss_the_model_computes_itself_is_zero_on_an_idle_replica():
 
 def test_explain_says_what_an_idle_replica_does():
     text = str(strategy_of("shared").explain())
-    assert "empty slices: a replica whose slice is empty runs the step function as the others do, but the model runs " \
-           "on a one-example stand-in batch" in text
+    assert (
+        "empty slices: a replica whose slice is empty runs the step function as the others do, but the model runs "
+        "on a one-example stand-in batch" in text
+    )
     assert "takes part in every collective with weight zero" in text
     assert "empty slices" not in str(sg.MirroredStrategy(["cpu:0"], registry=cpu_registry(1)).explain())
 
@@ -158,7 +165,7 @@ def test_an_input_that_requires_grad_keeps_every_replica_in_the_same_backward():
     torch.manual_seed(2)
     reference = nn.Sequential(nn.BatchNorm1d(5), nn.Linear(5, 3)).double()
     model = copy.deepcopy(reference)
-    (x, y), = data(sizes=[2], shape=(5,), classes=3)
+    ((x, y),) = data(sizes=[2], shape=(5,), classes=3)
     leaf = x.clone().requires_grad_()
     F.cross_entropy(reference(leaf), y).backward()
     strategy = strategy_of("copies")
@@ -169,7 +176,7 @@ def test_an_input_that_requires_grad_keeps_every_replica_in_the_same_backward():
         F.cross_entropy(model(x), y).backward()
         return x.grad
 
-    (px, py), = strategy.distribute_dataset([(x, y)])
+    ((px, py),) = strategy.distribute_dataset([(x, y)])
     grads = strategy.experimental_local_results(strategy.run(step, args=(px, py)))
     # A replica's input gradient is that of its own loss (the mean over its slice), half the global batch here.
     torch.testing.assert_close(torch.cat(grads[:2]), 2 * leaf.grad, **TOL[torch.float64])

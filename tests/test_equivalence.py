@@ -32,16 +32,20 @@ import stratagem as sg
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-@pytest.mark.parametrize("num_replicas,share", [(1, None), (2, None), (3, None), (2, False), (3, False)],
-                         ids=["1", "2-shared", "3-shared", "2-copies", "3-copies"])
+@pytest.mark.parametrize(
+    "num_replicas,share",
+    [(1, None), (2, None), (3, None), (2, False), (3, False)],
+    ids=["1", "2-shared", "3-shared", "2-copies", "3-copies"],
+)
 def test_mirrored_matches_one_device(num_replicas, share, model_name, opt_name, dtype):
     reference, ref_opt, shape = build(model_name, opt_name, dtype)
     model, opt, _ = build(model_name, opt_name, dtype)
     batches = make_batches(shape, dtype)
     train_reference(reference, ref_opt, batches)
 
-    strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)], share_parameters=share,
-                                   registry=cpu_registry(3))
+    strategy = sg.MirroredStrategy(
+        [f"cpu:{i}" for i in range(num_replicas)], share_parameters=share, registry=cpu_registry(3)
+    )
     model, opt, _ = train_with(strategy, model, opt, batches)
 
     assert_same_state(reference, model, dtype)
@@ -83,7 +87,7 @@ def test_mean_loss_equals_global_batch_loss(num_replicas):
 def test_weighting_is_what_makes_uneven_splits_exact():
     """Averaging the two replicas' gradients equally (DDP's rule) would differ from one device on a 3/1 split."""
     model, _, shape = build("mlp", "sgd_momentum", torch.float64)
-    (x, y), = make_batches(shape, torch.float64, sizes=[4])
+    ((x, y),) = make_batches(shape, torch.float64, sizes=[4])
     x, y = x[:4], y[:4]
     full = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
     g_a = torch.autograd.grad(F.cross_entropy(model(x[:3]), y[:3]), list(model.parameters()))
@@ -142,8 +146,9 @@ def test_shared_parameters_keep_one_copy_and_one_optimizer_state():
     for replica in others:
         for p, q in zip(first.parameters(), replica.parameters()):
             assert p.data_ptr() == q.data_ptr()
-    shard_state = sum(t.numel() for o in opt._optimizers for entry in o.state.values()
-                      for k, t in entry.items() if k == "exp_avg")
+    shard_state = sum(
+        t.numel() for o in opt._optimizers for entry in o.state.values() for k, t in entry.items() if k == "exp_avg"
+    )
     assert shard_state == numel  # each element's moment exists once, across all replicas
 
 
@@ -215,8 +220,11 @@ def test_non_elementwise_optimizer_keeps_private_copies_and_says_why():
         strict.distribute(other, _OwnSGD(other.parameters(), lr=0.1))
 
 
-@pytest.mark.parametrize("make_optimizer", [lambda ps: torch.optim.Rprop(ps, lr=0.01),
-                                             lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=2)], ids=["rprop", "asgd"])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda ps: torch.optim.Rprop(ps, lr=0.01), lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=2)],
+    ids=["rprop", "asgd"],
+)
 def test_rprop_and_asgd_share_parameters_and_match_one_device(make_optimizer):
     # ASGD's shards keep torch's default kernel: its foreach kernel rounds differently (1.5e-9 in float64).
     torch.manual_seed(42)
@@ -259,10 +267,17 @@ def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_
     from stratagem.strategies import replica_set
 
     monkeypatch.setattr(replica_set, "STEAL_MIN_ELEMENTS", 1)  # these layers are tiny: let every share be claimed
+
     def model_with_pause():
         torch.manual_seed(42)
-        return torch.nn.Sequential(torch.nn.Linear(6, 16), _Pause(), torch.nn.ReLU(), torch.nn.Linear(16, 16),
-                                   torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.float64)
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 16),
+            _Pause(),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 16),
+            torch.nn.Tanh(),
+            torch.nn.Linear(16, 4),
+        ).to(torch.float64)
 
     reference = model_with_pause()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)

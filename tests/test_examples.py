@@ -57,8 +57,9 @@ def test_synchronous_example_matches_mirrored(name: str, mirrored_losses: list[f
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_multi_worker_example_matches_mirrored(mirrored_losses: list[float]) -> None:
-    launched = run_example(sys.executable, "-m", "stratagem", "launch", "--workers", "2",
-                           str(EXAMPLES / "multi_worker.py"), timeout=180)
+    launched = run_example(
+        sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(EXAMPLES / "multi_worker.py"), timeout=180
+    )
     assert_learns(launched)
     assert launched == pytest.approx(mirrored_losses, abs=2e-4)
 
@@ -66,8 +67,20 @@ def test_multi_worker_example_matches_mirrored(mirrored_losses: list[float]) -> 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_parameter_server_example_learns_on_a_local_cluster() -> None:
-    assert_learns(run_example(sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--ps", "1",
-                              str(EXAMPLES / "parameter_server.py"), timeout=180))
+    assert_learns(
+        run_example(
+            sys.executable,
+            "-m",
+            "stratagem",
+            "launch",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            str(EXAMPLES / "parameter_server.py"),
+            timeout=180,
+        )
+    )
 
 
 FIT_SUMMARY = re.compile(r"losses \[(.*)\], final validation accuracy (\d\.\d+)")
@@ -76,8 +89,15 @@ FIT_SUMMARY = re.compile(r"losses \[(.*)\], final validation accuracy (\d\.\d+)"
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["one_device", "model_parallel"])
 def test_fit_example_runs_every_strategy(strategy: str, tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLES / "fit.py"), strategy], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "fit.py"), strategy],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     summary = FIT_SUMMARY.search(done.stdout)
     assert summary, done.stdout

@@ -50,8 +50,9 @@ def test_fit_matches_a_plain_loop_and_reports_exact_epoch_metrics(num_replicas):
     model, optimizer, _ = build("mlp", "sgd_momentum", F64)
     strategy = make_strategy(num_replicas)
     try:
-        history = sg.fit(strategy, model, optimizer, F.cross_entropy, batches, epochs=2, metrics=["accuracy"],
-                         clip_grad_norm=1.0)
+        history = sg.fit(
+            strategy, model, optimizer, F.cross_entropy, batches, epochs=2, metrics=["accuracy"], clip_grad_norm=1.0
+        )
     finally:
         strategy.close()
     assert_same_state(reference, history.model, F64)
@@ -75,7 +76,9 @@ def _identity_linear() -> nn.Linear:
 
 def test_accuracy_over_an_uneven_split_is_the_global_accuracy_not_a_mean_of_replicas():
     # The model outputs its input (identity weights, lr=0), so every prediction is set by hand.
-    scores = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [0.0, 1.0]], dtype=F64)
+    scores = torch.tensor(
+        [[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [0.0, 1.0]], dtype=F64
+    )
     labels = torch.tensor([0, 0, 1, 1, 1, 0, 1])
     # Batch 1 (5 examples) splits 2, 2, 1 over 3 replicas: replica accuracies 1/2, 0/2, 1/1 (mean 0.5).
     # Batch 2 (2 examples) splits 1, 1, 0: the empty replica counts for nothing. Rows 0, 4, 5, 6 are right.
@@ -83,8 +86,15 @@ def test_accuracy_over_an_uneven_split_is_the_global_accuracy_not_a_mean_of_repl
     model = _identity_linear()
     strategy = make_strategy(3)
     try:
-        history = sg.fit(strategy, model, torch.optim.SGD(model.parameters(), lr=0.0), F.cross_entropy, batches,
-                         metrics=["accuracy"], validation_data=batches)
+        history = sg.fit(
+            strategy,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            F.cross_entropy,
+            batches,
+            metrics=["accuracy"],
+            validation_data=batches,
+        )
     finally:
         strategy.close()
     metrics = history.epochs[0].metrics
@@ -99,8 +109,17 @@ def test_a_data_set_with_a_batch_size_is_batched_and_shuffled_by_seed():
     model, optimizer, _ = build("mlp", "adam", F64)
     strategy = make_strategy(2)
     try:
-        history = sg.fit(strategy, model, optimizer, F.cross_entropy, TensorDataset(x, y), batch_size=8, seed=5,
-                         epochs=2, clip_grad_norm=1.0)
+        history = sg.fit(
+            strategy,
+            model,
+            optimizer,
+            F.cross_entropy,
+            TensorDataset(x, y),
+            batch_size=8,
+            seed=5,
+            epochs=2,
+            clip_grad_norm=1.0,
+        )
     finally:
         strategy.close()
     # The documented order: epoch e is torch.randperm(30) from a generator seeded seed * 1_000_003 + e + 1.
@@ -130,8 +149,11 @@ def test_fit_again_continues_training_the_same_model():
         strategy.close()
     assert last.model is first.model
     assert_same_state(reference, last.model, F64)
-    with pytest.raises(sg.InputError, match=r"The model was distributed by another strategy. Received: a DistributedModel "
-                                            r"of MirroredStrategy"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"The model was distributed by another strategy. Received: a DistributedModel "
+        r"of MirroredStrategy",
+    ):
         sg.fit(make_strategy(1), first.model, first.optimizer, F.cross_entropy, batches)
 
 
@@ -187,12 +209,26 @@ def test_callbacks_see_every_step_and_steps_per_epoch_limits_an_epoch():
     batches = make_batches((6,), F64)
     recorder = Recorder()
     model, optimizer, _ = build("mlp", "sgd_momentum", F64)
-    sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, optimizer, F.cross_entropy, batches,
-           epochs=2, steps_per_epoch=2, callbacks=[recorder])
+    sg.fit(
+        sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+        model,
+        optimizer,
+        F.cross_entropy,
+        batches,
+        epochs=2,
+        steps_per_epoch=2,
+        callbacks=[recorder],
+    )
     assert recorder.events == [
         ("train_begin", 0, 0),
-        ("epoch_begin", 0), ("batch_end", 1, 1, 12), ("batch_end", 2, 2, 11), ("epoch_end", 1, 23),
-        ("epoch_begin", 1), ("batch_end", 3, 1, 12), ("batch_end", 4, 2, 11), ("epoch_end", 2, 23),
+        ("epoch_begin", 0),
+        ("batch_end", 1, 1, 12),
+        ("batch_end", 2, 2, 11),
+        ("epoch_end", 1, 23),
+        ("epoch_begin", 1),
+        ("batch_end", 3, 1, 12),
+        ("batch_end", 4, 2, 11),
+        ("epoch_end", 2, 23),
         ("train_end", 2),
     ]
 
@@ -200,8 +236,15 @@ def test_callbacks_see_every_step_and_steps_per_epoch_limits_an_epoch():
 def test_a_callback_can_stop_training_after_a_step():
     recorder = Recorder(stop_at_step=3)
     model, optimizer, _ = build("mlp", "sgd_momentum", F64)
-    history = sg.fit(sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), model, optimizer, F.cross_entropy,
-                     make_batches((6,), F64), epochs=5, callbacks=[recorder])
+    history = sg.fit(
+        sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+        model,
+        optimizer,
+        F.cross_entropy,
+        make_batches((6,), F64),
+        epochs=5,
+        callbacks=[recorder],
+    )
     assert [log.num_examples for log in history.epochs] == [12 + 11 + 7]
     assert recorder.events[-2:] == [("epoch_end", 1, 30), ("train_end", 1)]
 
@@ -214,8 +257,9 @@ def test_progress_bar_prints_one_line_per_epoch_and_fit_is_quiet_by_default(caps
     assert capsys.readouterr().out == ""
     out = io.StringIO()
     bar = ProgressBar(Console(file=out, width=200), show_bar=True)
-    history = sg.fit(strategy, model, optimizer, F.cross_entropy, batches, epochs=2, metrics=["accuracy"],
-                     callbacks=[bar])
+    history = sg.fit(
+        strategy, model, optimizer, F.cross_entropy, batches, epochs=2, metrics=["accuracy"], callbacks=[bar]
+    )
     lines = [line for line in out.getvalue().splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2
     log = history.epochs[1]
@@ -226,8 +270,13 @@ def test_progress_bar_prints_one_line_per_epoch_and_fit_is_quiet_by_default(caps
 
 def _fit(**overrides):
     model, optimizer, _ = build("mlp", "sgd_momentum", F64)
-    args = {"strategy": sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)), "model": model,
-            "optimizer": optimizer, "loss": F.cross_entropy, "data": make_batches((6,), F64)}
+    args = {
+        "strategy": sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+        "model": model,
+        "optimizer": optimizer,
+        "loss": F.cross_entropy,
+        "data": make_batches((6,), F64),
+    }
     args.update(overrides)
     return sg.fit(**args)
 
@@ -235,30 +284,38 @@ def _fit(**overrides):
 x6, y6 = torch.zeros(4, 6, dtype=F64), torch.zeros(4, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"epochs": 0}, r"epochs must be a positive integer. Received: epochs=0"),
-    ({"steps_per_epoch": 1.5}, r"steps_per_epoch must be a positive integer. Received: steps_per_epoch=1.5"),
-    ({"clip_grad_norm": -1.0}, r"clip_grad_norm must be a positive number or None. Received: clip_grad_norm=-1.0"),
-    ({"strategy": "mirrored"}, r"needs a stratagem strategy first. Received: str"),
-    ({"optimizer": "adam"}, r"needs a torch.optim.Optimizer. Received: str"),
-    ({"loss": 3}, r"loss must be a function of \(outputs, targets\). Received: int"),
-    ({"data": x6}, r"data must be an iterable of GLOBAL \(inputs, targets\) batches.*Received: Tensor"),
-    ({"data": (x6, y6)}, r"data is a pair of tensors: give a batch size"),
-    ({"data": DataLoader(TensorDataset(x6, y6), batch_size=2), "batch_size": 2},
-     r"data is already an iterable of batches.*Received: DataLoader with a batch size of 2"),
-    ({"data": (x6, y6), "batch_size": 0}, r"batch_size must be a positive integer. Received: batch_size=0"),
-    ({"metrics": ["accuracy", "f1"]}, r"Unknown metric. Received: 'f1'. Choose one of accuracy"),
-    ({"metrics": ["accuracy", "accuracy"]}, r"Metric names must be distinct.*Received: \['accuracy', 'accuracy'\]"),
-    ({"callbacks": [print]}, r"Every callback must be a stratagem.train.Callback. Received: builtin_function"),
-    ({"validation_data": (x6, y6)}, r"validation_data is a pair of tensors: give a batch size"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"epochs": 0}, r"epochs must be a positive integer. Received: epochs=0"),
+        ({"steps_per_epoch": 1.5}, r"steps_per_epoch must be a positive integer. Received: steps_per_epoch=1.5"),
+        ({"clip_grad_norm": -1.0}, r"clip_grad_norm must be a positive number or None. Received: clip_grad_norm=-1.0"),
+        ({"strategy": "mirrored"}, r"needs a stratagem strategy first. Received: str"),
+        ({"optimizer": "adam"}, r"needs a torch.optim.Optimizer. Received: str"),
+        ({"loss": 3}, r"loss must be a function of \(outputs, targets\). Received: int"),
+        ({"data": x6}, r"data must be an iterable of GLOBAL \(inputs, targets\) batches.*Received: Tensor"),
+        ({"data": (x6, y6)}, r"data is a pair of tensors: give a batch size"),
+        (
+            {"data": DataLoader(TensorDataset(x6, y6), batch_size=2), "batch_size": 2},
+            r"data is already an iterable of batches.*Received: DataLoader with a batch size of 2",
+        ),
+        ({"data": (x6, y6), "batch_size": 0}, r"batch_size must be a positive integer. Received: batch_size=0"),
+        ({"metrics": ["accuracy", "f1"]}, r"Unknown metric. Received: 'f1'. Choose one of accuracy"),
+        ({"metrics": ["accuracy", "accuracy"]}, r"Metric names must be distinct.*Received: \['accuracy', 'accuracy'\]"),
+        ({"callbacks": [print]}, r"Every callback must be a stratagem.train.Callback. Received: builtin_function"),
+        ({"validation_data": (x6, y6)}, r"validation_data is a pair of tensors: give a batch size"),
+    ],
+)
 def test_bad_arguments_are_refused_before_any_work(overrides, message):
     with pytest.raises(sg.InputError, match=message):
         _fit(**overrides)
 
 
 def test_batches_that_are_not_pairs_and_empty_data_are_errors():
-    with pytest.raises(sg.InputError, match=r"With a loss function, each batch must be an \(inputs, targets\) pair or a dict.*Received: a tuple of 3"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"With a loss function, each batch must be an \(inputs, targets\) pair or a dict.*Received: a tuple of 3",
+    ):
         _fit(data=[(x6, y6, y6)])
     with pytest.raises(sg.InputError, match=r"Epoch 1 had no training example"):
         _fit(data=[])
@@ -283,7 +340,9 @@ def test_metric_results_come_from_summed_states():
     assert first.tolist() == [1.0, 2.0] and second.tolist() == [3.0, 3.0]
     assert metric.result(first + second) == pytest.approx(0.8)
     binary = sg.metrics.BinaryAccuracy()
-    assert binary.result(binary.state(torch.tensor([2.0, -1.0, 0.5]), torch.tensor([1.0, 0.0, 0.0]))) == pytest.approx(2 / 3)
+    assert binary.result(binary.state(torch.tensor([2.0, -1.0, 0.5]), torch.tensor([1.0, 0.0, 0.0]))) == pytest.approx(
+        2 / 3
+    )
     mae, mse = sg.metrics.MeanAbsoluteError(), sg.metrics.MeanSquaredError()
     assert mae.result(mae.state(torch.tensor([1.0, 3.0]), torch.tensor([2.0, 0.0]))) == pytest.approx(2.0)
     assert mse.result(mse.state(torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 0.0]))) == pytest.approx(5.0)

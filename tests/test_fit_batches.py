@@ -16,7 +16,7 @@ import stratagem as sg
 from cases import TOL
 from conftest import cpu_registry
 
-SIZES = [12, 11, 7, 2]   # uneven over 3 replicas, and one batch smaller than 3 replicas
+SIZES = [12, 11, 7, 2]  # uneven over 3 replicas, and one batch smaller than 3 replicas
 
 
 def mirrored3() -> sg.MirroredStrategy:
@@ -49,9 +49,14 @@ class TinyClassifier(nn.Module):
 
 def dict_batches():
     g = torch.Generator().manual_seed(2)
-    return [{"input_ids": torch.randint(0, 10, (n, 5), generator=g),
-             "attention_mask": (torch.rand(n, 5, generator=g) > 0.3).long(),
-             "labels": torch.randint(0, 3, (n,), generator=g)} for n in SIZES]
+    return [
+        {
+            "input_ids": torch.randint(0, 10, (n, 5), generator=g),
+            "attention_mask": (torch.rand(n, 5, generator=g) > 0.3).long(),
+            "labels": torch.randint(0, 3, (n,), generator=g),
+        }
+        for n in SIZES
+    ]
 
 
 def plain_loop(model, batches, epochs=1, step=None):
@@ -74,8 +79,16 @@ def test_hugging_face_style_dict_batches_with_the_model_s_own_loss_match_one_dev
     batches = dict_batches()
     expected = plain_loop(TinyClassifier(), batches, epochs=2)
     model = TinyClassifier()
-    history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), None, batches,
-                     epochs=2, metrics=["accuracy"], validation_data=batches)
+    history = sg.fit(
+        mirrored3(),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+        None,
+        batches,
+        epochs=2,
+        metrics=["accuracy"],
+        validation_data=batches,
+    )
     assert_state(history.model.state_dict(), expected)
     # The metrics read outputs.logits and batch["labels"]: checked on the trained model, by hand.
     trained = TinyClassifier()
@@ -96,8 +109,9 @@ def test_dict_batches_with_a_loss_function_take_the_labels_from_the_batch():
 
     expected = plain_loop(TinyClassifier(), batches, step=by_hand)
     model = TinyClassifier()
-    history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                     F.cross_entropy, batches)
+    history = sg.fit(
+        mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), F.cross_entropy, batches
+    )
     assert_state(history.model.state_dict(), expected)
 
 
@@ -113,13 +127,21 @@ class TwoInputs(nn.Module):
 
 def test_nested_inputs_in_a_pair_reach_the_model_whole():
     g = torch.Generator().manual_seed(3)
-    batches = [({"dense": torch.randn(n, 4, generator=g, dtype=torch.float64),
-                 "pair": (torch.zeros(n, 1), torch.randn(n, 2, generator=g, dtype=torch.float64))},
-                torch.randint(0, 3, (n,), generator=g)) for n in SIZES]
+    batches = [
+        (
+            {
+                "dense": torch.randn(n, 4, generator=g, dtype=torch.float64),
+                "pair": (torch.zeros(n, 1), torch.randn(n, 2, generator=g, dtype=torch.float64)),
+            },
+            torch.randint(0, 3, (n,), generator=g),
+        )
+        for n in SIZES
+    ]
     expected = plain_loop(TwoInputs(), batches, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     model = TwoInputs()
-    history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                     F.cross_entropy, batches)
+    history = sg.fit(
+        mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), F.cross_entropy, batches
+    )
     assert_state(history.model.state_dict(), expected)
 
 
@@ -151,11 +173,12 @@ def test_dataloaders_with_worker_processes_and_iterable_data_sets(kind):
         loader = DataLoader(TensorDataset(x, y), batch_size=10, num_workers=2)
     else:
         loader = DataLoader(Stream(x, y), batch_size=10, num_workers=2 if kind == "iterable_workers" else 0)
-    batches = list(loader)                  # the batches the loader yields, in its order
+    batches = list(loader)  # the batches the loader yields, in its order
     torch.manual_seed(9)
     model = nn.Linear(6, 4, dtype=torch.float64)
-    history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                     F.cross_entropy, loader)
+    history = sg.fit(
+        mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), F.cross_entropy, loader
+    )
     assert history.epochs[0].num_examples == 32
     assert_state(history.model.state_dict(), linear_reference(batches))
 
@@ -165,8 +188,15 @@ def test_a_validation_data_set_is_batched_like_the_training_one_by_default():
     x, y = torch.randn(20, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (20,), generator=g)
     torch.manual_seed(9)
     model = nn.Linear(6, 4, dtype=torch.float64)
-    history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, (x, y),
-                     batch_size=8, validation_data=(x, y))
+    history = sg.fit(
+        mirrored3(),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        F.cross_entropy,
+        (x, y),
+        batch_size=8,
+        validation_data=(x, y),
+    )
     with torch.no_grad():
         expected = float(F.cross_entropy(history.model(x), y))
     assert history.history["val_loss"] == [pytest.approx(expected, rel=1e-9)]
@@ -204,7 +234,7 @@ def test_metrics_without_scores_to_read_are_named():
     model = NoScores()
     batches = [(torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 3]))]
     history = sg.fit(mirrored3(), model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches)
-    assert history.epochs[0].num_examples == 4        # a dict's "loss" is the model's own loss
+    assert history.epochs[0].num_examples == 4  # a dict's "loss" is the model's own loss
     with pytest.raises(sg.InputError, match=r"Metrics \['accuracy'\] read the model's scores, but its output has none"):
         other = NoScores()
         sg.fit(mirrored3(), other, torch.optim.SGD(other.parameters(), lr=0.1), None, batches, metrics=["accuracy"])
@@ -215,8 +245,11 @@ def test_batches_fit_cannot_read_are_named():
     model = TinyClassifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     no_labels = [{k: v for k, v in b.items() if k != "labels"} for b in batches]
-    with pytest.raises(sg.InputError, match=r"a dict batch needs its targets under 'labels'.*\['attention_mask', "
-                                            "'input_ids'\\]"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"a dict batch needs its targets under 'labels'.*\['attention_mask', "
+        "'input_ids'\\]",
+    ):
         sg.fit(mirrored3(), model, opt, F.cross_entropy, no_labels)
     with pytest.raises(sg.InputError, match=r"With loss=None the model must compute the loss.*Received: Output"):
         sg.fit(mirrored3(), model, opt, None, no_labels)

@@ -35,8 +35,9 @@ def reference_after(epochs: int, batches) -> dict[str, torch.Tensor]:
 def fit_with(callbacks, epochs=3, **kwargs):
     model, optimizer, shape = build("mlp", "sgd_momentum", torch.float64)
     batches = make_batches(shape, torch.float64, sizes=SIZES)
-    history = sg.fit(mirrored2(), model, optimizer, F.cross_entropy, batches, epochs=epochs,
-                     callbacks=callbacks, **kwargs)
+    history = sg.fit(
+        mirrored2(), model, optimizer, F.cross_entropy, batches, epochs=epochs, callbacks=callbacks, **kwargs
+    )
     return history, batches
 
 
@@ -52,7 +53,7 @@ def test_early_stopping_stops_after_patience_and_restores_the_best_weights():
     history, batches = fit_with([stop], epochs=6)
     assert len(history.epochs) == 3 and stop.stopped_epoch == 3 and stop.best_epoch == 1
     assert_state(history.model.state_dict(), reference_after(1, batches))
-    for replica in history.model.replicas:      # every replica holds the restored weights
+    for replica in history.model.replicas:  # every replica holds the restored weights
         assert_state(replica.state_dict(), reference_after(1, batches))
 
 
@@ -79,14 +80,15 @@ def test_model_checkpoint_every_n_epochs_and_best_only_in_both_formats(tmp_path)
     from safetensors.torch import load_file
 
     every = sg.callbacks.ModelCheckpoint(tmp_path / "every" / "epoch{epoch}-{loss:.2f}.pt", every_n_epochs=2)
-    best = sg.callbacks.ModelCheckpoint(tmp_path / "best.safetensors", monitor="loss", save_best_only=True,
-                                        min_delta=1e9, format="safetensors")
+    best = sg.callbacks.ModelCheckpoint(
+        tmp_path / "best.safetensors", monitor="loss", save_best_only=True, min_delta=1e9, format="safetensors"
+    )
     history, batches = fit_with([every, best], epochs=3)
     losses = history.history["loss"]
     assert [p.name for p in every.saved] == [f"epoch2-{losses[1]:.2f}.pt", f"epoch3-{losses[2]:.2f}.pt"]
     assert_state(torch.load(every.saved[0], weights_only=True), reference_after(2, batches))
     assert_state(torch.load(every.saved[1], weights_only=True), reference_after(3, batches))
-    assert best.saved == [tmp_path / "best.safetensors"]           # only epoch 1 improved by more than 1e9
+    assert best.saved == [tmp_path / "best.safetensors"]  # only epoch 1 improved by more than 1e9
     assert_state(load_file(tmp_path / "best.safetensors"), reference_after(1, batches))
     assert not list(tmp_path.rglob("*.tmp"))
 
@@ -125,7 +127,7 @@ def test_csv_logger_writes_one_row_per_epoch_and_appends_when_asked(tmp_path):
     assert list(rows[0]) == ["epoch", "loss", "num_examples", "elapsed_s"]
     fit_with([sg.callbacks.CSVLogger(path, append=True)], epochs=1)
     assert len(list(csv.DictReader(path.open()))) == 3
-    fit_with([sg.callbacks.CSVLogger(path)], epochs=1)     # a new run starts the file afresh
+    fit_with([sg.callbacks.CSVLogger(path)], epochs=1)  # a new run starts the file afresh
     assert len(list(csv.DictReader(path.open()))) == 1
 
 
@@ -172,8 +174,9 @@ def test_seed_everything_gives_the_same_fit_twice_under_mirrored():
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).double()
         x, y = torch.randn(40, 6, dtype=torch.float64), torch.randint(0, 4, (40,))
         loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
-        history = sg.fit(mirrored2(), model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, loader,
-                         epochs=2)
+        history = sg.fit(
+            mirrored2(), model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, loader, epochs=2
+        )
         return history.model.state_dict()
 
     first, second = run(), run()
@@ -200,10 +203,19 @@ def test_backups_under_the_parameter_server_are_refused_before_training(tmp_path
     with InProcessCluster(num_workers=1, num_ps=1) as cluster:
         strategy = sg.ParameterServerStrategy(cluster)
         try:
-            with pytest.raises(sg.InputError, match=r"BackupAndRestore cannot back up this optimizer: "
-                                                    r"ParameterServerOptimizer has no state_dict.*strategy.save"):
-                sg.fit(strategy, model, optimizer, F.cross_entropy, make_batches(shape, torch.float64),
-                       callbacks=[sg.callbacks.BackupAndRestore(tmp_path / "b"), Began()])
+            with pytest.raises(
+                sg.InputError,
+                match=r"BackupAndRestore cannot back up this optimizer: "
+                r"ParameterServerOptimizer has no state_dict.*strategy.save",
+            ):
+                sg.fit(
+                    strategy,
+                    model,
+                    optimizer,
+                    F.cross_entropy,
+                    make_batches(shape, torch.float64),
+                    callbacks=[sg.callbacks.BackupAndRestore(tmp_path / "b"), Began()],
+                )
         finally:
             strategy.close()
     assert not Began.began and not (tmp_path / "b").exists()

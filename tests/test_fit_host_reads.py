@@ -47,8 +47,15 @@ def test_fit_reads_no_step_state_on_the_host():
             seen.append(num_examples)
 
     try:
-        history = sg.fit(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, batches,
-                         epochs=2, callbacks=[Counts()])
+        history = sg.fit(
+            strategy,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            F.cross_entropy,
+            batches,
+            epochs=2,
+            callbacks=[Counts()],
+        )
     finally:
         strategy.close()
     assert RecordsReads.reads == []
@@ -65,8 +72,9 @@ def test_fit_with_accumulate_steps_reads_no_micro_batch_state_on_the_host():
     reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     sizes = (5, 4, 3, 6, 2)
-    batches = [(torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (n,), generator=g))
-               for n in sizes]
+    batches = [
+        (torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (n,), generator=g)) for n in sizes
+    ]
     seen = []
 
     class Counts(sg.train.Callback):
@@ -74,8 +82,16 @@ def test_fit_with_accumulate_steps_reads_no_micro_batch_state_on_the_host():
             seen.append(num_examples)
 
     try:
-        history = sg.fit(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, batches,
-                         epochs=2, accumulate_steps=2, callbacks=[Counts()])
+        history = sg.fit(
+            strategy,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            F.cross_entropy,
+            batches,
+            epochs=2,
+            accumulate_steps=2,
+            callbacks=[Counts()],
+        )
     finally:
         strategy.close()
     assert RecordsReads.reads == []  # before: a copy to the CPU after every micro-batch
@@ -85,7 +101,7 @@ def test_fit_with_accumulate_steps_reads_no_micro_batch_state_on_the_host():
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(2):
         for start in (0, 2, 4):
-            group = batches[start:start + 2]
+            group = batches[start : start + 2]
             x, y = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
             F.cross_entropy(reference(x), y).backward()
             optimizer.step()

@@ -30,7 +30,7 @@ STRATEGIES = {
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_gather_puts_a_step_s_outputs_back_in_global_batch_order(name):
     strategy = STRATEGIES[name]()
-    x = torch.arange(10.0).reshape(10, 1)   # an uneven split over 3 replicas: 4, 3, 3
+    x = torch.arange(10.0).reshape(10, 1)  # an uneven split over 3 replicas: 4, 3, 3
     y = torch.arange(10)
     labels = [f"ex{i}" for i in range(10)]
     (batch,) = list(strategy.distribute_dataset([(x, y)]))

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.devices import DeviceRegistry, LogicalDevice, LogicalDeviceConfiguration, enforce_memory_limits, resident_bytes
+from stratagem.devices import (
+    DeviceRegistry,
+    LogicalDevice,
+    LogicalDeviceConfiguration,
+    enforce_memory_limits,
+    resident_bytes,
+)
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import MemoryEstimateError
 from stratagem.strategies import mirrored
@@ -27,18 +33,26 @@ def gpu_memory(monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GiB))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda index: types.SimpleNamespace(total_memory=80 * GiB))
-        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                            lambda fraction, device=None: fractions.append((fraction, device)))
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=80 * GiB)
+        )
+        monkeypatch.setattr(
+            torch.cuda,
+            "set_per_process_memory_fraction",
+            lambda fraction, device=None: fractions.append((fraction, device)),
+        )
         return fractions
 
     return install
 
 
 def gpu_registry() -> DeviceRegistry:
-    return DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", name="cpu", core_count=2),
-                                    PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=80 * GiB)])
+    return DeviceRegistry(
+        physical=[
+            PhysicalDevice(device_type="cpu", name="cpu", core_count=2),
+            PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=80 * GiB),
+        ]
+    )
 
 
 def test_the_room_counts_memory_the_allocator_cached_and_what_the_model_already_holds(gpu_memory):
@@ -46,16 +60,19 @@ def test_the_room_counts_memory_the_allocator_cached_and_what_the_model_already_
     device = LogicalDevice(name="cuda:0", physical=torch.device("cuda", 0))
     room, what = device.memory_room(resident_bytes=GiB)
     assert room == 1 * GiB + 3 * GiB + 1 * GiB
-    assert what == ("the room on cuda:0 (1.00 GiB free, 3.00 GiB cached by this process and unused, "
-                    "1.00 GiB already held by the model there)")
+    assert what == (
+        "the room on cuda:0 (1.00 GiB free, 3.00 GiB cached by this process and unused, "
+        "1.00 GiB already held by the model there)"
+    )
 
 
 def test_a_model_that_fits_in_cached_memory_is_not_refused(gpu_memory, monkeypatch):
     # 300M float32 parameters with SGD: at least 2.2 GiB (parameters and gradients). 1 GiB is free on the GPU,
     # but this process's allocator holds 3 GiB more that it freed, which a new tensor reuses.
     gpu_memory(free=1 * GiB, reserved=5 * GiB, allocated=2 * GiB)
-    big = sg.diagnose.MemoryEstimate(parameter_bytes=300_000_000 * 4, gradient_bytes=300_000_000 * 4,
-                                     optimizer_state_bytes=0, optimizer="SGD")
+    big = sg.diagnose.MemoryEstimate(
+        parameter_bytes=300_000_000 * 4, gradient_bytes=300_000_000 * 4, optimizer_state_bytes=0, optimizer="SGD"
+    )
     monkeypatch.setattr(mirrored.diagnose, "estimate_training_memory", lambda *args, **kwargs: big)
     strategy = mirrored.MirroredStrategy(["cuda:0"], registry=gpu_registry())
     try:
@@ -66,13 +83,17 @@ def test_a_model_that_fits_in_cached_memory_is_not_refused(gpu_memory, monkeypat
 
 def test_a_model_that_does_not_fit_is_refused_with_the_figures(gpu_memory, monkeypatch):
     gpu_memory(free=1 * GiB, reserved=1 * GiB, allocated=1 * GiB)
-    big = sg.diagnose.MemoryEstimate(parameter_bytes=2 * GiB, gradient_bytes=2 * GiB, optimizer_state_bytes=0,
-                                     optimizer="SGD")
+    big = sg.diagnose.MemoryEstimate(
+        parameter_bytes=2 * GiB, gradient_bytes=2 * GiB, optimizer_state_bytes=0, optimizer="SGD"
+    )
     monkeypatch.setattr(mirrored.diagnose, "estimate_training_memory", lambda *args, **kwargs: big)
     strategy = mirrored.MirroredStrategy(["cuda:0"], registry=gpu_registry())
     try:
-        with pytest.raises(MemoryEstimateError, match=r"Replica on cuda:0 needs at least .* but the room on cuda:0 "
-                                                      r"\(1\.00 GiB free, 0 B cached"):
+        with pytest.raises(
+            MemoryEstimateError,
+            match=r"Replica on cuda:0 needs at least .* but the room on cuda:0 "
+            r"\(1\.00 GiB free, 0 B cached",
+        ):
             check_memory(strategy._replicas.placement.logical, torch.nn.Linear(1, 1), None)
         # What the model already holds on the first replica's GPU is no new memory.
         monkeypatch.setattr(mirrored.sg_devices, "resident_bytes", lambda tensors, device: 4 * GiB)

@@ -14,8 +14,14 @@ SECTIONS = ["nccl_wait", "cpu_first_reduction", "doctor", "equivalence", "overhe
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=str(ROOT), check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+        check=False,
+    )
 
 
 def test_the_dry_run_passes_every_section_and_writes_its_report(tmp_path):

@@ -70,9 +70,11 @@ class DeviceTensor:
 
 def test_a_pinned_batch_goes_to_the_gpu_on_the_input_stream_and_the_compute_stream_waits(journal):
     prefetch.copy_to_device(HostTensor(journal, pinned=True), CUDA0)
-    assert journal == ["copy to cuda:0 on input(cuda:0), non_blocking=True",
-                       "compute waits for input(cuda:0)",
-                       "used on compute"]
+    assert journal == [
+        "copy to cuda:0 on input(cuda:0), non_blocking=True",
+        "compute waits for input(cuda:0)",
+        "used on compute",
+    ]
     prefetch.copy_to_device(HostTensor(journal, pinned=True), CUDA0)
     assert len(prefetch._STREAMS) == 1  # one input stream per GPU
 
@@ -80,8 +82,7 @@ def test_a_pinned_batch_goes_to_the_gpu_on_the_input_stream_and_the_compute_stre
 def test_a_pageable_batch_or_a_cpu_destination_is_copied_as_before(journal):
     prefetch.copy_to_device(HostTensor(journal, pinned=False), CUDA0)
     prefetch.copy_to_device(HostTensor(journal, pinned=True), torch.device("cpu"))
-    assert journal == ["copy to cuda:0 on compute, non_blocking=False",
-                       "copy to cpu on compute, non_blocking=True"]
+    assert journal == ["copy to cuda:0 on compute, non_blocking=False", "copy to cpu on compute, non_blocking=True"]
     assert prefetch._STREAMS == {}
 
 

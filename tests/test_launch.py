@@ -69,16 +69,25 @@ def run(tmp_path: Path, body: str, **options) -> tuple[LaunchResult, Collector, 
 
 # -- environments --------------------------------------------------------------------------
 
+
 def test_task_environments_by_hand():
-    envs = task_environments(BASE_ENV, workers=2, ps=1, ports=[5000, 5001, 5002], token="abc",
-                             restart_count=2, devices_per_worker=4)
+    envs = task_environments(
+        BASE_ENV, workers=2, ps=1, ports=[5000, 5001, 5002], token="abc", restart_count=2, devices_per_worker=4
+    )
     assert sorted(envs) == ["ps:0", "worker:0", "worker:1"]
     cluster = {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"], "ps": ["127.0.0.1:5002"]}
     worker1 = envs["worker:1"]
     assert json.loads(worker1["TF_CONFIG"]) == {"cluster": cluster, "task": {"type": "worker", "index": 1}}
-    assert {k: worker1[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} \
-        == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "5000"}
+    assert {
+        k: worker1[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    } == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "5000",
+    }
     assert (worker1["STRATAGEM_CLUSTER_TOKEN"], worker1["STRATAGEM_RESTART_COUNT"]) == ("abc", "2")
     assert worker1["STRATAGEM_DEVICES_PER_WORKER"] == "4" and worker1["PATH"] == BASE_ENV["PATH"]
     ps = envs["ps:0"]
@@ -111,15 +120,18 @@ def test_launched_by_stratagem():
     assert launched_by_stratagem({"STRATAGEM_CLUSTER_TOKEN": "x"}) and not launched_by_stratagem({})
 
 
-@pytest.mark.parametrize(("returncode", "text"), [
-    (0, "exited normally (exit code 0)"),
-    (3, "exit code 3"),
-    (-9, "killed by SIGKILL (killed, often the out-of-memory killer: check `dmesg` or the memory limit)"),
-    (-11, "killed by SIGSEGV (segmentation fault, a crash in native code"),
-    (137, "exit code 137 (128 + 9: a shell's report of killed by SIGKILL (killed, often the out-of-memory"),
-    (-15, "killed by SIGTERM (terminated by another process"),
-    (-99, "killed by unknown signal 99"),
-])
+@pytest.mark.parametrize(
+    ("returncode", "text"),
+    [
+        (0, "exited normally (exit code 0)"),
+        (3, "exit code 3"),
+        (-9, "killed by SIGKILL (killed, often the out-of-memory killer: check `dmesg` or the memory limit)"),
+        (-11, "killed by SIGSEGV (segmentation fault, a crash in native code"),
+        (137, "exit code 137 (128 + 9: a shell's report of killed by SIGKILL (killed, often the out-of-memory"),
+        (-15, "killed by SIGTERM (terminated by another process"),
+        (-99, "killed by unknown signal 99"),
+    ],
+)
 def test_describe_exit(returncode, text):
     assert describe_exit(returncode).startswith(text)
 
@@ -215,8 +227,9 @@ def test_failing_worker_is_reported_and_the_others_stopped(tmp_path):
 
 
 def test_killed_worker_is_reported_as_likely_out_of_memory(tmp_path):
-    result, _, _ = run(tmp_path, STOPPABLE.format(action="os.kill(os.getpid(), signal.SIGKILL)"), workers=3,
-                       grace_period=0.5)
+    result, _, _ = run(
+        tmp_path, STOPPABLE.format(action="os.kill(os.getpid(), signal.SIGKILL)"), workers=3, grace_period=0.5
+    )
     assert (result.exit_code, result.failed_task) == (137, "worker:1")
     assert "killed by SIGKILL (killed, often the out-of-memory killer" in result.reason
     _assert_stopped(tmp_path, [0, 2])
@@ -249,7 +262,12 @@ def test_restarts_run_out(tmp_path):
     result, _, _ = run(tmp_path, "sys.exit(2)", workers=1, max_restarts=2)
     assert (result.exit_code, result.failed_task, result.restarts) == (2, "worker:0", 2)
     assert [f.attempt for f in result.failures] == [0, 1, 2]
-    assert result.as_dict()["failures"][2] == {"attempt": 2, "task": "worker:0", "returncode": 2, "reason": "exit code 2"}
+    assert result.as_dict()["failures"][2] == {
+        "attempt": 2,
+        "task": "worker:0",
+        "returncode": 2,
+        "reason": "exit code 2",
+    }
 
 
 def test_timeout_stops_everything(tmp_path):
@@ -269,15 +287,18 @@ time.sleep(60 if task["type"] == "worker" else 0)
     assert result.reason == "exited normally (exit code 0), but a parameter server must serve until the workers finish"
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"argv": []}, r"The command to launch is empty\. Received: argv=\[\]"),
-    ({"workers": 0}, r"At least one worker is needed\. Received: workers=0\. Pass workers >= 1"),
-    ({"ps": -1}, r"parameter servers cannot be negative\. Received: ps=-1"),
-    ({"devices_per_worker": 0}, r"Each worker needs at least one device\. Received: devices_per_worker=0"),
-    ({"max_restarts": -1}, r"max_restarts cannot be negative\. Received: max_restarts=-1"),
-    ({"timeout": 0}, r"The timeout must be positive\. Received: timeout=0"),
-    ({"grace_period": -1}, r"The grace period cannot be negative\. Received: grace_period=-1"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"argv": []}, r"The command to launch is empty\. Received: argv=\[\]"),
+        ({"workers": 0}, r"At least one worker is needed\. Received: workers=0\. Pass workers >= 1"),
+        ({"ps": -1}, r"parameter servers cannot be negative\. Received: ps=-1"),
+        ({"devices_per_worker": 0}, r"Each worker needs at least one device\. Received: devices_per_worker=0"),
+        ({"max_restarts": -1}, r"max_restarts cannot be negative\. Received: max_restarts=-1"),
+        ({"timeout": 0}, r"The timeout must be positive\. Received: timeout=0"),
+        ({"grace_period": -1}, r"The grace period cannot be negative\. Received: grace_period=-1"),
+    ],
+)
 def test_invalid_launch_options(options, message):
     kwargs = {"argv": [sys.executable, "-c", "pass"], "workers": 1, "env": BASE_ENV, "sink": print, **options}
     with pytest.raises(ClusterError, match=message):
@@ -286,8 +307,11 @@ def test_invalid_launch_options(options, message):
 
 def test_relaunch_refuses_to_nest():
     env = {"STRATAGEM_CLUSTER_TOKEN": "t", "TF_CONFIG": '{"task": {"type": "worker", "index": 1}}'}
-    with pytest.raises(ClusterError, match=r"Already running inside a task of `stratagem launch`, so relaunching "
-                                           r"would start 2 more processes per task\. Received: STRATAGEM_CLUSTER_TOKEN set"):
+    with pytest.raises(
+        ClusterError,
+        match=r"Already running inside a task of `stratagem launch`, so relaunching "
+        r"would start 2 more processes per task\. Received: STRATAGEM_CLUSTER_TOKEN set",
+    ):
         relaunch(["train"], workers=2, env=env, sink=print)
 
 
@@ -335,17 +359,28 @@ def _alive(pid: int) -> bool:
 def test_tasks_end_when_their_launcher_is_killed_with_sigkill(tmp_path):
     # Each task (and a child it started, in its session) writes its pid and waits; the launcher is then
     # SIGKILLed, so it stops nobody. They used to run on, unsupervised.
-    task = script(tmp_path, (
-        "import subprocess\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        f"path = {str(tmp_path)!r} + '/' + json.loads(os.environ['TF_CONFIG'])['task']['type'] + "
-        "str(json.loads(os.environ['TF_CONFIG'])['task']['index'])\n"
-        "open(path + '.tmp', 'w').write(f'{os.getpid()} {child.pid}'); os.rename(path + '.tmp', path)\n"
-        "time.sleep(60)\n"))
-    launcher = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from stratagem.cluster import launch\n"
-        f"launch({task!r}, workers=2, ps=1, env={{'PATH': {os.environ.get('PATH', '')!r}}}, sink=lambda line: None, "
-        "grace_period=1.0)\n")])
+    task = script(
+        tmp_path,
+        (
+            "import subprocess\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"path = {str(tmp_path)!r} + '/' + json.loads(os.environ['TF_CONFIG'])['task']['type'] + "
+            "str(json.loads(os.environ['TF_CONFIG'])['task']['index'])\n"
+            "open(path + '.tmp', 'w').write(f'{os.getpid()} {child.pid}'); os.rename(path + '.tmp', path)\n"
+            "time.sleep(60)\n"
+        ),
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from stratagem.cluster import launch\n"
+                f"launch({task!r}, workers=2, ps=1, env={{'PATH': {os.environ.get('PATH', '')!r}}}, sink=lambda line: None, "
+                "grace_period=1.0)\n"
+            ),
+        ]
+    )
     try:
         files = [tmp_path / name for name in ("worker0", "worker1", "ps0")]
         deadline = time.monotonic() + 40
@@ -399,16 +434,21 @@ def test_a_dead_worker_of_a_parameter_server_job_is_restarted_alone(tmp_path, de
     # worker:1 dies once; the chief and ps:0 run on (one start each) while it is started again alone.
     # The launcher used to stop the whole job 1.4-2.8 s after a worker died.
     body = PS_JOB.replace("{death}", death).replace("{chief_waits_for}", "restarted-worker1")
-    body = body.replace('else:\n    wait_for("done")',
-                        'else:\n    if name == "worker1": open(os.path.join(here, "restarted-worker1"), "w").close()\n'
-                        '    wait_for("done")')
+    body = body.replace(
+        'else:\n    wait_for("done")',
+        'else:\n    if name == "worker1": open(os.path.join(here, "restarted-worker1"), "w").close()\n'
+        '    wait_for("done")',
+    )
     result, sink, _ = run(tmp_path, body, workers=2, ps=1, max_restarts=1, grace_period=0.5)
     assert (result.exit_code, result.failed_task, result.restarts, result.failures) == (0, None, 0, ())
     assert (_starts(tmp_path, "worker0"), _starts(tmp_path, "ps0"), _starts(tmp_path, "worker1")) == (1, 1, 2)
     assert [(r.task, r.action) for r in result.recoveries] == [("worker:1", "restarted")]
     said = sink.texts("launch", "stderr")
-    assert len(said) == 1 and said[0].startswith("worker:1 ") and said[0].endswith(
-        "; restarted it alone, at its address, while the job went on")
+    assert (
+        len(said) == 1
+        and said[0].startswith("worker:1 ")
+        and said[0].endswith("; restarted it alone, at its address, while the job went on")
+    )
     assert "attempt 0: worker:1" in result.explain()
 
 
@@ -419,7 +459,8 @@ def test_a_dead_worker_of_a_parameter_server_job_is_left_out_when_it_has_no_rest
     assert [(r.task, r.returncode, r.action) for r in result.recoveries] == [("worker:1", 4, "left out")]
     assert sink.texts("launch", "stderr") == [
         "worker:1 exit code 4; the job goes on without it (no restarts left, see max_restarts; the coordinator runs "
-        "its steps on the other workers)"]
+        "its steps on the other workers)"
+    ]
 
 
 def test_a_dead_chief_of_a_parameter_server_job_still_stops_it(tmp_path):

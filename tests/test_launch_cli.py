@@ -34,16 +34,22 @@ def test_launch_is_a_registered_command():
 
 
 def test_script_arguments_pass_through():
-    args = parse(["--workers", "2", "--ps", "1", "--max-restarts", "3", "--timeout", "9", "train.py", "--lr", "0.1", "-v"])
+    args = parse(
+        ["--workers", "2", "--ps", "1", "--max-restarts", "3", "--timeout", "9", "train.py", "--lr", "0.1", "-v"]
+    )
     assert (args.workers, args.ps, args.max_restarts, args.timeout, args.grace_period) == (2, 1, 3, 9.0, 5.0)
     assert launch_cli._command(args) == [sys.executable, "train.py", "--lr", "0.1", "-v"]
-    assert launch_cli._command(parse(["--workers", "1", "-m", "pkg.train", "x"])) == [sys.executable, "-m", "pkg.train", "x"]
+    assert launch_cli._command(parse(["--workers", "1", "-m", "pkg.train", "x"])) == [
+        sys.executable,
+        "-m",
+        "pkg.train",
+        "x",
+    ]
     assert launch_cli._command(parse(["--workers", "1", "--no-python", "./run.sh"])) == ["./run.sh"]
 
 
 def test_output_is_prefixed_with_the_task(tmp_path, capsys):
-    script = write(tmp_path, 'print("hello", os.environ["RANK"], sys.argv[1:])\n'
-                             'print("oops", file=sys.stderr)\n')
+    script = write(tmp_path, 'print("hello", os.environ["RANK"], sys.argv[1:])\nprint("oops", file=sys.stderr)\n')
     assert launch_cli.run(parse(["--workers", "2", "--timeout", "20", script, "--flag"])) == 0
     out, err = capsys.readouterr()
     assert sorted(out.splitlines()) == ["[worker:0] hello 0 ['--flag']", "[worker:1] hello 1 ['--flag']"]
@@ -52,13 +58,19 @@ def test_output_is_prefixed_with_the_task(tmp_path, capsys):
 
 @pytest.mark.skipif(not allocator.READS_TUNABLES, reason="needs glibc 2.26 or newer, whose malloc reads GLIBC_TUNABLES")
 def test_tasks_keep_freed_memory_unless_told_to_use_the_default_allocator(tmp_path, capsys, monkeypatch):
-    for name in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
-                 "MALLOC_MMAP_MAX_"):
+    for name in (
+        "GLIBC_TUNABLES",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TOP_PAD_",
+        "MALLOC_MMAP_MAX_",
+    ):
         monkeypatch.delenv(name, raising=False)
     script = write(tmp_path, 'print(os.environ.get("GLIBC_TUNABLES"))\n')
     assert launch_cli.run(parse(["--workers", "1", "--timeout", "20", script])) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "[worker:0] glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432"]
+        "[worker:0] glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432"
+    ]
     assert launch_cli.run(parse(["--workers", "1", "--timeout", "20", "--default-allocator", script])) == 0
     assert capsys.readouterr().out.splitlines() == ["[worker:0] None"]
 
@@ -74,7 +86,10 @@ def test_restarts_are_reported(tmp_path, capsys):
     script = write(tmp_path, 'sys.exit(1 if os.environ["STRATAGEM_RESTART_COUNT"] == "0" else 0)\n')
     assert launch_cli.run(parse(["--workers", "1", "--max-restarts", "1", "--timeout", "20", script])) == 0
     err = capsys.readouterr().err
-    assert "attempt 0 restarted after worker:0 exit code 1" in err and "all workers exited normally after 1 restart(s)" in err
+    assert (
+        "attempt 0 restarted after worker:0 exit code 1" in err
+        and "all workers exited normally after 1 restart(s)" in err
+    )
     assert "attempt 0: worker:0" not in err  # a restarted attempt of a run that succeeded is not worded as its failure
 
 
@@ -92,8 +107,24 @@ def test_end_to_end_sigterm_to_the_launcher_stops_every_task(tmp_path):
     # The real entry point, as a user (or a scheduler) runs it: prefixed output arrives on the
     # launcher's stdout while tasks run, and a SIGTERM to the launcher stops the tasks too.
     script = write(tmp_path, 'import time\nprint("pid", os.getpid(), flush=True)\ntime.sleep(60)\n')
-    launcher = subprocess.Popen([sys.executable, "-m", "stratagem.cli", "launch", "--workers", "2", "--timeout", "40",
-                                 "--grace-period", "1", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stratagem.cli",
+            "launch",
+            "--workers",
+            "2",
+            "--timeout",
+            "40",
+            "--grace-period",
+            "1",
+            script,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         pids = {}
         for line in launcher.stdout:  # bounded by the test's timeout marker and the launcher's --timeout

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(200)
 def test_a_script_launches_its_own_function_and_gets_every_workers_value(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import json, os
         import stratagem as sg
 
@@ -33,14 +34,16 @@ def test_a_script_launches_its_own_function_and_gets_every_workers_value(tmp_pat
 
         if __name__ == "__main__":
             print("RESULT " + json.dumps(sg.launch(work, workers=2, args=(5,), timeout=150)))
-    '''))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=180, check=False)
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "[worker:0] rank 0 works" in lines and "[worker:1] rank 1 works" in lines
     result = next(line for line in lines if line.startswith("RESULT "))
-    assert json.loads(result[len("RESULT "):]) == [{"rank": 0, "value": 0}, {"rank": 1, "value": 5}]
+    assert json.loads(result[len("RESULT ") :]) == [{"rank": 0, "value": 0}, {"rank": 1, "value": 5}]
 
 
 @pytest.mark.multiprocess
@@ -49,8 +52,9 @@ def test_the_first_failure_is_named_and_the_others_stopped() -> None:
     lines: list[OutputLine] = []
     started = time.monotonic()
     with pytest.raises(sg.LaunchError, match=r"worker:1 exit code 1; the other tasks were stopped") as raised:
-        sg.launch(launch_fns.fail_on_worker_one, workers=2, args=(600.0,), timeout=150, grace_period=1.0,
-                  sink=lines.append)
+        sg.launch(
+            launch_fns.fail_on_worker_one, workers=2, args=(600.0,), timeout=150, grace_period=1.0, sink=lines.append
+        )
     assert time.monotonic() - started < 150  # worker 0 was stopped, not waited for
     assert raised.value.result.failed_task == "worker:1"
     assert any(line.task == "worker:1" and "worker one gives up" in line.text for line in lines)
@@ -64,8 +68,11 @@ def test_a_launch_past_its_timeout_fails_naming_the_running_tasks() -> None:
 
 
 def test_a_lambda_is_refused_with_what_to_do() -> None:
-    with pytest.raises(sg.InputError, match="cannot find a lambda or a function defined inside another function.*"
-                                            "Define it at the top level of a .py module"):
+    with pytest.raises(
+        sg.InputError,
+        match="cannot find a lambda or a function defined inside another function.*"
+        "Define it at the top level of a .py module",
+    ):
         sg.launch(lambda: 1, workers=2)
 
 
@@ -85,8 +92,10 @@ def test_a_notebook_function_is_refused_with_what_to_do(monkeypatch: pytest.Monk
 
     train.__module__, train.__qualname__ = "__main__", "train"
     monkeypatch.setitem(sys.modules, "__main__", notebook)
-    with pytest.raises(sg.InputError, match="defined in a notebook or an interactive session.*"
-                                            "Received: __main__.train. Define it at the top level"):
+    with pytest.raises(
+        sg.InputError,
+        match="defined in a notebook or an interactive session.*Received: __main__.train. Define it at the top level",
+    ):
         sg.launch(train, workers=2)
 
 

@@ -83,7 +83,9 @@ def test_loss_output_and_evaluation_equal_one_device():
     model = strategy.distribute(model)
     for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=[7, 2])):
         loss = strategy.run(lambda a, b: F.cross_entropy(model(a), b), args=(x, y))
-        torch.testing.assert_close(strategy.reduce("mean", loss), F.cross_entropy(reference(x), y), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            strategy.reduce("mean", loss), F.cross_entropy(reference(x), y), rtol=1e-12, atol=1e-12
+        )
         with torch.no_grad():
             torch.testing.assert_close(model(x), reference(x), rtol=1e-12, atol=1e-12)
     strategy.close()
@@ -130,8 +132,9 @@ def test_placement_of_named_modules_matches_one_device():
     train_reference(reference, ref_opt, batches)
 
     net = encoder_head()
-    strategy = sg.ModelParallelStrategy(placement={"encoder": "cpu:0", "encoder.2": "/cpu:2", "head": "cpu:1"},
-                                        registry=cpu_registry(3))
+    strategy = sg.ModelParallelStrategy(
+        placement={"encoder": "cpu:0", "encoder.2": "/cpu:2", "head": "cpu:1"}, registry=cpu_registry(3)
+    )
     model, opt, _ = train_with(strategy, net, torch.optim.Adam(net.parameters(), lr=0.01), batches)
 
     assert model is net
@@ -161,7 +164,9 @@ class Probe(nn.Module):
 
 def test_each_stage_holds_only_its_parameters_and_computes_on_its_own_thread():
     probes = [Probe(), Probe()]
-    net = nn.Sequential(nn.Linear(6, 16), probes[0], nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), probes[1], nn.Linear(16, 4))
+    net = nn.Sequential(
+        nn.Linear(6, 16), probes[0], nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), probes[1], nn.Linear(16, 4)
+    )
     strategy = strategy_of(2, split_points=[3], num_micro_batches=2)
     model, _ = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
     stage0, stage1 = strategy.stage_map()
@@ -185,9 +190,9 @@ def test_each_stage_holds_only_its_parameters_and_computes_on_its_own_thread():
 def test_default_split_balances_parameter_counts():
     """Worked out by hand: Linear(6,16) 112, ReLU 0, Linear(16,16) 272, Tanh 0, Linear(16,4) 68."""
     counts = [112, 0, 272, 0, 68]
-    assert balanced_split_points(counts, 2) == [2]      # 112 | 340: the largest stage cannot be smaller
-    assert balanced_split_points(counts, 3) == [2, 4]   # 112 | 272 | 68
-    assert balanced_split_points([10, 0, 10, 0], 2) == [2]   # trailing activations stay with their layer
+    assert balanced_split_points(counts, 2) == [2]  # 112 | 340: the largest stage cannot be smaller
+    assert balanced_split_points(counts, 3) == [2, 4]  # 112 | 272 | 68
+    assert balanced_split_points([10, 0, 10, 0], 2) == [2]  # trailing activations stay with their layer
     assert balanced_split_points([0, 0, 0], 3) == [1, 2]
     assert balanced_split_points([1, 1, 1, 1, 1, 1], 3) == [2, 4]
 
@@ -242,8 +247,14 @@ def test_stages_work_on_different_micro_batches_at_the_same_time():
     """Forward: stage 0 on micro-batch 1 while stage 1 is on 0. Backward: stage 0 on 1 while stage 1 is on 0.
     Run one stage after the other and a barrier never opens: the test fails (BrokenBarrierError), it cannot pass by luck."""
     forward, backward = threading.Barrier(2, timeout=20), threading.Barrier(2, timeout=20)
-    net = nn.Sequential(nn.Linear(4, 8), Meet(forward, at=1), MeetInBackward(backward, at=0),
-                        nn.Linear(8, 3), Meet(forward, at=0), MeetInBackward(backward, at=1))
+    net = nn.Sequential(
+        nn.Linear(4, 8),
+        Meet(forward, at=1),
+        MeetInBackward(backward, at=0),
+        nn.Linear(8, 3),
+        Meet(forward, at=0),
+        MeetInBackward(backward, at=1),
+    )
     strategy = strategy_of(2, split_points=[3], num_micro_batches=2, timeout=40)
     model = strategy.distribute(net)
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
@@ -257,7 +268,8 @@ def test_stages_work_on_different_micro_batches_at_the_same_time():
         assert _interval(events, "forward", stage, 0) < _interval(events, "forward", stage, 1)
         assert _interval(events, "backward", stage, 1) < _interval(events, "backward", stage, 0)
     assert max(i for i, e in enumerate(events) if e.phase == "forward") < min(
-        i for i, e in enumerate(events) if e.phase == "backward")  # all forwards, then all backwards
+        i for i, e in enumerate(events) if e.phase == "backward"
+    )  # all forwards, then all backwards
     strategy.close()
 
 
@@ -290,8 +302,10 @@ def test_explain_shows_the_stage_map_with_parameters_memory_and_micro_batches():
     explanation = strategy.explain()
     text = str(explanation)
     # float32, SGD with momentum: parameters + gradients + one momentum buffer = 3 x 4 bytes per parameter.
-    assert ("stage 0: cpu:0 (runs on cpu): modules '0', '1'; 112 parameters; 1.31 KiB (parameters 448 B + "
-            "gradients 448 B + SGD (1x parameters) state 448 B; activations not counted)") in text
+    assert (
+        "stage 0: cpu:0 (runs on cpu): modules '0', '1'; 112 parameters; 1.31 KiB (parameters 448 B + "
+        "gradients 448 B + SGD (1x parameters) state 448 B; activations not counted)"
+    ) in text
     assert "stage 1: cpu:1 (runs on cpu): modules '2', '3', '4'; 340 parameters; 3.98 KiB" in text
     assert explanation.num_replicas_in_sync == 1 and strategy.num_replicas_in_sync == 1
     micro = explanation.decision("micro-batches")
@@ -305,11 +319,17 @@ def test_explain_shows_the_stage_map_with_parameters_memory_and_micro_batches():
 # ---- errors ---------------------------------------------------------------------------------------
 def test_construction_errors_name_the_values_and_the_fix():
     registry = cpu_registry(3)
-    with pytest.raises(sg.InputError, match=r"exactly one way to split the model. Received: stages=None, placement=None"):
+    with pytest.raises(
+        sg.InputError, match=r"exactly one way to split the model. Received: stages=None, placement=None"
+    ):
         sg.ModelParallelStrategy(registry=registry)
-    with pytest.raises(sg.InputError, match=r"exactly one way .* Received: stages=\['cpu:0'\], placement=\{'a': 'cpu:1'\}"):
+    with pytest.raises(
+        sg.InputError, match=r"exactly one way .* Received: stages=\['cpu:0'\], placement=\{'a': 'cpu:1'\}"
+    ):
         sg.ModelParallelStrategy(["cpu:0"], placement={"a": "cpu:1"}, registry=registry)
-    with pytest.raises(sg.InputError, match=r"num_micro_batches must be a whole number >= 1. Received: num_micro_batches=0"):
+    with pytest.raises(
+        sg.InputError, match=r"num_micro_batches must be a whole number >= 1. Received: num_micro_batches=0"
+    ):
         sg.ModelParallelStrategy(["cpu:0"], num_micro_batches=0, registry=registry)
     with pytest.raises(sg.InputError, match=r"Received: num_micro_batches='2'"):
         sg.ModelParallelStrategy(["cpu:0"], num_micro_batches="2", registry=registry)
@@ -336,16 +356,23 @@ def test_devices_out_of_range_or_repeated_are_refused_by_the_device_resolution()
 
 def _gpu_registry(*configs: LogicalDeviceConfiguration) -> DeviceRegistry:
     """Recorded facts of a one-GPU machine: these checks run on a CPU-only machine too."""
-    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2),
-                                        PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37)])
+    registry = DeviceRegistry(
+        physical=[
+            PhysicalDevice(device_type="cpu", core_count=2),
+            PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37),
+        ]
+    )
     registry.set_logical_device_configuration("cuda:0", list(configs))
     return registry
 
 
 def test_two_stages_on_one_physical_gpu_are_refused():
     registry = _gpu_registry(LogicalDeviceConfiguration(), LogicalDeviceConfiguration())
-    with pytest.raises(sg.InputError, match=r"at most one stage per physical GPU. Received: stages on logical GPUs "
-                                            r"that share cuda:0 \(cuda:0, cuda:1\)"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"at most one stage per physical GPU. Received: stages on logical GPUs "
+        r"that share cuda:0 \(cuda:0, cuda:1\)",
+    ):
         sg.ModelParallelStrategy(["cuda:0", "cuda:1"], registry=registry)
 
 
@@ -353,9 +380,11 @@ def test_a_stage_too_large_for_its_gpu_is_refused_before_anything_is_copied():
     registry = _gpu_registry(LogicalDeviceConfiguration(memory_limit=1000))
     strategy = sg.ModelParallelStrategy(["cpu:0", "cuda:0"], split_points=[1], registry=registry)
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(100, 100))  # stage 1: 10,100 float32 parameters, Adam
-    with pytest.raises(sg.errors.MemoryEstimateError,
-                       match=r"Stage 1 on cuda:0 \(modules \['1'\]\) needs at least 157.81 KiB .* the memory limit of "
-                             r"logical device cuda:0 is 1000 B"):
+    with pytest.raises(
+        sg.errors.MemoryEstimateError,
+        match=r"Stage 1 on cuda:0 \(modules \['1'\]\) needs at least 157.81 KiB .* the memory limit of "
+        r"logical device cuda:0 is 1000 B",
+    ):
         strategy.distribute(net, torch.optim.Adam(net.parameters()))
     assert all(p.device.type == "cpu" for p in net.parameters())  # nothing was moved
     assert strategy.stage_map()[1].modules == () and strategy.explain().decision("split") is None  # nor recorded
@@ -363,20 +392,31 @@ def test_a_stage_too_large_for_its_gpu_is_refused_before_anything_is_copied():
 
 
 def test_distribute_errors_name_the_model_and_the_fix():
-    with pytest.raises(sg.InputError, match=r"stages= cuts the layers of an nn.Sequential .* Received: a EncoderHead. "
-                                            r".*placement="):
+    with pytest.raises(
+        sg.InputError,
+        match=r"stages= cuts the layers of an nn.Sequential .* Received: a EncoderHead. "
+        r".*placement=",
+    ):
         strategy_of(2).distribute(encoder_head())
     with pytest.raises(sg.InputError, match=r"3 stages need at least 3 layers to cut. Received: an nn.Sequential of 2"):
         strategy_of(3).distribute(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
     with pytest.raises(sg.InputError, match=r"layer indices between 1 and 2 .* Received: split_points=\[3\]"):
         strategy_of(2, split_points=[3]).distribute(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
-    with pytest.raises(sg.InputError, match=r"BatchNorm layers \['1'\] would normalise each micro-batch with its own "
-                                            r"statistics.* Received: num_micro_batches=2. Use num_micro_batches=1"):
-        strategy_of(2, num_micro_batches=2).distribute(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    with pytest.raises(
+        sg.InputError,
+        match=r"BatchNorm layers \['1'\] would normalise each micro-batch with its own "
+        r"statistics.* Received: num_micro_batches=2. Use num_micro_batches=1",
+    ):
+        strategy_of(2, num_micro_batches=2).distribute(
+            nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        )
     first, second = nn.Linear(3, 3), nn.Linear(3, 3)
     second.weight = first.weight
-    with pytest.raises(sg.InputError, match=r"shared by modules on cpu:0 and cpu:1 \(tied weights\).* Received: "
-                                            r"modules \['1'\] on cpu:1"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"shared by modules on cpu:0 and cpu:1 \(tied weights\).* Received: "
+        r"modules \['1'\] on cpu:1",
+    ):
         strategy_of(2).distribute(nn.Sequential(first, second))
     with pytest.raises(sg.InputError, match=r"distribute\(\) needs a torch.nn.Module. Received: str"):
         strategy_of(2).distribute("model")
@@ -391,19 +431,28 @@ def test_distribute_errors_name_the_model_and_the_fix():
 def test_placement_errors_list_the_valid_names():
     registry = cpu_registry(3)
     strategy = sg.ModelParallelStrategy(placement={"encoder": "cpu:0", "decoder": "cpu:1"}, registry=registry)
-    with pytest.raises(sg.InputError, match=r"placement names modules that this EncoderHead does not have: \['decoder'\]. "
-                                            r"Valid names \(as in model.named_modules\(\)\): 'encoder', 'encoder.0', "
-                                            r"'encoder.1', 'encoder.2', 'head'; '' is the model itself"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"placement names modules that this EncoderHead does not have: \['decoder'\]. "
+        r"Valid names \(as in model.named_modules\(\)\): 'encoder', 'encoder.0', "
+        r"'encoder.1', 'encoder.2', 'head'; '' is the model itself",
+    ):
         strategy.distribute(encoder_head())
     with pytest.raises(sg.InputError, match=r"no stages to pipeline. Received: num_micro_batches=2 with placement="):
         sg.ModelParallelStrategy(placement={"head": "cpu:1"}, num_micro_batches=2, registry=registry)
-    with pytest.raises(sg.InputError, match=r"split_points cuts the layers of stages=, not a placement. Received: "
-                                            r"split_points=\[1\]"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"split_points cuts the layers of stages=, not a placement. Received: "
+        r"split_points=\[1\]",
+    ):
         sg.ModelParallelStrategy(placement={"head": "cpu:1"}, split_points=[1], registry=registry)
     with pytest.raises(sg.InputError, match=r"placement must map module names to devices. Received: placement=\{\}"):
         sg.ModelParallelStrategy(placement={}, registry=registry)
-    with pytest.raises(sg.InputError, match=r"with placement= the model runs on the caller's thread. Received: "
-                                            r"intra_op_threads=2 with placement="):
+    with pytest.raises(
+        sg.InputError,
+        match=r"with placement= the model runs on the caller's thread. Received: "
+        r"intra_op_threads=2 with placement=",
+    ):
         sg.ModelParallelStrategy(placement={"head": "cpu:1"}, intra_op_threads=2, registry=registry)
     with pytest.raises(sg.InputError, match=r"Received: placement=\['cpu:0'\]"):
         sg.ModelParallelStrategy(placement=["cpu:0"], registry=registry)
@@ -426,14 +475,20 @@ def test_errors_while_running_name_the_stage():
 
     strategy = strategy_of(2, split_points=[1])
     model = strategy.distribute(nn.Sequential(nn.Linear(2, 2), Flattens()))
-    with pytest.raises(sg.InputError, match=r"stage 1 \(cpu:1\) must return one tensor whose first dimension is the "
-                                            r"micro-batch's 4 examples.* Received: a tensor of shape \(\) for micro-batch 0"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"stage 1 \(cpu:1\) must return one tensor whose first dimension is the "
+        r"micro-batch's 4 examples.* Received: a tensor of shape \(\) for micro-batch 0",
+    ):
         model(torch.randn(4, 2))
     strategy.close()
     strategy = strategy_of(2, split_points=[1], num_micro_batches=2)
     model = strategy.distribute(nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)))
-    with pytest.raises(sg.InputError, match=r"stage 1 \(cpu:1\) changes its input in place.* Received: stage 1 starting "
-                                            r"at layer '1' \(ReLU\). Move the split"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"stage 1 \(cpu:1\) changes its input in place.* Received: stage 1 starting "
+        r"at layer '1' \(ReLU\). Move the split",
+    ):
         model(torch.randn(4, 4))
     with pytest.raises(sg.InputError, match=r"takes one tensor with a batch dimension. Received: a tuple"):
         model((torch.randn(4, 2),))
@@ -484,8 +539,11 @@ def test_a_stuck_stage_times_out_with_its_name():
     model = strategy.distribute(nn.Sequential(nn.Linear(2, 2), stuck))
     model(torch.randn(3, 2))  # the stage threads are up: the wait below is for the stuck layer only
     stuck.armed = True
-    with pytest.raises(sg.CollectiveTimeoutError, match=r"Timed out after 1 s waiting for the forward pass: stage 1 "
-                                                        r"\(cpu:1\) finished 0 of 1 micro-batches.* raise `timeout=`"):
+    with pytest.raises(
+        sg.CollectiveTimeoutError,
+        match=r"Timed out after 1 s waiting for the forward pass: stage 1 "
+        r"\(cpu:1\) finished 0 of 1 micro-batches.* raise `timeout=`",
+    ):
         model(torch.randn(3, 2))
     release.set()
     strategy.close()

@@ -69,9 +69,11 @@ def test_the_harness_matches_one_device_with_sgd_and_no_batch_norm(name, strateg
 def test_two_workers_match_one_device(tmp_path, name, simple=False):
     """One launch per model: 2 worker processes, one replica each; both workers' final states are checked."""
     out = tmp_path / "result.pt"
-    exit_code, output = launch_workers("zoo_train.py", {
-        "ZOO_MODEL": name, "ZOO_OUT": str(out), "ZOO_TIMEOUT": "60", "ZOO_SIMPLE": "1" if simple else "0"},
-        timeout=200)
+    exit_code, output = launch_workers(
+        "zoo_train.py",
+        {"ZOO_MODEL": name, "ZOO_OUT": str(out), "ZOO_TIMEOUT": "60", "ZOO_SIMPLE": "1" if simple else "0"},
+        timeout=200,
+    )
     assert exit_code == 0, output
     expected, ref_losses = zoo.train_reference(name, simple)
     for rank in range(2):

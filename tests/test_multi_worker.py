@@ -26,8 +26,14 @@ def run_launched(tmp_path, workers: int, **settings) -> tuple[int, list[str], di
     env.update({k: str(v) for k, v in settings.items()})
     env["MW_OUT"] = str(out)
     lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=workers, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=120, grace_period=2)
+    result = launch(
+        [sys.executable, WORKER],
+        workers=workers,
+        env=env,
+        sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
+        timeout=120,
+        grace_period=2,
+    )
     saved = torch.load(out) if out.exists() else {}
     return result.exit_code, lines, saved
 
@@ -38,21 +44,29 @@ def reference_state(model_name, opt_name, dtype, sizes=BATCH_SIZES):
     return reference.state_dict()
 
 
-SUMS = {"0": "cross-worker sums: gloo - turned off (shared_memory=False)",
-        "1": "cross-worker sums: shared memory - all ",
-        "": "cross-worker sums: shared memory - all 2 workers run on this host"}  # the default, on one host
+SUMS = {
+    "0": "cross-worker sums: gloo - turned off (shared_memory=False)",
+    "1": "cross-worker sums: shared memory - all ",
+    "": "cross-worker sums: shared memory - all 2 workers run on this host",
+}  # the default, on one host
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "workers,local,model_name,opt_name,shm",
-    [(2, 1, "mlp", "sgd_momentum", ""), (3, 1, "conv", "adam", "1"), (2, 2, "mlp", "adam", "1"),
-     (2, 1, "mlp", "sgd_momentum", "0"), (3, 1, "conv", "adam", "0")],
+    [
+        (2, 1, "mlp", "sgd_momentum", ""),
+        (3, 1, "conv", "adam", "1"),
+        (2, 2, "mlp", "adam", "1"),
+        (2, 1, "mlp", "sgd_momentum", "0"),
+        (3, 1, "conv", "adam", "0"),
+    ],
     ids=["2x1-mlp-sgd", "3x1-conv-adam", "2x2-mlp-adam", "2x1-mlp-sgd-gloo", "3x1-conv-adam-gloo"],
 )
 def test_workers_match_one_device(tmp_path, workers, local, model_name, opt_name, shm):
-    code, lines, saved = run_launched(tmp_path, workers, MW_MODEL=model_name, MW_OPT=opt_name, MW_LOCAL=local,
-                                      MW_SHM=shm)
+    code, lines, saved = run_launched(
+        tmp_path, workers, MW_MODEL=model_name, MW_OPT=opt_name, MW_LOCAL=local, MW_SHM=shm
+    )
     assert code == 0, "\n".join(lines[-30:])
     expected = reference_state(model_name, opt_name, torch.float64)
     for key, value in expected.items():
@@ -66,8 +80,9 @@ def test_workers_match_one_device(tmp_path, workers, local, model_name, opt_name
 
 def _tf_config_env(ports, index, **settings):
     env = dict(environ.current())
-    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                                   "task": {"type": "worker", "index": index}})
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
+    )
     env["GLOO_SOCKET_IFNAME"] = "lo"
     env.update({k: str(v) for k, v in settings.items()})
     return env
@@ -77,9 +92,16 @@ def _tf_config_env(ports, index, **settings):
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_a_worker_killed_mid_training_is_named_by_the_survivor(tmp_path, shm):
     ports = [free_port(), free_port()]
-    procs = [subprocess.Popen([sys.executable, WORKER], env=_tf_config_env(ports, i, MW_KILL_RANK=1, MW_KILL_STEP=2,
-                                                                          MW_TIMEOUT=30, MW_SHM=shm),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER],
+            env=_tf_config_env(ports, i, MW_KILL_RANK=1, MW_KILL_STEP=2, MW_TIMEOUT=30, MW_SHM=shm),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     start = time.monotonic()
     _, err0 = procs[0].communicate(timeout=90)
     procs[1].wait(timeout=30)
@@ -96,23 +118,34 @@ def test_a_worker_killed_mid_training_is_named_by_the_survivor(tmp_path, shm):
 @pytest.mark.timeout(120)
 def test_a_worker_that_never_starts_is_named_at_rendezvous(tmp_path):
     ports = [free_port(), free_port()]
-    proc = subprocess.run([sys.executable, "-c", (
-        "import stratagem as sg\n"
-        "sg.MultiWorkerMirroredStrategy(timeout=3)\n")],
-        env=_tf_config_env(ports, 0), capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", ("import stratagem as sg\nsg.MultiWorkerMirroredStrategy(timeout=3)\n")],
+        env=_tf_config_env(ports, 0),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode != 0
     assert "CollectiveTimeoutError" in proc.stderr and "worker:1" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)
 def test_shared_memory_demanded_where_it_cannot_work_is_an_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", (
-        "import stratagem as sg\n"
-        "sg.MultiWorkerMirroredStrategy(timeout=10, shared_memory=True)\n")],
-        env=_tf_config_env([free_port()], 0), capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ("import stratagem as sg\nsg.MultiWorkerMirroredStrategy(timeout=10, shared_memory=True)\n"),
+        ],
+        env=_tf_config_env([free_port()], 0),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode != 0
-    assert "shared_memory=True, but the workers cannot sum through shared memory. Received: one worker" in proc.stderr, \
-        proc.stderr[-2000:]
+    assert (
+        "shared_memory=True, but the workers cannot sum through shared memory. Received: one worker" in proc.stderr
+    ), proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)
@@ -129,8 +162,10 @@ def test_a_file_dataset_is_sharded_by_file(tmp_path):
     files.mkdir()
     g = torch.Generator().manual_seed(0)
     for i in range(4):  # 4 files of 6 examples; 2 workers read 2 files each, 3 examples per step
-        torch.save((torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (6,), generator=g)),
-                   files / f"part-{i}.pt")
+        torch.save(
+            (torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (6,), generator=g)),
+            files / f"part-{i}.pt",
+        )
     code, lines, saved = run_launched(tmp_path, 2, MW_FILES=files)
     assert code == 0, "\n".join(lines[-30:])
     assert saved["steps"] == 4
@@ -178,10 +213,13 @@ def test_the_process_group_is_freed_so_its_threads_end_before_exit(ending):
     # exit: one left running into interpreter shutdown aborts the process when it releases a finished
     # collective (SIGABRT after a successful run).
     port = free_port()
-    env = dict(environ.current(), TF_CONFIG=json.dumps(
-        {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}))
-    done = subprocess.run([sys.executable, "-c", _CLOSE_SCRIPT, ending], check=False, env=env, capture_output=True,
-                          text=True, timeout=100)
+    env = dict(
+        environ.current(),
+        TF_CONFIG=json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSE_SCRIPT, ending], check=False, env=env, capture_output=True, text=True, timeout=100
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["trained"] > counts["start"] + 1, counts  # Gloo's threads were there

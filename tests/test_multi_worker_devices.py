@@ -24,13 +24,26 @@ def registry_with_gpus(count: int) -> DeviceRegistry:
 
 
 def torchrun_env(local_rank: int, local_world_size: int) -> dict[str, str]:
-    return {"RANK": str(local_rank), "WORLD_SIZE": str(local_world_size), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    return {
+        "RANK": str(local_rank),
+        "WORLD_SIZE": str(local_world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
 
 
 def slurm_env(local_id: int, per_node: int, **extra: str) -> dict[str, str]:
-    return {"SLURM_PROCID": str(4 + local_id), "SLURM_NTASKS": "8", "SLURM_LOCALID": str(local_id),
-            "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "77", **extra}
+    return {
+        "SLURM_PROCID": str(4 + local_id),
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": str(local_id),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_ID": "77",
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("local_rank", [0, 1, 3])
@@ -76,8 +89,13 @@ def test_two_ranks_on_one_host_holding_one_gpu_are_found():
 def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
-    monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(("init", backend, device_id)))
+    monkeypatch.setattr(
+        worker_devices,
+        "init_process_group",
+        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(
+            ("init", backend, device_id)
+        ),
+    )
     env = torchrun_env(1, 2)
     start_process_group(from_torchrun(env), [torch.device("cuda", 1)], "nccl", 60.0, token=None)
     assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
@@ -86,8 +104,13 @@ def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monke
 def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
-    monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(("init", backend, device_id)))
+    monkeypatch.setattr(
+        worker_devices,
+        "init_process_group",
+        lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(
+            ("init", backend, device_id)
+        ),
+    )
     start_process_group(single_process(), [torch.device("cpu")], "gloo", 60.0, token=None)
     assert calls == [("init", "gloo", None)]
 
@@ -96,8 +119,11 @@ def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
 def test_the_nccl_group_waits_longer_than_stratagem_so_the_named_error_comes_first(monkeypatch, backend, expected):
     # torch's NCCL watchdog ends a collective at the group's timeout, with its own message and no roll call.
     seen = {}
-    monkeypatch.setattr(worker_devices, "init_process_group",
-                        lambda cluster, backend, timeout, **options: seen.update(timeout=timeout, **options))
+    monkeypatch.setattr(
+        worker_devices,
+        "init_process_group",
+        lambda cluster, backend, timeout, **options: seen.update(timeout=timeout, **options),
+    )
     start_process_group(single_process(), [torch.device("cpu")], backend, 60.0, token=None)
     assert seen["timeout"] == 60.0  # the rendezvous keeps the strategy's timeout
     assert seen["group_timeout"] == expected
@@ -119,6 +145,7 @@ def test_the_group_timeout_reaches_torch_and_the_rendezvous_keeps_its_own(monkey
 
 
 # ---- the end-of-data agreement: once per pass when the loaders know their length ------------------------
+
 
 class CountingWorld:
     """A one-worker CrossWorker stand-in that counts the collectives (a sum over one worker is the value)."""
@@ -160,8 +187,13 @@ def one_worker_dataset(data, shard="data", world=None):
 
     from stratagem.strategies.multi_worker import MultiWorkerDataset
 
-    strategy = types.SimpleNamespace(_cw=world or CountingWorld(), _devices=[torch.device("cpu")], _backend="gloo",
-                                     _cluster=single_process(), num_replicas_in_sync=1)
+    strategy = types.SimpleNamespace(
+        _cw=world or CountingWorld(),
+        _devices=[torch.device("cpu")],
+        _backend="gloo",
+        _cluster=single_process(),
+        num_replicas_in_sync=1,
+    )
     return MultiWorkerDataset(strategy, data, shard), strategy._cw
 
 
@@ -218,6 +250,7 @@ def test_an_agreement_read_after_the_watchdog_aborted_its_collective_is_never_us
 
 # ---- the NCCL device path's wiring, on Gloo ----------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_device(monkeypatch, backend):
@@ -230,8 +263,11 @@ def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_
     # The strategy believes it has chosen NCCL; the group underneath is Gloo (no GPU here), whose wait() blocks.
     monkeypatch.setattr(multi_worker, "choose_backend", lambda devices: (backend, "a test"))
     real = multi_worker.start_process_group
-    monkeypatch.setattr(multi_worker, "start_process_group",
-                        lambda cluster, devices, _backend, timeout, **kw: real(cluster, devices, "gloo", timeout, **kw))
+    monkeypatch.setattr(
+        multi_worker,
+        "start_process_group",
+        lambda cluster, devices, _backend, timeout, **kw: real(cluster, devices, "gloo", timeout, **kw),
+    )
     cluster = {"cluster": {"worker": [f"127.0.0.1:{free_ports(1)[0]}"]}, "task": {"type": "worker", "index": 0}}
     torch.manual_seed(0)
     net, x, y = torch.nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)

@@ -33,7 +33,7 @@ def _global_batches(seed):
 def _train_plain(model, optimizer, batches, k=1):
     """One device: one update per group of k global batches, on the mean loss over the group's examples."""
     for start in range(0, len(batches), k):
-        group = batches[start:start + k]
+        group = batches[start : start + k]
         x, y = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
         F.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -55,9 +55,16 @@ def test_a_distributed_sampler_loader_is_each_workers_part_and_training_equals_o
             _train_plain(model, optimizer, epoch, k=local)  # fit's accumulate_steps=local
         for phase, expected in (("after_loop", after_loop), ("after_fit", model.state_dict())):
             for key, value in expected.items():
-                torch.testing.assert_close(saved[local][phase][key], value, rtol=0, atol=1e-9,
-                                           msg=lambda m, p=phase, k=key: f"{local} local, {p}, {k}: {m}")
+                torch.testing.assert_close(
+                    saved[local][phase][key],
+                    value,
+                    rtol=0,
+                    atol=1e-9,
+                    msg=lambda m, p=phase, k=key: f"{local} local, {p}, {k}: {m}",
+                )
         # 14 examples per worker (27 and one padded), both workers' together: DDP's epoch.
         assert saved[local]["examples"] == [28, 28]
-        assert ("input sharding: each worker's own loader - the DataLoader's DistributedSampler gives each worker "
-                "its own 1/2 of the data") in saved[local]["explain"], saved[local]["explain"]
+        assert (
+            "input sharding: each worker's own loader - the DataLoader's DistributedSampler gives each worker "
+            "its own 1/2 of the data"
+        ) in saved[local]["explain"], saved[local]["explain"]

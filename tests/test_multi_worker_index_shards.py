@@ -66,8 +66,14 @@ def test_each_worker_reads_only_its_part_and_training_equals_one_device(tmp_path
     env = dict(environ.current())
     env["MW_OUT"] = str(out)
     lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=180, grace_period=2)
+    result = launch(
+        [sys.executable, WORKER],
+        workers=2,
+        env=env,
+        sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
+        timeout=180,
+        grace_period=2,
+    )
     assert result.exit_code == 0, "\n".join(lines[-30:])
     saved = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
 
@@ -78,7 +84,7 @@ def test_each_worker_reads_only_its_part_and_training_equals_one_device(tmp_path
     fit_losses = _train_plain(model, optimizer, fitted)
     after_fit = {k: v.clone() for k, v in model.state_dict().items()}
     # accumulate_steps=2: one update per pair of batches, on the mean loss over the pair's examples.
-    pairs = [accumulated[i:i + 2] for i in range(0, len(accumulated), 2)]
+    pairs = [accumulated[i : i + 2] for i in range(0, len(accumulated), 2)]
     merged = [tuple(torch.cat([b[k] for b in pair]) for k in range(3)) for pair in pairs]
     _train_plain(model, optimizer, merged)
     x, y = data()
@@ -91,8 +97,11 @@ def test_each_worker_reads_only_its_part_and_training_equals_one_device(tmp_path
             assert saved[rank][phase] == expected[rank], phase
         assert len(saved[0][phase]) + len(saved[1][phase]) == len(batches) // 4 * 27
     for rank in (0, 1):
-        for phase, expected_state in (("after_loop", after_loop), ("after_fit", after_fit),
-                                      ("after_accumulate", model.state_dict())):
+        for phase, expected_state in (
+            ("after_loop", after_loop),
+            ("after_fit", after_fit),
+            ("after_accumulate", model.state_dict()),
+        ):
             for key, value in expected_state.items():
                 torch.testing.assert_close(saved[rank][phase][key], value, rtol=0, atol=1e-9, msg=phase)
         assert saved[rank]["val_loss"] == pytest.approx([val_loss], abs=1e-9)
@@ -104,5 +113,7 @@ def test_each_worker_reads_only_its_part_and_training_equals_one_device(tmp_path
     assert "input sharding: index level - the input (ShuffledBatches)" in explain["explain_fit"], explain["explain_fit"]
     # Validation batches given as a list are sliced, but the training data's decision stands.
     assert "input sharding: index level - the input (DataLoader)" in explain["explain_accumulate"]
-    assert ("input sharding: each worker slices every global batch - the DataLoader reads an IterableDataset"
-            in explain["explain_stream"]), explain["explain_stream"]
+    assert (
+        "input sharding: each worker slices every global batch - the DataLoader reads an IterableDataset"
+        in explain["explain_stream"]
+    ), explain["explain_stream"]

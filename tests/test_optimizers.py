@@ -54,8 +54,9 @@ def _groups(model: nn.Module, **first) -> list[dict]:
 optim = torch.optim
 OPTIMIZERS = {
     "sgd_momentum": lambda m: optim.SGD(_groups(m, lr=0.05, momentum=0.5), lr=0.1, momentum=0.9, weight_decay=1e-3),
-    "sgd_nesterov": lambda m: optim.SGD(_groups(m, weight_decay=0.0), lr=0.1, momentum=0.9, nesterov=True,
-                                    weight_decay=1e-3),
+    "sgd_nesterov": lambda m: optim.SGD(
+        _groups(m, weight_decay=0.0), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
     "adam_amsgrad": lambda m: optim.Adam(_groups(m, lr=0.02), lr=0.01, amsgrad=True),
     "adamw": lambda m: optim.AdamW(_groups(m, weight_decay=0.0), lr=0.01, weight_decay=0.1),
     "radam": lambda m: optim.RAdam(_groups(m, lr=0.02), lr=0.01),
@@ -71,8 +72,7 @@ OPTIMIZERS = {
 
 
 def _mirrored(n: int, share):
-    return lambda: sg.MirroredStrategy([f"cpu:{i}" for i in range(n)], share_parameters=share,
-                                       registry=cpu_registry(n))
+    return lambda: sg.MirroredStrategy([f"cpu:{i}" for i in range(n)], share_parameters=share, registry=cpu_registry(n))
 
 
 STRATEGIES = {
@@ -104,8 +104,9 @@ def test_every_optimizer_matches_one_device(opt_name, strategy_name):
     assert got["state"].keys() == expected["state"].keys()
     for i, entry in expected["state"].items():
         for key, value in entry.items():
-            torch.testing.assert_close(torch.as_tensor(got["state"][i][key]), torch.as_tensor(value),
-                                       **TOL[torch.float64], check_dtype=False)
+            torch.testing.assert_close(
+                torch.as_tensor(got["state"][i][key]), torch.as_tensor(value), **TOL[torch.float64], check_dtype=False
+            )
     for mine, theirs in zip(got["param_groups"], expected["param_groups"]):
         assert {k: v for k, v in mine.items()} == {k: v for k, v in theirs.items()}
 
@@ -127,11 +128,12 @@ def test_replicas_never_share_a_state_tensor_even_after_load_state_dict(opt_name
     strategy = _mirrored(3, share)()
     model, optimizer, _ = train_with(strategy, model, optimizer, batches)
     optimizer.load_state_dict(optimizer.state_dict())  # a resumed optimizer
-    pointers = [{t.untyped_storage().data_ptr() for t in _state_tensors(o) if t.numel()}
-                for o in _replica_optimizers(optimizer)]
+    pointers = [
+        {t.untyped_storage().data_ptr() for t in _state_tensors(o) if t.numel()} for o in _replica_optimizers(optimizer)
+    ]
     assert all(pointers), "every replica holds state"
     for r, mine in enumerate(pointers):
-        for k, theirs in enumerate(pointers[r + 1:], start=r + 1):
+        for k, theirs in enumerate(pointers[r + 1 :], start=r + 1):
             assert not mine & theirs, f"replicas {r} and {k} share a state tensor"
 
 
@@ -177,8 +179,11 @@ def test_a_subclass_keeps_its_own_fields_on_every_replica():
 @pytest.mark.parametrize("strategy_name", ["mirrored2", "mirrored2-private", "central2"])
 def test_lbfgs_is_refused_at_distribute_with_the_reason(strategy_name):
     model = mlp().double()
-    with pytest.raises(sg.InputError, match=r"cannot train with LBFGS over 2 replicas: LBFGS re-evaluates the loss "
-                                            r".* Received: LBFGS with 2 replicas in sync\. Train with LBFGS on one device"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"cannot train with LBFGS over 2 replicas: LBFGS re-evaluates the loss "
+        r".* Received: LBFGS with 2 replicas in sync\. Train with LBFGS on one device",
+    ):
         STRATEGIES[strategy_name]().distribute(model, torch.optim.LBFGS(model.parameters()))
 
 
@@ -192,6 +197,7 @@ def test_lbfgs_with_its_closure_works_on_one_replica():
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 return loss
+
             optimizer.step(closure)
 
         for x, y in batches:
@@ -214,8 +220,9 @@ def test_every_optimizer_and_a_scheduler_match_one_device_across_two_workers(tmp
     # head of the model through a user's Optimizer subclass, copied for each worker's second local replica,
     # with a LambdaLR stepped in the step function by every replica.
     out = tmp_path / "result.pt"
-    exit_code, output = launch_workers("mwms_optimizers.py", {"MW_OUT": str(out), "MW_LOCAL": "2"}, timeout=120,
-                                       tail=30)
+    exit_code, output = launch_workers(
+        "mwms_optimizers.py", {"MW_OUT": str(out), "MW_LOCAL": "2"}, timeout=120, tail=30
+    )
     assert exit_code == 0, output
     saved = torch.load(out)
     reference, optimizer = build_heads()

@@ -52,8 +52,14 @@ def _trainer(strategy):
 # The MLP per step and replica, by hand: Linear(6,16) ReLU Linear(16,16) Tanh Linear(16,4).
 # Forward: one addmm per Linear (3), one relu, one tanh. Backward: one threshold_backward (ReLU), one
 # tanh_backward, and mm for each Linear's weight gradient (3) plus the input gradient of the last two (2): 5.
-PER_STEP = {"aten::addmm": 3, "aten::relu": 1, "aten::tanh": 1, "aten::threshold_backward": 1,
-            "aten::tanh_backward": 1, "aten::mm": 5}
+PER_STEP = {
+    "aten::addmm": 3,
+    "aten::relu": 1,
+    "aten::tanh": 1,
+    "aten::threshold_backward": 1,
+    "aten::tanh_backward": 1,
+    "aten::mm": 5,
+}
 
 
 def test_one_device_step_counts_every_operation_on_its_device():
@@ -169,8 +175,8 @@ def test_a_stage_thread_counts_for_the_replica_and_is_judged_against_its_device(
 
             def stage():
                 with apply_placement(captured, device=torch.device("meta")):
-                    torch.ones(2, device="meta").exp()   # on the stage's device
-                    torch.ones(2).exp()                  # on the CPU: off the stage's device
+                    torch.ones(2, device="meta").exp()  # on the stage's device
+                    torch.ones(2).exp()  # on the CPU: off the stage's device
 
             thread = threading.Thread(target=stage)
             thread.start()
@@ -214,16 +220,20 @@ def _autograd_thread() -> dict:
     with sg.log_placement() as log:
         previous = enter_replica(ReplicaContext(0, 1, torch.device("sgdev:0"), None))
         try:
-            loss = (w * w).sum()          # forward: 1 mul, 1 sum
-            loss.backward()               # backward: 2 mul (grad * w, twice), 1 add (both paths into w)
-            host = w.detach().cpu() * 2   # a mul on the CPU while the replica is on sgdev
+            loss = (w * w).sum()  # forward: 1 mul, 1 sum
+            loss.backward()  # backward: 2 mul (grad * w, twice), 1 add (both paths into w)
+            host = w.detach().cpu() * 2  # a mul on the CPU while the replica is on sgdev
         finally:
             enter_replica(previous)
     return {
-        "backward_threads": backward_threads, "this_thread": threading.current_thread().name,
+        "backward_threads": backward_threads,
+        "this_thread": threading.current_thread().name,
         "mul": log.count(op="aten::mul", device="sgdev:0", replica=0),
         "add": log.count(op="aten::add", device="sgdev:0", replica=0),
-        "no_replica": log.count(replica=None), "steps": log.steps, "grad": w.grad.cpu(), "host": host,
+        "no_replica": log.count(replica=None),
+        "steps": log.steps,
+        "grad": w.grad.cpu(),
+        "host": host,
         "summary": log.summary(),
     }
 
@@ -233,7 +243,7 @@ def _copies() -> dict:
         for _ in range(2):
             log.step()
             on_device = torch.ones(10, 10).to("sgdev")  # 10 x 10 float32: 400 B to the device
-            on_device.cpu()                              # and 400 B back
+            on_device.cpu()  # and 400 B back
     return {"summary": log.summary()}
 
 
@@ -242,17 +252,17 @@ def _copy_into_and_item() -> dict:
     scalar = torch.tensor(1.5, dtype=torch.float16).to("sgdev")
     with sg.log_placement() as log:
         target = torch.empty(5, dtype=torch.float64)
-        target.copy_(source)    # 5 x float64: 40 B
-        value = scalar.item()   # one float16 read back: 2 B
+        target.copy_(source)  # 5 x float64: 40 B
+        value = scalar.item()  # one float16 read back: 2 B
     return {"summary": log.summary(), "value": value, "target": target}
 
 
 def _off_device() -> dict:
     x = torch.ones(3).to("sgdev")
     with sg.log_placement(device="sgdev:0") as log:
-        x * 3                   # on its device
+        x * 3  # on its device
         for _ in range(2):
-            x.cpu() + 1         # a copy (never judged off-device) and an add on the CPU
+            x.cpu() + 1  # a copy (never judged off-device) and an add on the CPU
         x.cpu().neg()
     return {"summary": log.summary(top=1)}
 
@@ -323,6 +333,17 @@ def test_summary_text_and_json():
     ]
     data = json.loads(json.dumps(summary.to_dict()))
     assert data["steps"] == 2 and data["copies_per_step"] == 2.0 and data["bytes_per_step"] == 800.0
-    assert data["off_device"][0] == {"op": "aten::mul", "device": "cpu", "replica_device": "sgdev:0", "count": 2,
-                                     "reason": None}
-    assert data["copies"][0] == {"source": "cpu", "destination": "sgdev:0", "count": 2, "num_bytes": 800, "reason": None}
+    assert data["off_device"][0] == {
+        "op": "aten::mul",
+        "device": "cpu",
+        "replica_device": "sgdev:0",
+        "count": 2,
+        "reason": None,
+    }
+    assert data["copies"][0] == {
+        "source": "cpu",
+        "destination": "sgdev:0",
+        "count": 2,
+        "num_bytes": 800,
+        "reason": None,
+    }

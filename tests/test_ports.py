@@ -45,8 +45,13 @@ def test_each_port_changes_few_lines(name: str) -> None:
 
 
 # ---- the ports learn ---------------------------------------------------------------------------
-def run_in_process(script: Path, args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
-                   capsys: pytest.CaptureFixture[str]) -> str:
+def run_in_process(
+    script: Path,
+    args: list[str],
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
     for name in ("STRATAGEM_STRATEGY", "STRATAGEM_DEVICES", "TF_CONFIG", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -87,14 +92,29 @@ def test_nlp_port_learns(mode: str, monkeypatch: pytest.MonkeyPatch, capsys: pyt
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("name", "args", "pattern", "threshold"), [
-    ("mnist", MNIST_ARGS, MNIST_ACCURACY, 60.0),
-    ("nlp", NLP_ARGS, NLP_ACCURACY, 0.8),
-], ids=["mnist", "nlp"])
-def test_port_learns_under_launch_with_two_workers(name: str, args: list[str], pattern: re.Pattern[str],
-                                                    threshold: float) -> None:
-    command = [sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--timeout", "360",
-               str(PORTS / f"{name}_port.py"), *args]
+@pytest.mark.parametrize(
+    ("name", "args", "pattern", "threshold"),
+    [
+        ("mnist", MNIST_ARGS, MNIST_ACCURACY, 60.0),
+        ("nlp", NLP_ARGS, NLP_ACCURACY, 0.8),
+    ],
+    ids=["mnist", "nlp"],
+)
+def test_port_learns_under_launch_with_two_workers(
+    name: str, args: list[str], pattern: re.Pattern[str], threshold: float
+) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "stratagem",
+        "launch",
+        "--workers",
+        "2",
+        "--timeout",
+        "360",
+        str(PORTS / f"{name}_port.py"),
+        *args,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=390, check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     chief = "\n".join(line for line in done.stdout.splitlines() if line.startswith("[worker:0] "))
@@ -107,8 +127,10 @@ def test_port_learns_under_launch_with_two_workers(name: str, args: list[str], p
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(3)
     # 7 and 5 examples: the two replicas get unequal slices, so the weighting matters.
-    return [(torch.randn(n, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (n,), generator=generator))
-            for n in (7, 5, 7)]
+    return [
+        (torch.randn(n, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (n,), generator=generator))
+        for n in (7, 5, 7)
+    ]
 
 
 def _model() -> torch.nn.Module:
@@ -190,8 +212,17 @@ def test_print_writes_in_the_chief_only(capsys: pytest.CaptureFixture[str]) -> N
 def _rank_one_cluster():
     from stratagem.cluster import resolve_cluster
 
-    return resolve_cluster(None, env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    return resolve_cluster(
+        None,
+        env={
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        },
+    )
 
 
 # ---- strategy_from_env ---------------------------------------------------------------------------
@@ -217,10 +248,19 @@ def test_strategy_from_env_refuses_empty_devices() -> None:
 
 
 def test_strategy_from_env_refuses_a_one_process_strategy_in_a_cluster() -> None:
-    env = {"STRATAGEM_STRATEGY": "mirrored", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    with pytest.raises(sg.InputError, match="STRATAGEM_STRATEGY=mirrored trains in one process, but this process "
-                                            "is worker:1 of a cluster of 2"):
+    env = {
+        "STRATAGEM_STRATEGY": "mirrored",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    with pytest.raises(
+        sg.InputError,
+        match="STRATAGEM_STRATEGY=mirrored trains in one process, but this process is worker:1 of a cluster of 2",
+    ):
         sg.strategy_from_env(env)
 
 

@@ -18,12 +18,19 @@ B = Shard(name="b", parameter="b", ps=1, start=0, stop=2, group=0)
 
 def _replies() -> dict[int, checkpoint.Reply]:
     # What each server's Save answers: values and per-row state by shard name, scalars in meta.
-    ps0 = {"w/part_0": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "w/part_0#momentum": torch.tensor([[0.1, 0.2],
-                                                                                                 [0.3, 0.4]])}
-    ps1 = {"w/part_1": torch.tensor([[5.0, 6.0]]), "w/part_1#momentum": torch.tensor([[0.5, 0.6]]),
-           "b": torch.tensor([7.0, 8.0])}
-    return {0: ("save", {"scalars": {"w/part_0": {"step": 3}}}, ps0),
-            1: ("save", {"scalars": {"w/part_1": {"step": 3}, "b": {"step": 3}}}, ps1)}
+    ps0 = {
+        "w/part_0": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+        "w/part_0#momentum": torch.tensor([[0.1, 0.2], [0.3, 0.4]]),
+    }
+    ps1 = {
+        "w/part_1": torch.tensor([[5.0, 6.0]]),
+        "w/part_1#momentum": torch.tensor([[0.5, 0.6]]),
+        "b": torch.tensor([7.0, 8.0]),
+    }
+    return {
+        0: ("save", {"scalars": {"w/part_0": {"step": 3}}}, ps0),
+        1: ("save", {"scalars": {"w/part_1": {"step": 3}, "b": {"step": 3}}}, ps1),
+    }
 
 
 def test_join_state_puts_the_rows_of_each_parameter_and_its_state_back_together():
@@ -48,8 +55,11 @@ def test_shard_state_cuts_a_checkpoint_for_another_placement():
 
 def test_a_checkpoint_without_a_parameter_of_the_model_is_refused():
     state = checkpoint.join_state([B], {1: _replies()[1]})
-    with pytest.raises(InputError, match=r"The checkpoint lacks parameters of this model\. Received: missing \['w'\]\. "
-                                         r"Restore a checkpoint written for this model\."):
+    with pytest.raises(
+        InputError,
+        match=r"The checkpoint lacks parameters of this model\. Received: missing \['w'\]\. "
+        r"Restore a checkpoint written for this model\.",
+    ):
         checkpoint.check_covers(state, [W0, W1, B])
 
 

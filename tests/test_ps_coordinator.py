@@ -36,6 +36,7 @@ def _step_fn(model, optimizer):
         optimizer.step()
         optimizer.zero_grad()
         return loss
+
     return step
 
 
@@ -51,8 +52,10 @@ def test_one_worker_equals_plain_training(opt_name):
         strategy = ParameterServerStrategy(cluster, partitioner=FixedShardsPartitioner(2))
         before = strategy.explain()
         assert before.decision("variables").choice == "not placed yet"
-        assert before.decision("values between workers and parameter servers").choice == \
-            "shared memory on one host, else gRPC"
+        assert (
+            before.decision("values between workers and parameter servers").choice
+            == "shared memory on one host, else gRPC"
+        )
         assert before.details["shards"] == "placed by distribute(model, optimizer)"
         ps_model, ps_optimizer = strategy.distribute(model, optimizer)
         coordinator = ClusterCoordinator(strategy)
@@ -93,6 +96,7 @@ def test_two_workers_train_asynchronously_with_per_worker_datasets(cluster2):
 
     def step(iterator):
         from stratagem.strategies.parameter_server.worker import current_worker
+
         seen_workers.add(current_worker().task)
         x, y = next(iterator)
         loss = F.cross_entropy(model(x), y)
@@ -211,6 +215,7 @@ def test_lost_worker_functions_run_elsewhere_and_it_comes_back(cluster2):
 
     def step(iterator):
         from stratagem.strategies.parameter_server.worker import current_worker
+
         x, y = next(iterator)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -298,12 +303,15 @@ def test_schedule_refuses_what_cannot_travel(cluster2):
 
 
 def test_strategy_refuses_incomplete_clusters():
-    no_ps = Cluster.from_tf_config({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
-                                    "task": {"type": "chief", "index": 0}})
+    no_ps = Cluster.from_tf_config(
+        {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "task": {"type": "chief", "index": 0}}
+    )
     with pytest.raises(InputError, match="needs at least one parameter-server task"):
         ParameterServerStrategy(no_ps, cluster_token="t", env={})
-    with_ps = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
-               "task": {"type": "chief", "index": 0}}
+    with_ps = {
+        "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+        "task": {"type": "chief", "index": 0},
+    }
     with pytest.raises(InputError, match="No cluster token"):
         ParameterServerStrategy(with_ps, env={})
     with pytest.raises(InputError, match="partitioner must be callable"):

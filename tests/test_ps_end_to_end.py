@@ -23,13 +23,23 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_launch_runs_the_same_script_on_chief_worker_and_ps(tmp_path):
     lines: list[str] = []
-    env = dict(environ.current(), PS_TEST_STEPS="30", PS_TEST_OUT=str(tmp_path / "losses.json"),
-               PS_TEST_CHECKPOINT=str(tmp_path / "ckpt.pt"),
-               # Steps of 0.2 s: worker:0 (inside the chief) alone would need 6 s, time enough for worker:1's
-               # process to start (importing torch) and take some, even on a loaded machine.
-               PS_TEST_STEP_SLEEP="0.2")
-    result = launch([sys.executable, SCRIPT], workers=2, ps=1, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=100)
+    env = dict(
+        environ.current(),
+        PS_TEST_STEPS="30",
+        PS_TEST_OUT=str(tmp_path / "losses.json"),
+        PS_TEST_CHECKPOINT=str(tmp_path / "ckpt.pt"),
+        # Steps of 0.2 s: worker:0 (inside the chief) alone would need 6 s, time enough for worker:1's
+        # process to start (importing torch) and take some, even on a loaded machine.
+        PS_TEST_STEP_SLEEP="0.2",
+    )
+    result = launch(
+        [sys.executable, SCRIPT],
+        workers=2,
+        ps=1,
+        env=env,
+        sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
+        timeout=100,
+    )
     assert result.ok, result.explain() + "\n" + "\n".join(lines[-40:])
     losses = json.loads((tmp_path / "losses.json").read_text())["losses"]
     assert len(losses) == 30
@@ -40,8 +50,9 @@ def test_launch_runs_the_same_script_on_chief_worker_and_ps(tmp_path):
 
 
 def _start(env: dict[str, str], task: str, out: queue.Queue) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
     def pump() -> None:
         for line in process.stdout:
@@ -54,20 +65,35 @@ def _start(env: dict[str, str], task: str, out: queue.Queue) -> subprocess.Popen
 @pytest.mark.timeout(150)
 def test_sigkilled_worker_functions_run_again_and_training_completes(tmp_path):
     ports = free_ports(4)
-    addresses = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:3]],
-                 "ps": [f"127.0.0.1:{ports[3]}"]}
-    base = {k: v for k, v in environ.current().items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    base.update(STRATAGEM_CLUSTER_TOKEN="sigkill-test", PYTHONUNBUFFERED="1", PS_TEST_STEPS="50",
-                PS_TEST_STEP_SLEEP="0.2", PS_TEST_PS_EXIT_DELAY="0", PS_TEST_CHIEF_TIMEOUT="8", PS_TEST_OUT=str(tmp_path / "losses.json"))
+    addresses = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1:3]],
+        "ps": [f"127.0.0.1:{ports[3]}"],
+    }
+    base = {
+        k: v
+        for k, v in environ.current().items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    base.update(
+        STRATAGEM_CLUSTER_TOKEN="sigkill-test",
+        PYTHONUNBUFFERED="1",
+        PS_TEST_STEPS="50",
+        PS_TEST_STEP_SLEEP="0.2",
+        PS_TEST_PS_EXIT_DELAY="0",
+        PS_TEST_CHIEF_TIMEOUT="8",
+        PS_TEST_OUT=str(tmp_path / "losses.json"),
+    )
 
     def env_for(kind: str, index: int) -> dict[str, str]:
         return dict(base, TF_CONFIG=json.dumps({"cluster": addresses, "task": {"type": kind, "index": index}}))
 
     output: queue.Queue = queue.Queue()
     log: list[str] = []
-    processes = {f"{k}:{i}": _start(env_for(k, i), f"{k}:{i}", output)
-                 for k, i in (("ps", 0), ("worker", 0), ("worker", 1), ("chief", 0))}
+    processes = {
+        f"{k}:{i}": _start(env_for(k, i), f"{k}:{i}", output)
+        for k, i in (("ps", 0), ("worker", 0), ("worker", 1), ("chief", 0))
+    }
     try:
         deadline = time.monotonic() + 90
         done_on_1 = 0
@@ -88,8 +114,10 @@ def test_sigkilled_worker_functions_run_again_and_training_completes(tmp_path):
         assert len(losses) == 50
         assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
         after_kill = log[killed_at:]
-        assert any("[chief:0] worker:1 unreachable; train_step" in line and "goes back to the queue" in line
-                   for line in after_kill), "\n".join(log[-60:])
+        assert any(
+            "[chief:0] worker:1 unreachable; train_step" in line and "goes back to the queue" in line
+            for line in after_kill
+        ), "\n".join(log[-60:])
         assert any("step done on worker:0" in line for line in after_kill)
         codes = {}
         for name in ("worker:0", "worker:1", "ps:0"):

@@ -41,8 +41,14 @@ SECURITY = Security(token="errors")
 
 def _cluster(kind: str, index: int = 0) -> dict:
     ports = free_ports(3)
-    return {"cluster": {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"],
-                        "ps": [f"127.0.0.1:{ports[2]}"]}, "task": {"type": kind, "index": index}}
+    return {
+        "cluster": {
+            "chief": [f"127.0.0.1:{ports[0]}"],
+            "worker": [f"127.0.0.1:{ports[1]}"],
+            "ps": [f"127.0.0.1:{ports[2]}"],
+        },
+        "task": {"type": kind, "index": index},
+    }
 
 
 def test_wire_refuses_dtypes_it_cannot_carry():
@@ -51,7 +57,9 @@ def test_wire_refuses_dtypes_it_cannot_carry():
 
 
 def test_server_reports_an_address_it_cannot_listen_on():
-    with pytest.raises(ParameterServerError, match="Could not listen at 256.1.1.1:0: .* Received: address='256.1.1.1:0'"):
+    with pytest.raises(
+        ParameterServerError, match="Could not listen at 256.1.1.1:0: .* Received: address='256.1.1.1:0'"
+    ):
         Server("stratagem.test", {}, security=SECURITY, address="256.1.1.1:0")
 
 
@@ -81,8 +89,9 @@ def test_a_second_parameter_server_cannot_take_the_port_of_a_running_one():
     first = ParameterServer(security=SECURITY, task="ps:0")
     try:
         port = first.address.rsplit(":", 1)[1]
-        with pytest.raises(ParameterServerError,
-                           match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Stop the process"):
+        with pytest.raises(
+            ParameterServerError, match=f"Could not listen at 127.0.0.1:{port}: port {port} is taken .*Stop the process"
+        ):
             ParameterServer(security=SECURITY, address=first.address, task="ps:0")
         client = Client(first.address, PS_SERVICE, security=SECURITY, task="ps:0")
         assert client.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"
@@ -93,8 +102,9 @@ def test_a_second_parameter_server_cannot_take_the_port_of_a_running_one():
 
 @pytest.mark.timeout(30)
 def test_a_call_that_outlives_its_timeout_names_the_task():
-    server = Server("stratagem.test", {"Slow": lambda op, meta, t: (time.sleep(1.0), ("ok", None, {}))[1]},
-                    security=SECURITY)
+    server = Server(
+        "stratagem.test", {"Slow": lambda op, meta, t: (time.sleep(1.0), ("ok", None, {}))[1]}, security=SECURITY
+    )
     try:
         client = Client(server.address, "stratagem.test", security=SECURITY, task="ps:5")
         with pytest.raises(CollectiveTimeoutError, match="ps:5 at .* did not answer Slow within 0.2 s"):
@@ -110,19 +120,30 @@ def test_parameter_server_refuses_malformed_requests():
     try:
         with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Create needs a group index for every shard"):
             client.call("Create", "create", {"groups": {}}, {"w": torch.ones(2)}, timeout=10)
-        with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: ps:0 holds a different set of shards than "
-                                                       r"the caller expects. Received: layout 'abc'"):
+        with pytest.raises(
+            ParameterServerError,
+            match=r"INVALID_ARGUMENT: ps:0 holds a different set of shards than "
+            r"the caller expects. Received: layout 'abc'",
+        ):
             client.call("Pull", "pull", {"layout": "abc"}, timeout=10)
         with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: ps:0 holds no shard named \['w'\]"):
             client.call("Load", "load", {}, {"w": torch.ones(2)}, timeout=10)
         assert client.call("Ping", "ping", timeout=10)[1]["shards"] == 0  # still serving
         spec = optimizer_spec(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
-        layout = client.call("Create", "create", {"groups": {"w": 0, "b": 0}, "optimizer": spec},
-                             {"w": torch.ones(2), "b": torch.ones(3)}, timeout=10)[1]["layout"]
+        layout = client.call(
+            "Create",
+            "create",
+            {"groups": {"w": 0, "b": 0}, "optimizer": spec},
+            {"w": torch.ones(2), "b": torch.ones(3)},
+            timeout=10,
+        )[1]["layout"]
         with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: A push carries a shard twice. Received: "):
             client.call("Push", "push", {"layout": layout}, {"@0": torch.ones(5), "w": torch.ones(2)}, timeout=10)
-        with pytest.raises(ParameterServerError, match=r"INVALID_ARGUMENT: Malformed .* tensors do not match the "
-                                                       r"destinations. Received: @0 torch.float32 \[4\]"):
+        with pytest.raises(
+            ParameterServerError,
+            match=r"INVALID_ARGUMENT: Malformed .* tensors do not match the "
+            r"destinations. Received: @0 torch.float32 \[4\]",
+        ):
             client.call("Push", "push", {"layout": layout}, {"@0": torch.ones(4)}, timeout=10)
         with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: ps:0 holds a different set of shards"):
             client.call("Push", "push", {"layout": "stale"}, {"@0": torch.ones(5)}, timeout=10)
@@ -170,8 +191,9 @@ def test_values_round_trip_and_errors_come_back_typed():
     assert type(batch) is dict and torch.equal(batch["input_ids"], torch.arange(3))
     error = functions.rebuild_error({"module": "builtins", "type": "KeyError", "message": "k"}, "f on worker:0")
     assert isinstance(error, KeyError)
-    unknown = functions.rebuild_error({"module": "user_mod", "type": "Oops", "message": "bad", "traceback": "tb"},
-                                      "step #3 on worker:1")
+    unknown = functions.rebuild_error(
+        {"module": "user_mod", "type": "Oops", "message": "bad", "traceback": "tb"}, "step #3 on worker:1"
+    )
     assert isinstance(unknown, ReplicaError)
     assert "step #3 on worker:1. Received: user_mod.Oops: bad" in str(unknown)
 
@@ -226,10 +248,14 @@ def test_a_chief_step_before_distribute_is_refused():
     with InProcessCluster(num_workers=1, num_ps=1) as cluster:
         strategy = ParameterServerStrategy(cluster)
         coordinator = ClusterCoordinator(strategy)
-        with pytest.raises(InputError, match=r"A step ran before strategy.distribute\(model, optimizer\). Received: no "
-                                             r"model. Distribute the model first"):
-            fit_steps.fit_steps(coordinator, lambda x, y: x.sum(), [(torch.zeros(2, 3), torch.zeros(2))],
-                                lambda loss: None)
+        with pytest.raises(
+            InputError,
+            match=r"A step ran before strategy.distribute\(model, optimizer\). Received: no "
+            r"model. Distribute the model first",
+        ):
+            fit_steps.fit_steps(
+                coordinator, lambda x, y: x.sum(), [(torch.zeros(2, 3), torch.zeros(2))], lambda loss: None
+            )
         strategy.shutdown()
 
 
@@ -249,8 +275,9 @@ def test_every_worker_lost_fails_the_coordinator():
         coordinator = ClusterCoordinator(strategy, worker_recovery_timeout=0.5)
         cluster.kill_worker(0)
         value = coordinator.schedule(_numbers)
-        with pytest.raises(ParameterServerError, match="Every worker was lost. Received: worker:0 did not come back "
-                                                       "within 0.5 s"):
+        with pytest.raises(
+            ParameterServerError, match="Every worker was lost. Received: worker:0 did not come back within 0.5 s"
+        ):
             coordinator.join()
         with pytest.raises(ParameterServerError, match="Every worker was lost"):
             value.fetch()
@@ -265,14 +292,23 @@ def test_cluster_and_role_errors():
     config["task"] = {"type": "evaluator", "index": 0}
     with pytest.raises(InputError, match="no evaluator role. Received: task evaluator:0"):
         ParameterServerStrategy(config, cluster_token="t", env={})
-    with pytest.raises(InputError, match="rpc_timeout must be a number of seconds > 0. Received: rpc_timeout=0. "
-                                         "Pass a positive number of seconds."):
+    with pytest.raises(
+        InputError,
+        match="rpc_timeout must be a number of seconds > 0. Received: rpc_timeout=0. "
+        "Pass a positive number of seconds.",
+    ):
         ParameterServerStrategy(_cluster("chief"), cluster_token="t", rpc_timeout=0, env={})
-    with pytest.raises(InputError, match="ps_exit_delay must be a number of seconds >= 0. Received: ps_exit_delay=-1. "
-                                         "Pass a non-negative number of seconds."):
+    with pytest.raises(
+        InputError,
+        match="ps_exit_delay must be a number of seconds >= 0. Received: ps_exit_delay=-1. "
+        "Pass a non-negative number of seconds.",
+    ):
         ParameterServerStrategy(_cluster("chief"), cluster_token="t", ps_exit_delay=-1, env={})
-    with pytest.raises(InputError, match="shared_memory must be None, True or False. Received: 'yes'. Pass None to use "
-                                         "shared memory with servers on this host"):
+    with pytest.raises(
+        InputError,
+        match="shared_memory must be None, True or False. Received: 'yes'. Pass None to use "
+        "shared memory with servers on this host",
+    ):
         ParameterServerStrategy(_cluster("chief"), cluster_token="t", shared_memory="yes", env={})
     no_workers = _cluster("chief")
     del no_workers["cluster"]["worker"]
@@ -289,7 +325,9 @@ def test_worker_task_refuses_to_serve_before_distribute_and_stops_when_the_chief
         coordinator.schedule(_numbers)
     strategy.distribute(torch.nn.Linear(2, 2))  # a worker task sends nothing to the parameter servers
     started = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match="worker:0 lost the chief: chief:0 at 127.0.0.1:.* has not answered"):
+    with pytest.raises(
+        CollectiveTimeoutError, match="worker:0 lost the chief: chief:0 at 127.0.0.1:.* has not answered"
+    ):
         coordinator.join()
     assert time.monotonic() - started < 10
 
@@ -306,8 +344,12 @@ def test_ps_task_serves_until_the_chief_ends_the_job(monkeypatch):
         except BaseException as exc:  # noqa: BLE001 - the test reads what the task ended with
             outcome.append(exc)
 
-    chief = Server(strategy_module.CHIEF_SERVICE, {"Ping": lambda op, meta, t: ("pong", None, {})},
-                   security=Security(token="t"), address=config["cluster"]["chief"][0])
+    chief = Server(
+        strategy_module.CHIEF_SERVICE,
+        {"Ping": lambda op, meta, t: ("pong", None, {})},
+        security=Security(token="t"),
+        address=config["cluster"]["chief"][0],
+    )
     thread = threading.Thread(target=ps_task)
     thread.start()
     client = Client(config["cluster"]["ps"][0], PS_SERVICE, security=Security(token="t"), task="ps:0")

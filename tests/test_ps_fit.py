@@ -39,8 +39,17 @@ def test_fit_with_one_worker_equals_the_plain_loop(opt_name):
     with InProcessCluster(num_workers=1, num_ps=2) as cluster:
         strategy = ParameterServerStrategy(cluster, partitioner=FixedShardsPartitioner(2))
         try:
-            history = sg.fit(strategy, model, optimizer, F.cross_entropy, batches, epochs=2, metrics=["accuracy"],
-                             clip_grad_norm=1.0, validation_data=batches)
+            history = sg.fit(
+                strategy,
+                model,
+                optimizer,
+                F.cross_entropy,
+                batches,
+                epochs=2,
+                metrics=["accuracy"],
+                clip_grad_norm=1.0,
+                validation_data=batches,
+            )
             # After fit, the chief's copy holds the trained values (pulled from the parameter servers).
             for (name, got), want in zip(history.model.module.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(got, want, **TOL[torch.float64], msg=lambda m, n=name: f"{n}: {m}")

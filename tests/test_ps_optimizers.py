@@ -55,8 +55,9 @@ def test_the_servers_apply_the_users_optimizer_as_one_device_does(name):
     optimizer = OPTIMIZERS[name](model.parameters())
     servers = [ParameterServer(security=SECURITY, task=f"ps:{i}") for i in range(2)]
     shards = place([(n, p, 0) for n, p in model.named_parameters()], 2, FixedShardsPartitioner(2))
-    variables = ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20,
-                                 shared_memory=False)
+    variables = ShardedVariables(
+        shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20, shared_memory=False
+    )
     try:
         variables.create(dict(model.named_parameters()), optimizer)
         params = dict(model.named_parameters())
@@ -78,13 +79,19 @@ def test_the_servers_apply_the_users_optimizer_as_one_device_does(name):
 def test_an_optimizer_attribute_that_json_cannot_carry_is_refused_before_any_work():
     optimizer = ScaledSGD([torch.nn.Parameter(torch.zeros(2))], 0.5, lr=0.1)
     optimizer.scale = torch.ones(3)  # a tensor of several values: no plain number to send
-    with pytest.raises(InputError, match=r"An optimizer attribute cannot be sent to the parameter servers\. "
-                                         r"Received: ScaledSGD\.scale=tensor\(\[1\., 1\., 1\.\]\)\. Keep numbers, booleans"):
+    with pytest.raises(
+        InputError,
+        match=r"An optimizer attribute cannot be sent to the parameter servers\. "
+        r"Received: ScaledSGD\.scale=tensor\(\[1\., 1\., 1\.\]\)\. Keep numbers, booleans",
+    ):
         optimizer_spec(optimizer)
 
 
 def test_lbfgs_is_refused_by_name_not_by_its_attributes():
     optimizer = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(2))])
-    with pytest.raises(InputError, match=r"cannot apply LBFGS: its step re-evaluates the loss through a closure.*"
-                                         r"Received: LBFGS\. Choose a first-order optimizer"):
+    with pytest.raises(
+        InputError,
+        match=r"cannot apply LBFGS: its step re-evaluates the loss through a closure.*"
+        r"Received: LBFGS\. Choose a first-order optimizer",
+    ):
         optimizer_spec(optimizer)

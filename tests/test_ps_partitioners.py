@@ -61,22 +61,30 @@ def test_place_round_robin_whole_tensors_without_partitioner():
 def test_place_partitions_and_deals_shards_round_robin():
     params = [("a", torch.zeros(5, 2), 0), ("b", torch.zeros(3), 0), ("c", torch.tensor(1.0), 0)]
     got = [(s.name, s.ps, s.start, s.stop) for s in place(params, 2, FixedShardsPartitioner(2))]
-    assert got == [("a/part_0", 0, 0, 3), ("a/part_1", 1, 3, 5), ("b/part_0", 0, 0, 2), ("b/part_1", 1, 2, 3),
-                   ("c", 0, 0, 1)]
+    assert got == [
+        ("a/part_0", 0, 0, 3),
+        ("a/part_1", 1, 3, 5),
+        ("b/part_0", 0, 0, 2),
+        ("b/part_1", 1, 2, 3),
+        ("c", 0, 0, 1),
+    ]
     w = torch.arange(10.0).reshape(5, 2)
     shards = place([("w", w, 0)], 2, FixedShardsPartitioner(2))
     assert torch.equal(torch.cat([shard_of(w, s) for s in shards]), w)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: FixedShardsPartitioner(0), "num_shards must be a positive integer. Received: num_shards=0"),
-    (lambda: MinSizePartitioner(min_shard_bytes=-1), "min_shard_bytes must be a positive integer"),
-    (lambda: MinSizePartitioner(max_shards=1.5), "max_shards must be a positive integer"),
-    (lambda: MaxSizePartitioner(max_shard_bytes=0), "max_shard_bytes must be a positive integer"),
-    (lambda: place([], 0, None), "num_ps must be a positive integer"),
-    (lambda: place([("w", torch.zeros(2), 0)], 1, "fixed"), "partitioner must be callable"),
-    (lambda: place([("w", torch.zeros(2), 0)], 1, lambda shape, dtype: 7), "impossible shard count. Received: 7"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: FixedShardsPartitioner(0), "num_shards must be a positive integer. Received: num_shards=0"),
+        (lambda: MinSizePartitioner(min_shard_bytes=-1), "min_shard_bytes must be a positive integer"),
+        (lambda: MinSizePartitioner(max_shards=1.5), "max_shards must be a positive integer"),
+        (lambda: MaxSizePartitioner(max_shard_bytes=0), "max_shard_bytes must be a positive integer"),
+        (lambda: place([], 0, None), "num_ps must be a positive integer"),
+        (lambda: place([("w", torch.zeros(2), 0)], 1, "fixed"), "partitioner must be callable"),
+        (lambda: place([("w", torch.zeros(2), 0)], 1, lambda shape, dtype: 7), "impossible shard count. Received: 7"),
+    ],
+)
 def test_bad_arguments_are_refused(make, match):
     with pytest.raises(InputError, match=match):
         make()

@@ -51,18 +51,25 @@ def self_signed(tmp_path):
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -72,8 +79,11 @@ def test_listens_on_loopback_by_default(server):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("numel", "small_reply"), [(2, False), (2, True), (wire.CHUNK_BYTES // 4 + 10, False)],
-                         ids=["one-piece", "unary", "streamed"])
+@pytest.mark.parametrize(
+    ("numel", "small_reply"),
+    [(2, False), (2, True), (wire.CHUNK_BYTES // 4 + 10, False)],
+    ids=["one-piece", "unary", "streamed"],
+)
 def test_wrong_token_is_refused_before_the_handler_runs(server, numel, small_reply):
     client = Client(server.address, SERVICE, security=Security(token="wrong"), task="echo:0")
     with pytest.raises(ParameterServerError, match="UNAUTHENTICATED: Wrong cluster token") as info:
@@ -118,9 +128,11 @@ def test_malformed_message_gets_invalid_argument_and_server_keeps_serving(server
     single = channel.unary_stream(f"/{SERVICE}/Echo{transport.SINGLE}")
     unary = channel.unary_unary(f"/{SERVICE}/Echo{transport.UNARY}")
     for payload in (b"\x80\x04pickled", forged):
-        for call in (lambda p: list(stub(iter([p]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),))),
-                     lambda p: list(single(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))),
-                     lambda p: unary(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))):
+        for call in (
+            lambda p: list(stub(iter([p]), timeout=10, metadata=((transport.TOKEN_KEY, "right"),))),
+            lambda p: list(single(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),))),
+            lambda p: unary(p, timeout=10, metadata=((transport.TOKEN_KEY, "right"),)),
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 call(payload)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -274,10 +286,13 @@ def test_a_parameter_server_refuses_oversized_and_deeply_nested_requests_early()
     try:
         # Random bytes: refused on the first piece, the other 49 never read (the server used to join them all).
         error = _raw_call(ps.address, "Ping", (os.urandom(2 << 20) for _ in range(50)))
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("Malformed parameter-server message: wrong magic")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(
+            "Malformed parameter-server message: wrong magic"
+        )
         # A well-formed header that declares 300 MiB of tensors to a method that takes none.
-        error = _raw_call(ps.address, "Ping", [_header_only("ping", b"null", [["x", "uint8", [300 << 20], 0]]),
-                                               os.urandom(2 << 20)])
+        error = _raw_call(
+            ps.address, "Ping", [_header_only("ping", b"null", [["x", "uint8", [300 << 20], 0]]), os.urandom(2 << 20)]
+        )
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "tensors larger than this method takes. Received: 314572800 bytes" in error.details()
         # A header nested past the JSON parser's recursion limit, to a method that takes large headers.
@@ -286,7 +301,10 @@ def test_a_parameter_server_refuses_oversized_and_deeply_nested_requests_early()
         assert "header nests deeper than" in error.details()
         # A checkpoint larger than the shards this server holds (none yet).
         error = _raw_call(ps.address, "Load", [_header_only("load", b"{}", [["w", "float32", [4 << 20], 0]])])
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensors larger than this method takes" in error.details()
+        assert (
+            error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "tensors larger than this method takes" in error.details()
+        )
         client = Client(ps.address, PS_SERVICE, security=Security(token="right"), task="ps:0")
         assert client.call("Ping", "ping", timeout=10)[1]["task"] == "ps:0"  # still serving
         client.close()

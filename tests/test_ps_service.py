@@ -37,8 +37,9 @@ def servers():
 def _variables(model, optimizer, servers, partitioner, shared_memory=None):
     groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     shards = place([(n, p, groups[id(p)]) for n, p in model.named_parameters()], len(servers), partitioner)
-    return ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20,
-                            shared_memory=shared_memory)
+    return ShardedVariables(
+        shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20, shared_memory=shared_memory
+    )
 
 
 # Values travel through shared memory between tasks of one host (the default), over gRPC otherwise.
@@ -138,7 +139,9 @@ def test_restore_of_a_missing_damaged_or_unsafe_file_names_it_and_says_what_to_d
     with pytest.raises(InputError, match=r"No checkpoint at .*missing.pt.*Check the path"):
         variables.restore(tmp_path / "missing.pt")
     (tmp_path / "garbage.pt").write_bytes(b"\x80\x04 not a checkpoint")
-    with pytest.raises(CorruptCheckpointError, match=r"garbage.pt' is not a readable checkpoint: it is not a zip archive"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"garbage.pt' is not a readable checkpoint: it is not a zip archive"
+    ):
         variables.restore(tmp_path / "garbage.pt")
     torch.save({"format": "stratagem-ps-checkpoint", "x": _Foreign()}, tmp_path / "foreign.pt")
     with pytest.raises(InputError, match=r"foreign.pt' holds objects other than tensors") as caught:
@@ -157,7 +160,10 @@ def test_push_errors_name_the_problem(servers):
     with pytest.raises(ParameterServerError, match="has no optimizer"):
         variables.push({n: torch.zeros_like(p) for n, p in model.named_parameters()})
     variables.create(dict(model.named_parameters()), optimizer)
-    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT: Malformed parameter-server message: tensors do not match the destinations"):
+    with pytest.raises(
+        ParameterServerError,
+        match="INVALID_ARGUMENT: Malformed parameter-server message: tensors do not match the destinations",
+    ):
         variables.push({n: torch.zeros(1) for n, _ in model.named_parameters()})
     servers[1].stop()
     with pytest.raises(ParameterServerError, match="ps:1 at .* failed (Pull|PullShared|Attach). Received: UNAVAILABLE"):
@@ -174,8 +180,11 @@ def test_optimizer_class_must_be_a_torch_optimizer():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("push_shared", "pull_shared"), [(False, False), (None, False), (False, None)],
-                         ids=["grpc-both", "shared-push-grpc-pull", "grpc-push-shared-pull"])
+@pytest.mark.parametrize(
+    ("push_shared", "pull_shared"),
+    [(False, False), (None, False), (False, None)],
+    ids=["grpc-both", "shared-push-grpc-pull", "grpc-push-shared-pull"],
+)
 def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch, push_shared, pull_shared):
     # Each push adds exactly 1 to every element (SGD, lr 1, gradient -1), and pushes and pulls both
     # span several 2 MiB pieces, so a pull taken while a push is applied would show two values.
@@ -193,8 +202,9 @@ def test_a_pull_never_sees_half_of_a_push(servers, monkeypatch, push_shared, pul
     shards = place([(n, p, 0) for n, p in params.items()], 1, None)
 
     def variables(shared_memory):
-        return ShardedVariables(shards, [servers[0].address], security=SECURITY, rpc_timeout=20,
-                                shared_memory=shared_memory)
+        return ShardedVariables(
+            shards, [servers[0].address], security=SECURITY, rpc_timeout=20, shared_memory=shared_memory
+        )
 
     pusher, puller = variables(push_shared), variables(pull_shared)
     pusher.create(params, optimizer)
@@ -240,8 +250,9 @@ def test_a_pull_under_way_keeps_the_values_it_started_with(update):
     try:
         before = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB: two pieces
         optimizer = torch.optim.SGD([torch.nn.Parameter(before.clone())], lr=1.0)
-        _, meta, _ = ps._create("create", {"groups": {"w": 0}, "optimizer": optimizer_spec(optimizer)},
-                                {"w": before.clone()})
+        _, meta, _ = ps._create(
+            "create", {"groups": {"w": 0}, "optimizer": optimizer_spec(optimizer)}, {"w": before.clone()}
+        )
         reply = ps._pull("pull", {"layout": meta["layout"]}, {})
         first = next(reply)
         if update == "push":

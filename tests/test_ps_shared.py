@@ -35,8 +35,7 @@ from stratagem.strategies.parameter_server.server import SERVICE, ParameterServe
 from stratagem.strategies.parameter_server.transport import Client, Security
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(shared.eligible() is not None, reason=f"{shared.eligible()}")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(shared.eligible() is not None, reason=f"{shared.eligible()}")]
 
 SECURITY = Security(token="shared-test")
 COUNTERS = pytest.mark.skipif(eligibility.ordered_stores() is not None, reason=f"{eligibility.ordered_stores()}")
@@ -58,8 +57,12 @@ def _mixed_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     model[2].double()
-    optimizer = torch.optim.Adam([{"params": model[0].parameters(), "lr": 0.05},
-                                  {"params": model[2].parameters(), "lr": 0.02, "weight_decay": 0.1}])
+    optimizer = torch.optim.Adam(
+        [
+            {"params": model[0].parameters(), "lr": 0.05},
+            {"params": model[2].parameters(), "lr": 0.02, "weight_decay": 0.1},
+        ]
+    )
     return model, optimizer
 
 
@@ -91,8 +94,12 @@ def test_buckets_of_two_dtypes_and_groups_train_as_torch_does_and_live_in_the_fi
         pytest.skip(eligibility.ordered_stores())
     model, optimizer = _mixed_model()
     reference = copy.deepcopy(model)
-    ref_opt = torch.optim.Adam([{"params": reference[0].parameters(), "lr": 0.05},
-                                {"params": reference[2].parameters(), "lr": 0.02, "weight_decay": 0.1}])
+    ref_opt = torch.optim.Adam(
+        [
+            {"params": reference[0].parameters(), "lr": 0.05},
+            {"params": reference[2].parameters(), "lr": 0.02, "weight_decay": 0.1},
+        ]
+    )
     variables = _variables(model, optimizer, [server.address])
     variables.create(dict(model.named_parameters()), optimizer)
     worker = copy.deepcopy(model)
@@ -187,11 +194,14 @@ def _call(server, method, meta, token="shared-test"):
         client.close()
 
 
-@pytest.mark.parametrize(("changes", "refusal"), [
-    ({"host": "elsewhere/boot"}, "worker:7 runs on another host than ps:0"),
-    ({"nonce": "ab" * 16}, "is not the file worker:7 made (another nonce)"),
-    ({"layout": "0" * 24}, "worker:7 expects other shards than ps:0 holds"),
-])
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        ({"host": "elsewhere/boot"}, "worker:7 runs on another host than ps:0"),
+        ({"nonce": "ab" * 16}, "is not the file worker:7 made (another nonce)"),
+        ({"layout": "0" * 24}, "worker:7 expects other shards than ps:0 holds"),
+    ],
+)
 def test_the_server_maps_only_the_file_the_worker_made_on_this_host(server, changes, refusal):
     path, mapping, meta = _offer(server, **changes)
     try:
@@ -203,14 +213,23 @@ def test_the_server_maps_only_the_file_the_worker_made_on_this_host(server, chan
     assert len(server._segments) == 0
 
 
-@pytest.mark.parametrize(("changes", "complaint"), [
-    ({"name": "../../etc/passwd"}, "not one of stratagem's in /dev/shm"),
-    ({"name": "stratagem-ps-x/../../y"}, "not one of stratagem's in /dev/shm"),
-    ({"nonce": "zz"}, "a nonce of 32 hex digits. Received: nonce='zz'. Offer a file made by "
-                      "stratagem.shm.parameter_server.make_file."),
-    ({"pid": "1"}, "pid (an integer). Received: host="),
-    ("not a dict", "Attach needs a JSON object. Received: str. Send {name, nonce, host, task, pid, start, layout}."),
-])
+@pytest.mark.parametrize(
+    ("changes", "complaint"),
+    [
+        ({"name": "../../etc/passwd"}, "not one of stratagem's in /dev/shm"),
+        ({"name": "stratagem-ps-x/../../y"}, "not one of stratagem's in /dev/shm"),
+        (
+            {"nonce": "zz"},
+            "a nonce of 32 hex digits. Received: nonce='zz'. Offer a file made by "
+            "stratagem.shm.parameter_server.make_file.",
+        ),
+        ({"pid": "1"}, "pid (an integer). Received: host="),
+        (
+            "not a dict",
+            "Attach needs a JSON object. Received: str. Send {name, nonce, host, task, pid, start, layout}.",
+        ),
+    ],
+)
 def test_a_malformed_offer_is_refused_and_the_server_goes_on_serving(server, changes, complaint):
     path, mapping, meta = _offer(server)
     try:
@@ -250,8 +269,7 @@ def test_the_file_of_a_worker_process_that_exited_is_let_go(server, counters):
         pytest.skip(eligibility.ordered_stores())
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid),
-                                     counters=counters)
+        path, mapping, meta = _offer(server, pid=child.pid, start=shm_files.process_start(child.pid), counters=counters)
         assert _call(server, "Attach", meta)[0] == "attached"
         assert not os.path.exists(path)  # the server removed its name once it had mapped it
         mapping.close()
@@ -280,8 +298,11 @@ def test_shared_memory_true_makes_a_refusal_an_error_and_none_falls_back(server,
     monkeypatch.setattr(shm_files, "host_identity", lambda: "another-host/boot")  # as if the server ran elsewhere
     strict = _variables(model, optimizer, [server.address], shared_memory=True)
     strict.create(dict(model.named_parameters()), optimizer)
-    with pytest.raises(ParameterServerError, match="shared_memory=True, but chief cannot share memory with ps:0. "
-                       "Received: chief runs on another host than ps:0"):
+    with pytest.raises(
+        ParameterServerError,
+        match="shared_memory=True, but chief cannot share memory with ps:0. "
+        "Received: chief runs on another host than ps:0",
+    ):
         strict.pull_into(params)
     strict.close()
     relaxed = _variables(model, optimizer, [server.address])
@@ -349,9 +370,12 @@ def test_shared_memory_must_be_none_true_or_false():
 def test_a_failed_request_names_the_error_and_the_server_goes_on(server):
     model, variables, params = _pulled(server.address)
     link = variables._links[0]
-    with pytest.raises(ParameterServerError, match=r"ps:0 failed a push through shared memory. Received: "
-                       r"WireFormatError: A shared push names buckets this server does not hold. Received: "
-                       r"buckets=\[99\], 2 buckets here. Name each bucket the push carries once\."):
+    with pytest.raises(
+        ParameterServerError,
+        match=r"ps:0 failed a push through shared memory. Received: "
+        r"WireFormatError: A shared push names buckets this server does not hold. Received: "
+        r"buckets=\[99\], 2 buckets here. Name each bucket the push carries once\.",
+    ):
         shared.request(link, shared.PUSH, [99], timeout=10, server="ps:0", what="push")
     variables.pull_into(params)  # the link was good; the server still serves it
     assert torch.equal(params["2.weight"], model[2].weight.detach())
@@ -401,8 +425,11 @@ def test_a_server_process_that_dies_is_named_at_once_as_lost(server_process):
     child.kill()
     child.wait(10)
     started = time.monotonic()
-    with pytest.raises(ParameterServerError, match=r"ps:0 \(pid \d+\) exited during a pull through shared memory. "
-                       r"Received: no answer, and no such process. Restart the job; it resumes") as caught:
+    with pytest.raises(
+        ParameterServerError,
+        match=r"ps:0 \(pid \d+\) exited during a pull through shared memory. "
+        r"Received: no answer, and no such process. Restart the job; it resumes",
+    ) as caught:
         variables.pull_into(params)
     assert time.monotonic() - started < 3  # against a 30 s timeout
     assert caught.value.code.name == "UNAVAILABLE" and caught.value.task == "ps:0"  # the coordinator's "lost ps"
@@ -422,8 +449,11 @@ def test_a_server_that_does_not_answer_times_out_naming_it(server_process):
     stop_process(child.pid)  # every thread stopped before the pull, so none can answer it first
     try:
         started = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError, match="ps:0 did not answer a pull through shared memory within 1 s. "
-                           "Received: no answer. Check that ps:0 is alive and not overloaded, or raise rpc_timeout."):
+        with pytest.raises(
+            CollectiveTimeoutError,
+            match="ps:0 did not answer a pull through shared memory within 1 s. "
+            "Received: no answer. Check that ps:0 is alive and not overloaded, or raise rpc_timeout.",
+        ):
             variables.pull_into(params)
         assert time.monotonic() - started < 5
         assert 0 not in variables._links
@@ -466,7 +496,10 @@ def test_a_pull_into_parameters_that_are_not_contiguous_copies_each_shard(server
     for name, p in model.named_parameters():
         assert torch.equal(params[name], p.detach()), name
     params["0.weight"] = torch.zeros(6, 7).t()  # not this model's shape
-    with pytest.raises(ParameterServerError, match=r"The parameters do not match the shards on ps:0. Received: "
-                       r"shapes \[\[\(7, 6\)"):
+    with pytest.raises(
+        ParameterServerError,
+        match=r"The parameters do not match the shards on ps:0. Received: "
+        r"shapes \[\[\(7, 6\)",
+    ):
         variables.pull_into(params)
     variables.close()

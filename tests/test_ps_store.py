@@ -35,10 +35,12 @@ class NormalizedSGD(torch.optim.SGD):
 
 def _values():
     g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(3, 4, generator=g, dtype=torch.float64),
-            "b": torch.randn(4, generator=g, dtype=torch.float64),
-            "v": torch.randn(5, generator=g, dtype=torch.float64),
-            "s": torch.randn((), generator=g, dtype=torch.float64)}
+    return {
+        "w": torch.randn(3, 4, generator=g, dtype=torch.float64),
+        "b": torch.randn(4, generator=g, dtype=torch.float64),
+        "v": torch.randn(5, generator=g, dtype=torch.float64),
+        "s": torch.randn((), generator=g, dtype=torch.float64),
+    }
 
 
 def _grads(step):
@@ -52,8 +54,9 @@ def _run(optimizer_class, hypers, groups, steps, used):
     values = _values()
     store = ShardStore(values, groups, optimizer_class, hypers)
     reference = {name: torch.nn.Parameter(value.clone()) for name, value in values.items()}
-    ref_opt = optimizer_class([{"params": [reference[n] for n in values if groups[n] == i], **h}
-                               for i, h in enumerate(hypers)])
+    ref_opt = optimizer_class(
+        [{"params": [reference[n] for n in values if groups[n] == i], **h} for i, h in enumerate(hypers)]
+    )
     for step in range(steps):
         grads = _grads(step)
         names = used(step)
@@ -70,13 +73,18 @@ def _run(optimizer_class, hypers, groups, steps, used):
     return store, ref_opt, reference
 
 
-@pytest.mark.parametrize("optimizer_class, hypers", [
-    (torch.optim.SGD, [{"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, {"lr": 0.05, "nesterov": True,
-                                                                           "momentum": 0.5}]),
-    (torch.optim.Adam, [{"lr": 0.01, "amsgrad": True}, {"lr": 0.02, "weight_decay": 0.1}]),
-    (torch.optim.RMSprop, [{"lr": 0.01, "momentum": 0.5}, {"lr": 0.02, "centered": True}]),
-    (torch.optim.Adagrad, [{"lr": 0.1}, {"lr": 0.2, "lr_decay": 0.01}]),
-])
+@pytest.mark.parametrize(
+    "optimizer_class, hypers",
+    [
+        (
+            torch.optim.SGD,
+            [{"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, {"lr": 0.05, "nesterov": True, "momentum": 0.5}],
+        ),
+        (torch.optim.Adam, [{"lr": 0.01, "amsgrad": True}, {"lr": 0.02, "weight_decay": 0.1}]),
+        (torch.optim.RMSprop, [{"lr": 0.01, "momentum": 0.5}, {"lr": 0.02, "centered": True}]),
+        (torch.optim.Adagrad, [{"lr": 0.1}, {"lr": 0.2, "lr_decay": 0.01}]),
+    ],
+)
 def test_buckets_update_as_torch_does_per_group(optimizer_class, hypers):
     groups = {"w": 0, "b": 0, "v": 1, "s": 1}
     store, _, _ = _run(optimizer_class, hypers, groups, 4, lambda step: set(groups))
@@ -85,8 +93,13 @@ def test_buckets_update_as_torch_does_per_group(optimizer_class, hypers):
 
 def test_a_parameter_without_a_gradient_splits_the_buckets_and_keeps_torchs_skip():
     groups = {"w": 0, "b": 0, "v": 0, "s": 0}
-    store, ref_opt, reference = _run(torch.optim.Adam, [{"lr": 0.01}], groups, 6,
-                                     lambda step: {"w", "b", "v", "s"} - ({"v"} if step in (2, 3) else set()))
+    store, ref_opt, reference = _run(
+        torch.optim.Adam,
+        [{"lr": 0.01}],
+        groups,
+        6,
+        lambda step: {"w", "b", "v", "s"} - ({"v"} if step in (2, 3) else set()),
+    )
     assert not store.flat  # from step 2 on, shard by shard
     for name, param in reference.items():  # Adam's moments and step counts moved only when a gradient came
         for key, value in ref_opt.state[param].items():
@@ -128,7 +141,7 @@ def flats(draw):
     buffer = make(sum(sizes))
     parts, start = [], 0
     for size, in_buffer in zip(sizes, shared):
-        parts.append(buffer[start:start + size] if in_buffer else make(size))
+        parts.append(buffer[start : start + size] if in_buffer else make(size))
         start += size
     return parts
 
@@ -136,7 +149,9 @@ def flats(draw):
 @settings(max_examples=40, deadline=None)
 @given(flats(), st.sampled_from([64, 4096, wire.CHUNK_BYTES]))
 def test_flat_tensors_travel_as_one_and_land_in_their_parts(parts, chunk_bytes):
-    message = wire.encode_chunks("push", None, {"all": wire.Flat(parts), "one": torch.arange(3)}, chunk_bytes=chunk_bytes)
+    message = wire.encode_chunks(
+        "push", None, {"all": wire.Flat(parts), "one": torch.arange(3)}, chunk_bytes=chunk_bytes
+    )
     assert torch.equal(wire.decode(wire.join_chunks(message))[2]["all"], torch.cat(parts))
     like_parts = [torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)]
     like_parts = list(torch.split(like_parts[0], [p.numel() for p in parts]))  # views in one buffer
@@ -149,14 +164,20 @@ def test_flat_tensors_travel_as_one_and_land_in_their_parts(parts, chunk_bytes):
 
 
 def test_flat_refuses_mixed_dtypes_and_destinations_it_cannot_write():
-    with pytest.raises(wire.WireFormatError, match=r"must share one dtype. Received: \['torch.float32', 'torch.int64'\]"):
+    with pytest.raises(
+        wire.WireFormatError, match=r"must share one dtype. Received: \['torch.float32', 'torch.int64'\]"
+    ):
         wire.Flat([torch.ones(2), torch.arange(2)])
     message = wire.encode_chunks("v", None, {"x": torch.ones(4)})
-    with pytest.raises(wire.WireFormatError, match="contiguous CPU tensors that do not require grad. Received: .*"
-                                                   "contiguous: False"):
+    with pytest.raises(
+        wire.WireFormatError, match="contiguous CPU tensors that do not require grad. Received: .*contiguous: False"
+    ):
         wire.decode_into(message, {"x": wire.Flat([torch.empty(2, 2).t()])})
-    with pytest.raises(wire.WireFormatError, match=r"tensors do not match the destinations. Received: x torch.float32 "
-                                                   r"\[4\], destination torch.float32 \[5\] \(flat\)"):
+    with pytest.raises(
+        wire.WireFormatError,
+        match=r"tensors do not match the destinations. Received: x torch.float32 "
+        r"\[4\], destination torch.float32 \[5\] \(flat\)",
+    ):
         wire.decode_into(message, {"x": wire.Flat([torch.empty(5)])})
 
 
@@ -166,13 +187,16 @@ def test_a_worker_copy_arranged_in_buckets_pulls_in_place_and_skips_unused_param
     servers = [ParameterServer(security=SECURITY, task=f"ps:{i}") for i in range(2)]
     try:
         torch.manual_seed(0)
-        model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(4, 2), "c": torch.nn.Linear(4, 2)})
+        model = torch.nn.ModuleDict(
+            {"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(4, 2), "c": torch.nn.Linear(4, 2)}
+        )
         optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
         reference = copy.deepcopy(model)
         ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
         shards = place([(n, p, 0) for n, p in model.named_parameters()], 2, None)
-        variables = ShardedVariables(shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20,
-                                     shared_memory=shared_memory)
+        variables = ShardedVariables(
+            shards, [ps.address for ps in servers], security=SECURITY, rpc_timeout=20, shared_memory=shared_memory
+        )
         variables.create(dict(model.named_parameters()), optimizer)
         worker = copy.deepcopy(model)
         params = dict(worker.named_parameters())
@@ -214,8 +238,9 @@ def test_a_large_push_updates_each_segment_as_soon_as_its_gradient_is_in(monkeyp
         assert len(ps._store.buckets[0].segments) == 6
         for step in range(3):
             grads = {n: torch.randn(4, 3, dtype=torch.float64) for n in values}
-            pieces = wire.encode_chunks("push", {"layout": meta["layout"]},
-                                        {"@0": wire.Flat(list(grads.values()))}, chunk_bytes=96)
+            pieces = wire.encode_chunks(
+                "push", {"layout": meta["layout"]}, {"@0": wire.Flat(list(grads.values()))}, chunk_bytes=96
+            )
             seen_early = []
 
             def arriving(pieces=pieces, seen_early=seen_early):

@@ -31,17 +31,23 @@ def tensors(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.text(min_size=1, max_size=8), tensors(), max_size=5),
-       st.recursive(st.none() | st.booleans() | st.integers(-10**9, 10**9) | st.text(max_size=10),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                    max_leaves=8))
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=8), tensors(), max_size=5),
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(10**9), 10**9) | st.text(max_size=10),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+        max_leaves=8,
+    ),
+)
 def test_round_trip_keeps_names_dtypes_shapes_and_bytes(named, meta):
     op, got_meta, got = wire.decode(wire.encode("push", meta, named))
     assert op == "push" and got_meta == meta and list(got) == list(named)
     for name, tensor in named.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8) if tensor.numel() else got[name],
-                           tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor)
+        assert torch.equal(
+            got[name].reshape(-1).view(torch.uint8) if tensor.numel() else got[name],
+            tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor,
+        )
 
 
 @settings(max_examples=40, deadline=None)
@@ -77,17 +83,20 @@ def _forged(header: object, payload: bytes = b"") -> bytes:
     return struct.pack(">4sI", b"SGW1", len(text)) + text + payload
 
 
-@pytest.mark.parametrize("header, payload, match", [
-    ({"op": "x", "meta": None, "tensors": [["w", "pickle", [1], 0]]}, b"\0" * 8, "unknown dtype"),
-    ({"op": "x", "meta": None, "tensors": [["w", "float32", [-1], 0]]}, b"", "shape is not"),
-    ({"op": "x", "meta": None, "tensors": [["w", "float32", [4], 0]]}, b"\0" * 8, "outside the payload"),
-    ({"op": "x", "meta": None, "tensors": [["w", "float32", [1], 3]]}, b"\0" * 16, "outside the payload"),
-    ({"op": "x", "meta": None, "tensors": [["w", "bool", [2], 0]]}, b"\x01\x07" + b"\0" * 6, "bool tensor"),
-    ({"op": "x", "meta": None, "tensors": [["w", "int8", [1], 0], ["w", "int8", [1], 8]]}, b"\0" * 16, "twice"),
-    ({"op": "x", "tensors": []}, b"", r"not \{op, meta, tensors\}"),
-    (["op"], b"", r"not \{op, meta, tensors\}"),
-    ({"op": "x", "meta": None, "tensors": ["w"]}, b"", "not \\[name, dtype, shape, offset\\]"),
-])
+@pytest.mark.parametrize(
+    "header, payload, match",
+    [
+        ({"op": "x", "meta": None, "tensors": [["w", "pickle", [1], 0]]}, b"\0" * 8, "unknown dtype"),
+        ({"op": "x", "meta": None, "tensors": [["w", "float32", [-1], 0]]}, b"", "shape is not"),
+        ({"op": "x", "meta": None, "tensors": [["w", "float32", [4], 0]]}, b"\0" * 8, "outside the payload"),
+        ({"op": "x", "meta": None, "tensors": [["w", "float32", [1], 3]]}, b"\0" * 16, "outside the payload"),
+        ({"op": "x", "meta": None, "tensors": [["w", "bool", [2], 0]]}, b"\x01\x07" + b"\0" * 6, "bool tensor"),
+        ({"op": "x", "meta": None, "tensors": [["w", "int8", [1], 0], ["w", "int8", [1], 8]]}, b"\0" * 16, "twice"),
+        ({"op": "x", "tensors": []}, b"", r"not \{op, meta, tensors\}"),
+        (["op"], b"", r"not \{op, meta, tensors\}"),
+        ({"op": "x", "meta": None, "tensors": ["w"]}, b"", "not \\[name, dtype, shape, offset\\]"),
+    ],
+)
 def test_forged_headers_are_refused(header, payload, match):
     with pytest.raises(WireFormatError, match=match):
         wire.decode(_forged(header, payload))
@@ -120,8 +129,10 @@ def test_decode_into_streams_tensors_into_destinations(named, chunk_bytes):
     destinations = {name: torch.empty_like(t) for name, t in named.items()}
     assert wire.decode_into(pieces, destinations) == ("values", {"v": 1}, list(named))
     for name, tensor in named.items():
-        assert torch.equal(destinations[name].reshape(-1).view(torch.uint8) if tensor.numel() else destinations[name],
-                           tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor)
+        assert torch.equal(
+            destinations[name].reshape(-1).view(torch.uint8) if tensor.numel() else destinations[name],
+            tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor,
+        )
 
 
 def test_decode_into_refuses_mismatches_and_short_or_long_payloads():
@@ -161,8 +172,10 @@ def test_read_message_refuses_bad_bytes_on_the_first_piece_without_reading_on():
 def test_read_message_refuses_declared_tensors_larger_than_the_method_takes_before_buffering():
     pieces = wire.encode_chunks("ping", None, {"x": torch.zeros(3 << 20, dtype=torch.uint8)}, chunk_bytes=1 << 20)
     stream, taken = _counted(pieces)
-    with pytest.raises(WireFormatError, match="tensors larger than this method takes. Received: 3145728 bytes of "
-                                              "tensors declared, at most 1024"):
+    with pytest.raises(
+        WireFormatError,
+        match="tensors larger than this method takes. Received: 3145728 bytes of tensors declared, at most 1024",
+    ):
         wire.read_message(stream, max_payload_bytes=1024)
     assert len(taken) == 1
 
@@ -170,7 +183,9 @@ def test_read_message_refuses_declared_tensors_larger_than_the_method_takes_befo
 def test_read_message_refuses_a_long_header_on_its_first_bytes():
     message = bytes(wire.encode("x", {"pad": "a" * 5000}))
     stream, taken = _counted([message[:8], message[8:]])
-    with pytest.raises(WireFormatError, match="header longer than this method takes. Received: header_len=50.., at most 4096"):
+    with pytest.raises(
+        WireFormatError, match="header longer than this method takes. Received: header_len=50.., at most 4096"
+    ):
         wire.read_message(stream, max_header_bytes=4096)
     assert len(taken) == 1
 

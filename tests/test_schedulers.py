@@ -21,12 +21,14 @@ SCHEDULERS = {
     "lambda": lambda o: S.LambdaLR(o, lambda epoch: 1.0 / (1 + epoch)),
     "cosine": lambda o: S.CosineAnnealingLR(o, T_max=3),
     "sequential": lambda o: S.SequentialLR(
-        o, [S.LinearLR(o, start_factor=0.5, total_iters=2), S.ExponentialLR(o, gamma=0.8)], milestones=[2]),
+        o, [S.LinearLR(o, start_factor=0.5, total_iters=2), S.ExponentialLR(o, gamma=0.8)], milestones=[2]
+    ),
 }
 STRATEGIES = {
     "mirrored2": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
-    "mirrored2-private": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], share_parameters=False,
-                                                     registry=cpu_registry(2)),
+    "mirrored2-private": lambda: sg.MirroredStrategy(
+        ["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)
+    ),
     "mirrored3": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
     "central2": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
 }
@@ -69,9 +71,12 @@ def _comparable(state):
 
 
 # Built after distribute and stepped in the step function: every strategy; the other ways on fewer.
-WAYS = ([(name, "inside", "after") for name in STRATEGIES] + [(name, "inside", "before") for name in STRATEGIES]
-        + [(name, "outside", "after") for name in ("mirrored2", "central2")]
-        + [(name, "outside", "before") for name in ("mirrored2", "mirrored2-private")])
+WAYS = (
+    [(name, "inside", "after") for name in STRATEGIES]
+    + [(name, "inside", "before") for name in STRATEGIES]
+    + [(name, "outside", "after") for name in ("mirrored2", "central2")]
+    + [(name, "outside", "before") for name in ("mirrored2", "mirrored2-private")]
+)
 
 
 @pytest.mark.parametrize("strategy_name,where,order", WAYS, ids=["-".join(way) for way in WAYS])
@@ -153,9 +158,12 @@ def test_reduce_lr_on_plateau_inside_run_is_refused_with_the_fix():
         scheduler.step(loss.item())
 
     x, y = make_batches((6,), torch.float64, sizes=[4])[0]
-    with pytest.raises(sg.InputError, match=r"ReduceLROnPlateau.step\(metric\) ran inside strategy.run\(\), where each "
-                                            r"replica holds the metric of its own slice .* Call scheduler.step\(metric\) "
-                                            r"outside strategy.run\(\)"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"ReduceLROnPlateau.step\(metric\) ran inside strategy.run\(\), where each "
+        r"replica holds the metric of its own slice .* Call scheduler.step\(metric\) "
+        r"outside strategy.run\(\)",
+    ):
         strategy.run(step, args=strategy.distribute_dataset([(x, y)]).__iter__().__next__())
 
 
@@ -171,8 +179,11 @@ def test_a_replica_that_skips_scheduler_step_is_named():
             scheduler.step()
 
     batch = next(iter(strategy.distribute_dataset(make_batches((6,), torch.float64, sizes=[4]))))
-    with pytest.raises(sg.ReplicaError, match=r"at the scheduler step of step 1, but replica 1 \(cpu:1\) returned "
-                                              r"from the step function .* must call scheduler.step\(\)"):
+    with pytest.raises(
+        sg.ReplicaError,
+        match=r"at the scheduler step of step 1, but replica 1 \(cpu:1\) returned "
+        r"from the step function .* must call scheduler.step\(\)",
+    ):
         strategy.run(step, args=batch)
 
 
@@ -199,8 +210,9 @@ def test_fit_takes_a_scheduler_built_on_the_plain_optimizer_it_distributes(strat
     reference, expected = _reference(make_scheduler, batches)
     model, optimizer = _fresh()
     schedule = sg.callbacks.LearningRateScheduler(make_scheduler(optimizer), interval="step")
-    history = sg.fit(STRATEGIES[strategy_name](), model, optimizer, F.cross_entropy, batches, epochs=1,
-                     callbacks=[schedule])
+    history = sg.fit(
+        STRATEGIES[strategy_name](), model, optimizer, F.cross_entropy, batches, epochs=1, callbacks=[schedule]
+    )
     _assert_same_scheduler(schedule.scheduler, expected)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(history.model.state_dict()[key], value, **TOL[torch.float64])
@@ -208,8 +220,9 @@ def test_fit_takes_a_scheduler_built_on_the_plain_optimizer_it_distributes(strat
 
 @pytest.mark.parametrize("order", ["after", "before"])
 def test_a_chained_scheduler_steps_its_parts_once_per_global_step(order):
-    make = lambda o: S.ChainedScheduler([S.StepLR(o, step_size=2, gamma=0.5), S.ExponentialLR(o, gamma=0.9)],  # noqa: E731
-                                        optimizer=o)
+    def make(o):
+        return S.ChainedScheduler([S.StepLR(o, step_size=2, gamma=0.5), S.ExponentialLR(o, gamma=0.9)], optimizer=o)
+
     batches = make_batches((6,), torch.float64, sizes=SIZES)
     reference, expected = _reference(make, batches)
     strategy = STRATEGIES["mirrored2"]()

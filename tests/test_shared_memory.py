@@ -37,8 +37,15 @@ class Failure(Exception):
         self.error = error
 
 
-def run_ranks(world: int, body: Callable[[int, SharedMemoryGroup | None, str, bool], Any], *, timeout: float = 10.0,
-              stalls: list | None = None, limit: float = 60.0, **options: Any) -> list[Any]:
+def run_ranks(
+    world: int,
+    body: Callable[[int, SharedMemoryGroup | None, str, bool], Any],
+    *,
+    timeout: float = 10.0,
+    stalls: list | None = None,
+    limit: float = 60.0,
+    **options: Any,
+) -> list[Any]:
     """``body(rank, group, reason, fell_back)`` on ``world`` threads that connect through one store; their results, in
     rank order (an exception in a thread is re-raised here)."""
     store = dist.HashStore()
@@ -49,10 +56,18 @@ def run_ranks(world: int, body: Callable[[int, SharedMemoryGroup | None, str, bo
     def rank_main(rank: int) -> None:
         try:
             per_rank = {k: v[rank] if isinstance(v, list) else v for k, v in options.items()}
-            group, reason, fell_back = connect(store, rank=rank, world_size=world, task_names=NAMES[:world], timeout=timeout,
-                                    stall_warning_after=timeout / 4, on_failure=Failure,
-                                    on_stall=lambda what, step, start: stalls.append((rank, what, step)) if stalls is not None else None,
-                                    namespace=namespace, **per_rank)
+            group, reason, fell_back = connect(
+                store,
+                rank=rank,
+                world_size=world,
+                task_names=NAMES[:world],
+                timeout=timeout,
+                stall_warning_after=timeout / 4,
+                on_failure=Failure,
+                on_stall=lambda what, step, start: stalls.append((rank, what, step)) if stalls is not None else None,
+                namespace=namespace,
+                **per_rank,
+            )
             try:
                 results[rank] = body(rank, group, reason, fell_back)
             finally:
@@ -80,9 +95,13 @@ def rank_order_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(world=st.integers(2, 3), numel=st.integers(0, 700),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]),
-       capacity=st.sampled_from([64, 256, 4096]), seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(2, 3),
+    numel=st.integers(0, 700),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]),
+    capacity=st.sampled_from([64, 256, 4096]),
+    seed=st.integers(0, 2**16),
+)
 def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(world, numel, dtype, capacity, seed):
     generator = torch.Generator().manual_seed(seed)
     inputs = [(torch.randn(numel, generator=generator) * 100).to(dtype) for _ in range(world)]
@@ -148,6 +167,7 @@ def test_a_rank_whose_process_dies_is_named_long_before_the_timeout():
     # Rank 1's process, as rank 0 sees it, is a child that is killed while rank 0 waits.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+
         def body(rank, group, reason, fell_back):
             if rank == 1:
                 return None
@@ -156,8 +176,9 @@ def test_a_rank_whose_process_dies_is_named_long_before_the_timeout():
             with pytest.raises(Failure) as caught:
                 group.all_reduce_(torch.ones(4), what="gradient all-reduce", step=3)
             assert isinstance(caught.value.error, ReplicaError)
-            assert f"worker:1 (pid {child.pid}) exited during the shared-memory gradient all-reduce" in \
-                str(caught.value.error)
+            assert f"worker:1 (pid {child.pid}) exited during the shared-memory gradient all-reduce" in str(
+                caught.value.error
+            )
             return time.monotonic() - start
 
         process = [None, (child.pid, shared_memory.process_start(child.pid))]
@@ -200,8 +221,11 @@ def test_workers_on_different_hosts_all_stay_on_the_process_group():
 
 
 def test_one_rank_that_cannot_take_part_keeps_every_rank_out():
-    reasons = run_ranks(3, lambda rank, group, reason, fell_back: (group, reason, fell_back),
-                        why_not=[None, "turned off (shared_memory=False)", None])
+    reasons = run_ranks(
+        3,
+        lambda rank, group, reason, fell_back: (group, reason, fell_back),
+        why_not=[None, "turned off (shared_memory=False)", None],
+    )
     assert reasons == [(None, "worker:1: turned off (shared_memory=False)", False)] * 3
 
 
@@ -212,8 +236,9 @@ def test_the_switch_keeps_every_rank_on_the_process_group_without_a_warning(monk
 
 
 def test_a_single_worker_has_nothing_to_share():
-    assert run_ranks(1, lambda rank, group, reason, fell_back: (group, reason, fell_back)) == \
-        [(None, "one worker: nothing to sum across processes", False)]
+    assert run_ranks(1, lambda rank, group, reason, fell_back: (group, reason, fell_back)) == [
+        (None, "one worker: nothing to sum across processes", False)
+    ]
 
 
 def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkeypatch):
@@ -230,10 +255,21 @@ def test_a_full_directory_is_reported_and_nothing_is_left_in_it(tmp_path, monkey
 
 def test_a_rank_that_never_checks_in_is_named():
     store = dist.HashStore()
-    with pytest.raises(Exception, match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1. "
-                       r"Received: \w+. Check that every worker is running, or raise the timeout.$"):
-        connect(store, rank=0, world_size=2, task_names=NAMES[:2], timeout=0.3, stall_warning_after=0.1,
-                on_failure=Failure, on_stall=lambda *a: None)
+    with pytest.raises(
+        Exception,
+        match=r"worker:0 \(rank 0\) waited 0.3 s for the shared-memory check-in from worker:1. "
+        r"Received: \w+. Check that every worker is running, or raise the timeout.$",
+    ):
+        connect(
+            store,
+            rank=0,
+            world_size=2,
+            task_names=NAMES[:2],
+            timeout=0.3,
+            stall_warning_after=0.1,
+            on_failure=Failure,
+            on_stall=lambda *a: None,
+        )
 
 
 _RANK_ZERO = """
@@ -268,9 +304,18 @@ def test_rank_zero_killed_while_rank_one_is_slow_to_map_leaves_no_file(tmp_path,
 
     monkeypatch.setattr(shm_files, "open_mapped", slow_open)
     try:
-        group, reason, _ = connect(store, rank=1, world_size=2, task_names=NAMES[:2], timeout=40, stall_warning_after=40,
-                                   on_failure=Failure, on_stall=lambda *a: None, namespace="leak",
-                                   directory=str(directory))
+        group, reason, _ = connect(
+            store,
+            rank=1,
+            world_size=2,
+            task_names=NAMES[:2],
+            timeout=40,
+            stall_warning_after=40,
+            on_failure=Failure,
+            on_stall=lambda *a: None,
+            namespace="leak",
+            directory=str(directory),
+        )
         assert group is not None, reason
         group.close()
     finally:

@@ -74,6 +74,5 @@ def test_a_file_whose_maker_was_killed_before_anyone_mapped_it_is_removed_by_the
     user_file.write_bytes(b"x")
     newer, problem = shm_files.create(str(tmp_path), 4096, b"y" * 8, prefix="stratagem-ps-")
     assert problem is None
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        [named, os.path.basename(newer), other_host.name, user_file.name])
+    assert sorted(os.listdir(tmp_path)) == sorted([named, os.path.basename(newer), other_host.name, user_file.name])
     assert shm_files.remove_stale(str(tmp_path)) == []

@@ -27,15 +27,19 @@ from stratagem.shm import parameter_server as ps_shared
 WORKER = str(Path(__file__).parent / "workers" / "mwms_train.py")
 
 
-@pytest.mark.parametrize(("env", "expected"), [({}, None), ({"STRATAGEM_SHARED_MEMORY": ""}, None),
-                                               ({"STRATAGEM_SHARED_MEMORY": " 0 "}, "0")])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [({}, None), ({"STRATAGEM_SHARED_MEMORY": ""}, None), ({"STRATAGEM_SHARED_MEMORY": " 0 "}, "0")],
+)
 def test_the_switch_is_read_as_set_and_unset_when_empty(env, expected):
     assert environ.shared_memory_setting(env) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
 def test_the_switch_turns_shared_memory_off_and_says_so(value):
-    assert eligibility.turned_off({"STRATAGEM_SHARED_MEMORY": value}) == f"turned off by STRATAGEM_SHARED_MEMORY={value}"
+    assert (
+        eligibility.turned_off({"STRATAGEM_SHARED_MEMORY": value}) == f"turned off by STRATAGEM_SHARED_MEMORY={value}"
+    )
 
 
 @pytest.mark.parametrize("value", ["1", "true", "On", "yes", ""])
@@ -45,8 +49,11 @@ def test_the_switch_set_on_or_left_empty_leaves_shared_memory_on(value):
 
 
 def test_any_other_value_of_the_switch_is_an_input_error():
-    with pytest.raises(sg.InputError, match=r"STRATAGEM_SHARED_MEMORY must be 0 \(shared memory off\) or 1 \(on\). "
-                                            r"Received: STRATAGEM_SHARED_MEMORY='maybe'. Set it to 0"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"STRATAGEM_SHARED_MEMORY must be 0 \(shared memory off\) or 1 \(on\). "
+        r"Received: STRATAGEM_SHARED_MEMORY='maybe'. Set it to 0",
+    ):
         eligibility.turned_off({"STRATAGEM_SHARED_MEMORY": "maybe"})
 
 
@@ -58,27 +65,35 @@ def test_both_transports_give_the_switch_as_their_reason(monkeypatch):
 
 
 def test_a_directory_that_is_missing_or_not_writable_is_a_reason(tmp_path, monkeypatch):
-    assert eligibility.why_not("shared-memory sums", str(tmp_path / "none"), ordered=False, env={}) == \
-        f"{tmp_path / 'none'} does not exist"
+    assert (
+        eligibility.why_not("shared-memory sums", str(tmp_path / "none"), ordered=False, env={})
+        == f"{tmp_path / 'none'} does not exist"
+    )
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a user without write access (not root)
-    assert eligibility.why_not("shared-memory sums", str(tmp_path), ordered=False, env={}) == \
-        f"this user cannot create files in {tmp_path}"
+    assert (
+        eligibility.why_not("shared-memory sums", str(tmp_path), ordered=False, env={})
+        == f"this user cannot create files in {tmp_path}"
+    )
 
 
 def test_a_platform_without_ordered_stores_is_named(monkeypatch):
     monkeypatch.setattr(eligibility.platform, "machine", lambda: "aarch64")
     assert eligibility.ordered_stores("shared-memory sums") == (
         f"shared-memory sums need Linux on x86-64 (ordered stores without explicit fences); this is {sys.platform} "
-        "on aarch64")
+        "on aarch64"
+    )
     assert eligibility.why_not("shared-memory sums", ordered=True, env={}).startswith("shared-memory sums need Linux")
 
 
 def test_shared_memory_true_against_the_switch_is_refused_and_the_default_follows_it():
     off = {"STRATAGEM_SHARED_MEMORY": "0"}
-    with pytest.raises(sg.InputError, match=r"shared_memory=True asks for shared memory, but STRATAGEM_SHARED_MEMORY=0 "
-                                            r"turns it off for this process, and the switch wins .* Received: "
-                                            r"shared_memory=True, STRATAGEM_SHARED_MEMORY=0. Unset "
-                                            r"STRATAGEM_SHARED_MEMORY to use shared memory, or leave shared_memory"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"shared_memory=True asks for shared memory, but STRATAGEM_SHARED_MEMORY=0 "
+        r"turns it off for this process, and the switch wins .* Received: "
+        r"shared_memory=True, STRATAGEM_SHARED_MEMORY=0. Unset "
+        r"STRATAGEM_SHARED_MEMORY to use shared memory, or leave shared_memory",
+    ):
         eligibility.check_wanted(True, off)
     eligibility.check_wanted(None, off)
     eligibility.check_wanted(False, off)
@@ -96,7 +111,9 @@ def test_multi_worker_mirrored_refuses_shared_memory_true_with_the_switch_off_be
 
 
 def test_the_parameter_server_strategy_refuses_shared_memory_true_with_the_switch_off():
-    with pytest.raises(sg.InputError, match="shared_memory=True asks for shared memory, but STRATAGEM_SHARED_MEMORY=off"):
+    with pytest.raises(
+        sg.InputError, match="shared_memory=True asks for shared memory, but STRATAGEM_SHARED_MEMORY=off"
+    ):
         sg.ParameterServerStrategy(shared_memory=True, env={"STRATAGEM_SHARED_MEMORY": "off"})
 
 
@@ -106,8 +123,14 @@ def test_a_multi_worker_job_with_the_switch_off_sums_through_gloo_and_matches_on
     out = tmp_path / "result.pt"
     env = {**environ.current(), "STRATAGEM_SHARED_MEMORY": "0", "MW_OUT": str(out)}
     lines: list[str] = []
-    result = launch([sys.executable, WORKER], workers=2, env=env, sink=lambda line: lines.append(line.text),
-                    timeout=120, grace_period=2)
+    result = launch(
+        [sys.executable, WORKER],
+        workers=2,
+        env=env,
+        sink=lambda line: lines.append(line.text),
+        timeout=120,
+        grace_period=2,
+    )
     assert result.exit_code == 0, "\n".join(lines[-30:])
     saved = torch.load(out)
     assert "cross-worker sums: gloo - turned off by STRATAGEM_SHARED_MEMORY=0" in saved["explain"], saved["explain"]

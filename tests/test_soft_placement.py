@@ -22,7 +22,9 @@ import stratagem as sg
 from stratagem.diagnose.soft_placement import as_placement_error, missing_kernel
 from stratagem.errors import PlacementError
 
-NO_KERNEL = r"Operation sgtest::cube has no kernel for sgdev(:0)? .*Received: inputs on sgdev.*`with sg.soft_placement\(\):`"
+NO_KERNEL = (
+    r"Operation sgtest::cube has no kernel for sgdev(:0)? .*Received: inputs on sgdev.*`with sg.soft_placement\(\):`"
+)
 
 
 # ---- cases run on sgdev in a fresh process ---------------------------------------------------------
@@ -31,8 +33,13 @@ def _forward() -> dict:
     with sg.log_placement() as log, sg.soft_placement() as soft:
         y = cpu_only_ops()["cube"](x)
         z = y + 1  # the output is back on sgdev and usable there
-    return {"device": str(z.device), "values": z.cpu(), "soft": soft.operations, "summary": log.summary(),
-            "cube_on_cpu": log.count(op="sgtest::cube", device="cpu")}
+    return {
+        "device": str(z.device),
+        "values": z.cpu(),
+        "soft": soft.operations,
+        "summary": log.summary(),
+        "cube_on_cpu": log.count(op="sgtest::cube", device="cpu"),
+    }
 
 
 def _no_soft_placement() -> dict:
@@ -56,8 +63,13 @@ def _backward() -> dict:
     w.register_hook(lambda grad: threads.append(threading.current_thread().name))
     with sg.soft_placement() as soft, sg.log_placement() as log:  # either order works
         cpu_only_ops()["cube"](w).sum().backward()  # backward calls sgtest::square, CPU-only too
-    return {"grad": w.grad.cpu(), "soft": soft.operations, "threads": threads, "this": threading.current_thread().name,
-            "square_on_cpu": log.count(op="sgtest::square", device="cpu")}
+    return {
+        "grad": w.grad.cpu(),
+        "soft": soft.operations,
+        "threads": threads,
+        "this": threading.current_thread().name,
+        "square_on_cpu": log.count(op="sgtest::square", device="cpu"),
+    }
 
 
 def _in_place() -> dict:
@@ -85,8 +97,12 @@ def _mirrored_replicas() -> dict:
             error = raised
     finally:
         strategy.close()
-    return {"results": [r.item() for r in strategy.experimental_local_results(results)], "soft": soft.count(),
-            "per_replica": [log.count(op="sgtest::cube", device="cpu", replica=r) for r in (0, 1)], "error": error}
+    return {
+        "results": [r.item() for r in strategy.experimental_local_results(results)],
+        "soft": soft.count(),
+        "per_replica": [log.count(op="sgtest::cube", device="cpu", replica=r) for r in (0, 1)],
+        "error": error,
+    }
 
 
 def _warning_once() -> dict:
@@ -198,11 +214,18 @@ def test_other_errors_are_not_placement_errors():
     assert as_placement_error(RuntimeError("Could not run 'x::y' with arguments from the 'CUDA' backend")) is None
     assert as_placement_error(NotImplementedError("something else")) is None
     # A missing CPU kernel: soft placement would run it on the CPU, so it is not a placement problem.
-    assert as_placement_error(NotImplementedError("Could not run 'x::y' with arguments from the 'CPU' backend.")) is None
-    error = as_placement_error(NotImplementedError("Could not run 'x::y' with arguments from the 'CUDA' backend. More."))
+    assert (
+        as_placement_error(NotImplementedError("Could not run 'x::y' with arguments from the 'CPU' backend.")) is None
+    )
+    error = as_placement_error(
+        NotImplementedError("Could not run 'x::y' with arguments from the 'CUDA' backend. More.")
+    )
     assert isinstance(error, PlacementError)
-    with pytest.raises(PlacementError, match=r"Operation x::y has no kernel for CUDA \(torch: Could not run 'x::y' "
-                                             r"with arguments from the 'CUDA' backend.\)"):
+    with pytest.raises(
+        PlacementError,
+        match=r"Operation x::y has no kernel for CUDA \(torch: Could not run 'x::y' "
+        r"with arguments from the 'CUDA' backend.\)",
+    ):
         raise error
 
 

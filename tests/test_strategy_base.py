@@ -80,12 +80,16 @@ def test_distributed_model_is_the_model_distribute_returned():
         strategy.close()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
-    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
-    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
-    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
-], ids=["one-device", "mirrored", "central-storage", "central-storage-copies"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+        lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
+        lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
+        lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
+    ],
+    ids=["one-device", "mirrored", "central-storage", "central-storage-copies"],
+)
 def test_each_decision_is_reported_once_by_the_part_that_made_it(make):
     strategy = make()
     try:

@@ -52,7 +52,7 @@ def test_batch_smaller_than_replica_count_trains_without_nan():
     (batch,) = list(strategy.distribute_dataset([(x, y)]))
     losses = strategy.run(step, args=batch)
     assert torch.isnan(strategy.experimental_local_results(losses)[2])  # the empty replica's own loss
-    assert torch.isfinite(strategy.reduce("mean", losses))              # but it counts for nothing
+    assert torch.isfinite(strategy.reduce("mean", losses))  # but it counts for nothing
     for replica in model.replicas:
         assert all(torch.isfinite(p).all() for p in replica.parameters())
 
@@ -167,8 +167,11 @@ def test_a_replica_that_skips_backward_is_named_instead_of_hanging():
 
     (batch,) = list(strategy.distribute_dataset([torch.ones(4, 2)]))
     start = time.monotonic()
-    with pytest.raises(sg.ReplicaError, match=r"replica 1 \(cpu:1\) returned from the step function .* must call "
-                                              r"backward\(\)"):
+    with pytest.raises(
+        sg.ReplicaError,
+        match=r"replica 1 \(cpu:1\) returned from the step function .* must call "
+        r"backward\(\)",
+    ):
         strategy.run(step, args=(batch,))
     assert time.monotonic() - start < 10
 
@@ -184,7 +187,10 @@ def test_a_stuck_replica_times_out_naming_it():
         model(x).sum().backward()
 
     (batch,) = list(strategy.distribute_dataset([torch.ones(4, 2)]))
-    with pytest.raises(sg.CollectiveTimeoutError, match=r"end of backward of step 1: replica 0 \(cpu:0\) was waiting for replica 1 \(cpu:1\)"):
+    with pytest.raises(
+        sg.CollectiveTimeoutError,
+        match=r"end of backward of step 1: replica 0 \(cpu:0\) was waiting for replica 1 \(cpu:1\)",
+    ):
         strategy.run(step, args=(batch,))
     release.set()
 
@@ -305,7 +311,9 @@ def test_distribute_datasets_from_function_gives_each_replica_its_own_batch():
 
 def test_input_context_rejects_indivisible_global_batch():
     ctx = sg.InputContext(num_replicas_in_sync=3)
-    with pytest.raises(sg.InputError, match=r"global batch size \(8\) is not divisible by the number of replicas in sync \(3\)"):
+    with pytest.raises(
+        sg.InputError, match=r"global batch size \(8\) is not divisible by the number of replicas in sync \(3\)"
+    ):
         ctx.get_per_replica_batch_size(8)
 
 
@@ -313,22 +321,35 @@ def test_two_replicas_on_one_physical_gpu_are_refused_before_any_work():
     """Recorded facts of a one-GPU machine: the check runs on this CPU-only machine too."""
     from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
 
-    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2),
-                                        PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37)])
+    registry = DeviceRegistry(
+        physical=[
+            PhysicalDevice(device_type="cpu", core_count=2),
+            PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37),
+        ]
+    )
     registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(), LogicalDeviceConfiguration()])
-    with pytest.raises(sg.InputError, match=r"at most one replica per physical GPU. Received: several logical GPUs on cuda:0 \(cuda:0, cuda:1\)"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"at most one replica per physical GPU. Received: several logical GPUs on cuda:0 \(cuda:0, cuda:1\)",
+    ):
         sg.MirroredStrategy(["cuda:0", "cuda:1"], registry=registry)
 
 
 def test_a_model_too_large_for_a_logical_gpu_limit_is_refused_before_anything_is_copied():
     from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
 
-    registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", core_count=2),
-                                        PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37)])
+    registry = DeviceRegistry(
+        physical=[
+            PhysicalDevice(device_type="cpu", core_count=2),
+            PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=2**37),
+        ]
+    )
     registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(memory_limit=1000)])
     strategy = sg.MirroredStrategy(["cuda:0"], registry=registry)
     net = nn.Linear(100, 100)  # 10,100 parameters: 40,400 bytes, as much again for gradients, twice for Adam
-    with pytest.raises(sg.errors.MemoryEstimateError,
-                       match=r"needs at least 157.81 KiB .* the memory limit of logical device cuda:0 is 1000 B"):
+    with pytest.raises(
+        sg.errors.MemoryEstimateError,
+        match=r"needs at least 157.81 KiB .* the memory limit of logical device cuda:0 is 1000 B",
+    ):
         strategy.distribute(net, torch.optim.Adam(net.parameters()))
     assert next(net.parameters()).device.type == "cpu"  # nothing was moved

@@ -94,9 +94,11 @@ Features = namedtuple("Features", ["x", "extra"])
 
 def _tokens(n: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 10, (n, 5), generator=g),
-            "attention_mask": torch.ones(n, 5, dtype=torch.long),
-            "labels": torch.randint(0, 3, (n,), generator=g)}
+    return {
+        "input_ids": torch.randint(0, 10, (n, 5), generator=g),
+        "attention_mask": torch.ones(n, 5, dtype=torch.long),
+        "labels": torch.randint(0, 3, (n,), generator=g),
+    }
 
 
 class TokenNet(nn.Module):
@@ -146,12 +148,16 @@ def _train(strategy, batches):
     return model, outs, seen
 
 
-@pytest.mark.parametrize("make", [
-    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
-    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
-    lambda: sg.OneDeviceStrategy("cpu"),
-], ids=["mirrored-3", "mirrored-copies", "central", "one-device"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
+        lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
+        lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2)),
+        lambda: sg.OneDeviceStrategy("cpu"),
+    ],
+    ids=["mirrored-3", "mirrored-copies", "central", "one-device"],
+)
 def test_batch_encoding_batches_and_model_outputs_train_like_one_device(make):
     batches = [FakeBatchEncoding(_tokens(n, seed)) for seed, n in enumerate([7, 4, 2])]
     reference, ref_losses, _ = _train(None, batches)
@@ -213,8 +219,12 @@ def test_mapping_that_cannot_be_rebuilt_becomes_a_dict():
 def test_paths_name_keys_indices_and_fields():
     batch = {"a": [torch.zeros(1), Pair(torch.zeros(1), torch.zeros(1))], 3: Features(torch.zeros(1), None)}
     assert [p for p, _ in flatten_with_paths(batch, "batch")] == [
-        'batch["a"][0]', 'batch["a"][1].x', 'batch["a"][1].mask', 'batch["a"][1].tag',
-        "batch[3].x", "batch[3].extra",
+        'batch["a"][0]',
+        'batch["a"][1].x',
+        'batch["a"][1].mask',
+        'batch["a"][1].tag',
+        "batch[3].x",
+        "batch[3].extra",
     ]
 
 

@@ -19,8 +19,15 @@ from stratagem.cluster.rendezvous import agent_store_prefix, init_process_group
 
 
 def _torchrun_env(port: int, **extra: str) -> dict[str, str]:
-    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra}
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        **extra,
+    }
 
 
 def test_the_agent_store_is_used_only_when_torchrun_says_so() -> None:
@@ -29,14 +36,16 @@ def test_the_agent_store_is_used_only_when_torchrun_says_so() -> None:
     env = _torchrun_env(29500, TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="2")
     first, second = agent_store_prefix(cluster, env), agent_store_prefix(cluster, env)
     assert re.fullmatch(r"/stratagem/attempt_2/meeting_\d+", first) and first != second  # a fresh meeting each time
-    tf_config = resolve_cluster(None, env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, '
-                                                        '"task": {"type": "worker", "index": 0}}'})
+    tf_config = resolve_cluster(
+        None, env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}'}
+    )
     assert agent_store_prefix(tf_config, env) is None
 
 
 @pytest.mark.timeout(60)
-def test_the_chief_joins_the_agents_store_without_a_failed_bind(monkeypatch: pytest.MonkeyPatch,
-                                                                 capfd: pytest.CaptureFixture[str]) -> None:
+def test_the_chief_joins_the_agents_store_without_a_failed_bind(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # what torchrun's agent serves
     # c10d reads this variable itself: with it, a second server on the port logs "failed to bind" and carries on.
@@ -58,8 +67,10 @@ def test_closing_on_the_agents_store_does_not_wait_for_it_to_go_away() -> None:
     # A rank other than the chief waits, on a store the chief owns, until that store is gone; the agent's never goes.
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
-    client = dist.PrefixStore("/stratagem/attempt_0/meeting_0",
-                              dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=20)))
+    client = dist.PrefixStore(
+        "/stratagem/attempt_0/meeting_0",
+        dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=20)),
+    )
     started = time.monotonic()
     release_store(client, rank=1, task_names=["worker:0", "worker:1"], timeout=20, owned=False)
     assert time.monotonic() - started < 5
@@ -70,8 +81,16 @@ def test_closing_on_the_agents_store_does_not_wait_for_it_to_go_away() -> None:
 @pytest.mark.timeout(200)
 def test_under_torchrun_nothing_fails_to_bind_and_close_returns() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(Path(__file__).with_name("workers") / "torchrun_strategy.py")]
+    command = [
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).with_name("workers") / "torchrun_strategy.py"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "failed to bind" not in done.stderr

@@ -21,14 +21,18 @@ def _assert_state(got, expected):
         torch.testing.assert_close(got[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("make", [
-    lambda: sg.OneDeviceStrategy("cpu"),
-    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
-    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False, registry=cpu_registry(3)),
-    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
-    lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
-], ids=["one-device", "mirrored-2", "mirrored-3", "mirrored-3-copies", "central-3", "central-2-copies"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: sg.OneDeviceStrategy("cpu"),
+        lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(3)),
+        lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
+        lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], share_parameters=False, registry=cpu_registry(3)),
+        lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], registry=cpu_registry(3)),
+        lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2)),
+    ],
+    ids=["one-device", "mirrored-2", "mirrored-3", "mirrored-3-copies", "central-3", "central-2-copies"],
+)
 def test_unused_and_frozen_parameters_match_one_device(make):
     expected, ref_none = train_reference()
     assert ref_none == [False, True, False, False]  # the reference itself: aux unused in step 1 only
@@ -62,7 +66,7 @@ def _summed_over_two_ranks(other_used: list[bool]):
     def launch(tensor):
         n = len(other_used)
         if tensor.numel() >= n + 2:  # the last collective: gradients, one count per parameter, 2 loss-weight numbers
-            tensor[-n - 2:-2] += torch.tensor(other_used, dtype=tensor.dtype)
+            tensor[-n - 2 : -2] += torch.tensor(other_used, dtype=tensor.dtype)
         return None
 
     return launch
@@ -73,8 +77,9 @@ def test_buckets_count_users_so_a_parameter_no_rank_used_keeps_grad_none(direct_
     from stratagem.collective.buckets import GradientBuckets
 
     ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
-    buckets = GradientBuckets(ps, bucket_bytes=10**6, first_bucket_bytes=10**6, direct_bytes=direct_bytes,
-                              count_users=True)
+    buckets = GradientBuckets(
+        ps, bucket_bytes=10**6, first_bucket_bytes=10**6, direct_bytes=direct_bytes, count_users=True
+    )
     buckets.start(1.0)
     ps[2].grad = torch.ones(3)
     buckets.mark_ready(2, _summed_over_two_ranks([False, True, False]))  # this rank used 2; the other rank 1

@@ -23,7 +23,7 @@ def test_gather_and_callbacks_across_two_workers(tmp_path):
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in range(2):
         gathered = seen[rank]["gather"]
-        assert gathered["x2"] == [2.0 * i for i in range(7)]        # every worker gets the whole, in order
+        assert gathered["x2"] == [2.0 * i for i in range(7)]  # every worker gets the whole, in order
         assert gathered["n"] == [2, 2, 2, 1]
         assert gathered["names"] == [f"ex{i}" for i in range(7)]
         assert gathered["ranks"] == [0.0, 1.0]
@@ -37,8 +37,13 @@ def test_gather_and_callbacks_across_two_workers(tmp_path):
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], **TOL[torch.float64])
     files = tmp_path / "files0"
-    assert sorted(p.name for p in files.iterdir()) == ["epoch1.safetensors", "epoch2.safetensors",
-                                                       "epoch3.safetensors", "log.csv", "tb"]
+    assert sorted(p.name for p in files.iterdir()) == [
+        "epoch1.safetensors",
+        "epoch2.safetensors",
+        "epoch3.safetensors",
+        "log.csv",
+        "tb",
+    ]
     assert len(list(csv.DictReader((files / "log.csv").open()))) == 3
     assert list((files / "tb").iterdir())
     assert not (tmp_path / "files1").exists()
@@ -51,6 +56,7 @@ def _first_draw(seed: int) -> float:
 
 def reference_after(epochs: int) -> dict:
     model, optimizer, shape = build("mlp", "sgd_momentum", torch.float64)
-    train_reference(model, optimizer, make_batches(shape, torch.float64, sizes=[12, 11, 7, 5]), clip=False,
-                    epochs=epochs)
+    train_reference(
+        model, optimizer, make_batches(shape, torch.float64, sizes=[12, 11, 7, 5]), clip=False, epochs=epochs
+    )
     return model.state_dict()

@@ -37,8 +37,9 @@ def test_a_workers_bounds_are_its_replicas_contiguous_pieces():
 
 
 def _loader(**kwargs):
-    return DataLoader(TensorDataset(X, Y), batch_size=5, shuffle=True,
-                      generator=torch.Generator().manual_seed(4), **kwargs)
+    return DataLoader(
+        TensorDataset(X, Y), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(4), **kwargs
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -131,15 +132,23 @@ def test_the_decision_is_taken_from_the_input_or_else_from_a_streams_first_batch
     assert isinstance(sharded, WorkerLoader) and decision[0] == "index level"
     assert input_sharding(sharded, worker) == (sharded, None)  # cut already (fit cuts before the strategy sees it)
     batches = [(X, Y)]
-    assert input_sharding(batches, worker) == (batches, ("each worker slices every global batch", why_not_shardable(batches)))
+    assert input_sharding(batches, worker) == (
+        batches,
+        ("each worker slices every global batch", why_not_shardable(batches)),
+    )
     stream = iter(batches)
     assert input_sharding(stream, worker) == (stream, None)
     assert observed_sharding(True, stream, None)[0] == "index level"
     assert observed_sharding(True, stream, "index level") is None
-    assert observed_sharding(False, stream, None) == ("each worker slices every global batch", why_not_shardable(stream))
+    assert observed_sharding(False, stream, None) == (
+        "each worker slices every global batch",
+        why_not_shardable(stream),
+    )
     assert observed_sharding(False, stream, "index level") is None  # fit's wrapping of validation data, say
     assert observed_sharding(False, batches, "index level") == (
-        "each worker slices every global batch", why_not_shardable(batches))
+        "each worker slices every global batch",
+        why_not_shardable(batches),
+    )
     parts = list(sharded)
     assert input_sharding(parts, worker) == (parts, None)  # fit's accumulation groups
 
@@ -160,7 +169,10 @@ def test_a_loader_with_a_distributed_sampler_is_read_whole_as_the_workers_own(in
         expected = list(_ddp_loader(1))
         wrapped, decision = input_sharding(loader, worker)
         assert isinstance(wrapped, PerWorkerLoader) and len(wrapped) == len(expected) == 3
-        assert decision[0] == "each worker's own loader" and "DistributedSampler gives each worker its own 1/2" in decision[1]
+        assert (
+            decision[0] == "each worker's own loader"
+            and "DistributedSampler gives each worker its own 1/2" in decision[1]
+        )
         batches = list(wrapped)
         assert all(isinstance(b, WorkerBatch) for b in batches)
         for (x, y), got in zip(expected, batches):
@@ -176,8 +188,11 @@ def test_a_loader_with_a_distributed_sampler_is_read_whole_as_the_workers_own(in
 
 
 def test_a_distributed_sampler_for_another_cluster_is_refused():
-    with pytest.raises(InputError, match=r"The DataLoader's DistributedSampler splits the data among 4 processes and "
-                                         r"reads the part of rank 1, but this job has 2 workers and this one is rank "
-                                         r"0\. Received: DistributedSampler\(num_replicas=4, rank=1\)\. Build it after "
-                                         r"the strategy, with num_replicas and rank left unset"):
+    with pytest.raises(
+        InputError,
+        match=r"The DataLoader's DistributedSampler splits the data among 4 processes and "
+        r"reads the part of rank 1, but this job has 2 workers and this one is rank "
+        r"0\. Received: DistributedSampler\(num_replicas=4, rank=1\)\. Build it after "
+        r"the strategy, with num_replicas and rank left unset",
+    ):
         input_sharding(_ddp_loader(1, num_replicas=4), WorkerRange(4, 0, 2))

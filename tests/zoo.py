@@ -103,8 +103,18 @@ def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     _quiet_transformers()
-    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -112,9 +122,18 @@ def tiny_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     _quiet_transformers()
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        pad_token_id=0,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -139,10 +158,20 @@ def make_batches(name: str, sizes: list[int] = BATCH_SIZES, seed: int = 1, simpl
             wrap = dict if simple else BatchEncoding
             ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
             lengths = torch.randint(3, SEQ_LEN + 1, (n,), generator=g)
-            mask = (torch.arange(SEQ_LEN)[None, :] < lengths[:, None]).long()  # padded to the longest, as a collator does
+            mask = (
+                torch.arange(SEQ_LEN)[None, :] < lengths[:, None]
+            ).long()  # padded to the longest, as a collator does
             ids = ids * mask
-            batches.append(wrap({"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
-                                          "attention_mask": mask, "labels": torch.randint(0, 3, (n,), generator=g)}))
+            batches.append(
+                wrap(
+                    {
+                        "input_ids": ids,
+                        "token_type_ids": torch.zeros_like(ids),
+                        "attention_mask": mask,
+                        "labels": torch.randint(0, 3, (n,), generator=g),
+                    }
+                )
+            )
         else:
             raise KeyError(name)
     return batches
@@ -185,8 +214,11 @@ def build(name: str, simple: bool = False) -> Setup:
     if simple:
         return Setup(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), None)
     if name == "resnet18":
-        return Setup(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
-                                                      weight_decay=5e-4), None)
+        return Setup(
+            model,
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4),
+            None,
+        )
     if name == "gpt2":
         return Setup(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01), _warmup)
     return Setup(model, lambda m: torch.optim.AdamW(_adamw_groups(m), lr=3e-3), _warmup)
@@ -200,7 +232,9 @@ def loss_of(name: str, model: nn.Module, batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
 
-def make_step(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Callable[[Any], torch.Tensor]:
+def make_step(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> Callable[[Any], torch.Tensor]:
     """The one-device training step, written once, run unchanged by every strategy."""
 
     def step(batch: Any) -> torch.Tensor:
@@ -272,8 +306,10 @@ def table(strategies: dict[str, Callable[[], Any]], simple: bool = False) -> lis
             strategy = make()
             try:
                 model, _ = train_with(strategy, name, simple)
-                worst = max(worst_relative_error(expected.state_dict(), r.state_dict())
-                            for r in getattr(model, "replicas", [model]))
+                worst = max(
+                    worst_relative_error(expected.state_dict(), r.state_dict())
+                    for r in getattr(model, "replicas", [model])
+                )
                 rows.append((name, label, f"{worst[0]:.1e} ({worst[1]})"))
             except Exception as error:  # noqa: BLE001 - the table reports what failed, and how
                 rows.append((name, label, f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"))

@@ -1,8 +1,8 @@
 """stratagem: train PyTorch models with tf.distribute-style strategies, never a silent fallback.
 
-    import stratagem as sg
-    strategy = sg.MirroredStrategy()
-    print(strategy.explain())
+import stratagem as sg
+strategy = sg.MirroredStrategy()
+print(strategy.explain())
 """
 
 from stratagem import data, devices, diagnose

@@ -49,8 +49,11 @@ def verify_archive(path: str | os.PathLike[str]) -> int:
     except FileNotFoundError:
         raise
     except Exception as error:  # noqa: BLE001 - BadZipFile, OSError, EOFError... for a file that is no archive
-        raise _damaged(path, f"it is not a zip archive as torch.save writes ({_cut(str(error))})",
-                       "a file torch.save did not write, or one whose end (the archive's directory) is damaged or cut off") from None
+        raise _damaged(
+            path,
+            f"it is not a zip archive as torch.save writes ({_cut(str(error))})",
+            "a file torch.save did not write, or one whose end (the archive's directory) is damaged or cut off",
+        ) from None
     try:
         with archive:
             members = archive.infolist()
@@ -66,8 +69,11 @@ def verify_archive(path: str | os.PathLike[str]) -> int:
     except FileNotFoundError:
         raise
     except Exception as error:  # noqa: BLE001 - zipfile raises many types (BadZipFile, EOFError, OSError...)
-        raise _damaged(path, f"it is damaged ({_cut(str(error)) or type(error).__name__})",
-                       "a member whose bytes differ from those written (its CRC32 or its header does not match)") from None
+        raise _damaged(
+            path,
+            f"it is damaged ({_cut(str(error)) or type(error).__name__})",
+            "a member whose bytes differ from those written (its CRC32 or its header does not match)",
+        ) from None
     return checked
 
 
@@ -81,13 +87,16 @@ def load_verified(path: str | os.PathLike[str], map_location: Any = "cpu") -> An
     """
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"No checkpoint at {str(path)!r}. Received: path={str(path)!r}. "
-                         "Check the path, or start without restoring.")
+        raise InputError(
+            f"No checkpoint at {str(path)!r}. Received: path={str(path)!r}. Check the path, or start without restoring."
+        )
     try:
         verify_archive(path)
     except FileNotFoundError:
-        raise InputError(f"The checkpoint {str(path)!r} went away while it was read. Received: path={str(path)!r}. "
-                         "Check that no other job writes or deletes this directory.") from None
+        raise InputError(
+            f"The checkpoint {str(path)!r} went away while it was read. Received: path={str(path)!r}. "
+            "Check that no other job writes or deletes this directory."
+        ) from None
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # torch raises several types for a file it cannot read
@@ -99,8 +108,11 @@ def load_verified(path: str | os.PathLike[str], map_location: Any = "cpu") -> An
                 "stratagem.train.save_checkpoint (tensors, numbers, strings, lists, dicts), or point at another file."
             ) from None
         first_line = str(error).splitlines()[0] if str(error) else ""
-        raise _damaged(path, f"torch cannot read it ({type(error).__name__}: {_cut(first_line)})",
-                       "an archive whose checksums hold but whose contents torch.load rejects") from None
+        raise _damaged(
+            path,
+            f"torch cannot read it ({type(error).__name__}: {_cut(first_line)})",
+            "an archive whose checksums hold but whose contents torch.load rejects",
+        ) from None
 
 
 def _damaged(path: Path, reason: str, received: str) -> CorruptCheckpointError:

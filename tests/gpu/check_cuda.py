@@ -41,6 +41,7 @@ RESULTS: list[tuple[str, bool, str]] = []
 
 def check(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
     """Runs the decorated function now; it returns a detail line or raises on failure."""
+
     def decorate(fn: Callable[[], str]) -> Callable[[], str]:
         start = time.perf_counter()
         try:
@@ -50,6 +51,7 @@ def check(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
         RESULTS.append((name, passed, detail))
         print(f"[{'PASS' if passed else 'FAIL'}] {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
         return fn
+
     return decorate
 
 
@@ -69,13 +71,17 @@ def main() -> int:
 
     @check("facts match torch and the driver")
     def _() -> str:
-        expect(facts.is_cuda_build and facts.torch_device_count == count, f"torch_device_count={facts.torch_device_count}")
+        expect(
+            facts.is_cuda_build and facts.torch_device_count == count, f"torch_device_count={facts.torch_device_count}"
+        )
         expect(facts.driver_present and facts.driver_cuda_version is not None, "libcuda's cuDriverGetVersion not read")
         expect(len(facts.gpus) == count, f"{len(facts.gpus)} GPU facts for {count} GPUs")
         expect(facts.cudnn_available == torch.backends.cudnn.is_available(), "cuDNN availability differs")
-        return (f"driver {facts.driver_version} (CUDA {facts.driver_cuda_version}), runtime "
-                f"{facts.cuda_runtime_version}, NVML count {facts.nvml_device_count}, NCCL {facts.nccl_version}, "
-                f"cuDNN {facts.cudnn_version}")
+        return (
+            f"driver {facts.driver_version} (CUDA {facts.driver_cuda_version}), runtime "
+            f"{facts.cuda_runtime_version}, NVML count {facts.nvml_device_count}, NCCL {facts.nccl_version}, "
+            f"cuDNN {facts.cudnn_version}"
+        )
 
     @check("physical GPU discovery")
     def _() -> str:

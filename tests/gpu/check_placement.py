@@ -75,7 +75,7 @@ def train_logged(strategy):
         optimizer.step()
         optimizer.zero_grad()
         host = loss.detach().cpu()  # one float32 back to the host per replica: 4 B
-        return host * 2             # an operation on the CPU inside the replica
+        return host * 2  # an operation on the CPU inside the replica
 
     with sg.log_placement() as log:
         for x, y in strategy.distribute_dataset(batches()):
@@ -91,14 +91,19 @@ def one_device_log():
     # Host -> GPU: each batch's x (n x 32 float32) and y (n int64), moved by distribute_dataset.
     to_gpu = sum(n * 32 * 4 + n * 8 for n in SIZES)
     copies = {(c.source, c.destination): (c.count, c.num_bytes) for c in summary.copies}
-    expect(copies.get(("cpu", "cuda:0")) == (4, to_gpu), f"cpu -> cuda:0 {copies.get(('cpu', 'cuda:0'))}, want (4, {to_gpu})")
+    expect(
+        copies.get(("cpu", "cuda:0")) == (4, to_gpu),
+        f"cpu -> cuda:0 {copies.get(('cpu', 'cuda:0'))}, want (4, {to_gpu})",
+    )
     expect(copies.get(("cuda:0", "cpu")) == (2, 8), f"cuda:0 -> cpu {copies.get(('cuda:0', 'cpu'))}, want (2, 8)")
     # Backward runs on torch's CUDA autograd thread; its operations still belong to replica 0.
     expect(log.count(op="aten::threshold_backward", device="cuda:0", replica=0) == 2, "threshold_backward on cuda:0")
     expect(log.count(op="aten::threshold_backward", replica=None) == 0, "backward ops outside the replica")
     cpu_muls = [o for o in summary.off_device if o.op == "aten::mul" and o.device == "cpu"]
-    expect(len(cpu_muls) == 1 and cpu_muls[0].count == 2 and cpu_muls[0].replica_device == "cuda:0",
-           f"the CPU mul inside the GPU replica: {summary.off_device}")
+    expect(
+        len(cpu_muls) == 1 and cpu_muls[0].count == 2 and cpu_muls[0].replica_device == "cuda:0",
+        f"the CPU mul inside the GPU replica: {summary.off_device}",
+    )
     return f"{summary.num_operations} ops, {summary.num_copies} copies, {summary.copy_bytes} B, off-device {summary.num_off_device}"
 
 
@@ -125,8 +130,10 @@ def soft_placement_on_cuda():
         raise AssertionError("a CPU-only op ran on CUDA tensors without soft placement")
     except NotImplementedError as error:
         translated = as_placement_error(error)
-        expect(translated is not None and "placement_check::cube has no kernel for CUDA" in str(translated),
-               f"translation of torch's error: {translated}")
+        expect(
+            translated is not None and "placement_check::cube has no kernel for CUDA" in str(translated),
+            f"translation of torch's error: {translated}",
+        )
     try:
         with sg.log_placement():
             cube(x)
@@ -140,10 +147,12 @@ def soft_placement_on_cuda():
         y.sum().backward()
     torch.cuda.synchronize()
     expect(y.device == x.device, f"output on {y.device}")
-    torch.testing.assert_close(y.detach().cpu(), x_cpu ** 3)
-    torch.testing.assert_close(w.grad.cpu(), 3 * x_cpu ** 2)
-    expect(soft.operations == {("placement_check::cube", "cuda:0"): 1, ("placement_check::square", "cuda:0"): 1},
-           f"soft-placed: {soft.operations}")
+    torch.testing.assert_close(y.detach().cpu(), x_cpu**3)
+    torch.testing.assert_close(w.grad.cpu(), 3 * x_cpu**2)
+    expect(
+        soft.operations == {("placement_check::cube", "cuda:0"): 1, ("placement_check::square", "cuda:0"): 1},
+        f"soft-placed: {soft.operations}",
+    )
     summary = log.summary()
     print(summary, flush=True)
     soft_copies = {(c.source, c.destination): (c.count, c.num_bytes) for c in summary.copies if c.reason}
@@ -165,8 +174,10 @@ def soft_placement_in_mirrored():
     want = [(batch[:3] ** 3).sum().item(), (batch[3:] ** 3).sum().item()]
     expect(all(abs(a - b) < 1e-5 for a, b in zip(got, want)), f"results {got}, want {want}")
     # Replica 0 (cuda:0) has no kernel and soft-places; replica 1 (the CPU) runs it natively.
-    expect(soft.count() == 1 and log.count(op="placement_check::cube", device="cpu", replica=1) == 1,
-           f"soft {soft.operations}, replica 1 cube on cpu {log.count(op='placement_check::cube', replica=1)}")
+    expect(
+        soft.count() == 1 and log.count(op="placement_check::cube", device="cpu", replica=1) == 1,
+        f"soft {soft.operations}, replica 1 cube on cpu {log.count(op='placement_check::cube', replica=1)}",
+    )
     return f"results {got}"
 
 
@@ -206,7 +217,9 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
     CHECKS.run("placement log, OneDevice on cuda:0: copies, autograd thread, CPU op in a GPU replica", one_device_log)
     CHECKS.run("placement log, Mirrored over cuda:0 + cpu:0: replica threads", mirrored_gpu_and_cpu_log)
-    CHECKS.run("soft placement of a CPU-only op on CUDA tensors: error, values, gradient, copies", soft_placement_on_cuda)
+    CHECKS.run(
+        "soft placement of a CPU-only op on CUDA tensors: error, values, gradient, copies", soft_placement_on_cuda
+    )
     CHECKS.run("soft placement in Mirrored replica threads (cuda:0 + cpu:0)", soft_placement_in_mirrored)
     CHECKS.run("cost of the placement log per step (informative)", log_overhead)
     return CHECKS.summary("placement")

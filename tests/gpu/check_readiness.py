@@ -68,14 +68,22 @@ class Context:
         start = time.perf_counter()
         try:
             figures = fn()
-            self.cases.append({"name": name, "status": "PASS", "seconds": round(time.perf_counter() - start, 2),
-                               "figures": figures})
+            self.cases.append(
+                {"name": name, "status": "PASS", "seconds": round(time.perf_counter() - start, 2), "figures": figures}
+            )
             print(f"  [PASS] {name}: {figures}", flush=True)
             self._save_partial()
             return figures
         except Exception as error:  # noqa: BLE001 - a readiness check reports every failure
-            self.cases.append({"name": name, "status": "FAIL", "seconds": round(time.perf_counter() - start, 2),
-                               "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
+            self.cases.append(
+                {
+                    "name": name,
+                    "status": "FAIL",
+                    "seconds": round(time.perf_counter() - start, 2),
+                    "error": f"{type(error).__name__}: {error}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
             print(f"  [FAIL] {name}: {type(error).__name__}: {error}\n{traceback.format_exc()}", flush=True)
             self._save_partial()
             return None
@@ -115,8 +123,9 @@ def run_isolated(name: str, out: Path, dry_run: bool, limit: float) -> dict[str,
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         try:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit,
-                                  check=False).returncode
+            code = subprocess.run(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit, check=False
+            ).returncode
         except subprocess.TimeoutExpired:
             code = None
     seconds = round(time.perf_counter() - start, 2)
@@ -128,8 +137,15 @@ def run_isolated(name: str, out: Path, dry_run: bool, limit: float) -> dict[str,
     why = f"ran past its {limit:.0f} s limit" if code is None else f"exited with code {code} before reporting"
     partial = sections / f"{name}.partial.json"
     cases = json.loads(partial.read_text()) if partial.exists() else []  # the cases it finished
-    return {"name": name, "dry_run": dry_run, "status": "FAIL", "error": f"the section's process {why}", "traceback": tail,
-            "cases": cases, "seconds": seconds}
+    return {
+        "name": name,
+        "dry_run": dry_run,
+        "status": "FAIL",
+        "error": f"the section's process {why}",
+        "traceback": tail,
+        "cases": cases,
+        "seconds": seconds,
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -152,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run each section's CPU part (no GPU needed)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these sections")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run the sections in this process (faster to start; a crash then stops the run)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the sections in this process (faster to start; a crash then stops the run)",
+    )
     parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -168,15 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     deadline = time.monotonic() + args.budget
-    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": args.dry_run,
-                              "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-                              "machine": machine(), "sections": []}
+    report: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dry_run": args.dry_run,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "machine": machine(),
+        "sections": [],
+    }
     with open(out / "readiness.log", "w", encoding="utf-8") as log:
         for name in names:
             left = deadline - time.monotonic()
             if left < 5:
-                record = {"name": name, "status": "FAIL", "error": f"not run: the {args.budget:.0f} s budget was spent",
-                          "cases": [], "seconds": 0}
+                record = {
+                    "name": name,
+                    "status": "FAIL",
+                    "error": f"not run: the {args.budget:.0f} s budget was spent",
+                    "cases": [],
+                    "seconds": 0,
+                }
             else:
                 log.write(f"===== {name}\n")
                 log.flush()
@@ -189,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                 log.write(f"===== {name}: {record['status']} ({record.get('seconds')} s)\n")
                 log.flush()
             report["sections"].append(record)
-            print(f"[{record['status']}] {name} ({record.get('seconds')} s)"
-                  + (f": {record['error']}" if record["status"] == "FAIL" else ""), flush=True)
+            print(
+                f"[{record['status']}] {name} ({record.get('seconds')} s)"
+                + (f": {record['error']}" if record["status"] == "FAIL" else ""),
+                flush=True,
+            )
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report["passed"] = sum(r["status"] == "PASS" for r in report["sections"])
     report["failed"] = sum(r["status"] == "FAIL" for r in report["sections"])

@@ -39,8 +39,10 @@ def net() -> nn.Module:
 
 def batches(device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(n, 32, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device))
-            for n in (64, 63, 5, 2)]
+    return [
+        (torch.randn(n, 32, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device))
+        for n in (64, 63, 5, 2)
+    ]
 
 
 def reference(device):
@@ -117,7 +119,9 @@ def multi_worker_nccl():
 def model_parallel():
     """Stages on cuda:0 and the CPU (and on two GPUs when there are): real device boundaries both ways."""
     lines = []
-    splits = [["cuda:0", "cpu:0"], ["cpu:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else [])
+    splits = [["cuda:0", "cpu:0"], ["cpu:0", "cuda:0"]] + (
+        [["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else []
+    )
     for stages in splits:
         strategy = sg.ModelParallelStrategy(stages, num_micro_batches=3)
         same(train(strategy), reference("cuda:0"))
@@ -146,11 +150,15 @@ def central_storage():
         state = kept[0].state
         tensors = [t for entry in state.values() for t in entry.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
         assert len(state) == 4 and tensors, f"expected one Adam state per parameter (4), got {len(state)}"
-        assert all(t.device == torch.device(home) for t in tensors), f"state on {sorted({str(t.device) for t in tensors})}"
+        assert all(t.device == torch.device(home) for t in tensors), (
+            f"state on {sorted({str(t.device) for t in tensors})}"
+        )
         text = str(strategy.explain())
         strategy.close()
-        lines.append(f"devices={devices}, parameter_device={parameter_device}: equal to one device, "
-                     f"optimizer state once on {home}\n{text}")
+        lines.append(
+            f"devices={devices}, parameter_device={parameter_device}: equal to one device, "
+            f"optimizer state once on {home}\n{text}"
+        )
     return "\n".join(lines)
 
 
@@ -178,9 +186,12 @@ def throughput():
         opt.step()
 
     results = {"plain": timed(plain)}
-    strategies = (("one_device", sg.OneDeviceStrategy("cuda:0")), ("mirrored_all_gpus", sg.MirroredStrategy()),
-                  ("central_storage", sg.CentralStorageStrategy()),
-                  ("central_storage_parameters_on_cpu", sg.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")))
+    strategies = (
+        ("one_device", sg.OneDeviceStrategy("cuda:0")),
+        ("mirrored_all_gpus", sg.MirroredStrategy()),
+        ("central_storage", sg.CentralStorageStrategy()),
+        ("central_storage_parameters_on_cpu", sg.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")),
+    )
     for name, strategy in strategies:
         base = workload.build_model()
         m, o = strategy.distribute(base, workload.build_optimizer(base))
@@ -195,8 +206,10 @@ def throughput():
 
         results[name] = timed(lambda i, s=strategy, d=dataset, f=train_step: s.run(f, args=d[i % 8]))
         strategy.close()
-    return json.dumps({k: round(v) for k, v in results.items()} |
-                      {f"{k}/plain": round(v / results["plain"], 3) for k, v in results.items() if k != "plain"})
+    return json.dumps(
+        {k: round(v) for k, v in results.items()}
+        | {f"{k}/plain": round(v / results["plain"], 3) for k, v in results.items() if k != "plain"}
+    )
 
 
 def main() -> int:
@@ -205,8 +218,11 @@ def main() -> int:
         return 1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     CHECKS.only.extend(sys.argv[1:])
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): "
-          f"{torch.cuda.get_device_name(0)}", flush=True)
+    print(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): "
+        f"{torch.cuda.get_device_name(0)}",
+        flush=True,
+    )
     CHECKS.run("one device on cuda:0", one_device)
     CHECKS.run("mirrored over every GPU", mirrored_all_gpus)
     CHECKS.run("mirrored over cuda:0 and cpu:0", mirrored_gpu_and_cpu)

@@ -1,8 +1,8 @@
 """What every GPU check script shares: run named checks, report each, and sum up for the exit code.
 
-    checks = Checks(sys.argv[1:])          # words: run only the checks whose name holds one
-    checks.run("one device on cuda:0", one_device)
-    return checks.summary("strategy")
+checks = Checks(sys.argv[1:])          # words: run only the checks whose name holds one
+checks.run("one device on cuda:0", one_device)
+return checks.summary("strategy")
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ class Checks:
             print(f"[PASS] {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
         except Exception as error:  # noqa: BLE001 - a check script reports every failure
             self.failed.append(name)
-            print(f"[FAIL] {name} ({time.perf_counter() - start:.1f}s): {type(error).__name__}: {error}\n"
-                  f"{traceback.format_exc(limit=6)}", flush=True)
+            print(
+                f"[FAIL] {name} ({time.perf_counter() - start:.1f}s): {type(error).__name__}: {error}\n"
+                f"{traceback.format_exc(limit=6)}",
+                flush=True,
+            )
 
     def summary(self, kind: str) -> int:
         """Prints how many failed; the exit code (0 when all passed)."""

@@ -44,11 +44,18 @@ def _child_env(**changes: str | None) -> dict[str, str]:
 
 
 def _python(code: str, *, timeout: float, **env: str | None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env=_child_env(**env), check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_child_env(**env),
+        check=False,
+    )
 
 
 # ---- NCCL waits ---------------------------------------------------------------------------------------
+
 
 class _NeverDone:
     """A work handle whose collective never ends (the dry run's stand-in for one queued behind a long kernel)."""
@@ -79,8 +86,9 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
     dist.init_process_group(backend, store=store, rank=0, world_size=1, **options)
     figures: dict[str, Any] = {"backend": backend}
     try:
-        cw = CrossWorker(store, rank=0, task_names=["worker:0"], timeout=60.0, stall_warning_after=0.1,
-                         device_collectives=on_gpu)
+        cw = CrossWorker(
+            store, rank=0, task_names=["worker:0"], timeout=60.0, stall_warning_after=0.1, device_collectives=on_gpu
+        )
         warnings: list[str] = []
 
         class Keep(logging.Handler):
@@ -99,8 +107,10 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
             x.mul_(2.0)
             start = time.perf_counter()
             work = dist.all_gather_into_tensor(out, x, async_op=True) if on_gpu else dist.all_reduce(x, async_op=True)
-            queued = {"future_done_when_queued": bool(work.get_future().done()),
-                      "is_completed_when_queued": bool(work.is_completed())}
+            queued = {
+                "future_done_when_queued": bool(work.get_future().done()),
+                "is_completed_when_queued": bool(work.is_completed()),
+            }
             cw.wait([work], what="readiness all-gather", step=0)
             returned = time.perf_counter() - start
             result = out if on_gpu else x
@@ -109,15 +119,27 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
             cw.check()
             expect(low == high == 2.0, f"read {low}..{high} after the wait, expected 2.0 everywhere")
             if on_gpu:
-                expect(returned < 0.5, f"the wait blocked the host for {returned:.3f} s, though NCCL's wait() "
-                       "only orders the stream")
+                expect(
+                    returned < 0.5,
+                    f"the wait blocked the host for {returned:.3f} s, though NCCL's wait() only orders the stream",
+                )
                 expect(read > 0.2, f"the read returned after {read:.3f} s, before the queued kernel could end")
-                expect(any("has waited" in w for w in warnings), "no stall warning from the watchdog although the "
-                       f"collective took {read:.2f} s past the 0.1 s warning threshold")
-            return {**queued, "wait_returned_s": round(returned, 3), "read_s": round(read, 3), "value": low,
-                    "stall_warned": bool(warnings)}
+                expect(
+                    any("has waited" in w for w in warnings),
+                    "no stall warning from the watchdog although the "
+                    f"collective took {read:.2f} s past the 0.1 s warning threshold",
+                )
+            return {
+                **queued,
+                "wait_returned_s": round(returned, 3),
+                "read_s": round(read, 3),
+                "value": low,
+                "stall_warned": bool(warnings),
+            }
 
-        figures["gather_after_long_kernel"] = ctx.case("collective after a long queued kernel", gather_after_a_long_kernel)
+        figures["gather_after_long_kernel"] = ctx.case(
+            "collective after a long queued kernel", gather_after_a_long_kernel
+        )
 
         def all_reduce_through_stratagem() -> dict[str, Any]:
             y = torch.full((1 << 20,), 3.0, device=device)
@@ -134,9 +156,16 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
 
         def a_stuck_collective_is_named_by_the_watchdog() -> dict[str, Any]:
             aborts: list[float] = []
-            stuck = CrossWorker(store, rank=0, task_names=["worker:0"], timeout=0.5, stall_warning_after=0.1,
-                                roll_call_seconds=0.2, device_collectives=True,
-                                abort=lambda: aborts.append(time.perf_counter()))
+            stuck = CrossWorker(
+                store,
+                rank=0,
+                task_names=["worker:0"],
+                timeout=0.5,
+                stall_warning_after=0.1,
+                roll_call_seconds=0.2,
+                device_collectives=True,
+                abort=lambda: aborts.append(time.perf_counter()),
+            )
             try:
                 z = torch.ones(1 << 10, device=device)
                 if on_gpu:
@@ -163,9 +192,12 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
                 if on_gpu:
                     torch.cuda.synchronize()
 
-        figures["stuck"] = ctx.case("a stuck collective is named by the watchdog", a_stuck_collective_is_named_by_the_watchdog)
+        figures["stuck"] = ctx.case(
+            "a stuck collective is named by the watchdog", a_stuck_collective_is_named_by_the_watchdog
+        )
 
         if on_gpu:
+
             def the_abort_runs_on_nccl() -> dict[str, Any]:
                 abort_process_group()  # the real one (experimental in torch): the group must be gone after it
                 expect(not dist.is_initialized(), "the process group is still initialized after the abort")
@@ -180,6 +212,7 @@ def nccl_wait(ctx: Any) -> dict[str, Any]:
 
 
 # ---- the CPU-first reduction --------------------------------------------------------------------------
+
 
 def cpu_first_reduction(ctx: Any) -> dict[str, Any]:
     """ReduceToOneDevice with replica 0 on the CPU and replica 1 on the GPU, 64 MiB of gradients, against
@@ -218,23 +251,38 @@ def doctor(ctx: Any) -> dict[str, Any]:
     uuid = next((u for u in base.nvml_uuids or [] if u.startswith("GPU-")), None)
     if ctx.dry_run:  # a constructed one-GPU machine, and the real (GPU-less) one
         uuid = "GPU-8f6b1d0e-1c2f-4a5b-9c3d-2e1f0a9b8c7d"
-        base = EnvironmentFacts(torch_version="2.13.0+cu128", torch_cuda_version="12.8", driver_present=True,
-                                driver_version="570.86.15", nvml_device_count=1, nvml_uuids=[uuid], torch_device_count=1)
+        base = EnvironmentFacts(
+            torch_version="2.13.0+cu128",
+            torch_cuda_version="12.8",
+            driver_present=True,
+            driver_version="570.86.15",
+            nvml_device_count=1,
+            nvml_uuids=[uuid],
+            torch_device_count=1,
+        )
     values: list[tuple[str, str | None, int | None]] = [  # (label, value, GPUs torch should see on one GPU)
-        ("unset", None, None), ("empty", "", 0), ("-1", "-1", 0), ("0", "0", 1), ("0,0", "0,0", 0),
-        ("bogus UUID", "GPU-bogus", 0), ("bogus MIG UUID", "MIG-11111111-2222-3333-4444-555555555555", 0),
+        ("unset", None, None),
+        ("empty", "", 0),
+        ("-1", "-1", 0),
+        ("0", "0", 1),
+        ("0,0", "0,0", 0),
+        ("bogus UUID", "GPU-bogus", 0),
+        ("bogus MIG UUID", "MIG-11111111-2222-3333-4444-555555555555", 0),
         ("0,GPU-x", "0,GPU-x", 1),
     ]
     if uuid is not None:
         values.insert(5, ("real UUID", uuid, 1))
     figures: dict[str, Any] = {"uuid": uuid}
     for label, value, one_gpu in values:
+
         def one(value: str | None = value, one_gpu: int | None = one_gpu) -> dict[str, Any]:
             import dataclasses
 
             facts = dataclasses.replace(base, cuda_visible_devices=value)
             predicted = visible_by_cuda_visible_devices(facts)
-            predicted = (facts.nvml_device_count or 0) if predicted is None else min(predicted, facts.nvml_device_count or 0)
+            predicted = (
+                (facts.nvml_device_count or 0) if predicted is None else min(predicted, facts.nvml_device_count or 0)
+            )
             row: dict[str, Any] = {"value": value, "doctor_predicts": predicted}
             if ctx.dry_run:
                 expected = 1 if one_gpu is None else one_gpu
@@ -242,12 +290,21 @@ def doctor(ctx: Any) -> dict[str, Any]:
                 return row
             seen = _python(_TORCH_SEES, timeout=60, CUDA_VISIBLE_DEVICES=value)
             available, count = json.loads(seen.stdout.strip().splitlines()[-1])
-            report = subprocess.run([sys.executable, "-m", "stratagem", "doctor", "--json", "--no-smoke-test"],
-                                    capture_output=True, text=True, timeout=90, check=False,
-                                    env=_child_env(CUDA_VISIBLE_DEVICES=value))
+            report = subprocess.run(
+                [sys.executable, "-m", "stratagem", "doctor", "--json", "--no-smoke-test"],
+                capture_output=True,
+                text=True,
+                timeout=90,
+                check=False,
+                env=_child_env(CUDA_VISIBLE_DEVICES=value),
+            )
             parsed = json.loads(report.stdout)
-            row.update(torch_sees=count, torch_available=available, doctor_exit=report.returncode,
-                       verdicts={c["name"]: c["verdict"] for c in parsed["checks"] if c["verdict"] != "ok"})
+            row.update(
+                torch_sees=count,
+                torch_available=available,
+                doctor_exit=report.returncode,
+                verdicts={c["name"]: c["verdict"] for c in parsed["checks"] if c["verdict"] != "ok"},
+            )
             expect(report.returncode in (0, 1), f"the doctor exited {report.returncode}: {report.stderr[-2000:]}")
             expect(predicted == count, f"the doctor predicts {predicted} GPU(s), torch sees {count}")
             return row
@@ -255,8 +312,14 @@ def doctor(ctx: Any) -> dict[str, Any]:
         figures[label] = ctx.case(f"CUDA_VISIBLE_DEVICES {label}", one)
 
     def doctor_process() -> dict[str, Any]:
-        report = subprocess.run([sys.executable, "-m", "stratagem", "doctor", "--json", "--no-smoke-test"],
-                                capture_output=True, text=True, timeout=90, check=False, env=_child_env())
+        report = subprocess.run(
+            [sys.executable, "-m", "stratagem", "doctor", "--json", "--no-smoke-test"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+            env=_child_env(),
+        )
         expect(report.returncode in (0, 1), f"the doctor exited {report.returncode}: {report.stderr[-2000:]}")
         return {"exit": report.returncode, "blocking": json.loads(report.stdout)["blocking"]}
 
@@ -293,9 +356,12 @@ def memory(ctx: Any) -> dict[str, Any]:
 
     def limit() -> dict[str, Any]:
         if ctx.dry_run:
-            registry = DeviceRegistry(physical=[PhysicalDevice(device_type="cpu", name="cpu", core_count=2),
-                                                PhysicalDevice(device_type="cuda", index=0, name="H200",
-                                                               total_memory=141 * GiB)])
+            registry = DeviceRegistry(
+                physical=[
+                    PhysicalDevice(device_type="cpu", name="cpu", core_count=2),
+                    PhysicalDevice(device_type="cuda", index=0, name="H200", total_memory=141 * GiB),
+                ]
+            )
         else:
             registry = DeviceRegistry()
         registry.set_logical_device_configuration("cuda:0", [LogicalDeviceConfiguration(memory_limit=4 * GiB)])
@@ -337,8 +403,10 @@ def memory(ctx: Any) -> dict[str, Any]:
     def room_after_free() -> dict[str, Any]:
         from stratagem.devices import LogicalDevice
 
-        device = LogicalDevice(name="cuda:0" if not ctx.dry_run else "cpu:0",
-                               physical=torch.device("cuda", 0) if not ctx.dry_run else torch.device("cpu"))
+        device = LogicalDevice(
+            name="cuda:0" if not ctx.dry_run else "cpu:0",
+            physical=torch.device("cuda", 0) if not ctx.dry_run else torch.device("cpu"),
+        )
         if ctx.dry_run:
             expect(device.memory_room() is None, "a CPU device has no GPU room figure")
             return {"room": None}
@@ -347,7 +415,9 @@ def memory(ctx: Any) -> dict[str, Any]:
         free = torch.cuda.mem_get_info(0)[0]
         room, what = device.memory_room()
         torch.cuda.empty_cache()
-        expect(room - free >= 7 * GiB, f"the room ({room}) does not count the 8 GiB cached after the free ({free} free)")
+        expect(
+            room - free >= 7 * GiB, f"the room ({room}) does not count the 8 GiB cached after the free ({free} free)"
+        )
         return {"mem_get_info_free_GiB": round(free / GiB, 2), "room_GiB": round(room / GiB, 2), "what": what}
 
     figures["room after a free"] = ctx.case("the room figure after a large tensor is freed", room_after_free)
@@ -364,13 +434,21 @@ def existing_scripts(ctx: Any) -> dict[str, Any]:
     pytest knows the gpu marker."""
     figures: dict[str, Any] = {}
     for script in SCRIPTS:
+
         def one(script: str = script) -> dict[str, Any]:
             if ctx.dry_run:
                 py_compile.compile(str(HERE / script), doraise=True, cfile=str(ctx.out / f"{script}.pyc"))
                 return {"compiled": True}
             start = time.perf_counter()
-            result = subprocess.run([sys.executable, str(HERE / script)], capture_output=True, text=True,
-                                    timeout=100, env=_child_env(), cwd=str(ROOT), check=False)
+            result = subprocess.run(
+                [sys.executable, str(HERE / script)],
+                capture_output=True,
+                text=True,
+                timeout=100,
+                env=_child_env(),
+                cwd=str(ROOT),
+                check=False,
+            )
             print(result.stdout[-8000:], result.stderr[-4000:], flush=True)
             expect(result.returncode == 0, f"{script} exited {result.returncode}: {result.stdout[-1500:]}")
             return {"exit": result.returncode, "seconds": round(time.perf_counter() - start, 1)}
@@ -383,8 +461,9 @@ def existing_scripts(ctx: Any) -> dict[str, Any]:
             expect('"gpu: needs a CUDA GPU' in text, "pyproject.toml does not register the gpu marker")
             return {"marker_registered": True}
         command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=_child_env(),
-                                cwd=str(ROOT), check=False)
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=150, env=_child_env(), cwd=str(ROOT), check=False
+        )
         print(result.stdout[-8000:], flush=True)
         expect(result.returncode == 0, f"pytest -m gpu exited {result.returncode}: {result.stdout[-1500:]}")
         return {"exit": result.returncode, "summary": result.stdout.strip().splitlines()[-1:]}

@@ -50,8 +50,9 @@ def cnn() -> nn.Module:
 def batches(model_name: str, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     shape = (32,) if model_name == "mlp" else (1, 8, 8)
-    return [(torch.randn(n, *shape, generator=g).to(dtype), torch.randint(0, 10, (n,), generator=g))
-            for n in STEPS_BATCHES]
+    return [
+        (torch.randn(n, *shape, generator=g).to(dtype), torch.randint(0, 10, (n,), generator=g)) for n in STEPS_BATCHES
+    ]
 
 
 BUILDERS = {"mlp": mlp, "cnn": cnn}
@@ -61,8 +62,9 @@ def _autocast(device_type: str, dtype: torch.dtype | None):
     return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def _step(model: Any, opt: Any, scaler: torch.amp.GradScaler, amp: torch.dtype | None, x: torch.Tensor,
-          y: torch.Tensor) -> torch.Tensor:
+def _step(
+    model: Any, opt: Any, scaler: torch.amp.GradScaler, amp: torch.dtype | None, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     """One step of the equivalence loop, on one device or per replica: the loss (under autocast with `amp`),
     backward through the GradScaler (which passes through when disabled), the gradient clipped to norm 1."""
     with _autocast(x.device.type, amp):
@@ -76,7 +78,9 @@ def _step(model: Any, opt: Any, scaler: torch.amp.GradScaler, amp: torch.dtype |
     return loss.detach()
 
 
-def reference(model_name: str, dtype: torch.dtype, device: str, amp: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def reference(
+    model_name: str, dtype: torch.dtype, device: str, amp: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """A plain PyTorch loop on one device: the expected parameters."""
     model = BUILDERS[model_name]().to(device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -86,7 +90,9 @@ def reference(model_name: str, dtype: torch.dtype, device: str, amp: torch.dtype
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def train(strategy: Any, model_name: str, dtype: torch.dtype, amp: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def train(
+    strategy: Any, model_name: str, dtype: torch.dtype, amp: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """The same loop under a strategy: one script, the strategy's run() per global batch."""
     base = BUILDERS[model_name]().to(dtype=dtype)
     model, opt = strategy.distribute(base, torch.optim.Adam(base.parameters(), lr=1e-2))
@@ -129,8 +135,12 @@ def equivalence(ctx: Any) -> dict[str, Any]:
             "Mirrored cuda:0": lambda: sg.MirroredStrategy(["cuda:0"]),
             "Mirrored cpu:0+cuda:0": lambda: sg.MirroredStrategy(["cpu:0", "cuda:0"]),
             "Mirrored cuda:0+cpu:0": lambda: sg.MirroredStrategy(["cuda:0", "cpu:0"]),
-            "CentralStorage cuda:0, parameters on cpu": lambda: sg.CentralStorageStrategy(["cuda:0"], parameter_device="cpu"),
-            "ModelParallel cuda:0|cpu:0, 3 micro-batches": lambda: sg.ModelParallelStrategy(["cuda:0", "cpu:0"], num_micro_batches=3),
+            "CentralStorage cuda:0, parameters on cpu": lambda: sg.CentralStorageStrategy(
+                ["cuda:0"], parameter_device="cpu"
+            ),
+            "ModelParallel cuda:0|cpu:0, 3 micro-batches": lambda: sg.ModelParallelStrategy(
+                ["cuda:0", "cpu:0"], num_micro_batches=3
+            ),
             "MultiWorker one worker (NCCL)": lambda: _one_worker(["cuda:0"]),
         }
         models = ("mlp", "cnn")
@@ -139,7 +149,9 @@ def equivalence(ctx: Any) -> dict[str, Any]:
             "OneDevice cpu:0": lambda: sg.OneDeviceStrategy("cpu:0"),
             "Mirrored cpu:0+cpu:1": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"]),
             "CentralStorage cpu:0+cpu:1": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-            "ModelParallel cpu:0|cpu:1, 2 micro-batches": lambda: sg.ModelParallelStrategy(["cpu:0", "cpu:1"], num_micro_batches=2),
+            "ModelParallel cpu:0|cpu:1, 2 micro-batches": lambda: sg.ModelParallelStrategy(
+                ["cpu:0", "cpu:1"], num_micro_batches=2
+            ),
             "MultiWorker one worker (Gloo)": lambda: _one_worker(["cpu:0"]),
         }
         models = ("mlp",)
@@ -152,13 +164,15 @@ def equivalence(ctx: Any) -> dict[str, Any]:
             for label, build in strategies.items():
                 if model_name == "cnn" and label.startswith("MultiWorker"):
                     continue  # one process group per model is enough; the MLP covers it
+
                 def case(build=build, model_name=model_name, dtype=dtype, tolerance=tolerance, want=want) -> dict:
                     worst = deviation(train(build(), model_name, dtype), want)
                     expect(worst <= tolerance, f"parameters differ from one device by {worst:.3e} (> {tolerance:g})")
                     return {"max_difference": worst}
 
                 figures[f"{model_name} {str(dtype)[6:]} {label}"] = ctx.case(
-                    f"{model_name} {str(dtype)[6:]} {label}", case)
+                    f"{model_name} {str(dtype)[6:]} {label}", case
+                )
     if gpu:
         figures.update(_tf32_and_autocast(ctx))
     return figures
@@ -173,11 +187,14 @@ def _tf32_and_autocast(ctx: Any) -> dict[str, Any]:
         exact = reference(model_name, torch.float32, "cuda:0")
         set_tf32(True)
         try:
+
             def tf32(model_name=model_name, exact=exact) -> dict[str, Any]:
                 tf32_reference = reference(model_name, torch.float32, "cuda:0")
                 got = train(sg.MirroredStrategy(["cuda:0"]), model_name, torch.float32)
-                row = {"strategy_vs_tf32_reference": deviation(got, tf32_reference),
-                       "tf32_vs_exact_float32": deviation(tf32_reference, exact)}
+                row = {
+                    "strategy_vs_tf32_reference": deviation(got, tf32_reference),
+                    "tf32_vs_exact_float32": deviation(tf32_reference, exact),
+                }
                 expect(row["strategy_vs_tf32_reference"] <= 1e-3, f"TF32 run deviates by {row}")
                 return row
 
@@ -185,36 +202,45 @@ def _tf32_and_autocast(ctx: Any) -> dict[str, Any]:
         finally:
             set_tf32(False)
         for amp in (torch.bfloat16, torch.float16):
+
             def autocast(model_name=model_name, amp=amp) -> dict[str, Any]:
                 want = reference(model_name, torch.float32, "cuda:0", amp=amp)
                 row = {}
-                for label, build in (("OneDevice", lambda: sg.OneDeviceStrategy("cuda:0")),
-                                     ("Mirrored cuda:0", lambda: sg.MirroredStrategy(["cuda:0"]))):
+                for label, build in (
+                    ("OneDevice", lambda: sg.OneDeviceStrategy("cuda:0")),
+                    ("Mirrored cuda:0", lambda: sg.MirroredStrategy(["cuda:0"])),
+                ):
                     row[label] = deviation(train(build(), model_name, torch.float32, amp=amp), want)
                 expect(max(row.values()) <= 1e-3, f"autocast runs deviate from one device: {row}")
                 return row
 
             figures[f"{model_name} autocast {str(amp)[6:]}"] = ctx.case(
-                f"{model_name} autocast {str(amp)[6:]} with GradScaler", autocast)
+                f"{model_name} autocast {str(amp)[6:]} with GradScaler", autocast
+            )
     return figures
 
 
 # ---- overhead ---------------------------------------------------------------------------------------
+
 
 def overhead(ctx: Any) -> dict[str, Any]:
     gpu = not ctx.dry_run
     device = "cuda:0" if gpu else "cpu"
     blocks, steps = (9, 40) if gpu else (2, 1)
     figures: dict[str, Any] = {"blocks": blocks, "steps_per_block": steps, "goal": "median ratio <= 1.03"}
-    for name in (("mlp", "cnn") if gpu else ("mlp",)):  # the dry run shows the code runs, not its speed
-        for pinned in ((True, False) if gpu else (False,)):
+    for name in ("mlp", "cnn") if gpu else ("mlp",):  # the dry run shows the code runs, not its speed
+        for pinned in (True, False) if gpu else (False,):
             label = f"{name} {'pinned' if pinned else 'pageable'} input"
-            figures[label] = ctx.case(label, lambda name=name, pinned=pinned: _overhead_of(
-                name, device, pinned, blocks, steps, enforce_goal=gpu))
+            figures[label] = ctx.case(
+                label,
+                lambda name=name, pinned=pinned: _overhead_of(name, device, pinned, blocks, steps, enforce_goal=gpu),
+            )
     return figures
 
 
-def _overhead_of(name: str, device: str, pinned: bool, blocks: int, steps: int, *, enforce_goal: bool) -> dict[str, Any]:
+def _overhead_of(
+    name: str, device: str, pinned: bool, blocks: int, steps: int, *, enforce_goal: bool
+) -> dict[str, Any]:
     workload = WORKLOADS[name]
     host = workload.make_batches()
     if pinned:
@@ -230,6 +256,7 @@ def _overhead_of(name: str, device: str, pinned: bool, blocks: int, steps: int, 
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
+
         return step
 
     def strategy_runner(strategy: Any) -> Callable[[int], None]:
@@ -246,6 +273,7 @@ def _overhead_of(name: str, device: str, pinned: bool, blocks: int, steps: int, 
         def step(i: int) -> None:
             for x, y in strategy.distribute_dataset([host[i % len(host)]]):
                 strategy.run(train_step, args=(x, y))
+
         return step
 
     def fit_runner() -> Callable[[int], None]:
@@ -255,18 +283,22 @@ def _overhead_of(name: str, device: str, pinned: bool, blocks: int, steps: int, 
 
         def block(count: int) -> None:  # one fit call per block: fit's own set-up is part of what it costs
             sg.fit(strategy, pair[0], pair[1], F.cross_entropy, [host[i % len(host)] for i in range(count)], epochs=1)
+
         return block
 
     def per_step(step: Callable[[int], None]) -> Callable[[int], None]:
         def block(count: int) -> None:
             for i in range(count):
                 step(i)
+
         return block
 
-    runners = {"plain": per_step(plain_runner()),
-               "OneDevice": per_step(strategy_runner(sg.OneDeviceStrategy(device if device != "cpu" else "cpu:0"))),
-               "Mirrored one device": per_step(strategy_runner(sg.MirroredStrategy([device if device != "cpu" else "cpu:0"]))),
-               "fit": fit_runner()}
+    runners = {
+        "plain": per_step(plain_runner()),
+        "OneDevice": per_step(strategy_runner(sg.OneDeviceStrategy(device if device != "cpu" else "cpu:0"))),
+        "Mirrored one device": per_step(strategy_runner(sg.MirroredStrategy([device if device != "cpu" else "cpu:0"]))),
+        "fit": fit_runner(),
+    }
     times: dict[str, list[float]] = {k: [] for k in runners}
     for runner in runners.values():  # warm-up: kernels chosen, allocator filled
         runner(3)
@@ -277,8 +309,9 @@ def _overhead_of(name: str, device: str, pinned: bool, blocks: int, steps: int, 
             runner(steps)
             _sync(device)
             times[key].append(time.perf_counter() - start)
-    ratios = {k: round(statistics.median(t / p for t, p in zip(times[k], times["plain"])), 3)
-              for k in runners if k != "plain"}
+    ratios = {
+        k: round(statistics.median(t / p for t, p in zip(times[k], times["plain"])), 3) for k in runners if k != "plain"
+    }
     row = {"plain_ms_per_step": round(1000 * statistics.median(times["plain"]) / steps, 3), "median_ratio": ratios}
     if enforce_goal:
         slow = {k: r for k, r in ratios.items() if r > 1.03}

@@ -56,8 +56,14 @@ def launch_workers(script: str, settings: dict[str, str], *, timeout: float, tai
     env = dict(environ.current())
     env.update(settings)
     lines: list[str] = []
-    result = launch([sys.executable, str(WORKERS / script)], workers=2, env=env,
-                    sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=timeout, grace_period=2)
+    result = launch(
+        [sys.executable, str(WORKERS / script)],
+        workers=2,
+        env=env,
+        sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
+        timeout=timeout,
+        grace_period=2,
+    )
     return result.exit_code, "\n".join(lines[-tail:])
 
 
@@ -78,8 +84,9 @@ def _entry(fn: Callable[..., Any], rank: int, args: tuple[Any, ...], results: An
         results.put(RankOutcome(rank, error_type=type(exc).__name__, error=f"{exc}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn: Callable[..., Any], ranks: Sequence[int], *, args: tuple[Any, ...] = (),
-              timeout: float) -> dict[int, RankOutcome]:
+def run_ranks(
+    fn: Callable[..., Any], ranks: Sequence[int], *, args: tuple[Any, ...] = (), timeout: float
+) -> dict[int, RankOutcome]:
     """Run ``fn(rank, *args)`` for each rank in its own spawned process; fail if any is not done in ``timeout`` s.
 
     ``fn`` must be importable (defined at module level). Ranks left running at the deadline are

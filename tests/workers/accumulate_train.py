@@ -41,8 +41,11 @@ def main() -> int:
         batches = make_batches(shape, torch.float64, sizes=sizes("ACC_SIZES"))
         if setting("ACC_FIT", "0") == "1":
             history = sg.fit(strategy, model, opt, F.cross_entropy, batches, accumulate_steps=k, clip_grad_norm=1.0)
-            save_per_rank({"state": history.model.state_dict(), "num_examples": history.epochs[0].num_examples},
-                          strategy, "ACC_OUT")
+            save_per_rank(
+                {"state": history.model.state_dict(), "num_examples": history.epochs[0].num_examples},
+                strategy,
+                "ACC_OUT",
+            )
             return 0
         first_grad = None
         for i, (x, y) in enumerate(strategy.distribute_dataset(batches)):

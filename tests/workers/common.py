@@ -53,8 +53,9 @@ def save_per_rank(result: Any, strategy: sg.MultiWorkerMirroredStrategy, name: s
     torch.save(result, f"{setting(name)}.{strategy.cluster.rank}")
 
 
-def chief_saves_each_case(cases: Mapping[Hashable, int], train: Callable[[sg.MultiWorkerMirroredStrategy, Any], Any],
-                          *, timeout: float = 60) -> int:
+def chief_saves_each_case(
+    cases: Mapping[Hashable, int], train: Callable[[sg.MultiWorkerMirroredStrategy, Any], Any], *, timeout: float = 60
+) -> int:
     """Trains every case under a new strategy with the case's number of local replicas (`cases` maps a case to
     it), the previous one closed first, so each is built again at the same cluster address. The chief saves
     {case: train(strategy, case)} to MW_OUT; every rank says it is done."""

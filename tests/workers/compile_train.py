@@ -34,8 +34,11 @@ def main() -> int:
         step = train_step(model, opt)
         for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64, sizes=sizes("COMPILE_SIZES"))):
             strategy.run(step, args=(x, y))
-        save_per_rank({"state": distributed.state_dict(), "compiled_graphs": counters["aot_autograd"]["ok"]},
-                      strategy, "COMPILE_OUT")
+        save_per_rank(
+            {"state": distributed.state_dict(), "compiled_graphs": counters["aot_autograd"]["ok"]},
+            strategy,
+            "COMPILE_OUT",
+        )
     return 0
 
 

@@ -33,7 +33,9 @@ NUM_EXAMPLES, BATCH_SIZE, DATA_SEED, SHUFFLE_SEED, EPOCHS = 40, 12, 3, 7, 2
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(DATA_SEED)
-    return torch.randn(NUM_EXAMPLES, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (NUM_EXAMPLES,), generator=g)
+    return torch.randn(NUM_EXAMPLES, 6, generator=g, dtype=torch.float64), torch.randint(
+        0, 4, (NUM_EXAMPLES,), generator=g
+    )
 
 
 def build_model(dropout: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -68,19 +70,39 @@ def main() -> int:
     rank = strategy.cluster.rank if kind == "multi_worker" else 0
     model, optimizer = build_model(env.get("FIT_DROPOUT") == "1")
     save_freq = env.get("FIT_SAVE_FREQ", "epoch")
-    backup = sg.callbacks.BackupAndRestore(env["FIT_BACKUP"], save_freq=save_freq if save_freq == "epoch" else int(save_freq))
+    backup = sg.callbacks.BackupAndRestore(
+        env["FIT_BACKUP"], save_freq=save_freq if save_freq == "epoch" else int(save_freq)
+    )
     callbacks = [backup]
     first_attempt = env.get("STRATAGEM_RESTART_COUNT", "0") == "0"
     if env.get("FIT_KILL_AFTER") and first_attempt and str(rank) == env.get("FIT_KILL_RANK", "0"):
         callbacks.append(KillAfter(int(env["FIT_KILL_AFTER"])))
     x, y = data()
-    history = sg.fit(strategy, model, optimizer, F.cross_entropy, (x, y), batch_size=BATCH_SIZE, seed=SHUFFLE_SEED,
-                     epochs=EPOCHS, metrics=["accuracy"], validation_data=(x, y), validation_batch_size=16,
-                     clip_grad_norm=1.0, callbacks=callbacks)
+    history = sg.fit(
+        strategy,
+        model,
+        optimizer,
+        F.cross_entropy,
+        (x, y),
+        batch_size=BATCH_SIZE,
+        seed=SHUFFLE_SEED,
+        epochs=EPOCHS,
+        metrics=["accuracy"],
+        validation_data=(x, y),
+        validation_batch_size=16,
+        clip_grad_norm=1.0,
+        callbacks=callbacks,
+    )
     if rank == 0:
-        torch.save({"state": history.model.state_dict(), "history": [log.metrics for log in history.epochs],
-                    "num_examples": [log.num_examples for log in history.epochs],
-                    "restored_from": backup.restored_from}, env["FIT_OUT"])
+        torch.save(
+            {
+                "state": history.model.state_dict(),
+                "history": [log.metrics for log in history.epochs],
+                "num_examples": [log.num_examples for log in history.epochs],
+                "restored_from": backup.restored_from,
+            },
+            env["FIT_OUT"],
+        )
     print(f"rank {rank} done, restored from {backup.restored_from}", flush=True)
     strategy.close()
     return 0

@@ -51,8 +51,10 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def batches(sizes=SIZES, seed=3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn((n, 2, 4, 4), generator=g, dtype=torch.float64) + 1, torch.randint(0, 4, (n,), generator=g))
-            for n in sizes]
+    return [
+        (torch.randn((n, 2, 4, 4), generator=g, dtype=torch.float64) + 1, torch.randint(0, 4, (n,), generator=g))
+        for n in sizes
+    ]
 
 
 def main() -> int:
@@ -62,9 +64,17 @@ def main() -> int:
         for x, y in strategy.distribute_dataset(batches()):
             strategy.run(step, args=(x, y))
         evaluation = sg.evaluate(strategy, model, batches([7, 1], seed=4), F.cross_entropy, metrics=())
-        save_per_rank({"states": [r.state_dict() for r in model.replicas], "optimizer": opt.state_dict(),
-                       "seen": [list(r.seen) for r in model.replicas], "loss": evaluation.metrics["loss"],
-                       "explain": str(strategy.explain())}, strategy, "MW_OUT")
+        save_per_rank(
+            {
+                "states": [r.state_dict() for r in model.replicas],
+                "optimizer": opt.state_dict(),
+                "seen": [list(r.seen) for r in model.replicas],
+                "loss": evaluation.metrics["loss"],
+                "explain": str(strategy.explain()),
+            },
+            strategy,
+            "MW_OUT",
+        )
     return 0
 
 

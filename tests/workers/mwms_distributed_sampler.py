@@ -29,8 +29,10 @@ NUM_EXAMPLES, BATCH_SIZE, LOOP_SEED, FIT_SEED, EPOCHS = 27, 3, 4, 8, 2
 
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(2)
-    return TensorDataset(torch.randn(NUM_EXAMPLES, 5, generator=g, dtype=torch.float64),
-                         torch.randn(NUM_EXAMPLES, 2, generator=g, dtype=torch.float64))
+    return TensorDataset(
+        torch.randn(NUM_EXAMPLES, 5, generator=g, dtype=torch.float64),
+        torch.randn(NUM_EXAMPLES, 2, generator=g, dtype=torch.float64),
+    )
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -58,10 +60,21 @@ def train(strategy: sg.MultiWorkerMirroredStrategy, local: int) -> dict:
     explain = str(strategy.explain())
 
     batches = BatchSampler(DistributedSampler(data, shuffle=True, seed=FIT_SEED), BATCH_SIZE, drop_last=False)
-    history = sg.fit(strategy, model, optimizer, F.mse_loss, DataLoader(data, batch_sampler=batches), epochs=EPOCHS,
-                     accumulate_steps=local)  # fit sets the sampler's epoch
-    return {"after_loop": after_loop, "after_fit": model.state_dict(), "explain": explain,
-            "examples": [log.num_examples for log in history.epochs]}
+    history = sg.fit(
+        strategy,
+        model,
+        optimizer,
+        F.mse_loss,
+        DataLoader(data, batch_sampler=batches),
+        epochs=EPOCHS,
+        accumulate_steps=local,
+    )  # fit sets the sampler's epoch
+    return {
+        "after_loop": after_loop,
+        "after_fit": model.state_dict(),
+        "explain": explain,
+        "examples": [log.num_examples for log in history.epochs],
+    }
 
 
 def main() -> int:

@@ -26,8 +26,10 @@ NUM_EXAMPLES, BATCH_SIZE, LOADER_SEED, FIT_SEED, EPOCHS = 27, 8, 5, 9, 2
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
-    return (torch.randn(NUM_EXAMPLES, 5, generator=g, dtype=torch.float64),
-            torch.randn(NUM_EXAMPLES, 2, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(NUM_EXAMPLES, 5, generator=g, dtype=torch.float64),
+        torch.randn(NUM_EXAMPLES, 2, generator=g, dtype=torch.float64),
+    )
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -83,25 +85,39 @@ def main() -> int:
     explain_loop = str(strategy.explain())
 
     fitted = Counting(x, y)
-    history = sg.fit(strategy, model, optimizer, F.mse_loss, fitted, batch_size=BATCH_SIZE, seed=FIT_SEED,
-                     epochs=EPOCHS)
+    history = sg.fit(
+        strategy, model, optimizer, F.mse_loss, fitted, batch_size=BATCH_SIZE, seed=FIT_SEED, epochs=EPOCHS
+    )
     explain_fit = str(strategy.explain())
     after_fit = {k: v.clone() for k, v in model.state_dict().items()}
 
     accumulated = Counting(x, y)
     loader = DataLoader(accumulated, batch_size=BATCH_SIZE, shuffle=True, generator=loader_generator())
     validation = [(x[:10], y[:10])]
-    accumulating = sg.fit(strategy, model, optimizer, F.mse_loss, loader, epochs=1, accumulate_steps=2,
-                          validation_data=validation)
+    accumulating = sg.fit(
+        strategy, model, optimizer, F.mse_loss, loader, epochs=1, accumulate_steps=2, validation_data=validation
+    )
     explain_accumulate = str(strategy.explain())
     strategy.distribute_dataset(DataLoader(Stream(), batch_size=4))
     explain_stream = str(strategy.explain())
-    torch.save({"loop_asked": looped.asked, "fit_asked": fitted.asked, "after_loop": after_loop,
-                "after_fit": after_fit, "losses": history.history["loss"], "accumulate_asked": accumulated.asked,
-                "after_accumulate": model.state_dict(), "val_loss": accumulating.history["val_loss"],
-                "explain_accumulate": explain_accumulate,
-                "examples": [log.num_examples for log in history.epochs], "explain_loop": explain_loop,
-                "explain_fit": explain_fit, "explain_stream": explain_stream}, f"{os.environ['MW_OUT']}.{rank}")
+    torch.save(
+        {
+            "loop_asked": looped.asked,
+            "fit_asked": fitted.asked,
+            "after_loop": after_loop,
+            "after_fit": after_fit,
+            "losses": history.history["loss"],
+            "accumulate_asked": accumulated.asked,
+            "after_accumulate": model.state_dict(),
+            "val_loss": accumulating.history["val_loss"],
+            "explain_accumulate": explain_accumulate,
+            "examples": [log.num_examples for log in history.epochs],
+            "explain_loop": explain_loop,
+            "explain_fit": explain_fit,
+            "explain_stream": explain_stream,
+        },
+        f"{os.environ['MW_OUT']}.{rank}",
+    )
     strategy.close()
     return 0
 

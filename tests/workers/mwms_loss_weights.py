@@ -13,8 +13,10 @@ from workers.common import chief_saves_each_case  # noqa: E402
 
 
 def main() -> int:
-    return chief_saves_each_case({(local, way): local for local in (1, 2) for way in ("mean", "sum")},
-                                 lambda strategy, case: train(strategy, case[1]))
+    return chief_saves_each_case(
+        {(local, way): local for local in (1, 2) for way in ("mean", "sum")},
+        lambda strategy, case: train(strategy, case[1]),
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ def main() -> int:
     for x, y in strategy.distribute_dataset(make_batches((6,), torch.float64)):
         strategy.run(step, args=(x, y))
     if strategy.cluster.rank == 0:
-        torch.save({"state": model.state_dict(), "last_epoch": scheduler.last_epoch,
-                    "explain": str(strategy.explain())}, setting("MW_OUT"))
+        torch.save(
+            {"state": model.state_dict(), "last_epoch": scheduler.last_epoch, "explain": str(strategy.explain())},
+            setting("MW_OUT"),
+        )
     strategy.close()
     return 0
 

@@ -40,7 +40,9 @@ def main() -> int:
     registry.set_logical_device_configuration("cpu", max(local, 2))
     shared_memory = {"0": False, "1": True}.get(env.get("MW_SHM", ""))
     strategy = sg.MultiWorkerMirroredStrategy(
-        [f"cpu:{i}" for i in range(local)], timeout=float(env.get("MW_TIMEOUT", "60")), registry=registry,
+        [f"cpu:{i}" for i in range(local)],
+        timeout=float(env.get("MW_TIMEOUT", "60")),
+        registry=registry,
         shared_memory=shared_memory,
     )
     rank = strategy.cluster.rank
@@ -82,8 +84,16 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         losses.append(float(strategy.reduce("mean", strategy.run(step, args=(x, y)))))
     if rank == 0 and env.get("MW_OUT"):
-        torch.save({"state": model.state_dict(), "losses": losses, "steps": dataset.steps,
-                    "unused": dataset.unused_examples, "explain": str(strategy.explain())}, env["MW_OUT"])
+        torch.save(
+            {
+                "state": model.state_dict(),
+                "losses": losses,
+                "steps": dataset.steps,
+                "unused": dataset.unused_examples,
+                "explain": str(strategy.explain()),
+            },
+            env["MW_OUT"],
+        )
     print(f"rank {rank} done: {len(losses)} steps, unused {dataset.unused_examples}", flush=True)
     strategy.close()
     return 0

@@ -38,8 +38,9 @@ def make_dataset():
 
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
-strategy = sg.ParameterServerStrategy(partitioner=sg.FixedShardsPartitioner(2), ps_exit_delay=PS_EXIT_DELAY,
-                                      chief_timeout=CHIEF_TIMEOUT)
+strategy = sg.ParameterServerStrategy(
+    partitioner=sg.FixedShardsPartitioner(2), ps_exit_delay=PS_EXIT_DELAY, chief_timeout=CHIEF_TIMEOUT
+)
 model, optimizer = strategy.distribute(net, torch.optim.Adam(net.parameters(), lr=0.02))
 if CHECKPOINT and os.path.exists(CHECKPOINT):
     strategy.restore(CHECKPOINT)

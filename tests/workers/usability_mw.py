@@ -18,13 +18,12 @@ from workers.common import multi_worker, setting  # noqa: E402
 
 
 def gather_checks(strategy: sg.MultiWorkerMirroredStrategy) -> dict:
-    x = torch.arange(7.0).reshape(7, 1)   # 7 over 4 replicas: 2, 2, 2, 1
+    x = torch.arange(7.0).reshape(7, 1)  # 7 over 4 replicas: 2, 2, 2, 1
     (batch,) = list(strategy.distribute_dataset([x]))
     doubled = strategy.gather(strategy.run(lambda x: {"x2": x * 2, "n": torch.tensor(x.shape[0])}, args=(batch,)))
     names = strategy.gather(strategy.run(lambda x: [f"ex{int(v)}" for v in x.flatten()], args=(batch,)))
     ranks = strategy.gather(torch.tensor([float(strategy.cluster.rank)]))  # a plain value: once per worker
-    return {"x2": doubled["x2"].flatten().tolist(), "n": doubled["n"].tolist(), "names": names,
-            "ranks": ranks.tolist()}
+    return {"x2": doubled["x2"].flatten().tolist(), "n": doubled["n"].tolist(), "names": names, "ranks": ranks.tolist()}
 
 
 def fit_checks(strategy: sg.MultiWorkerMirroredStrategy, out: Path) -> dict:

@@ -81,9 +81,16 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     def failed(what: str, step: int, error: Exception | None) -> Exception:
         return RuntimeError(f"the shared-memory {what} failed: {error or 'timed out'}")
 
-    shared, why, _ = sums.connect(store, rank=rank, world_size=world, task_names=[f"rank {r}" for r in range(world)],
-                               timeout=120, stall_warning_after=60, on_failure=failed,
-                               on_stall=lambda *args: None)
+    shared, why, _ = sums.connect(
+        store,
+        rank=rank,
+        world_size=world,
+        task_names=[f"rank {r}" for r in range(world)],
+        timeout=120,
+        stall_warning_after=60,
+        on_failure=failed,
+        on_stall=lambda *args: None,
+    )
     if shared is None:
         raise RuntimeError(f"the shared-memory path cannot run here: {why}")
     results: dict[str, Any] = {}
@@ -99,11 +106,16 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
     run, prepare, _ = _bucketed([big], weight, shared)
     shared_big = _timed(run, repeats, prepare)
     big_ok = torch.equal(big.grad, torch.ones_like(big))  # weighted by 1/world and summed: ones again
-    results["a_64MiB"] = {"raw_s": raw_big, "bucketed_s": bucketed_big, "bucketed_vs_raw": raw_big / bucketed_big,
-                          "bucketed_unweighted_s": bucketed_big_unweighted,
-                          "bucketed_unweighted_vs_raw": raw_big / bucketed_big_unweighted,
-                          "shared_memory_s": shared_big, "shared_memory_vs_raw": raw_big / shared_big,
-                          "buckets": buckets.describe()}
+    results["a_64MiB"] = {
+        "raw_s": raw_big,
+        "bucketed_s": bucketed_big,
+        "bucketed_vs_raw": raw_big / bucketed_big,
+        "bucketed_unweighted_s": bucketed_big_unweighted,
+        "bucketed_unweighted_vs_raw": raw_big / bucketed_big_unweighted,
+        "shared_memory_s": shared_big,
+        "shared_memory_vs_raw": raw_big / shared_big,
+        "buckets": buckets.describe(),
+    }
 
     small = [nn.Parameter(torch.zeros(1024)) for _ in range(500)]  # 500 x 4 KiB
     for p in small:
@@ -125,10 +137,14 @@ def _rank(rank: int, world: int, port: int, repeats: int, queue) -> None:
         p.grad = torch.ones_like(p)
     run, prepare, _ = _bucketed(small, weight, shared)
     shared_small = _timed(run, repeats, prepare)
-    results["b_500x4KiB"] = {"per_tensor_s": raw_small, "bucketed_s": bucketed_small,
-                             "speedup_vs_per_tensor": raw_small / bucketed_small,
-                             "shared_memory_s": shared_small, "shared_memory_speedup_vs_per_tensor": raw_small / shared_small,
-                             "buckets": buckets.describe()}
+    results["b_500x4KiB"] = {
+        "per_tensor_s": raw_small,
+        "bucketed_s": bucketed_small,
+        "speedup_vs_per_tensor": raw_small / bucketed_small,
+        "shared_memory_s": shared_small,
+        "shared_memory_speedup_vs_per_tensor": raw_small / shared_small,
+        "buckets": buckets.describe(),
+    }
     assert small[0].grad is not None
     results["check_ok"] = bool(check_ok and big_ok and torch.equal(small[0].grad, torch.ones(1024)))
     shared.close()

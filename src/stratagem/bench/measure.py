@@ -84,8 +84,9 @@ def _measure_plain_gpu(workload: Workload, request: MeasureRequest) -> Measureme
     optimizer = workload.build_optimizer(model)
     batches = [(x.to(device), y.to(device)) for x, y in workload.make_batches()]
     train_step = make_train_step(model, optimizer)
-    elapsed, loss = timed_steps(lambda i: train_step(*batches[i % len(batches)]), request.warmup, request.steps,
-                                barrier=_cuda_synchronizer(1))
+    elapsed, loss = timed_steps(
+        lambda i: train_step(*batches[i % len(batches)]), request.warmup, request.steps, barrier=_cuda_synchronizer(1)
+    )
     return _result(request, workload, elapsed, float(loss.detach()))
 
 
@@ -104,18 +105,24 @@ def _measure_in_process(spec: BenchStrategy, workload: Workload, request: Measur
     return _result(request, workload, elapsed, final_loss)
 
 
-def _measure_process_rank(spec: BenchStrategy, rank: int, workload: Workload, request: MeasureRequest,
-                          ports: Sequence[int]) -> Measurement:
+def _measure_process_rank(
+    spec: BenchStrategy, rank: int, workload: Workload, request: MeasureRequest, ports: Sequence[int]
+) -> Measurement:
     import torch.distributed as dist
 
     world = request.replicas
     if request.kind == "cpu":
         # The processes share the cores: each gets its share of intra-op threads, as DDP users set it.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports[:world]]},
-               "task": {"type": "worker", "index": rank}}
-    strategy = spec.build(spec.strategy_class(), [process_device(request.kind, rank)],
-                          {"timeout": _wait_timeout(request), "cluster": cluster})
+    cluster = {
+        "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports[:world]]},
+        "task": {"type": "worker", "index": rank},
+    }
+    strategy = spec.build(
+        spec.strategy_class(),
+        [process_device(request.kind, rank)],
+        {"timeout": _wait_timeout(request), "cluster": cluster},
+    )
     try:
         step = strategy_steps(strategy, workload)
         sync = _cuda_synchronizer(1, first=rank) if request.kind == "gpu" else None
@@ -140,8 +147,16 @@ def _wait_timeout(request: MeasureRequest) -> float:
 
 
 def _result(request: MeasureRequest, workload: Workload, elapsed: float, final_loss: float) -> Measurement:
-    return Measurement(request.label, workload.name, request.replicas, request.steps, elapsed,
-                       request.steps * workload.global_batch / elapsed, final_loss, torch.get_num_threads())
+    return Measurement(
+        request.label,
+        workload.name,
+        request.replicas,
+        request.steps,
+        elapsed,
+        request.steps * workload.global_batch / elapsed,
+        final_loss,
+        torch.get_num_threads(),
+    )
 
 
 def _cuda_synchronizer(count: int, first: int = 0) -> Callable[[], None]:

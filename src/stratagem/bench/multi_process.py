@@ -49,24 +49,28 @@ def ddp_side(workload: Any, rank: int, world: int) -> Callable[[int], torch.Tens
     model = torch.nn.parallel.DistributedDataParallel(workload.build_model())
     train_step = make_train_step(model, workload.build_optimizer(model))
     per = workload.global_batch // world
-    data = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in workload.make_batches()]
+    data = [(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]) for x, y in workload.make_batches()]
     return lambda i: train_step(*data[i % len(data)])
 
 
-def mwms_side(workload: Any, rank: int, world: int, port: int, shared_memory: bool | None = None
-              ) -> tuple[Any, Callable[[int], torch.Tensor]]:
+def mwms_side(
+    workload: Any, rank: int, world: int, port: int, shared_memory: bool | None = None
+) -> tuple[Any, Callable[[int], torch.Tensor]]:
     """A MultiWorkerMirroredStrategy over ``world`` ranks on 127.0.0.1 from ``port``, and its step ``i``."""
     import stratagem as sg
 
-    cluster = {"cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
-               "task": {"type": "worker", "index": rank}}
+    cluster = {
+        "cluster": {"worker": [f"127.0.0.1:{port}"] + [f"127.0.0.1:{port + 1 + r}" for r in range(world - 1)]},
+        "task": {"type": "worker", "index": rank},
+    }
     strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=120, shared_memory=shared_memory)
     step = strategy_steps(strategy, workload)
     return strategy, lambda i: strategy.experimental_local_results(step(i))[0]
 
 
-def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int, warmup: int, steps: int,
-               threads: int, queue) -> None:
+def _rank_main(
+    rank: int, config: str, workload_name: str, world: int, port: int, warmup: int, steps: int, threads: int, queue
+) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]
@@ -78,8 +82,20 @@ def _rank_main(rank: int, config: str, workload_name: str, world: int, port: int
         _, step = mwms_side(workload, rank, world, port, shared_memory=False if config == "mwms-gloo" else None)
     elapsed, loss = timed_steps(step, warmup, steps, barrier=dist.barrier)
     if rank == 0:
-        queue.put(asdict(Measurement(config, workload_name, world, steps, elapsed,
-                                     steps * workload.global_batch / elapsed, float(loss.detach()), threads)))
+        queue.put(
+            asdict(
+                Measurement(
+                    config,
+                    workload_name,
+                    world,
+                    steps,
+                    elapsed,
+                    steps * workload.global_batch / elapsed,
+                    float(loss.detach()),
+                    threads,
+                )
+            )
+        )
     del step, loss
     free_ddp_models()
     dist.destroy_process_group()
@@ -107,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / world)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads per process (default: cores / world)"
+    )
     args = parser.parse_args(argv)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
-    result = spawn_ranks(_rank_main, args.world, args.config, args.workload, args.world, "PORT", args.warmup,
-                         args.steps, threads)
+    result = spawn_ranks(
+        _rank_main, args.world, args.config, args.workload, args.world, "PORT", args.warmup, args.steps, threads
+    )
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
     return 0

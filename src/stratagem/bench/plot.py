@@ -37,33 +37,47 @@ def write_plot(report: ScalingReport, path: str | Path) -> Path:
             if not measured:
                 continue
             label = f"{strategy} ({kind})"
-            top.plot([r.replicas for r in measured], [r.samples_per_s for r in measured], "o-", color=color,
-                     label=label)
+            top.plot(
+                [r.replicas for r in measured], [r.samples_per_s for r in measured], "o-", color=color, label=label
+            )
             efficient = [r for r in measured if r.scaling_efficiency is not None]
-            bottom.plot([r.replicas for r in efficient], [r.scaling_efficiency for r in efficient], "o-",
-                        color=color, label=label)
+            bottom.plot(
+                [r.replicas for r in efficient],
+                [r.scaling_efficiency for r in efficient],
+                "o-",
+                color=color,
+                label=label,
+            )
         for row in rows:
             if row.strategy == PLAIN and row.samples_per_s is not None:
-                top.axhline(row.samples_per_s, linestyle="--", color="black" if row.kind == "cpu" else "grey",
-                            label=f"plain PyTorch ({row.kind})")
+                top.axhline(
+                    row.samples_per_s,
+                    linestyle="--",
+                    color="black" if row.kind == "cpu" else "grey",
+                    label=f"plain PyTorch ({row.kind})",
+                )
         bottom.axhline(1.0, linestyle=":", color="black", linewidth=1)
         replica_counts = sorted({row.replicas for row in rows})
         top.set(title=f"{workload}: samples/s", xlabel="replicas", ylabel="samples/s", xticks=replica_counts)
-        bottom.set(title=f"{workload}: scaling efficiency", xlabel="replicas",
-                   ylabel="efficiency", xticks=replica_counts)
+        bottom.set(
+            title=f"{workload}: scaling efficiency", xlabel="replicas", ylabel="efficiency", xticks=replica_counts
+        )
         top.set_ylim(bottom=0)
         bottom.set_ylim(bottom=0)
         for axis in (top, bottom):
             axis.grid(alpha=0.3)
             if axis.get_legend_handles_labels()[0]:
                 axis.legend(fontsize="small")
-    missing = [f"{row.workload} {row.label} ({row.kind}): {row.status}" for row in report.rows
-               if row.samples_per_s is None]
+    missing = [
+        f"{row.workload} {row.label} ({row.kind}): {row.status}" for row in report.rows if row.samples_per_s is None
+    ]
     if missing:
         figure.text(0.01, 0.005, "not measured: " + "; ".join(missing), fontsize="x-small", wrap=True, va="bottom")
-    figure.suptitle("stratagem bench: throughput and scaling per strategy\n"
-                    "efficiency = speedup over 1 replica / ideal speedup (N for GPUs, 1 for logical CPUs)",
-                    fontsize="medium")
+    figure.suptitle(
+        "stratagem bench: throughput and scaling per strategy\n"
+        "efficiency = speedup over 1 replica / ideal speedup (N for GPUs, 1 for logical CPUs)",
+        fontsize="medium",
+    )
     figure.tight_layout(rect=(0, 0.04 if missing else 0, 1, 0.94))
     path = Path(path)
     figure.savefig(path, format="png", dpi=100)

@@ -71,8 +71,13 @@ class BenchMachine:
         return tuple(kind for kind in DEVICE_KINDS if self.max_replicas(kind) > 0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu_devices": self.cpu_devices, "gpu_devices": self.gpu_devices, "gloo": self.gloo,
-                "nccl": self.nccl, "no_gpu_reason": self.no_gpu_reason}
+        return {
+            "cpu_devices": self.cpu_devices,
+            "gpu_devices": self.gpu_devices,
+            "gloo": self.gloo,
+            "nccl": self.nccl,
+            "no_gpu_reason": self.no_gpu_reason,
+        }
 
 
 def replica_devices(kind: str, replicas: int) -> list[str]:
@@ -141,14 +146,23 @@ def _multi_worker(cls: type, devices: list[str], options: Mapping[str, Any]) -> 
 BENCH_STRATEGIES: dict[str, BenchStrategy] = {
     spec.name: spec
     for spec in (
-        BenchStrategy(name="one_device", class_path="stratagem.strategies.one_device:OneDeviceStrategy",
-                      build=_one_device, max_replicas=1),
-        BenchStrategy(name="mirrored", class_path="stratagem.strategies.mirrored:MirroredStrategy",
-                      build=_in_process),
-        BenchStrategy(name="central_storage",
-                      class_path="stratagem.strategies.central_storage:CentralStorageStrategy",
-                      build=_in_process),
-        BenchStrategy(name="multi_worker", class_path="stratagem.strategies.multi_worker:MultiWorkerMirroredStrategy",
-                      build=_multi_worker, one_process_per_replica=True),
+        BenchStrategy(
+            name="one_device",
+            class_path="stratagem.strategies.one_device:OneDeviceStrategy",
+            build=_one_device,
+            max_replicas=1,
+        ),
+        BenchStrategy(name="mirrored", class_path="stratagem.strategies.mirrored:MirroredStrategy", build=_in_process),
+        BenchStrategy(
+            name="central_storage",
+            class_path="stratagem.strategies.central_storage:CentralStorageStrategy",
+            build=_in_process,
+        ),
+        BenchStrategy(
+            name="multi_worker",
+            class_path="stratagem.strategies.multi_worker:MultiWorkerMirroredStrategy",
+            build=_multi_worker,
+            one_process_per_replica=True,
+        ),
     )
 }

@@ -52,10 +52,10 @@ PLAIN = "plain"
 DEFINITIONS = {
     "samples_per_s": "global examples trained per second over the timed steps (median over rounds)",
     "ratio_vs_plain": "samples/s / samples/s of plain PyTorch in one process on one device of the same kind "
-                      "(all CPU threads, or one GPU), taken per round against that round's plain runs; median",
+    "(all CPU threads, or one GPU), taken per round against that round's plain runs; median",
     "speedup": "samples/s with N replicas / samples/s with 1 replica of the same strategy and device kind",
     "ideal_speedup": "how many times more hardware N replicas have than one: N for GPUs, 1 for logical CPU "
-                     "devices (they share the cores one replica already keeps busy)",
+    "devices (they share the cores one replica already keeps busy)",
     "scaling_efficiency": "speedup / ideal_speedup (1.0: distribution loses nothing)",
 }
 
@@ -95,11 +95,14 @@ class ScalingConfig:
         _check_names("strategies", self.strategies, BENCH_STRATEGIES)
         if self.replicas is not None:
             if not self.replicas or any(not _is_int(n) or n < 1 for n in self.replicas):
-                raise InputError(f"replicas must be positive whole numbers. Received: replicas={self.replicas!r}. "
-                                 "Use e.g. replicas=(1, 2).")
+                raise InputError(
+                    f"replicas must be positive whole numbers. Received: replicas={self.replicas!r}. "
+                    "Use e.g. replicas=(1, 2)."
+                )
             if len(set(self.replicas)) != len(self.replicas):
-                raise InputError(f"replicas lists a count twice. Received: replicas={self.replicas!r}. "
-                                 "List each count once.")
+                raise InputError(
+                    f"replicas lists a count twice. Received: replicas={self.replicas!r}. List each count once."
+                )
         for name, value, least in (("warmup", self.warmup, 0), ("steps", self.steps, 1), ("rounds", self.rounds, 1)):
             if not _is_int(value) or value < least:
                 raise InputError(f"{name} must be a whole number >= {least}. Received: {name}={value!r}.")
@@ -145,12 +148,21 @@ class ScalingRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "workload": self.workload, "strategy": self.strategy, "device_kind": self.kind, "replicas": self.replicas,
-            "devices": self.devices, "status": self.status, "reason": self.reason,
-            "samples_per_s": self.samples_per_s, "samples_per_s_runs": self.samples_per_s_runs,
-            "ratio_vs_plain": self.ratio_vs_plain, "ratios_vs_plain_runs": self.ratios_runs,
-            "speedup": self.speedup, "ideal_speedup": self.ideal_speedup,
-            "scaling_efficiency": self.scaling_efficiency, "final_loss": self.final_loss,
+            "workload": self.workload,
+            "strategy": self.strategy,
+            "device_kind": self.kind,
+            "replicas": self.replicas,
+            "devices": self.devices,
+            "status": self.status,
+            "reason": self.reason,
+            "samples_per_s": self.samples_per_s,
+            "samples_per_s_runs": self.samples_per_s_runs,
+            "ratio_vs_plain": self.ratio_vs_plain,
+            "ratios_vs_plain_runs": self.ratios_runs,
+            "speedup": self.speedup,
+            "ideal_speedup": self.ideal_speedup,
+            "scaling_efficiency": self.scaling_efficiency,
+            "final_loss": self.final_loss,
         }
 
 
@@ -175,8 +187,12 @@ class ScalingReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.to_dict(),
-            "machine": {**self.machine.to_dict(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                        **(self.load_before.to_dict() if self.load_before is not None else {})},
+            "machine": {
+                **self.machine.to_dict(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                **(self.load_before.to_dict() if self.load_before is not None else {}),
+            },
             "definitions": DEFINITIONS,
             "trusted": not self.warnings,
             "warnings": list(self.warnings),
@@ -200,8 +216,9 @@ def ideal_speedup(kind: str, replicas: int) -> int:
     return replicas if kind == "gpu" else 1
 
 
-def scaling_figures(samples_per_s: float, one_replica_samples_per_s: float, kind: str,
-                    replicas: int) -> tuple[float, int, float]:
+def scaling_figures(
+    samples_per_s: float, one_replica_samples_per_s: float, kind: str, replicas: int
+) -> tuple[float, int, float]:
     """(speedup, ideal speedup, scaling efficiency) of N replicas against 1 of the same strategy.
 
     Example:
@@ -232,7 +249,8 @@ def plan_rows(config: ScalingConfig, machine: BenchMachine) -> list[ScalingRow]:
         raise InputError(
             f"replicas asks for more replicas than this machine has devices ({machine.cpu_devices} logical CPU "
             f"device(s), {machine.gpu_devices} GPU(s)). Received: replicas={config.replicas!r}. "
-            f"Use counts up to {most}, or configure more logical CPU devices.")
+            f"Use counts up to {most}, or configure more logical CPU devices."
+        )
     rows = []
     for workload in config.workloads:
         for kind in machine.device_kinds():
@@ -242,8 +260,11 @@ def plan_rows(config: ScalingConfig, machine: BenchMachine) -> list[ScalingRow]:
             for name in config.strategies:
                 spec = BENCH_STRATEGIES[name]
                 for n in counts:
-                    devices = ([process_device(kind, r) for r in range(n)] if spec.one_process_per_replica
-                               else replica_devices(kind, n))
+                    devices = (
+                        [process_device(kind, r) for r in range(n)]
+                        if spec.one_process_per_replica
+                        else replica_devices(kind, n)
+                    )
                     row = ScalingRow(workload=workload, strategy=name, kind=kind, replicas=n, devices=devices)
                     reason = spec.unavailable_reason(kind, n, machine)
                     if reason is not None:
@@ -252,8 +273,9 @@ def plan_rows(config: ScalingConfig, machine: BenchMachine) -> list[ScalingRow]:
     return rows
 
 
-def run_scaling(config: ScalingConfig, *, machine: BenchMachine | None = None,
-                progress: Callable[[str], None] | None = None) -> ScalingReport:
+def run_scaling(
+    config: ScalingConfig, *, machine: BenchMachine | None = None, progress: Callable[[str], None] | None = None
+) -> ScalingReport:
     """Measures every configuration of `config` on this machine and returns the report.
 
     `progress` receives one line per finished measurement (the CLI prints them on stderr).
@@ -274,8 +296,10 @@ def run_scaling(config: ScalingConfig, *, machine: BenchMachine | None = None,
                     if row.status in ("failed", "unavailable"):
                         continue
                     result = _measure_row(row, config, start_method)
-                    say(f"{workload} {kind} round {round_index + 1}/{config.rounds}: {row.label}: "
-                        + (f"{row.samples_per_s_runs[-1]:,.0f} samples/s" if result else f"failed: {row.reason}"))
+                    say(
+                        f"{workload} {kind} round {round_index + 1}/{config.rounds}: {row.label}: "
+                        + (f"{row.samples_per_s_runs[-1]:,.0f} samples/s" if result else f"failed: {row.reason}")
+                    )
                     if result and row is plain:
                         plain_runs.append(row.samples_per_s_runs[-1])
                 for row in others:
@@ -287,8 +311,14 @@ def run_scaling(config: ScalingConfig, *, machine: BenchMachine | None = None,
                 if row.status == "pending":
                     row.status = "ok"
             _fill_scaling(group)
-    return ScalingReport(config=config, machine=machine, rows=rows, elapsed_s=time.perf_counter() - started,
-                         load_before=load_before, warnings=trust_warnings(rows, load_before))
+    return ScalingReport(
+        config=config,
+        machine=machine,
+        rows=rows,
+        elapsed_s=time.perf_counter() - started,
+        load_before=load_before,
+        warnings=trust_warnings(rows, load_before),
+    )
 
 
 def _fill_scaling(group: Sequence[ScalingRow]) -> None:
@@ -298,7 +328,8 @@ def _fill_scaling(group: Sequence[ScalingRow]) -> None:
         one = next((r for r in group if r.strategy == row.strategy and r.replicas == 1), None)
         if one is not None and one.samples_per_s is not None:
             row.speedup, row.ideal_speedup, row.scaling_efficiency = scaling_figures(
-                row.samples_per_s, one.samples_per_s, row.kind, row.replicas)
+                row.samples_per_s, one.samples_per_s, row.kind, row.replicas
+            )
 
 
 def _start_method() -> str:
@@ -318,19 +349,29 @@ def _start_method() -> str:
 def _measure_row(row: ScalingRow, config: ScalingConfig, start_method: str) -> bool:
     """Measures one configuration once; records the figure, or marks the row failed with the reason."""
     strategy = None if row.strategy == PLAIN else row.strategy
-    request = MeasureRequest(strategy=strategy, kind=row.kind, replicas=row.replicas, workload=row.workload,
-                             warmup=config.warmup, steps=config.steps, timeout_s=config.timeout_s)
+    request = MeasureRequest(
+        strategy=strategy,
+        kind=row.kind,
+        replicas=row.replicas,
+        workload=row.workload,
+        warmup=config.warmup,
+        steps=config.steps,
+        timeout_s=config.timeout_s,
+    )
     processes = strategy is not None and BENCH_STRATEGIES[strategy].one_process_per_replica
     world = row.replicas if processes else 1
     ports = free_ports(world) if processes else []  # one address per worker of the loopback cluster
     with tempfile.TemporaryDirectory(prefix="stratagem-bench-") as error_dir:
         started = time.monotonic()
         try:
-            result = spawn_ranks(measure_rank, world, request, ports, error_dir, timeout=config.timeout_s,
-                                 start_method=start_method)
+            result = spawn_ranks(
+                measure_rank, world, request, ports, error_dir, timeout=config.timeout_s, start_method=start_method
+            )
         except RuntimeError as error:
-            row.status, row.reason = "failed", _failure_reason(error, error_dir, world, time.monotonic() - started,
-                                                               config.timeout_s)
+            row.status, row.reason = (
+                "failed",
+                _failure_reason(error, error_dir, world, time.monotonic() - started, config.timeout_s),
+            )
             return False
     row.samples_per_s_runs.append(result["samples_per_s"])
     row.final_loss = result["final_loss"]
@@ -353,8 +394,9 @@ def _failure_reason(error: RuntimeError, error_dir: str, world: int, elapsed: fl
 
 def _check_names(what: str, names: Sequence[str], known: dict[str, Any]) -> None:
     if isinstance(names, str) or not names:
-        raise InputError(f"{what} must be a non-empty list of names. Received: {what}={names!r}. "
-                         f"Use some of {sorted(known)}.")
+        raise InputError(
+            f"{what} must be a non-empty list of names. Received: {what}={names!r}. Use some of {sorted(known)}."
+        )
     unknown = [name for name in names if name not in known]
     if unknown:
         raise InputError(f"Unknown {what}: {unknown}. Received: {what}={tuple(names)!r}. Use some of {sorted(known)}.")

@@ -43,9 +43,15 @@ class Row:
         return statistics.median(self.samples_per_s) if self.samples_per_s else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"workload": self.workload, "config": self.config, "samples_per_s": self.samples_per_s,
-                "ratios_vs_plain": self.ratios, "median_ratio": self.median_ratio,
-                "median_samples_per_s": self.median_samples_per_s, "final_loss": self.final_loss}
+        return {
+            "workload": self.workload,
+            "config": self.config,
+            "samples_per_s": self.samples_per_s,
+            "ratios_vs_plain": self.ratios,
+            "median_ratio": self.median_ratio,
+            "median_samples_per_s": self.median_samples_per_s,
+            "final_loss": self.final_loss,
+        }
 
 
 def suite_parser(description: str, json_default: Path) -> argparse.ArgumentParser:
@@ -60,11 +66,15 @@ def suite_parser(description: str, json_default: Path) -> argparse.ArgumentParse
 
 
 def run_one(config: Config, workload: str, warmup: int, steps: int, timeout: float = 600) -> dict[str, Any]:
-    argv = list(config.command) if config.command else [sys.executable, "-m", "stratagem.bench.throughput", *config.argv]
+    argv = (
+        list(config.command) if config.command else [sys.executable, "-m", "stratagem.bench.throughput", *config.argv]
+    )
     argv += ["--workload", workload, "--warmup", str(warmup), "--steps", str(steps)]
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmark {config.name} on {workload} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"benchmark {config.name} on {workload} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -87,7 +97,9 @@ def run_suite(
             results = []
             for config in configs:
                 results.append((config, run_one(config, workload, warmup, steps)))
-                progress(f"{workload} round {round_index + 1}: {config.name} {results[-1][1]['samples_per_s']:.0f} samples/s")
+                progress(
+                    f"{workload} round {round_index + 1}: {config.name} {results[-1][1]['samples_per_s']:.0f} samples/s"
+                )
             after = run_one(plain, workload, warmup, steps)
             baseline = (before["samples_per_s"] + after["samples_per_s"]) / 2
             plain_row = rows[(workload, "plain")]
@@ -103,10 +115,14 @@ def run_suite(
 
 
 def render_markdown(rows: Sequence[Row]) -> str:
-    lines = ["| workload | config | samples/s (median) | ratio vs plain (median) | ratios per round | final loss |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | config | samples/s (median) | ratio vs plain (median) | ratios per round | final loss |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         ratios = ", ".join(f"{r:.3f}" for r in row.ratios)
         loss = "" if row.final_loss is None else f"{row.final_loss:.5f}"
-        lines.append(f"| {row.workload} | {row.config} | {row.median_samples_per_s:.0f} | {row.median_ratio:.3f} | {ratios} | {loss} |")
+        lines.append(
+            f"| {row.workload} | {row.config} | {row.median_samples_per_s:.0f} | {row.median_ratio:.3f} | {ratios} | {loss} |"
+        )
     return "\n".join(lines)

@@ -33,7 +33,9 @@ class Measurement:
     threads: int
 
 
-def make_train_step(model: Any, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_train_step(
+    model: Any, optimizer: torch.optim.Optimizer
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The reference workload's step: zero_grad, cross-entropy, backward, step."""
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -55,8 +57,9 @@ def strategy_steps(strategy: Any, workload: Workload) -> Callable[[int], Any]:
     return lambda i: strategy.run(train_step, args=dataset[i % len(dataset)])
 
 
-def timed_steps(step: Callable[[int], Any], warmup: int, steps: int,
-                barrier: Callable[[], Any] | None = None) -> tuple[float, Any]:
+def timed_steps(
+    step: Callable[[int], Any], warmup: int, steps: int, barrier: Callable[[], Any] | None = None
+) -> tuple[float, Any]:
     """Runs `step(i)` for warm-up then timed steps; returns (seconds of the timed steps, last result).
     `barrier` runs just before the clock starts and stops, so several ranks time the slowest one."""
     result = None
@@ -78,8 +81,16 @@ def measure_plain(workload: Workload, warmup: int, steps: int) -> Measurement:
     batches = workload.make_batches()
     train_step = make_train_step(model, optimizer)
     elapsed, loss = timed_steps(lambda i: train_step(*batches[i % len(batches)]), warmup, steps)
-    return Measurement("plain", workload.name, 1, steps, elapsed, steps * workload.global_batch / elapsed,
-                       float(loss.detach()), torch.get_num_threads())
+    return Measurement(
+        "plain",
+        workload.name,
+        1,
+        steps,
+        elapsed,
+        steps * workload.global_batch / elapsed,
+        float(loss.detach()),
+        torch.get_num_threads(),
+    )
 
 
 def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int, steps: int) -> Measurement:
@@ -92,8 +103,16 @@ def measure_strategy(config: str, workload: Workload, replicas: int, warmup: int
         strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)], registry=_registry(replicas))
     elapsed, loss = timed_steps(strategy_steps(strategy, workload), warmup, steps)
     final = float(strategy.reduce("mean", loss))
-    return Measurement(config, workload.name, replicas, steps, elapsed, steps * workload.global_batch / elapsed,
-                       final, torch.get_num_threads())
+    return Measurement(
+        config,
+        workload.name,
+        replicas,
+        steps,
+        elapsed,
+        steps * workload.global_batch / elapsed,
+        final,
+        torch.get_num_threads(),
+    )
 
 
 def _registry(replicas: int):

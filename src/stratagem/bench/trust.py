@@ -59,7 +59,8 @@ def trust_warnings(rows: Sequence[Any], load_before: Load | None) -> list[str]:
         warnings.append(
             f"The machine was busy before the run: load average {load_before.one_minute:.2f} on "
             f"{load_before.cores} core(s), so other processes competed for the cores. The figures are not to be "
-            "trusted; run again on an idle machine.")
+            "trusted; run again on an idle machine."
+        )
     for row in rows:
         runs = list(getattr(row, "samples_per_s_runs", []))
         if row.status == "ok" and len(runs) >= 2:
@@ -68,12 +69,14 @@ def trust_warnings(rows: Sequence[Any], load_before: Load | None) -> list[str]:
                 shown = ", ".join(f"{run:,.0f}" for run in runs)
                 warnings.append(
                     f"{row.workload} {row.label} ({row.kind}): its runs differ by {spread:.0%} (samples/s {shown}), "
-                    "so the machine's speed changed during the run. The figures are not to be trusted.")
+                    "so the machine's speed changed during the run. The figures are not to be trusted."
+                )
         efficiency = getattr(row, "scaling_efficiency", None)
         if efficiency is not None and efficiency > EFFICIENCY_LIMIT:
             warnings.append(
                 f"{row.workload} {row.label} ({row.kind}): scaling efficiency {efficiency:.2f} is above what the "
                 f"hardware allows (1.0: {row.replicas} replicas on {row.ideal_speedup} times the hardware of one), so "
                 "its 1-replica run was slowed, by a busy machine or by more threads than free cores. The figures are "
-                "not to be trusted.")
+                "not to be trusted."
+            )
     return warnings

@@ -30,9 +30,14 @@ class Workload:
         if self.name == "mlp":
             return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
         return nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(8 * 8 * 64, 10),
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8 * 8 * 64, 10),
         )
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -45,7 +50,7 @@ class Workload:
         teacher = torch.randn((x[0].numel(), self.classes), generator=g)
         y = (x.reshape(n, -1) @ teacher).argmax(dim=1)
         b = self.global_batch
-        return [(x[i * b:(i + 1) * b].contiguous(), y[i * b:(i + 1) * b].contiguous()) for i in range(POOL_BATCHES)]
+        return [(x[i * b : (i + 1) * b].contiguous(), y[i * b : (i + 1) * b].contiguous()) for i in range(POOL_BATCHES)]
 
 
 WORKLOADS = {

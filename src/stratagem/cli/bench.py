@@ -53,41 +53,78 @@ _QUICK = ScalingConfig.quick()
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "bench", help="measure how the strategies scale on this machine against plain PyTorch",
+        "bench",
+        help="measure how the strategies scale on this machine against plain PyTorch",
         description="Samples/s of the MLP and CNN reference workloads for each strategy and replica count "
-                    "(logical CPU devices, and GPUs when present) against plain PyTorch in one process, all in "
-                    "one run. Prints a table with the ratio to plain and the scaling efficiency (speedup over one "
-                    "replica / ideal speedup: N for GPUs, 1 for logical CPUs, which share the cores) and writes a "
-                    "PNG plot and a JSON file. Warns when the figures are not to be trusted: a busy machine (load "
-                    "average against the cores), runs of one configuration that disagree, or an efficiency above "
-                    "what the hardware allows.")
-    parser.add_argument("--workloads", type=_names, metavar="NAMES",
-                        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; --quick: mlp)")
-    parser.add_argument("--strategies", type=_names, metavar="NAMES",
-                        help=f"comma-separated, from {','.join(BENCH_STRATEGIES)} (default: all; plain PyTorch "
-                             "always runs as the baseline)")
-    parser.add_argument("--replicas", type=_counts, metavar="COUNTS",
-                        help="comma-separated replica counts, e.g. 1,2 (default: 1, 2, 4, ... up to the devices "
-                             "of each kind)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a short run: workloads {','.join(_QUICK.workloads)}, {_QUICK.warmup} warm-up + "
-                             f"{_QUICK.steps} timed steps, one round (options given explicitly still apply)")
-    parser.add_argument("--steps", type=_whole, metavar="N",
-                        help=f"timed steps per configuration (default: {_DEFAULTS.steps}; --quick: {_QUICK.steps})")
-    parser.add_argument("--warmup", type=_whole, metavar="N",
-                        help=f"untimed steps first (default: {_DEFAULTS.warmup}; --quick: {_QUICK.warmup})")
-    parser.add_argument("--rounds", type=_whole, metavar="N",
-                        help=f"measure everything N times and report medians (default: {_DEFAULTS.rounds})")
-    parser.add_argument("--timeout", type=float, metavar="S",
-                        help="seconds one configuration may take before it is stopped and reported as failed "
-                             f"(default: {_DEFAULTS.timeout_s:g}; --quick: {_QUICK.timeout_s:g})")
-    parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
-                        help=f"directory for {JSON_NAME} and {PLOT_NAME} (default: the current directory; "
-                             "created if missing)")
+        "(logical CPU devices, and GPUs when present) against plain PyTorch in one process, all in "
+        "one run. Prints a table with the ratio to plain and the scaling efficiency (speedup over one "
+        "replica / ideal speedup: N for GPUs, 1 for logical CPUs, which share the cores) and writes a "
+        "PNG plot and a JSON file. Warns when the figures are not to be trusted: a busy machine (load "
+        "average against the cores), runs of one configuration that disagree, or an efficiency above "
+        "what the hardware allows.",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=_names,
+        metavar="NAMES",
+        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; --quick: mlp)",
+    )
+    parser.add_argument(
+        "--strategies",
+        type=_names,
+        metavar="NAMES",
+        help=f"comma-separated, from {','.join(BENCH_STRATEGIES)} (default: all; plain PyTorch "
+        "always runs as the baseline)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=_counts,
+        metavar="COUNTS",
+        help="comma-separated replica counts, e.g. 1,2 (default: 1, 2, 4, ... up to the devices of each kind)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run: workloads {','.join(_QUICK.workloads)}, {_QUICK.warmup} warm-up + "
+        f"{_QUICK.steps} timed steps, one round (options given explicitly still apply)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_whole,
+        metavar="N",
+        help=f"timed steps per configuration (default: {_DEFAULTS.steps}; --quick: {_QUICK.steps})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_whole,
+        metavar="N",
+        help=f"untimed steps first (default: {_DEFAULTS.warmup}; --quick: {_QUICK.warmup})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_whole,
+        metavar="N",
+        help=f"measure everything N times and report medians (default: {_DEFAULTS.rounds})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="seconds one configuration may take before it is stopped and reported as failed "
+        f"(default: {_DEFAULTS.timeout_s:g}; --quick: {_QUICK.timeout_s:g})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help=f"directory for {JSON_NAME} and {PLOT_NAME} (default: the current directory; created if missing)",
+    )
     parser.add_argument("--plot", type=Path, metavar="PATH", help=f"PNG path (default: DIR/{PLOT_NAME})")
     parser.add_argument("--save-json", type=Path, metavar="PATH", help=f"JSON path (default: DIR/{JSON_NAME})")
-    parser.add_argument("--json", action="store_true",
-                        help="print the results as JSON instead of the table (the files are written too)")
+    parser.add_argument(
+        "--json", action="store_true", help="print the results as JSON instead of the table (the files are written too)"
+    )
     return parser
 
 
@@ -137,18 +174,29 @@ def run(args: argparse.Namespace) -> int:
             console.print(Text(f"Warning: {warning}", style="bold yellow"))
         console.print(f"wrote {json_path} and {plot_path} ({report.elapsed_s:.0f} s)")
     if report.failed:
-        print(f"stratagem bench: {len(report.failed)} configuration(s) failed: "
-              + "; ".join(f"{row.workload} {row.label} ({row.kind}): {row.reason}" for row in report.failed),
-              file=sys.stderr)
+        print(
+            f"stratagem bench: {len(report.failed)} configuration(s) failed: "
+            + "; ".join(f"{row.workload} {row.label} ({row.kind}): {row.reason}" for row in report.failed),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def _config(args: argparse.Namespace) -> ScalingConfig:
-    given: dict[str, Any] = {key: value for key, value in (
-        ("workloads", args.workloads), ("strategies", args.strategies), ("replicas", args.replicas),
-        ("steps", args.steps), ("warmup", args.warmup), ("rounds", args.rounds), ("timeout_s", args.timeout),
-    ) if value is not None}
+    given: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("workloads", args.workloads),
+            ("strategies", args.strategies),
+            ("replicas", args.replicas),
+            ("steps", args.steps),
+            ("warmup", args.warmup),
+            ("rounds", args.rounds),
+            ("timeout_s", args.timeout),
+        )
+        if value is not None
+    }
     return ScalingConfig.quick(**given) if args.quick else ScalingConfig(**given)
 
 
@@ -156,8 +204,10 @@ def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
     """The JSON and PNG paths, checked writable before the (long) measurement starts."""
     out: Path = args.out
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out must be a directory. Received: --out {out}, which is a file. "
-                        "Name a directory (it is created if missing).")
+        raise InputError(
+            f"--out must be a directory. Received: --out {out}, which is a file. "
+            "Name a directory (it is created if missing)."
+        )
     json_path = args.save_json or out / JSON_NAME
     plot_path = args.plot or out / PLOT_NAME
     if args.save_json is None or args.plot is None:
@@ -165,12 +215,16 @@ def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
         out.mkdir(parents=True, exist_ok=True)
     for flag, path in (("--save-json", json_path), ("--plot", plot_path)):
         if path.is_dir():
-            raise InputError(f"{flag} must be a file path. Received: {flag} {path}, which is a directory. "
-                            f"Use e.g. {path / (JSON_NAME if flag == '--save-json' else PLOT_NAME)}.")
+            raise InputError(
+                f"{flag} must be a file path. Received: {flag} {path}, which is a directory. "
+                f"Use e.g. {path / (JSON_NAME if flag == '--save-json' else PLOT_NAME)}."
+            )
         parent = path.parent
         if not parent.is_dir():
-            raise InputError(f"{flag}: cannot write into {parent} (missing). Received: {flag} {path}. "
-                            "Create the directory or choose another path.")
+            raise InputError(
+                f"{flag}: cannot write into {parent} (missing). Received: {flag} {path}. "
+                "Create the directory or choose another path."
+            )
         check_writable_directory(parent, flag)
     return json_path, plot_path
 
@@ -178,25 +232,44 @@ def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:
 def _describe(config: ScalingConfig, *, quick: bool) -> str:
     replicas = ",".join(map(str, config.replicas)) if config.replicas else "1..devices"
     trimmed = " (--quick)" if quick else ""
-    return (f"stratagem bench{trimmed}: workloads {','.join(config.workloads)}; strategies "
-            f"{','.join(config.strategies)}; replicas {replicas}; {config.warmup} warm-up + {config.steps} timed "
-            f"steps, {config.rounds} round(s); each configuration in fresh processes, plain PyTorch first and last")
+    return (
+        f"stratagem bench{trimmed}: workloads {','.join(config.workloads)}; strategies "
+        f"{','.join(config.strategies)}; replicas {replicas}; {config.warmup} warm-up + {config.steps} timed "
+        f"steps, {config.rounds} round(s); each configuration in fresh processes, plain PyTorch first and last"
+    )
 
 
 def _table(report: ScalingReport) -> Table:
     table = Table(title="stratagem bench: samples/s against plain PyTorch (one process)")
     columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("workload", "left"), ("device", "left"), ("strategy", "left"), ("replicas", "right"), ("samples/s", "right"),
-        ("x plain", "right"), ("speedup", "right"), ("efficiency", "right"), ("final loss", "right"))
+        ("workload", "left"),
+        ("device", "left"),
+        ("strategy", "left"),
+        ("replicas", "right"),
+        ("samples/s", "right"),
+        ("x plain", "right"),
+        ("speedup", "right"),
+        ("efficiency", "right"),
+        ("final loss", "right"),
+    )
     for column, justify in columns:
         table.add_column(column, justify=justify, no_wrap=True)
     table.add_column("status", overflow="fold")  # reasons can be long: they wrap, the figures never do
     for row in report.rows:
-        table.add_row(row.workload, row.kind, row.strategy, str(row.replicas), _number(row.samples_per_s, ",.0f"),
-                      _number(row.ratio_vs_plain, ".3f"), _number(row.speedup, ".2f"),
-                      _efficiency(row), _number(row.final_loss, ".5f"), _status(row),
-                      style="dim" if row.status == "unavailable" else None,
-                      end_section=row is _last_of_group(report.rows, row))
+        table.add_row(
+            row.workload,
+            row.kind,
+            row.strategy,
+            str(row.replicas),
+            _number(row.samples_per_s, ",.0f"),
+            _number(row.ratio_vs_plain, ".3f"),
+            _number(row.speedup, ".2f"),
+            _efficiency(row),
+            _number(row.final_loss, ".5f"),
+            _status(row),
+            style="dim" if row.status == "unavailable" else None,
+            end_section=row is _last_of_group(report.rows, row),
+        )
     return table
 
 
@@ -236,10 +309,12 @@ def _counts(text: str) -> tuple[int, ...]:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"replica counts must be whole numbers separated by commas. Received: {text!r}. Use e.g. 1,2.") from None
+            f"replica counts must be whole numbers separated by commas. Received: {text!r}. Use e.g. 1,2."
+        ) from None
     if any(count < 1 for count in counts):
         raise argparse.ArgumentTypeError(
-            f"replica counts must be positive (each is a number of replicas). Received: {text!r}. Use e.g. 1,2.")
+            f"replica counts must be positive (each is a number of replicas). Received: {text!r}. Use e.g. 1,2."
+        )
     return counts
 
 

@@ -27,7 +27,8 @@ def check_device_flags(names: Sequence[str], flag: str = "--devices") -> None:
         if spec.device_type == "cuda" and not have:
             raise InputError(
                 f"{flag} names a GPU, but no GPU is visible to torch. Received: {flag} {','.join(names)}. Run "
-                f"`stratagem doctor` to see why, or train on the CPU: {flag} cpu:0 (or leave {flag} out).")
+                f"`stratagem doctor` to see why, or train on the CPU: {flag} cpu:0 (or leave {flag} out)."
+            )
         if index >= len(have):
             kind = "CPU" if spec.device_type == "cpu" else "GPU"
             span = f"{spec.device_type}:0..{spec.device_type}:{len(have) - 1}"
@@ -36,7 +37,8 @@ def check_device_flags(names: Sequence[str], flag: str = "--devices") -> None:
                 f"{flag} names {name}, which is out of range: this machine has {len(have)} logical {kind} device(s), "
                 f"{span}{hint}. "
                 f"Received: {flag} {','.join(names)}. Name devices in {span}, e.g. {flag} "
-                f"{','.join(f'{spec.device_type}:{i}' for i in range(min(2, len(have))))}.")
+                f"{','.join(f'{spec.device_type}:{i}' for i in range(min(2, len(have))))}."
+            )
 
 
 def check_writable_directory(path: str | os.PathLike[str], flag: str) -> Path:
@@ -47,16 +49,20 @@ def check_writable_directory(path: str | os.PathLike[str], flag: str) -> Path:
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise InputError(f"{flag} must be a directory. Received: {flag} {path}, which is a file. Name a directory "
-                         "(it is created if missing).")
+        raise InputError(
+            f"{flag} must be a directory. Received: {flag} {path}, which is a file. Name a directory "
+            "(it is created if missing)."
+        )
     created = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".stratagem-write-check-"):
             pass
     except OSError as error:
-        raise InputError(f"{flag}: cannot write into {path} ({error.strerror or error}). Received: {flag} {path}. "
-                         "Choose a directory you can write to.") from None
+        raise InputError(
+            f"{flag}: cannot write into {path} ({error.strerror or error}). Received: {flag} {path}. "
+            "Choose a directory you can write to."
+        ) from None
     finally:
         for directory in created:  # deepest first
             try:

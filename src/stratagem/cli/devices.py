@@ -1,7 +1,7 @@
 """``stratagem devices``: the physical and logical devices of this machine.
 
-    $ stratagem devices
-    $ stratagem devices --json
+$ stratagem devices
+$ stratagem devices --json
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from stratagem.diagnose import collect_facts, format_bytes, gpu_unavailable_reas
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("devices", help="list physical and logical devices",
-                                   description="List the physical devices (CPU, CUDA GPUs) and the "
-                                               "logical devices strategies place replicas on.")
+    parser = subparsers.add_parser(
+        "devices",
+        help="list physical and logical devices",
+        description="List the physical devices (CPU, CUDA GPUs) and the logical devices strategies place replicas on.",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
@@ -45,9 +47,12 @@ def run(args: argparse.Namespace) -> int:
     for column in ("device", "name", "cores", "memory (free / total)", "capability"):
         table.add_column(column)
     for device in physical:
-        memory = ("" if device.total_memory is None else
-                  f"{format_bytes(device.free_memory) if device.free_memory is not None else '?'} / "
-                  f"{format_bytes(device.total_memory)}")
+        memory = (
+            ""
+            if device.total_memory is None
+            else f"{format_bytes(device.free_memory) if device.free_memory is not None else '?'} / "
+            f"{format_bytes(device.total_memory)}"
+        )
         capability = "" if device.capability is None else ".".join(map(str, device.capability))
         table.add_row(device.torch_name, device.name, str(device.core_count or ""), memory, capability)
     console.print(table)

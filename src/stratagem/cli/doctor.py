@@ -45,17 +45,25 @@ _VERDICT_STYLE = {"ok": "green", "warning": "yellow", "problem": "bold red"}
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "doctor", help="diagnose why a GPU is or is not used, and smoke-test training",
+        "doctor",
+        help="diagnose why a GPU is or is not used, and smoke-test training",
         description="Check the torch build, driver, CUDA_VISIBLE_DEVICES, NCCL and cuDNN; say what "
-                    "MirroredStrategy() would use; run one all-reduce and one training step per device. "
-                    "Exits 1 when something blocks training.")
+        "MirroredStrategy() would use; run one all-reduce and one training step per device. "
+        "Exits 1 when something blocks training.",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--facts", metavar="PATH",
-                        help="check facts recorded on another machine (the 'facts' of its --json report) "
-                             "instead of this machine's; skips the smoke test")
-    parser.add_argument("--devices", metavar="NAMES",
-                        help="comma-separated devices to smoke-test instead of MirroredStrategy()'s default, "
-                             "e.g. cpu:0,cpu:1 or /gpu:0,/gpu:1")
+    parser.add_argument(
+        "--facts",
+        metavar="PATH",
+        help="check facts recorded on another machine (the 'facts' of its --json report) "
+        "instead of this machine's; skips the smoke test",
+    )
+    parser.add_argument(
+        "--devices",
+        metavar="NAMES",
+        help="comma-separated devices to smoke-test instead of MirroredStrategy()'s default, "
+        "e.g. cpu:0,cpu:1 or /gpu:0,/gpu:1",
+    )
     parser.add_argument("--no-smoke-test", action="store_true", help="skip the all-reduce and training step")
     return parser
 
@@ -64,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         facts = _load_facts(args.facts) if args.facts else _collect_facts_safely()
         devices = [name.strip() for name in args.devices.split(",")] if args.devices else None
-        report = build_report(facts, devices=devices, smoke_test=not (args.no_smoke_test or args.facts),
-                              skipped_because="facts were loaded from a file" if args.facts else "--no-smoke-test")
+        report = build_report(
+            facts,
+            devices=devices,
+            smoke_test=not (args.no_smoke_test or args.facts),
+            skipped_because="facts were loaded from a file" if args.facts else "--no-smoke-test",
+        )
     except (StratagemError, OSError, ValueError) as error:
         # Bad input to the command itself (a device list, a facts file): say so, exit like argparse.
         print(f"stratagem doctor: {error}", file=sys.stderr)
@@ -82,8 +94,11 @@ def _collect_facts_safely() -> EnvironmentFacts:
     try:
         return collect_facts(environ.current())
     except Exception as error:  # noqa: BLE001 - the doctor exists for broken machines
-        return EnvironmentFacts(torch_version=torch.__version__, torch_cuda_version=torch.version.cuda,
-                                cuda_init_error=f"collecting the facts failed: {type(error).__name__}: {error}")
+        return EnvironmentFacts(
+            torch_version=torch.__version__,
+            torch_cuda_version=torch.version.cuda,
+            cuda_init_error=f"collecting the facts failed: {type(error).__name__}: {error}",
+        )
 
 
 def _load_facts(path: str) -> EnvironmentFacts:
@@ -91,11 +106,15 @@ def _load_facts(path: str) -> EnvironmentFacts:
         with open(path, encoding="utf-8") as file:
             data = json.load(file)
     except OSError as error:
-        raise ValueError(f"--facts: cannot read {path} ({error.strerror or error}). Received: --facts {path}. Give a "
-                         "file saved with `stratagem doctor --json > facts.json` on the other machine.") from None
+        raise ValueError(
+            f"--facts: cannot read {path} ({error.strerror or error}). Received: --facts {path}. Give a "
+            "file saved with `stratagem doctor --json > facts.json` on the other machine."
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--facts: {path} is not JSON ({error}). Received: --facts {path}. Give a file saved with "
-                         "`stratagem doctor --json > facts.json` on the other machine.") from None
+        raise ValueError(
+            f"--facts: {path} is not JSON ({error}). Received: --facts {path}. Give a file saved with "
+            "`stratagem doctor --json > facts.json` on the other machine."
+        ) from None
     try:
         # Either a whole `doctor --json` report or the bare facts.
         return EnvironmentFacts.from_dict(data.get("facts", data))
@@ -107,8 +126,13 @@ def _load_facts(path: str) -> EnvironmentFacts:
         ) from error
 
 
-def build_report(facts: EnvironmentFacts, *, devices: Sequence[str] | None = None, smoke_test: bool = True,
-                 skipped_because: str = "--no-smoke-test") -> DoctorReport:
+def build_report(
+    facts: EnvironmentFacts,
+    *,
+    devices: Sequence[str] | None = None,
+    smoke_test: bool = True,
+    skipped_because: str = "--no-smoke-test",
+) -> DoctorReport:
     """The checks, the placement over the devices ``facts`` describe, and the smoke test.
 
     ``devices`` replaces ``MirroredStrategy()``'s default choice for the smoke test.
@@ -126,8 +150,7 @@ def build_report(facts: EnvironmentFacts, *, devices: Sequence[str] | None = Non
         smoke = run_smoke_test(names, registry)
     else:
         smoke = [SmokeResult(name="smoke test", passed=None, detail=f"skipped: {skipped_because}")]
-    return DoctorReport(facts=facts, checks=check_environment(facts), devices=names, decision=decision,
-                        smoke=smoke)
+    return DoctorReport(facts=facts, checks=check_environment(facts), devices=names, decision=decision, smoke=smoke)
 
 
 def run_smoke_test(device_names: Sequence[str], registry: DeviceRegistry) -> list[SmokeResult]:
@@ -151,6 +174,7 @@ def _all_reduce(strategy, device_names: Sequence[str]) -> SmokeResult:
 
     name = f"all-reduce across {', '.join(device_names)}"
     try:
+
         def replica_value() -> torch.Tensor:
             context = sg.current_replica_context()
             assert context is not None  # strategy.run calls it inside a replica
@@ -197,11 +221,16 @@ def _training_steps(strategy, device_names: Sequence[str]) -> list[SmokeResult]:
     replicas = getattr(distributed, "replicas", [distributed])
     results = []
     for name, replica in zip(device_names, replicas):
-        worst = max(float((p.detach().cpu() - q.detach()).abs().max())
-                    for p, q in zip(replica.parameters(), reference.parameters()))
+        worst = max(
+            float((p.detach().cpu() - q.detach()).abs().max())
+            for p, q in zip(replica.parameters(), reference.parameters())
+        )
         passed = worst <= 1e-5
-        detail = (f"parameters match one SGD step on the global batch (max difference {worst:.1e})" if passed
-                  else f"parameters differ from one SGD step on the global batch by {worst:.1e} (> 1e-5)")
+        detail = (
+            f"parameters match one SGD step on the global batch (max difference {worst:.1e})"
+            if passed
+            else f"parameters differ from one SGD step on the global batch by {worst:.1e} (> 1e-5)"
+        )
         results.append(SmokeResult(name=f"training step on {name}", passed=passed, detail=detail))
     return results
 
@@ -213,8 +242,9 @@ def _print_report(report: DoctorReport) -> None:
         table.add_column(column, overflow="fold")
     for check in report.checks:
         # Text, not markup: reasons quote values like devices=['cuda:0'] that rich would parse.
-        table.add_row(check.name, Text(check.verdict, style=_VERDICT_STYLE[check.verdict]),
-                      Text(check.reason), Text(check.fix))
+        table.add_row(
+            check.name, Text(check.verdict, style=_VERDICT_STYLE[check.verdict]), Text(check.reason), Text(check.fix)
+        )
     console.print(table)
     console.print(f"MirroredStrategy() would use: {', '.join(report.devices)}", markup=False, highlight=False)
     console.print(f"  because {report.decision.reason}", markup=False, highlight=False)
@@ -222,8 +252,9 @@ def _print_report(report: DoctorReport) -> None:
     for column in ("step", "result", "detail"):
         table.add_column(column, overflow="fold")
     for step in report.smoke:
-        result = {True: Text("passed", style="green"), False: Text("failed", style="bold red"),
-                  None: Text("skipped")}[step.passed]
+        result = {True: Text("passed", style="green"), False: Text("failed", style="bold red"), None: Text("skipped")}[
+            step.passed
+        ]
         table.add_row(Text(step.name), result, Text(step.detail))
     console.print(table)
     blocking = blocking_checks(report.checks)

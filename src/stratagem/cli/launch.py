@@ -36,22 +36,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         ),
     )
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="number of worker processes (default 1)")
-    parser.add_argument("--strategy", choices=STRATEGY_NAMES, metavar="NAME",
-                        help="the strategy sg.strategy_from_env() builds in each task (exported as STRATAGEM_STRATEGY): "
-                             f"one of {', '.join(STRATEGY_NAMES)}; by default multi_worker for several workers")
-    parser.add_argument("--devices-per-worker", type=int, metavar="K",
-                        help="devices each worker uses (exported as STRATAGEM_DEVICES_PER_WORKER)")
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGY_NAMES,
+        metavar="NAME",
+        help="the strategy sg.strategy_from_env() builds in each task (exported as STRATAGEM_STRATEGY): "
+        f"one of {', '.join(STRATEGY_NAMES)}; by default multi_worker for several workers",
+    )
+    parser.add_argument(
+        "--devices-per-worker",
+        type=int,
+        metavar="K",
+        help="devices each worker uses (exported as STRATAGEM_DEVICES_PER_WORKER)",
+    )
     parser.add_argument("--ps", type=int, default=0, metavar="P", help="number of parameter-server processes")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                        help="restart the whole group at most R times when a task fails (sets STRATAGEM_RESTART_COUNT); "
-                             "with --ps, a worker other than the chief is restarted alone, at most R times each")
-    parser.add_argument("--timeout", type=float, metavar="S",
-                        help="stop everything and fail (exit 124) if the run takes longer than S seconds")
-    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL when stopping tasks (default 5)")
-    parser.add_argument("--default-allocator", action="store_true",
-                        help="leave glibc's malloc thresholds at their defaults; by default the tasks keep freed memory "
-                             "for reuse (GLIBC_TUNABLES), which spares a CPU training step thousands of page faults")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart the whole group at most R times when a task fails (sets STRATAGEM_RESTART_COUNT); "
+        "with --ps, a worker other than the chief is restarted alone, at most R times each",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="stop everything and fail (exit 124) if the run takes longer than S seconds",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping tasks (default 5)",
+    )
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc thresholds at their defaults; by default the tasks keep freed memory "
+        "for reuse (GLIBC_TUNABLES), which spares a CPU training step thousands of page faults",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
     mode.add_argument("--no-python", action="store_true", help="SCRIPT is an executable, run without python")
@@ -80,27 +105,43 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not Path(args.script).is_file():
-        print(f"stratagem launch: error: no such script. Received: {args.script!r}. "
-              "Give the path of a Python file, or use -m for a module.", file=sys.stderr)
+        print(
+            f"stratagem launch: error: no such script. Received: {args.script!r}. "
+            "Give the path of a Python file, or use -m for a module.",
+            file=sys.stderr,
+        )
         return 2
     if args.no_python and shutil.which(args.script) is None:
-        print(f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Give the "
-              "path of an executable file (chmod +x), or a command on PATH.", file=sys.stderr)
+        print(
+            f"stratagem launch: error: no such executable. Received: --no-python {args.script!r}. Give the "
+            "path of an executable file (chmod +x), or a command on PATH.",
+            file=sys.stderr,
+        )
         return 2
     if args.strategy in ONE_PROCESS_STRATEGIES and (args.workers > 1 or args.ps > 0):
-        print(f"stratagem launch: error: --strategy {args.strategy} trains in one process, so each of the "
-              f"{args.workers + args.ps} tasks would train its own model. Received: --strategy {args.strategy} "
-              f"--workers {args.workers} --ps {args.ps}. Use --strategy multi_worker (or parameter_server with "
-              "--ps), or --workers 1.", file=sys.stderr)
+        print(
+            f"stratagem launch: error: --strategy {args.strategy} trains in one process, so each of the "
+            f"{args.workers + args.ps} tasks would train its own model. Received: --strategy {args.strategy} "
+            f"--workers {args.workers} --ps {args.ps}. Use --strategy multi_worker (or parameter_server with "
+            "--ps), or --workers 1.",
+            file=sys.stderr,
+        )
         return 2
     # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it
     # into SystemExit, which unwinds through launch() and stops every task on the way out.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         result = launch(
-            _command(args), workers=args.workers, env=environ.current(), sink=_print_line, ps=args.ps,
-            devices_per_worker=args.devices_per_worker, max_restarts=args.max_restarts,
-            timeout=args.timeout, grace_period=args.grace_period, keep_freed_memory=not args.default_allocator,
+            _command(args),
+            workers=args.workers,
+            env=environ.current(),
+            sink=_print_line,
+            ps=args.ps,
+            devices_per_worker=args.devices_per_worker,
+            max_restarts=args.max_restarts,
+            timeout=args.timeout,
+            grace_period=args.grace_period,
+            keep_freed_memory=not args.default_allocator,
             strategy=args.strategy,
         )
     except StratagemError as exc:
@@ -112,9 +153,14 @@ def run(args: argparse.Namespace) -> int:
         if result.restarts or result.recoveries:
             print(f"stratagem launch: {result.explain()}", file=sys.stderr)
         return 0
-    print(f"stratagem launch: {result.failed_task or 'launch'} {result.reason}; "
-          f"stopped the other tasks (exit code {result.exit_code})", file=sys.stderr)
+    print(
+        f"stratagem launch: {result.failed_task or 'launch'} {result.reason}; "
+        f"stopped the other tasks (exit code {result.exit_code})",
+        file=sys.stderr,
+    )
     for failure in result.failures[:-1]:
-        print(f"stratagem launch: restarted after attempt {failure.attempt}: {failure.task} {failure.reason}",
-              file=sys.stderr)
+        print(
+            f"stratagem launch: restarted after attempt {failure.attempt}: {failure.task} {failure.reason}",
+            file=sys.stderr,
+        )
     return result.exit_code

@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         command = f"stratagem {args.command}" if args.command else command
         args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that relaunch themselves
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        )
         if args.command is None:
             parser.print_help()
             return 2

@@ -46,41 +46,85 @@ _DEFAULTS = TrainConfig()
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "train", help="train a small conv net on the digits data set and show where it ran",
+        "train",
+        help="train a small conv net on the digits data set and show where it ran",
         description="Train a conv net on scikit-learn's 8x8 digits (no download) with a distribution strategy: "
-                    "every GPU, or two logical CPU replicas on a CPU-only machine. Prints the placement and why, "
-                    f"loss and accuracy per epoch, test accuracy (target {TARGET_ACCURACY:.0%}) and samples/s.")
-    parser.add_argument("--strategy", choices=STRATEGY_NAMES, default=_DEFAULTS.strategy,
-                        help=f"distribution strategy (default: {_DEFAULTS.strategy})")
-    parser.add_argument("--devices", metavar="NAMES", type=_device_list,
-                        help="comma-separated devices in TF or torch spelling, e.g. cpu:0,cpu:1 or /gpu:0,/gpu:1 "
-                             "(default: every GPU, else two logical CPUs; one_device: the first GPU, else cpu:0)")
-    parser.add_argument("--epochs", type=_count("10"), default=_DEFAULTS.epochs,
-                        help=f"passes over the training set (default: {_DEFAULTS.epochs})")
-    parser.add_argument("--batch-size", type=_count("10"), default=_DEFAULTS.batch_size,
-                        help=f"GLOBAL batch size, split among the replicas (default: {_DEFAULTS.batch_size})")
-    parser.add_argument("--lr", type=_positive_float, default=_DEFAULTS.lr,
-                        help=f"Adam learning rate (default: {_DEFAULTS.lr})")
-    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed,
-                        help=f"seeds the initial weights and the shuffle order (default: {_DEFAULTS.seed})")
-    parser.add_argument("--workers", type=_count("2"), default=1,
-                        help="with --strategy multi_worker: worker processes to start on this machine with "
-                             "`stratagem launch` (default: 1, or the cluster this process already belongs to)")
-    parser.add_argument("--ps", type=_count("1"), default=None,
-                        help="with --strategy parameter_server: parameter-server processes to start (default: 1)")
-    parser.add_argument("--backup-dir", metavar="DIR",
-                        help="back the run up in DIR after every epoch; a rerun of the same command (or a restart by "
-                             "`stratagem launch --max-restarts`) resumes from it; removed when training finishes")
-    parser.add_argument("--log-placement", action="store_true",
-                        help="record where every operation of the run ran and print a summary: operations per "
-                             "device and replica, copies per step with their bytes, operations that ran off their "
-                             "replica's device (slows training down while it records)")
-    parser.add_argument("--default-allocator", action="store_true",
-                        help="leave glibc's malloc thresholds at their defaults; by default the training processes keep "
-                             "freed memory for reuse, which spares each step thousands of page faults on a CPU")
-    parser.add_argument("--precision", choices=PRECISIONS, default=_DEFAULTS.precision,
-                        help="32: float32; bf16: bfloat16 autocast (CPUs and GPUs); fp16: float16 autocast with loss "
-                             f"scaling, GPUs only (default: {_DEFAULTS.precision})")
+        "every GPU, or two logical CPU replicas on a CPU-only machine. Prints the placement and why, "
+        f"loss and accuracy per epoch, test accuracy (target {TARGET_ACCURACY:.0%}) and samples/s.",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGY_NAMES,
+        default=_DEFAULTS.strategy,
+        help=f"distribution strategy (default: {_DEFAULTS.strategy})",
+    )
+    parser.add_argument(
+        "--devices",
+        metavar="NAMES",
+        type=_device_list,
+        help="comma-separated devices in TF or torch spelling, e.g. cpu:0,cpu:1 or /gpu:0,/gpu:1 "
+        "(default: every GPU, else two logical CPUs; one_device: the first GPU, else cpu:0)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=_count("10"),
+        default=_DEFAULTS.epochs,
+        help=f"passes over the training set (default: {_DEFAULTS.epochs})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_count("10"),
+        default=_DEFAULTS.batch_size,
+        help=f"GLOBAL batch size, split among the replicas (default: {_DEFAULTS.batch_size})",
+    )
+    parser.add_argument(
+        "--lr", type=_positive_float, default=_DEFAULTS.lr, help=f"Adam learning rate (default: {_DEFAULTS.lr})"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=_DEFAULTS.seed,
+        help=f"seeds the initial weights and the shuffle order (default: {_DEFAULTS.seed})",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_count("2"),
+        default=1,
+        help="with --strategy multi_worker: worker processes to start on this machine with "
+        "`stratagem launch` (default: 1, or the cluster this process already belongs to)",
+    )
+    parser.add_argument(
+        "--ps",
+        type=_count("1"),
+        default=None,
+        help="with --strategy parameter_server: parameter-server processes to start (default: 1)",
+    )
+    parser.add_argument(
+        "--backup-dir",
+        metavar="DIR",
+        help="back the run up in DIR after every epoch; a rerun of the same command (or a restart by "
+        "`stratagem launch --max-restarts`) resumes from it; removed when training finishes",
+    )
+    parser.add_argument(
+        "--log-placement",
+        action="store_true",
+        help="record where every operation of the run ran and print a summary: operations per "
+        "device and replica, copies per step with their bytes, operations that ran off their "
+        "replica's device (slows training down while it records)",
+    )
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc thresholds at their defaults; by default the training processes keep "
+        "freed memory for reuse, which spares each step thousands of page faults on a CPU",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=_DEFAULTS.precision,
+        help="32: float32; bf16: bfloat16 autocast (CPUs and GPUs); fp16: float16 autocast with loss "
+        f"scaling, GPUs only (default: {_DEFAULTS.precision})",
+    )
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
@@ -96,16 +140,29 @@ def run(args: argparse.Namespace) -> int:
     if (parameter_server or (args.strategy == "multi_worker" and args.workers > 1)) and not launched_by_stratagem(env):
         # Start one process per task running this same command; each becomes a task of the strategy's cluster.
         sink = _json_sink if args.json else _prefixed_sink
-        result = relaunch(args.argv, workers=args.workers, env=env, sink=sink, ps=(args.ps or 1) if parameter_server else 0,
-                          keep_freed_memory=not args.default_allocator)
+        result = relaunch(
+            args.argv,
+            workers=args.workers,
+            env=env,
+            sink=sink,
+            ps=(args.ps or 1) if parameter_server else 0,
+            keep_freed_memory=not args.default_allocator,
+        )
         if not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
         return result.exit_code
     if not args.default_allocator:
         allocator.keep_freed_memory_here(env)  # this command owns its process (a task of a relaunch has it already)
     try:
-        config = TrainConfig(strategy=args.strategy, devices=args.devices, epochs=args.epochs,
-                             batch_size=args.batch_size, lr=args.lr, seed=args.seed, precision=args.precision)
+        config = TrainConfig(
+            strategy=args.strategy,
+            devices=args.devices,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            precision=args.precision,
+        )
         callbacks: list[Callback] = []
         if args.backup_dir:
             backup = BackupAndRestore(args.backup_dir, save_freq="epoch")
@@ -127,8 +184,13 @@ def run(args: argparse.Namespace) -> int:
     if not chief:
         args.json = True  # workers other than the chief train silently; the chief reports for the job
     if not args.json:
-        console.print(Text(f"stratagem train: digits, conv net, Adam lr={config.lr}, global batch {config.batch_size}, "
-                           f"{config.epochs} epoch(s), seed {config.seed}", style="bold"))
+        console.print(
+            Text(
+                f"stratagem train: digits, conv net, Adam lr={config.lr}, global batch {config.batch_size}, "
+                f"{config.epochs} epoch(s), seed {config.seed}",
+                style="bold",
+            )
+        )
         console.print(Text(f"devices: {decision.choice} ({decision.reason})"))
         console.print(Text(str(strategy.explain())))
     # The progress bar is drawn only on a terminal; the per-epoch lines go to pipes too (not with --json).
@@ -159,11 +221,15 @@ def run(args: argparse.Namespace) -> int:
 def _check_before_work(args: argparse.Namespace) -> None:
     """What the command can refuse before it builds anything or starts a process."""
     if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server"):
-        raise InputError(f"--workers {args.workers} needs --strategy multi_worker or parameter_server. "
-                         f"Received: --strategy {args.strategy}. Add --strategy multi_worker, or leave --workers out.")
+        raise InputError(
+            f"--workers {args.workers} needs --strategy multi_worker or parameter_server. "
+            f"Received: --strategy {args.strategy}. Add --strategy multi_worker, or leave --workers out."
+        )
     if args.ps is not None and args.strategy != "parameter_server":
-        raise InputError(f"--ps {args.ps} needs --strategy parameter_server. Received: --strategy {args.strategy}. "
-                         "Add --strategy parameter_server, or leave --ps out.")
+        raise InputError(
+            f"--ps {args.ps} needs --strategy parameter_server. Received: --strategy {args.strategy}. "
+            "Add --strategy parameter_server, or leave --ps out."
+        )
     if args.devices:
         check_device_flags(args.devices)
     if args.backup_dir:
@@ -173,7 +239,8 @@ def _check_before_work(args: argparse.Namespace) -> None:
                 "--backup-dir does not work with --strategy parameter_server: the optimizer state lives on the "
                 f"parameter servers, which fit's backups cannot save. Received: --strategy parameter_server "
                 f"--backup-dir {args.backup_dir}. Leave --backup-dir out, or use --strategy multi_worker for a "
-                "resumable multi-process run.")
+                "resumable multi-process run."
+            )
         check_writable_directory(args.backup_dir, "--backup-dir")
 
 
@@ -202,7 +269,8 @@ class BackupSettings(Callback):
             raise InputError(
                 f"The backup in {self.backup.backup_dir} was made with {saved}, which a resumed run keeps (the "
                 f"optimizer, the random states and the data order come from the backup). Received: {asked}. Rerun with "
-                f"{saved} to resume, or remove {self.backup.backup_dir} to start afresh with the new settings.")
+                f"{saved} to resume, or remove {self.backup.backup_dir} to start afresh with the new settings."
+            )
 
     def on_train_begin(self, context: Any) -> None:
         restored = self.backup.restored_from
@@ -210,10 +278,13 @@ class BackupSettings(Callback):
             return
         settings = ", ".join(f"--{name} {getattr(self.config, name)}" for name in self.CHECKED)
         # Shown without -v: a resumed run must not look like a fresh one. With --json, stdout is the JSON alone.
-        print(f"stratagem train: Resumed from {self.backup.path}: epoch {restored['epoch'] + 1} of "
-              f"{self.config.epochs}, after step {restored['step']}. From the backup: the model, the optimizer "
-              f"state, the random states, the data order and the history of the epochs done ({settings}).",
-              file=sys.stderr if self.json_output else sys.stdout, flush=True)
+        print(
+            f"stratagem train: Resumed from {self.backup.path}: epoch {restored['epoch'] + 1} of "
+            f"{self.config.epochs}, after step {restored['step']}. From the backup: the model, the optimizer "
+            f"state, the random states, the data order and the history of the epochs done ({settings}).",
+            file=sys.stderr if self.json_output else sys.stdout,
+            flush=True,
+        )
 
 
 CHIEF_TASK = "worker:0"
@@ -237,16 +308,30 @@ def _json_sink(line: OutputLine) -> None:
 def _print_summary(console: Console, report: TrainReport) -> None:
     test = report.test
     correct = round(test["accuracy"] * test.num_examples)
-    verdict = (Text(f"reached the {TARGET_ACCURACY:.0%} target", style="green") if report.reached_target
-               else Text(f"below the {TARGET_ACCURACY:.0%} target", style="bold red"))
-    console.print(Text.assemble(f"test accuracy {test['accuracy']:.2%} ({correct}/{test.num_examples}), "
-                                f"loss {test['loss']:.4f}: ", verdict))
-    console.print(Text(f"throughput: {report.samples_per_s:,.0f} samples/s ({report.num_train_examples} training "
-                       f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"))
+    verdict = (
+        Text(f"reached the {TARGET_ACCURACY:.0%} target", style="green")
+        if report.reached_target
+        else Text(f"below the {TARGET_ACCURACY:.0%} target", style="bold red")
+    )
+    console.print(
+        Text.assemble(
+            f"test accuracy {test['accuracy']:.2%} ({correct}/{test.num_examples}), loss {test['loss']:.4f}: ", verdict
+        )
+    )
+    console.print(
+        Text(
+            f"throughput: {report.samples_per_s:,.0f} samples/s ({report.num_train_examples} training "
+            f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"
+        )
+    )
     if report.explanation["strategy"] == "ParameterServerStrategy":
         num_ps = len(report.explanation["details"]["ps"])
-        console.print(Text(f"ran on: {', '.join(report.devices)} (ParameterServerStrategy, asynchronous updates "
-                           f"applied by {num_ps} parameter server(s))"))
+        console.print(
+            Text(
+                f"ran on: {', '.join(report.devices)} (ParameterServerStrategy, asynchronous updates "
+                f"applied by {num_ps} parameter server(s))"
+            )
+        )
         for decision in report.explanation["decisions"]:
             if decision["subject"] == "values between workers and parameter servers":  # as this task saw them
                 console.print(Text(f"values: {decision['choice']} ({decision['reason']})"))
@@ -256,20 +341,26 @@ def _print_summary(console: Console, report: TrainReport) -> None:
     stages = report.explanation["strategy"] == "ModelParallelStrategy"
     local = f", {len(report.devices)} on this worker" if in_sync != len(report.devices) and not stages else ""
     where = f"stages on {', '.join(report.devices)}" if stages else ", ".join(report.devices)
-    console.print(Text(f"ran on: {where} ({report.explanation['strategy']}, "
-                       f"{in_sync} replica(s) in sync{local}, physical {', '.join(physical)})"))
+    console.print(
+        Text(
+            f"ran on: {where} ({report.explanation['strategy']}, "
+            f"{in_sync} replica(s) in sync{local}, physical {', '.join(physical)})"
+        )
+    )
 
 
 def _device_list(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(","))
     if not all(names):
         raise argparse.ArgumentTypeError(
-            f"a device name is empty. Received: {text!r}. Separate names with single commas, e.g. cpu:0,cpu:1")
+            f"a device name is empty. Received: {text!r}. Separate names with single commas, e.g. cpu:0,cpu:1"
+        )
     return names
 
 
 def _count(example: str) -> Any:
     """A positive integer option whose error gives an example that suits it (--workers 2, --ps 1, --epochs 10)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)

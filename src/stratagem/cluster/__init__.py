@@ -1,9 +1,9 @@
 """Who the processes of a training job are, how they meet, and a launcher for local clusters.
 
-    >>> from stratagem import environ
-    >>> from stratagem.cluster import resolve_cluster
-    >>> cluster = resolve_cluster(env=environ.current())   # TF_CONFIG, torchrun, SLURM, or one process
-    >>> print(cluster.explain())                            # doctest: +SKIP
+>>> from stratagem import environ
+>>> from stratagem.cluster import resolve_cluster
+>>> cluster = resolve_cluster(env=environ.current())   # TF_CONFIG, torchrun, SLURM, or one process
+>>> print(cluster.explain())                            # doctest: +SKIP
 """
 
 from stratagem.cluster.launch import (

@@ -39,8 +39,12 @@ _TUNABLES = (f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}", f"glibc.malloc.mma
 _OURS = ":".join(_TUNABLES)
 # The settings of when freed memory goes back to the system, as tunables and in glibc's older spelling
 # (still read by glibc 2.36); a user who set one of them has chosen.
-_RELEASE_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold", "glibc.malloc.top_pad",
-                     "glibc.malloc.mmap_max")
+_RELEASE_TUNABLES = (
+    "glibc.malloc.trim_threshold",
+    "glibc.malloc.mmap_threshold",
+    "glibc.malloc.top_pad",
+    "glibc.malloc.mmap_max",
+)
 _LEGACY_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 # mallopt(3) parameters, from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
@@ -119,8 +123,12 @@ def describe(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -
     if made is not None:
         return "as set by the user", made
     if glibc < _TUNABLES_SINCE:
-        return "returned to the system", (f"glibc {glibc[0]}.{glibc[1]} reads no GLIBC_TUNABLES (2.26 and newer do); "
-                                          "set MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_MMAP_THRESHOLD_=33554432")
-    why = ("glibc's default: a CPU training step faults its buffers in again every step; "
-           f"`stratagem launch` sets GLIBC_TUNABLES={_OURS} for its tasks (see docs/clusters.md)")
+        return "returned to the system", (
+            f"glibc {glibc[0]}.{glibc[1]} reads no GLIBC_TUNABLES (2.26 and newer do); "
+            "set MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_MMAP_THRESHOLD_=33554432"
+        )
+    why = (
+        "glibc's default: a CPU training step faults its buffers in again every step; "
+        f"`stratagem launch` sets GLIBC_TUNABLES={_OURS} for its tasks (see docs/clusters.md)"
+    )
     return "returned to the system", why

@@ -57,11 +57,15 @@ def _check_importable(fn: Callable[..., Any]) -> str | None:
         raise InputError(f"launch() needs a function to run in every task. Received: {type(fn).__name__}.")
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", type(fn).__name__))
-    fix = ("Define it at the top level of a .py module (e.g. train.py beside the notebook), "
-           "import it (from train import main), and launch that.")
+    fix = (
+        "Define it at the top level of a .py module (e.g. train.py beside the notebook), "
+        "import it (from train import main), and launch that."
+    )
     if "<lambda>" in qualname or "<locals>" in qualname:
-        raise InputError(f"A new process cannot find a lambda or a function defined inside another function. "
-                         f"Received: {module}.{qualname}. {fix}")
+        raise InputError(
+            f"A new process cannot find a lambda or a function defined inside another function. "
+            f"Received: {module}.{qualname}. {fix}"
+        )
     if module == "__main__":
         main_file = getattr(sys.modules.get("__main__"), "__file__", None)
         if main_file is None:
@@ -110,23 +114,37 @@ def launch(
         raise ClusterError(
             "launch() was called inside a task of a launch, so every task would start a cluster of its own. "
             f"Received: STRATAGEM_CLUSTER_TOKEN set, TF_CONFIG={env.get('TF_CONFIG', '')!r:.120}. When the "
-            "function lives in the main script, call launch() under `if __name__ == \"__main__\":`."
+            'function lives in the main script, call launch() under `if __name__ == "__main__":`.'
         )
     main_file = _check_importable(fn)
     try:
         call = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:  # pickle raises several kinds (PicklingError, TypeError, AttributeError)
-        raise InputError(f"The function's arguments cannot be sent to a new process. Received: {error}. "
-                         "Pass values that pickle (tensors, numbers, strings, lists, dicts...).") from None
+        raise InputError(
+            f"The function's arguments cannot be sent to a new process. Received: {error}. "
+            "Pass values that pickle (tensors, numbers, strings, lists, dicts...)."
+        ) from None
     with tempfile.TemporaryDirectory(prefix="stratagem-launch-") as directory:
         # Two layers: the task sets its import path and runs the main script before unpickling the call.
         payload = pickle.dumps({"sys_path": list(sys.path), "main_file": main_file, "call": call})
         (Path(directory) / PAYLOAD_NAME).write_bytes(payload)
-        result = launch_command([sys.executable, "-m", RUNNER_MODULE, directory], workers=workers, ps=ps,
-                                env=env, sink=sink or _print_line, timeout=timeout, grace_period=grace_period,
-                                max_restarts=max_restarts, devices_per_worker=devices_per_worker, strategy=strategy)
+        result = launch_command(
+            [sys.executable, "-m", RUNNER_MODULE, directory],
+            workers=workers,
+            ps=ps,
+            env=env,
+            sink=sink or _print_line,
+            timeout=timeout,
+            grace_period=grace_period,
+            max_restarts=max_restarts,
+            devices_per_worker=devices_per_worker,
+            strategy=strategy,
+        )
         if not result.ok:
-            raise LaunchError(f"{result.failed_task or 'launch'} {result.reason}; the other tasks were stopped. "
-                              f"Received: exit code {result.exit_code}. See the task's output above "
-                              f"(lines prefixed [{result.failed_task or 'worker:0'}]).", result)
+            raise LaunchError(
+                f"{result.failed_task or 'launch'} {result.reason}; the other tasks were stopped. "
+                f"Received: exit code {result.exit_code}. See the task's output above "
+                f"(lines prefixed [{result.failed_task or 'worker:0'}]).",
+                result,
+            )
         return [pickle.loads(result_path(directory, f"worker:{rank}").read_bytes()) for rank in range(workers)]

@@ -52,8 +52,16 @@ HOST = "127.0.0.1"
 TIMEOUT_EXIT_CODE = 124  # as coreutils' timeout
 OUTPUT_DRAIN_SECONDS = 2.0
 # Variables a parent launcher may have set that would contradict the ones we give each task.
-_INHERITED_CLUSTER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                "MASTER_PORT", "TF_CONFIG", "STRATAGEM_DEVICES_PER_WORKER")
+_INHERITED_CLUSTER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+    "STRATAGEM_DEVICES_PER_WORKER",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +93,10 @@ class Recovery:
     def explain(self) -> str:
         if self.action == "restarted":
             return f"{self.task} {self.reason}; restarted it alone, at its address, while the job went on"
-        return (f"{self.task} {self.reason}; the job goes on without it (no restarts left, see max_restarts; "
-                "the coordinator runs its steps on the other workers)")
+        return (
+            f"{self.task} {self.reason}; the job goes on without it (no restarts left, see max_restarts; "
+            "the coordinator runs its steps on the other workers)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,22 +125,30 @@ class LaunchResult:
         # An attempt that was restarted is worded as what happened next, so that the summary of a run that
         # succeeded does not read like a failure; only the attempt that ended the run is a failure.
         final = () if self.ok else self.failures[-1:]
-        lines = [f"attempt {f.attempt} restarted after {f.task or 'launch'} {f.reason}"
-                 for f in self.failures[:len(self.failures) - len(final)]]
+        lines = [
+            f"attempt {f.attempt} restarted after {f.task or 'launch'} {f.reason}"
+            for f in self.failures[: len(self.failures) - len(final)]
+        ]
         lines += [f"attempt {f.attempt}: {f.task or 'launch'} {f.reason}" for f in final]
         lines += [f"attempt {r.attempt}: {r.explain()}" for r in self.recoveries]
         restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
         if self.ok:
-            lines.append(f"the chief ended the job normally{restarts}" if self.recoveries else
-                         f"all workers exited normally{restarts}")
+            lines.append(
+                f"the chief ended the job normally{restarts}"
+                if self.recoveries
+                else f"all workers exited normally{restarts}"
+            )
         else:
             lines.append(f"failed{restarts}: {self.failed_task or 'launch'} {self.reason}; exit code {self.exit_code}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "exit_code": self.exit_code, "failed_task": self.failed_task, "reason": self.reason,
-            "restarts": self.restarts, "failures": [f.__dict__ for f in self.failures],
+            "exit_code": self.exit_code,
+            "failed_task": self.failed_task,
+            "reason": self.reason,
+            "restarts": self.restarts,
+            "failures": [f.__dict__ for f in self.failures],
             "recoveries": [r.__dict__ for r in self.recoveries],
         }
 
@@ -173,8 +191,10 @@ def task_environments(
         ('1', '5000')
     """
     if len(ports) != workers + ps:
-        raise ClusterError(f"Need one port per task. Received: {len(ports)} ports for {workers} workers "
-                           f"and {ps} ps tasks. Pass {workers + ps} ports.")
+        raise ClusterError(
+            f"Need one port per task. Received: {len(ports)} ports for {workers} workers "
+            f"and {ps} ps tasks. Pass {workers + ps} ports."
+        )
     addresses = {"worker": [f"{HOST}:{port}" for port in ports[:workers]]}
     if ps:
         addresses["ps"] = [f"{HOST}:{port}" for port in ports[workers:]]
@@ -206,22 +226,54 @@ def task_environments(
                 # against another's. A value the user set is kept.
                 env["OMP_NUM_THREADS"] = "1" if kind == "ps" else str(max(1, (os.cpu_count() or 1) // workers))
             if kind == "worker":
-                env.update(RANK=str(index), WORLD_SIZE=str(workers), LOCAL_RANK=str(index),
-                           LOCAL_WORLD_SIZE=str(workers), MASTER_ADDR=HOST, MASTER_PORT=str(ports[0]))
+                env.update(
+                    RANK=str(index),
+                    WORLD_SIZE=str(workers),
+                    LOCAL_RANK=str(index),
+                    LOCAL_WORLD_SIZE=str(workers),
+                    MASTER_ADDR=HOST,
+                    MASTER_PORT=str(ports[0]),
+                )
             envs[f"{kind}:{index}"] = env
     return envs
 
 
-def _validate(argv: Sequence[str], workers: int, ps: int, devices_per_worker: int | None,
-              max_restarts: int, timeout: float | None, grace_period: float) -> None:
+def _validate(
+    argv: Sequence[str],
+    workers: int,
+    ps: int,
+    devices_per_worker: int | None,
+    max_restarts: int,
+    timeout: float | None,
+    grace_period: float,
+) -> None:
     checks = [
-        (len(argv) > 0, "The command to launch is empty", f"argv={list(argv)!r}", "Pass the command, e.g. [sys.executable, 'train.py']"),
+        (
+            len(argv) > 0,
+            "The command to launch is empty",
+            f"argv={list(argv)!r}",
+            "Pass the command, e.g. [sys.executable, 'train.py']",
+        ),
         (workers >= 1, "At least one worker is needed", f"workers={workers}", "Pass workers >= 1"),
         (ps >= 0, "The number of parameter servers cannot be negative", f"ps={ps}", "Pass ps >= 0"),
-        (devices_per_worker is None or devices_per_worker >= 1, "Each worker needs at least one device",
-         f"devices_per_worker={devices_per_worker}", "Pass devices_per_worker >= 1, or leave it out"),
-        (max_restarts >= 0, "max_restarts cannot be negative", f"max_restarts={max_restarts}", "Pass max_restarts >= 0"),
-        (timeout is None or timeout > 0, "The timeout must be positive", f"timeout={timeout}", "Pass seconds > 0, or no timeout"),
+        (
+            devices_per_worker is None or devices_per_worker >= 1,
+            "Each worker needs at least one device",
+            f"devices_per_worker={devices_per_worker}",
+            "Pass devices_per_worker >= 1, or leave it out",
+        ),
+        (
+            max_restarts >= 0,
+            "max_restarts cannot be negative",
+            f"max_restarts={max_restarts}",
+            "Pass max_restarts >= 0",
+        ),
+        (
+            timeout is None or timeout > 0,
+            "The timeout must be positive",
+            f"timeout={timeout}",
+            "Pass seconds > 0, or no timeout",
+        ),
         (grace_period >= 0, "The grace period cannot be negative", f"grace_period={grace_period}", "Pass seconds >= 0"),
     ]
     for ok, what, received, fix in checks:
@@ -237,9 +289,19 @@ LAUNCH_TASK = "launch"
 """The task name of the launcher's own lines on the sink."""
 
 
-def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None, timeout: float | None, attempt: int,
-                 ps: int = 0, worker_restarts: int = 0, grace_period: float = 0.0, sink: Sink | None = None,
-                 recoveries: list[Recovery] | None = None) -> TaskFailure | None:
+def _run_attempt(
+    group: TaskGroup,
+    *,
+    workers: int,
+    deadline: float | None,
+    timeout: float | None,
+    attempt: int,
+    ps: int = 0,
+    worker_restarts: int = 0,
+    grace_period: float = 0.0,
+    sink: Sink | None = None,
+    recoveries: list[Recovery] | None = None,
+) -> TaskFailure | None:
     """Wait for the workers to finish; the first failure (or the deadline) ends the attempt. With parameter
     servers, a worker other than the chief that dies is restarted alone or left out instead (``recoveries``)."""
     pending = {f"worker:{i}" for i in range(workers)}
@@ -250,8 +312,12 @@ def _run_attempt(group: TaskGroup, *, workers: int, deadline: float | None, time
             task, returncode = group.exits.get(timeout=remaining)
         except queue.Empty:
             running = ", ".join(group.running())
-            return TaskFailure(attempt=attempt, task=None, returncode=None,
-                               reason=f"timed out after {timeout:g} s; still running: {running}")
+            return TaskFailure(
+                attempt=attempt,
+                task=None,
+                returncode=None,
+                reason=f"timed out after {timeout:g} s; still running: {running}",
+            )
         if task.startswith("ps:"):
             # A parameter server serves until the workers finish; leaving early strands them.
             reason = describe_exit(returncode)
@@ -290,8 +356,9 @@ def _let_finish(group: TaskGroup, workers: set[str], seconds: float) -> None:
         workers.discard(task)
 
 
-def _recover(group: TaskGroup, task: str, returncode: int, attempt: int, restarted: dict[str, int],
-             worker_restarts: int) -> Recovery:
+def _recover(
+    group: TaskGroup, task: str, returncode: int, attempt: int, restarted: dict[str, int], worker_restarts: int
+) -> Recovery:
     """A worker of a parameter-server job died while the chief runs: start it again alone, or leave it out."""
     reason = describe_exit(returncode)
     group.stop([task], grace_period=0.0)  # whatever it started in its session goes with it
@@ -336,31 +403,61 @@ def launch(
     failures: list[TaskFailure] = []
     recoveries: list[Recovery] = []
     for attempt in range(max_restarts + 1):
-        envs = task_environments(env, workers=workers, ps=ps, ports=free_ports(workers + ps), token=token,
-                                 restart_count=attempt, devices_per_worker=devices_per_worker,
-                                 keep_freed_memory=keep_freed_memory, strategy=strategy)
+        envs = task_environments(
+            env,
+            workers=workers,
+            ps=ps,
+            ports=free_ports(workers + ps),
+            token=token,
+            restart_count=attempt,
+            devices_per_worker=devices_per_worker,
+            keep_freed_memory=keep_freed_memory,
+            strategy=strategy,
+        )
         logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
         group = TaskGroup(argv, envs, sink, grace_period=grace_period)
         try:
-            failure = _run_attempt(group, workers=workers, deadline=deadline, timeout=timeout, attempt=attempt,
-                                   ps=ps, worker_restarts=max_restarts, grace_period=grace_period, sink=sink,
-                                   recoveries=recoveries)
+            failure = _run_attempt(
+                group,
+                workers=workers,
+                deadline=deadline,
+                timeout=timeout,
+                attempt=attempt,
+                ps=ps,
+                worker_restarts=max_restarts,
+                grace_period=grace_period,
+                sink=sink,
+                recoveries=recoveries,
+            )
         finally:
             # Reached on success (stops the parameter servers), on failure, and on Ctrl-C.
             group.stop(grace_period=grace_period)
             group.drain_output(OUTPUT_DRAIN_SECONDS)
         if failure is None:
-            return LaunchResult(exit_code=0, failed_task=None, reason=None, restarts=attempt,
-                                failures=tuple(failures), recoveries=tuple(recoveries))
+            return LaunchResult(
+                exit_code=0,
+                failed_task=None,
+                reason=None,
+                restarts=attempt,
+                failures=tuple(failures),
+                recoveries=tuple(recoveries),
+            )
         failures.append(failure)
         if failure.task is None or attempt == max_restarts:
             break
-        logger.warning("%s %s; restarting every task (restart %d of %d)", failure.task, failure.reason,
-                       attempt + 1, max_restarts)
+        logger.warning(
+            "%s %s; restarting every task (restart %d of %d)", failure.task, failure.reason, attempt + 1, max_restarts
+        )
     last = failures[-1]
     exit_code = TIMEOUT_EXIT_CODE if last.returncode is None else _exit_code(last.returncode)
-    return LaunchResult(exit_code=exit_code, failed_task=last.task, reason=last.reason,
-                        restarts=len(failures) - 1, failures=tuple(failures), recoveries=tuple(recoveries))
+    return LaunchResult(
+        exit_code=exit_code,
+        failed_task=last.task,
+        reason=last.reason,
+        restarts=len(failures) - 1,
+        failures=tuple(failures),
+        recoveries=tuple(recoveries),
+    )
 
 
 def launched_by_stratagem(env: Mapping[str, str]) -> bool:
@@ -368,8 +465,9 @@ def launched_by_stratagem(env: Mapping[str, str]) -> bool:
     return "STRATAGEM_CLUSTER_TOKEN" in env
 
 
-def relaunch(command: Sequence[str], *, workers: int, env: Mapping[str, str], sink: Sink,
-             **options: Any) -> LaunchResult:
+def relaunch(
+    command: Sequence[str], *, workers: int, env: Mapping[str, str], sink: Sink, **options: Any
+) -> LaunchResult:
     """Run ``python -m stratagem <command>`` under the launcher with ``workers`` workers.
 
     For ``stratagem train --strategy multi_worker --workers 2``: the command re-runs itself once
@@ -388,4 +486,3 @@ def relaunch(command: Sequence[str], *, workers: int, env: Mapping[str, str], si
             "and run the training directly in that case."
         )
     return launch([sys.executable, "-m", "stratagem", *command], workers=workers, env=env, sink=sink, **options)
-

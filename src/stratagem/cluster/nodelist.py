@@ -65,8 +65,11 @@ def _parse_set(body: str, nodelist: str) -> _Set:
     for item in body.split(","):
         match = _RANGE.fullmatch(item)
         if not match:
-            raise _fail(f"has a bad range [{show(body, 40)[1:-1]}]", nodelist,
-                        "Use numbers (at most 18 digits) and ranges such as [1-4,7]")
+            raise _fail(
+                f"has a bad range [{show(body, 40)[1:-1]}]",
+                nodelist,
+                "Use numbers (at most 18 digits) and ranges such as [1-4,7]",
+            )
         low, high = match.group(1), match.group(2)
         if high is not None and int(high) < int(low):
             raise _fail(f"has a descending range [{item}]", nodelist, f"Write it as [{high}-{low}]")
@@ -87,8 +90,12 @@ def _patterns(nodelist: str) -> list[list[str | _Set]]:
             raise _fail("has an empty entry", nodelist, "Remove the stray comma")
         # re.split with a group keeps the bracket bodies at the odd positions.
         pieces = re.split(r"\[([^\]]*)\]", pattern)
-        patterns.append([_parse_set(piece, nodelist) if odd else piece
-                         for odd, piece in zip(itertools.cycle((False, True)), pieces)])
+        patterns.append(
+            [
+                _parse_set(piece, nodelist) if odd else piece
+                for odd, piece in zip(itertools.cycle((False, True)), pieces)
+            ]
+        )
     return patterns
 
 
@@ -129,8 +136,11 @@ def expand_nodelist(nodelist: str) -> list[str]:
                     break
         total += count
         if total > MAX_HOSTS:
-            raise _fail(f"names more than {MAX_HOSTS} hosts", nodelist,
-                        "Check the ranges; to find the master host only, use first_host")
+            raise _fail(
+                f"names more than {MAX_HOSTS} hosts",
+                nodelist,
+                "Check the ranges; to find the master host only, use first_host",
+            )
     hosts: list[str] = []
     for pieces in patterns:
         choices = [[piece] if isinstance(piece, str) else list(_values(piece)) for piece in pieces]

@@ -58,7 +58,7 @@ def describe_exit(returncode: int) -> str:
 _SIGNAL_MEANINGS = {
     "SIGKILL": "killed, often the out-of-memory killer: check `dmesg` or the memory limit",
     "SIGSEGV": "segmentation fault, a crash in native code (torch, a CUDA or C extension); "
-               "the task's stderr has a Python traceback from faulthandler",
+    "the task's stderr has a Python traceback from faulthandler",
     "SIGABRT": "aborted, usually a failed check in native code; see the task's stderr",
     "SIGBUS": "bus error, often shared memory (/dev/shm) too small for data-loader workers",
     "SIGTERM": "terminated by another process (a scheduler, or a person)",
@@ -88,9 +88,13 @@ class _Guard:
     def __init__(self, grace_period: float) -> None:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
         # Its own session: a Ctrl-C or a scheduler's SIGTERM to the launcher's group must not end the guard first.
-        self._process = subprocess.Popen([sys.executable, "-I", "-S", script, repr(float(grace_period))],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, start_new_session=True)
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", "-S", script, repr(float(grace_period))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         assert self._process.stdin is not None  # stdin=subprocess.PIPE always gives a pipe
         self._stdin = self._process.stdin
         self._lock = threading.Lock()
@@ -129,8 +133,9 @@ class TaskGroup:
     ``grace_period``: what the guard gives the tasks between SIGTERM and SIGKILL if the launcher dies.
     """
 
-    def __init__(self, argv: Sequence[str], envs: Mapping[str, Mapping[str, str]], sink: Sink, *,
-                 grace_period: float = 5.0) -> None:
+    def __init__(
+        self, argv: Sequence[str], envs: Mapping[str, Mapping[str, str]], sink: Sink, *, grace_period: float = 5.0
+    ) -> None:
         self.exits: queue.Queue[tuple[str, int]] = queue.Queue()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._argv = list(argv)
@@ -149,8 +154,12 @@ class TaskGroup:
     def start(self, task: str) -> None:
         """Starts ``task`` (again, once its earlier process has exited and been stopped) with its environment."""
         process = subprocess.Popen(
-            self._argv, env=self._envs[task], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True,
+            self._argv,
+            env=self._envs[task],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         self._guard.tell(f"+{process.pid}")
         self.processes[task] = process
@@ -178,8 +187,9 @@ class TaskGroup:
                         self._sink(line)
                 except Exception:
                     sink_failed = True
-                    logger.exception("the output sink failed on a line of %s %s; dropping its further output",
-                                     task, stream)
+                    logger.exception(
+                        "the output sink failed on a line of %s %s; dropping its further output", task, stream
+                    )
 
     def _wait(self, task: str, process: subprocess.Popen[bytes]) -> None:
         self.exits.put((task, process.wait()))

@@ -44,13 +44,22 @@ def release_store(store: Any, *, rank: int, task_names: Sequence[str], timeout: 
             store.wait(keys, wait)
         except dist.DistError:
             missing = [task_names[r] for r, key in enumerate(keys) if not store.check([key])]
-            logger.warning("The chief closes its rendezvous store after %g s without hearing that %s closed too; "
-                           "a strategy built there again would not meet them.", timeout, ", ".join(missing))
+            logger.warning(
+                "The chief closes its rendezvous store after %g s without hearing that %s closed too; "
+                "a strategy built there again would not meet them.",
+                timeout,
+                ", ".join(missing),
+            )
         return
     try:
         store.wait([_NEVER], wait)
     except dist.DistNetworkError:
         return  # the chief's store went away: its port is free for the next strategy
     except dist.DistError:
-        logger.warning("%s closed, but the chief (%s) still holds its rendezvous store after %g s; a strategy built "
-                       "again now could meet the old one.", task_names[rank], task_names[0], timeout)
+        logger.warning(
+            "%s closed, but the chief (%s) still holds its rendezvous store after %g s; a strategy built "
+            "again now could meet the old one.",
+            task_names[rank],
+            task_names[0],
+            timeout,
+        )

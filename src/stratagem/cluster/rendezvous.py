@@ -40,8 +40,10 @@ _CHECKED = "stratagem/checked/{rank}"
 def _as_timedelta(timeout: float | timedelta) -> timedelta:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not seconds > 0:
-        raise ClusterError(f"The rendezvous timeout must be positive. Received: timeout={timeout!r}. "
-                           "Pass a number of seconds, e.g. timeout=300.")
+        raise ClusterError(
+            f"The rendezvous timeout must be positive. Received: timeout={timeout!r}. "
+            "Pass a number of seconds, e.g. timeout=300."
+        )
     return timedelta(seconds=seconds)
 
 
@@ -57,11 +59,18 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str |
             # torchrun's agent already serves a store at MASTER_PORT: a second server there fails to bind
             # (and c10d logs it), so every rank, the chief included, joins the agent's as a client, under a
             # prefix of its own per restart so an earlier attempt's keys cannot count as arrivals.
-            client = dist.TCPStore(cluster.master_addr, cluster.master_port, cluster.world_size,
-                                   is_master=False, timeout=timeout)
+            client = dist.TCPStore(
+                cluster.master_addr, cluster.master_port, cluster.world_size, is_master=False, timeout=timeout
+            )
             return dist.PrefixStore(agent_store, client)
-        return dist.TCPStore(cluster.master_addr, cluster.master_port, cluster.world_size,
-                             is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(
+            cluster.master_addr,
+            cluster.master_port,
+            cluster.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     except dist.DistNetworkError as exc:
         if rank == 0:
             raise ClusterError(
@@ -77,7 +86,8 @@ def _unreachable(cluster: Cluster, rank: int, timeout: timedelta) -> CollectiveT
         f"Rank {rank} ({cluster.task_name}) could not reach the chief (rank 0, {cluster.task_for_rank(0)}) "
         f"at {cluster.master_addr}:{cluster.master_port} within {timeout.total_seconds():g} s. Missing: rank 0 "
         f"({cluster.task_for_rank(0)}). Start the chief, check that it listens at that address and port, or "
-        "raise the timeout.")
+        "raise the timeout."
+    )
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -108,8 +118,9 @@ def _missing(store: dist.Store, cluster: Cluster, keys: list[str]) -> tuple[list
     return missing, ", ".join(f"rank {r} ({cluster.task_for_rank(r)})" for r in missing)
 
 
-def _wait_for_all(store: dist.Store, cluster: Cluster, rank: int, timeout: timedelta, deadline: float,
-                  warn_at: float) -> None:
+def _wait_for_all(
+    store: dist.Store, cluster: Cluster, rank: int, timeout: timedelta, deadline: float, warn_at: float
+) -> None:
     keys = [_ARRIVED.format(rank=r) for r in range(cluster.world_size)]
     try:
         if time.monotonic() < warn_at:
@@ -120,8 +131,14 @@ def _wait_for_all(store: dist.Store, cluster: Cluster, rank: int, timeout: timed
                 _, names = _missing(store, cluster, keys)
                 logger.warning(
                     "%s (rank %d) has waited %.0f s of %g s at the rendezvous at %s:%d; not arrived yet: %s",
-                    cluster.task_name, rank, timeout.total_seconds() * STALL_FRACTION, timeout.total_seconds(),
-                    cluster.master_addr, cluster.master_port, names or "none (all arriving now)")
+                    cluster.task_name,
+                    rank,
+                    timeout.total_seconds() * STALL_FRACTION,
+                    timeout.total_seconds(),
+                    cluster.master_addr,
+                    cluster.master_port,
+                    names or "none (all arriving now)",
+                )
         store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
     except dist.DistStoreError as exc:
         missing, names = _missing(store, cluster, keys)
@@ -154,8 +171,9 @@ class _Meeting:
             self.done.set()
 
 
-def _bounded_meeting(cluster: Cluster, rank: int, timeout: timedelta, steps: Callable[[_Meeting], Any],
-                     start: float) -> Any:
+def _bounded_meeting(
+    cluster: Cluster, rank: int, timeout: timedelta, steps: Callable[[_Meeting], Any], start: float
+) -> Any:
     """Runs ``steps`` in a daemon thread and waits for it at most the timeout (plus ``GRACE_SECONDS`` for it to
     give its own error); a meeting still stuck inside torch then is left behind, and the error names where."""
     meeting = _Meeting(steps)
@@ -163,22 +181,31 @@ def _bounded_meeting(cluster: Cluster, rank: int, timeout: timedelta, steps: Cal
     seconds = timeout.total_seconds()
     where = f"{cluster.master_addr}:{cluster.master_port}"
     if not meeting.done.wait(seconds * STALL_FRACTION) and meeting.phase == "connecting":
-        logger.warning("%s (rank %d) has waited %.0f s of %g s for the chief (rank 0, %s) at %s; not reached yet",
-                       cluster.task_name, rank, seconds * STALL_FRACTION, seconds, cluster.task_for_rank(0), where)
+        logger.warning(
+            "%s (rank %d) has waited %.0f s of %g s for the chief (rank 0, %s) at %s; not reached yet",
+            cluster.task_name,
+            rank,
+            seconds * STALL_FRACTION,
+            seconds,
+            cluster.task_for_rank(0),
+            where,
+        )
     if not meeting.done.wait(max(0.0, start + seconds + GRACE_SECONDS - time.monotonic())):
         if meeting.phase == "connecting" and _accepts(cluster.master_addr, cluster.master_port):
             raise CollectiveTimeoutError(
                 f"Rank {rank} ({cluster.task_name}) could not meet the chief (rank 0, {cluster.task_for_rank(0)}) at "
                 f"{where} within {seconds:g} s: the address accepts connections but its store never answered. "
                 f"Missing: rank 0 ({cluster.task_for_rank(0)}). Check that the chief runs (not stopped) and "
-                f"that {where} is its port, not another program's, or raise the timeout.")
+                f"that {where} is its port, not another program's, or raise the timeout."
+            )
         if meeting.phase == "connecting":
             raise _unreachable(cluster, rank, timeout)
         raise CollectiveTimeoutError(
             f"Rendezvous at {where} timed out after {seconds:g} s on rank {rank} ({cluster.task_name}): the chief's "
             f"store (rank 0, {cluster.task_for_rank(0)}) stopped answering while {meeting.phase}. Missing: rank 0 "
             f"({cluster.task_for_rank(0)}). Check that the chief runs (not stopped, not overloaded), or raise the "
-            "timeout.")
+            "timeout."
+        )
     if meeting.error is not None:
         raise meeting.error
     return meeting.result
@@ -222,21 +249,21 @@ def init_process_group(
 ) -> dist.Store:
     """Meet every rank of ``cluster`` at the chief's TCP store and initialize torch.distributed.
 
-    Raises ``CollectiveTimeoutError`` naming the ranks and tasks that did not arrive within
-    ``timeout``, ``RendezvousError`` when the chief goes away meanwhile, and ``ClusterError`` when this task has no rank (``ps``, ``evaluator``), the
-    backend is not built into torch, or ``token`` (``STRATAGEM_CLUSTER_TOKEN``) differs from
-    the chief's. Returns the store, which stays usable for later coordination. ``device_id`` (a CUDA
-device, for NCCL) is handed to ``torch.distributed.init_process_group``: the communicator forms at
-once on that GPU; set it as the current device first (``torch.cuda.set_device``). ``agent_store`` (a key prefix, see
-`agent_store_prefix`) makes every rank a client of the store torchrun's agent serves at the chief's
-address, instead of the chief serving a second one on the same port. ``group_timeout`` (default: ``timeout``)
-is the process group's own timeout, after which torch ends a collective (for NCCL: its watchdog aborts
-the communicator).
+        Raises ``CollectiveTimeoutError`` naming the ranks and tasks that did not arrive within
+        ``timeout``, ``RendezvousError`` when the chief goes away meanwhile, and ``ClusterError`` when this task has no rank (``ps``, ``evaluator``), the
+        backend is not built into torch, or ``token`` (``STRATAGEM_CLUSTER_TOKEN``) differs from
+        the chief's. Returns the store, which stays usable for later coordination. ``device_id`` (a CUDA
+    device, for NCCL) is handed to ``torch.distributed.init_process_group``: the communicator forms at
+    once on that GPU; set it as the current device first (``torch.cuda.set_device``). ``agent_store`` (a key prefix, see
+    `agent_store_prefix`) makes every rank a client of the store torchrun's agent serves at the chief's
+    address, instead of the chief serving a second one on the same port. ``group_timeout`` (default: ``timeout``)
+    is the process group's own timeout, after which torch ends a collective (for NCCL: its watchdog aborts
+    the communicator).
 
-    Example:
-        >>> cluster = resolve_cluster(env=environ.current())          # doctest: +SKIP
-        >>> store = init_process_group(cluster, "gloo", timeout=60)   # doctest: +SKIP
-        >>> torch.distributed.all_reduce(torch.ones(1))               # doctest: +SKIP
+        Example:
+            >>> cluster = resolve_cluster(env=environ.current())          # doctest: +SKIP
+            >>> store = init_process_group(cluster, "gloo", timeout=60)   # doctest: +SKIP
+            >>> torch.distributed.all_reduce(torch.ones(1))               # doctest: +SKIP
     """
     rank = cluster.rank
     if rank is None:
@@ -266,8 +293,14 @@ the communicator).
         meeting.phase = "arriving"
         store.set(_TOKEN.format(rank=rank), _token_digest(token))
         store.set(_ARRIVED.format(rank=rank), cluster.task_name)
-        logger.info("%s (rank %d) arrived at %s:%d; waiting for %d ranks", cluster.task_name, rank,
-                    cluster.master_addr, cluster.master_port, cluster.world_size)
+        logger.info(
+            "%s (rank %d) arrived at %s:%d; waiting for %d ranks",
+            cluster.task_name,
+            rank,
+            cluster.master_addr,
+            cluster.master_port,
+            cluster.world_size,
+        )
         meeting.phase = "waiting for the other ranks"
         _wait_for_all(store, cluster, rank, wait, deadline, start + wait.total_seconds() * STALL_FRACTION)
         meeting.phase = "checking the cluster tokens"
@@ -278,8 +311,9 @@ the communicator).
     import_group_defaults()
     options: dict[str, Any] = {} if device_id is None else {"device_id": device_id}
     group_wait = wait if group_timeout is None else _as_timedelta(group_timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=cluster.world_size, timeout=group_wait,
-                            **options)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=cluster.world_size, timeout=group_wait, **options
+    )
     return store
 
 

@@ -149,7 +149,11 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
             f"SLURM's variables are only partly set: {', '.join(missing)} missing. "
             f"Received: SLURM_PROCID={show(env.get('SLURM_PROCID'))}. Start the tasks with srun."
         )
-    rank, world_size, local_rank = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS", minimum=1), _int(env, "SLURM_LOCALID")
+    rank, world_size, local_rank = (
+        _int(env, "SLURM_PROCID"),
+        _int(env, "SLURM_NTASKS", minimum=1),
+        _int(env, "SLURM_LOCALID"),
+    )
     _check_rank("SLURM_PROCID", rank, "SLURM_NTASKS", world_size)
     local_world_size, local_reason = _slurm_local_world_size(env)
     _check_rank("SLURM_LOCALID", local_rank, "the tasks on this node", local_world_size)

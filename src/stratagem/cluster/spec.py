@@ -92,23 +92,43 @@ class Cluster:
         unknown = [kind for kind in self.addresses if kind not in TASK_TYPES]
         checks = [
             (self.source in SOURCES, "Unknown cluster source", f"source={show(self.source)}", f"Use one of {SOURCES}"),
-            (self.task_type in TASK_TYPES, "Unknown task type", f"task_type={show(self.task_type)}",
-             f"Use one of {TASK_TYPES}"),
+            (
+                self.task_type in TASK_TYPES,
+                "Unknown task type",
+                f"task_type={show(self.task_type)}",
+                f"Use one of {TASK_TYPES}",
+            ),
             (not unknown, "Unknown task type in addresses", show(unknown), f"Use only {TASK_TYPES}"),
-            (self.world_size >= 1 and (self.rank is None or 0 <= self.rank < self.world_size),
-             "rank must be in 0..world_size-1", f"rank={show(self.rank)}, world_size={show(self.world_size)}",
-             "Give each of the world_size processes a distinct rank"),
-            ((self.rank is None) == (self.task_type not in COLLECTIVE_TASK_TYPES),
-             "Only the chief and workers have a rank", f"task_type={show(self.task_type)}, rank={show(self.rank)}",
-             "Set rank=None for ps and evaluator tasks, and a rank for the others"),
-            (self.local_rank is None or 0 <= self.local_rank < self.local_world_size,
-             "local_rank must be in 0..local_world_size-1",
-             f"local_rank={show(self.local_rank)}, local_world_size={show(self.local_world_size)}",
-             "Count local ranks among the processes of this host"),
-            (0 <= self.master_port <= 65535, "master_port is not a port", f"master_port={show(self.master_port)}",
-             "Use 1..65535, or 0 to pick a free port (single process only)"),
-            (self.task_index >= 0, "task_index must be >= 0", f"task_index={show(self.task_index)}",
-             "Number the tasks of each type from 0"),
+            (
+                self.world_size >= 1 and (self.rank is None or 0 <= self.rank < self.world_size),
+                "rank must be in 0..world_size-1",
+                f"rank={show(self.rank)}, world_size={show(self.world_size)}",
+                "Give each of the world_size processes a distinct rank",
+            ),
+            (
+                (self.rank is None) == (self.task_type not in COLLECTIVE_TASK_TYPES),
+                "Only the chief and workers have a rank",
+                f"task_type={show(self.task_type)}, rank={show(self.rank)}",
+                "Set rank=None for ps and evaluator tasks, and a rank for the others",
+            ),
+            (
+                self.local_rank is None or 0 <= self.local_rank < self.local_world_size,
+                "local_rank must be in 0..local_world_size-1",
+                f"local_rank={show(self.local_rank)}, local_world_size={show(self.local_world_size)}",
+                "Count local ranks among the processes of this host",
+            ),
+            (
+                0 <= self.master_port <= 65535,
+                "master_port is not a port",
+                f"master_port={show(self.master_port)}",
+                "Use 1..65535, or 0 to pick a free port (single process only)",
+            ),
+            (
+                self.task_index >= 0,
+                "task_index must be >= 0",
+                f"task_index={show(self.task_index)}",
+                "Number the tasks of each type from 0",
+            ),
         ]
         for ok, what, received, fix in checks:
             if not ok:
@@ -120,9 +140,12 @@ class Cluster:
 
     def _check_types(self) -> None:
         """Every field of the type it is documented with, before any comparison could raise TypeError."""
+
         def fail(name: str, expected: str) -> ClusterError:
-            return ClusterError(f"Cluster.{name} must be {expected}. Received: {name}={show(getattr(self, name))}. "
-                                f"Pass {expected} (or build the Cluster with resolve_cluster or from_tf_config).")
+            return ClusterError(
+                f"Cluster.{name} must be {expected}. Received: {name}={show(getattr(self, name))}. "
+                f"Pass {expected} (or build the Cluster with resolve_cluster or from_tf_config)."
+            )
 
         def is_int(value: Any) -> bool:  # bounded, so that every message and rendering can print it
             return isinstance(value, int) and not isinstance(value, bool) and -_INT_BOUND < value < _INT_BOUND
@@ -139,8 +162,9 @@ class Cluster:
         if self.rpc_layer is not None and not isinstance(self.rpc_layer, str):
             raise fail("rpc_layer", "a str or None")
         if not isinstance(self.addresses, Mapping) or not all(
-                isinstance(addrs, (list, tuple)) and all(isinstance(a, str) for a in addrs)
-                for addrs in self.addresses.values()):
+            isinstance(addrs, (list, tuple)) and all(isinstance(a, str) for a in addrs)
+            for addrs in self.addresses.values()
+        ):
             raise fail("addresses", 'a dict of "host:port" lists by task type')
         if not isinstance(self.evidence, (list, tuple)) or not all(isinstance(line, str) for line in self.evidence):
             raise fail("evidence", "a tuple of str")
@@ -170,9 +194,7 @@ class Cluster:
     @property
     def is_distributed(self) -> bool:
         """True when more than one process takes part in the job."""
-        return self.world_size > 1 or any(
-            self.addresses.get(kind) for kind in ("ps", "evaluator")
-        )
+        return self.world_size > 1 or any(self.addresses.get(kind) for kind in ("ps", "evaluator"))
 
     def task_for_rank(self, rank: int) -> str:
         """The task name of ``rank`` (``chief:0``, ``worker:2``) for errors that name who is missing."""

@@ -49,8 +49,11 @@ def split_address(address: str, *, where: str = "address") -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:
         # An unbracketed IPv6 address: its last group would be read as a port.
-        raise _fail(f"{where} is an IPv6 address without brackets", _show(address),
-                    'Write it as "[addr]:port", e.g. "[::1]:2222"')
+        raise _fail(
+            f"{where} is an IPv6 address without brackets",
+            _show(address),
+            'Write it as "[addr]:port", e.g. "[::1]:2222"',
+        )
     if not sep or not host or any(c.isspace() for c in address):
         example = address.strip()[:60] if address.strip() and len(address) <= 255 else "host"
         raise _fail(f"{where} has no port", _show(address), f'Write it as "host:port", e.g. "{example}:2222"')
@@ -64,20 +67,28 @@ def _load(config: Mapping[str, Any] | str) -> Mapping[str, Any]:
         try:
             config = json.loads(config)
         except json.JSONDecodeError as exc:
-            raise _fail(f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
-                        _show(exc.doc), f"Write it as JSON, e.g. {_EXAMPLE}") from None
+            raise _fail(
+                f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
+                _show(exc.doc),
+                f"Write it as JSON, e.g. {_EXAMPLE}",
+            ) from None
         except RecursionError:
-            raise _fail("nests arrays or objects too deeply to read", _show(config),
-                        f"Write it as a flat object, e.g. {_EXAMPLE}") from None
+            raise _fail(
+                "nests arrays or objects too deeply to read",
+                _show(config),
+                f"Write it as a flat object, e.g. {_EXAMPLE}",
+            ) from None
         except ValueError as exc:  # e.g. an integer of more than 4300 digits
-            raise _fail(f"is not JSON that can be read ({str(exc)[:80]})", _show(config),
-                        f"Write it as JSON, e.g. {_EXAMPLE}") from None
+            raise _fail(
+                f"is not JSON that can be read ({str(exc)[:80]})", _show(config), f"Write it as JSON, e.g. {_EXAMPLE}"
+            ) from None
     if not isinstance(config, Mapping):
         raise _fail("is not a JSON object", _show(config), f"Write it as an object, e.g. {_EXAMPLE}")
     unknown = [key for key in config if key not in _TOP_LEVEL_KEYS]
     if unknown:
-        raise _fail(f"has unknown key(s) {_show(unknown, 100)}", _show(dict(config)),
-                    f"Use only {list(_TOP_LEVEL_KEYS)}")
+        raise _fail(
+            f"has unknown key(s) {_show(unknown, 100)}", _show(dict(config)), f"Use only {list(_TOP_LEVEL_KEYS)}"
+        )
     return config
 
 
@@ -88,60 +99,85 @@ def _show(value: Any, limit: int = 300) -> str:
 
 def _parse_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
     if not isinstance(cluster, Mapping) or not cluster:
-        raise _fail("'cluster' must be a non-empty object of address lists", f"cluster={_show(cluster)}",
-                    'List addresses by task type, e.g. {"worker": ["host1:2222"]}')
+        raise _fail(
+            "'cluster' must be a non-empty object of address lists",
+            f"cluster={_show(cluster)}",
+            'List addresses by task type, e.g. {"worker": ["host1:2222"]}',
+        )
     addresses: dict[str, tuple[str, ...]] = {}
     for kind, addrs in cluster.items():
         if kind not in TASK_TYPES:
             hint = " ('master' is TensorFlow 1's name for the chief: rename it 'chief')" if kind == "master" else ""
             raise _fail(f"has an unknown task type in 'cluster'{hint}", _show(kind), f"Use only {list(TASK_TYPES)}")
         if not isinstance(addrs, list):
-            raise _fail(f"cluster[{kind!r}] is not a list of addresses", f"{kind}={_show(addrs)}",
-                        f'Write it as a list, e.g. "{kind}": ["host:2222"]')
+            raise _fail(
+                f"cluster[{kind!r}] is not a list of addresses",
+                f"{kind}={_show(addrs)}",
+                f'Write it as a list, e.g. "{kind}": ["host:2222"]',
+            )
         for position, address in enumerate(addrs):
             split_address(address, where=f"cluster[{kind!r}][{position}]")
         addresses[kind] = tuple(addrs)
     for kind in ("chief", "evaluator"):
         if len(addresses.get(kind, ())) > 1:
-            raise _fail(f"lists more than one {kind}", f"{kind}={_show(list(addresses[kind]))}",
-                        f"Keep one {kind}; list the other tasks as 'worker'")
+            raise _fail(
+                f"lists more than one {kind}",
+                f"{kind}={_show(list(addresses[kind]))}",
+                f"Keep one {kind}; list the other tasks as 'worker'",
+            )
     if not addresses.get("chief") and not addresses.get("worker"):
-        raise _fail("has no chief and no worker, so no task can run the training loop",
-                    f"cluster={_show(dict((k, list(v)) for k, v in addresses.items()))}",
-                    'Add "worker": ["host:port"] (worker 0 acts as chief)')
+        raise _fail(
+            "has no chief and no worker, so no task can run the training loop",
+            f"cluster={_show(dict((k, list(v)) for k, v in addresses.items()))}",
+            'Add "worker": ["host:port"] (worker 0 acts as chief)',
+        )
     seen: dict[str, str] = {}
     for kind, addrs in addresses.items():
         for index, address in enumerate(addrs):
             if address in seen:
-                raise _fail("gives two tasks the same address", f"{seen[address]} and {kind}:{index} at {_show(address)}",
-                            "Give each task its own host:port")
+                raise _fail(
+                    "gives two tasks the same address",
+                    f"{seen[address]} and {kind}:{index} at {_show(address)}",
+                    "Give each task its own host:port",
+                )
             seen[address] = f"{kind}:{index}"
     return addresses
 
 
 def _parse_task(task: Any, addresses: Mapping[str, tuple[str, ...]]) -> tuple[str, int]:
     if not isinstance(task, Mapping):
-        raise _fail("'task' must be an object with 'type' and 'index'", f"task={_show(task)}",
-                    'Add "task": {"type": "worker", "index": 0}')
+        raise _fail(
+            "'task' must be an object with 'type' and 'index'",
+            f"task={_show(task)}",
+            'Add "task": {"type": "worker", "index": 0}',
+        )
     unknown = [key for key in task if key not in _TASK_KEYS]
     missing = [key for key in _TASK_KEYS if key not in task]
     if unknown or missing:
-        raise _fail("'task' must have exactly 'type' and 'index'", f"task={_show(dict(task))}",
-                    'Write it as "task": {"type": "worker", "index": 0}')
+        raise _fail(
+            "'task' must have exactly 'type' and 'index'",
+            f"task={_show(dict(task))}",
+            'Write it as "task": {"type": "worker", "index": 0}',
+        )
     kind, index = task["type"], task["index"]
     if kind not in TASK_TYPES:
         raise _fail("has an unknown task type in 'task'", f"type={_show(kind)}", f"Use one of {list(TASK_TYPES)}")
     if kind not in addresses:
         # TensorFlow lets an evaluator run outside 'cluster'; we ask for it so every task agrees.
-        raise _fail(f"names task type {kind!r}, which 'cluster' does not list",
-                    f"task={_show(dict(task))}, cluster types={list(addresses)}",
-                    f'Add "{kind}": ["host:port"] to "cluster", or correct the task type')
+        raise _fail(
+            f"names task type {kind!r}, which 'cluster' does not list",
+            f"task={_show(dict(task))}, cluster types={list(addresses)}",
+            f'Add "{kind}": ["host:port"] to "cluster", or correct the task type',
+        )
     if isinstance(index, bool) or not isinstance(index, int):
         raise _fail("'task.index' is not an integer", f"index={_show(index)}", "Write the index as a number, e.g. 0")
     count = len(addresses[kind])
     if not 0 <= index < count:
-        raise _fail(f"'task.index' is out of range for {count} {kind} task(s)", f"task={kind}:{_show(index)}",
-                    f"Use an index in 0..{count - 1}, or add the task's address to cluster[{kind!r}]")
+        raise _fail(
+            f"'task.index' is out of range for {count} {kind} task(s)",
+            f"task={kind}:{_show(index)}",
+            f"Use an index in 0..{count - 1}, or add the task's address to cluster[{kind!r}]",
+        )
     return kind, index
 
 
@@ -156,12 +192,18 @@ def parse_tf_config(config: Mapping[str, Any] | str, *, source: str = "TF_CONFIG
     """
     config = _load(config)
     if "cluster" not in config:
-        raise _fail("has no 'cluster'", _show(dict(config)),
-                    f"Give the cluster, e.g. {_EXAMPLE}, or unset TF_CONFIG for a single process")
+        raise _fail(
+            "has no 'cluster'",
+            _show(dict(config)),
+            f"Give the cluster, e.g. {_EXAMPLE}, or unset TF_CONFIG for a single process",
+        )
     addresses = _parse_cluster(config["cluster"])
     if "task" not in config:
-        raise _fail("has no 'task'", _show(dict(config)),
-                    'Say which task this process is, e.g. "task": {"type": "worker", "index": 0}')
+        raise _fail(
+            "has no 'task'",
+            _show(dict(config)),
+            'Say which task this process is, e.g. "task": {"type": "worker", "index": 0}',
+        )
     kind, index = _parse_task(config["task"], addresses)
     rpc_layer = config.get("rpc_layer")
     if rpc_layer is not None and not isinstance(rpc_layer, str):

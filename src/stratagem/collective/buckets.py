@@ -96,12 +96,13 @@ class GradientBuckets:
             if bucket.direct:
                 continue
             first = self.params[bucket.members[0]]
-            bucket.flat = torch.zeros(sum(self.params[i].numel() for i in bucket.members), dtype=first.dtype,
-                                      device=first.device)
+            bucket.flat = torch.zeros(
+                sum(self.params[i].numel() for i in bucket.members), dtype=first.dtype, device=first.device
+            )
             offset = 0
             for i in bucket.members:
                 n = self.params[i].numel()
-                bucket.views[i] = bucket.flat[offset:offset + n].view_as(self.params[i])
+                bucket.views[i] = bucket.flat[offset : offset + n].view_as(self.params[i])
                 offset += n
 
     def _allocate_user_counts(self) -> None:
@@ -119,10 +120,10 @@ class GradientBuckets:
         offset = 0
         for i in last.members:
             numel = self.params[i].numel()
-            last.views[i] = last.flat[offset:offset + numel].view_as(self.params[i])
+            last.views[i] = last.flat[offset : offset + numel].view_as(self.params[i])
             offset += numel
-        self._users = last.wire[size:size + n]
-        self._declared_tail = last.wire[size + n:]
+        self._users = last.wire[size : size + n]
+        self._declared_tail = last.wire[size + n :]
 
     @property
     def sizes_bytes(self) -> list[int]:
@@ -130,8 +131,11 @@ class GradientBuckets:
         return [sum(self.params[i].numel() * self.params[i].element_size() for i in b.members) for b in self.buckets]
 
     def describe(self) -> str:
-        parts = [f"{'direct ' if b.direct else ''}{n / 2**20:.2f}" for b, n in zip(self.buckets, self.sizes_bytes)
-                 if b.members]
+        parts = [
+            f"{'direct ' if b.direct else ''}{n / 2**20:.2f}"
+            for b, n in zip(self.buckets, self.sizes_bytes)
+            if b.members
+        ]
         return ", ".join(parts)
 
     def start(self, weight: float, declared: bool = False) -> None:
@@ -231,8 +235,12 @@ class GradientBuckets:
                 # A wire exists only with count_users, and _allocate_user_counts made both views into it.
                 assert self._users is not None and self._declared_tail is not None
                 self._users.copy_(torch.tensor(self._used, dtype=bucket.wire.dtype))
-                self._declared_tail.copy_(torch.tensor(
-                    [self._weight if self._declared else 0.0, 1.0 if self._declared else 0.0], dtype=bucket.wire.dtype))
+                self._declared_tail.copy_(
+                    torch.tensor(
+                        [self._weight if self._declared else 0.0, 1.0 if self._declared else 0.0],
+                        dtype=bucket.wire.dtype,
+                    )
+                )
                 self._works.append(launch(bucket.wire))
             else:
                 assert bucket.flat is not None  # a fused bucket: _allocate gave it its flat tensor
@@ -251,7 +259,7 @@ class GradientBuckets:
         start = 0
         while start < flat.numel():
             size = first if start == 0 else chunk
-            piece = flat[start:start + size]
+            piece = flat[start : start + size]
             start += size
             if self._weight == 0:
                 piece.zero_()
@@ -260,7 +268,9 @@ class GradientBuckets:
             self._works.append(launch(piece))
 
 
-def _assign(params: Sequence[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int, direct_bytes: int) -> list[_Bucket]:
+def _assign(
+    params: Sequence[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int, direct_bytes: int
+) -> list[_Bucket]:
     """Parameters in reverse order, fused into buckets; a gradient of `direct_bytes` or more goes alone.
 
     A bucket closes as soon as it holds its limit or more (as DDP's do), not before the gradient that

@@ -79,8 +79,13 @@ class CrossWorker:
         self.watchdog: Watchdog | None = None
         """The device path's watchdog (None on the host path)."""
         if device_collectives:
-            self.watchdog = Watchdog(timeout=self.timeout, stall_warning_after=self.stall_warning_after,
-                                     on_stall=self._warn_stall, on_failure=self._failure, abort=abort)
+            self.watchdog = Watchdog(
+                timeout=self.timeout,
+                stall_warning_after=self.stall_warning_after,
+                on_stall=self._warn_stall,
+                on_failure=self._failure,
+                abort=abort,
+            )
 
     @property
     def task_name(self) -> str:
@@ -96,8 +101,13 @@ class CrossWorker:
         self.check()
         now = time.monotonic()
         if step != self._last_step_reported and now - self._last_report_time >= self.heartbeat_seconds:
-            self._store_calls.run(f"the heartbeat of step {step}", self.store.set, _STEP.format(rank=self.rank),
-                                  str(step), seconds=self.timeout)
+            self._store_calls.run(
+                f"the heartbeat of step {step}",
+                self.store.set,
+                _STEP.format(rank=self.rank),
+                str(step),
+                seconds=self.timeout,
+            )
             self._last_step_reported = step
             self._last_report_time = now
 
@@ -107,8 +117,9 @@ class CrossWorker:
         Waits for the store at most ``seconds`` (default: the timeout), then raises
         ``CollectiveTimeoutError`` naming the chief, which hosts the store.
         """
-        return self._store_calls.run("a read of the steps reached", self._read_steps,
-                                     seconds=self.timeout if seconds is None else seconds)
+        return self._store_calls.run(
+            "a read of the steps reached", self._read_steps, seconds=self.timeout if seconds is None else seconds
+        )
 
     def _read_steps(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
@@ -140,15 +151,20 @@ class CrossWorker:
         """SUM all-reduce in place, waiting at most `timeout`."""
         self.wait(self.all_reduce_async(tensors, what=what, step=step), what=what, step=step)
 
-    def all_gather_bytes(self, payload: bytes, *, what: str, step: int, device: torch.device | None = None) -> list[bytes]:
+    def all_gather_bytes(
+        self, payload: bytes, *, what: str, step: int, device: torch.device | None = None
+    ) -> list[bytes]:
         """Every rank's `payload`, in rank order: the lengths are summed first (each rank fills its own slot),
         then the payloads, padded to the longest, travel in one all-gather; every wait is bounded by `wait`."""
         device = device or torch.device("cpu")
         lengths = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         lengths[self.rank] = len(payload)
         # Through the process group, never the shared-memory sums: those are for floating-point gradients.
-        self.wait([self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)], what=f"{what} (sizes)",
-                  step=step)
+        self.wait(
+            [self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)],
+            what=f"{what} (sizes)",
+            step=step,
+        )
         sizes = [int(n) for n in lengths.tolist()]  # a host read: on the device path it waits for the GPU
         self.check()  # the sizes came from a collective that did not fail
         longest = max(sizes)
@@ -179,9 +195,16 @@ class CrossWorker:
         # The meeting's store calls end within the timeout, whatever the chief's store does.
         store = self._store_calls.bounded(self.timeout + self.roll_call_seconds, "the shared-memory meeting")
         self.shared, reason, fell_back = sums.connect(
-            store, rank=self.rank, world_size=self.world_size, task_names=self.task_names, timeout=self.timeout,
-            stall_warning_after=self.stall_warning_after, on_failure=self._failure, on_stall=self._warn_stall,
-            why_not=why_not if wanted else sums.TURNED_OFF)
+            store,
+            rank=self.rank,
+            world_size=self.world_size,
+            task_names=self.task_names,
+            timeout=self.timeout,
+            stall_warning_after=self.stall_warning_after,
+            on_failure=self._failure,
+            on_stall=self._warn_stall,
+            why_not=why_not if wanted else sums.TURNED_OFF,
+        )
         return reason, fell_back
 
     def check(self) -> None:
@@ -274,7 +297,11 @@ class CrossWorker:
         steps = self._format_steps(max(0.01, min(left, self.stall_warning_after)))
         logger.warning(
             "%s has waited %.0f s for the %s of step %d; steps reached: %s",
-            self.task_name, time.monotonic() - start, what, step, steps,
+            self.task_name,
+            time.monotonic() - start,
+            what,
+            step,
+            steps,
         )
 
     # ---- failure reports ----------------------------------------------------------------------
@@ -321,8 +348,12 @@ class CrossWorker:
             missing = call("the roll call", absent)
             while missing and time.monotonic() < deadline:
                 try:
-                    call("the roll call", self.store.wait, [keys[r] for r in missing],
-                         timedelta(seconds=max(0.05, deadline - time.monotonic())))
+                    call(
+                        "the roll call",
+                        self.store.wait,
+                        [keys[r] for r in missing],
+                        timedelta(seconds=max(0.05, deadline - time.monotonic())),
+                    )
                 except CollectiveTimeoutError:
                     raise
                 except Exception:  # noqa: BLE001 - a store wait that runs out just means someone is missing

@@ -46,7 +46,9 @@ class InMemoryReduce:
     name = "in-memory reduction (each replica thread sums 1/N of every gradient)"
     prescale = False
 
-    def combine_(self, replica: int, grads: Grads, weights: Sequence[float], skip: AbstractSet[int] = frozenset()) -> None:
+    def combine_(
+        self, replica: int, grads: Grads, weights: Sequence[float], skip: AbstractSet[int] = frozenset()
+    ) -> None:
         """Combines this replica's share of every gradient but those in `skip` (shares already combined)."""
         num_replicas = len(grads)
         active = _active(weights)
@@ -147,7 +149,9 @@ class NcclReduce:
             flats = [torch._utils._flatten_dense_tensors(list(g[start:end])) for g in grads]
             nccl.all_reduce(flats)
             for g, flat in zip(grads, flats):
-                torch._foreach_copy_(list(g[start:end]), torch._utils._unflatten_dense_tensors(flat, list(g[start:end])))
+                torch._foreach_copy_(
+                    list(g[start:end]), torch._utils._unflatten_dense_tensors(flat, list(g[start:end]))
+                )
             start = end
 
 
@@ -176,4 +180,6 @@ def choose_local_reducer(
         why = "several replicas share one physical GPU, which NCCL cannot all-reduce across"
     else:
         why = f"the replicas mix device types ({', '.join(sorted(kinds))})"
-    return ReduceToOneDevice(), PlacementDecision(subject="gradient combination", choice="reduce-to-one-device", reason=why)
+    return ReduceToOneDevice(), PlacementDecision(
+        subject="gradient combination", choice="reduce-to-one-device", reason=why
+    )

@@ -82,7 +82,8 @@ class StoreCalls:
         return CollectiveTimeoutError(
             f"{self.caller}: the chief ({self.chief}, rank 0), which hosts the rendezvous store, did not answer "
             f"{what}. Received: {received}. Check that {self.chief} is running and not stopped or overloaded; "
-            "restart the job (it resumes from the last checkpoint), or raise the timeout.")
+            "restart the job (it resumes from the last checkpoint), or raise the timeout."
+        )
 
     def _serve(self) -> None:
         while True:
@@ -107,8 +108,12 @@ class BoundedStore:
         self._what = what
 
     def _run(self, name: str, *args: Any) -> Any:
-        return self._calls.run(f"{self._what} ({name})", getattr(self._calls.store, name), *args,
-                               seconds=max(0.01, self._deadline - time.monotonic()))
+        return self._calls.run(
+            f"{self._what} ({name})",
+            getattr(self._calls.store, name),
+            *args,
+            seconds=max(0.01, self._deadline - time.monotonic()),
+        )
 
     def set(self, key: str, value: str) -> None:
         self._run("set", key, value)

@@ -51,8 +51,10 @@ def abort_process_group() -> None:
     """
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is None or not dist.is_available() or not dist.is_initialized():
-        logger.warning("The process group cannot be aborted (no torch.distributed._abort_process_group, or no "
-                       "process group); torch's own NCCL watchdog ends the stuck collective at its timeout.")
+        logger.warning(
+            "The process group cannot be aborted (no torch.distributed._abort_process_group, or no "
+            "process group); torch's own NCCL watchdog ends the stuck collective at its timeout."
+        )
         return
     abort()
 
@@ -79,8 +81,15 @@ class Watchdog:
             (default: `abort_process_group`).
     """
 
-    def __init__(self, *, timeout: float, stall_warning_after: float, on_stall: OnStall, on_failure: OnFailure,
-                 abort: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        stall_warning_after: float,
+        on_stall: OnStall,
+        on_failure: OnFailure,
+        abort: Callable[[], None] | None = None,
+    ) -> None:
         self.timeout = timeout
         self.stall_warning_after = stall_warning_after
         self._on_stall = on_stall
@@ -103,8 +112,9 @@ class Watchdog:
             self._pending.extend((work, batch) for work in works)
             if self._thread is None:
                 self._stop = threading.Event()
-                self._thread = threading.Thread(target=self._run, args=(self._stop,), daemon=True,
-                                                name="stratagem-collective-watchdog")
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._stop,), daemon=True, name="stratagem-collective-watchdog"
+                )
                 self._thread.start()
             self._changed.notify_all()
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 
-def sum_gradients_across_workers(cw: Any, replica_params: Sequence[Sequence[nn.Parameter]],
-                                 declared: tuple[float, int], step: int) -> tuple[float, int]:
+def sum_gradients_across_workers(
+    cw: Any, replica_params: Sequence[Sequence[nn.Parameter]], declared: tuple[float, int], step: int
+) -> tuple[float, int]:
     """Sums every local replica's gradients across workers in place (the replicas hold the same local sum);
     returns (total declared loss weight, number of replicas that declared one) across every worker."""
     params = replica_params

@@ -43,8 +43,9 @@ def distributed_sampler_of(data: Any) -> DistributedSampler | None:
     return None
 
 
-def per_worker_loader(loader: DataLoader, sampler: DistributedSampler, num_workers: int,
-                      rank: int) -> tuple["PerWorkerLoader", tuple[str, str]]:
+def per_worker_loader(
+    loader: DataLoader, sampler: DistributedSampler, num_workers: int, rank: int
+) -> tuple["PerWorkerLoader", tuple[str, str]]:
     """`loader` read as worker `rank`'s own part, and the ("input sharding" choice, why) for `explain()`.
 
     Raises:
@@ -58,16 +59,19 @@ def per_worker_loader(loader: DataLoader, sampler: DistributedSampler, num_worke
             "the strategy, with num_replicas and rank left unset (they are then the workers'), or drop it: with "
             "shard='data' each worker reads its own part of every global batch of a plain DataLoader."
         )
-    why = (f"the DataLoader's DistributedSampler gives each worker its own 1/{num_workers} of the data, so each "
-           "worker trains on its loader's batches whole and a step's global batch is every worker's batch together "
-           "(its batch_size is one worker's, as under DDP); the workers sum their batch sizes at each step")
+    why = (
+        f"the DataLoader's DistributedSampler gives each worker its own 1/{num_workers} of the data, so each "
+        "worker trains on its loader's batches whole and a step's global batch is every worker's batch together "
+        "(its batch_size is one worker's, as under DDP); the workers sum their batch sizes at each step"
+    )
     return PerWorkerLoader(loader), (PER_WORKER, why)
 
 
 def is_per_worker(data: Any) -> bool:
     """Whether `data` yields `WorkerBatch`es: a `PerWorkerLoader`, or a list of its batches (fit's accumulation)."""
-    return isinstance(data, PerWorkerLoader) or (isinstance(data, list) and bool(data)
-                                                 and isinstance(data[0], WorkerBatch))
+    return isinstance(data, PerWorkerLoader) or (
+        isinstance(data, list) and bool(data) and isinstance(data[0], WorkerBatch)
+    )
 
 
 class PerWorkerLoader:

@@ -58,8 +58,9 @@ class ShuffledBatches:
         >>> history = sg.fit(strategy, model, optimizer, F.cross_entropy, batches, epochs=3)
     """
 
-    def __init__(self, data: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self, data: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be a positive integer. Received: batch_size={batch_size!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -111,8 +112,15 @@ class ShuffledBatches:
 
     def state_dict(self) -> dict[str, Any]:
         """What fixes the batches: seed, sizes, and the current position."""
-        return {"seed": self.seed, "batch_size": self.batch_size, "num_examples": self._num_examples,
-                "shuffle": self.shuffle, "drop_last": self.drop_last, "epoch": self.epoch, "offset": self.offset}
+        return {
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_examples": self._num_examples,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "epoch": self.epoch,
+            "offset": self.offset,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a saved state; the data must be the same size and batched the same way.
@@ -154,7 +162,7 @@ class ShuffledBatches:
         self.epoch, self.offset = epoch + 1, 0
         order = self._order(epoch)
         for index in range(offset, len(self)):
-            yield order[index * self.batch_size:(index + 1) * self.batch_size]
+            yield order[index * self.batch_size : (index + 1) * self.batch_size]
 
     def batch_of(self, indices: torch.Tensor) -> Any:
         """The batch of the examples at `indices`, built as this source builds its batches."""
@@ -165,8 +173,10 @@ class ShuffledBatches:
         return _collate(samples)
 
     def __repr__(self) -> str:
-        return (f"ShuffledBatches(num_examples={self._num_examples}, batch_size={self.batch_size}, "
-                f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, offset={self.offset})")
+        return (
+            f"ShuffledBatches(num_examples={self._num_examples}, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, offset={self.offset})"
+        )
 
 
 def _as_tensors_or_dataset(data: Any) -> tuple[tuple[torch.Tensor, ...] | None, Any]:
@@ -199,7 +209,6 @@ def _collate(samples: Sequence[Any]) -> Any:
     if isinstance(first, dict):
         return {k: _collate([s[k] for s in samples]) for k in first}
     return torch.as_tensor(list(samples))
-
 
 
 def batches_left(data: Any) -> int | None:

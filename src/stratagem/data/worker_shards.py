@@ -55,8 +55,8 @@ class WorkerRange:
     def bounds(self, global_size: int) -> tuple[int, int]:
         """The examples `[lo, hi)` of a global batch of `global_size` that are this worker's."""
         sizes = split_sizes(global_size, self.num_replicas)
-        lo = sum(sizes[:self.first])
-        return lo, lo + sum(sizes[self.first:self.first + self.count])
+        lo = sum(sizes[: self.first])
+        return lo, lo + sum(sizes[self.first : self.first + self.count])
 
 
 def why_not_shardable(data: Any) -> str | None:
@@ -64,10 +64,14 @@ def why_not_shardable(data: Any) -> str | None:
     if isinstance(data, ShuffledBatches):
         return None
     if not isinstance(data, DataLoader):
-        return (f"the input is a {type(data).__name__}, which yields whole global batches without naming their "
-                "examples beforehand, so each worker reads every one and keeps its part")
+        return (
+            f"the input is a {type(data).__name__}, which yields whole global batches without naming their "
+            "examples beforehand, so each worker reads every one and keeps its part"
+        )
     if type(data) is not DataLoader:
-        return f"the input is a DataLoader subclass ({type(data).__name__}), whose iteration may differ from DataLoader's"
+        return (
+            f"the input is a DataLoader subclass ({type(data).__name__}), whose iteration may differ from DataLoader's"
+        )
     if isinstance(data.dataset, IterableDataset):
         return "the DataLoader reads an IterableDataset, whose examples cannot be asked for by index"
     if data.batch_sampler is None:
@@ -90,13 +94,18 @@ def input_sharding(data: Any, worker: WorkerRange) -> tuple[Any, tuple[str, str]
     sampler = distributed_sampler.distributed_sampler_of(data)
     if sampler is not None:
         # A DDP script's loader, each worker's 1/N already: read whole, never cut again.
-        return distributed_sampler.per_worker_loader(data, sampler, worker.num_replicas // worker.count,
-                                                     worker.first // worker.count)
+        return distributed_sampler.per_worker_loader(
+            data, sampler, worker.num_replicas // worker.count, worker.first // worker.count
+        )
     why = why_not_shardable(data)
     if why is None:
-        return shard_input(data, worker), (INDEX_LEVEL, (
-            f"the input ({type(data).__name__}) names the examples of each global batch before reading them, so "
-            "each worker reads only its part"))
+        return shard_input(data, worker), (
+            INDEX_LEVEL,
+            (
+                f"the input ({type(data).__name__}) names the examples of each global batch before reading them, so "
+                "each worker reads only its part"
+            ),
+        )
     return data, None if isinstance(data, Iterator) else (SLICES, why)
 
 
@@ -161,10 +170,18 @@ class WorkerLoader:
         if loader.num_workers > 0:
             extra["prefetch_factor"] = loader.prefetch_factor
         self._loader = DataLoader(
-            loader.dataset, batch_sampler=self._parts, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device, **extra,
+            loader.dataset,
+            batch_sampler=self._parts,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+            **extra,
         )
 
     @property

@@ -58,7 +58,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
-            raise InputError(f"Unknown strategy. Received: strategy={self.strategy!r}. Choose one of {', '.join(STRATEGY_NAMES)}.")
+            raise InputError(
+                f"Unknown strategy. Received: strategy={self.strategy!r}. Choose one of {', '.join(STRATEGY_NAMES)}."
+            )
         for name in ("epochs", "batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,9 +69,15 @@ class TrainConfig:
             raise InputError(f"lr must be a positive finite number. Received: lr={self.lr!r}. Try lr=0.003.")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "devices": list(self.devices) if self.devices else None,
-                "epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed,
-                "precision": self.precision}
+        return {
+            "strategy": self.strategy,
+            "devices": list(self.devices) if self.devices else None,
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "seed": self.seed,
+            "precision": self.precision,
+        }
 
 
 @dataclass(frozen=True)
@@ -106,8 +114,9 @@ class TrainReport:
             "num_replicas_in_sync": self.explanation["num_replicas_in_sync"],
             "device_decision": self.device_decision.to_dict(),
             "config": self.config.to_dict(),
-            "epochs": [{"epoch": e.epoch, "loss": e.metrics["loss"], "accuracy": e.metrics["accuracy"]}
-                       for e in self.history],
+            "epochs": [
+                {"epoch": e.epoch, "loss": e.metrics["loss"], "accuracy": e.metrics["accuracy"]} for e in self.history
+            ],
             "test_loss": self.test["loss"],
             "test_accuracy": self.test["accuracy"],
             "num_test_examples": self.test.num_examples,
@@ -121,8 +130,9 @@ class TrainReport:
         }
 
 
-def train_digits(config: TrainConfig, strategy: Strategy, device_decision: PlacementDecision, *,
-                 callbacks: Sequence[Callback] = ()) -> TrainReport:
+def train_digits(
+    config: TrainConfig, strategy: Strategy, device_decision: PlacementDecision, *, callbacks: Sequence[Callback] = ()
+) -> TrainReport:
     """Trains the digits conv net with Adam under ``strategy`` with `fit`, then evaluates it on the test split.
 
     ``callbacks`` go to `fit` (the CLI passes a progress bar, and a backup with ``--backup-dir``).
@@ -132,8 +142,17 @@ def train_digits(config: TrainConfig, strategy: Strategy, device_decision: Place
     net = build_digits_model(config.seed)
     # The order of each epoch depends only on (seed, epoch): the same run repeats exactly, and resumes exactly.
     train = ShuffledBatches((data.train_x, data.train_y), config.batch_size, seed=config.seed)
-    history = fit(strategy, net, torch.optim.Adam(net.parameters(), lr=config.lr), F.cross_entropy, train,
-                  epochs=config.epochs, metrics=["accuracy"], callbacks=callbacks, precision=config.precision)
+    history = fit(
+        strategy,
+        net,
+        torch.optim.Adam(net.parameters(), lr=config.lr),
+        F.cross_entropy,
+        train,
+        epochs=config.epochs,
+        metrics=["accuracy"],
+        callbacks=callbacks,
+        precision=config.precision,
+    )
     test_loader = make_loader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     test = evaluate(strategy, history.model, test_loader, F.cross_entropy, metrics=["accuracy"])
     explanation = strategy.explain()

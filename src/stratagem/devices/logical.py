@@ -41,8 +41,7 @@ class LogicalDeviceConfiguration:
     """Bytes of device memory this logical device may use (GPU only); ``None`` for no limit."""
 
     def __post_init__(self) -> None:
-        if self.memory_limit is not None and (
-                not isinstance(self.memory_limit, int) or self.memory_limit <= 0):
+        if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit <= 0):
             raise DeviceError(
                 f"memory_limit must be a positive number of bytes or None. "
                 f"Received: memory_limit={self.memory_limit!r}. Use e.g. memory_limit=4 * 2**30 for 4 GiB."
@@ -89,10 +88,14 @@ class LogicalDevice:
         if not torch.cuda.is_available():
             return None
         free = int(torch.cuda.mem_get_info(self.physical)[0])
-        cached = max(0, int(torch.cuda.memory_reserved(self.physical)) - int(torch.cuda.memory_allocated(self.physical)))
+        cached = max(
+            0, int(torch.cuda.memory_reserved(self.physical)) - int(torch.cuda.memory_allocated(self.physical))
+        )
         room = free + cached + resident_bytes
-        what = (f"the room on {self.physical} ({format_bytes(free)} free, {format_bytes(cached)} cached by this "
-                f"process and unused, {format_bytes(resident_bytes)} already held by the model there)")
+        what = (
+            f"the room on {self.physical} ({format_bytes(free)} free, {format_bytes(cached)} cached by this "
+            f"process and unused, {format_bytes(resident_bytes)} already held by the model there)"
+        )
         return room, what
 
     @property
@@ -150,8 +153,7 @@ class DeviceRegistry:
             if self._used_by is None:
                 self._used_by = by
 
-    def set_logical_device_configuration(self, device: str | PhysicalDevice,
-                                         configs: CpuConfigs) -> None:
+    def set_logical_device_configuration(self, device: str | PhysicalDevice, configs: CpuConfigs) -> None:
         """Splits physical devices into logical ones. See the module-level function."""
         call = f"set_logical_device_configuration({_describe(device)}, {configs!r})"
         if self._used_by is not None:
@@ -170,9 +172,7 @@ class DeviceRegistry:
         targets = gpus if index is None else [d for d in gpus if d.index == index]
         if not targets:
             have = f"cuda:0..cuda:{len(gpus) - 1}" if gpus else "none; run `stratagem doctor` to see why"
-            raise DeviceError(
-                f"There is no physical GPU to configure. Received: {call}. Physical GPUs: {have}."
-            )
+            raise DeviceError(f"There is no physical GPU to configure. Received: {call}. Physical GPUs: {have}.")
         gpu_configs = _gpu_configs(configs, call)
         for gpu in targets:
             _check_fits(gpu, gpu_configs, call)
@@ -193,9 +193,13 @@ class DeviceRegistry:
             gpus = sorted((d for d in physical if d.device_type == "cuda"), key=_gpu_index)
             for gpu in gpus:
                 for config in self._gpu_configs.get(_gpu_index(gpu), (LogicalDeviceConfiguration(),)):
-                    devices.append(LogicalDevice(
-                        name=f"cuda:{sum(d.device_type == 'cuda' for d in devices)}",
-                        physical=torch.device("cuda", _gpu_index(gpu)), memory_limit=config.memory_limit))
+                    devices.append(
+                        LogicalDevice(
+                            name=f"cuda:{sum(d.device_type == 'cuda' for d in devices)}",
+                            physical=torch.device("cuda", _gpu_index(gpu)),
+                            memory_limit=config.memory_limit,
+                        )
+                    )
         return devices
 
 
@@ -203,8 +207,9 @@ default_registry = DeviceRegistry()
 """The registry of this program; discovers the machine's devices on first use."""
 
 
-def set_logical_device_configuration(device: str | PhysicalDevice, configs: CpuConfigs, *,
-                                     registry: DeviceRegistry | None = None) -> None:
+def set_logical_device_configuration(
+    device: str | PhysicalDevice, configs: CpuConfigs, *, registry: DeviceRegistry | None = None
+) -> None:
     """Sets how physical devices are split into logical devices. Call it before building a strategy.
 
     ``device`` is ``"cpu"``; ``"cuda"`` (or ``"gpu"``) for every physical GPU; one GPU
@@ -230,8 +235,9 @@ def set_logical_device_configuration(device: str | PhysicalDevice, configs: CpuC
     (registry or default_registry).set_logical_device_configuration(device, configs)
 
 
-def get_logical_devices(device_type: str | None = None, *,
-                        registry: DeviceRegistry | None = None) -> list[LogicalDevice]:
+def get_logical_devices(
+    device_type: str | None = None, *, registry: DeviceRegistry | None = None
+) -> list[LogicalDevice]:
     """The logical devices, CPUs first; ``device_type`` ``"cpu"`` or ``"cuda"``/``"gpu"`` filters.
 
     Example:
@@ -288,8 +294,12 @@ def _num_cpus(configs: CpuConfigs, call: str) -> int:
 
 
 def _gpu_configs(configs: CpuConfigs, call: str) -> tuple[LogicalDeviceConfiguration, ...]:
-    if (isinstance(configs, (int, str)) or not isinstance(configs, Sequence) or not configs
-            or not all(isinstance(c, LogicalDeviceConfiguration) for c in configs)):
+    if (
+        isinstance(configs, (int, str))
+        or not isinstance(configs, Sequence)
+        or not configs
+        or not all(isinstance(c, LogicalDeviceConfiguration) for c in configs)
+    ):
         raise DeviceError(
             f"A GPU configuration is a non-empty list of LogicalDeviceConfiguration, one per logical GPU. "
             f"Received: {call}. Use e.g. [LogicalDeviceConfiguration(memory_limit=8 * 2**30)] * 2 "
@@ -361,27 +371,51 @@ def enforce_memory_limits(devices: Sequence[LogicalDevice]) -> list[tuple[str, s
             continue
         names = ", ".join(d.name for d in logical)
         if any(limit is None for limit in limits):
-            outcomes.append((f"planning figure on cuda:{index}", (
-                f"{names} share cuda:{index} and not all have a memory limit, so nothing caps this process there; "
-                "each limit is checked against the model's estimated memory at distribute()")))
+            outcomes.append(
+                (
+                    f"planning figure on cuda:{index}",
+                    (
+                        f"{names} share cuda:{index} and not all have a memory limit, so nothing caps this process there; "
+                        "each limit is checked against the model's estimated memory at distribute()"
+                    ),
+                )
+            )
             continue
         if not torch.cuda.is_available():
             # Devices described by facts (another machine's, or a test's): there is no allocator to cap here.
-            outcomes.append((f"planning figure on cuda:{index}", (
-                f"CUDA is not available in this process, so nothing caps {names}; each limit is checked against "
-                "the model's estimated memory at distribute()")))
+            outcomes.append(
+                (
+                    f"planning figure on cuda:{index}",
+                    (
+                        f"CUDA is not available in this process, so nothing caps {names}; each limit is checked against "
+                        "the model's estimated memory at distribute()"
+                    ),
+                )
+            )
             continue
         total = int(torch.cuda.get_device_properties(index).total_memory)
         capped = sum(limits)  # type: ignore[arg-type]
         torch.cuda.set_per_process_memory_fraction(min(1.0, capped / total), index)
         if len(logical) == 1:
-            outcomes.append((f"enforced on cuda:{index}", (
-                f"{names} is the only logical device on cuda:{index}: this process's allocator there is capped at "
-                f"{format_bytes(capped)} of {format_bytes(total)} (torch.cuda.set_per_process_memory_fraction), "
-                "so allocating past it raises torch.OutOfMemoryError")))
+            outcomes.append(
+                (
+                    f"enforced on cuda:{index}",
+                    (
+                        f"{names} is the only logical device on cuda:{index}: this process's allocator there is capped at "
+                        f"{format_bytes(capped)} of {format_bytes(total)} (torch.cuda.set_per_process_memory_fraction), "
+                        "so allocating past it raises torch.OutOfMemoryError"
+                    ),
+                )
+            )
         else:
-            outcomes.append((f"summed limit enforced on cuda:{index}", (
-                f"{names} share cuda:{index} and one allocator: their limits together ({format_bytes(capped)}) cap "
-                "this process there (torch.cuda.set_per_process_memory_fraction); each device's own limit is a "
-                "planning figure, checked against the model's estimated memory at distribute()")))
+            outcomes.append(
+                (
+                    f"summed limit enforced on cuda:{index}",
+                    (
+                        f"{names} share cuda:{index} and one allocator: their limits together ({format_bytes(capped)}) cap "
+                        "this process there (torch.cuda.set_per_process_memory_fraction); each device's own limit is a "
+                        "planning figure, checked against the model's estimated memory at distribute()"
+                    ),
+                )
+            )
     return outcomes

@@ -165,6 +165,4 @@ def _index(raw: str | None) -> int | None:
 
 
 def _unknown(name: DeviceName) -> DeviceError:
-    return DeviceError(
-        f"Device name is not recognised. Received: name={str(name)!r}. Use {ACCEPTED_SPELLINGS}."
-    )
+    return DeviceError(f"Device name is not recognised. Received: name={str(name)!r}. Use {ACCEPTED_SPELLINGS}.")

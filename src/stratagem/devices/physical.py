@@ -46,8 +46,14 @@ class PhysicalDevice:
 
     @classmethod
     def from_gpu_facts(cls, gpu: GpuFacts) -> PhysicalDevice:
-        return cls(device_type="cuda", index=gpu.index, name=gpu.name, total_memory=gpu.total_memory,
-                   free_memory=gpu.free_memory, capability=gpu.capability)
+        return cls(
+            device_type="cuda",
+            index=gpu.index,
+            name=gpu.name,
+            total_memory=gpu.total_memory,
+            free_memory=gpu.free_memory,
+            capability=gpu.capability,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "torch_name": self.torch_name}
@@ -64,7 +70,6 @@ def physical_devices(*, free_memory: bool = True) -> list[PhysicalDevice]:
         >>> [d.torch_name for d in physical_devices()][:1]
         ['cpu']
     """
-    cpu = PhysicalDevice(device_type="cpu", name=platform.processor() or platform.machine(),
-                         core_count=cpu_count())
+    cpu = PhysicalDevice(device_type="cpu", name=platform.processor() or platform.machine(), core_count=cpu_count())
     gpus = probe_gpus(free_memory=free_memory)
     return [cpu] + [PhysicalDevice.from_gpu_facts(gpu) for gpu in gpus]

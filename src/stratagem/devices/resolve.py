@@ -22,9 +22,13 @@ LOCAL_TASK = ("localhost", 0)
 """TensorFlow's name for the one task of a single-process program."""
 
 
-def resolve_devices(names: Sequence[DeviceName], registry: DeviceRegistry | None = None, *,
-                    facts: EnvironmentFacts | None = None,
-                    local_task: tuple[str, int] = LOCAL_TASK) -> list[LogicalDevice]:
+def resolve_devices(
+    names: Sequence[DeviceName],
+    registry: DeviceRegistry | None = None,
+    *,
+    facts: EnvironmentFacts | None = None,
+    local_task: tuple[str, int] = LOCAL_TASK,
+) -> list[LogicalDevice]:
     """Validates a device list and returns its logical devices, in the order given.
 
     ``cpu`` means ``cpu:0`` and ``cuda`` means ``cuda:0``. Resolving freezes the registry's
@@ -73,8 +77,9 @@ def resolve_devices(names: Sequence[DeviceName], registry: DeviceRegistry | None
     return resolved
 
 
-def default_devices(registry: DeviceRegistry | None = None,
-                    facts: EnvironmentFacts | None = None) -> tuple[list[LogicalDevice], PlacementDecision]:
+def default_devices(
+    registry: DeviceRegistry | None = None, facts: EnvironmentFacts | None = None
+) -> tuple[list[LogicalDevice], PlacementDecision]:
     """What ``MirroredStrategy()`` uses without a device list: every logical GPU, else ``cpu:0``.
 
     The decision's reason says which and why; on a machine without a usable GPU it carries the
@@ -90,7 +95,7 @@ def default_devices(registry: DeviceRegistry | None = None,
     gpus = registry.get_logical_devices("cuda")
     if gpus:
         physical = {gpu.physical for gpu in gpus}
-        reason = (f"every visible GPU: {len(gpus)} logical GPU(s) on {len(physical)} physical GPU(s)")
+        reason = f"every visible GPU: {len(gpus)} logical GPU(s) on {len(physical)} physical GPU(s)"
         devices = gpus
     else:
         facts = facts or collect_facts(environ.current())
@@ -100,8 +105,7 @@ def default_devices(registry: DeviceRegistry | None = None,
         if why is not None:
             parts.append(why.reason)
         if num_cpus > 1:
-            parts.append(f"For one replica per logical CPU pass devices="
-                         f"{[f'cpu:{i}' for i in range(num_cpus)]}.")
+            parts.append(f"For one replica per logical CPU pass devices={[f'cpu:{i}' for i in range(num_cpus)]}.")
         reason = " ".join(parts)
         devices = [registry.get_logical_devices("cpu")[0]]
     registry.mark_used(f"default_devices() -> {[d.name for d in devices]}")
@@ -111,9 +115,11 @@ def default_devices(registry: DeviceRegistry | None = None,
 
 def _check_local(name: DeviceName, spec: DeviceSpec, local_task: tuple[str, int]) -> None:
     job, task = local_task
-    remote = ((spec.job is not None and spec.job != job)
-              or (spec.task is not None and spec.task != task)
-              or (spec.replica is not None and spec.replica != 0))
+    remote = (
+        (spec.job is not None and spec.job != job)
+        or (spec.task is not None and spec.task != task)
+        or (spec.replica is not None and spec.replica != 0)
+    )
     if remote:
         where = f"{spec.job or job}:{spec.task if spec.task is not None else task}"
         raise DeviceError(
@@ -123,8 +129,9 @@ def _check_local(name: DeviceName, spec: DeviceSpec, local_task: tuple[str, int]
         )
 
 
-def _unavailable(name: DeviceName, spec: DeviceSpec, logical: dict[str, LogicalDevice],
-                 facts: EnvironmentFacts | None) -> DeviceError:
+def _unavailable(
+    name: DeviceName, spec: DeviceSpec, logical: dict[str, LogicalDevice], facts: EnvironmentFacts | None
+) -> DeviceError:
     kind = "CPU" if spec.device_type == "cpu" else "GPU"
     have = [d for d in logical.values() if d.device_type == spec.device_type]
     if spec.device_type == "cuda" and not have:
@@ -140,9 +147,10 @@ def _unavailable(name: DeviceName, spec: DeviceSpec, logical: dict[str, LogicalD
     if spec.device_type == "cpu":
         fix = f"Use one of {span}, or call sg.devices.set_logical_device_configuration('cpu', {index + 1})"
     else:
-        fix = (f"Use one of {span}, check CUDA_VISIBLE_DEVICES (it renumbers visible GPUs from 0), or "
-               f"split GPUs with sg.devices.set_logical_device_configuration('cuda', [...])")
+        fix = (
+            f"Use one of {span}, check CUDA_VISIBLE_DEVICES (it renumbers visible GPUs from 0), or "
+            f"split GPUs with sg.devices.set_logical_device_configuration('cuda', [...])"
+        )
     return DeviceError(
-        f"Device {str(name)!r} is out of range: this machine has {len(have)} logical {kind} devices "
-        f"({span}). {fix}."
+        f"Device {str(name)!r} is out of range: this machine has {len(have)} logical {kind} devices ({span}). {fix}."
     )

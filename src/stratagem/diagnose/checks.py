@@ -51,16 +51,26 @@ class Check:
 def check_torch_build(facts: EnvironmentFacts) -> Check:
     """A CPU-only torch build cannot use any GPU; a problem only when the machine has one."""
     if facts.is_cuda_build:
-        return Check(name="torch_build", verdict="ok",
-                     reason=f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version}.")
+        return Check(
+            name="torch_build",
+            verdict="ok",
+            reason=f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version}.",
+        )
     reason = f"torch {facts.torch_version} is a CPU-only build (torch.version.cuda is None)"
     if facts.nvml_device_count:
         newest = f" for CUDA {facts.driver_cuda_version} or older" if facts.driver_cuda_version else ""
-        return Check(name="torch_build", verdict="problem",
-                     reason=f"{reason}, but the driver reports {facts.nvml_device_count} GPU(s): they sit idle.",
-                     fix=f"Install a CUDA build of torch{newest} (pick one at https://pytorch.org/get-started/locally/).")
-    return Check(name="torch_build", verdict="warning", reason=f"{reason}: training runs on the CPU.",
-                 fix=f"To train on an NVIDIA GPU, {INSTALL_CUDA_TORCH}.")
+        return Check(
+            name="torch_build",
+            verdict="problem",
+            reason=f"{reason}, but the driver reports {facts.nvml_device_count} GPU(s): they sit idle.",
+            fix=f"Install a CUDA build of torch{newest} (pick one at https://pytorch.org/get-started/locally/).",
+        )
+    return Check(
+        name="torch_build",
+        verdict="warning",
+        reason=f"{reason}: training runs on the CPU.",
+        fix=f"To train on an NVIDIA GPU, {INSTALL_CUDA_TORCH}.",
+    )
 
 
 def check_driver(facts: EnvironmentFacts) -> Check:
@@ -68,20 +78,29 @@ def check_driver(facts: EnvironmentFacts) -> Check:
     if not facts.is_cuda_build:
         return Check(name="driver", verdict="ok", reason="Not applicable: torch is a CPU-only build.")
     if facts.driver_present:
-        found = ", ".join(part for part in (
-            f"release {facts.driver_version}" if facts.driver_version else "",
-            f"supports CUDA up to {facts.driver_cuda_version}" if facts.driver_cuda_version else "",
-        ) if part)
+        found = ", ".join(
+            part
+            for part in (
+                f"release {facts.driver_version}" if facts.driver_version else "",
+                f"supports CUDA up to {facts.driver_cuda_version}" if facts.driver_cuda_version else "",
+            )
+            if part
+        )
         return Check(name="driver", verdict="ok", reason=f"NVIDIA driver found ({found}).")
     minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(_major(facts.torch_cuda_version))
     needed = f" (release {minimum} or newer for CUDA {facts.torch_cuda_version})" if minimum else ""
     return Check(
-        name="driver", verdict="warning",
-        reason=(f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version}, but no NVIDIA "
-                "driver was found (no libcuda, no /proc/driver/nvidia, no NVML, no nvidia-smi): "
-                "no GPU can be used."),
-        fix=(f"If this machine has an NVIDIA GPU, install the NVIDIA driver{needed}; in a container, "
-             "start it with GPU access (docker run --gpus all)."),
+        name="driver",
+        verdict="warning",
+        reason=(
+            f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version}, but no NVIDIA "
+            "driver was found (no libcuda, no /proc/driver/nvidia, no NVML, no nvidia-smi): "
+            "no GPU can be used."
+        ),
+        fix=(
+            f"If this machine has an NVIDIA GPU, install the NVIDIA driver{needed}; in a container, "
+            "start it with GPU access (docker run --gpus all)."
+        ),
     )
 
 
@@ -95,30 +114,42 @@ def check_driver_version(facts: EnvironmentFacts) -> Check:
     if facts.driver_version and minimum and _version(facts.driver_version) < _version(minimum):
         supports = f" (it supports CUDA up to {facts.driver_cuda_version})" if facts.driver_cuda_version else ""
         return Check(
-            name="driver_version", verdict="problem",
-            reason=(f"NVIDIA driver {facts.driver_version} is too old for torch {facts.torch_version}, built "
-                    f"for CUDA {torch_cuda}: CUDA {major}.x needs driver {minimum} or newer."),
-            fix=(f"Update the NVIDIA driver to {minimum} or newer, or install a torch build for a CUDA "
-                 f"version that driver {facts.driver_version} supports{supports}."),
+            name="driver_version",
+            verdict="problem",
+            reason=(
+                f"NVIDIA driver {facts.driver_version} is too old for torch {facts.torch_version}, built "
+                f"for CUDA {torch_cuda}: CUDA {major}.x needs driver {minimum} or newer."
+            ),
+            fix=(
+                f"Update the NVIDIA driver to {minimum} or newer, or install a torch build for a CUDA "
+                f"version that driver {facts.driver_version} supports{supports}."
+            ),
         )
     if facts.driver_cuda_version and _version(facts.driver_cuda_version) < _version(torch_cuda):
         if _major(facts.driver_cuda_version) < major:
             return Check(
-                name="driver_version", verdict="problem",
-                reason=(f"The NVIDIA driver supports CUDA up to {facts.driver_cuda_version}, older than "
-                        f"CUDA {torch_cuda} that torch {facts.torch_version} is built for."),
-                fix=(f"Update the NVIDIA driver{f' to {minimum} or newer' if minimum else ''}, or install a "
-                     f"torch build for CUDA {facts.driver_cuda_version} or older."),
+                name="driver_version",
+                verdict="problem",
+                reason=(
+                    f"The NVIDIA driver supports CUDA up to {facts.driver_cuda_version}, older than "
+                    f"CUDA {torch_cuda} that torch {facts.torch_version} is built for."
+                ),
+                fix=(
+                    f"Update the NVIDIA driver{f' to {minimum} or newer' if minimum else ''}, or install a "
+                    f"torch build for CUDA {facts.driver_cuda_version} or older."
+                ),
             )
         return Check(
-            name="driver_version", verdict="warning",
-            reason=(f"The NVIDIA driver supports CUDA up to {facts.driver_cuda_version} and torch is built "
-                    f"for CUDA {torch_cuda}: it runs under minor-version compatibility, where kernels "
-                    "compiled just in time from PTX are not available."),
+            name="driver_version",
+            verdict="warning",
+            reason=(
+                f"The NVIDIA driver supports CUDA up to {facts.driver_cuda_version} and torch is built "
+                f"for CUDA {torch_cuda}: it runs under minor-version compatibility, where kernels "
+                "compiled just in time from PTX are not available."
+            ),
             fix=f"Update the NVIDIA driver to one that supports CUDA {torch_cuda} if a kernel fails to load.",
         )
-    return Check(name="driver_version", verdict="ok",
-                 reason=f"The NVIDIA driver is new enough for CUDA {torch_cuda}.")
+    return Check(name="driver_version", verdict="ok", reason=f"The NVIDIA driver is new enough for CUDA {torch_cuda}.")
 
 
 def check_cuda_visible_devices(facts: EnvironmentFacts) -> Check:
@@ -130,45 +161,65 @@ def check_cuda_visible_devices(facts: EnvironmentFacts) -> Check:
     """
     raw = facts.cuda_visible_devices
     if raw is None:
-        return Check(name="cuda_visible_devices", verdict="ok",
-                     reason="CUDA_VISIBLE_DEVICES is not set: every GPU is visible.")
+        return Check(
+            name="cuda_visible_devices", verdict="ok", reason="CUDA_VISIBLE_DEVICES is not set: every GPU is visible."
+        )
     unset = "Unset it (unset CUDA_VISIBLE_DEVICES) or list the GPUs to use, e.g. CUDA_VISIBLE_DEVICES=0,1."
     seen = read_visible_devices(raw, driver_count=facts.nvml_device_count, uuids=facts.nvml_uuids)
     # Hiding GPUs by mistake matters only where GPUs exist; without any it changes nothing.
     gpus_exist = bool(facts.nvml_device_count) or (facts.nvml_device_count is None and facts.driver_present)
     mistake: Verdict = "problem" if gpus_exist else "warning"
     if seen.on_purpose:
-        return Check(name="cuda_visible_devices", verdict="warning",
-                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.", fix=unset)
+        return Check(
+            name="cuda_visible_devices",
+            verdict="warning",
+            reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU from torch.",
+            fix=unset,
+        )
     if seen.hides_all is not None:
-        return Check(name="cuda_visible_devices", verdict=mistake,
-                     reason=f"CUDA_VISIBLE_DEVICES={raw!r} names a GPU twice: {seen.hides_all}, so torch sees no GPU.",
-                     fix="List each GPU once, e.g. CUDA_VISIBLE_DEVICES=0,1, or unset it.")
+        return Check(
+            name="cuda_visible_devices",
+            verdict=mistake,
+            reason=f"CUDA_VISIBLE_DEVICES={raw!r} names a GPU twice: {seen.hides_all}, so torch sees no GPU.",
+            fix="List each GPU once, e.g. CUDA_VISIBLE_DEVICES=0,1, or unset it.",
+        )
     if seen.invalid is not None:
         sees = f"only {', '.join(seen.visible)}" if seen.visible else "no GPU"
-        range_hint = (f"indices 0..{facts.nvml_device_count - 1}" if facts.nvml_device_count
-                      else "GPU indices")
+        range_hint = f"indices 0..{facts.nvml_device_count - 1}" if facts.nvml_device_count else "GPU indices"
         return Check(
-            name="cuda_visible_devices", verdict=mistake,
-            reason=(f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry {seen.invalid!r} ({seen.why_invalid}). CUDA "
-                    f"ignores an invalid entry and every entry after it, so torch sees {sees}."),
-            fix=(f"Set CUDA_VISIBLE_DEVICES to comma-separated {range_hint} or GPU UUIDs (nvidia-smi -L lists "
-                 "them), or unset it."),
+            name="cuda_visible_devices",
+            verdict=mistake,
+            reason=(
+                f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry {seen.invalid!r} ({seen.why_invalid}). CUDA "
+                f"ignores an invalid entry and every entry after it, so torch sees {sees}."
+            ),
+            fix=(
+                f"Set CUDA_VISIBLE_DEVICES to comma-separated {range_hint} or GPU UUIDs (nvidia-smi -L lists "
+                "them), or unset it."
+            ),
         )
     migs = [entry for entry in seen.visible if entry.startswith("MIG-")]
     if seen.mig_ignored:
         return Check(
-            name="cuda_visible_devices", verdict="warning",
-            reason=(f"CUDA_VISIBLE_DEVICES={raw!r} names {len(migs) + len(seen.mig_ignored)} MIG devices, but CUDA "
-                    f"enumerates one MIG device per process, so torch sees {', '.join(seen.visible)} and not "
-                    f"{', '.join(seen.mig_ignored)}."),
-            fix=("Run one process per MIG device, each with its own CUDA_VISIBLE_DEVICES=MIG-... (e.g. one "
-                 "MultiWorkerMirroredStrategy worker per MIG device)."),
+            name="cuda_visible_devices",
+            verdict="warning",
+            reason=(
+                f"CUDA_VISIBLE_DEVICES={raw!r} names {len(migs) + len(seen.mig_ignored)} MIG devices, but CUDA "
+                f"enumerates one MIG device per process, so torch sees {', '.join(seen.visible)} and not "
+                f"{', '.join(seen.mig_ignored)}."
+            ),
+            fix=(
+                "Run one process per MIG device, each with its own CUDA_VISIBLE_DEVICES=MIG-... (e.g. one "
+                "MultiWorkerMirroredStrategy worker per MIG device)."
+            ),
         )
     of = f" of the {facts.nvml_device_count} the driver reports" if facts.nvml_device_count else ""
     mig = f", MIG device {migs[0]}" if migs else ""
-    return Check(name="cuda_visible_devices", verdict="ok",
-                 reason=f"CUDA_VISIBLE_DEVICES={raw!r} selects {seen.count} GPU(s){of}{mig}.")
+    return Check(
+        name="cuda_visible_devices",
+        verdict="ok",
+        reason=f"CUDA_VISIBLE_DEVICES={raw!r} selects {seen.count} GPU(s){of}{mig}.",
+    )
 
 
 def visible_by_cuda_visible_devices(facts: EnvironmentFacts) -> int | None:
@@ -183,25 +234,35 @@ def check_gpu_visibility(facts: EnvironmentFacts) -> Check:
     """The driver (NVML) sees GPUs that torch does not, beyond what ``CUDA_VISIBLE_DEVICES`` selects."""
     driver_count = facts.nvml_device_count
     if driver_count is None:
-        return Check(name="nvml_vs_torch", verdict="ok",
-                     reason="Not checked: neither NVML (pynvml) nor nvidia-smi could be queried.")
+        return Check(
+            name="nvml_vs_torch",
+            verdict="ok",
+            reason="Not checked: neither NVML (pynvml) nor nvidia-smi could be queried.",
+        )
     selected = visible_by_cuda_visible_devices(facts)
     expected = driver_count if selected is None else min(selected, driver_count)
     seen = facts.torch_device_count
     selection = "" if selected is None else f", as CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r} selects"
     if seen >= expected:
-        return Check(name="nvml_vs_torch", verdict="ok",
-                     reason=f"torch sees {seen} of the {driver_count} GPU(s) the driver reports{selection}.")
+        return Check(
+            name="nvml_vs_torch",
+            verdict="ok",
+            reason=f"torch sees {seen} of the {driver_count} GPU(s) the driver reports{selection}.",
+        )
     if not facts.is_cuda_build:
         fix = f"torch is a CPU-only build: {INSTALL_CUDA_TORCH}."
     else:
-        fix = ("Check the driver checks above, that this process may open /dev/nvidia* (containers: "
-               "docker run --gpus all), and run python -c \"import torch; torch.cuda.init()\" to see "
-               "CUDA's own error.")
+        fix = (
+            "Check the driver checks above, that this process may open /dev/nvidia* (containers: "
+            'docker run --gpus all), and run python -c "import torch; torch.cuda.init()" to see '
+            "CUDA's own error."
+        )
     return Check(
-        name="nvml_vs_torch", verdict="problem",
-        reason=(f"The driver (NVML) reports {driver_count} GPU(s) and {expected} should be visible, "
-                f"but torch sees {seen}."),
+        name="nvml_vs_torch",
+        verdict="problem",
+        reason=(
+            f"The driver (NVML) reports {driver_count} GPU(s) and {expected} should be visible, but torch sees {seen}."
+        ),
         fix=fix,
     )
 
@@ -211,16 +272,20 @@ def check_device_index(facts: EnvironmentFacts, requested: Sequence[int]) -> Che
     count = facts.torch_device_count
     out_of_range = [index for index in requested if not 0 <= index < count]
     if not out_of_range:
-        return Check(name="device_index", verdict="ok",
-                     reason=f"Requested GPU(s) {list(requested)} exist (torch sees {count}).")
+        return Check(
+            name="device_index", verdict="ok", reason=f"Requested GPU(s) {list(requested)} exist (torch sees {count})."
+        )
     names = ", ".join(f"cuda:{index}" for index in out_of_range)
-    renumber = (f" CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r} renumbers the visible GPUs from 0."
-                if facts.cuda_visible_devices is not None else "")
+    renumber = (
+        f" CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r} renumbers the visible GPUs from 0."
+        if facts.cuda_visible_devices is not None
+        else ""
+    )
     available = f"cuda:0..cuda:{count - 1}" if count else "none"
-    fix = (f"Use indices 0..{count - 1}." if count
-           else (gpu_unavailable_reason(facts) or _no_gpu_fallback(facts)).fix)
+    fix = f"Use indices 0..{count - 1}." if count else (gpu_unavailable_reason(facts) or _no_gpu_fallback(facts)).fix
     return Check(
-        name="device_index", verdict="problem",
+        name="device_index",
+        verdict="problem",
         reason=f"Requested {names} is out of range: torch sees {count} GPU(s) ({available}).{renumber}",
         fix=fix,
     )
@@ -234,10 +299,13 @@ def check_nccl(facts: EnvironmentFacts) -> Check:
         version = f" {facts.nccl_version}" if facts.nccl_version else ""
         return Check(name="nccl", verdict="ok", reason=f"NCCL{version} is available for all-reduce across GPUs.")
     return Check(
-        name="nccl", verdict="warning",
-        reason=(f"torch {facts.torch_version} has no NCCL, so all-reduce across the {facts.torch_device_count} "
-                "GPUs falls back to reduction to one device (copy to cuda:0, sum there, copy back), "
-                "which is slower."),
+        name="nccl",
+        verdict="warning",
+        reason=(
+            f"torch {facts.torch_version} has no NCCL, so all-reduce across the {facts.torch_device_count} "
+            "GPUs falls back to reduction to one device (copy to cuda:0, sum there, copy back), "
+            "which is slower."
+        ),
         fix="Install a torch build with NCCL (the official Linux CUDA wheels include it).",
     )
 
@@ -251,9 +319,12 @@ def check_cudnn(facts: EnvironmentFacts) -> Check:
         return Check(name="cudnn", verdict="ok", reason=f"cuDNN{version} is available.")
     major = _major(facts.torch_cuda_version)
     return Check(
-        name="cudnn", verdict="warning",
-        reason=(f"cuDNN is not available to torch {facts.torch_version}: convolutions and RNNs on the GPU "
-                "use slower fallback kernels."),
+        name="cudnn",
+        verdict="warning",
+        reason=(
+            f"cuDNN is not available to torch {facts.torch_version}: convolutions and RNNs on the GPU "
+            "use slower fallback kernels."
+        ),
         fix=f"Install a torch build that bundles cuDNN (the official CUDA wheels do) or nvidia-cudnn-cu{major}.",
     )
 
@@ -271,8 +342,14 @@ def gpu_unavailable_reason(facts: EnvironmentFacts) -> Check | None:
     from stratagem.diagnose.cuda_start import check_cuda_start  # it builds on this module's Check
 
     # Ordered from the most fundamental cause: each later check assumes the earlier ones passed.
-    for check in (check_torch_build, check_driver, check_driver_version, check_cuda_start,
-                  check_cuda_visible_devices, check_gpu_visibility):
+    for check in (
+        check_torch_build,
+        check_driver,
+        check_driver_version,
+        check_cuda_start,
+        check_cuda_visible_devices,
+        check_gpu_visibility,
+    ):
         result = check(facts)
         if result.verdict != "ok":
             return result
@@ -280,19 +357,22 @@ def gpu_unavailable_reason(facts: EnvironmentFacts) -> Check | None:
 
 
 def _no_gpu_fallback(facts: EnvironmentFacts) -> Check:
-    reports = ("the driver reports no GPU" if facts.nvml_device_count == 0
-               else "the driver is present")
+    reports = "the driver reports no GPU" if facts.nvml_device_count == 0 else "the driver is present"
     return Check(
-        name="gpu_count", verdict="warning",
+        name="gpu_count",
+        verdict="warning",
         reason=f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda_version} and {reports}, "
-               "but torch sees no GPU.",
-        fix=("Run nvidia-smi to see the GPUs the driver knows, and python -c \"import torch; "
-             "torch.cuda.init()\" to see CUDA's own error."),
+        "but torch sees no GPU.",
+        fix=(
+            'Run nvidia-smi to see the GPUs the driver knows, and python -c "import torch; '
+            "torch.cuda.init()\" to see CUDA's own error."
+        ),
     )
 
 
-def check_environment(facts: EnvironmentFacts, *, requested_gpus: Sequence[int] | None = None,
-                      memory: Check | None = None) -> list[Check]:
+def check_environment(
+    facts: EnvironmentFacts, *, requested_gpus: Sequence[int] | None = None, memory: Check | None = None
+) -> list[Check]:
     """Runs every check, in the order a person would fix them.
 
     ``requested_gpus`` adds the device-index check; ``memory`` is a check from
@@ -304,8 +384,14 @@ def check_environment(facts: EnvironmentFacts, *, requested_gpus: Sequence[int] 
     """
     from stratagem.diagnose.cuda_start import check_cuda_start  # it builds on this module's Check
 
-    checks = [check_torch_build(facts), check_driver(facts), check_driver_version(facts), check_cuda_start(facts),
-              check_cuda_visible_devices(facts), check_gpu_visibility(facts)]
+    checks = [
+        check_torch_build(facts),
+        check_driver(facts),
+        check_driver_version(facts),
+        check_cuda_start(facts),
+        check_cuda_visible_devices(facts),
+        check_gpu_visibility(facts),
+    ]
     if requested_gpus is not None:
         checks.append(check_device_index(facts, requested_gpus))
     if memory is not None:

@@ -210,8 +210,15 @@ def _probe_gpus_reporting(count: int | None, *, free_memory: bool) -> tuple[list
                 free, _ = torch.cuda.mem_get_info(index)
         except RuntimeError as error:  # e.g. a GPU in exclusive-process mode held by another process
             logger.warning("could not read free memory of cuda:%d: %s", index, error)
-        gpus.append(GpuFacts(index=index, name=props.name, total_memory=int(props.total_memory),
-                             free_memory=free, capability=(props.major, props.minor)))
+        gpus.append(
+            GpuFacts(
+                index=index,
+                name=props.name,
+                total_memory=int(props.total_memory),
+                free_memory=free,
+                capability=(props.major, props.minor),
+            )
+        )
     return gpus, None
 
 
@@ -285,7 +292,10 @@ def _nvidia_smi() -> tuple[str | None, int | None]:
     try:
         result = subprocess.run(
             [executable, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False,
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as error:
         logger.info("nvidia-smi did not answer: %s", error)
@@ -303,8 +313,9 @@ def _nvidia_smi_uuids() -> list[str] | None:
     if executable is None:
         return None
     try:
-        result = subprocess.run([executable, "-L"], capture_output=True, text=True,
-                                timeout=NVIDIA_SMI_TIMEOUT_S, check=False)
+        result = subprocess.run(
+            [executable, "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         logger.info("nvidia-smi -L did not answer: %s", error)
         return None

@@ -39,16 +39,19 @@ class MemoryEstimate:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
     def describe(self) -> str:
-        return (f"{format_bytes(self.total_bytes)} (parameters {format_bytes(self.parameter_bytes)} + "
-                f"gradients {format_bytes(self.gradient_bytes)} + {self.optimizer} state "
-                f"{format_bytes(self.optimizer_state_bytes)}; activations not counted)")
+        return (
+            f"{format_bytes(self.total_bytes)} (parameters {format_bytes(self.parameter_bytes)} + "
+            f"gradients {format_bytes(self.gradient_bytes)} + {self.optimizer} state "
+            f"{format_bytes(self.optimizer_state_bytes)}; activations not counted)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
 
 
-def estimate_training_memory(model_or_param_bytes: torch.nn.Module | int,
-                             optimizer: torch.optim.Optimizer | str | None) -> MemoryEstimate:
+def estimate_training_memory(
+    model_or_param_bytes: torch.nn.Module | int, optimizer: torch.optim.Optimizer | str | None
+) -> MemoryEstimate:
     """Parameters + gradients + optimizer state, in bytes, for one replica.
 
     The optimizer's state per parameter: plain SGD none, SGD with momentum 1x, Adam and AdamW 2x
@@ -77,13 +80,15 @@ def estimate_training_memory(model_or_param_bytes: torch.nn.Module | int,
             "of its parameters as an int."
         )
     name, factor = _state_factor(optimizer)
-    return MemoryEstimate(parameter_bytes=parameter_bytes, gradient_bytes=trainable_bytes,
-                          optimizer_state_bytes=factor * trainable_bytes,
-                          optimizer=f"{name} ({factor}x parameters)")
+    return MemoryEstimate(
+        parameter_bytes=parameter_bytes,
+        gradient_bytes=trainable_bytes,
+        optimizer_state_bytes=factor * trainable_bytes,
+        optimizer=f"{name} ({factor}x parameters)",
+    )
 
 
-def check_memory(facts: EnvironmentFacts, estimate: MemoryEstimate,
-                 devices: Sequence[int] | None = None) -> Check:
+def check_memory(facts: EnvironmentFacts, estimate: MemoryEstimate, devices: Sequence[int] | None = None) -> Check:
     """Compares the estimate to each GPU's free memory (all GPUs unless ``devices`` names some)."""
     gpus = [gpu for gpu in facts.gpus if devices is None or gpu.index in devices]
     known = [gpu for gpu in gpus if gpu.free_memory is not None]
@@ -92,20 +97,32 @@ def check_memory(facts: EnvironmentFacts, estimate: MemoryEstimate,
     short = [gpu for gpu in known if _free(gpu) < estimate.total_bytes]
     if not short:
         least = min(known, key=_free)
-        return Check(name="memory", verdict="ok",
-                     reason=(f"Training needs at least {estimate.describe()} per replica; the GPU with "
-                             f"the least free memory, cuda:{least.index}, has {format_bytes(_free(least))}."))
-    lacking = ", ".join(f"cuda:{gpu.index} has {format_bytes(_free(gpu))} free of "
-                        f"{format_bytes(gpu.total_memory)}" for gpu in short)
+        return Check(
+            name="memory",
+            verdict="ok",
+            reason=(
+                f"Training needs at least {estimate.describe()} per replica; the GPU with "
+                f"the least free memory, cuda:{least.index}, has {format_bytes(_free(least))}."
+            ),
+        )
+    lacking = ", ".join(
+        f"cuda:{gpu.index} has {format_bytes(_free(gpu))} free of {format_bytes(gpu.total_memory)}" for gpu in short
+    )
     roomy = [f"cuda:{gpu.index}" for gpu in known if gpu not in short]
-    fewer = (f"use fewer replicas, on the GPUs with room (devices={roomy})" if roomy
-             else "free memory held by other processes (nvidia-smi lists them)")
+    fewer = (
+        f"use fewer replicas, on the GPUs with room (devices={roomy})"
+        if roomy
+        else "free memory held by other processes (nvidia-smi lists them)"
+    )
     return Check(
-        name="memory", verdict="problem",
+        name="memory",
+        verdict="problem",
         reason=f"Training needs at least {estimate.describe()} per replica, but {lacking}.",
-        fix=(f"Either {fewer}; or CentralStorageStrategy, which keeps the parameters and optimizer "
-             "state on the CPU; or model parallelism, which splits the model across GPUs; or an "
-             "optimizer with less state (SGD keeps none)."),
+        fix=(
+            f"Either {fewer}; or CentralStorageStrategy, which keeps the parameters and optimizer "
+            "state on the CPU; or model parallelism, which splits the model across GPUs; or an "
+            "optimizer with less state (SGD keeps none)."
+        ),
     )
 
 
@@ -115,8 +132,7 @@ def _free(gpu: GpuFacts) -> int:
     return gpu.free_memory
 
 
-def ensure_fits(facts: EnvironmentFacts, estimate: MemoryEstimate,
-                devices: Sequence[int] | None = None) -> None:
+def ensure_fits(facts: EnvironmentFacts, estimate: MemoryEstimate, devices: Sequence[int] | None = None) -> None:
     """Raises `MemoryEstimateError` with both numbers when `check_memory` finds a problem."""
     check = check_memory(facts, estimate, devices)
     if check.verdict == "problem":

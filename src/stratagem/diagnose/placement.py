@@ -102,14 +102,13 @@ class PlacementLog:
         with self._lock:
             self._steps += 1
 
-    def count(
-        self, op: str | None = None, device: str | None = None, replica: int | None | EllipsisType = ...
-    ) -> int:
+    def count(self, op: str | None = None, device: str | None = None, replica: int | None | EllipsisType = ...) -> int:
         """Operations recorded; only `op` (``"aten::mm"``), only on `device` (``"cuda:0"``), only of
         `replica` (its id in the sync group; None: outside `strategy.run`) when given."""
         with self._lock:
             return sum(
-                n for (o, d, r), n in self._ops.items()
+                n
+                for (o, d, r), n in self._ops.items()
                 if op in (None, o) and device in (None, d) and (replica is ... or replica == r)
             )
 
@@ -117,16 +116,27 @@ class PlacementLog:
         """The short report: operations per device and replica, copies (per step and bytes), and the
         `top` operations that ran most often off their replica's device (e.g. on the CPU for a GPU replica)."""
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-            raise InputError(f"summary(top=) is how many off-device operations to list, at least 1. Received: top={top!r}.")
+            raise InputError(
+                f"summary(top=) is how many off-device operations to list, at least 1. Received: top={top!r}."
+            )
         with self._lock:
             return summarize(
-                Counter(self._ops), Counter(self._copies), Counter(self._copy_bytes), Counter(self._off_device),
-                self._steps, top,
+                Counter(self._ops),
+                Counter(self._copies),
+                Counter(self._copy_bytes),
+                Counter(self._off_device),
+                self._steps,
+                top,
             )
 
     # ---- called by the dispatch mode ----------------------------------------------------------
     def _record(
-        self, op: str, device: str, replica: _Replica | None, copy: fallback.Copy | None, reason: str | None = None,
+        self,
+        op: str,
+        device: str,
+        replica: _Replica | None,
+        copy: fallback.Copy | None,
+        reason: str | None = None,
         fallback_from: torch.device | None = None,
     ) -> None:
         expected = replica.device if replica is not None else self.device

@@ -96,7 +96,9 @@ class PlacementSummary:
         if self.num_copies:
             per_step = ""
             if self.steps:
-                per_step = f" ({self.copies_per_step:g} per step, {format_bytes(round(self.bytes_per_step or 0))} per step)"
+                per_step = (
+                    f" ({self.copies_per_step:g} per step, {format_bytes(round(self.bytes_per_step or 0))} per step)"
+                )
             lines.append(f"Copies between devices: {self.num_copies:,}, {format_bytes(self.copy_bytes)}{per_step}")
             for copy in self.copies:
                 why = f" ({copy.reason})" if copy.reason else ""
@@ -121,8 +123,12 @@ class PlacementSummary:
 
 
 def summarize(
-    ops: Counter[OpKey], copies: Counter[CopyKey], copy_bytes: Counter[CopyKey], off_device: Counter[OffKey],
-    steps: int, top: int,
+    ops: Counter[OpKey],
+    copies: Counter[CopyKey],
+    copy_bytes: Counter[CopyKey],
+    off_device: Counter[OffKey],
+    steps: int,
+    top: int,
 ) -> PlacementSummary:
     """Builds the report from a log's counters (see `PlacementLog`)."""
     per_device: Counter[str] = Counter()

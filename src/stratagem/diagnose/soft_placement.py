@@ -176,7 +176,8 @@ class SoftPlacement:
             # Never silent: the first fallback of each operation is logged even when no placement log is open.
             logger.warning(
                 "%s has no kernel for %s; it ran on the CPU with its inputs and outputs copied (soft placement).",
-                op, device,
+                op,
+                device,
             )
 
     def count(self, op: str | None = None, device: str | None = None) -> int:
@@ -197,7 +198,11 @@ def reason(op: str, device: str) -> str:
 
 
 def call_or_fall_back(
-    func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor], soft: Sequence[SoftPlacement],
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    tensors: Sequence[torch.Tensor],
+    soft: Sequence[SoftPlacement],
     on_fallback: Callable[[str, torch.device, list[Copy]], None],
 ) -> Any:
     """Calls `func`; when it has no kernel for its inputs' device, runs it on the CPU if `soft`

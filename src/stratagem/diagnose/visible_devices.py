@@ -52,12 +52,21 @@ def read_visible_devices(raw: str, *, driver_count: int | None, uuids: Sequence[
     for entry in entries:
         target, why = _resolve(entry, driver_count, uuids)
         if target is None:
-            return VisibleDevices(raw=raw, entries=entries, visible=visible, invalid=entry, why_invalid=why,
-                                  mig_ignored=_mig_beyond_first(visible))
+            return VisibleDevices(
+                raw=raw,
+                entries=entries,
+                visible=visible,
+                invalid=entry,
+                why_invalid=why,
+                mig_ignored=_mig_beyond_first(visible),
+            )
         if target in seen:
             return VisibleDevices(
-                raw=raw, entries=entries, visible=[],
-                hides_all=f"{seen[target]!r} and {entry!r} name the same GPU, and CUDA then shows no GPU at all")
+                raw=raw,
+                entries=entries,
+                visible=[],
+                hides_all=f"{seen[target]!r} and {entry!r} name the same GPU, and CUDA then shows no GPU at all",
+            )
         seen[target] = entry
         visible.append(entry)
     mig_ignored = _mig_beyond_first(visible)

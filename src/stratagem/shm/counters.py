@@ -46,16 +46,30 @@ def _syscall() -> Callable[..., Any]:
 
 def futex_wake(address: int) -> None:
     """Wakes every process sleeping on the 32-bit word at ``address`` (see ``futex_wait``)."""
-    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAKE),
-               ctypes.c_long(2**31 - 1), None, None, ctypes.c_long(0))
+    _syscall()(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(address),
+        ctypes.c_long(_FUTEX_WAKE),
+        ctypes.c_long(2**31 - 1),
+        None,
+        None,
+        ctypes.c_long(0),
+    )
 
 
 def futex_wait(address: int, seen: int, seconds: float) -> None:
     """Sleeps while the low 32 bits of the counter at ``address`` still hold those of ``seen``, at most
     ``seconds`` (a change and a ``futex_wake`` end it at once; a change before the call, at once too)."""
     pause = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_long(_FUTEX_WAIT),
-               ctypes.c_long(seen & 0xFFFFFFFF), ctypes.byref(pause), None, ctypes.c_long(0))
+    _syscall()(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(address),
+        ctypes.c_long(_FUTEX_WAIT),
+        ctypes.c_long(seen & 0xFFFFFFFF),
+        ctypes.byref(pause),
+        None,
+        ctypes.c_long(0),
+    )
 
 
 class Counters:

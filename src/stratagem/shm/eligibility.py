@@ -36,9 +36,11 @@ def turned_off(env: Mapping[str, str] | None = None) -> str | None:
         return None
     if value.lower() in OFF:
         return f"turned off by {environ.SHARED_MEMORY}={value}"
-    raise InputError(f"{environ.SHARED_MEMORY} must be 0 (shared memory off) or 1 (on). Received: "
-                     f"{environ.SHARED_MEMORY}={value!r:.40}. Set it to 0 to send everything through Gloo and "
-                     "gRPC, or unset it to use shared memory where it works.")
+    raise InputError(
+        f"{environ.SHARED_MEMORY} must be 0 (shared memory off) or 1 (on). Received: "
+        f"{environ.SHARED_MEMORY}={value!r:.40}. Set it to 0 to send everything through Gloo and "
+        "gRPC, or unset it to use shared memory where it works."
+    )
 
 
 def check_wanted(shared_memory: bool | None, env: Mapping[str, str] | None = None) -> None:
@@ -47,10 +49,12 @@ def check_wanted(shared_memory: bool | None, env: Mapping[str, str] | None = Non
     off = turned_off(env)
     if shared_memory is True and off is not None:
         setting = off.removeprefix("turned off by ")
-        raise InputError(f"shared_memory=True asks for shared memory, but {setting} turns it off for this process, "
-                         f"and the switch wins over every strategy's argument. Received: shared_memory=True, "
-                         f"{setting}. Unset {environ.SHARED_MEMORY} to use shared memory, or leave shared_memory "
-                         "unset to follow the switch.")
+        raise InputError(
+            f"shared_memory=True asks for shared memory, but {setting} turns it off for this process, "
+            f"and the switch wins over every strategy's argument. Received: shared_memory=True, "
+            f"{setting}. Unset {environ.SHARED_MEMORY} to use shared memory, or leave shared_memory "
+            "unset to follow the switch."
+        )
 
 
 def ordered_stores(what: str = "counters in shared memory") -> str | None:
@@ -61,13 +65,16 @@ def ordered_stores(what: str = "counters in shared memory") -> str | None:
     architectures need fences Python cannot issue. Sleeping on a counter needs Linux's futex(2).
     """
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return (f"{what} need Linux on x86-64 (ordered stores without explicit fences); this is "
-                f"{sys.platform} on {platform.machine()}")
+        return (
+            f"{what} need Linux on x86-64 (ordered stores without explicit fences); this is "
+            f"{sys.platform} on {platform.machine()}"
+        )
     return None
 
 
-def why_not(what: str, directory: str = DIRECTORY, *, ordered: bool,
-            env: Mapping[str, str] | None = None) -> str | None:
+def why_not(
+    what: str, directory: str = DIRECTORY, *, ordered: bool, env: Mapping[str, str] | None = None
+) -> str | None:
     """None when this process can share memory through files in ``directory``, else why not. ``what`` names the
     transport in the reason; ``ordered``: it needs counters that order data (``ordered_stores``), not only Linux."""
     why = turned_off(env)

@@ -92,8 +92,9 @@ def remove_stale(directory: str) -> list[str]:
         except OSError:
             continue  # gone already, or not ours to remove
     if removed:
-        logger.info("removed %d file(s) left in %s by processes that are gone: %s", len(removed), directory,
-                    ", ".join(removed))
+        logger.info(
+            "removed %d file(s) left in %s by processes that are gone: %s", len(removed), directory, ", ".join(removed)
+        )
     return removed
 
 
@@ -143,7 +144,7 @@ def open_mapped(path: str, size: int, head: bytes, *, maker: str = "its maker") 
         mapping = mmap.mmap(fd, size)
     finally:
         os.close(fd)
-    if mapping[:len(head)] != head:
+    if mapping[: len(head)] != head:
         mapping.close()
         return None, f"{path} is not the file {maker} made (another nonce)"
     return mapping, None

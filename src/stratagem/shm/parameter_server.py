@@ -137,7 +137,7 @@ class Areas:
 
         def view(offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            return whole[offset:offset + nbytes].view(dtype)
+            return whole[offset : offset + nbytes].view(dtype)
 
         self.pull = [view(HEAD + o, d, n) for (d, n), o in zip(buckets, offsets)]
         self.push = [view(HEAD + area + o, d, n) for (d, n), o in zip(buckets, offsets)]
@@ -179,7 +179,7 @@ class Control:
     def answer(self, seq: int, status: int, version: int = 0, error: str = "") -> None:
         """The server's reply to request ``seq``."""
         text = error.encode()[:_ERROR_BYTES]
-        self.error[:len(text)] = numpy.frombuffer(text, dtype=numpy.uint8)
+        self.error[: len(text)] = numpy.frombuffer(text, dtype=numpy.uint8)
         self.words[_ERROR_LEN] = len(text)
         self.words[_STATUS] = status
         self.words[_VERSION] = version
@@ -205,8 +205,11 @@ class Link:
 
     def __post_init__(self) -> None:
         # Whether the server's process is visible from here (same pid namespace), known while it surely runs.
-        self.watched = self.server is not None and self.server[1] is not None and \
-            files.process_start(self.server[0]) == self.server[1]
+        self.watched = (
+            self.server is not None
+            and self.server[1] is not None
+            and files.process_start(self.server[0]) == self.server[1]
+        )
 
 
 def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, server: str, what: str) -> bool:
@@ -217,7 +220,7 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
     assert control is not None and link.server is not None, "a request through a closed link or without a server"
     words = control.words
     if op == PUSH:
-        control.listed[:len(buckets)] = buckets
+        control.listed[: len(buckets)] = buckets
         words[_COUNT] = len(buckets)
     words[_OP] = op
     link.seq += 1
@@ -231,13 +234,15 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
         if link.watched and files.process_start(pid) != started:
             error = ParameterServerError(
                 f"{server} (pid {pid}) exited during a {what} through shared memory. Received: no answer, and no such "
-                f"process. Restart the job; it resumes from the last checkpoint (strategy.save).")
+                f"process. Restart the job; it resumes from the last checkpoint (strategy.save)."
+            )
             error.code, error.task = _UNAVAILABLE, server  # type: ignore[attr-defined]
             raise error
         if time.monotonic() - start > timeout:
             raise CollectiveTimeoutError(
                 f"{server} did not answer a {what} through shared memory within {timeout:g} s. Received: no answer. "
-                f"Check that {server} is alive and not overloaded, or raise rpc_timeout.")
+                f"Check that {server} is alive and not overloaded, or raise rpc_timeout."
+            )
 
     try:
         control.wait(_REPLY, link.seq, spin=SPIN_SECONDS, check=check)
@@ -245,9 +250,10 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
         return False
     status = int(words[_STATUS])
     if status == FAILED:
-        text = bytes(control.error[:int(words[_ERROR_LEN])]).decode(errors="replace").rstrip(".")
-        error = ParameterServerError(f"{server} failed a {what} through shared memory. Received: {text}. See the log "
-                                     f"of {server} for the cause.")
+        text = bytes(control.error[: int(words[_ERROR_LEN])]).decode(errors="replace").rstrip(".")
+        error = ParameterServerError(
+            f"{server} failed a {what} through shared memory. Received: {text}. See the log of {server} for the cause."
+        )
         error.task = server  # type: ignore[attr-defined]
         raise error
     return status == OK
@@ -312,8 +318,11 @@ class Segments:
         if host != self.host:
             return "refused", {"why": f"{task} runs on another host than {self.task}", "same_host": False}
         if meta.get("layout") != fingerprint:
-            return "refused", {"why": f"{task} expects other shards than {self.task} holds", "same_host": True,
-                               "retry": True}
+            return "refused", {
+                "why": f"{task} expects other shards than {self.task} holds",
+                "same_host": True,
+                "retry": True,
+            }
         path = os.path.join(self.directory, name)
         mapping, why = files.open_mapped(path, file_size(buckets), head(nonce), maker=task)
         if mapping is None:
@@ -322,8 +331,13 @@ class Segments:
         segment = secrets.token_hex(8)
         watched = process[1] is not None and files.process_start(process[0]) == process[1]
         self._attached[segment] = Attached(Areas(mapping, buckets), fingerprint, task, process, watched)
-        logger.info("%s: %s attached %s of shared memory (%d attached)", self.task, task,
-                    describe_bytes(len(mapping)), len(self._attached))
+        logger.info(
+            "%s: %s attached %s of shared memory (%d attached)",
+            self.task,
+            task,
+            describe_bytes(len(mapping)),
+            len(self._attached),
+        )
         counters = meta.get("counters") is True and eligibility.ordered_stores() is None
         pid = os.getpid()
         return "attached", {"segment": segment, "counters": counters, "pid": pid, "start": files.process_start(pid)}
@@ -353,37 +367,61 @@ class Segments:
         """Lets go of files whose worker process has exited (a killed worker attaches a new one when restarted)."""
         for segment, attached in list(self._attached.items()):
             if attached.worker_gone():
-                logger.info("%s: %s (pid %d) is gone; its shared memory is let go", self.task, attached.task,
-                            attached.process[0])
+                logger.info(
+                    "%s: %s (pid %d) is gone; its shared memory is let go",
+                    self.task,
+                    attached.task,
+                    attached.process[0],
+                )
                 self.detach(segment)
 
 
 def _offer(meta: Any) -> tuple[str, bytes, str, str, tuple[int, str | None]]:
     """The fields of an ``Attach`` request, checked."""
     if not isinstance(meta, dict):
-        raise WireFormatError(f"Attach needs a JSON object. Received: {type(meta).__name__}. Send "
-                              "{name, nonce, host, task, pid, start, layout}.")
+        raise WireFormatError(
+            f"Attach needs a JSON object. Received: {type(meta).__name__}. Send "
+            "{name, nonce, host, task, pid, start, layout}."
+        )
     name, nonce, host, task = (meta.get(key) for key in ("name", "nonce", "host", "task"))
     pid, start = meta.get("pid"), meta.get("start")
     if not (isinstance(name, str) and _NAME.match(name)):
-        raise WireFormatError(f"Attach names a file that is not one of stratagem's in /dev/shm. Received: "
-                              f"name={name!r:.80}. Offer a file made by stratagem.shm.parameter_server.make_file.")
+        raise WireFormatError(
+            f"Attach names a file that is not one of stratagem's in /dev/shm. Received: "
+            f"name={name!r:.80}. Offer a file made by stratagem.shm.parameter_server.make_file."
+        )
     if not (isinstance(nonce, str) and re.fullmatch(r"[0-9a-f]{32}", nonce)):
-        raise WireFormatError(f"Attach needs a nonce of 32 hex digits. Received: nonce={nonce!r:.80}. "
-                              "Offer a file made by stratagem.shm.parameter_server.make_file.")
-    if not (isinstance(host, str) and isinstance(task, str) and isinstance(pid, int) and not isinstance(pid, bool)
-            and (start is None or isinstance(start, str))):
-        raise WireFormatError(f"Attach needs host, task (strings) and pid (an integer). Received: host={host!r:.80}, "
-                              f"task={task!r:.80}, pid={pid!r:.20}, start={start!r:.20}. Send all of them.")
+        raise WireFormatError(
+            f"Attach needs a nonce of 32 hex digits. Received: nonce={nonce!r:.80}. "
+            "Offer a file made by stratagem.shm.parameter_server.make_file."
+        )
+    if not (
+        isinstance(host, str)
+        and isinstance(task, str)
+        and isinstance(pid, int)
+        and not isinstance(pid, bool)
+        and (start is None or isinstance(start, str))
+    ):
+        raise WireFormatError(
+            f"Attach needs host, task (strings) and pid (an integer). Received: host={host!r:.80}, "
+            f"task={task!r:.80}, pid={pid!r:.20}, start={start!r:.20}. Send all of them."
+        )
     return name, bytes.fromhex(nonce), host, task, (pid, start)
 
 
 def offer(path: str, nonce: bytes, task: str, fingerprint: str) -> dict[str, Any]:
     """The ``Attach`` request's metadata for a file made by ``make_file``."""
     pid = os.getpid()
-    return {"name": os.path.basename(path), "nonce": nonce.hex(), "host": files.host_identity(), "task": task,
-            "pid": pid, "start": files.process_start(pid), "layout": fingerprint,
-            "counters": eligibility.ordered_stores() is None}
+    return {
+        "name": os.path.basename(path),
+        "nonce": nonce.hex(),
+        "host": files.host_identity(),
+        "task": task,
+        "pid": pid,
+        "start": files.process_start(pid),
+        "layout": fingerprint,
+        "counters": eligibility.ordered_stores() is None,
+    }
 
 
 def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -94,10 +94,20 @@ class SharedMemoryGroup:
     timeout), and the group is then unusable, as a process group is after a failed collective.
     """
 
-    def __init__(self, mapping: mmap.mmap, *, rank: int, world_size: int, capacity: int,
-                 processes: Sequence[tuple[int, str | None]], task_names: Sequence[str], timeout: float,
-                 stall_warning_after: float, on_failure: Callable[[str, int, Exception | None], Exception],
-                 on_stall: Callable[[str, int, float], None]) -> None:
+    def __init__(
+        self,
+        mapping: mmap.mmap,
+        *,
+        rank: int,
+        world_size: int,
+        capacity: int,
+        processes: Sequence[tuple[int, str | None]],
+        task_names: Sequence[str],
+        timeout: float,
+        stall_warning_after: float,
+        on_failure: Callable[[str, int, Exception | None], Exception],
+        on_stall: Callable[[str, int, float], None],
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.capacity = capacity
@@ -126,12 +136,14 @@ class SharedMemoryGroup:
     def all_reduce_(self, tensor: torch.Tensor, *, what: str, step: int) -> None:
         """Sums ``tensor`` (contiguous, on the CPU, of a dtype in ``DTYPES``) across the ranks, in place."""
         if self._broken is not None:
-            raise ReplicaError(f"The shared-memory group is unusable after an earlier failure ({self._broken}). "
-                               "Received: another collective. Restart the job.")
+            raise ReplicaError(
+                f"The shared-memory group is unusable after an earlier failure ({self._broken}). "
+                "Received: another collective. Restart the job."
+            )
         flat = tensor.detach().view(-1)
         per_chunk = self.capacity // flat.element_size()
         for start in range(0, max(flat.numel(), 1), per_chunk):
-            self._reduce_chunk(flat[start:start + per_chunk], what, step)
+            self._reduce_chunk(flat[start : start + per_chunk], what, step)
 
     def _reduce_chunk(self, chunk: torch.Tensor, what: str, step: int) -> None:
         n = chunk.numel()
@@ -156,11 +168,14 @@ class SharedMemoryGroup:
         """Every slot and the result area as 1-D tensors of ``dtype`` (made once per dtype)."""
         areas = self._typed.get(dtype)
         if areas is None:
-            def area(offset: int) -> torch.Tensor:
-                return self._bytes[offset:offset + self.capacity].view(dtype)
 
-            areas = self._typed[dtype] = ([area(self._slots + q * self.capacity) for q in range(self.world_size)],
-                                          area(self._results))
+            def area(offset: int) -> torch.Tensor:
+                return self._bytes[offset : offset + self.capacity].view(dtype)
+
+            areas = self._typed[dtype] = (
+                [area(self._slots + q * self.capacity) for q in range(self.world_size)],
+                area(self._results),
+            )
         return areas
 
     # ---- counters -----------------------------------------------------------------------------
@@ -191,8 +206,9 @@ class SharedMemoryGroup:
             if self._watched[q] and process_start(pid) != started:
                 self._broken = f"{self.task_names[q]} exited"
                 # The cause of on_failure's error, which says what to do: a fragment of its message.
-                raise self._on_failure(what, step, ReplicaError(
-                    f"{self.task_names[q]} (pid {pid}) exited during the shared-memory {what}"))
+                raise self._on_failure(
+                    what, step, ReplicaError(f"{self.task_names[q]} (pid {pid}) exited during the shared-memory {what}")
+                )
             if waited >= self.timeout:
                 self._broken = f"timed out waiting for {self.task_names[q]}"
                 raise self._on_failure(what, step, None)
@@ -215,12 +231,23 @@ class SharedMemoryGroup:
             logger.debug("the shared-memory mapping is still viewed; it is unmapped when the last view is freed")
 
 
-def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str], timeout: float,
-            stall_warning_after: float, on_failure: Callable[[str, int, Exception | None], Exception],
-            on_stall: Callable[[str, int, float], None], capacity: int = DEFAULT_CAPACITY,
-            directory: str = "/dev/shm", host: str | None = None, why_not: str | None = None,
-            namespace: str | None = None, process: tuple[int, str | None] | None = None
-            ) -> tuple[SharedMemoryGroup | None, str, bool]:
+def connect(
+    store: Any,
+    *,
+    rank: int,
+    world_size: int,
+    task_names: Sequence[str],
+    timeout: float,
+    stall_warning_after: float,
+    on_failure: Callable[[str, int, Exception | None], Exception],
+    on_stall: Callable[[str, int, float], None],
+    capacity: int = DEFAULT_CAPACITY,
+    directory: str = "/dev/shm",
+    host: str | None = None,
+    why_not: str | None = None,
+    namespace: str | None = None,
+    process: tuple[int, str | None] | None = None,
+) -> tuple[SharedMemoryGroup | None, str, bool]:
     """Meets the other ranks through ``store`` and maps one shared file if every rank can; returns the group
     (or None), the reason in words (for ``explain()``), and whether the sums fall back to the process group
     although every worker runs on this host and none turned this off (a slower job the user should hear of).
@@ -240,8 +267,11 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
         try:
             store.wait(keys, wait)
         except Exception as exc:  # noqa: BLE001 - a store wait that runs out: name who did not publish
-            missing = [task_names[r] for r, key in enumerate(keys) if not store.check([key])] if len(keys) > 1 else \
-                [task_names[0]]
+            missing = (
+                [task_names[r] for r, key in enumerate(keys) if not store.check([key])]
+                if len(keys) > 1
+                else [task_names[0]]
+            )
             raise CollectiveTimeoutError(
                 f"{task_names[rank]} (rank {rank}) waited {timeout:g} s for {what} from {', '.join(missing)}. "
                 f"Received: {type(exc).__name__}. Check that every worker is running, or raise the timeout."
@@ -251,8 +281,13 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
     # "off": this rank's user (shared_memory=False) or its switch turned the sums off, so nobody is told they are
     # slower than they could be.
     off = why_not == TURNED_OFF or eligibility.turned_off() is not None
-    me = {"host": host or host_identity(), "pid": pid, "start": started, "why_not": why_not or eligible(directory),
-          "off": off}
+    me = {
+        "host": host or host_identity(),
+        "pid": pid,
+        "start": started,
+        "why_not": why_not or eligible(directory),
+        "off": off,
+    }
     store.set(f"{prefix}rank/{rank}", json.dumps(me))
     ranks = [f"{prefix}rank/{r}" for r in range(world_size)]
     wait_for(ranks, "the shared-memory check-in")
@@ -261,7 +296,11 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
     path = None
     try:
         if rank == 0:
-            offer: dict[str, Any] = {"path": None, "nonce": secrets.token_hex(16), "why_not": _decide(infos, task_names, world_size)}
+            offer: dict[str, Any] = {
+                "path": None,
+                "nonce": secrets.token_hex(16),
+                "why_not": _decide(infos, task_names, world_size),
+            }
             if offer["why_not"] is None:
                 path, offer["why_not"] = files.create(directory, size, _head(offer["nonce"], world_size, capacity))
                 offer["path"] = path
@@ -270,8 +309,9 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
         offer = json.loads(store.get(f"{prefix}file"))
         mapping, problem = None, offer["why_not"]
         if problem is None:
-            mapping, problem = files.open_mapped(offer["path"], size, _head(offer["nonce"], world_size, capacity),
-                                                     maker="rank 0")
+            mapping, problem = files.open_mapped(
+                offer["path"], size, _head(offer["nonce"], world_size, capacity), maker="rank 0"
+            )
             problem = None if problem is None else f"{task_names[rank]}: {problem}"
         store.set(f"{prefix}mapped/{rank}", json.dumps(problem))
         mapped = [f"{prefix}mapped/{r}" for r in range(world_size)]
@@ -291,12 +331,26 @@ def connect(store: Any, *, rank: int, world_size: int, task_names: Sequence[str]
         one_host = world_size > 1 and len({info["host"] for info in infos}) == 1
         return None, refused[0], one_host and not any(info["off"] for info in infos)
     assert mapping is not None  # no rank refused, this one included: it mapped the file
-    group = SharedMemoryGroup(mapping, rank=rank, world_size=world_size, capacity=capacity,
-                              processes=[(info["pid"], info["start"]) for info in infos], task_names=task_names,
-                              timeout=timeout,
-                              stall_warning_after=stall_warning_after, on_failure=on_failure, on_stall=on_stall)
-    return group, (f"all {world_size} workers run on this host, so gradients are summed through shared memory "
-                   f"({size / 2**20:.1f} MiB in {directory}) instead of Gloo's loopback TCP"), False
+    group = SharedMemoryGroup(
+        mapping,
+        rank=rank,
+        world_size=world_size,
+        capacity=capacity,
+        processes=[(info["pid"], info["start"]) for info in infos],
+        task_names=task_names,
+        timeout=timeout,
+        stall_warning_after=stall_warning_after,
+        on_failure=on_failure,
+        on_stall=on_stall,
+    )
+    return (
+        group,
+        (
+            f"all {world_size} workers run on this host, so gradients are summed through shared memory "
+            f"({size / 2**20:.1f} MiB in {directory}) instead of Gloo's loopback TCP"
+        ),
+        False,
+    )
 
 
 def _decide(infos: list[dict[str, Any]], task_names: Sequence[str], world_size: int) -> str | None:

@@ -46,8 +46,9 @@ class LocalAccumulation:
         self._stash: list[list[torch.Tensor | None] | None] = []
         self._hooks: list[Any] = []
 
-    def attach(self, replica_params: Sequence[Sequence[nn.Parameter]],
-               optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def attach(
+        self, replica_params: Sequence[Sequence[nn.Parameter]], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> None:
         """The parameters (those that require grad) of each local replica and the plain optimizers that
         update them, from `distribute`."""
         self._params = [list(ps) for ps in replica_params]
@@ -177,4 +178,3 @@ class LocalAccumulation:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-

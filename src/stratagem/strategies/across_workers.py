@@ -48,8 +48,17 @@ def choose_backend(devices: list[torch.device]) -> tuple[str, str]:
 class AcrossWorkers:
     """Sums every backward pass's gradients across the workers of `cluster` (see the module docstring)."""
 
-    def __init__(self, cw: CrossWorker, cluster: Cluster, devices: list[torch.device], backend: str,
-                 backend_reason: str, *, bucket_bytes: int, first_bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        cw: CrossWorker,
+        cluster: Cluster,
+        devices: list[torch.device],
+        backend: str,
+        backend_reason: str,
+        *,
+        bucket_bytes: int,
+        first_bucket_bytes: int,
+    ) -> None:
         self.cw = cw
         self.cluster = cluster
         self.world_size = cluster.world_size
@@ -68,20 +77,28 @@ class AcrossWorkers:
         """Sums of CPU tensors through one host's shared memory, where every worker runs on this host."""
         if self.backend == "nccl":
             if wanted:
-                raise InputError("shared_memory=True sums CPU tensors, but this worker's replicas are on GPUs, which "
-                                 f"use NCCL. Received: devices {[str(d) for d in self._devices]}. Leave shared_memory "
-                                 "unset for GPUs.")
+                raise InputError(
+                    "shared_memory=True sums CPU tensors, but this worker's replicas are on GPUs, which "
+                    f"use NCCL. Received: devices {[str(d) for d in self._devices]}. Leave shared_memory "
+                    "unset for GPUs."
+                )
             return
         on_cpu = all(d.type == "cpu" for d in self._devices)
         why, fell_back = self.cw.connect_shared_memory(
-            wanted=wanted is not False, why_not=None if on_cpu else "the replicas are on GPUs without NCCL")
+            wanted=wanted is not False, why_not=None if on_cpu else "the replicas are on GPUs without NCCL"
+        )
         if wanted and self.cw.shared is None:
-            raise InputError(f"shared_memory=True, but the workers cannot sum through shared memory. Received: {why}. "
-                             "Leave shared_memory unset to use Gloo in that case.")
+            raise InputError(
+                f"shared_memory=True, but the workers cannot sum through shared memory. Received: {why}. "
+                "Leave shared_memory unset to use Gloo in that case."
+            )
         if fell_back and self.cluster.rank == 0:
-            logger.warning("Every worker runs on this host, but gradients cross workers through Gloo's loopback TCP, "
-                           "which is slower than shared memory: %s. Make room in /dev/shm (a container's "
-                           "--shm-size), or pass shared_memory=False to keep Gloo without this warning.", why)
+            logger.warning(
+                "Every worker runs on this host, but gradients cross workers through Gloo's loopback TCP, "
+                "which is slower than shared memory: %s. Make room in /dev/shm (a container's "
+                "--shm-size), or pass shared_memory=False to keep Gloo without this warning.",
+                why,
+            )
         choice = "shared memory" if self.cw.shared is not None else "gloo"
         self._recorded.append(PlacementDecision(subject="cross-worker sums", choice=choice, reason=why))
 
@@ -91,8 +108,11 @@ class AcrossWorkers:
         self._broadcast_from_chief(replicas)
         if len(replicas) == 1:
             self._buckets = GradientBuckets(
-                replica_params[0], bucket_bytes=self._bucket_bytes, first_bucket_bytes=self._first_bucket_bytes,
-                count_users=True, after_host_read=self.cw.check,  # grad None where no worker used it, as on one device
+                replica_params[0],
+                bucket_bytes=self._bucket_bytes,
+                first_bucket_bytes=self._first_bucket_bytes,
+                count_users=True,
+                after_host_read=self.cw.check,  # grad None where no worker used it, as on one device
             )
             self.sums_whole_backward = True
 
@@ -185,7 +205,9 @@ class AcrossWorkers:
 
     def details(self) -> dict[str, str]:
         cluster = self.cluster
-        details = {"cluster": f"{cluster.task_name}, rank {cluster.rank} of {cluster.world_size} (from {cluster.source})"}
+        details = {
+            "cluster": f"{cluster.task_name}, rank {cluster.rank} of {cluster.world_size} (from {cluster.source})"
+        }
         if self._buckets is not None:
             details["gradient buckets (MiB, in launch order)"] = self._buckets.describe()
         return details

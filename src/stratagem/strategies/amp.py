@@ -159,7 +159,9 @@ _SHARED_SCALER_SYMPTOMS = (
 
 def shared_scaler_error(error: BaseException) -> InputError | None:
     """What torch's GradScaler raises when several replica threads share it, said plainly; None otherwise."""
-    if not isinstance(error, (RuntimeError, AssertionError)) or not any(s in str(error) for s in _SHARED_SCALER_SYMPTOMS):
+    if not isinstance(error, (RuntimeError, AssertionError)) or not any(
+        s in str(error) for s in _SHARED_SCALER_SYMPTOMS
+    ):
         return None
     return InputError(
         "A torch.amp.GradScaler was called by several replicas of this process at once; it keeps one record per "

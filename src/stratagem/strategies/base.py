@@ -153,7 +153,9 @@ class Strategy(abc.ABC):
         _check_iterable(dataset, "distribute_dataset")
         return DistributedDataset(self, dataset)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> "DistributedDataset":
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]]
+    ) -> "DistributedDataset":
         """Builds the input of each input pipeline with `dataset_fn(input_context)`.
 
         The iterable it returns yields PER-REPLICA batches: each local replica takes the next one.
@@ -238,8 +240,7 @@ class Strategy(abc.ABC):
                 "returned. Received: a call from inside a replica's step function. Return the value from the "
                 "step function and gather the result."
             )
-        return gather_values(value, axis, len(self._local_devices), self._gather_across_workers,
-                             self._reduce_device())
+        return gather_values(value, axis, len(self._local_devices), self._gather_across_workers, self._reduce_device())
 
     def step(self, fn: Callable[..., Any] | None = None, *, returns: str = "mean") -> Any:
         """Makes `fn` a step function called with the GLOBAL batch that runs once per replica.
@@ -297,7 +298,9 @@ class Strategy(abc.ABC):
         if not isinstance(model, nn.Module):
             raise InputError(f"distribute() needs a torch.nn.Module. Received: {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise InputError(f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}.")
+            raise InputError(
+                f"distribute() needs a torch.optim.Optimizer or None. Received: {type(optimizer).__name__}."
+            )
         if held is not None:
             raise InputError(
                 "This strategy already holds a distributed model; a strategy distributes one model. "
@@ -333,11 +336,16 @@ class Strategy(abc.ABC):
             # replicas all weigh zero still joins the sums across workers, with zeros.
             kept = [(t, n) for t, n in zip(tensors, sizes) if n > 0]
             as_float = [t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]
-            weighted = (torch.stack([f * n for f, (t, n) in zip(as_float, zip(tensors, sizes)) if n > 0]).sum(dim=0)
-                        if kept else torch.zeros_like(as_float[0]))
+            weighted = (
+                torch.stack([f * n for f, (t, n) in zip(as_float, zip(tensors, sizes)) if n > 0]).sum(dim=0)
+                if kept
+                else torch.zeros_like(as_float[0])
+            )
             count = torch.tensor(float(sum(sizes)), device=device)
         else:
-            weighted = torch.stack([t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]).sum(dim=0)
+            weighted = torch.stack(
+                [t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]
+            ).sum(dim=0)
             count = torch.tensor(float(len(tensors)), device=device)
         return self._cross_worker_sum(weighted) / self._cross_worker_sum(count)
 
@@ -437,4 +445,3 @@ def stack_batch(pieces: Sequence[Any]) -> Any:
         return leaf
 
     return map_structure(make, pieces[0])
-

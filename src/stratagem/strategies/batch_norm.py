@@ -62,20 +62,27 @@ def check_batch_norm_mode(mode: Any) -> str:
 def batch_norm_decision(mode: str) -> PlacementDecision:
     """The decision `explain()` shows for `mode`."""
     if mode == "global":
-        why = ("each BatchNorm layer normalises with the mean and variance of the whole global batch, forward and "
-               "backward, so training equals one device and every replica holds the same running statistics "
-               "(the ones state_dict() and evaluation read); batch_norm='per_replica' is cheaper")
+        why = (
+            "each BatchNorm layer normalises with the mean and variance of the whole global batch, forward and "
+            "backward, so training equals one device and every replica holds the same running statistics "
+            "(the ones state_dict() and evaluation read); batch_norm='per_replica' is cheaper"
+        )
         return PlacementDecision(subject="BatchNorm statistics", choice="global batch", reason=why)
-    why = ("batch_norm='per_replica': each replica normalises with its own slice's statistics and keeps its own "
-           "running statistics (TensorFlow's default; no exchange), so the result differs from one device and "
-           "state_dict() and evaluation read replica 0's running statistics")
+    why = (
+        "batch_norm='per_replica': each replica normalises with its own slice's statistics and keeps its own "
+        "running statistics (TensorFlow's default; no exchange), so the result differs from one device and "
+        "state_dict() and evaluation read replica 0's running statistics"
+    )
     return PlacementDecision(subject="BatchNorm statistics", choice="per replica", reason=why)
 
 
 def batch_norm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
     """The BatchNorm layers of `model` this module synchronises, by name (torch's SyncBatchNorm excluded)."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
 
 
 @dataclass
@@ -120,9 +127,18 @@ class BatchNormSync:
         cross_worker_sum: sums across workers (MultiWorkerMirroredStrategy), or None.
     """
 
-    def __init__(self, mode: str, *, strategy: Any, barrier: ReplicaBarrier, num_local: int, num_replicas_in_sync: int,
-                 weight: Callable[[int], float | None], step: Callable[[], int],
-                 cross_worker_sum: CrossWorkerSum | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        *,
+        strategy: Any,
+        barrier: ReplicaBarrier,
+        num_local: int,
+        num_replicas_in_sync: int,
+        weight: Callable[[int], float | None],
+        step: Callable[[], int],
+        cross_worker_sum: CrossWorkerSum | None = None,
+    ) -> None:
         self.mode = check_batch_norm_mode(mode)
         self._strategy = strategy
         self._barrier = barrier
@@ -167,16 +183,22 @@ class BatchNormSync:
         if not self._names:
             return {}
         if self.mode == "per_replica" or self._num_in_sync == 1:
-            return {"BatchNorm layers": f"{len(self._names)} layer(s), statistics of each replica's own slice, "
-                                        "nothing exchanged"}
+            return {
+                "BatchNorm layers": f"{len(self._names)} layer(s), statistics of each replica's own slice, "
+                "nothing exchanged"
+            }
         across = " and a sum across workers" if self._cross_worker_sum is not None else ""
-        costs = "; ".join(f"{name or '(model)'}: {2 * c + 1} + {2 * c} float64 values"
-                          for name, c in zip(self._names, self._channels))
+        costs = "; ".join(
+            f"{name or '(model)'}: {2 * c + 1} + {2 * c} float64 values" for name, c in zip(self._names, self._channels)
+        )
         total = sum(4 * c + 1 for c in self._channels) * 8
-        return {"BatchNorm layers": (
-            f"{len(self._names)} layer(s), each training call exchanges [sum, sum of squares, count] per channel in "
-            f"forward and [sum dy, sum dy*x_hat] in backward: one meeting of the local replicas each way{across}; "
-            f"per replica and step {total} bytes ({costs})")}
+        return {
+            "BatchNorm layers": (
+                f"{len(self._names)} layer(s), each training call exchanges [sum, sum of squares, count] per channel in "
+                f"forward and [sum dy, sum dy*x_hat] in backward: one meeting of the local replicas each way{across}; "
+                f"per replica and step {total} bytes ({costs})"
+            )
+        }
 
     # ---- the forward a layer gets -------------------------------------------------------------
     def _forward(self, layer: int, module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
@@ -196,9 +218,15 @@ class BatchNormSync:
             return plain(module, input)
         factor = _update_factor(module)
         call = _Call(self, layer, replica, standing_in(), module.eps)
-        return _GlobalBatchNorm.apply(input, module.weight, module.bias, call,
-                                      module.running_mean if module.training else None,
-                                      module.running_var if module.training else None, factor)
+        return _GlobalBatchNorm.apply(
+            input,
+            module.weight,
+            module.bias,
+            call,
+            module.running_mean if module.training else None,
+            module.running_var if module.training else None,
+            factor,
+        )
 
     # ---- the meeting --------------------------------------------------------------------------
     def _exchange(self, replica: int, local: torch.Tensor, what: str) -> torch.Tensor:
@@ -261,8 +289,16 @@ class _GlobalBatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, call: _Call,
-                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, factor: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        call: _Call,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        factor: float,
+    ) -> torch.Tensor:
         channels = x.shape[1]
         sync = call.sync
         if call.standing_in:
@@ -272,8 +308,13 @@ class _GlobalBatchNorm(torch.autograd.Function):
             mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # biased variance
             mean64 = mean.double()
             # [sum, sum of squares, count] in float64, built from a stable mean and variance.
-            local = torch.cat([mean64 * count, (var.double() + mean64 * mean64) * count,
-                               torch.tensor([float(count)], dtype=torch.float64, device=x.device)])
+            local = torch.cat(
+                [
+                    mean64 * count,
+                    (var.double() + mean64 * mean64) * count,
+                    torch.tensor([float(count)], dtype=torch.float64, device=x.device),
+                ]
+            )
         name = sync._layer_name(call.layer)
         total = sync._exchange(call.replica, local, f"BatchNorm statistics of '{name}' (forward)")
         size = float(total[-1])
@@ -283,7 +324,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
                 f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})."
             )
         mean64 = total[:channels] / size
-        var64 = (total[channels:2 * channels] / size - mean64 * mean64).clamp_(min=0)
+        var64 = (total[channels : 2 * channels] / size - mean64 * mean64).clamp_(min=0)
         if running_mean is not None and running_var is not None:
             running_mean.mul_(1 - factor).add_(mean64.to(running_mean.dtype), alpha=factor)
             running_var.mul_(1 - factor).add_((var64 * (size / (size - 1))).to(running_var.dtype), alpha=factor)
@@ -305,7 +346,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         dy = dy.contiguous()
         # Local sums: sum dy, and sum dy * x_hat (x_hat normalised with the global statistics).
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, mean, var, None, None, False, call.eps, [False, True, True])
+            dy, x, weight, mean, var, None, None, False, call.eps, [False, True, True]
+        )
         grad_weight = grad_bias = grad_x = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros_like(sum_dy_xhat) if call.standing_in else sum_dy_xhat
@@ -363,7 +405,6 @@ def per_replica_check(module: _BatchNorm, input: torch.Tensor, replica: int, nam
             "Use batch_norm='global' (the default), whose statistics cover the whole global batch, or a global "
             "batch of at least two examples per replica."
         )
-
 
 
 def _normalise_stand_in(module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:

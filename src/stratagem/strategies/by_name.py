@@ -38,7 +38,8 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     "central_storage": lambda names, registry: CentralStorageStrategy(names, registry=registry),
     # Two micro-batches per global batch, so the stages really work at the same time (GPipe).
     "model_parallel": lambda names, registry: ModelParallelStrategy(
-        stages=names, num_micro_batches=MODEL_PARALLEL_MICRO_BATCHES, registry=registry),
+        stages=names, num_micro_batches=MODEL_PARALLEL_MICRO_BATCHES, registry=registry
+    ),
     # The cluster (chief, workers, parameter servers) comes from TF_CONFIG, as `stratagem launch --ps` sets it.
     "parameter_server": lambda names, registry: ParameterServerStrategy(),
 }
@@ -49,8 +50,9 @@ STRATEGY_NAMES = tuple(STRATEGY_BUILDERS)
 """The strategies that can be built by name, by their command-line name."""
 
 
-def build_strategy(name: str, devices: Sequence[str] | None = None, *,
-                   registry: DeviceRegistry | None = None) -> tuple[Strategy, PlacementDecision]:
+def build_strategy(
+    name: str, devices: Sequence[str] | None = None, *, registry: DeviceRegistry | None = None
+) -> tuple[Strategy, PlacementDecision]:
     """The strategy ``name`` over ``devices``, or over the devices chosen for this machine, and why.
 
     Without devices, ``mirrored`` uses every GPU, or on a machine without one two logical CPU
@@ -93,12 +95,15 @@ def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], Pl
     cpus = [d.name for d in registry.get_logical_devices("cpu")]
     if name in ("multi_worker", "parameter_server"):
         # One replica per worker process: the workers already share the cores between them.
-        return cpus[:1], PlacementDecision(subject="devices", choice=cpus[0],
-                                           reason=f"{no_gpu} So one CPU replica per worker process.")
+        return cpus[:1], PlacementDecision(
+            subject="devices", choice=cpus[0], reason=f"{no_gpu} So one CPU replica per worker process."
+        )
     if name == "one_device":
         return cpus[:1], PlacementDecision(subject="devices", choice=cpus[0], reason=f"{no_gpu} So the CPU.")
     chosen = cpus[:DEFAULT_CPU_REPLICAS]
     what = "stage(s)" if name == "model_parallel" else "replica(s)"
-    reason = (f"{no_gpu} So {len(chosen)} logical CPU {what} out of the {len(cpus)} logical CPU device(s), "
-              f"to train {name} on the CPU. Choose others with --devices.")
+    reason = (
+        f"{no_gpu} So {len(chosen)} logical CPU {what} out of the {len(cpus)} logical CPU device(s), "
+        f"to train {name} on the CPU. Choose others with --devices."
+    )
     return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=reason)

@@ -50,8 +50,9 @@ class CentralModel(DistributedModel):
         >>> model.state_dict()       # outside: the central copy (the parameters, once)
     """
 
-    def __init__(self, central: nn.Module, replicas: Sequence[nn.Module], strategy: Any,
-                 update: _CentralUpdate) -> None:
+    def __init__(
+        self, central: nn.Module, replicas: Sequence[nn.Module], strategy: Any, update: _CentralUpdate
+    ) -> None:
         # Not registered as a sub-module (nn.Module's __setattr__ would): parameters() lists one copy's parameters.
         object.__setattr__(self, "_central", central)
         object.__setattr__(self, "_update", update)

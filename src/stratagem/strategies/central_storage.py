@@ -100,8 +100,9 @@ class CentralStorageStrategy(ReplicatedStrategy):
         if require_gpu and not any(d.type == "cuda" for d in placement.devices):
             raise GpuUnavailableError(_no_gpu_message(devices))
         self._update = CentralUpdate(placement, parameter_device, share_parameters, registry)
-        self._replicas = ReplicaSet(self, placement, build=self._update, combine=self._update.local_combine(),
-                                    batch_norm=mode, timeout=timeout)
+        self._replicas = ReplicaSet(
+            self, placement, build=self._update, combine=self._update.local_combine(), batch_norm=mode, timeout=timeout
+        )
 
     @property
     def parameter_device(self) -> torch.device:

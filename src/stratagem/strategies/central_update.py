@@ -41,8 +41,13 @@ class CentralUpdate:
     steal = False  # the central reduction is done by one thread; nothing to combine early
     accumulates = False  # every backward combines onto the central device; no_sync() has nothing to skip
 
-    def __init__(self, placement: ReplicaDevices, parameter_device: str | torch.device | None, share_parameters: bool,
-                 registry: sg_devices.DeviceRegistry | None) -> None:
+    def __init__(
+        self,
+        placement: ReplicaDevices,
+        parameter_device: str | torch.device | None,
+        share_parameters: bool,
+        registry: sg_devices.DeviceRegistry | None,
+    ) -> None:
         self._logical = placement.logical
         self._devices = placement.devices
         self._names = placement.names
@@ -70,7 +75,9 @@ class CentralUpdate:
             try:
                 (logical,) = sg_devices.resolve_devices([parameter_device], registry=registry)
             except DeviceError as error:
-                raise DeviceError(f"parameter_device={str(parameter_device)!r} cannot hold the parameters: {error}") from None
+                raise DeviceError(
+                    f"parameter_device={str(parameter_device)!r} cannot hold the parameters: {error}"
+                ) from None
             why = "given by parameter_device="
         elif len(self._logical) == 1:
             logical = self._logical[0]
@@ -95,14 +102,20 @@ class CentralUpdate:
         elsewhere = [r for r, d in enumerate(self._devices) if d != central]
         parts = []
         if in_place:
-            parts.append(f"{self._describe(in_place)} compute on {central}, the central device, and read its "
-                         "parameters in place (no copy)")
+            parts.append(
+                f"{self._describe(in_place)} compute on {central}, the central device, and read its "
+                "parameters in place (no copy)"
+            )
         if by_choice:
-            parts.append(f"{self._describe(by_choice)} receive a copy of every parameter at the start of each step "
-                         "(share_parameters=False)")
+            parts.append(
+                f"{self._describe(by_choice)} receive a copy of every parameter at the start of each step "
+                "(share_parameters=False)"
+            )
         if elsewhere:
-            parts.append(f"{self._describe(elsewhere)} compute on another device than {central}, so they receive a "
-                         "copy of every parameter at the start of each step")
+            parts.append(
+                f"{self._describe(elsewhere)} compute on another device than {central}, so they receive a "
+                "copy of every parameter at the start of each step"
+            )
         copied = len(by_choice) + len(elsewhere)
         choice = "none" if not copied else f"one per step to {copied} replica(s)"
         return PlacementDecision(subject="parameter copies", choice=choice, reason="; ".join(parts))
@@ -114,28 +127,41 @@ class CentralUpdate:
         if len(self._devices) == 1:
             if self._aliased[0]:
                 return LocalCombine(reducer, None)  # one replica on the central parameters: nothing to combine
-            return LocalCombine(reducer, PlacementDecision(
-                subject="gradient combination", choice="none (one replica)",
-                reason=f"the replica's gradient is copied to {central} when optimizer.step() runs",
-            ))
+            return LocalCombine(
+                reducer,
+                PlacementDecision(
+                    subject="gradient combination",
+                    choice="none (one replica)",
+                    reason=f"the replica's gradient is copied to {central} when optimizer.step() runs",
+                ),
+            )
         if all(self._aliased):
             # Every replica is a logical device of the central CPU: the in-memory reduction already forms the
             # weighted sum in the central memory, spread over the replica threads.
-            return LocalCombine(reducer, PlacementDecision(
-                subject="gradient combination", choice=f"in-memory, on {central}",
-                reason=f"every replica computes on {central}, the central device, so each replica thread sums 1/N of "
-                "every weighted gradient in place there and writes the sum into every replica's gradient",
-            ))
-        return LocalCombine(ReduceToCentralDevice(central, self._anchor), PlacementDecision(
-            subject="gradient combination", choice=f"reduce onto {central}",
-            reason=f"each replica's weighted gradient is copied to {central} and summed there; the sum is copied back "
-            "to every replica so that clipping in the step function sees the gradient of the global batch",
-        ))
+            return LocalCombine(
+                reducer,
+                PlacementDecision(
+                    subject="gradient combination",
+                    choice=f"in-memory, on {central}",
+                    reason=f"every replica computes on {central}, the central device, so each replica thread sums 1/N of "
+                    "every weighted gradient in place there and writes the sum into every replica's gradient",
+                ),
+            )
+        return LocalCombine(
+            ReduceToCentralDevice(central, self._anchor),
+            PlacementDecision(
+                subject="gradient combination",
+                choice=f"reduce onto {central}",
+                reason=f"each replica's weighted gradient is copied to {central} and summed there; the sum is copied back "
+                "to every replica so that clipping in the step function sees the gradient of the global batch",
+            ),
+        )
 
     def _update_decision(self) -> PlacementDecision:
         central = self.central_device
         return PlacementDecision(
-            subject="optimizer update", choice=f"once per step, on {central}",
+            subject="optimizer update",
+            choice=f"once per step, on {central}",
             reason=f"every replica calls optimizer.step(); once all have, replica {self._applier} "
             f"({self._names[self._applier]}) applies the optimizer given to distribute() to the central parameters, "
             f"so its state exists once, on {central}",
@@ -193,16 +219,30 @@ class CentralUpdate:
         central = self.central_logical
         needs = []
         if central.physical.type == "cuda":
-            needs.append((central, diagnose.estimate_training_memory(model, optimizer),
-                          "The central copy (parameters, gradients and optimizer state)",
-                          ("Keep the parameters on the CPU (parameter_device='cpu'), or split the model across "
-                           "devices (model parallelism).")))
+            needs.append(
+                (
+                    central,
+                    diagnose.estimate_training_memory(model, optimizer),
+                    "The central copy (parameters, gradients and optimizer state)",
+                    (
+                        "Keep the parameters on the CPU (parameter_device='cpu'), or split the model across "
+                        "devices (model parallelism)."
+                    ),
+                )
+            )
         for device in self._logical:
             if device.physical.type == "cuda" and device.physical != central.physical:
-                needs.append((device, diagnose.estimate_training_memory(model, None),
-                              "A replica's compute copy (parameters and gradients)",
-                              ("Compute on GPUs with more free memory, or split the model across devices (model "
-                               "parallelism).")))
+                needs.append(
+                    (
+                        device,
+                        diagnose.estimate_training_memory(model, None),
+                        "A replica's compute copy (parameters and gradients)",
+                        (
+                            "Compute on GPUs with more free memory, or split the model across devices (model "
+                            "parallelism)."
+                        ),
+                    )
+                )
         for device, estimate, what, fix in needs:
             known = device.memory_room()
             if known is None:

@@ -47,7 +47,9 @@ def make_room_for_replicas(model: nn.Module, num_replicas: int) -> PlacementDeci
     return PlacementDecision(
         subject="torch.compile",
         choice=f"recompile limit {wanted} (at least {_base} per replica)",
-        reason=(f"the {num_replicas} replicas share one cache of compiled code, each entry guarded on its own "
-                f"replica's module; with torch's limit of {_base} the later replicas would fall back to eager "
-                "mode for good"),
+        reason=(
+            f"the {num_replicas} replicas share one cache of compiled code, each entry guarded on its own "
+            f"replica's module; with torch's limit of {_base} the later replicas would fall back to eager "
+            "mode for good"
+        ),
     )

@@ -33,12 +33,16 @@ def tf32_decision(devices: Sequence[torch.device]) -> PlacementDecision | None:
     conv = _flag(lambda: torch.backends.cudnn.allow_tf32)
     choice = f"matmul {_word(matmul)}, cuDNN convolutions {_word(conv)}"
     if matmul is False and conv is False:
-        why = ("float32 runs in full float32, so replicas match one device to 1e-5 as promised "
-               "(torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 are off)")
+        why = (
+            "float32 runs in full float32, so replicas match one device to 1e-5 as promised "
+            "(torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 are off)"
+        )
     else:
-        why = ("torch's process-wide switches, left as set: with TF32 on, float32 matmuls/convolutions round their "
-               "inputs to 10 mantissa bits, so float32 results differ from one device by more than 1e-5; set "
-               "torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False for exact float32")
+        why = (
+            "torch's process-wide switches, left as set: with TF32 on, float32 matmuls/convolutions round their "
+            "inputs to 10 mantissa bits, so float32 results differ from one device by more than 1e-5; set "
+            "torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False for exact float32"
+        )
     return PlacementDecision(subject="TF32", choice=choice, reason=why)
 
 
@@ -47,8 +51,9 @@ def replica_seed(base: int, replica: int) -> int:
     return (base + replica * REPLICA_SEED_STRIDE) % (2**63)
 
 
-def seed_replica_streams(devices: Sequence[torch.device], first_replica: int,
-                         seed_device: Callable[[int, int], None] | None = None) -> PlacementDecision | None:
+def seed_replica_streams(
+    devices: Sequence[torch.device], first_replica: int, seed_device: Callable[[int, int], None] | None = None
+) -> PlacementDecision | None:
     """Gives each GPU replica its own reproducible random stream (see the module docstring).
 
     `first_replica` is the global index of this process's first replica (rank * local replicas under
@@ -58,18 +63,28 @@ def seed_replica_streams(devices: Sequence[torch.device], first_replica: int,
     if not gpus:
         return None
     if len({d for _, d in gpus}) != len(gpus):
-        return PlacementDecision(subject="random streams", choice="shared per GPU", reason=(
-            "several replicas share a GPU and so its one generator: they draw from it in the order their "
-            "threads run, which differs from run to run (dropout is then not reproducible)"))
+        return PlacementDecision(
+            subject="random streams",
+            choice="shared per GPU",
+            reason=(
+                "several replicas share a GPU and so its one generator: they draw from it in the order their "
+                "threads run, which differs from run to run (dropout is then not reproducible)"
+            ),
+        )
     seed_device = seed_device or _seed_device
     base = torch.initial_seed()
     for replica, device in gpus:
         if replica != 0:
             seed_device(device.index or 0, replica_seed(base, replica))
-    return PlacementDecision(subject="random streams", choice="one per replica", reason=(
-        "each GPU replica's generator is seeded with the base seed + replica x 0x9E3779B97F4A7C15 at "
-        "distribute() (replica 0 keeps torch's own stream): dropout differs across replicas and repeats from "
-        "run to run; call torch.manual_seed before distribute()"))
+    return PlacementDecision(
+        subject="random streams",
+        choice="one per replica",
+        reason=(
+            "each GPU replica's generator is seeded with the base seed + replica x 0x9E3779B97F4A7C15 at "
+            "distribute() (replica 0 keeps torch's own stream): dropout differs across replicas and repeats from "
+            "run to run; call torch.manual_seed before distribute()"
+        ),
+    )
 
 
 def _seed_device(index: int, seed: int) -> None:

@@ -243,9 +243,13 @@ class DistributedOptimizer(ReplicatedOptimizer):
 
 def _private_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
     """`state_dict` with every state tensor cloned (the structure copied, other values kept)."""
-    state = {key: {name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-                   for name, value in entry.items()}
-             for key, entry in state_dict["state"].items()}
+    state = {
+        key: {
+            name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            for name, value in entry.items()
+        }
+        for key, entry in state_dict["state"].items()
+    }
     return {**state_dict, "state": state, "param_groups": copy.deepcopy(state_dict["param_groups"])}
 
 

@@ -50,10 +50,12 @@ from stratagem.values import flatten, map_structure
 
 _state = threading.local()
 
-RULE = ("a replica whose slice is empty runs the step function as the others do, but the model runs on a "
-        "one-example stand-in batch whose outputs are cut back to zero examples, so the model never sees an empty "
-        "batch; the replica takes part in every collective with weight zero (BatchNorm sums count it as zero "
-        "examples) and ends the step with the same parameters and optimizer state")
+RULE = (
+    "a replica whose slice is empty runs the step function as the others do, but the model runs on a "
+    "one-example stand-in batch whose outputs are cut back to zero examples, so the model never sees an empty "
+    "batch; the replica takes part in every collective with weight zero (BatchNorm sums count it as zero "
+    "examples) and ends the step with the same parameters and optimizer state"
+)
 
 
 def standing_in() -> bool:

@@ -105,6 +105,7 @@ def _describe(item: Any) -> str:
 
 def to_bytes(items: list[Any]) -> bytes:
     """Serializes this worker's contributions for the trip to the other workers (tensors moved to the CPU)."""
+
     def to_cpu(leaf: Any) -> Any:
         return leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf
 
@@ -127,7 +128,10 @@ def from_bytes(payload: bytes, who: str) -> list[Any]:
 
 
 def gather_values(
-    value: Any, axis: int, num_local_replicas: int, across_workers: Callable[[list[Any]], list[Any]],
+    value: Any,
+    axis: int,
+    num_local_replicas: int,
+    across_workers: Callable[[list[Any]], list[Any]],
     device: torch.device,
 ) -> Any:
     """The whole of `gather`: local contributions, then every worker's (in rank order), then joined."""

@@ -76,8 +76,10 @@ class MirroredStrategy(ReplicatedStrategy):
     ) -> None:
         mode = check_batch_norm_mode(batch_norm)
         timeout = check_timeout(timeout)
-        placement = place_replicas(devices, require_gpu=require_gpu, registry=registry,
-                                   intra_op_threads=intra_op_threads)
+        placement = place_replicas(
+            devices, require_gpu=require_gpu, registry=registry, intra_op_threads=intra_op_threads
+        )
         combine = choose_local_combine(placement.devices, nccl_available=_nccl_available(placement.devices))
-        self._replicas = ReplicaSet(self, placement, build=MirroredReplicas(share_parameters), combine=combine,
-                                    batch_norm=mode, timeout=timeout)
+        self._replicas = ReplicaSet(
+            self, placement, build=MirroredReplicas(share_parameters), combine=combine, batch_norm=mode, timeout=timeout
+        )

@@ -138,22 +138,35 @@ class ModelParallelStrategy(Strategy):
             self._split_points = self._check_split_points(split_points)
             self._check_one_stage_per_gpu()
             self._output = self._stage_devices[-1]
-            self._decisions.append(PlacementDecision(
-                subject="stages", choice=", ".join(d.name for d in self._stage_devices), reason="given by stages="))
+            self._decisions.append(
+                PlacementDecision(
+                    subject="stages", choice=", ".join(d.name for d in self._stage_devices), reason="given by stages="
+                )
+            )
         else:
             self._placement = self._resolve_placement(placement, split_points, registry)
             self._stage_devices = list({d.name: d for d in self._placement.values()}.values())
             self._output = self._placement[ROOT]
         self._decisions.append(self._micro_batch_decision())
-        self._decisions.append(PlacementDecision(
-            subject="input and output device", choice=self._output.name,
-            reason=(("the last stage's device, where the model's output is" if stages is not None else
-                     "the model's own device, where its forward returns its output")
+        self._decisions.append(
+            PlacementDecision(
+                subject="input and output device",
+                choice=self._output.name,
+                reason=(
+                    (
+                        "the last stage's device, where the model's output is"
+                        if stages is not None
+                        else "the model's own device, where its forward returns its output"
+                    )
                     + "; distribute_dataset puts batches (inputs and targets) there, and the model moves its "
-                    "input to the modules that need it")))
+                    "input to the modules that need it"
+                ),
+            )
+        )
         self._threads_per_stage = self._choose_threads(intra_op_threads)
         self._stages: list[StageInfo] = [
-            StageInfo(s, d.name, str(d.physical), (), 0, None) for s, d in enumerate(self._stage_devices)]
+            StageInfo(s, d.name, str(d.physical), (), 0, None) for s, d in enumerate(self._stage_devices)
+        ]
         self._pipeline: Pipeline | None = None
         self._hooks: list[Any] = []
         self._model: nn.Module | None = None
@@ -163,10 +176,15 @@ class ModelParallelStrategy(Strategy):
         if split_points is None:
             return None
         num_stages = len(self._stage_devices)
-        points = list(split_points) if isinstance(split_points, Sequence) and not isinstance(split_points, str) else None
-        if (points is None or len(points) != num_stages - 1
-                or not all(isinstance(p, int) and not isinstance(p, bool) for p in points)
-                or any(b <= a for a, b in zip([0] + points, points))):
+        points = (
+            list(split_points) if isinstance(split_points, Sequence) and not isinstance(split_points, str) else None
+        )
+        if (
+            points is None
+            or len(points) != num_stages - 1
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in points)
+            or any(b <= a for a, b in zip([0] + points, points))
+        ):
             raise InputError(
                 f"split_points must list, in increasing order, the layer index where each of stages 1..{num_stages - 1} "
                 f"starts: {num_stages - 1} whole number(s) >= 1 for {num_stages} stages. Received: "
@@ -187,8 +205,9 @@ class ModelParallelStrategy(Strategy):
                 "them on different GPUs."
             )
 
-    def _resolve_placement(self, placement: Any, split_points: Any,
-                           registry: sg_devices.DeviceRegistry | None) -> dict[str, sg_devices.LogicalDevice]:
+    def _resolve_placement(
+        self, placement: Any, split_points: Any, registry: sg_devices.DeviceRegistry | None
+    ) -> dict[str, sg_devices.LogicalDevice]:
         if not isinstance(placement, Mapping) or not placement or not all(isinstance(k, str) for k in placement):
             raise InputError(
                 f"placement must map module names to devices. Received: placement={placement!r}. Use e.g. "
@@ -205,37 +224,54 @@ class ModelParallelStrategy(Strategy):
                 f"runs, which has no stages to pipeline. Received: num_micro_batches={self._num_micro_batches} with "
                 "placement=. Use num_micro_batches=1, or stages=[...] with the model written as an nn.Sequential."
             )
-        resolved = {name: sg_devices.resolve_devices([device], registry=registry)[0] for name, device in placement.items()}
+        resolved = {
+            name: sg_devices.resolve_devices([device], registry=registry)[0] for name, device in placement.items()
+        }
         if ROOT in resolved:
             why = "given by placement['']"
         else:
             first = next(iter(resolved.values()))
             resolved = {ROOT: first, **resolved}
-            why = ("the first device of placement=; the model's own code and any module not named in placement= "
-                   "run there (add '' to placement= to choose)")
-        self._decisions.append(PlacementDecision(
-            subject="placement", choice=", ".join(f"{n or '(the model itself)'} -> {d.name}" for n, d in resolved.items()),
-            reason=f"given by placement=; the model itself on {resolved[ROOT].name}: {why}"))
+            why = (
+                "the first device of placement=; the model's own code and any module not named in placement= "
+                "run there (add '' to placement= to choose)"
+            )
+        self._decisions.append(
+            PlacementDecision(
+                subject="placement",
+                choice=", ".join(f"{n or '(the model itself)'} -> {d.name}" for n, d in resolved.items()),
+                reason=f"given by placement=; the model itself on {resolved[ROOT].name}: {why}",
+            )
+        )
         return resolved
 
     def _micro_batch_decision(self) -> PlacementDecision:
         m = self._num_micro_batches
         if self._placement is not None:
-            return PlacementDecision(subject="micro-batches", choice="1",
-                                     reason="placement= runs the model's own forward: modules run one after another")
+            return PlacementDecision(
+                subject="micro-batches",
+                choice="1",
+                reason="placement= runs the model's own forward: modules run one after another",
+            )
         if m == 1:
-            reason = ("num_micro_batches=1: each batch goes through the stages whole, one stage after another "
-                      "(no overlap; give num_micro_batches > 1 to pipeline)")
+            reason = (
+                "num_micro_batches=1: each batch goes through the stages whole, one stage after another "
+                "(no overlap; give num_micro_batches > 1 to pipeline)"
+            )
         else:
-            reason = (f"num_micro_batches={m}: GPipe schedule, every forward then every backward; stage s works on "
-                      "micro-batch m while stage s+1 works on m-1, and gradients accumulate over the micro-batches. "
-                      "The loss is computed on the whole output, so the update equals one device's")
+            reason = (
+                f"num_micro_batches={m}: GPipe schedule, every forward then every backward; stage s works on "
+                "micro-batch m while stage s+1 works on m-1, and gradients accumulate over the micro-batches. "
+                "The loss is computed on the whole output, so the update equals one device's"
+            )
         return PlacementDecision(subject="micro-batches", choice=str(m), reason=reason)
 
     def _choose_threads(self, intra_op_threads: int | None) -> int | None:
         if intra_op_threads is not None:
             if isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int) or intra_op_threads < 1:
-                raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads!r}.")
+                raise InputError(
+                    f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads!r}."
+                )
             if self._placement is not None:
                 raise InputError(
                     "intra_op_threads sets the torch threads of each pipeline stage's thread; with placement= the "
@@ -250,9 +286,13 @@ class ModelParallelStrategy(Strategy):
         else:
             total = torch.get_num_threads()
             threads = max(1, total // num_cpu)
-            why = (f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU stage(s), so stages "
-                   "running at once do not oversubscribe the cores")
-        self._decisions.append(PlacementDecision(subject="intra-op threads per CPU stage", choice=str(threads), reason=why))
+            why = (
+                f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU stage(s), so stages "
+                "running at once do not oversubscribe the cores"
+            )
+        self._decisions.append(
+            PlacementDecision(subject="intra-op threads per CPU stage", choice=str(threads), reason=why)
+        )
         return threads
 
     # ---- the Strategy vocabulary --------------------------------------------------------------
@@ -296,8 +336,10 @@ class ModelParallelStrategy(Strategy):
     def __repr__(self) -> str:
         if self._placement is not None:
             return f"ModelParallelStrategy(placement={ {n: d.name for n, d in self._placement.items()} })"
-        return (f"ModelParallelStrategy(stages={[d.name for d in self._stage_devices]}, "
-                f"num_micro_batches={self._num_micro_batches})")
+        return (
+            f"ModelParallelStrategy(stages={[d.name for d in self._stage_devices]}, "
+            f"num_micro_batches={self._num_micro_batches})"
+        )
 
     def close(self) -> None:
         """Stops the stage threads (the model stays usable: they start again when it is called)."""
@@ -318,8 +360,9 @@ class ModelParallelStrategy(Strategy):
             decisions.append(split)
         else:
             groups = group_placement(model, self._placement)
-        stages = [self._stage_info(s, device, names, params, optimizer)
-                  for s, (device, names, params) in enumerate(groups)]
+        stages = [
+            self._stage_info(s, device, names, params, optimizer) for s, (device, names, params) in enumerate(groups)
+        ]
         self._check_memory(stages)
         # Recorded only now: a refused model leaves the strategy as it was.
         self._stages = stages
@@ -336,15 +379,32 @@ class ModelParallelStrategy(Strategy):
         self._model = distributed
         return distributed if optimizer is None else (distributed, optimizer)
 
-    def _stage_info(self, stage: int, device: sg_devices.LogicalDevice, names: list[str],
-                    params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> StageInfo:
+    def _stage_info(
+        self,
+        stage: int,
+        device: sg_devices.LogicalDevice,
+        names: list[str],
+        params: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+    ) -> StageInfo:
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         state = diagnose.estimate_training_memory(trainable, optimizer)
-        memory = MemoryEstimate(parameter_bytes=param_bytes, gradient_bytes=trainable,
-                                optimizer_state_bytes=state.optimizer_state_bytes, optimizer=state.optimizer)
-        return StageInfo(stage, device.name, str(device.physical), tuple(names), sum(p.numel() for p in params),
-                         memory, tuple(params))
+        memory = MemoryEstimate(
+            parameter_bytes=param_bytes,
+            gradient_bytes=trainable,
+            optimizer_state_bytes=state.optimizer_state_bytes,
+            optimizer=state.optimizer,
+        )
+        return StageInfo(
+            stage,
+            device.name,
+            str(device.physical),
+            tuple(names),
+            sum(p.numel() for p in params),
+            memory,
+            tuple(params),
+        )
 
     def _check_memory(self, stages: list[StageInfo]) -> None:
         """Before anything is copied: does each GPU have room for its stage's training state?"""
@@ -369,9 +429,14 @@ class ModelParallelStrategy(Strategy):
             stage = nn.Sequential(collections.OrderedDict((name, children[name]) for name in info.modules))
             stage_modules.append(stage.to(device.physical))
         self._pipeline = Pipeline(
-            stage_modules, [d.physical for d in self._stage_devices], [d.name for d in self._stage_devices],
-            num_micro_batches=self._num_micro_batches, timeout=self._timeout,
-            threads_per_stage=self._threads_per_stage, strategy=self)
+            stage_modules,
+            [d.physical for d in self._stage_devices],
+            [d.name for d in self._stage_devices],
+            num_micro_batches=self._num_micro_batches,
+            timeout=self._timeout,
+            threads_per_stage=self._threads_per_stage,
+            strategy=self,
+        )
         return PipelineModel(model, self._pipeline)
 
 

@@ -33,8 +33,12 @@ ROOT = ""
 """The placement key of the model itself (where code not in a placed module runs)."""
 
 
-def split_sequential(model: nn.Module, devices: Sequence[sg_devices.LogicalDevice], split_points: list[int] | None,
-                     num_micro_batches: int) -> tuple[list[Group], PlacementDecision]:
+def split_sequential(
+    model: nn.Module,
+    devices: Sequence[sg_devices.LogicalDevice],
+    split_points: list[int] | None,
+    num_micro_batches: int,
+) -> tuple[list[Group], PlacementDecision]:
     """The stages of ``model`` (an `nn.Sequential`) on ``devices``, and the decision that says where it was cut.
 
     Raises:
@@ -73,12 +77,17 @@ def split_sequential(model: nn.Module, devices: Sequence[sg_devices.LogicalDevic
             )
     else:
         points = balanced_split_points(counts, num_stages)
-        why = ("balanced by parameter count (the largest stage as small as possible; an activation stays "
-               "with the layer before it); set split_points= to choose")
+        why = (
+            "balanced by parameter count (the largest stage as small as possible; an activation stays "
+            "with the layer before it); set split_points= to choose"
+        )
     bounds = [0, *points, len(layers)]
     stage_counts = [sum(counts[a:b]) for a, b in itertools.pairwise(bounds)]
-    decision = PlacementDecision(subject="split", choice=f"stages start at layers {bounds[:-1]}",
-                                 reason=f"{why}; parameters per stage {stage_counts}")
+    decision = PlacementDecision(
+        subject="split",
+        choice=f"stages start at layers {bounds[:-1]}",
+        reason=f"{why}; parameters per stage {stage_counts}",
+    )
     groups = []
     for device, (a, b) in zip(devices, itertools.pairwise(bounds)):
         names = [name for name, _ in layers[a:b]]

@@ -111,8 +111,13 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         local_decision = None
         if devices is None:
             devices, local_decision = default_local_devices(self._cluster, env, registry)
-        placement = place_replicas(devices, require_gpu=False, registry=registry, intra_op_threads=intra_op_threads,
-                                   devices_decision=local_decision)
+        placement = place_replicas(
+            devices,
+            require_gpu=False,
+            registry=registry,
+            intra_op_threads=intra_op_threads,
+            devices_decision=local_decision,
+        )
         self._devices = placement.devices
         backend, why = choose_backend(self._devices)
         self._backend = backend
@@ -122,8 +127,14 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         agent_store = agent_store_prefix(self._cluster, env)
         # torchrun's agent owns the store, so nobody's leaving can free it: close() must not wait for that.
         self._store_owned = agent_store is None
-        store = start_process_group(self._cluster, self._devices, backend, timeout,
-                                    token=env.get("STRATAGEM_CLUSTER_TOKEN"), agent_store=agent_store)
+        store = start_process_group(
+            self._cluster,
+            self._devices,
+            backend,
+            timeout,
+            token=env.get("STRATAGEM_CLUSTER_TOKEN"),
+            agent_store=agent_store,
+        )
         self._cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         world = self._cluster.world_size
         self._cw = CrossWorker(
@@ -133,15 +144,26 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             timeout=timeout,
             device_collectives=backend == "nccl",  # the host does not wait for GPU collectives: a watchdog does
         )
-        self._across = AcrossWorkers(self._cw, self._cluster, self._devices, backend, why,
-                                     bucket_bytes=int(bucket_mb * 1024 * 1024),
-                                     first_bucket_bytes=int(first_bucket_mb * 1024 * 1024))
+        self._across = AcrossWorkers(
+            self._cw,
+            self._cluster,
+            self._devices,
+            backend,
+            why,
+            bucket_bytes=int(bucket_mb * 1024 * 1024),
+            first_bucket_bytes=int(first_bucket_mb * 1024 * 1024),
+        )
         self._input_sharding = InputSharding()
         first_replica = _rank(self._cluster) * len(self._devices)  # seeds each GPU replica's random stream
         self._replicas = ReplicaSet(
-            self, placement, build=MirroredReplicas(share_parameters, first_replica),
+            self,
+            placement,
+            build=MirroredReplicas(share_parameters, first_replica),
             combine=choose_local_combine(self._devices, nccl_available=nccl_available(self._devices)),
-            across=self._across, batch_norm=mode, timeout=timeout)
+            across=self._across,
+            batch_norm=mode,
+            timeout=timeout,
+        )
         self._closed = False
         # A script that never calls close() still frees the process group while Python is alive (see close).
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -151,8 +173,12 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
 
     # ---- placement ----------------------------------------------------------------------------
     def _check_same_local_replicas(self) -> None:
-        mine = (len(self._devices), socket.gethostname(), self._cuda_visible_devices,
-                sorted({d.index for d in self._devices if d.type == "cuda"}))
+        mine = (
+            len(self._devices),
+            socket.gethostname(),
+            self._cuda_visible_devices,
+            sorted({d.index for d in self._devices if d.type == "cuda"}),
+        )
         gathered: list[Any] = [None] * self._cluster.world_size
         dist.all_gather_object(gathered, mine)
         counts = [g[0] for g in gathered]
@@ -209,8 +235,10 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             return inputs
         size = batch_size_of(inputs)
         if size == 0:
-            raise InputError("The global batch given to the step function holds no examples. Received: 0 examples. "
-                             "Skip empty batches before calling it.")
+            raise InputError(
+                "The global batch given to the step function holds no examples. Received: 0 examples. "
+                "Skip empty batches before calling it."
+            )
         return MultiWorkerDataset(self, (), "data")._distribute(inputs, size, self._replicas.step)
 
     # ---- input --------------------------------------------------------------------------------
@@ -242,7 +270,9 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
                 self._input_sharding.note("file", "a FileDataset with at least one file per worker")
         if shard == "file":
             if not isinstance(dataset, FileDataset) or len(dataset.files) < world:
-                received = f"{len(dataset.files)} file(s)" if isinstance(dataset, FileDataset) else type(dataset).__name__
+                received = (
+                    f"{len(dataset.files)} file(s)" if isinstance(dataset, FileDataset) else type(dataset).__name__
+                )
                 raise InputError(
                     f"shard='file' needs a sg.data.FileDataset with at least one file per worker ({world}). "
                     f"Received: {received}. Use shard='data', or split the input into more files."
@@ -295,8 +325,13 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         # Closing while an exception propagates (a `finally:` after a worker died): the others may never say
         # they are done, so the handshake would only hold this one up for `timeout`; the store just goes.
         if release and store is not None and sys.exc_info()[0] is None:
-            release_store(store, rank=cw.rank, task_names=cw.task_names, timeout=self._timeout,
-                          owned=getattr(self, "_store_owned", True))
+            release_store(
+                store,
+                rank=cw.rank,
+                task_names=cw.task_names,
+                timeout=self._timeout,
+                owned=getattr(self, "_store_owned", True),
+            )
         del store  # the chief's store stops listening with its last reference
 
 

@@ -63,8 +63,13 @@ class InputSharding:
 class MultiWorkerDataset:
     """Per-step batches for this worker's replicas, with an end-of-data agreement across workers."""
 
-    def __init__(self, strategy: MultiWorkerMirroredStrategy, dataset: Iterable[Any], shard: str,
-                 on_first_batch: Callable[[bool, Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        strategy: MultiWorkerMirroredStrategy,
+        dataset: Iterable[Any],
+        shard: str,
+        on_first_batch: Callable[[bool, Any], None] | None = None,
+    ) -> None:
         self._strategy = strategy
         self._dataset = dataset
         self._shard = shard
@@ -94,7 +99,11 @@ class MultiWorkerDataset:
                     self.unused_examples = self._unused(pending)
                     logger.warning(
                         "%s stops after %d steps because %d of %d workers ran out of data; %d example(s) this worker "
-                        "had fetched were left unused.", cw.task_name, step, cw.world_size - have, cw.world_size,
+                        "had fetched were left unused.",
+                        cw.task_name,
+                        step,
+                        cw.world_size - have,
+                        cw.world_size,
                         self.unused_examples,
                     )
                 self.steps = step
@@ -128,8 +137,14 @@ class MultiWorkerDataset:
             return None
         steps = min(known)
         if mine > steps:
-            logger.warning("%s stops after %d steps because another worker's loader has only %d batches; %d batch(es) "
-                           "of this worker's loader are left unused.", cw.task_name, steps, steps, mine - steps)
+            logger.warning(
+                "%s stops after %d steps because another worker's loader has only %d batches; %d batch(es) "
+                "of this worker's loader are left unused.",
+                cw.task_name,
+                steps,
+                steps,
+                mine - steps,
+            )
         return steps
 
     def _iterate_agreed(self, steps: int) -> Iterator[Any]:
@@ -167,7 +182,11 @@ class MultiWorkerDataset:
         count = size if own else (size if self._strategy._cw.rank == 0 else 0)
         device = self._strategy._devices[0] if self._strategy._backend == "nccl" else torch.device("cpu")
         agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
-        return batch, agreement, self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step)
+        return (
+            batch,
+            agreement,
+            self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step),
+        )
 
     def _unused(self, batch: Any) -> int:
         if isinstance(batch, (WorkerPart, WorkerBatch)):
@@ -181,7 +200,7 @@ class MultiWorkerDataset:
         local = len(strategy._devices)
         rank = _rank(strategy._cluster)
         all_sizes = split_sizes(global_size, strategy.num_replicas_in_sync)
-        return all_sizes[rank * local:(rank + 1) * local]
+        return all_sizes[rank * local : (rank + 1) * local]
 
     def _distribute(self, batch: Any, global_size: int, step: int) -> Any:
         strategy = self._strategy
@@ -198,16 +217,19 @@ class MultiWorkerDataset:
             if have != sum(local_sizes):
                 raise InputError(
                     f"Batch {step}: this worker's part of a global batch of {global_size} examples should hold "
-                    f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples.")
+                    f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples."
+                )
             pieces = split_batch(batch.batch, local_sizes, devices)
         elif self._shard == "off" or isinstance(batch, WorkerBatch):
             own = batch.batch if isinstance(batch, WorkerBatch) else batch
             pieces = split_batch(own, split_sizes(batch_size_of(own), len(devices)), devices)
         else:
             local_sizes = self._global_sizes(global_size)
-            start = sum(split_sizes(global_size, strategy.num_replicas_in_sync)[: _rank(strategy._cluster) * len(devices)])
+            start = sum(
+                split_sizes(global_size, strategy.num_replicas_in_sync)[: _rank(strategy._cluster) * len(devices)]
+            )
             mine = map_structure(
-                lambda t: t[start:start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
+                lambda t: t[start : start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
             )
             pieces = split_batch(mine, local_sizes, devices)
         stacked = stack_batch(pieces)

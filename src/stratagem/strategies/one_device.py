@@ -29,5 +29,6 @@ class OneDeviceStrategy(ReplicatedStrategy):
         timeout = check_timeout(timeout)
         placement = place_replicas([device], require_gpu=False, registry=registry, intra_op_threads=None)
         combine = choose_local_combine(placement.devices, nccl_available=False)  # one replica: nothing to combine
-        self._replicas = ReplicaSet(self, placement, build=MirroredReplicas(None), combine=combine,
-                                    batch_norm="global", timeout=timeout)
+        self._replicas = ReplicaSet(
+            self, placement, build=MirroredReplicas(None), combine=combine, batch_norm="global", timeout=timeout
+        )

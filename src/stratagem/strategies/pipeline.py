@@ -94,12 +94,15 @@ class _Run:
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         # Autocast is thread-local: the stage threads must compute as the caller's thread would.
-        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu")
-                         if torch.is_autocast_enabled(kind)]
+        self.autocast = [
+            (kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu") if torch.is_autocast_enabled(kind)
+        ]
         # So is the placement log (sg.log_placement): the stages' work counts for the caller's replica.
         self.placement = capture_placement()
 
-    def record(self, phase: Literal["forward", "backward"], stage: int, micro: int, edge: Literal["start", "end"]) -> None:
+    def record(
+        self, phase: Literal["forward", "backward"], stage: int, micro: int, edge: Literal["start", "end"]
+    ) -> None:
         with self.cond:
             self.events.append(ScheduleEvent(phase, stage, micro, edge))
 
@@ -128,9 +131,17 @@ class Pipeline:
         >>> out.sum().backward()                         # returns when both stages are done
     """
 
-    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device], names: Sequence[str], *,
-                 num_micro_batches: int, timeout: float, threads_per_stage: int | None = None,
-                 strategy: Any = None) -> None:
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        names: Sequence[str],
+        *,
+        num_micro_batches: int,
+        timeout: float,
+        threads_per_stage: int | None = None,
+        strategy: Any = None,
+    ) -> None:
         self._stages = list(stages)
         self._devices = list(devices)
         self._names = list(names)
@@ -232,7 +243,9 @@ class Pipeline:
         try:
             return self._stages[stage](x)
         except RuntimeError as error:
-            if stage == 0 or "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+            if stage == 0 or "leaf Variable that requires grad is being used in an in-place operation" not in str(
+                error
+            ):
                 raise
             first = next(iter(self._stages[stage].named_children()), ("?", None))
             raise InputError(
@@ -379,14 +392,16 @@ def balanced_split_points(param_counts: Sequence[int], num_stages: int) -> list[
     fewest[0][0] = 0
     for s in range(1, num_stages + 1):
         for i in range(s, n + 1):
-            options = [fewest[s - 1][j] + (bad(j) if j > 0 else 0)
-                       for j in range(s - 1, i) if prefix[i] - prefix[j] <= target]
+            options = [
+                fewest[s - 1][j] + (bad(j) if j > 0 else 0) for j in range(s - 1, i) if prefix[i] - prefix[j] <= target
+            ]
             fewest[s][i] = min(options, default=inf)
     cuts: list[int] = []
     i = n
     for s in range(num_stages, 1, -1):
-        j = max(j for j in range(s - 1, i)
-                if prefix[i] - prefix[j] <= target and fewest[s - 1][j] + bad(j) == fewest[s][i])
+        j = max(
+            j for j in range(s - 1, i) if prefix[i] - prefix[j] <= target and fewest[s - 1][j] + bad(j) == fewest[s][i]
+        )
         cuts.append(j)
         i = j
     return sorted(cuts)

@@ -110,8 +110,9 @@ class AcrossWorkersPart(Protocol):
 
     def after_backward(self, state: RunState) -> None: ...
 
-    def sum_after_local_combine(self, replica: int, replica_params: list[list[nn.Parameter]],
-                                state: RunState) -> None: ...
+    def sum_after_local_combine(
+        self, replica: int, replica_params: list[list[nn.Parameter]], state: RunState
+    ) -> None: ...
 
     def loss_weight_declared(self, count: float) -> None: ...
 
@@ -134,8 +135,17 @@ class ReplicaSet:
         timeout: seconds a replica waits for the others.
     """
 
-    def __init__(self, owner: Any, placement: ReplicaDevices, *, build: ReplicaBuilder, combine: LocalCombine,
-                 across: AcrossWorkersPart | None = None, batch_norm: str, timeout: float) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        placement: ReplicaDevices,
+        *,
+        build: ReplicaBuilder,
+        combine: LocalCombine,
+        across: AcrossWorkersPart | None = None,
+        batch_norm: str,
+        timeout: float,
+    ) -> None:
         self.owner = owner
         self.placement = placement
         self.devices = placement.devices
@@ -181,8 +191,10 @@ class ReplicaSet:
         details = {}
         if self.across is not None or len(self.devices) > 1:
             where = " across all workers" if self.across is not None else ""
-            details["gradient weighting"] = (f"each replica's gradient weighted by its share of the global batch{where}, "
-                                             "or by the loss weight its step declares (sg.set_loss_weight)")
+            details["gradient weighting"] = (
+                f"each replica's gradient weighted by its share of the global batch{where}, "
+                "or by the loss weight its step declares (sg.set_loss_weight)"
+            )
         if self.num_replicas_in_sync > 1:
             details["empty slices"] = EMPTY_SLICE_RULE
             if self._batch_norm is not None:
@@ -212,9 +224,15 @@ class ReplicaSet:
         if self.across is not None:
             self.across.prepare(replicas, self.replica_params)
         self._batch_norm = BatchNormSync(
-            self._batch_norm_mode, strategy=self.owner, barrier=self.barrier, num_local=len(replicas),
-            num_replicas_in_sync=self.num_replicas_in_sync, weight=self._replica_weight, step=lambda: self.step,
-            cross_worker_sum=self.across.batch_norm_sum if self.across is not None else None)
+            self._batch_norm_mode,
+            strategy=self.owner,
+            barrier=self.barrier,
+            num_local=len(replicas),
+            num_replicas_in_sync=self.num_replicas_in_sync,
+            weight=self._replica_weight,
+            step=lambda: self.step,
+            cross_worker_sum=self.across.batch_norm_sum if self.across is not None else None,
+        )
         self._batch_norm.install(replicas)
         if self.build.steal:
             # A share of a small gradient costs more in Python calls than it saves; those are combined after

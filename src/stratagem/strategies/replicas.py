@@ -90,8 +90,14 @@ class ReplicaBarrier:
                 update()
             self._cond.notify_all()
 
-    def wait(self, replica: int, what: str, step: int,
-             steal: Callable[[], Callable[[], None] | None] | None = None, call: str | None = None) -> None:
+    def wait(
+        self,
+        replica: int,
+        what: str,
+        step: int,
+        steal: Callable[[], Callable[[], None] | None] | None = None,
+        call: str | None = None,
+    ) -> None:
         """Waits until every replica has arrived (or one has failed, returned, or timed out).
 
         `steal`, called with the barrier's lock held while this replica waits, may hand back a job
@@ -130,8 +136,13 @@ class ReplicaBarrier:
                 if gone:
                     # The meeting points of an update are reached through optimizer.step(), the others through backward().
                     if call is None:
-                        call = ("optimizer.step()" if "optimizer step" in what
-                                else "scheduler.step()" if "scheduler step" in what else "backward()")
+                        call = (
+                            "optimizer.step()"
+                            if "optimizer step" in what
+                            else "scheduler.step()"
+                            if "scheduler step" in what
+                            else "backward()"
+                        )
                     error = ReplicaError(
                         f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
                         f"{self._describe(gone)} returned from the step function without getting there. Every "

@@ -82,8 +82,10 @@ class ReplicatedStrategy(Strategy):
     def explain(self) -> Explanation:
         """Where the replicas run and why: the decisions of every part, in the order a step meets them."""
         replica_set = self._replicas
-        replicas = [ReplicaPlacement(r, name, str(device))
-                    for r, (name, device) in enumerate(zip(replica_set.names, replica_set.devices))]
+        replicas = [
+            ReplicaPlacement(r, name, str(device))
+            for r, (name, device) in enumerate(zip(replica_set.names, replica_set.devices))
+        ]
         parts = self._parts()
         decisions = [decision for part in parts for decision in part.decisions()]
         tf32 = cuda_numerics.tf32_decision(replica_set.devices)  # read now: the switches are the user's to flip

@@ -29,10 +29,21 @@ from stratagem.strategies.distributed import (
     clone_optimizer,
 )
 
-ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
-})
+ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
 """torch's optimizers whose update of an element reads only that element's value, gradient and state
 (and scalars such as the step count, equal everywhere), so steps over the pieces of a tensor equal
 one step over the whole: Mirrored's shared parameters and the parameter servers' buckets rely on it.
@@ -78,8 +89,9 @@ class ShardedOptimizer(ReplicatedOptimizer):
     `distribute`, whole tensors, so checkpoints do not depend on the number of replicas.
     """
 
-    def __init__(self, template: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
-                 strategy: ShardOwner) -> None:
+    def __init__(
+        self, template: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]], strategy: ShardOwner
+    ) -> None:
         # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._template = template
         self._strategy = strategy
@@ -89,7 +101,9 @@ class ShardedOptimizer(ReplicatedOptimizer):
         index = {id(p): i for i, p in enumerate(source)}
         self._order = [index[id(p)] for group in template.param_groups for p in group["params"]]
         num_replicas = len(self._replica_params)
-        self._bounds = [[chunk_bounds(source[i].numel(), r, num_replicas) for i in self._order] for r in range(num_replicas)]
+        self._bounds = [
+            [chunk_bounds(source[i].numel(), r, num_replicas) for i in self._order] for r in range(num_replicas)
+        ]
         self._optimizers = []
         for r in range(num_replicas):
             shards = [nn.Parameter(source[i].data.view(-1)[lo:hi]) for i, (lo, hi) in zip(self._order, self._bounds[r])]
@@ -227,7 +241,12 @@ def _prefer_fast_kernels(optimizer: torch.optim.Optimizer) -> None:
         target.update({k: v for k, v in flags.items() if k in target or k in defaults})
 
 
-_FUSED_ON_CPU: frozenset[type[torch.optim.Optimizer]] = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-})
+_FUSED_ON_CPU: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adagrad,
+    }
+)
 """torch's optimizers with a fused kernel for CPU tensors (torch 2.13)."""

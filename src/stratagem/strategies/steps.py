@@ -39,15 +39,19 @@ RETURNS = ("mean", "sum", "gather", "per_replica")
 
 def check_returns(returns: str) -> None:
     if returns not in RETURNS:
-        raise InputError(f"Unknown way to combine the replicas' results. Received: returns={returns!r}. "
-                         f"Use one of {', '.join(repr(r) for r in RETURNS)}.")
+        raise InputError(
+            f"Unknown way to combine the replicas' results. Received: returns={returns!r}. "
+            f"Use one of {', '.join(repr(r) for r in RETURNS)}."
+        )
 
 
 def make_step(strategy: "Strategy", fn: Callable[..., Any], returns: str) -> Callable[..., Any]:
     """`fn` as a function of the global batch that runs once per replica (see the module docstring)."""
     if not callable(fn):
-        raise InputError(f"step() needs the function to run once per replica. Received: {type(fn).__name__}. "
-                         "Use it as a decorator, @strategy.step, on the body of the loop.")
+        raise InputError(
+            f"step() needs the function to run once per replica. Received: {type(fn).__name__}. "
+            "Use it as a decorator, @strategy.step, on the body of the loop."
+        )
     check_returns(returns)
 
     @functools.wraps(fn, updated=())  # a wrapped nn.Module keeps its attributes to itself

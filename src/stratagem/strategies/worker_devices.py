@@ -37,7 +37,9 @@ def process_group_timeout(backend: str, timeout: float) -> float:
     return timeout
 
 
-def default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: Any) -> tuple[list[str], PlacementDecision]:
+def default_local_devices(
+    cluster: Cluster, env: Mapping[str, str], registry: Any
+) -> tuple[list[str], PlacementDecision]:
     """This worker's devices when none are given: its share of the GPUs, else CPU devices.
 
     STRATAGEM_DEVICES_PER_WORKER (set by `stratagem launch --devices-per-worker K`) gives K devices to
@@ -62,7 +64,7 @@ def default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: An
                 "Use stratagem launch --devices-per-worker K."
             ) from None
         if gpus:
-            chosen = gpus[local_rank * per_worker:(local_rank + 1) * per_worker]
+            chosen = gpus[local_rank * per_worker : (local_rank + 1) * per_worker]
             if len(chosen) < per_worker:
                 raise InputError(
                     f"{cluster.task_name} (local rank {local_rank}) needs {per_worker} GPUs but only {len(gpus)} are "
@@ -79,8 +81,10 @@ def default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: An
         # Fewer GPUs visible than processes on this machine, under a CUDA_VISIBLE_DEVICES: the launcher bound
         # GPUs to each process (SLURM's --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES), so all it sees is its own.
         chosen = gpus
-        why = (f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} shows this process {len(gpus)} GPU(s) for "
-               f"{cluster.local_world_size} local worker processes: the GPUs its launcher bound to it")
+        why = (
+            f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} shows this process {len(gpus)} GPU(s) for "
+            f"{cluster.local_world_size} local worker processes: the GPUs its launcher bound to it"
+        )
     elif gpus and cluster.local_world_size > 1:
         if local_rank >= len(gpus):
             raise InputError(
@@ -96,7 +100,9 @@ def default_local_devices(cluster: Cluster, env: Mapping[str, str], registry: An
     return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
 
 
-def ranks_sharing_a_gpu(placements: Sequence[tuple[str, str | None, Sequence[int]]]) -> tuple[tuple[int, int], int] | None:
+def ranks_sharing_a_gpu(
+    placements: Sequence[tuple[str, str | None, Sequence[int]]],
+) -> tuple[tuple[int, int], int] | None:
     """The first two ranks that hold the same GPU of one machine, and that GPU's index; None if none do.
 
     A placement is (host name, CUDA_VISIBLE_DEVICES, cuda indices): indices count within one
@@ -111,8 +117,15 @@ def ranks_sharing_a_gpu(placements: Sequence[tuple[str, str | None, Sequence[int
     return None
 
 
-def start_process_group(cluster: Cluster, devices: Sequence[torch.device], backend: str, timeout: float, *,
-                         token: str | None, agent_store: str | None = None) -> Any:
+def start_process_group(
+    cluster: Cluster,
+    devices: Sequence[torch.device],
+    backend: str,
+    timeout: float,
+    *,
+    token: str | None,
+    agent_store: str | None = None,
+) -> Any:
     """Binds this process to its first GPU, then forms the process group with that device.
 
     The current CUDA device must be set before the process group exists: NCCL's communicator and the
@@ -128,5 +141,12 @@ def start_process_group(cluster: Cluster, devices: Sequence[torch.device], backe
         torch.cuda.set_device(index)
         if backend == "nccl":
             device_id = torch.device("cuda", index)
-    return init_process_group(cluster, backend, timeout, token=token, device_id=device_id, agent_store=agent_store,
-                              group_timeout=process_group_timeout(backend, timeout))
+    return init_process_group(
+        cluster,
+        backend,
+        timeout,
+        token=token,
+        device_id=device_id,
+        agent_store=agent_store,
+        group_timeout=process_group_timeout(backend, timeout),
+    )

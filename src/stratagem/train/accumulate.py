@@ -34,9 +34,15 @@ MicroStepFn = Callable[[Any, Any, float, bool], torch.Tensor]
 """``step_fn(inputs, targets, scale, last)`` on one replica -> that replica's metric state vector."""
 
 
-def make_accumulating_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn,
-                                 metric_set: MetricSet, *, clip_grad_norm: float | None = None,
-                                 precision: str = "32") -> MicroStepFn:
+def make_accumulating_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: LossFn,
+    metric_set: MetricSet,
+    *,
+    clip_grad_norm: float | None = None,
+    precision: str = "32",
+) -> MicroStepFn:
     """One micro-batch on one replica: forward, backward of the scaled mean loss; the last of a group steps.
     `precision` ("32" or "bf16"): the forward pass and the loss under that autocast.
 
@@ -44,9 +50,11 @@ def make_accumulating_train_step(model: nn.Module, optimizer: torch.optim.Optimi
         InputError: ``loss`` is None (the model's own loss): the micro-steps call ``loss(outputs, targets)``.
     """
     if loss is None:
-        raise InputError("Gradient accumulation needs a loss function. Received: loss=None with accumulate_steps > 1. "
-                         "Pass loss=loss_fn (called as loss_fn(outputs, targets)), or accumulate_steps=1 to train "
-                         "on the model's own loss.")
+        raise InputError(
+            "Gradient accumulation needs a loss function. Received: loss=None with accumulate_steps > 1. "
+            "Pass loss=loss_fn (called as loss_fn(outputs, targets)), or accumulate_steps=1 to train "
+            "on the model's own loss."
+        )
     loss_fn = loss  # narrowed for the closure below
 
     def train_step(inputs: Any, targets: torch.Tensor, scale: float, last: bool) -> torch.Tensor:
@@ -65,8 +73,13 @@ def make_accumulating_train_step(model: nn.Module, optimizer: torch.optim.Optimi
     return train_step
 
 
-def run_accumulated_steps(strategy: Strategy, step_fn: MicroStepFn, batches: Iterable[Any], accumulate_steps: int,
-                          on_step: Callable[..., None]) -> None:
+def run_accumulated_steps(
+    strategy: Strategy,
+    step_fn: MicroStepFn,
+    batches: Iterable[Any],
+    accumulate_steps: int,
+    on_step: Callable[..., None],
+) -> None:
     """Runs `step_fn` over every global batch, K at a time; ``on_step(state, num_examples, num_batches=n)`` once
     per group, `state` left on the device the strategy reduced it to.
 

@@ -99,17 +99,27 @@ class BackupAndRestore(Callback):
     MARKER_NAME = ".stratagem-backup-dir"
     """Written into `backup_dir` when this callback creates it: only such a directory is ever removed."""
 
-    def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch", *,
-                 delete_checkpoint: bool = True, keep_previous: bool = True) -> None:
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike[str],
+        save_freq: str | int = "epoch",
+        *,
+        delete_checkpoint: bool = True,
+        keep_previous: bool = True,
+    ) -> None:
         if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
             raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
-            raise InputError(f"save_freq must be 'epoch' or a positive number of steps. Received: save_freq={save_freq!r}. "
-                             "Use e.g. save_freq=100.")
+            raise InputError(
+                f"save_freq must be 'epoch' or a positive number of steps. Received: save_freq={save_freq!r}. "
+                "Use e.g. save_freq=100."
+            )
         self.backup_dir = Path(backup_dir)
         if self.backup_dir.exists() and not self.backup_dir.is_dir():
-            raise InputError(f"backup_dir must be a directory. Received: backup_dir={str(backup_dir)!r}, which is a file. "
-                             "Choose a directory path.")
+            raise InputError(
+                f"backup_dir must be a directory. Received: backup_dir={str(backup_dir)!r}, which is a file. "
+                "Choose a directory path."
+            )
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.keep_previous = keep_previous
@@ -140,8 +150,13 @@ class BackupAndRestore(Callback):
             raise InputError(f"Cannot resume from the backup {str(path)!r}: {error}") from error
         self.restored_from = {"epoch": context.epoch, "step": context.step}
         self.restored_path = path
-        logger.info("Resumed from %s: epoch %d, step %d (%d into the epoch).", path, context.epoch + 1,
-                    context.step, context.step_in_epoch)
+        logger.info(
+            "Resumed from %s: epoch %d, step %d (%d into the epoch).",
+            path,
+            context.epoch + 1,
+            context.step,
+            context.step_in_epoch,
+        )
 
     def _load_newest_whole_backup(self, is_chief: bool) -> tuple[Path, dict[str, Any]] | None:
         """The newest backup whose checksums hold, or None when there is none; damaged ones are refused."""
@@ -163,15 +178,22 @@ class BackupAndRestore(Callback):
                 if is_chief and candidate != self.path:
                     # Out of the way of the next save, which would otherwise keep it as the previous backup.
                     os.replace(self.path, self.backup_dir / self.CORRUPT_NAME)
-                    logger.warning("The damaged backup was moved to %s; delete it once inspected.",
-                                   self.backup_dir / self.CORRUPT_NAME)
+                    logger.warning(
+                        "The damaged backup was moved to %s; delete it once inspected.",
+                        self.backup_dir / self.CORRUPT_NAME,
+                    )
             return candidate, state
         if damaged:
-            kept = "" if self.previous_path.is_file() else f" (and there is no previous backup {str(self.previous_path)!r})"
+            kept = (
+                ""
+                if self.previous_path.is_file()
+                else f" (and there is no previous backup {str(self.previous_path)!r})"
+            )
             raise CorruptCheckpointError(
                 " ".join(str(error) for error in damaged)
                 + f" No whole backup is left to resume from{kept}. Received: backup_dir={str(self.backup_dir)!r}. "
-                "Remove the damaged file(s) to start afresh, or restore them from a copy.")
+                "Remove the damaged file(s) to start afresh, or restore them from a copy."
+            )
         return None
 
     def _make_directory(self) -> None:
@@ -209,7 +231,9 @@ class BackupAndRestore(Callback):
     def _save(self, context: TrainingContext) -> None:
         # Only the chief builds and writes the state: one writer, and every worker holds the same values.
         if context.is_chief:
-            save_checkpoint(self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None)
+            save_checkpoint(
+                self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None
+            )
 
 
 class LearningRateScheduler(Callback):
@@ -226,8 +250,10 @@ class LearningRateScheduler(Callback):
 
     def __init__(self, scheduler: Any, interval: str = "epoch") -> None:
         if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "optimizer")):
-            raise InputError(f"LearningRateScheduler needs a torch.optim.lr_scheduler scheduler. "
-                             f"Received: {type(scheduler).__name__}. Use e.g. torch.optim.lr_scheduler.StepLR(optimizer, 10).")
+            raise InputError(
+                f"LearningRateScheduler needs a torch.optim.lr_scheduler scheduler. "
+                f"Received: {type(scheduler).__name__}. Use e.g. torch.optim.lr_scheduler.StepLR(optimizer, 10)."
+            )
         if interval not in ("epoch", "step"):
             raise InputError(f"interval must be 'epoch' or 'step'. Received: interval={interval!r}.")
         self.scheduler = scheduler
@@ -238,7 +264,8 @@ class LearningRateScheduler(Callback):
             raise InputError(
                 "The scheduler adjusts an optimizer that fit does not train with. Received: a scheduler of "
                 f"{type(self.scheduler.optimizer).__name__}, fit trains with {type(context.optimizer).__name__}. Build "
-                "the scheduler on the optimizer strategy.distribute returned, and pass that pair to fit.")
+                "the scheduler on the optimizer strategy.distribute returned, and pass that pair to fit."
+            )
 
     def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
         if self.interval == "step":
@@ -268,7 +295,9 @@ class ProgressBar(Callback):
         print_lines: print each epoch's metrics line.
     """
 
-    def __init__(self, console: Console | None = None, *, show_bar: bool | None = None, print_lines: bool = True) -> None:
+    def __init__(
+        self, console: Console | None = None, *, show_bar: bool | None = None, print_lines: bool = True
+    ) -> None:
         self._console = console or Console(highlight=False, soft_wrap=True)
         self._show_bar = self._console.is_terminal if show_bar is None else show_bar
         self._print_lines = print_lines
@@ -289,9 +318,15 @@ class ProgressBar(Callback):
             return
         total = context.examples_per_epoch
         self._progress = Progress(
-            TextColumn(f"epoch {context.epoch + 1:>{self._width}}/{self._epochs}"), BarColumn(),
-            MofNCompleteColumn(), TextColumn("examples"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-            console=self._console, transient=True)
+            TextColumn(f"epoch {context.epoch + 1:>{self._width}}/{self._epochs}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("examples"),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=self._console,
+            transient=True,
+        )
         self._progress.start()
         # After a restore mid-epoch, the examples already trained on count as done.
         self._task = self._progress.add_task("train", total=total, completed=int(context.totals[1]), rate="")

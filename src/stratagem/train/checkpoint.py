@@ -43,8 +43,9 @@ _TEMP_SUFFIX = ".tmp"
 _TEMP_RANDOM = re.compile(r"\.[0-9a-f]{16}" + re.escape(_TEMP_SUFFIX) + r"\Z")
 
 
-def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any], *,
-                    previous: str | os.PathLike[str] | None = None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike[str], state: dict[str, Any], *, previous: str | os.PathLike[str] | None = None
+) -> Path:
     """Writes `state` to `path` atomically (temp file, fsync, rename, fsync of the directory).
 
     The directory is created if needed. With `previous`, the checkpoint that `path` held is
@@ -102,8 +103,10 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     state = load_verified(path, map_location=map_location)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         received = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise InputError(f"The file {str(path)!r} is not a stratagem checkpoint. Received: format={received!r:.100}. "
-                         "Load it with torch.load, or point at a file written by save_checkpoint.")
+        raise InputError(
+            f"The file {str(path)!r} is not a stratagem checkpoint. Received: format={received!r:.100}. "
+            "Load it with torch.load, or point at a file written by save_checkpoint."
+        )
     return state
 
 
@@ -112,7 +115,7 @@ def is_temporary_of(name: str, checkpoint_name: str | None = None) -> bool:
     random_part = _TEMP_RANDOM.search(name)
     if not name.startswith(_TEMP_PREFIX) or random_part is None:
         return False
-    target = name[len(_TEMP_PREFIX):random_part.start()]
+    target = name[len(_TEMP_PREFIX) : random_part.start()]
     return bool(target) and (checkpoint_name is None or target == checkpoint_name)
 
 
@@ -158,8 +161,13 @@ def capture_rng_state() -> dict[str, Any]:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
-        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        state["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
     return state
 
 
@@ -173,8 +181,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         import numpy
 
         saved = state["numpy"]
-        numpy.random.set_state((saved["name"], saved["keys"].numpy().astype("uint32"), saved["pos"],
-                                saved["has_gauss"], saved["cached_gaussian"]))
+        numpy.random.set_state(
+            (
+                saved["name"],
+                saved["keys"].numpy().astype("uint32"),
+                saved["pos"],
+                saved["has_gauss"],
+                saved["cached_gaussian"],
+            )
+        )
 
 
 def _restore_cuda_rng(saved: list[torch.Tensor], count: int) -> None:
@@ -184,9 +199,13 @@ def _restore_cuda_rng(saved: list[torch.Tensor], count: int) -> None:
         torch.cuda.set_rng_state(gpu_state, index)
     if len(saved) != count:
         logger.warning(
-            "The checkpoint holds random states for %d GPU(s) and this process sees %d: %s.", len(saved), count,
-            f"the states of GPUs {count}..{len(saved) - 1} are not restored" if len(saved) > count
-            else f"GPUs {len(saved)}..{count - 1} keep their current streams")
+            "The checkpoint holds random states for %d GPU(s) and this process sees %d: %s.",
+            len(saved),
+            count,
+            f"the states of GPUs {count}..{len(saved) - 1} are not restored"
+            if len(saved) > count
+            else f"GPUs {len(saved)}..{count - 1} keep their current streams",
+        )
 
 
 def _python_state_to_plain(state: tuple) -> list[Any]:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_mode(mode: str, monitor: str) -> str:
-    """"min" or "max" for `monitor`; "auto" takes "max" for accuracies, "min" for everything else."""
+    """ "min" or "max" for `monitor`; "auto" takes "max" for accuracies, "min" for everything else."""
     if mode not in ("auto", "min", "max"):
         raise InputError(f"mode must be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
     if mode == "auto":
@@ -59,8 +59,15 @@ class EarlyStopping(Callback):
     ``best`` the best value and ``best_epoch`` its epoch.
     """
 
-    def __init__(self, monitor: str = "val_loss", *, patience: int = 0, min_delta: float = 0.0, mode: str = "auto",
-                 restore_best_weights: bool = False) -> None:
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        *,
+        patience: int = 0,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+        restore_best_weights: bool = False,
+    ) -> None:
         if not isinstance(monitor, str) or not monitor:
             raise InputError(f"monitor must be a metric name. Received: monitor={monitor!r}. Use e.g. 'val_loss'.")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
@@ -94,19 +101,31 @@ class EarlyStopping(Callback):
         if self.wait > self.patience:
             self.stopped_epoch = log.epoch
             context.stop_training = True
-            logger.info("EarlyStopping: %s has not improved on %.6g (epoch %d) for %d epoch(s); stopping after "
-                        "epoch %d.", self.monitor, self.best, self.best_epoch, self.wait, log.epoch)
+            logger.info(
+                "EarlyStopping: %s has not improved on %.6g (epoch %d) for %d epoch(s); stopping after epoch %d.",
+                self.monitor,
+                self.best,
+                self.best_epoch,
+                self.wait,
+                log.epoch,
+            )
 
     def on_train_end(self, context: TrainingContext, history: History) -> None:
         if self.restore_best_weights and self._best_weights is not None:
             context.model.load_state_dict(self._best_weights)
-            logger.info("EarlyStopping: restored the weights of epoch %d (%s %.6g).", self.best_epoch, self.monitor,
-                        self.best)
+            logger.info(
+                "EarlyStopping: restored the weights of epoch %d (%s %.6g).", self.best_epoch, self.monitor, self.best
+            )
 
     # A backup carries the count so far (and the best weights), so a restarted run stops where this one would.
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait,
-                "stopped_epoch": self.stopped_epoch, "best_weights": self._best_weights}
+        return {
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "wait": self.wait,
+            "stopped_epoch": self.stopped_epoch,
+            "best_weights": self._best_weights,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.best_epoch = float(state["best"]), int(state["best_epoch"])

@@ -67,13 +67,21 @@ class EpochLog:
         return self.num_examples / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "metrics": dict(self.metrics), "num_examples": self.num_examples,
-                "elapsed_s": self.elapsed_s}
+        return {
+            "epoch": self.epoch,
+            "metrics": dict(self.metrics),
+            "num_examples": self.num_examples,
+            "elapsed_s": self.elapsed_s,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EpochLog:
-        return cls(int(data["epoch"]), {k: float(v) for k, v in data["metrics"].items()},
-                   int(data["num_examples"]), float(data["elapsed_s"]))
+        return cls(
+            int(data["epoch"]),
+            {k: float(v) for k, v in data["metrics"].items()},
+            int(data["num_examples"]),
+            float(data["elapsed_s"]),
+        )
 
 
 @dataclass
@@ -155,8 +163,11 @@ class TrainingContext:
         }
 
     def _stateful_callbacks(self) -> dict[str, Any]:
-        stateful = [c for c in self.callbacks if callable(getattr(c, "state_dict", None))
-                    and callable(getattr(c, "load_state_dict", None))]
+        stateful = [
+            c
+            for c in self.callbacks
+            if callable(getattr(c, "state_dict", None)) and callable(getattr(c, "load_state_dict", None))
+        ]
         return {f"{i}:{type(c).__name__}": c for i, c in enumerate(stateful)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,31 +178,41 @@ class TrainingContext:
                 do not match this run's.
         """
         if state.get("kind") != CHECKPOINT_KIND:
-            raise InputError(f"This checkpoint was not written by fit. Received: kind={state.get('kind')!r:.100}. "
-                             "Restore it by hand, or point BackupAndRestore at a fit backup directory.")
+            raise InputError(
+                f"This checkpoint was not written by fit. Received: kind={state.get('kind')!r:.100}. "
+                "Restore it by hand, or point BackupAndRestore at a fit backup directory."
+            )
         missing = [name for name in _BACKUP_FIELDS if name not in state]
         if missing:
-            raise InputError(f"The backup lacks fields that fit writes: {missing}. Received: fields {sorted(state)[:20]}. "
-                             "It was written by another version of stratagem or by hand: remove it to start afresh.")
+            raise InputError(
+                f"The backup lacks fields that fit writes: {missing}. Received: fields {sorted(state)[:20]}. "
+                "It was written by another version of stratagem or by hand: remove it to start afresh."
+            )
         if list(state["metric_names"]) != self.metric_set.names:
-            raise InputError(f"The backup tracked metrics {list(state['metric_names'])} but this run tracks "
-                             f"{self.metric_set.names}. Received: metrics={self.metric_set.names[1:]}. Pass the same "
-                             "metrics as the interrupted run, or remove the backup to start afresh.")
+            raise InputError(
+                f"The backup tracked metrics {list(state['metric_names'])} but this run tracks "
+                f"{self.metric_set.names}. Received: metrics={self.metric_set.names[1:]}. Pass the same "
+                "metrics as the interrupted run, or remove the backup to start afresh."
+            )
         stateful = self._stateful_callbacks()
         saved = state.get("callbacks", {})
         if sorted(saved) != sorted(stateful):
-            raise InputError(f"The backup holds the state of callbacks {sorted(saved)} but this run has {sorted(stateful)}. "
-                             f"Received: callbacks={[type(c).__name__ for c in self.callbacks]}. Pass the same stateful "
-                             "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup.")
+            raise InputError(
+                f"The backup holds the state of callbacks {sorted(saved)} but this run has {sorted(stateful)}. "
+                f"Received: callbacks={[type(c).__name__ for c in self.callbacks]}. Pass the same stateful "
+                "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup."
+            )
         if state["data"] is not None and _is_resumable(self.data):
             self.data.load_state_dict(state["data"])  # checks the batching first: nothing else is touched yet
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as error:
-            raise InputError(f"The backup does not fit this model or optimizer: {error}. Received: a backup of a "
-                             "different model. Build the same model and optimizer as the interrupted run, or remove "
-                             "the backup to start afresh.") from error
+            raise InputError(
+                f"The backup does not fit this model or optimizer: {error}. Received: a backup of a "
+                "different model. Build the same model and optimizer as the interrupted run, or remove "
+                "the backup to start afresh."
+            ) from error
         for key, callback in stateful.items():
             callback.load_state_dict(saved[key])
         try:
@@ -203,14 +224,27 @@ class TrainingContext:
             self.history = [EpochLog.from_dict(d) for d in state["history"]]
             restore_rng_state(state["rng"])
         except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as error:
-            raise InputError(f"The backup's counters, history or random states are malformed ({type(error).__name__}: "
-                             f"{str(error)[:200]}). Received: a backup fit cannot have written. Remove it to start "
-                             "afresh.") from error
+            raise InputError(
+                f"The backup's counters, history or random states are malformed ({type(error).__name__}: "
+                f"{str(error)[:200]}). Received: a backup fit cannot have written. Remove it to start "
+                "afresh."
+            ) from error
 
 
 # What `TrainingContext.state_dict` writes; a backup without one of them cannot be resumed.
-_BACKUP_FIELDS = ("model", "optimizer", "epoch", "step", "step_in_epoch", "totals", "epoch_elapsed_s", "history",
-                  "metric_names", "rng", "data")
+_BACKUP_FIELDS = (
+    "model",
+    "optimizer",
+    "epoch",
+    "step",
+    "step_in_epoch",
+    "totals",
+    "epoch_elapsed_s",
+    "history",
+    "metric_names",
+    "rng",
+    "data",
+)
 
 # The pair `distribute` returned for each (strategy, model) fit has seen, so that calling fit again
 # with the same model continues training it instead of distributing it a second time.
@@ -278,24 +312,36 @@ def fit(
         InputError: a bad argument (checked before any work starts), or a backup that does not
             match this run.
     """
-    precision = check_fit_arguments(strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm,
-                                    accumulate_steps, precision)
+    precision = check_fit_arguments(
+        strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm, accumulate_steps, precision
+    )
     metric_set = MetricSet(get_metrics(metrics))
     train_data, val_data = fit_data(strategy, data, batch_size, shuffle, seed, validation_data, validation_batch_size)
     callbacks = check_callbacks(callbacks, verbose)
     model, optimizer = _ensure_distributed(strategy, model, optimizer)
     check_backups_possible(callbacks, optimizer)  # found now rather than at the first backup, an epoch in
-    context = TrainingContext(strategy=strategy, model=model, optimizer=optimizer, data=train_data, epochs=epochs,
-                              steps_per_epoch=steps_per_epoch, is_chief=is_chief(strategy), metric_set=metric_set,
-                              totals=torch.zeros(metric_set.size, dtype=torch.float64), callbacks=callbacks)
+    context = TrainingContext(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        data=train_data,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        is_chief=is_chief(strategy),
+        metric_set=metric_set,
+        totals=torch.zeros(metric_set.size, dtype=torch.float64),
+        callbacks=callbacks,
+    )
     scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda")) if precision == "fp16" else None
     train_step: Any  # a micro-step (inputs, targets, scale, last) or a whole step (inputs, targets)
     if accumulate_steps > 1:
-        train_step = make_accumulating_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
-                                                  precision=precision)
+        train_step = make_accumulating_train_step(
+            model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm, precision=precision
+        )
     else:
-        train_step = make_train_step(model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm,
-                                     precision=precision, scaler=scaler)
+        train_step = make_train_step(
+            model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm, precision=precision, scaler=scaler
+        )
     eval_step = make_eval_step(model, loss, metric_set, precision=precision)
     # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
     # worker) serves from here until the chief ends the job.
@@ -311,8 +357,14 @@ def fit(
     return history
 
 
-def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any, eval_step: Any,
-           val_data: Any, accumulate_steps: int = 1) -> History:
+def _train(
+    context: TrainingContext,
+    callbacks: list[Callback],
+    train_step: Any,
+    eval_step: Any,
+    val_data: Any,
+    accumulate_steps: int = 1,
+) -> History:
     # Backups restore before any other callback starts and save after every other callback has
     # run for the step or epoch (a scheduler's step included), so a backup holds the state that follows.
     backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
@@ -328,8 +380,14 @@ def _train(context: TrainingContext, callbacks: list[Callback], train_step: Any,
         started = time.perf_counter()
         elapsed_before = context.epoch_elapsed_s
 
-        def on_step(state: torch.Tensor, num_examples: int | None = None, started: float = started,
-                    elapsed_before: float = elapsed_before, *, num_batches: int = 1) -> None:
+        def on_step(
+            state: torch.Tensor,
+            num_examples: int | None = None,
+            started: float = started,
+            elapsed_before: float = elapsed_before,
+            *,
+            num_batches: int = 1,
+        ) -> None:
             if context.totals.device != state.device:  # the sums stay on the device; read at the epoch's end
                 context.totals = context.totals.to(state.device)
             context.totals.add_(state)
@@ -365,9 +423,11 @@ def _end_epoch(context: TrainingContext, val_data: Any, eval_step: Any) -> Epoch
     totals = context.totals.to("cpu")  # the epoch's one read of the sums kept on the device
     count = int(totals[1])
     if count == 0:
-        raise InputError(f"Epoch {context.epoch + 1} had no training example. Received: data that yielded no batch "
-                         f"(steps_per_epoch={context.steps_per_epoch}). Check that the loader is not exhausted "
-                         "(a generator can be iterated only once: pass a list or a DataLoader).")
+        raise InputError(
+            f"Epoch {context.epoch + 1} had no training example. Received: data that yielded no batch "
+            f"(steps_per_epoch={context.steps_per_epoch}). Check that the loader is not exhausted "
+            "(a generator can be iterated only once: pass a list or a DataLoader)."
+        )
     metrics = context.metric_set.results(totals)
     if val_data is not None:
         evaluation = evaluate_with(context.strategy, context.model, eval_step, context.metric_set, val_data)
@@ -431,13 +491,16 @@ def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.o
             if optimizer is not raw_opt and optimizer is not dist_opt:
                 raise InputError(
                     "This model was distributed with another optimizer by an earlier fit. Received: an optimizer that "
-                    "is not the one fit distributed with it. Pass history.optimizer of the earlier fit.")
+                    "is not the one fit distributed with it. Pass history.optimizer of the earlier fit."
+                )
             return dist_model, dist_opt
     if model is strategy.distributed_model:
         return model, optimizer  # the user already called strategy.distribute
     if isinstance(model, DistributedModel):
-        raise InputError("The model was distributed by another strategy. Received: a DistributedModel of "
-                         f"{type(distributing_strategy(model)).__name__}. Pass the plain model, or use that strategy.")
+        raise InputError(
+            "The model was distributed by another strategy. Received: a DistributedModel of "
+            f"{type(distributing_strategy(model)).__name__}. Pass the plain model, or use that strategy."
+        )
     result = strategy.distribute(model, optimizer)
     dist_model, dist_opt = result
     _DISTRIBUTED.setdefault(strategy, []).append((model, optimizer, dist_model, dist_opt))

@@ -52,8 +52,10 @@ def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
     devices = _devices(env)
     if name:
         if name not in STRATEGY_NAMES:
-            raise InputError(f"Unknown strategy. Received: {STRATEGY_VARIABLE}={name!r}. "
-                             f"Set it to one of {', '.join(STRATEGY_NAMES)}, or unset it to choose from the cluster.")
+            raise InputError(
+                f"Unknown strategy. Received: {STRATEGY_VARIABLE}={name!r}. "
+                f"Set it to one of {', '.join(STRATEGY_NAMES)}, or unset it to choose from the cluster."
+            )
         if cluster.is_distributed and name not in _MULTI_PROCESS:
             raise InputError(
                 f"{STRATEGY_VARIABLE}={name} trains in one process, but this process is {cluster.task_name} of a "
@@ -64,8 +66,13 @@ def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
         return build_strategy(name, devices)[0]
     if cluster.is_distributed:
         name = "parameter_server" if cluster.addresses.get("ps") else "multi_worker"
-        logger.info("strategy %s for %s of a cluster of %d (from %s)", name, cluster.task_name, cluster.world_size,
-                    cluster.source)
+        logger.info(
+            "strategy %s for %s of a cluster of %d (from %s)",
+            name,
+            cluster.task_name,
+            cluster.world_size,
+            cluster.source,
+        )
         return build_strategy(name, devices)[0]
     logger.info("strategy mirrored over the visible GPUs or the CPU: one process, no %s", STRATEGY_VARIABLE)
     return MirroredStrategy(devices)
@@ -76,6 +83,8 @@ def _devices(env: Mapping[str, str]) -> list[str] | None:
         return None
     names = [part.strip() for part in env[DEVICES_VARIABLE].split(",") if part.strip()]
     if not names:
-        raise InputError(f"{DEVICES_VARIABLE} names no device. Received: {DEVICES_VARIABLE}={env[DEVICES_VARIABLE]!r}. "
-                         "Name devices separated by commas (cpu:0,cpu:1), or unset it for the defaults.")
+        raise InputError(
+            f"{DEVICES_VARIABLE} names no device. Received: {DEVICES_VARIABLE}={env[DEVICES_VARIABLE]!r}. "
+            "Name devices separated by commas (cpu:0,cpu:1), or unset it for the defaults."
+        )
     return names

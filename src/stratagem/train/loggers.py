@@ -80,16 +80,20 @@ class TensorBoard(Callback):
 
     def __init__(self, log_dir: str | os.PathLike[str] = "logs", *, update_freq: str | int = "epoch") -> None:
         self.log_dir = _check_path(log_dir, "log_dir", "run/tb")
-        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int)
-                                       or update_freq < 1):
-            raise InputError(f"update_freq must be 'epoch' or a positive number of steps. Received: "
-                             f"update_freq={update_freq!r}. Use e.g. update_freq=100.")
+        if update_freq != "epoch" and (
+            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        ):
+            raise InputError(
+                f"update_freq must be 'epoch' or a positive number of steps. Received: "
+                f"update_freq={update_freq!r}. Use e.g. update_freq=100."
+            )
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise InputError(
                 "The TensorBoard callback needs the tensorboard package, which is not installed. Received: "
-                "TensorBoard(...) without it. Install it (pip install tensorboard), or log with CSVLogger.") from None
+                "TensorBoard(...) without it. Install it (pip install tensorboard), or log with CSVLogger."
+            ) from None
         self._writer_class = SummaryWriter
         self.update_freq = update_freq
         self._writer: Any = None

@@ -45,8 +45,16 @@ run_steps_synchronously = run_in_lockstep
 """The default step loop of synchronous strategies (`stratagem.strategies.lockstep.run_in_lockstep`)."""
 
 
-def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: LossFn, metric_set: MetricSet, *,
-                    clip_grad_norm: float | None = None, precision: str = "32", scaler: Any = None) -> StepFn:
+def make_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: LossFn,
+    metric_set: MetricSet,
+    *,
+    clip_grad_norm: float | None = None,
+    precision: str = "32",
+    scaler: Any = None,
+) -> StepFn:
     """One training step on one replica: forward, mean loss, backward (combined gradients), step.
 
     `precision` ("32", "bf16", "fp16"): the forward pass and the loss under that autocast; `scaler` (a
@@ -109,8 +117,14 @@ class Evaluation:
         return {**self.metrics, "num_examples": self.num_examples}
 
 
-def evaluate(strategy: Strategy, model: nn.Module, data: Iterable[Any], loss: LossFn, *,
-             metrics: Sequence[str | Metric] | None = ("accuracy",)) -> Evaluation:
+def evaluate(
+    strategy: Strategy,
+    model: nn.Module,
+    data: Iterable[Any],
+    loss: LossFn,
+    *,
+    metrics: Sequence[str | Metric] | None = ("accuracy",),
+) -> Evaluation:
     """The mean `loss` and the `metrics` of `model` over every global ``(x, y)`` batch of `data`.
 
     `model` is the one `strategy.distribute` returned (or `fit`'s ``history.model``).
@@ -126,8 +140,9 @@ def evaluate(strategy: Strategy, model: nn.Module, data: Iterable[Any], loss: Lo
     return evaluate_with(strategy, model, make_eval_step(model, loss, metric_set), metric_set, data)
 
 
-def evaluate_with(strategy: Strategy, model: nn.Module, eval_step: StepFn, metric_set: MetricSet,
-                  data: Iterable[Any]) -> Evaluation:
+def evaluate_with(
+    strategy: Strategy, model: nn.Module, eval_step: StepFn, metric_set: MetricSet, data: Iterable[Any]
+) -> Evaluation:
     """`evaluate` with a step function built beforehand (`fit` builds its own once, for every task)."""
     model.train(False)
     sums: list[torch.Tensor] = [torch.zeros(metric_set.size, dtype=torch.float64)]
@@ -141,8 +156,10 @@ def evaluate_with(strategy: Strategy, model: nn.Module, eval_step: StepFn, metri
     totals = sums[0].to("cpu")  # the one read of the evaluation
     count = int(totals[1])
     if count == 0:
-        raise InputError("The evaluation data yielded no examples, so there is nothing to measure. "
-                         "Received: 0 batches. Pass a loader that yields (x, y) batches.")
+        raise InputError(
+            "The evaluation data yielded no examples, so there is nothing to measure. "
+            "Received: 0 batches. Pass a loader that yields (x, y) batches."
+        )
     return Evaluation(metric_set.results(totals), count)
 
 

@@ -90,7 +90,9 @@ class MeanSquaredError(Metric):
 
     def state(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         diff = outputs.to(torch.float64) - targets.to(torch.float64).reshape(outputs.shape)
-        return torch.stack([(diff * diff).sum(), torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)])
+        return torch.stack(
+            [(diff * diff).sum(), torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)]
+        )
 
     def result(self, totals: torch.Tensor) -> float:
         return _ratio(totals[0], totals[1])
@@ -104,7 +106,9 @@ class MeanAbsoluteError(Metric):
 
     def state(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         diff = outputs.to(torch.float64) - targets.to(torch.float64).reshape(outputs.shape)
-        return torch.stack([diff.abs().sum(), torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)])
+        return torch.stack(
+            [diff.abs().sum(), torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)]
+        )
 
     def result(self, totals: torch.Tensor) -> float:
         return _ratio(totals[0], totals[1])
@@ -133,8 +137,10 @@ def get_metrics(metrics: Sequence[str | Metric] | None) -> list[Metric]:
     for metric in metrics:
         if isinstance(metric, str):
             if metric not in METRICS:
-                raise InputError(f"Unknown metric. Received: {metric!r}. Choose one of {', '.join(METRICS)}, "
-                                 "or pass a stratagem.train.Metric.")
+                raise InputError(
+                    f"Unknown metric. Received: {metric!r}. Choose one of {', '.join(METRICS)}, "
+                    "or pass a stratagem.train.Metric."
+                )
             metric = METRICS[metric]()
         elif not isinstance(metric, Metric):
             raise InputError(f"A metric is a name or a stratagem.train.Metric. Received: {type(metric).__name__}.")
@@ -142,8 +148,10 @@ def get_metrics(metrics: Sequence[str | Metric] | None) -> list[Metric]:
     names = [m.name for m in out]
     duplicates = sorted({n for n in names if names.count(n) > 1} | ({"loss"} & set(names)))
     if duplicates:
-        raise InputError(f"Metric names must be distinct and not 'loss' (fit always reports the loss). "
-                         f"Received: {names}. Give each metric its own name.")
+        raise InputError(
+            f"Metric names must be distinct and not 'loss' (fit always reports the loss). "
+            f"Received: {names}. Give each metric its own name."
+        )
     return out
 
 
@@ -162,8 +170,14 @@ class MetricSet:
     def names(self) -> list[str]:
         return ["loss", *(m.name for m in self.metrics)]
 
-    def state(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, mean_loss: torch.Tensor, *,
-              num_examples: int | None = None) -> torch.Tensor:
+    def state(
+        self,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        mean_loss: torch.Tensor,
+        *,
+        num_examples: int | None = None,
+    ) -> torch.Tensor:
         """This replica's state vector; a replica with an empty slice contributes zeros.
 
         `num_examples` counts the examples when there are no `targets` (a model that computes its own loss)."""
@@ -171,11 +185,13 @@ class MetricSet:
             raise InputError(
                 f"Metrics {[m.name for m in self.metrics]} compare predictions with targets, but this batch has none. "
                 "Received: a batch without targets (no (inputs, targets) pair, no 'labels' entry). Put the targets "
-                "in the batch, or leave metrics out.")
+                "in the batch, or leave metrics out."
+            )
         if outputs is None and self.metrics:
             raise InputError(
                 f"Metrics {[m.name for m in self.metrics]} read the model's scores, but its output has none. Received: "
-                "an output without .logits that is not a tensor. Return the scores as .logits, or leave metrics out.")
+                "an output without .logits that is not a tensor. Return the scores as .logits, or leave metrics out."
+            )
         device = mean_loss.device if targets is None else targets.device
         if num_examples is not None:
             num = num_examples
@@ -185,14 +201,22 @@ class MetricSet:
         if num == 0:
             # An empty slice (fewer examples than replicas): its mean loss is NaN and it has nothing to count.
             return torch.zeros(self.size, dtype=torch.float64, device=device)
-        parts = [torch.stack([mean_loss.detach().to(torch.float64) * num,
-                              torch.tensor(float(num), dtype=torch.float64, device=device)])]
+        parts = [
+            torch.stack(
+                [
+                    mean_loss.detach().to(torch.float64) * num,
+                    torch.tensor(float(num), dtype=torch.float64, device=device),
+                ]
+            )
+        ]
         for metric in self.metrics:
             assert outputs is not None and targets is not None  # with metrics, both were checked above
             part = metric.state(outputs, targets).to(torch.float64).reshape(-1)
             if part.numel() != metric.state_size:
-                raise InputError(f"Metric {metric.name!r} returned a state of {part.numel()} value(s). "
-                                 f"Received: state_size={metric.state_size}. Make state() return state_size sums.")
+                raise InputError(
+                    f"Metric {metric.name!r} returned a state of {part.numel()} value(s). "
+                    f"Received: state_size={metric.state_size}. Make state() return state_size sums."
+                )
             parts.append(part.to(device))
         return torch.cat(parts)
 
@@ -202,7 +226,7 @@ class MetricSet:
         out = {"loss": _ratio(totals[0], totals[1])}
         start = 2
         for metric in self.metrics:
-            out[metric.name] = float(metric.result(totals[start:start + metric.state_size]))
+            out[metric.name] = float(metric.result(totals[start : start + metric.state_size]))
             start += metric.state_size
         return out
 

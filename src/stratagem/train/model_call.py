@@ -79,13 +79,15 @@ def forward(model: nn.Module, loss: Callable[..., torch.Tensor] | None, inputs: 
                 raise InputError(
                     f"With a loss function, a dict batch needs its targets under {LABELS!r}. Received: keys "
                     f"{sorted(map(str, inputs))}. Add a {LABELS!r} entry, or pass loss=None to use the model's own "
-                    "loss (outputs.loss).")
+                    "loss (outputs.loss)."
+                )
             outputs = model(**{k: v for k, v in inputs.items() if k != LABELS})
         elif whole:
             raise InputError(
                 "With a loss function, each batch must be an (inputs, targets) pair or a dict with 'labels'. "
                 f"Received: {_describe(inputs)}. Yield (x, y) pairs, or pass loss=None when the model returns its "
-                "own loss.")
+                "own loss."
+            )
         else:
             outputs = model(inputs)
         loss_value = loss(_predictions(outputs, required=True), labels)
@@ -102,8 +104,9 @@ def forward(model: nn.Module, loss: Callable[..., torch.Tensor] | None, inputs: 
         num = int(labels.shape[0])
     else:
         num = batch_size_of(inputs)
-    return Forward(loss_value, _predictions(outputs, required=False),
-                   labels if isinstance(labels, torch.Tensor) else None, num)
+    return Forward(
+        loss_value, _predictions(outputs, required=False), labels if isinstance(labels, torch.Tensor) else None, num
+    )
 
 
 def _own_loss(outputs: Any) -> torch.Tensor:
@@ -116,7 +119,8 @@ def _own_loss(outputs: Any) -> torch.Tensor:
         raise InputError(
             "With loss=None the model must compute the loss: return an object with .loss (a Hugging Face ModelOutput "
             f"when the batch holds labels), a dict with 'loss', or the scalar loss. Received: {_describe(outputs)}. "
-            "Put the labels in the batch, or pass a loss function.")
+            "Put the labels in the batch, or pass a loss function."
+        )
     return value
 
 

@@ -77,11 +77,21 @@ class ModelCheckpoint(Callback):
     ``saved`` lists the paths written, in order (on the chief).
     """
 
-    def __init__(self, filepath: str | os.PathLike[str], *, monitor: str = "val_loss", mode: str = "auto",
-                 min_delta: float = 0.0, save_best_only: bool = False, every_n_epochs: int = 1,
-                 format: str = "state_dict") -> None:
+    def __init__(
+        self,
+        filepath: str | os.PathLike[str],
+        *,
+        monitor: str = "val_loss",
+        mode: str = "auto",
+        min_delta: float = 0.0,
+        save_best_only: bool = False,
+        every_n_epochs: int = 1,
+        format: str = "state_dict",
+    ) -> None:
         if isinstance(filepath, bool) or not isinstance(filepath, (str, os.PathLike)) or not str(filepath):
-            raise InputError(f"filepath must be a file path. Received: filepath={filepath!r}. Use e.g. 'ckpt/model.pt'.")
+            raise InputError(
+                f"filepath must be a file path. Received: filepath={filepath!r}. Use e.g. 'ckpt/model.pt'."
+            )
         if format not in FORMATS:
             raise InputError(f"Unknown checkpoint format. Received: format={format!r}. Use one of {FORMATS}.")
         if format == "safetensors":
@@ -90,7 +100,8 @@ class ModelCheckpoint(Callback):
             except ImportError:
                 raise InputError(
                     "format='safetensors' needs the safetensors package, which is not installed. Received: "
-                    "format='safetensors'. Install it (pip install safetensors) or use format='state_dict'.") from None
+                    "format='safetensors'. Install it (pip install safetensors) or use format='state_dict'."
+                ) from None
         if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
             raise InputError(f"every_n_epochs must be a positive integer. Received: every_n_epochs={every_n_epochs!r}.")
         self.filepath = str(filepath)

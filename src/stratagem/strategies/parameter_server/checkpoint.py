@@ -42,12 +42,14 @@ def join_state(shards: Sequence[Shard], replies: Mapping[int, Reply]) -> dict[st
         prefix = f"{shard.name}{STATE_SEPARATOR}"
         for key, value in tensors.items():
             if key.startswith(prefix):
-                state.setdefault(key[len(prefix):], []).append(value)
+                state.setdefault(key[len(prefix) :], []).append(value)
         for key, value in meta["scalars"].get(shard.name, {}).items():
             state.setdefault(key, []).append(value)
     out_vars = {name: _join(parts) for name, parts in variables.items()}
-    out_state = {name: {key: _join(parts) if _per_row(parts) else parts[0] for key, parts in state.items()}
-                 for name, state in states.items()}
+    out_state = {
+        name: {key: _join(parts) if _per_row(parts) else parts[0] for key, parts in state.items()}
+        for name, state in states.items()
+    }
     return {"format": CHECKPOINT_FORMAT, "variables": out_vars, "optimizer_state": out_state}
 
 
@@ -55,12 +57,15 @@ def check_covers(state: Mapping[str, Any], shards: Sequence[Shard]) -> None:
     """Raises ``InputError`` unless ``state`` holds every parameter that ``shards`` are cut from."""
     missing = sorted({s.parameter for s in shards} - set(state["variables"]))
     if missing:
-        raise InputError(f"The checkpoint lacks parameters of this model. Received: missing {missing[:5]}. "
-                         "Restore a checkpoint written for this model.")
+        raise InputError(
+            f"The checkpoint lacks parameters of this model. Received: missing {missing[:5]}. "
+            "Restore a checkpoint written for this model."
+        )
 
 
-def shard_state(state: Mapping[str, Any], shards: Sequence[Shard]
-                ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+def shard_state(
+    state: Mapping[str, Any], shards: Sequence[Shard]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """What one server's ``Load`` takes for ``shards``: their tensors (values and per-row state, cut to the
     shard's rows) by name, and their scalar optimizer state by shard name."""
     variables, opt_state = state["variables"], state["optimizer_state"]
@@ -96,13 +101,17 @@ def read(path: str | Path) -> dict[str, Any]:
     """
     state = load_verified(path)
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise InputError(f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
-                         f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
-                         f"Pass a file written by ParameterServerStrategy.save.")
+        raise InputError(
+            f"Not a parameter-server checkpoint. Received: {str(path)!r} with format "
+            f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}. "
+            f"Pass a file written by ParameterServerStrategy.save."
+        )
     if not all(isinstance(state.get(key), Mapping) for key in ("variables", "optimizer_state")):
-        raise InputError(f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
-                         f"state. Received: fields {sorted(map(str, state))[:10]}. Pass a file "
-                         "written by ParameterServerStrategy.save.")
+        raise InputError(
+            f"The parameter-server checkpoint {str(path)!r} lacks its variables or optimizer "
+            f"state. Received: fields {sorted(map(str, state))[:10]}. Pass a file "
+            "written by ParameterServerStrategy.save."
+        )
     return state
 
 
@@ -112,4 +121,5 @@ def _join(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _per_row(parts: list[Any]) -> bool:
     return all(isinstance(p, torch.Tensor) and p.dim() > 0 for p in parts) and (
-        len(parts) == 1 or len({p.shape[1:] for p in parts}) == 1)
+        len(parts) == 1 or len({p.shape[1:] for p in parts}) == 1
+    )

@@ -80,8 +80,10 @@ class RemoteValue:
         """Waits for the result and returns it; re-raises the function's error (or the one that cancelled it)."""
         wait = self._timeout if timeout is None else timeout
         if not self._event.wait(wait):
-            raise CollectiveTimeoutError(f"{self._name} has no result after {wait:g} s. Received: it is still queued "
-                                         "or running. Call coordinator.join() first, or pass a longer timeout.")
+            raise CollectiveTimeoutError(
+                f"{self._name} has no result after {wait:g} s. Received: it is still queued "
+                "or running. Call coordinator.join() first, or pass a longer timeout."
+            )
         if self._error is not None:
             raise self._error
         return self._value
@@ -112,13 +114,22 @@ class PerWorkerIterator:
         self.dataset = dataset
 
     def __next__(self) -> Any:
-        raise InputError("A per-worker iterator is read on the workers. Received: next() on the chief. "
-                         "Pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
+        raise InputError(
+            "A per-worker iterator is read on the workers. Received: next() on the chief. "
+            "Pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn."
+        )
 
 
 class _Closure:
-    def __init__(self, number: int, fn: Callable[..., Any], fn_ref: dict[str, Any], args: Sequence[Any],
-                 kwargs: Mapping[str, Any], timeout: float) -> None:
+    def __init__(
+        self,
+        number: int,
+        fn: Callable[..., Any],
+        fn_ref: dict[str, Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        timeout: float,
+    ) -> None:
         self.number = number
         self.name = f"{getattr(fn, '__qualname__', 'function')} #{number}"
         self.fn_ref, self.args, self.kwargs = fn_ref, args, kwargs
@@ -152,12 +163,18 @@ def _fetched(value: Any) -> Any:
 class ClusterCoordinator:
     """Schedules functions on the workers of a ``ParameterServerStrategy`` (see the module docstring)."""
 
-    def __init__(self, strategy: ParameterServerStrategy, *, worker_recovery_timeout: float = 60.0,
-                 closure_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy,
+        *,
+        worker_recovery_timeout: float = 60.0,
+        closure_timeout: float = 600.0,
+    ) -> None:
         for name, value in (("worker_recovery_timeout", worker_recovery_timeout), ("closure_timeout", closure_timeout)):
             if not isinstance(value, (int, float)) or value <= 0:
-                raise InputError(f"{name} must be a positive number of seconds. Received: {name}={value!r}. "
-                                 "Pass seconds > 0.")
+                raise InputError(
+                    f"{name} must be a positive number of seconds. Received: {name}={value!r}. Pass seconds > 0."
+                )
         self.strategy = strategy
         self.worker_recovery_timeout = float(worker_recovery_timeout)
         self.closure_timeout = float(closure_timeout)
@@ -190,8 +207,9 @@ class ClusterCoordinator:
         """A dataset made on every worker by calling ``dataset_fn()`` there (a module-level function)."""
         return PerWorkerDataset(functions.function_ref(dataset_fn, local_ok=self.strategy._workers_in_process))
 
-    def schedule(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
-                 ) -> RemoteValue:
+    def schedule(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> RemoteValue:
         """Queues ``fn(*args, **kwargs)`` for a worker and returns its ``RemoteValue`` at once.
 
         Example:
@@ -202,15 +220,18 @@ class ClusterCoordinator:
         kwargs = dict(kwargs or {})
         fn_ref = functions.function_ref(fn, local_ok=self.strategy._workers_in_process)
         # Refuse values that cannot travel now, before any work starts (RemoteValues are resolved later).
-        checker = functions.Encoder(lambda v: {} if isinstance(v, (RemoteValue, PerWorkerIterator,
-                                                                   PerWorkerDataset)) else None)
+        checker = functions.Encoder(
+            lambda v: {} if isinstance(v, (RemoteValue, PerWorkerIterator, PerWorkerDataset)) else None
+        )
         checker.encode(tuple(args), "args")
         checker.encode(kwargs, "kwargs")
         with self._cv:
             self._raise_error(clear=False)
             if self._closed:
-                raise InputError("The coordinator is shut down. Received: a schedule() after "
-                                 "strategy.shutdown(). Schedule before shutting down.")
+                raise InputError(
+                    "The coordinator is shut down. Received: a schedule() after "
+                    "strategy.shutdown(). Schedule before shutting down."
+                )
             closure = _Closure(next(self._numbers), fn, fn_ref, tuple(args), kwargs, self.closure_timeout)
             self._queue.append(closure)
             self._inflight += 1
@@ -228,7 +249,8 @@ class ClusterCoordinator:
                 if remaining is not None and remaining <= 0:
                     raise CollectiveTimeoutError(
                         f"join() timed out after {timeout:g} s. Received: {self._inflight} functions still queued or "
-                        f"running on {self.num_workers} workers. Wait longer, or check the workers' logs.")
+                        f"running on {self.num_workers} workers. Wait longer, or check the workers' logs."
+                    )
                 self._cv.wait(remaining)
             self._raise_error(clear=True)
 
@@ -294,8 +316,12 @@ class ClusterCoordinator:
                 with self._cv:
                     self._queue.appendleft(closure)  # another worker (or this one, back) runs it again
                     self._cv.notify_all()
-                logger.warning("%s unreachable; %s goes back to the queue; waiting up to %g s for it to return",
-                               client.task, closure.name, self.worker_recovery_timeout)
+                logger.warning(
+                    "%s unreachable; %s goes back to the queue; waiting up to %g s for it to return",
+                    client.task,
+                    closure.name,
+                    self.worker_recovery_timeout,
+                )
                 back = self._wait_for_return(client)
                 if back is None:  # the coordinator was shut down meanwhile
                     return
@@ -323,7 +349,8 @@ class ClusterCoordinator:
                     error: BaseException = ParameterServerError(
                         f"Parameter server {meta['ps_lost']} was lost while {where} ran. Received: "
                         f"{meta.get('message')}. Restart the job; it resumes from the last checkpoint "
-                        "(strategy.save / strategy.restore).")
+                        "(strategy.save / strategy.restore)."
+                    )
                 else:
                     error = functions.rebuild_error(meta, where)
                 with self._cv:
@@ -346,8 +373,12 @@ class ClusterCoordinator:
         encoder = functions.Encoder(_iterator_ref(datasets))
         args = _fetched(list(closure.args))
         kwargs = _fetched(closure.kwargs)
-        meta = {"fn": closure.fn_ref, "args": encoder.encode(args, "args"), "kwargs": encoder.encode(kwargs, "kwargs"),
-                "datasets": datasets}
+        meta = {
+            "fn": closure.fn_ref,
+            "args": encoder.encode(args, "args"),
+            "kwargs": encoder.encode(kwargs, "kwargs"),
+            "datasets": datasets,
+        }
         closure.attempts += 1
         return client.call("Run", "run", meta, encoder.tensors, timeout=self.closure_timeout)
 
@@ -355,14 +386,18 @@ class ClusterCoordinator:
         with self._cv:
             self._lost.append(client.task)
             if len(self._lost) == len(self._threads):
-                self._fail(ParameterServerError(
-                    f"Every worker was lost. Received: {', '.join(self._lost)} did not come back within "
-                    f"{self.worker_recovery_timeout:g} s. Restart the workers (same TF_CONFIG) or the job."), None)
-        logger.error("%s did not come back within %g s; it gets no more functions", client.task,
-                     self.worker_recovery_timeout)
+                self._fail(
+                    ParameterServerError(
+                        f"Every worker was lost. Received: {', '.join(self._lost)} did not come back within "
+                        f"{self.worker_recovery_timeout:g} s. Restart the workers (same TF_CONFIG) or the job."
+                    ),
+                    None,
+                )
+        logger.error(
+            "%s did not come back within %g s; it gets no more functions", client.task, self.worker_recovery_timeout
+        )
 
     def _close(self) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-

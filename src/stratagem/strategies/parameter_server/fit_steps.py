@@ -50,7 +50,8 @@ def run_fit_step(role: str, inputs: Any, targets: Any) -> torch.Tensor:
     if entry is None:
         raise ParameterServerError(
             f"This worker has no fit step for {role!r}. Received: steps for {sorted(_steps)}. Run the same "
-            "script on every task, so that every worker reaches the same sg.fit call as the chief.")
+            "script on every task, so that every worker reaches the same sg.fit call as the chief."
+        )
     step, model = entry
     model.train(role == "train")  # the worker's own replica: the chief's mode does not reach it
     return step(inputs, targets)
@@ -67,8 +68,9 @@ def prepare_fit_steps(strategy: ParameterServerStrategy, steps: Mapping[str, Ste
         strategy._serve_as_worker()  # raises SystemExit when the chief ends the job
 
 
-def fit_steps(coordinator: ClusterCoordinator, step_fn: StepFn, batches: Iterable[Any],
-              on_step: Callable[[torch.Tensor], None]) -> None:
+def fit_steps(
+    coordinator: ClusterCoordinator, step_fn: StepFn, batches: Iterable[Any], on_step: Callable[[torch.Tensor], None]
+) -> None:
     """The chief's step loop for `fit` (the contract of `stratagem.train.loop.run_steps_synchronously`).
 
     `fit`'s own steps are scheduled on the workers. Any other step function (`sg.evaluate` after
@@ -81,8 +83,10 @@ def fit_steps(coordinator: ClusterCoordinator, step_fn: StepFn, batches: Iterabl
         coordinator.join()  # every scheduled update lands before the chief reads the parameters
         model = coordinator.strategy._model
         if model is None:
-            raise InputError("A step ran before strategy.distribute(model, optimizer). Received: no model. "
-                             "Distribute the model first (sg.fit does it for you).")
+            raise InputError(
+                "A step ran before strategy.distribute(model, optimizer). Received: no model. "
+                "Distribute the model first (sg.fit does it for you)."
+            )
         model.pull()
         for index, batch in enumerate(batches):
             _check_pair(index, batch)
@@ -109,8 +113,10 @@ def fit_steps(coordinator: ClusterCoordinator, step_fn: StepFn, batches: Iterabl
 
 def _check_pair(index: int, batch: Any) -> None:
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise InputError(f"Batch {index} is not an (inputs, targets) pair. Received: {type(batch).__name__}. Make the "
-                         "loader yield (x, y) tuples, e.g. DataLoader(TensorDataset(x, y), batch_size=64).")
+        raise InputError(
+            f"Batch {index} is not an (inputs, targets) pair. Received: {type(batch).__name__}. Make the "
+            "loader yield (x, y) tuples, e.g. DataLoader(TensorDataset(x, y), batch_size=64)."
+        )
 
 
 def _state(value: Any) -> torch.Tensor:

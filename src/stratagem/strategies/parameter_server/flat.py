@@ -41,8 +41,10 @@ class Flat:
         self.dtype = self.parts[0].dtype
         dtypes = {p.dtype for p in self.parts}
         if len(dtypes) > 1:
-            raise WireFormatError(f"The parts of a Flat must share one dtype. Received: "
-                                  f"{sorted(str(d) for d in dtypes)}. Use one Flat per dtype.")
+            raise WireFormatError(
+                f"The parts of a Flat must share one dtype. Received: "
+                f"{sorted(str(d) for d in dtypes)}. Use one Flat per dtype."
+            )
         self.numel = sum(map(torch.Tensor.numel, self.parts))
         self._blocks: list[tuple[torch.Tensor, list[torch.Tensor] | None]] | None = None
 
@@ -70,7 +72,8 @@ class Flat:
                 raise WireFormatError(
                     f"Received tensors are written into contiguous CPU tensors that do not require grad. Received: "
                     f"a destination on {part.device} (contiguous: {part.is_contiguous()}, requires_grad: "
-                    f"{part.requires_grad}). Pass detached, contiguous CPU tensors, or decode then copy.")
+                    f"{part.requires_grad}). Pass detached, contiguous CPU tensors, or decode then copy."
+                )
             if part.numel() == 0:
                 continue
             storage = part.untyped_storage().data_ptr()
@@ -90,8 +93,11 @@ class Flat:
                 scattered = []
             first = run[0]
             # torch's stubs type storage_offset() as int | SymInt, which no overload of set_ takes.
-            block = torch.empty(0, dtype=self.dtype).set_(first.untyped_storage(), first.storage_offset(),  # type: ignore[call-overload]
-                                                          (sum(p.numel() for p in run),))
+            block = torch.empty(0, dtype=self.dtype).set_(
+                first.untyped_storage(),
+                first.storage_offset(),  # type: ignore[call-overload]
+                (sum(p.numel() for p in run),),
+            )
             blocks.append((block, None))
         if scattered:
             blocks.append((torch.empty(sum(p.numel() for p in scattered), dtype=self.dtype), scattered))
@@ -104,7 +110,7 @@ class Flat:
         targets, sources = [], []
         offset = 0
         for block, parts in self.blocks():
-            piece = source[offset:offset + block.numel()]
+            piece = source[offset : offset + block.numel()]
             offset += block.numel()
             if parts is None:
                 if block.data_ptr() != piece.data_ptr():  # the parts may live in the source itself

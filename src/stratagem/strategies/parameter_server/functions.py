@@ -50,8 +50,9 @@ def _named(fn: Callable[..., Any]) -> dict[str, str] | None:
 def function_ref(fn: Callable[..., Any], *, local_ok: bool) -> dict[str, Any]:
     """How ``fn`` travels: by name, or (``local_ok``: only workers in this process) by a local number."""
     if not callable(fn):
-        raise InputError(f"Only functions can be scheduled. Received: {fn!r:.80}. "
-                         "Pass a function defined at module level.")
+        raise InputError(
+            f"Only functions can be scheduled. Received: {fn!r:.80}. Pass a function defined at module level."
+        )
     named = _named(fn)
     if named is not None:
         return named
@@ -59,7 +60,8 @@ def function_ref(fn: Callable[..., Any], *, local_ok: bool) -> dict[str, Any]:
         raise InputError(
             f"A function sent to workers in other processes needs a module-level name. Received: "
             f"{getattr(fn, '__qualname__', fn)!r} from module {getattr(fn, '__module__', None)!r}. Define it with "
-            "`def` at the top level of the script (every task runs the same script and finds it by name).")
+            "`def` at the top level of the script (every task runs the same script and finds it by name)."
+        )
     with _local_lock:
         number = next(_counter)
         _local_functions[number] = fn
@@ -72,23 +74,32 @@ def resolve_function(ref: Any) -> Callable[..., Any]:
         if ref["process"] != PROCESS_ID or ref["local"] not in _local_functions:
             raise ParameterServerError(
                 f"This worker cannot run a function defined inside another function of another process. Received: "
-                f"local function {ref['local']!r} of process {ref['process']!r}. Define it at module level.")
+                f"local function {ref['local']!r} of process {ref['process']!r}. Define it at module level."
+            )
         return _local_functions[ref["local"]]
-    if not (isinstance(ref, dict) and set(ref) == {"module", "qualname"}
-            and isinstance(ref["module"], str) and isinstance(ref["qualname"], str)):
-        raise ParameterServerError(f"Malformed function reference. Received: {ref!r:.120}. "
-                                   "Schedule functions through ClusterCoordinator.schedule.")
+    if not (
+        isinstance(ref, dict)
+        and set(ref) == {"module", "qualname"}
+        and isinstance(ref["module"], str)
+        and isinstance(ref["qualname"], str)
+    ):
+        raise ParameterServerError(
+            f"Malformed function reference. Received: {ref!r:.120}. "
+            "Schedule functions through ClusterCoordinator.schedule."
+        )
     target: Any = sys.modules.get(ref["module"])
     if target is None:
         raise ParameterServerError(
             f"Module {ref['module']!r} is not loaded on this worker. Received: {ref['module']}.{ref['qualname']}. "
-            "Run the same script on every task, importing the module that defines the function.")
+            "Run the same script on every task, importing the module that defines the function."
+        )
     for part in ref["qualname"].split("."):
         target = getattr(target, part, None)
     if not callable(target):
         raise ParameterServerError(
             f"No function {ref['module']}.{ref['qualname']} on this worker. Received: {target!r:.80}. Define it "
-            "at module level before the script first calls coordinator.schedule (workers start serving there).")
+            "at module level before the script first calls coordinator.schedule (workers start serving there)."
+        )
     return target
 
 
@@ -125,7 +136,8 @@ class Encoder:
                 return ref
         raise InputError(
             f"This value cannot travel between tasks. Received: {where} of type {type(value).__name__}. Use "
-            "tensors, numbers, strings, None, lists, tuples, dicts with string keys, or per-worker iterators.")
+            "tensors, numbers, strings, None, lists, tuples, dicts with string keys, or per-worker iterators."
+        )
 
 
 def decode(tree: Any, tensors: dict[str, torch.Tensor], refs: Callable[[dict[str, Any]], Any] | None = None) -> Any:
@@ -143,8 +155,9 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor], refs: Callable[[dict[str
             return {k: decode(v, tensors, refs) for k, v in tree["$dict"].items()}
         if refs is not None:
             return refs(tree)
-        raise ParameterServerError(f"Unknown reference in a message. Received: {tree!r:.120}. "
-                                   "Send values built by the coordinator.")
+        raise ParameterServerError(
+            f"Unknown reference in a message. Received: {tree!r:.120}. Send values built by the coordinator."
+        )
     return tree
 
 
@@ -169,6 +182,8 @@ def rebuild_error(info: dict[str, Any], where: str) -> Exception:
         if exc is not None and hasattr(exc, "add_note"):  # Python 3.11+
             exc.add_note(f"{note}\n{info.get('traceback', '')}".rstrip())
             return exc
-    error = ReplicaError(f"A scheduled function failed: {note}. Received: {info.get('module')}.{info.get('type')}: "
-                         f"{info.get('message')}. See the worker's traceback below.\n{info.get('traceback', '')}")
+    error = ReplicaError(
+        f"A scheduled function failed: {note}. Received: {info.get('module')}.{info.get('type')}: "
+        f"{info.get('message')}. See the worker's traceback below.\n{info.get('traceback', '')}"
+    )
     return error

@@ -48,11 +48,15 @@ def _plain(value: Any, where: str, what: str = "hyper-parameter") -> Any:
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: _plain(v, f"{where}[{k!r}]", what) for k, v in value.items()}
     if not isinstance(value, (int, float, bool, str, type(None))):
-        advice = ("Use numbers, booleans or tuples of them." if what == "hyper-parameter" else
-                  "Keep numbers, booleans, strings or tuples of them there: each server builds the optimizer "
-                  "again from these values.")
-        raise InputError(f"An optimizer {what} cannot be sent to the parameter servers. Received: "
-                         f"{where}={value!r:.80}. {advice}")
+        advice = (
+            "Use numbers, booleans or tuples of them."
+            if what == "hyper-parameter"
+            else "Keep numbers, booleans, strings or tuples of them there: each server builds the optimizer "
+            "again from these values."
+        )
+        raise InputError(
+            f"An optimizer {what} cannot be sent to the parameter servers. Received: {where}={value!r:.80}. {advice}"
+        )
     return value
 
 
@@ -75,17 +79,24 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             "The parameter servers cannot apply LBFGS: its step re-evaluates the loss through a closure and "
             "searches along the whole parameter vector, while each server holds some shards and gets gradients "
             f"only. Received: {cls.__name__}. Choose a first-order optimizer (SGD, Adam, AdamW, ...), or train "
-            "with LBFGS on one device (OneDeviceStrategy).")
-    groups = [{key: _plain(value, f"param_groups[{index}][{key!r}]") for key, value in group.items() if key != "params"}
-              for index, group in enumerate(optimizer.param_groups)]
+            "with LBFGS on one device (OneDeviceStrategy)."
+        )
+    groups = [
+        {key: _plain(value, f"param_groups[{index}][{key!r}]") for key, value in group.items() if key != "params"}
+        for index, group in enumerate(optimizer.param_groups)
+    ]
     attributes = {}
     for name, value in vars(optimizer).items():
         if name in BASE_ATTRIBUTES or (name == "step" and hasattr(value, "_wrapped_by_lr_sched")):
             continue  # rebuilt by Optimizer.__init__; an LR scheduler's wrapper calls the chief's optimizer
         attributes[name] = _plain(value, f"{cls.__name__}.{name}", "attribute")
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "groups": groups,
-            "defaults": {key: _plain(value, f"defaults[{key!r}]") for key, value in optimizer.defaults.items()},
-            "attributes": attributes}
+    return {
+        "module": cls.__module__,
+        "qualname": cls.__qualname__,
+        "groups": groups,
+        "defaults": {key: _plain(value, f"defaults[{key!r}]") for key, value in optimizer.defaults.items()},
+        "attributes": attributes,
+    }
 
 
 def hypers_of(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -100,24 +111,33 @@ def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Opti
     for part in qualname.split("."):
         target = getattr(target, part, None)
     if target is None:
-        raise ParameterServerError(f"Cannot find the optimizer class on this task. Received: {module}.{qualname}. "
-                                   "Define it in a module every task imports (the same script runs everywhere).")
+        raise ParameterServerError(
+            f"Cannot find the optimizer class on this task. Received: {module}.{qualname}. "
+            "Define it in a module every task imports (the same script runs everywhere)."
+        )
     if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
-        raise ParameterServerError(f"Not a torch optimizer class. Received: {module}.{qualname}={target!r:.80}. "
-                                   "Pass a torch.optim.Optimizer.")
+        raise ParameterServerError(
+            f"Not a torch optimizer class. Received: {module}.{qualname}={target!r:.80}. Pass a torch.optim.Optimizer."
+        )
     return target
 
 
-def build_optimizer(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-                    spec: Mapping[str, Any]) -> torch.optim.Optimizer:
+def build_optimizer(
+    cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], spec: Mapping[str, Any]
+) -> torch.optim.Optimizer:
     """An instance of ``cls`` over ``groups`` with the ``defaults`` and attributes of ``spec``, made without
     calling ``cls.__init__`` (see the module docstring); torch's foreach kernels where the user left the
     choice to torch (same arithmetic, one call over many shards instead of a Python loop)."""
     defaults, attributes = spec.get("defaults", {}), spec.get("attributes", {})
-    if not (isinstance(defaults, dict) and isinstance(attributes, dict)
-            and all(isinstance(k, str) and not k.startswith("__") and k not in BASE_ATTRIBUTES for k in attributes)):
-        raise WireFormatError(f"An optimizer spec needs 'defaults' and 'attributes' objects of plain names. Received: "
-                              f"defaults={defaults!r:.80}, attributes={attributes!r:.80}. Send optimizer_spec(optimizer).")
+    if not (
+        isinstance(defaults, dict)
+        and isinstance(attributes, dict)
+        and all(isinstance(k, str) and not k.startswith("__") and k not in BASE_ATTRIBUTES for k in attributes)
+    ):
+        raise WireFormatError(
+            f"An optimizer spec needs 'defaults' and 'attributes' objects of plain names. Received: "
+            f"defaults={defaults!r:.80}, attributes={attributes!r:.80}. Send optimizer_spec(optimizer)."
+        )
     if all(g.get("foreach", False) is None and not g.get("fused") and not g.get("differentiable") for g in groups):
         groups = [{**g, "foreach": True} for g in groups]  # every torch optimizer with the option has the kernels
     optimizer = object.__new__(cls)

@@ -38,8 +38,10 @@ def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None
     if allow_none and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InputError(f"{name} must be a positive integer. Received: {name}={value!r}. "
-                         f"Pass an int >= 1{' or None' if allow_none else ''}.")
+        raise InputError(
+            f"{name} must be a positive integer. Received: {name}={value!r}. "
+            f"Pass an int >= 1{' or None' if allow_none else ''}."
+        )
 
 
 class Partitioner(abc.ABC):
@@ -145,8 +147,11 @@ class Shard:
     """Index of the optimizer's parameter group the parameter belongs to."""
 
 
-def place(parameters: Iterable[tuple[str, torch.Tensor, int]], num_ps: int,
-          partitioner: Partitioner | Callable[..., int] | None) -> list[Shard]:
+def place(
+    parameters: Iterable[tuple[str, torch.Tensor, int]],
+    num_ps: int,
+    partitioner: Partitioner | Callable[..., int] | None,
+) -> list[Shard]:
     """Cuts each ``(name, tensor, group)`` into shards and deals them round-robin over ``num_ps`` servers.
 
     Example:
@@ -156,17 +161,21 @@ def place(parameters: Iterable[tuple[str, torch.Tensor, int]], num_ps: int,
     """
     _positive_int("num_ps", num_ps)
     if partitioner is not None and not callable(partitioner):
-        raise InputError(f"partitioner must be callable as partitioner(shape, dtype). "
-                         f"Received: {partitioner!r}. Pass a FixedShardsPartitioner, "
-                         "MinSizePartitioner or MaxSizePartitioner, or None.")
+        raise InputError(
+            f"partitioner must be callable as partitioner(shape, dtype). "
+            f"Received: {partitioner!r}. Pass a FixedShardsPartitioner, "
+            "MinSizePartitioner or MaxSizePartitioner, or None."
+        )
     shards = []
     turn = 0
     for name, tensor, group in parameters:
         rows = tensor.shape[0] if tensor.dim() else 1
         count = 1 if partitioner is None or tensor.dim() == 0 else partitioner(tuple(tensor.shape), tensor.dtype)
         if not isinstance(count, int) or not 1 <= count <= max(rows, 1):
-            raise InputError(f"The partitioner returned an impossible shard count. Received: {count!r} "
-                             f"for {name} of shape {tuple(tensor.shape)}. Return 1..{max(rows, 1)}.")
+            raise InputError(
+                f"The partitioner returned an impossible shard count. Received: {count!r} "
+                f"for {name} of shape {tuple(tensor.shape)}. Return 1..{max(rows, 1)}."
+            )
         start = 0
         for i, size in enumerate(shard_rows(rows, count)):
             shard_name = name if count == 1 else f"{name}/part_{i}"
@@ -180,4 +189,4 @@ def shard_of(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
     """The rows of ``tensor`` that ``shard`` holds (a view; the whole tensor for a scalar)."""
     if tensor.dim() == 0 or (shard.start == 0 and shard.stop == tensor.shape[0]):
         return tensor
-    return tensor[shard.start:shard.stop]
+    return tensor[shard.start : shard.stop]

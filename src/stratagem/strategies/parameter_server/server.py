@@ -102,16 +102,31 @@ class ParameterServer:
         self._segments = shared.Segments(task)
         self._num_updates = 0
         self._shutdown = threading.Event()
-        self._server = Server(SERVICE, {
-            "Create": self._create, "Pull": self._pull, "Push": Streaming(self._push), "Save": self._save,
-            "Load": self._load, "Shutdown": self._stop, "Ping": self._ping, "Attach": self._attach,
-            "Detach": self._detach, "PullShared": self._pull_shared, "PushShared": self._push_shared,
-        }, security=security, address=address, default_limit=SMALL, limits={
-            # What each request can carry; every other method takes a few names and numbers, no tensors.
-            "Create": LARGE,
-            "Load": Limit(self._state_header_bytes, self._state_payload_bytes),
-            "PushShared": Limit(self._header_bytes),  # lists the buckets it carries
-        })
+        self._server = Server(
+            SERVICE,
+            {
+                "Create": self._create,
+                "Pull": self._pull,
+                "Push": Streaming(self._push),
+                "Save": self._save,
+                "Load": self._load,
+                "Shutdown": self._stop,
+                "Ping": self._ping,
+                "Attach": self._attach,
+                "Detach": self._detach,
+                "PullShared": self._pull_shared,
+                "PushShared": self._push_shared,
+            },
+            security=security,
+            address=address,
+            default_limit=SMALL,
+            limits={
+                # What each request can carry; every other method takes a few names and numbers, no tensors.
+                "Create": LARGE,
+                "Load": Limit(self._state_header_bytes, self._state_payload_bytes),
+                "PushShared": Limit(self._header_bytes),  # lists the buckets it carries
+            },
+        )
         self.address = self._server.address
 
     # ---- handlers ------------------------------------------------------------------------------
@@ -119,22 +134,32 @@ class ParameterServer:
         groups_of = meta.get("groups", {}) if isinstance(meta, dict) else {}
         spec = meta.get("optimizer") if isinstance(meta, dict) else None
         if set(groups_of) != set(tensors) or not all(isinstance(g, int) and g >= 0 for g in groups_of.values()):
-            raise WireFormatError(f"Create needs a group index for every shard. Received: shards {sorted(tensors)[:5]}, "
-                                  f"groups {dict(list(groups_of.items())[:5])}. Send both.")
+            raise WireFormatError(
+                f"Create needs a group index for every shard. Received: shards {sorted(tensors)[:5]}, "
+                f"groups {dict(list(groups_of.items())[:5])}. Send both."
+            )
         cls, hypers = None, []
         if spec is not None and tensors:
             cls = resolve_optimizer_class(spec["module"], spec["qualname"])
             hypers = hypers_of(spec)
             if max(groups_of.values()) >= len(hypers):
-                raise WireFormatError(f"A shard names a parameter group the optimizer lacks. Received: group "
-                                      f"{max(groups_of.values())} of {len(hypers)}. Send every group's hyper-parameters.")
+                raise WireFormatError(
+                    f"A shard names a parameter group the optimizer lacks. Received: group "
+                    f"{max(groups_of.values())} of {len(hypers)}. Send every group's hyper-parameters."
+                )
         store = ShardStore(tensors, groups_of, cls, hypers, build=functools.partial(build_optimizer, spec=spec or {}))
         with self._lock:
             self._store, self._num_updates = store, 0
             self._segments.clear()  # laid out for the old shards: workers attach again
-        logger.info("%s holds %d shards in %d buckets (%d elements), optimizer %s over %s", self.task,
-                    len(store.shards), len(store.buckets), sum(p.numel() for p in store.shards.values()),
-                    cls.__name__ if cls else None, "buckets" if store.flat else "shards")
+        logger.info(
+            "%s holds %d shards in %d buckets (%d elements), optimizer %s over %s",
+            self.task,
+            len(store.shards),
+            len(store.buckets),
+            sum(p.numel() for p in store.shards.values()),
+            cls.__name__ if cls else None,
+            "buckets" if store.flat else "shards",
+        )
         return "created", {"shards": len(store.shards), "layout": store.fingerprint}, {}
 
     # ---- what a request may carry ----------------------------------------------------------------
@@ -158,7 +183,8 @@ class ParameterServer:
                 f"{self.task} holds a different set of shards than the caller expects. Received: layout {given!r}, "
                 f"this server's is {self._store.fingerprint!r} ({len(self._store.shards)} shards). Run the same "
                 "model on every task, and distribute it on the chief before workers pull (a restarted chief "
-                "creates the shards again).")
+                "creates the shards again)."
+            )
 
     def _pull(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:  # no update is under way while a pull starts
@@ -197,8 +223,9 @@ class ParameterServer:
             if reply == "attached" and info["counters"]:
                 attached = self._segments.get(info["segment"], store.fingerprint)
                 assert attached is not None  # attached just now, under the same lock and fingerprint
-                threading.Thread(target=self._serve_file, args=(attached,), daemon=True,
-                                 name=f"{self.task}-shared-{attached.task}").start()
+                threading.Thread(
+                    target=self._serve_file, args=(attached,), daemon=True, name=f"{self.task}-shared-{attached.task}"
+                ).start()
             return reply, info, {}
 
     def _serve_file(self, attached: shared.Attached) -> None:
@@ -234,11 +261,13 @@ class ParameterServer:
                         version = self._copy_values(attached)
                     elif op == shared.PUSH:
                         count = int(words[shared._COUNT])
-                        indices = control.listed[:min(max(count, 0), shared.MAX_LISTED)].tolist()
+                        indices = control.listed[: min(max(count, 0), shared.MAX_LISTED)].tolist()
                         version = self._apply_gradients(attached, indices)
                     else:
-                        raise WireFormatError(f"Unknown request in a shared file. Received: operation {op}. "
-                                              f"Use {shared.PULL} (pull) or {shared.PUSH} (push).")
+                        raise WireFormatError(
+                            f"Unknown request in a shared file. Received: operation {op}. "
+                            f"Use {shared.PULL} (pull) or {shared.PUSH} (push)."
+                        )
                     control.answer(handled, shared.OK, version)
             except Exception as exc:  # the worker gets the error; the server goes on serving
                 logger.exception("%s: a request of %s through shared memory failed", self.task, attached.task)
@@ -246,7 +275,11 @@ class ParameterServer:
 
     def _detach(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:
-            return "detached", {"known": self._segments.detach(meta.get("segment") if isinstance(meta, dict) else None)}, {}
+            return (
+                "detached",
+                {"known": self._segments.detach(meta.get("segment") if isinstance(meta, dict) else None)},
+                {},
+            )
 
     def _attached(self, meta: Any) -> shared.Attached | None:
         """The file a shared pull or push names (under ``_lock``), or None when this server does not know it."""
@@ -276,11 +309,17 @@ class ParameterServer:
     def _apply_gradients(self, attached: shared.Attached, indices: Any) -> int:
         """A push through a worker's file (under ``_lock``): the optimizer over the gradients of the buckets named."""
         store = self._optimizing_store()
-        if not (isinstance(indices, list) and indices and len(set(indices)) == len(indices) and all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)):
-            raise WireFormatError(f"A shared push names buckets this server does not hold. Received: "
-                                  f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Name each "
-                                  "bucket the push carries once.")
+        if not (
+            isinstance(indices, list)
+            and indices
+            and len(set(indices)) == len(indices)
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(store.buckets) for i in indices)
+        ):
+            raise WireFormatError(
+                f"A shared push names buckets this server does not hold. Received: "
+                f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Name each "
+                "bucket the push carries once."
+            )
         self._keep_reads()
         store.apply_buckets({index: attached.areas.push[index] for index in indices})
         self._num_updates += 1
@@ -289,8 +328,10 @@ class ParameterServer:
     def _optimizing_store(self) -> ShardStore:
         """The store a push updates (under ``_lock``); refuses a push that comes before ``Create``."""
         if self._store.optimizer is None:
-            raise ParameterServerError(f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
-                                       "push before Create. Call distribute(model, optimizer) on the chief first.")
+            raise ParameterServerError(
+                f"{self.task} has no optimizer, so it cannot apply gradients. Received: a "
+                "push before Create. Call distribute(model, optimizer) on the chief first."
+            )
         return self._store
 
     def _keep_reads(self) -> None:
@@ -307,9 +348,13 @@ class ParameterServer:
             store = self._optimizing_store()
             self._keep_reads()
             # The progress callback checks the layout as soon as the header is in, before any update.
-            _, _, names = wire.decode_into(pieces, store.destinations(), exact=False,
-                                           progress=self._updates_as_received(store),
-                                           max_header_bytes=self._header_bytes())
+            _, _, names = wire.decode_into(
+                pieces,
+                store.destinations(),
+                exact=False,
+                progress=self._updates_as_received(store),
+                max_header_bytes=self._header_bytes(),
+            )
             store.apply(names)
             self._num_updates += 1
             return "applied", {"version": self._num_updates}, {}
@@ -326,9 +371,11 @@ class ParameterServer:
                 entries = header["tensors"]
                 # Only when the push names whole buckets: one naming shards may switch the store to shards.
                 whole = all(entry[0].startswith(BUCKET_PREFIX) for entry in entries)
-                indices = [int(entry[0][len(BUCKET_PREFIX):]) for entry in entries] if whole else []
-                plan = [(index, entry[3], store.buckets[index].values.element_size())
-                        for index, entry in zip(indices, entries)]
+                indices = [int(entry[0][len(BUCKET_PREFIX) :]) for entry in entries] if whole else []
+                plan = [
+                    (index, entry[3], store.buckets[index].values.element_size())
+                    for index, entry in zip(indices, entries)
+                ]
             for index, offset, itemsize in plan:
                 if received > offset:
                     store.step_ready(index, (received - offset) // itemsize)
@@ -338,9 +385,11 @@ class ParameterServer:
     def _known(self, names: list[str]) -> None:
         unknown = [n for n in names if n not in self._store.shards]
         if unknown:
-            raise WireFormatError(f"{self.task} holds no shard named {unknown[:3]}. Received: {len(names)} names. "
-                                  f"Send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
-                                  "was the model distributed by this job's chief?")
+            raise WireFormatError(
+                f"{self.task} holds no shard named {unknown[:3]}. Received: {len(names)} names. "
+                f"Send only shards placed on {self.task} (it holds {len(self._store.shards)}); "
+                "was the model distributed by this job's chief?"
+            )
 
     def _save(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         with self._lock:

@@ -47,7 +47,6 @@ SEGMENT_BYTES = 4 << 20
 """A segment closes once it holds this much (a larger shard is a segment of its own)."""
 
 
-
 def bucket_layout(entries: Iterable[tuple[str, int, torch.dtype, int]]) -> list[list[tuple[str, int]]]:
     """``(name, group, dtype, numel)`` of each shard, in creation order, grouped into buckets: one per
     (group, dtype), in order of first appearance, each a list of ``(name, numel)``."""
@@ -116,9 +115,14 @@ class ShardStore:
     bare hyper-parameters (the example above, the store's tests).
     """
 
-    def __init__(self, values: Mapping[str, torch.Tensor], groups: Mapping[str, int],
-                 optimizer_class: type[torch.optim.Optimizer] | None, hypers: Sequence[dict[str, Any]],
-                 build: Any = None) -> None:
+    def __init__(
+        self,
+        values: Mapping[str, torch.Tensor],
+        groups: Mapping[str, int],
+        optimizer_class: type[torch.optim.Optimizer] | None,
+        hypers: Sequence[dict[str, Any]],
+        build: Any = None,
+    ) -> None:
         self._class = optimizer_class
         self._hypers = list(hypers)
         self._build = build or (lambda cls, param_groups: cls(param_groups))
@@ -139,10 +143,10 @@ class ShardStore:
             start = 0
             for name, n in members:
                 value = values[name]
-                flat[start:start + n].copy_(value.reshape(-1))
-                self.shards[name] = nn.Parameter(flat[start:start + n].view(value.shape))
+                flat[start : start + n].copy_(value.reshape(-1))
+                self.shards[name] = nn.Parameter(flat[start : start + n].view(value.shape))
                 if optimizer_class is not None:
-                    self.grads[name] = grad[start:start + n].view(value.shape)
+                    self.grads[name] = grad[start : start + n].view(value.shape)
                 self._bucket_of[name] = index
                 if not bucket.segments or bucket.segments[-1].stop - bucket.segments[-1].start >= limit:
                     bucket.segments.append(Segment(start, start))
@@ -154,8 +158,8 @@ class ShardStore:
                 self._segment_of[name] = segment
                 start += n
             for segment in bucket.segments:
-                segment.param = nn.Parameter(flat[segment.start:segment.stop])
-                segment.grad = grad[segment.start:segment.stop] if optimizer_class is not None else None
+                segment.param = nn.Parameter(flat[segment.start : segment.stop])
+                segment.grad = grad[segment.start : segment.stop] if optimizer_class is not None else None
             self.buckets.append(bucket)
         self._destinations: dict[str, torch.Tensor] | None = None
         self._stepped: set[int] = set()  # id() of the segments this push has already updated
@@ -200,8 +204,9 @@ class ShardStore:
         """Updates, now, the segments of a whole-bucket push whose gradients have fully arrived
         (``received`` elements of bucket ``bucket``), while the rest is still being received."""
         if self.flat and self.optimizer is not None:
-            self._step([seg for seg in self.buckets[bucket].segments
-                        if seg.stop <= received and id(seg) not in self._stepped])
+            self._step(
+                [seg for seg in self.buckets[bucket].segments if seg.stop <= received and id(seg) not in self._stepped]
+            )
 
     def apply(self, names: Sequence[str]) -> None:
         """One optimizer step with the gradients just written for ``names`` (buckets or shards); segments
@@ -215,11 +220,18 @@ class ShardStore:
         """One optimizer step with a gradient for every shard of the buckets named (index to a flat gradient,
         read where it lies when the optimizer runs over buckets)."""
         if self.optimizer is None:
-            raise WireFormatError("This parameter server has no optimizer. Received: a push. Create the "
-                                  "shards with an optimizer (distribute(model, optimizer) on the chief).")
+            raise WireFormatError(
+                "This parameter server has no optimizer. Received: a push. Create the "
+                "shards with an optimizer (distribute(model, optimizer) on the chief)."
+            )
         if self.flat:
-            self._step_with([(_param(segment), grad[segment.start:segment.stop])
-                             for index, grad in grads.items() for segment in self.buckets[index].segments])
+            self._step_with(
+                [
+                    (_param(segment), grad[segment.start : segment.stop])
+                    for index, grad in grads.items()
+                    for segment in self.buckets[index].segments
+                ]
+            )
             return
         for index, grad in grads.items():
             self.buckets[index].grad.copy_(grad)
@@ -229,22 +241,27 @@ class ShardStore:
         covered: list[set[str]] = [set() for _ in self.buckets]
         for name in names:
             if name.startswith(BUCKET_PREFIX):
-                index = int(name[len(BUCKET_PREFIX):])
+                index = int(name[len(BUCKET_PREFIX) :])
                 members = self.buckets[index].names
             else:
                 index, members = self._bucket_of[name], [name]
             if covered[index].intersection(members):
-                raise WireFormatError(f"A push carries a shard twice. Received: {name!r} and a bucket or shard that "
-                                      "holds the same rows. Send each shard once, by bucket or by name.")
+                raise WireFormatError(
+                    f"A push carries a shard twice. Received: {name!r} and a bucket or shard that "
+                    "holds the same rows. Send each shard once, by bucket or by name."
+                )
             covered[index].update(members)
         if self.optimizer is None:
-            raise WireFormatError("This parameter server has no optimizer. Received: a push. Create the "
-                                  "shards with an optimizer (distribute(model, optimizer) on the chief).")
+            raise WireFormatError(
+                "This parameter server has no optimizer. Received: a push. Create the "
+                "shards with an optimizer (distribute(model, optimizer) on the chief)."
+            )
         if self.flat and any(0 < len(c) < len(b.names) for c, b in zip(covered, self.buckets)):
             self._split()
         if self.flat:
-            self._step([seg for c, b in zip(covered, self.buckets) if c for seg in b.segments
-                        if id(seg) not in self._stepped])
+            self._step(
+                [seg for c, b in zip(covered, self.buckets) if c for seg in b.segments if id(seg) not in self._stepped]
+            )
             return
         self._step_with([(self.shards[n], self.grads[n]) for c in covered for n in c])
 
@@ -266,8 +283,10 @@ class ShardStore:
 
     def _split(self) -> None:
         """Switches to one optimizer parameter per shard, carrying the segments' state over as views."""
-        logger.info("a push left out part of a bucket (a parameter without a gradient): updating shard by shard "
-                    "from now on, as torch leaves such a parameter's state alone")
+        logger.info(
+            "a push left out part of a bucket (a parameter without a gradient): updating shard by shard "
+            "from now on, as torch leaves such a parameter's state alone"
+        )
         old = self.optimizer
         assert old is not None  # only a push splits, and a push needs the optimizer
         self.flat = False
@@ -277,8 +296,9 @@ class ShardStore:
                 state = old.state.get(_param(segment))
                 if state:
                     for name, span, shape in zip(segment.names, segment.spans, segment.shapes):
-                        self.optimizer.state[self.shards[name]] = _slice_state(state, span, shape,
-                                                                               _param(segment).numel())
+                        self.optimizer.state[self.shards[name]] = _slice_state(
+                            state, span, shape, _param(segment).numel()
+                        )
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def shard_state(self, name: str) -> dict[str, Any]:
@@ -318,7 +338,7 @@ def _slice_state(state: Mapping[str, Any], span: tuple[int, int], shape: torch.S
     out = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel:
-            out[key] = value[span[0]:span[1]].view(shape)  # per-element state
+            out[key] = value[span[0] : span[1]].view(shape)  # per-element state
         elif isinstance(value, torch.Tensor):
             out[key] = value.clone()  # a scalar such as Adam's step count, one per shard from here on
         else:
@@ -336,9 +356,11 @@ def _merge_state(states: list[dict[str, Any]], segment: Segment) -> dict[str, An
     merged: dict[str, Any] = {}
     for key, first in states[0].items():
         values = [s[key] for s in states]
-        if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and v.shape == shape
-                                                   for v, shape in zip(values, segment.shapes)) \
-                and any(v.dim() > 0 for v in values):
+        if (
+            isinstance(first, torch.Tensor)
+            and all(isinstance(v, torch.Tensor) and v.shape == shape for v, shape in zip(values, segment.shapes))
+            and any(v.dim() > 0 for v in values)
+        ):
             merged[key] = torch.cat([v.reshape(-1) for v in values]).to(first.dtype)
         elif all(_equal(v, first) for v in values):
             merged[key] = first.clone() if isinstance(first, torch.Tensor) else first

@@ -75,20 +75,33 @@ class InProcessCluster:
         ...     strategy = ParameterServerStrategy(cluster_resolver=cluster)
     """
 
-    def __init__(self, num_workers: int = 2, num_ps: int = 1, *, token: str | None = None,
-                 certificate: str | None = None, private_key: str | None = None,
-                 server_name: str | None = None) -> None:
+    def __init__(
+        self,
+        num_workers: int = 2,
+        num_ps: int = 1,
+        *,
+        token: str | None = None,
+        certificate: str | None = None,
+        private_key: str | None = None,
+        server_name: str | None = None,
+    ) -> None:
         for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be at least 1. Received: {name}={value!r}. Pass an int >= 1.")
         self.token = token or secrets.token_hex(16)
-        self.security = Security(token=self.token, certificate=certificate, private_key=private_key,
-                                 server_name=server_name)
+        self.security = Security(
+            token=self.token, certificate=certificate, private_key=private_key, server_name=server_name
+        )
         self.ps = [ParameterServer(security=self.security, task=f"ps:{i}") for i in range(num_ps)]
         self.workers = [WorkerService(f"worker:{i}", security=self.security) for i in range(num_workers)]
-        config = {"cluster": {"chief": [f"127.0.0.1:{free_ports(1)[0]}"],
-                              "worker": [w.address for w in self.workers], "ps": [p.address for p in self.ps]},
-                  "task": {"type": "chief", "index": 0}}
+        config = {
+            "cluster": {
+                "chief": [f"127.0.0.1:{free_ports(1)[0]}"],
+                "worker": [w.address for w in self.workers],
+                "ps": [p.address for p in self.ps],
+            },
+            "task": {"type": "chief", "index": 0},
+        }
         self.cluster = Cluster.from_tf_config(config)
 
     def kill_worker(self, index: int) -> None:
@@ -97,8 +110,9 @@ class InProcessCluster:
 
     def restart_worker(self, index: int) -> None:
         """Starts worker ``index`` again on its address, with a fresh replica and fresh iterators."""
-        self.workers[index] = WorkerService(f"worker:{index}", security=self.security,
-                                            address=self.workers[index].address)
+        self.workers[index] = WorkerService(
+            f"worker:{index}", security=self.security, address=self.workers[index].address
+        )
 
     def kill_ps(self, index: int) -> None:
         """Stops parameter server ``index`` at once, as if its process died."""
@@ -140,18 +154,32 @@ class ParameterServerStrategy(Strategy):
     See the module docstring for how the same script runs on every task.
     """
 
-    def __init__(self, cluster_resolver: Cluster | Mapping[str, Any] | InProcessCluster | None = None,
-                 partitioner: Partitioner | Callable[..., int] | None = None, *, cluster_token: str | None = None,
-                 certificate: str | None = None, private_key: str | None = None, server_name: str | None = None,
-                 rpc_timeout: float = 60.0, chief_timeout: float = 60.0,
-                 ps_exit_delay: float = 10.0, shared_memory: bool | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        cluster_resolver: Cluster | Mapping[str, Any] | InProcessCluster | None = None,
+        partitioner: Partitioner | Callable[..., int] | None = None,
+        *,
+        cluster_token: str | None = None,
+        certificate: str | None = None,
+        private_key: str | None = None,
+        server_name: str | None = None,
+        rpc_timeout: float = 60.0,
+        chief_timeout: float = 60.0,
+        ps_exit_delay: float = 10.0,
+        shared_memory: bool | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         env = environ.current() if env is None else env
-        for name, value, least in (("rpc_timeout", rpc_timeout, 1e-9), ("chief_timeout", chief_timeout, 1e-9),
-                                   ("ps_exit_delay", ps_exit_delay, 0.0)):
+        for name, value, least in (
+            ("rpc_timeout", rpc_timeout, 1e-9),
+            ("chief_timeout", chief_timeout, 1e-9),
+            ("ps_exit_delay", ps_exit_delay, 0.0),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
-                raise InputError(f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
-                                 f"Received: {name}={value!r}. Pass a {'positive' if least else 'non-negative'} number of seconds.")
+                raise InputError(
+                    f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
+                    f"Received: {name}={value!r}. Pass a {'positive' if least else 'non-negative'} number of seconds."
+                )
         self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
         self._in_process = cluster_resolver if isinstance(cluster_resolver, InProcessCluster) else None
         if isinstance(cluster_resolver, InProcessCluster):
@@ -162,13 +190,17 @@ class ParameterServerStrategy(Strategy):
         else:
             cluster = resolve_cluster(cluster_resolver, env=env)
         if partitioner is not None and not callable(partitioner):
-            raise InputError(f"partitioner must be callable as partitioner(shape, dtype). Received: "
-                             f"{partitioner!r}. Pass FixedShardsPartitioner(n), MinSizePartitioner() "
-                             "or MaxSizePartitioner(bytes), or None.")
+            raise InputError(
+                f"partitioner must be callable as partitioner(shape, dtype). Received: "
+                f"{partitioner!r}. Pass FixedShardsPartitioner(n), MinSizePartitioner() "
+                "or MaxSizePartitioner(bytes), or None."
+            )
         if shared_memory not in (None, True, False):
-            raise InputError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
-                             "Pass None to use shared memory with servers on this host, False never to, "
-                             "True to insist.")
+            raise InputError(
+                f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
+                "Pass None to use shared memory with servers on this host, False never to, "
+                "True to insist."
+            )
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         self._cluster = cluster
         self.partitioner = partitioner
@@ -181,17 +213,22 @@ class ParameterServerStrategy(Strategy):
             raise InputError(
                 f"ParameterServerStrategy needs at least one parameter-server task. Received: a cluster from "
                 f"{cluster.source} with tasks {dict(cluster.addresses)}. Run under `stratagem launch --workers 2 "
-                "--ps 1`, or give TF_CONFIG a 'ps' list.")
+                "--ps 1`, or give TF_CONFIG a 'ps' list."
+            )
         if not cluster.addresses.get("worker"):
-            raise InputError(f"ParameterServerStrategy needs at least one worker task. Received: "
-                             f"{dict(cluster.addresses)}. Add a 'worker' list to the cluster.")
+            raise InputError(
+                f"ParameterServerStrategy needs at least one worker task. Received: "
+                f"{dict(cluster.addresses)}. Add a 'worker' list to the cluster."
+            )
         token = cluster_token or env.get("STRATAGEM_CLUSTER_TOKEN")
         if not token:
             raise InputError(
                 "No cluster token. Received: neither cluster_token= nor STRATAGEM_CLUSTER_TOKEN. Run under "
-                "`stratagem launch` (it makes one), or give every task the same secret in STRATAGEM_CLUSTER_TOKEN.")
-        self._security = Security(token=token, certificate=certificate, private_key=private_key,
-                                  server_name=server_name)
+                "`stratagem launch` (it makes one), or give every task the same secret in STRATAGEM_CLUSTER_TOKEN."
+            )
+        self._security = Security(
+            token=token, certificate=certificate, private_key=private_key, server_name=server_name
+        )
         self._model: ParameterServerModel | None = None
         self._fit_coordinator: ClusterCoordinator | None = None
         self._shutdown_hooks: list[Callable[[], None]] = []
@@ -201,28 +238,42 @@ class ParameterServerStrategy(Strategy):
         if cluster.task_type == "ps":
             self._serve_as_ps()
         elif cluster.task_type == "evaluator":
-            raise InputError(f"This strategy has no evaluator role. Received: task {task}. "
-                             "Run evaluation in the chief's script.")
+            raise InputError(
+                f"This strategy has no evaluator role. Received: task {task}. Run evaluation in the chief's script."
+            )
         elif cluster.task_type == "worker" and not self._workers_in_process:
             # Worker 0 inside the chief (no 'chief' task) is ready at once: the chief's script is already running.
-            self._worker_service = WorkerService(task, security=self._security,
-                                                 address=cluster.addresses["worker"][cluster.task_index],
-                                                 ready=self._is_coordinator)
+            self._worker_service = WorkerService(
+                task,
+                security=self._security,
+                address=cluster.addresses["worker"][cluster.task_index],
+                ready=self._is_coordinator,
+            )
         self._chief_server: Server | None = None
         if cluster.task_type == "chief" and not self._workers_in_process:
             # Parameter servers and workers ping it, so they stop serving when the chief is gone.
-            self._chief_server = Server(CHIEF_SERVICE, {"Ping": lambda op, meta, tensors: ("pong", None, {})},
-                                        security=self._security, address=cluster.addresses["chief"][0])
+            self._chief_server = Server(
+                CHIEF_SERVICE,
+                {"Ping": lambda op, meta, tensors: ("pong", None, {})},
+                security=self._security,
+                address=cluster.addresses["chief"][0],
+            )
         if self._is_coordinator:
             atexit.register(self.shutdown)
-        logger.info("ParameterServerStrategy on %s: %d ps, %d workers, coordinator=%s", task,
-                    len(self._ps_addresses), len(cluster.addresses["worker"]), self._is_coordinator)
+        logger.info(
+            "ParameterServerStrategy on %s: %d ps, %d workers, coordinator=%s",
+            task,
+            len(self._ps_addresses),
+            len(cluster.addresses["worker"]),
+            self._is_coordinator,
+        )
 
     # ---- roles --------------------------------------------------------------------------------
     def _serve_as_ps(self) -> None:
         index = self.cluster.task_index
-        server = ParameterServer(security=self._security, address=self._ps_addresses[index],
-                                 task=self.cluster.task_name)
+        server = ParameterServer(
+            security=self._security, address=self._ps_addresses[index], task=self.cluster.task_name
+        )
         try:
             self._serve_while_chief_lives(server.stopped)
         finally:
@@ -233,12 +284,16 @@ class ParameterServerStrategy(Strategy):
     def _serve_as_worker(self) -> None:
         service = self._worker_service
         if service is None:  # pragma: no cover - only a worker task gets here
-            raise ParameterServerError(f"{self.cluster.task_name} has no worker service. Received: a call that serves "
-                                       "on a task that is not a worker. Report this as a bug.")
+            raise ParameterServerError(
+                f"{self.cluster.task_name} has no worker service. Received: a call that serves "
+                "on a task that is not a worker. Report this as a bug."
+            )
         if self._model is None:
-            raise InputError(f"{self.cluster.task_name} reached coordinator.schedule before "
-                             "strategy.distribute(model, optimizer). Received: no distributed model. "
-                             "Distribute the model before scheduling, in the script every task runs.")
+            raise InputError(
+                f"{self.cluster.task_name} reached coordinator.schedule before "
+                "strategy.distribute(model, optimizer). Received: no distributed model. "
+                "Distribute the model before scheduling, in the script every task runs."
+            )
         service.ready.set()
         logger.info("%s serving scheduled functions", self.cluster.task_name)
         try:
@@ -266,7 +321,8 @@ class ParameterServerStrategy(Strategy):
                         raise CollectiveTimeoutError(
                             f"{self.cluster.task_name} lost the chief: {chief_task} at {address} has not answered for "
                             f"{silent:.0f} s. Received: {exc}. The chief died or ended without telling this task; "
-                            "restart the job (it resumes from its last checkpoint).") from None
+                            "restart the job (it resumes from its last checkpoint)."
+                        ) from None
         finally:
             chief.close()
 
@@ -285,28 +341,41 @@ class ParameterServerStrategy(Strategy):
         hyper-parameters and state.
         """
         if not isinstance(model, nn.Module):
-            raise InputError(f"distribute needs a torch.nn.Module. Received: {type(model).__name__}. "
-                             "Pass the model itself.")
+            raise InputError(
+                f"distribute needs a torch.nn.Module. Received: {type(model).__name__}. Pass the model itself."
+            )
         if self._model is not None:
-            raise InputError("This strategy already holds a model. Received: a second distribute() call. "
-                             "Use one ParameterServerStrategy per model.")
+            raise InputError(
+                "This strategy already holds a model. Received: a second distribute() call. "
+                "Use one ParameterServerStrategy per model."
+            )
         named = list(model.named_parameters())
         groups: dict[int, int] = {}
         if optimizer is not None:
             if not isinstance(optimizer, torch.optim.Optimizer):
-                raise InputError(f"optimizer must be a torch.optim.Optimizer. Received: "
-                                 f"{type(optimizer).__name__}. Build it over model.parameters().")
+                raise InputError(
+                    f"optimizer must be a torch.optim.Optimizer. Received: "
+                    f"{type(optimizer).__name__}. Build it over model.parameters()."
+                )
             groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
             strangers = [name for name, p in named if id(p) not in groups]
             if len(groups) != len(named) or strangers:
                 raise InputError(
                     f"The optimizer must hold exactly the model's parameters. Received: {len(groups)} optimizer "
                     f"parameters, {len(named)} model parameters, not in the optimizer: {strangers[:5]}. "
-                    "Build the optimizer over model.parameters().")
-        shards = place([(name, p, groups.get(id(p), 0)) for name, p in named], len(self._ps_addresses),
-                       self.partitioner)
-        variables = ShardedVariables(shards, self._ps_addresses, security=self._security, rpc_timeout=self.rpc_timeout,
-                                     shared_memory=self.shared_memory, task=self.cluster.task_name)
+                    "Build the optimizer over model.parameters()."
+                )
+        shards = place(
+            [(name, p, groups.get(id(p), 0)) for name, p in named], len(self._ps_addresses), self.partitioner
+        )
+        variables = ShardedVariables(
+            shards,
+            self._ps_addresses,
+            security=self._security,
+            rpc_timeout=self.rpc_timeout,
+            shared_memory=self.shared_memory,
+            task=self.cluster.task_name,
+        )
         if self._is_coordinator:
             variables.create(dict(named), optimizer)
         self._model = ParameterServerModel(model, shards, self._ps_addresses, variables, self.rpc_timeout)
@@ -395,8 +464,10 @@ class ParameterServerStrategy(Strategy):
 
     def _require_model(self, what: str) -> ShardedVariables:
         if self._model is None:
-            raise InputError(f"{what} needs a distributed model. Received: none yet. "
-                             "Call strategy.distribute(model, optimizer) first.")
+            raise InputError(
+                f"{what} needs a distributed model. Received: none yet. "
+                "Call strategy.distribute(model, optimizer) first."
+            )
         return self._model._variables
 
     def shutdown(self) -> None:
@@ -436,37 +507,64 @@ class ParameterServerStrategy(Strategy):
     def _transfers_choice(self) -> str:
         ways = {how.split(":")[0] for how in self._transfers().values()}
         if not ways:
-            return {None: "shared memory on one host, else gRPC", False: "gRPC",
-                    True: "shared memory (required)"}[self.shared_memory]
+            return {None: "shared memory on one host, else gRPC", False: "gRPC", True: "shared memory (required)"}[
+                self.shared_memory
+            ]
         return " and ".join(sorted(ways))
 
     def _transfers_reason(self) -> str:
         seen = self._transfers()
         if not seen:
-            return (f"shared_memory={self.shared_memory}; each worker decides at its first pull from each parameter "
-                    "server (explain() on a task after it has pulled shows the outcome)")
+            return (
+                f"shared_memory={self.shared_memory}; each worker decides at its first pull from each parameter "
+                "server (explain() on a task after it has pulled shows the outcome)"
+            )
         return "; ".join(f"{pair}: {how}" for pair, how in sorted(seen.items()))
 
     def explain(self) -> Explanation:
         """Tasks, where the variables live and why."""
         shards = self._model._shards if self._model is not None else []
-        placement = (f"whole tensors round-robin over {self.num_ps} parameter servers" if self.partitioner is None
-                     else f"cut by {self.partitioner!r}, shards round-robin over {self.num_ps} parameter servers")
+        placement = (
+            f"whole tensors round-robin over {self.num_ps} parameter servers"
+            if self.partitioner is None
+            else f"cut by {self.partitioner!r}, shards round-robin over {self.num_ps} parameter servers"
+        )
         decisions = [
-            PlacementDecision(subject="task", choice=self.cluster.task_name,
-                              reason=f"cluster from {self.cluster.source}"),
-            PlacementDecision(subject="variables",
-                              choice=f"{len(shards)} shards" if self._model is not None else "not placed yet",
-                              reason=placement if self._model is not None else f"distribute(model, optimizer) will "
-                              f"place them: {placement}"),
-            PlacementDecision(subject="updates", choice="asynchronous",
-                              reason="each parameter server applies a worker's gradients when they arrive"),
+            PlacementDecision(
+                subject="task", choice=self.cluster.task_name, reason=f"cluster from {self.cluster.source}"
+            ),
+            PlacementDecision(
+                subject="variables",
+                choice=f"{len(shards)} shards" if self._model is not None else "not placed yet",
+                reason=placement
+                if self._model is not None
+                else f"distribute(model, optimizer) will place them: {placement}",
+            ),
+            PlacementDecision(
+                subject="updates",
+                choice="asynchronous",
+                reason="each parameter server applies a worker's gradients when they arrive",
+            ),
         ]
-        decisions.append(PlacementDecision(subject="values between workers and parameter servers",
-                                           choice=self._transfers_choice(), reason=self._transfers_reason()))
-        details = {"workers": list(self.cluster.addresses["worker"]), "ps": self._ps_addresses,
-                   "tls": self._security.tls,
-                   "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}
-                   if self._model is not None else "placed by distribute(model, optimizer)"}
-        return Explanation(strategy="ParameterServerStrategy", num_replicas_in_sync=1, replicas=[],
-                           decisions=decisions, details=details)
+        decisions.append(
+            PlacementDecision(
+                subject="values between workers and parameter servers",
+                choice=self._transfers_choice(),
+                reason=self._transfers_reason(),
+            )
+        )
+        details = {
+            "workers": list(self.cluster.addresses["worker"]),
+            "ps": self._ps_addresses,
+            "tls": self._security.tls,
+            "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}
+            if self._model is not None
+            else "placed by distribute(model, optimizer)",
+        }
+        return Explanation(
+            strategy="ParameterServerStrategy",
+            num_replicas_in_sync=1,
+            replicas=[],
+            decisions=decisions,
+            details=details,
+        )

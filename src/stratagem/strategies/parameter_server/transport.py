@@ -133,11 +133,13 @@ class Security:
         if not isinstance(self.token, str) or not self.token:
             raise InputError(
                 f"The cluster token is empty. Received: token={self.token!r}. Pass cluster_token=..., or run "
-                "under `stratagem launch`, which sets STRATAGEM_CLUSTER_TOKEN.")
+                "under `stratagem launch`, which sets STRATAGEM_CLUSTER_TOKEN."
+            )
         if (self.private_key is None) != (self.certificate is None) and self.private_key is not None:
             raise InputError(
                 f"A private key needs its certificate. Received: private_key={self.private_key!r}, certificate=None. "
-                "Pass both certificate= and private_key= for TLS.")
+                "Pass both certificate= and private_key= for TLS."
+            )
         for path in (self.certificate, self.private_key):
             if path is not None and not Path(path).is_file():
                 raise InputError(f"TLS file not found. Received: {path!r}. Pass the path of a PEM file.")
@@ -149,14 +151,21 @@ class Security:
 
 def _refuse(message: str, kind: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``kind`` (streaming or not) that refuses the call without reading it."""
+
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     if kind is not None and not kind.request_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort) if kind.response_streaming else \
-            grpc.unary_unary_rpc_method_handler(abort)
-    return grpc.stream_unary_rpc_method_handler(abort) if kind is not None and not kind.response_streaming else \
-        grpc.stream_stream_rpc_method_handler(abort)
+        return (
+            grpc.unary_stream_rpc_method_handler(abort)
+            if kind.response_streaming
+            else grpc.unary_unary_rpc_method_handler(abort)
+        )
+    return (
+        grpc.stream_unary_rpc_method_handler(abort)
+        if kind is not None and not kind.response_streaming
+        else grpc.stream_stream_rpc_method_handler(abort)
+    )
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):
@@ -169,13 +178,19 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         given = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
         if given is None:
             logger.warning("refused %s: no cluster token", details.method)
-            return _refuse(f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
-                           "Connect with the job's cluster token.", continuation(details))
+            return _refuse(
+                f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
+                "Connect with the job's cluster token.",
+                continuation(details),
+            )
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
         if not hmac.compare_digest(given_bytes, self._token):
             logger.warning("refused %s: wrong cluster token", details.method)
-            return _refuse(f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
-                           "match this job's. Use the STRATAGEM_CLUSTER_TOKEN of this job.", continuation(details))
+            return _refuse(
+                f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
+                "match this job's. Use the STRATAGEM_CLUSTER_TOKEN of this job.",
+                continuation(details),
+            )
         return continuation(details)
 
 
@@ -190,16 +205,28 @@ class Server:
     ``INTERNAL``; the server keeps serving either way.
     """
 
-    def __init__(self, service: str, handlers: Mapping[str, Handler | Streaming], *, security: Security,
-                 address: str = "127.0.0.1:0", max_workers: int = 8,
-                 limits: Mapping[str, Limit] | None = None, default_limit: Limit | None = None) -> None:
+    def __init__(
+        self,
+        service: str,
+        handlers: Mapping[str, Handler | Streaming],
+        *,
+        security: Security,
+        address: str = "127.0.0.1:0",
+        max_workers: int = 8,
+        limits: Mapping[str, Limit] | None = None,
+        default_limit: Limit | None = None,
+    ) -> None:
         self.service = service
         if security.tls and security.private_key is None:
             raise InputError(
                 f"A TLS server needs its private key. Received: certificate={security.certificate!r}, private_key=None. "
-                "Pass private_key= with certificate= on every task that serves (parameter servers and workers).")
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
-                                   interceptors=[_TokenInterceptor(security.token)], options=_SERVER_OPTIONS)
+                "Pass private_key= with certificate= on every task that serves (parameter servers and workers)."
+            )
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
+            interceptors=[_TokenInterceptor(security.token)],
+            options=_SERVER_OPTIONS,
+        )
         methods = {}
         for name, handler in handlers.items():
             call = self._wrap(name, handler, (limits or {}).get(name, default_limit or LARGE))
@@ -208,38 +235,45 @@ class Server:
             # caller expects a short reply, it comes as a unary call, one batch each way (a 2 MB push over bare
             # gRPC: 1.0 ms as a unary call, 1.7 ms with a streamed reply).
             methods[name + SINGLE] = grpc.unary_stream_rpc_method_handler(
-                lambda request, context, call=call: call(iter((request,)), context))
+                lambda request, context, call=call: call(iter((request,)), context)
+            )
             methods[name + UNARY] = grpc.unary_unary_rpc_method_handler(
-                lambda request, context, call=call: _one_piece(call(iter((request,)), context), context))
+                lambda request, context, call=call: _one_piece(call(iter((request,)), context), context)
+            )
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, methods)])
         try:
             if security.tls:
                 assert security.private_key is not None and security.certificate is not None  # tls; key checked above
                 credentials = grpc.ssl_server_credentials(
-                    [(Path(security.private_key).read_bytes(), Path(security.certificate).read_bytes())])
+                    [(Path(security.private_key).read_bytes(), Path(security.certificate).read_bytes())]
+                )
                 self.port = self._server.add_secure_port(address, credentials)
             else:
                 self.port = self._server.add_insecure_port(address)
         except RuntimeError:  # grpcio raises where older versions returned port 0
             self.port = 0
         if self.port == 0:
-            raise ParameterServerError(f"Could not listen at {address}: {_why_not_listening(address)}. Received: "
-                                       f"address={address!r}. Stop the process that holds the port, or pass a "
-                                       "free host:port (port 0 picks one).")
+            raise ParameterServerError(
+                f"Could not listen at {address}: {_why_not_listening(address)}. Received: "
+                f"address={address!r}. Stop the process that holds the port, or pass a "
+                "free host:port (port 0 picks one)."
+            )
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self._server.start()
         logger.info("%s serving on %s (tls=%s)", service, self.address, security.tls)
 
-    def _wrap(self, name: str, handler: Handler | Streaming, limit: Limit
-              ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+    def _wrap(
+        self, name: str, handler: Handler | Streaming, limit: Limit
+    ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
         def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
                 if isinstance(handler, Streaming):
                     reply = handler.handler(requests)
                 else:
                     header_bytes, payload_bytes = limit.resolve()
-                    op, meta, tensors = wire.read_message(requests, max_header_bytes=header_bytes,
-                                                          max_payload_bytes=payload_bytes)
+                    op, meta, tensors = wire.read_message(
+                        requests, max_header_bytes=header_bytes, max_payload_bytes=payload_bytes
+                    )
                     reply = handler(op, meta, tensors)
             except WireFormatError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -264,8 +298,10 @@ def _why_not_listening(address: str) -> str:
             probe.bind((host.strip("[]"), int(port)))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            return (f"port {port} is taken (another process listens there, perhaps a task of an earlier job that "
-                    f"still runs: `ss -ltnp 'sport = :{port}'` names it)")
+            return (
+                f"port {port} is taken (another process listens there, perhaps a task of an earlier job that "
+                f"still runs: `ss -ltnp 'sport = :{port}'` names it)"
+            )
         return f"{exc.strerror or exc}"
     except ValueError:
         return "not a host:port"
@@ -279,9 +315,11 @@ def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         return reply[0]
     size = sum(len(piece) for piece in reply)
     if size > MAX_MESSAGE_BYTES:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"The reply is too large for a unary call. Received: a reply of {size} bytes, at most "
-                      f"{MAX_MESSAGE_BYTES} fit. Call without small_reply=True, so the reply is streamed.")
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"The reply is too large for a unary call. Received: a reply of {size} bytes, at most "
+            f"{MAX_MESSAGE_BYTES} fit. Call without small_reply=True, so the reply is streamed.",
+        )
     return b"".join(reply)
 
 
@@ -304,9 +342,17 @@ class Client:
         self._metadata = ((TOKEN_KEY, security.token),)
         self._methods: dict[str, Any] = {}
 
-    def call(self, method: str, op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | wire.Flat] | None = None, *,
-             timeout: float, wait_for_ready: bool = False, small_reply: bool = False
-             ) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    def call(
+        self,
+        method: str,
+        op: str,
+        meta: Any = None,
+        tensors: Mapping[str, torch.Tensor | wire.Flat] | None = None,
+        *,
+        timeout: float,
+        wait_for_ready: bool = False,
+        small_reply: bool = False,
+    ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         """Sends one message to ``method`` and returns the decoded reply.
 
         ``small_reply``: the caller knows the reply fits one piece (an acknowledgement), so a request
@@ -327,23 +373,31 @@ class Client:
             stub = self._methods[method] = getattr(self._channel, kind)(f"/{self._service}/{method}")
         return stub
 
-    def _send(self, method: str, pieces: Iterator[bytes], timeout: float, wait_for_ready: bool,
-              small_reply: bool = False) -> Iterator[bytes]:
+    def _send(
+        self, method: str, pieces: Iterator[bytes], timeout: float, wait_for_ready: bool, small_reply: bool = False
+    ) -> Iterator[bytes]:
         """Starts a call with the request ``pieces`` (made while gRPC sends them); returns the reply's pieces."""
         first = next(pieces)
         second = next(pieces, None)
         if second is None and small_reply:
-            reply = self._stub("unary_unary", method + UNARY)(first, timeout=timeout, metadata=self._metadata,
-                                                              wait_for_ready=wait_for_ready)
+            reply = self._stub("unary_unary", method + UNARY)(
+                first, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready
+            )
             return iter((reply,))
         if second is None:  # one piece: a unary request, which costs gRPC no thread to feed
-            return self._stub("unary_stream", method + SINGLE)(first, timeout=timeout, metadata=self._metadata,
-                                                               wait_for_ready=wait_for_ready)
-        return self._stub("stream_stream", method)(itertools.chain((first, second), pieces), timeout=timeout,
-                                                   metadata=self._metadata, wait_for_ready=wait_for_ready)
+            return self._stub("unary_stream", method + SINGLE)(
+                first, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready
+            )
+        return self._stub("stream_stream", method)(
+            itertools.chain((first, second), pieces),
+            timeout=timeout,
+            metadata=self._metadata,
+            wait_for_ready=wait_for_ready,
+        )
 
-    def call_into(self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor | wire.Flat], *,
-                  timeout: float) -> tuple[str, Any]:
+    def call_into(
+        self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor | wire.Flat], *, timeout: float
+    ) -> tuple[str, Any]:
         """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
         try:
             replies = self._send(method, wire.stream_chunks(op, meta), timeout, False)
@@ -382,10 +436,12 @@ def rpc_error(exc: grpc.RpcError, task: str, address: str, method: str, timeout:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return CollectiveTimeoutError(
             f"{task} at {address} did not answer {method} within {timeout:g} s. Received: DEADLINE_EXCEEDED. "
-            f"Check that {task} is alive and not overloaded, or raise the timeout.")
+            f"Check that {task} is alive and not overloaded, or raise the timeout."
+        )
     error = ParameterServerError(
         f"{task} at {address} failed {method}. Received: {code.name if code else 'error'}: {str(details).rstrip('.')}. "
-        f"Check that {task} is running with this job's cluster token (its log says why it stopped).")
+        f"Check that {task} is running with this job's cluster token (its log says why it stopped)."
+    )
     error.code = code  # type: ignore[attr-defined]
     error.task = task  # type: ignore[attr-defined]
     return error

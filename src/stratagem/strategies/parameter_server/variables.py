@@ -47,12 +47,22 @@ DETACH_PATIENCE_SECONDS = 60.0  # how long a worker goes on telling a stuck serv
 class ShardedVariables:
     """A model's parameters as shards on parameter servers, seen from a chief or a worker."""
 
-    def __init__(self, shards: Sequence[Shard], ps_addresses: Sequence[str], *, security: Security,
-                 rpc_timeout: float = 60.0, shared_memory: bool | None = None, task: str = "chief") -> None:
+    def __init__(
+        self,
+        shards: Sequence[Shard],
+        ps_addresses: Sequence[str],
+        *,
+        security: Security,
+        rpc_timeout: float = 60.0,
+        shared_memory: bool | None = None,
+        task: str = "chief",
+    ) -> None:
         if shared_memory not in (None, True, False):
-            raise InputError(f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
-                             "Pass None to use shared memory with servers on this host, False never to, "
-                             "True to insist.")
+            raise InputError(
+                f"shared_memory must be None, True or False. Received: {shared_memory!r}. "
+                "Pass None to use shared memory with servers on this host, False never to, "
+                "True to insist."
+            )
         self.shards = list(shards)
         self.rpc_timeout = rpc_timeout
         self.shared_memory = shared_memory
@@ -60,8 +70,9 @@ class ShardedVariables:
         self._links: dict[int, shared.Link | str] = {}  # per server: the attached file, or why there is none
         self._transfers: dict[str, str] = {}
         self._attach_lock = threading.Lock()
-        self._clients = [Client(address, SERVICE, security=security, task=f"ps:{i}")
-                         for i, address in enumerate(ps_addresses)]
+        self._clients = [
+            Client(address, SERVICE, security=security, task=f"ps:{i}") for i, address in enumerate(ps_addresses)
+        ]
         self._by_ps: dict[int, list[Shard]] = {}
         for shard in self.shards:
             self._by_ps.setdefault(shard.ps, []).append(shard)
@@ -90,8 +101,14 @@ class ShardedVariables:
         # Servers that hold no shard still get an empty Create, so a stale layout from an earlier job is cleared.
         for ps, client in enumerate(self._clients):
             if ps not in self._by_ps:
-                client.call("Create", "create", {"optimizer": None, "groups": {}}, {}, timeout=self.rpc_timeout,
-                            wait_for_ready=True)
+                client.call(
+                    "Create",
+                    "create",
+                    {"optimizer": None, "groups": {}},
+                    {},
+                    timeout=self.rpc_timeout,
+                    wait_for_ready=True,
+                )
 
     def shutdown(self, timeout: float = 5.0) -> list[str]:
         """Tells every parameter server to stop; returns the ones that could not be told."""
@@ -113,10 +130,12 @@ class ShardedVariables:
             if missing:
                 raise ParameterServerError(
                     f"Cannot tell the dtypes of the shards on ps:{ps}. Received: no tensor for {missing[:3]}. "
-                    "Pull the values (run the model) before the first push.")
+                    "Pull the values (run the model) before the first push."
+                )
             known = cast("Mapping[str, torch.Tensor]", tensors)  # every shard's tensor is there: checked just above
-            entries = [(s.name, s.group, known[s.parameter].dtype, shard_of(known[s.parameter], s).numel())
-                       for s in shards]
+            entries = [
+                (s.name, s.group, known[s.parameter].dtype, shard_of(known[s.parameter], s).numel()) for s in shards
+            ]
             by_name = {s.name: s for s in shards}
             members = bucket_layout(entries)
             buckets = [[by_name[name] for name, _ in bucket] for bucket in members]
@@ -141,8 +160,11 @@ class ShardedVariables:
                 on_cpu = all(parameters[s.parameter].is_cpu for s in shards)
                 link = self._link(ps, layout) if on_cpu else None
                 for index, bucket in enumerate(layout.buckets):
-                    whole = [parameters[s.parameter] for s in bucket
-                             if shard_of(parameters[s.parameter], s) is parameters[s.parameter]]
+                    whole = [
+                        parameters[s.parameter]
+                        for s in bucket
+                        if shard_of(parameters[s.parameter], s) is parameters[s.parameter]
+                    ]
                     if not whole or not whole[0].is_cpu:
                         continue
                     if link is not None and len(whole) == len(bucket):
@@ -159,6 +181,7 @@ class ShardedVariables:
     def pull_into(self, parameters: Mapping[str, torch.Tensor]) -> None:
         """Copies the current value of every shard into ``parameters`` (one call per server, one block of
         bytes per bucket, written straight into the parameters)."""
+
         def call(ps: int, shards: list[Shard]) -> None:
             layout = self._layout(ps, shards, parameters)
             if self._pull_shared(ps, layout, parameters):
@@ -175,7 +198,8 @@ class ShardedVariables:
                     f"The parameters do not match the shards on {self._clients[ps].task}. Received: shapes "
                     f"{[[tuple(shard_of(parameters[s.parameter], s).shape) for s in b] for b in layout.buckets]!r:.200}, "
                     f"expected {[[tuple(x) for x in b] for b in layout.shapes]!r:.200}. Pull into the model "
-                    "that was distributed.")
+                    "that was distributed."
+                )
 
         self._each_ps(call)
 
@@ -185,6 +209,7 @@ class ShardedVariables:
         A parameter without a gradient (``None``: unused in this step) is not sent, so its
         optimizer state does not move, as torch's optimizers skip it.
         """
+
         def call(ps: int, shards: list[Shard]) -> None:
             layout = self._layout(ps, shards, gradients)
             if self._push_shared(ps, layout, gradients):
@@ -199,8 +224,9 @@ class ShardedVariables:
                 else:
                     tensors.update((s.name, shard_of(g, s)) for g, s in zip(grads, bucket) if g is not None)
             if tensors:
-                self._clients[ps].call("Push", "push", {"layout": layout.fingerprint}, tensors,
-                                       timeout=self.rpc_timeout, small_reply=True)
+                self._clients[ps].call(
+                    "Push", "push", {"layout": layout.fingerprint}, tensors, timeout=self.rpc_timeout, small_reply=True
+                )
 
         self._each_ps(call)
 
@@ -234,8 +260,13 @@ class ShardedVariables:
         path, nonce, mapping = made
         client = self._clients[ps]
         try:
-            op, meta, _ = client.call("Attach", "attach", shared.offer(path, nonce, self.task, layout.fingerprint),
-                                      timeout=self.rpc_timeout, small_reply=True)
+            op, meta, _ = client.call(
+                "Attach",
+                "attach",
+                shared.offer(path, nonce, self.task, layout.fingerprint),
+                timeout=self.rpc_timeout,
+                small_reply=True,
+            )
         except BaseException:
             mapping.close()
             raise
@@ -246,11 +277,16 @@ class ShardedVariables:
             if meta.get("retry"):
                 return None
             return self._over_grpc(ps, str(meta.get("why")), warn=bool(meta.get("same_host")))
-        link = shared.Link(shared.Areas(mapping, layout.sizes), meta["segment"],
-                           server=(meta["pid"], meta["start"]) if meta.get("counters") else None)
+        link = shared.Link(
+            shared.Areas(mapping, layout.sizes),
+            meta["segment"],
+            server=(meta["pid"], meta["start"]) if meta.get("counters") else None,
+        )
         size = shared.describe_bytes(len(mapping))
-        self._transfers[client.task] = (f"shared memory: {client.task} runs on this host ({size} in /dev/shm, one "
-                                        "copy each way instead of gRPC messages)")
+        self._transfers[client.task] = (
+            f"shared memory: {client.task} runs on this host ({size} in /dev/shm, one "
+            "copy each way instead of gRPC messages)"
+        )
         logger.info("%s: pulls from and pushes to %s through shared memory (%s)", self.task, client.task, size)
         return link
 
@@ -259,12 +295,18 @@ class ShardedVariables:
         if self.shared_memory is True:
             raise ParameterServerError(
                 f"shared_memory=True, but {self.task} cannot share memory with {task}. Received: {why}. Run "
-                f"them on one host with room in /dev/shm, or pass shared_memory=None to send values over gRPC there.")
+                f"them on one host with room in /dev/shm, or pass shared_memory=None to send values over gRPC there."
+            )
         self._transfers[task] = f"gRPC: {why}"
         if warn and self.shared_memory is None:
-            logger.warning("%s: values to and from %s go over gRPC, which is slower on one host, because %s. "
-                           "Give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
-                           "or pass shared_memory=False to say gRPC is meant.", self.task, task, why)
+            logger.warning(
+                "%s: values to and from %s go over gRPC, which is slower on one host, because %s. "
+                "Give the tasks one /dev/shm with room for the file (Docker: --ipc=host, --shm-size), "
+                "or pass shared_memory=False to say gRPC is meant.",
+                self.task,
+                task,
+                why,
+            )
         else:
             logger.info("%s: values to and from %s go over gRPC: %s", self.task, task, why)
         return why
@@ -273,8 +315,12 @@ class ShardedVariables:
         """Drops the file: the server no longer knows it (restarted, or the chief created the shards anew), or a
         request failed (``failed``). A new one is attached at the next call. After a failure the server may
         still answer late and write the values area, so parameters living there move out first."""
-        logger.info("%s: %s %s; attaching a new shared file at the next call", self.task, self._clients[ps].task,
-                    "did not answer a request through the shared file" if failed else "let go of the shared file")
+        logger.info(
+            "%s: %s %s; attaching a new shared file at the next call",
+            self.task,
+            self._clients[ps].task,
+            "did not answer a request through the shared file" if failed else "let go of the shared file",
+        )
         if self._links.get(ps) is link:
             del self._links[ps]
         if failed:
@@ -283,8 +329,13 @@ class ShardedVariables:
                     tensor.data = tensor.data.clone()
             # The server may be stuck rather than gone; told in the background, it lets go of the file once it
             # answers, instead of keeping it mapped until this worker exits.
-            threading.Thread(target=self._detach, args=(ps, link.segment, max(5.0, self.rpc_timeout)),
-                             kwargs={"patience": DETACH_PATIENCE_SECONDS}, name=f"ps-detach-{ps}", daemon=True).start()
+            threading.Thread(
+                target=self._detach,
+                args=(ps, link.segment, max(5.0, self.rpc_timeout)),
+                kwargs={"patience": DETACH_PATIENCE_SECONDS},
+                name=f"ps-detach-{ps}",
+                daemon=True,
+            ).start()
         link.residents.clear()
         link.areas.close()
 
@@ -312,8 +363,10 @@ class ShardedVariables:
                 return False
             destinations = layout.destinations(parameters)
             if destinations is not None:
-                if any(destinations[bucket_name(i)].numel != n or destinations[bucket_name(i)].dtype != dtype
-                       for i, (dtype, n) in enumerate(layout.sizes)):
+                if any(
+                    destinations[bucket_name(i)].numel != n or destinations[bucket_name(i)].dtype != dtype
+                    for i, (dtype, n) in enumerate(layout.sizes)
+                ):
                     return False  # not this server's shards: the gRPC pull says what does not match
                 for index in range(len(layout.buckets)):
                     destinations[bucket_name(index)].read_from(link.areas.pull[index])
@@ -416,8 +469,13 @@ class ShardedVariables:
 class _Layout:
     """One server's buckets seen from a worker, and the ``wire.Flat`` destinations of the last parameters pulled."""
 
-    def __init__(self, fingerprint: str, buckets: list[list[Shard]], sizes: list[tuple[torch.dtype, int]],
-                 shapes: list[list[torch.Size]]) -> None:
+    def __init__(
+        self,
+        fingerprint: str,
+        buckets: list[list[Shard]],
+        sizes: list[tuple[torch.dtype, int]],
+        shapes: list[list[torch.Size]],
+    ) -> None:
         self.fingerprint = fingerprint
         self.buckets = buckets
         self.sizes = sizes  # each bucket's dtype and element count
@@ -456,4 +514,3 @@ class _Layout:
         self._destinations = {bucket_name(i): wire.Flat(bucket) for i, bucket in enumerate(views)}
         self._pulled, self._pulled_key = tensors, key
         return self._destinations
-

@@ -38,9 +38,28 @@ import torch
 from stratagem.errors import WireFormatError
 from stratagem.strategies.parameter_server.flat import SMALL_PART_BYTES, Flat, Staging
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "DTYPES", "MAGIC", "MAX_DEPTH", "MAX_HEADER_BYTES", "SMALL_PART_BYTES", "Flat",
-           "Staging", "decode", "decode_into", "encode", "encode_chunks", "join_chunks", "join_piece",
-           "payload_extent", "piece_bounds", "read_message", "segments", "stream_chunks"]
+__all__ = [
+    "ALIGN",
+    "CHUNK_BYTES",
+    "DTYPES",
+    "MAGIC",
+    "MAX_DEPTH",
+    "MAX_HEADER_BYTES",
+    "SMALL_PART_BYTES",
+    "Flat",
+    "Staging",
+    "decode",
+    "decode_into",
+    "encode",
+    "encode_chunks",
+    "join_chunks",
+    "join_piece",
+    "payload_extent",
+    "piece_bounds",
+    "read_message",
+    "segments",
+    "stream_chunks",
+]
 
 MAGIC = b"SGW1"
 _PREFIX = struct.Struct(">4sI")
@@ -51,9 +70,18 @@ CHUNK_BYTES = 2 << 20
 ALIGN = 8
 
 DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES.values()}
@@ -78,8 +106,9 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
+def encode_chunks(
+    op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> list[bytes]:
     """One message (operation name, JSON metadata, named tensors) cut into pieces of at most ``chunk_bytes``.
 
     Each piece is built straight from the tensors' memory with one copy (gRPC needs ``bytes``),
@@ -88,16 +117,18 @@ def encode_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor 
     return list(stream_chunks(op, meta, tensors, chunk_bytes))
 
 
-def stream_chunks(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+def stream_chunks(
+    op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
     """``encode_chunks`` as an iterator: everything is checked now, and each piece is copied out of the
     tensors only when it is asked for, so gRPC sends one piece while the next is made. The tensors
     must not change until the last piece is taken."""
     return _pieces(segments(op, meta, tensors), chunk_bytes)
 
 
-def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None
-             ) -> list[memoryview | bytes | numpy.ndarray]:
+def segments(
+    op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat] | None = None
+) -> list[memoryview | bytes | numpy.ndarray]:
     """The parts a message is made of, in order: its prefix and header, then views of the tensors' bytes
     and padding (nothing copied yet). Two messages with the same operation, metadata, names, dtypes
     and shapes have parts of the same lengths, so a piece (``piece_bounds``) can be cut from either."""
@@ -107,11 +138,15 @@ def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Fla
     offset = 0
     for name, tensor in tensors.items():
         if not isinstance(tensor, (torch.Tensor, Flat)):
-            raise WireFormatError(f"Only tensors travel as tensors. Received: {name}={type(tensor).__name__}. "
-                                  "Pass torch.Tensor values, or put plain values in meta.")
+            raise WireFormatError(
+                f"Only tensors travel as tensors. Received: {name}={type(tensor).__name__}. "
+                "Pass torch.Tensor values, or put plain values in meta."
+            )
         if tensor.dtype not in _NAMES:
-            raise WireFormatError(f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
-                                  f"Convert it to one of {sorted(DTYPES)}.")
+            raise WireFormatError(
+                f"This dtype cannot travel. Received: {name} of dtype {tensor.dtype}. "
+                f"Convert it to one of {sorted(DTYPES)}."
+            )
         nbytes = tensor.nbytes
         if isinstance(tensor, Flat):
             entries.append([name, _NAMES[tensor.dtype], [tensor.numel], offset])
@@ -127,8 +162,10 @@ def segments(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Fla
     try:
         header = json.dumps({"op": op, "meta": meta, "tensors": entries}, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
-        raise WireFormatError(f"The metadata is not plain JSON. Received: meta={meta!r:.200} ({exc}). "
-                              "Use numbers, strings, booleans, None, lists and dicts with string keys.") from exc
+        raise WireFormatError(
+            f"The metadata is not plain JSON. Received: meta={meta!r:.200} ({exc}). "
+            "Use numbers, strings, booleans, None, lists and dicts with string keys."
+        ) from exc
     # Spaces after the JSON put the payload at a multiple of ALIGN, so tensors decode in place, aligned.
     header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
     parts.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
@@ -172,13 +209,17 @@ def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat]
     return join_chunks(encode_chunks(op, meta, tensors))
 
 
-_TOO_LARGE = ("A stratagem task never sends this method more; check that only this job's tasks hold its cluster "
-              "token, and that both ends run the same model")
+_TOO_LARGE = (
+    "A stratagem task never sends this method more; check that only this job's tasks hold its cluster "
+    "token, and that both ends run the same model"
+)
 
 
 def _fail(what: str, received: str, fix: str | None = None) -> WireFormatError:
-    return WireFormatError(f"Malformed parameter-server message: {what}. Received: {received}. "
-                           f"{fix or 'Send messages built by stratagem.strategies.parameter_server.wire.encode_chunks'}.")
+    return WireFormatError(
+        f"Malformed parameter-server message: {what}. Received: {received}. "
+        f"{fix or 'Send messages built by stratagem.strategies.parameter_server.wire.encode_chunks'}."
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -189,7 +230,7 @@ def _parse_header(view: memoryview) -> tuple[dict[str, Any], int]:
     """The header of a message that starts ``view`` (the payload may be partly there) and the payload's start."""
     if len(view) < _PREFIX.size:
         raise _fail("shorter than its fixed prefix", f"{len(view)} bytes")
-    magic, header_len = _PREFIX.unpack(view[:_PREFIX.size])
+    magic, header_len = _PREFIX.unpack(view[: _PREFIX.size])
     if magic != MAGIC:
         raise _fail("wrong magic bytes", f"{bytes(magic)!r}, expected {MAGIC!r}")
     if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
@@ -197,14 +238,18 @@ def _parse_header(view: memoryview) -> tuple[dict[str, Any], int]:
     if (_PREFIX.size + header_len) % ALIGN:
         raise _fail(f"payload does not start at a multiple of {ALIGN}", f"header_len={header_len}")
     try:
-        header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _fail("header is not JSON", str(exc)) from None
     except RecursionError:
         raise _fail(f"header nests deeper than {MAX_DEPTH} levels", f"a header of {header_len} bytes") from None
     _check_depth(header, header_len)
-    if not isinstance(header, dict) or set(header) != {"op", "meta", "tensors"} \
-            or not isinstance(header["op"], str) or not isinstance(header["tensors"], list):
+    if (
+        not isinstance(header, dict)
+        or set(header) != {"op", "meta", "tensors"}
+        or not isinstance(header["op"], str)
+        or not isinstance(header["tensors"], list)
+    ):
         raise _fail("header is not {op, meta, tensors}", f"{str(header)[:200]}")
     return header, _PREFIX.size + header_len
 
@@ -214,8 +259,12 @@ def _check_depth(value: Any, header_len: int) -> None:
     Python's limit on what a peer sent."""
     level = [value]
     for _ in range(MAX_DEPTH + 1):
-        level = [child for node in level if isinstance(node, (list, dict))
-                 for child in (node.values() if isinstance(node, dict) else node)]
+        level = [
+            child
+            for node in level
+            if isinstance(node, (list, dict))
+            for child in (node.values() if isinstance(node, dict) else node)
+        ]
         if not level:
             return
     raise _fail(f"header nests deeper than {MAX_DEPTH} levels", f"a header of {header_len} bytes")
@@ -236,8 +285,9 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
     return _decode_parsed(message, view, header, start)
 
 
-def _decode_parsed(message: bytes | bytearray | memoryview, view: memoryview, header: dict[str, Any], start: int
-                   ) -> tuple[str, Any, dict[str, torch.Tensor]]:
+def _decode_parsed(
+    message: bytes | bytearray | memoryview, view: memoryview, header: dict[str, Any], start: int
+) -> tuple[str, Any, dict[str, torch.Tensor]]:
     payload_len = len(view) - start
     # The tensors are views of the message itself: a writable bytearray (join_chunks gives one)
     # is used in place; anything else is copied once.
@@ -257,9 +307,14 @@ def _decode_parsed(message: bytes | bytearray | memoryview, view: memoryview, he
     return header["op"], header["meta"], tensors
 
 
-def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor | Flat], *,
-                exact: bool = True, progress: Callable[[dict[str, Any], int], None] | None = None,
-                max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[str, Any, list[str]]:
+def decode_into(
+    pieces: Iterable[bytes],
+    destinations: Mapping[str, torch.Tensor | Flat],
+    *,
+    exact: bool = True,
+    progress: Callable[[dict[str, Any], int], None] | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> tuple[str, Any, list[str]]:
     """Streams a message's tensors straight into ``destinations`` as its pieces arrive.
 
     Each destination (by name) must be a contiguous CPU tensor of the same dtype and shape, or a
@@ -280,22 +335,28 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
         dest = destinations.get(name)
         if isinstance(dest, Flat):
             if dest.dtype != dtype or [dest.numel] != shape:
-                raise _fail("tensors do not match the destinations", f"{name} {dtype} {shape}, destination "
-                            f"{dest.dtype} [{dest.numel}] (flat)")
+                raise _fail(
+                    "tensors do not match the destinations",
+                    f"{name} {dtype} {shape}, destination {dest.dtype} [{dest.numel}] (flat)",
+                )
             for block, parts in dest.blocks():
                 targets.append((offset, block.nbytes, _bytes_view(block)))
                 offset += block.nbytes
                 if parts:
                     gathered.append((block, parts))
         elif dest is None or dest.dtype != dtype or list(dest.shape) != shape:
-            raise _fail("tensors do not match the destinations", f"{name} {dtype} {shape}, destination "
-                        f"{None if dest is None else (dest.dtype, list(dest.shape))}")
+            raise _fail(
+                "tensors do not match the destinations",
+                f"{name} {dtype} {shape}, destination {None if dest is None else (dest.dtype, list(dest.shape))}",
+            )
         elif nbytes:
             targets.append((offset, nbytes, _bytes_view(dest)))
         names.append(name)
     if (exact and len(names) != len(destinations)) or len(set(names)) != len(names):
-        raise _fail("tensors do not match the destinations", f"{len(names)} tensors ({len(set(names))} names) "
-                    f"for {len(destinations)} destinations")
+        raise _fail(
+            "tensors do not match the destinations",
+            f"{len(names)} tensors ({len(set(names))} names) for {len(destinations)} destinations",
+        )
     targets.sort(key=lambda t: t[0])
     expected = max((_aligned(off + n) for off, n, _ in targets), default=0)
     position, first = 0, 0  # payload offset of the next byte; first target not yet filled
@@ -310,7 +371,7 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
             off, nbytes, flat = targets[index]
             lo, hi = max(off, position), min(off + nbytes, end)
             if lo < hi:
-                flat[lo - off:hi - off] = numpy.frombuffer(block, numpy.uint8, hi - lo, lo - position)
+                flat[lo - off : hi - off] = numpy.frombuffer(block, numpy.uint8, hi - lo, lo - position)
             if off + nbytes <= end:
                 first = index + 1
             index += 1
@@ -335,8 +396,14 @@ def decode_into(pieces: Iterable[bytes], destinations: Mapping[str, torch.Tensor
 
 
 def _check_entry(entry: Any, payload_len: int | None) -> tuple[str, torch.dtype, list[int], int, int]:
-    if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
-            and isinstance(entry[1], str) and isinstance(entry[2], list) and _is_int(entry[3])):
+    if not (
+        isinstance(entry, list)
+        and len(entry) == 4
+        and isinstance(entry[0], str)
+        and isinstance(entry[1], str)
+        and isinstance(entry[2], list)
+        and _is_int(entry[3])
+    ):
         raise _fail("a tensor entry is not [name, dtype, shape, offset]", f"{str(entry)[:200]}")
     name, dtype_name, shape, offset = entry
     if dtype_name not in DTYPES:
@@ -349,8 +416,10 @@ def _check_entry(entry: Any, payload_len: int | None) -> tuple[str, torch.dtype,
         numel *= d
     nbytes = numel * _ITEMSIZE[dtype]
     if offset < 0 or offset % ALIGN or (payload_len is not None and offset + nbytes > payload_len):
-        raise _fail("tensor bytes lie outside the payload", f"{name}: offset={offset}, {nbytes} bytes, "
-                    f"payload of {payload_len} bytes")
+        raise _fail(
+            "tensor bytes lie outside the payload",
+            f"{name}: offset={offset}, {nbytes} bytes, payload of {payload_len} bytes",
+        )
     return name, dtype, shape, offset, nbytes
 
 
@@ -369,8 +438,11 @@ def _read_header(pieces: Iterator[bytes], max_header_bytes: int) -> tuple[bytes 
             if magic != MAGIC:
                 break  # _parse_header names it
             if header_len > max_header_bytes:
-                raise _fail("header longer than this method takes",
-                            f"header_len={header_len}, at most {max_header_bytes} bytes", _TOO_LARGE)
+                raise _fail(
+                    "header longer than this method takes",
+                    f"header_len={header_len}, at most {max_header_bytes} bytes",
+                    _TOO_LARGE,
+                )
             if len(head) >= _PREFIX.size + header_len:
                 break
     header, start = _parse_header(memoryview(head))
@@ -379,12 +451,18 @@ def _read_header(pieces: Iterator[bytes], max_header_bytes: int) -> tuple[bytes 
 
 def payload_extent(header: dict[str, Any]) -> int:
     """The payload's length in bytes as the header declares it (each tensor's end, aligned; the last one)."""
-    return max((_aligned(offset + nbytes) for _, _, _, offset, nbytes in
-                (_check_entry(entry, None) for entry in header["tensors"])), default=0)
+    return max(
+        (
+            _aligned(offset + nbytes)
+            for _, _, _, offset, nbytes in (_check_entry(entry, None) for entry in header["tensors"])
+        ),
+        default=0,
+    )
 
 
-def read_message(pieces: Iterable[bytes], *, max_header_bytes: int = MAX_HEADER_BYTES,
-                 max_payload_bytes: int | None = None) -> tuple[str, Any, dict[str, torch.Tensor]]:
+def read_message(
+    pieces: Iterable[bytes], *, max_header_bytes: int = MAX_HEADER_BYTES, max_payload_bytes: int | None = None
+) -> tuple[str, Any, dict[str, torch.Tensor]]:
     """``decode(join_chunks(pieces))`` that checks before it buffers: the magic and the header's length on the
     first bytes, then the header, then the payload's length as the header declares it against
     ``max_payload_bytes``; only then is the payload taken, into one buffer of that length, and a message
@@ -394,8 +472,11 @@ def read_message(pieces: Iterable[bytes], *, max_header_bytes: int = MAX_HEADER_
     head, header, start = _read_header(pieces, max_header_bytes)
     extent = payload_extent(header)
     if max_payload_bytes is not None and extent > max_payload_bytes:
-        raise _fail("tensors larger than this method takes",
-                    f"{extent} bytes of tensors declared, at most {max_payload_bytes}", _TOO_LARGE)
+        raise _fail(
+            "tensors larger than this method takes",
+            f"{extent} bytes of tensors declared, at most {max_payload_bytes}",
+            _TOO_LARGE,
+        )
     message = bytearray(start + extent)
     filled = min(len(head), len(message))
     message[:filled] = memoryview(head)[:filled]

@@ -50,8 +50,14 @@ class ParameterServerModel(nn.Module):
     the chief's copy, which ``pull()`` refreshes.
     """
 
-    def __init__(self, module: nn.Module, shards: list[Shard], ps_addresses: list[str], variables: ShardedVariables,
-                 rpc_timeout: float) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        shards: list[Shard],
+        ps_addresses: list[str],
+        variables: ShardedVariables,
+        rpc_timeout: float,
+    ) -> None:
         super().__init__()
         self.module = module
         self._shards = shards
@@ -105,7 +111,8 @@ class ParameterServerOptimizer:
             raise InputError(
                 f"optimizer.step() pushes a worker's gradients, so it runs inside a scheduled function, without a "
                 f"closure. Received: a call {'with a closure' if closure is not None else 'on the chief'}. "
-                "Call it in the function given to coordinator.schedule.")
+                "Call it in the function given to coordinator.schedule."
+            )
         runtime.push(self._model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -129,9 +136,14 @@ class WorkerRuntime:
     def replica(self, model: ParameterServerModel, *, pull: bool) -> nn.Module:
         key = id(model)
         if key not in self._replicas:
-            variables = ShardedVariables(model._shards, model._ps_addresses, security=self._security,
-                                         rpc_timeout=model._rpc_timeout,
-                                         shared_memory=model._variables.shared_memory, task=self.task)
+            variables = ShardedVariables(
+                model._shards,
+                model._ps_addresses,
+                security=self._security,
+                rpc_timeout=model._rpc_timeout,
+                shared_memory=model._variables.shared_memory,
+                task=self.task,
+            )
             replica = copy.deepcopy(model.module)
             variables.arrange(dict(replica.named_parameters()))
             self._replicas[key] = (replica, variables)
@@ -144,13 +156,16 @@ class WorkerRuntime:
     def push(self, model: ParameterServerModel) -> None:
         entry = self._replicas.get(id(model))
         if entry is None:
-            raise InputError(f"optimizer.step() before the model ran on {self.task}. Received: no forward "
-                             "pass in this function. Run the model, then backward, then step.")
+            raise InputError(
+                f"optimizer.step() before the model ran on {self.task}. Received: no forward "
+                "pass in this function. Run the model, then backward, then step."
+            )
         replica, variables = entry
         variables.push({name: p.grad for name, p in replica.named_parameters()})
 
-    def run(self, fn_ref: Any, args_tree: Any, kwargs_tree: Any, tensors: dict[str, torch.Tensor],
-            datasets: dict[str, Any]) -> Any:
+    def run(
+        self, fn_ref: Any, args_tree: Any, kwargs_tree: Any, tensors: dict[str, torch.Tensor], datasets: dict[str, Any]
+    ) -> Any:
         """Runs one scheduled function here; returns its result."""
         with self._lock:
             fn = functions.resolve_function(fn_ref)
@@ -170,8 +185,10 @@ class WorkerRuntime:
     def _resolve_ref(self, tree: dict[str, Any]) -> Any:
         if set(tree) == {"$iter"} and tree["$iter"] in self._iterators:
             return self._iterators[tree["$iter"]]
-        raise ParameterServerError(f"Unknown reference on {self.task}. Received: {tree!r:.120}. "
-                                   "Pass iterators made by coordinator.create_per_worker_dataset.")
+        raise ParameterServerError(
+            f"Unknown reference on {self.task}. Received: {tree!r:.120}. "
+            "Pass iterators made by coordinator.create_per_worker_dataset."
+        )
 
     def variables(self) -> list[ShardedVariables]:
         """The parameter-server clients of this worker's replicas."""
@@ -191,8 +208,15 @@ def _lost_ps(exc: BaseException) -> str | None:
 class WorkerService:
     """The gRPC service of one worker task; ``ready`` opens it once the script has defined its functions."""
 
-    def __init__(self, task: str, *, security: Security, address: str = "127.0.0.1:0", ready: bool = True,
-                 ready_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        task: str,
+        *,
+        security: Security,
+        address: str = "127.0.0.1:0",
+        ready: bool = True,
+        ready_timeout: float = 300.0,
+    ) -> None:
         self.task = task
         self.runtime = WorkerRuntime(task, security)
         self.ready = threading.Event()
@@ -200,16 +224,23 @@ class WorkerService:
             self.ready.set()
         self._ready_timeout = ready_timeout
         self._shutdown = threading.Event()
-        self._server = Server(SERVICE, {"Run": self._run, "Shutdown": self._stop, "Ping": self._ping},
-                              security=security, address=address,
-                              default_limit=SMALL, limits={"Run": LARGE})
+        self._server = Server(
+            SERVICE,
+            {"Run": self._run, "Shutdown": self._stop, "Ping": self._ping},
+            security=security,
+            address=address,
+            default_limit=SMALL,
+            limits={"Run": LARGE},
+        )
         self.address = self._server.address
 
     def _run(self, op: str, meta: Any, tensors: dict[str, torch.Tensor]) -> Reply:
         if not self.ready.wait(self._ready_timeout):
-            raise CollectiveTimeoutError(f"{self.task} never reached coordinator.schedule in its script within "
-                                         f"{self._ready_timeout:g} s. Received: a Run call. Run the same script "
-                                         "on every task.")
+            raise CollectiveTimeoutError(
+                f"{self.task} never reached coordinator.schedule in its script within "
+                f"{self._ready_timeout:g} s. Received: a Run call. Run the same script "
+                "on every task."
+            )
         try:
             result = self.runtime.run(meta["fn"], meta["args"], meta["kwargs"], tensors, meta["datasets"])
             encoder = functions.Encoder()
