@@ -1,8 +1,9 @@
 """stratagem: train PyTorch models with tf.distribute-style strategies, never a silent fallback.
 
-import stratagem as sg
-strategy = sg.MirroredStrategy()
-print(strategy.explain())
+Example:
+    >>> import stratagem as sg
+    >>> strategy = sg.MirroredStrategy()
+    >>> print(strategy.explain())  # doctest: +SKIP
 """
 
 from stratagem import data, devices, diagnose

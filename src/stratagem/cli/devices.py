@@ -1,7 +1,8 @@
 """``stratagem devices``: the physical and logical devices of this machine.
 
-$ stratagem devices
-$ stratagem devices --json
+Usage:
+    $ stratagem devices
+    $ stratagem devices --json
 """
 
 from __future__ import annotations
