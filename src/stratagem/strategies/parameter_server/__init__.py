@@ -30,8 +30,9 @@ How it fits together (each module's docstring has the details):
   (pulled at its first forward pass) and ``optimizer.step()`` pushes the gradients.
 - ``coordinator``: ``schedule`` / ``join`` / ``done`` / ``fetch``, first error re-raised and pending
   work cancelled, functions of a lost worker run again elsewhere, a lost parameter server named.
-- ``strategy``: the roles of the tasks, ``distribute``, checkpoints (``save`` / ``restore``), and
-  ``InProcessCluster`` (servers as threads on 127.0.0.1) for tests and trials.
+- ``strategy``: the role of each task, ``distribute``, checkpoints (``save`` / ``restore``).
+- ``tasks``: parameter-server and worker tasks serve until the chief ends the job (or fail naming it);
+  ``InProcessCluster`` runs them as servers in this process, on 127.0.0.1, for tests and trials.
 
 Known limits: a function may run twice when its worker dies after pushing (at least once, as in
 tf.distribute); a restarted worker starts its per-worker dataset from the beginning; an optimizer
