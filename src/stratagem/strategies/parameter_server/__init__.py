@@ -20,8 +20,8 @@ How it fits together (each module's docstring has the details):
 - ``server``: a parameter server holds shards and applies the user's optimizer class, with its
   hyper-parameters and state, to the shards a push names (``optimizers``: the optimizer travels as
   JSON and is built again without calling its class's ``__init__``); ``variables`` is the client side (one
-  call per server for a pull or a push); ``checkpoint`` puts the shards together into one file and
-  cuts it again for any placement.
+  call per server for a pull or a push, bucket by bucket as ``layout`` works them out); ``checkpoint``
+  puts the shards together into one file and cuts it again for any placement.
 - ``functions``: a scheduled function travels as its module and qualified name and is found in the
   worker's own copy of the script (the same script runs on every task); arguments and results are
   tensors, plain JSON values, and references to per-worker iterators. Only an authenticated peer
