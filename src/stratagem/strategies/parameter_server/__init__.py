@@ -10,7 +10,8 @@ How it fits together (each module's docstring has the details):
 
 - ``wire``: a message is a JSON header plus raw tensor bytes (dtype, shape, offset), never pickle;
   it travels as a stream of chunks built straight from tensor memory, and pulls and pushes are
-  written straight into parameters and gradient buffers as the chunks arrive.
+  written straight into parameters and gradient buffers as the chunks arrive. ``header`` checks a
+  received header (magic, lengths, form, dtypes, shapes, offsets) before any tensor is built.
 - ``transport``: every method is a gRPC stream of bytes with generic handlers (no protoc). A
   server interceptor refuses a call without the cluster token, or with a wrong one, with
   ``UNAUTHENTICATED`` before any of its bytes are read; servers listen on 127.0.0.1 unless told
