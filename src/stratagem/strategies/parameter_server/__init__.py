@@ -10,7 +10,8 @@ How it fits together (each module's docstring has the details):
 
 - ``wire``: a message is a JSON header plus raw tensor bytes (dtype, shape, offset), never pickle;
   it travels as a stream of chunks built straight from tensor memory, and pulls and pushes are
-  written straight into parameters and gradient buffers as the chunks arrive.
+  written straight into parameters and gradient buffers as the chunks arrive. ``header`` checks a
+  received header (magic, lengths, form, dtypes, shapes, offsets) before any tensor is built.
 - ``transport``: every method is a gRPC stream of bytes with generic handlers (no protoc). A
   server interceptor refuses a call without the cluster token, or with a wrong one, with
   ``UNAUTHENTICATED`` before any of its bytes are read; servers listen on 127.0.0.1 unless told
@@ -20,8 +21,8 @@ How it fits together (each module's docstring has the details):
 - ``server``: a parameter server holds shards and applies the user's optimizer class, with its
   hyper-parameters and state, to the shards a push names (``optimizers``: the optimizer travels as
   JSON and is built again without calling its class's ``__init__``); ``variables`` is the client side (one
-  call per server for a pull or a push); ``checkpoint`` puts the shards together into one file and
-  cuts it again for any placement.
+  call per server for a pull or a push, bucket by bucket as ``layout`` works them out); ``checkpoint``
+  puts the shards together into one file and cuts it again for any placement.
 - ``functions``: a scheduled function travels as its module and qualified name and is found in the
   worker's own copy of the script (the same script runs on every task); arguments and results are
   tensors, plain JSON values, and references to per-worker iterators. Only an authenticated peer
@@ -30,8 +31,9 @@ How it fits together (each module's docstring has the details):
   (pulled at its first forward pass) and ``optimizer.step()`` pushes the gradients.
 - ``coordinator``: ``schedule`` / ``join`` / ``done`` / ``fetch``, first error re-raised and pending
   work cancelled, functions of a lost worker run again elsewhere, a lost parameter server named.
-- ``strategy``: the roles of the tasks, ``distribute``, checkpoints (``save`` / ``restore``), and
-  ``InProcessCluster`` (servers as threads on 127.0.0.1) for tests and trials.
+- ``strategy``: the role of each task, ``distribute``, checkpoints (``save`` / ``restore``).
+- ``tasks``: parameter-server and worker tasks serve until the chief ends the job (or fail naming it);
+  ``InProcessCluster`` runs them as servers in this process, on 127.0.0.1, for tests and trials.
 
 Known limits: a function may run twice when its worker dies after pushing (at least once, as in
 tf.distribute); a restarted worker starts its per-worker dataset from the beginning; an optimizer

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import secrets
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,16 +37,19 @@ import torch
 from torch import nn
 
 from stratagem import environ
-from stratagem.cluster import Cluster, free_ports, resolve_cluster
+from stratagem.cluster import Cluster, resolve_cluster
 from stratagem.diagnose import PlacementDecision
-from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
+from stratagem.errors import InputError
 from stratagem.shm import eligibility
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.parameter_server import fit_steps as fit_support
+from stratagem.strategies.parameter_server import tasks
 from stratagem.strategies.parameter_server.coordinator import ClusterCoordinator
 from stratagem.strategies.parameter_server.partitioners import Partitioner, place
-from stratagem.strategies.parameter_server.server import ParameterServer
+from stratagem.strategies.parameter_server.tasks import CHIEF_SERVICE as CHIEF_SERVICE
+from stratagem.strategies.parameter_server.tasks import STOP_GRACE_SECONDS as STOP_GRACE_SECONDS
+from stratagem.strategies.parameter_server.tasks import InProcessCluster as InProcessCluster
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 from stratagem.strategies.parameter_server.worker import (
@@ -62,72 +63,8 @@ from stratagem.strategies.parameter_server.worker import (
 
 logger = logging.getLogger(__name__)
 
-CHIEF_SERVICE = "stratagem.Chief"
+# How often a ps or worker task pings the chief (passed to tasks.serve_as_*): a module constant, so tests shorten it.
 CHIEF_CHECK_SECONDS = 2.0
-STOP_GRACE_SECONDS = 1.0
-
-
-class InProcessCluster:
-    """Parameter servers and workers as gRPC servers in this process, on 127.0.0.1 free ports.
-
-    Example:
-        >>> with InProcessCluster(num_workers=2, num_ps=1) as cluster:          # doctest: +SKIP
-        ...     strategy = ParameterServerStrategy(cluster_resolver=cluster)
-    """
-
-    def __init__(
-        self,
-        num_workers: int = 2,
-        num_ps: int = 1,
-        *,
-        token: str | None = None,
-        certificate: str | None = None,
-        private_key: str | None = None,
-        server_name: str | None = None,
-    ) -> None:
-        for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be at least 1. Received: {name}={value!r}. Pass an int >= 1.")
-        self.token = token or secrets.token_hex(16)
-        self.security = Security(
-            token=self.token, certificate=certificate, private_key=private_key, server_name=server_name
-        )
-        self.ps = [ParameterServer(security=self.security, task=f"ps:{i}") for i in range(num_ps)]
-        self.workers = [WorkerService(f"worker:{i}", security=self.security) for i in range(num_workers)]
-        config = {
-            "cluster": {
-                "chief": [f"127.0.0.1:{free_ports(1)[0]}"],
-                "worker": [w.address for w in self.workers],
-                "ps": [p.address for p in self.ps],
-            },
-            "task": {"type": "chief", "index": 0},
-        }
-        self.cluster = Cluster.from_tf_config(config)
-
-    def kill_worker(self, index: int) -> None:
-        """Stops worker ``index`` at once, as if its process died."""
-        self.workers[index].stop()
-
-    def restart_worker(self, index: int) -> None:
-        """Starts worker ``index`` again on its address, with a fresh replica and fresh iterators."""
-        self.workers[index] = WorkerService(
-            f"worker:{index}", security=self.security, address=self.workers[index].address
-        )
-
-    def kill_ps(self, index: int) -> None:
-        """Stops parameter server ``index`` at once, as if its process died."""
-        self.ps[index].stop()
-
-    def stop(self) -> None:
-        servers: list[WorkerService | ParameterServer] = [*self.workers, *self.ps]
-        for server in servers:
-            server.stop()
-
-    def __enter__(self) -> InProcessCluster:  # noqa: PYI034 - Self needs Python 3.11
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class ParameterServerStrategy(Strategy):
@@ -268,63 +205,26 @@ class ParameterServerStrategy(Strategy):
             self._is_coordinator,
         )
 
-    # ---- roles --------------------------------------------------------------------------------
+    # ---- roles (tasks.py) ------------------------------------------------------------------------
     def _serve_as_ps(self) -> None:
-        index = self.cluster.task_index
-        server = ParameterServer(
-            security=self._security, address=self._ps_addresses[index], task=self.cluster.task_name
+        tasks.serve_as_ps(
+            self.cluster,
+            self._security,
+            self._ps_addresses[self.cluster.task_index],
+            chief_timeout=self.chief_timeout,
+            check_seconds=CHIEF_CHECK_SECONDS,
+            exit_delay=self.ps_exit_delay,
         )
-        try:
-            self._serve_while_chief_lives(server.stopped)
-        finally:
-            server.stop(grace=STOP_GRACE_SECONDS)  # the chief's Shutdown call gets its reply
-        time.sleep(self.ps_exit_delay)
-        raise SystemExit(0)
 
     def _serve_as_worker(self) -> None:
-        service = self._worker_service
-        if service is None:  # pragma: no cover - only a worker task gets here
-            raise ParameterServerError(
-                f"{self.cluster.task_name} has no worker service. Received: a call that serves "
-                "on a task that is not a worker. Report this as a bug."
-            )
-        if self._model is None:
-            raise InputError(
-                f"{self.cluster.task_name} reached coordinator.schedule before "
-                "strategy.distribute(model, optimizer). Received: no distributed model. "
-                "Distribute the model before scheduling, in the script every task runs."
-            )
-        service.ready.set()
-        logger.info("%s serving scheduled functions", self.cluster.task_name)
-        try:
-            self._serve_while_chief_lives(service.stopped)
-        finally:
-            service.stop(grace=STOP_GRACE_SECONDS)
-        raise SystemExit(0)
-
-    def _serve_while_chief_lives(self, stopped: Callable[[float], bool]) -> None:
-        """Returns when the chief ends the job; raises when it has been unreachable for ``chief_timeout`` s."""
-        if "chief" in self.cluster.addresses:
-            chief_task, address, service = "chief:0", self.cluster.addresses["chief"][0], CHIEF_SERVICE
-        else:
-            chief_task, address, service = "worker:0", self.cluster.addresses["worker"][0], WORKER_SERVICE
-        chief = Client(address, service, security=self._security, task=chief_task)
-        last_seen = time.monotonic()
-        try:
-            while not stopped(CHIEF_CHECK_SECONDS):
-                try:
-                    chief.call("Ping", "ping", timeout=CHIEF_CHECK_SECONDS)
-                    last_seen = time.monotonic()
-                except (ParameterServerError, CollectiveTimeoutError) as exc:
-                    silent = time.monotonic() - last_seen
-                    if silent > self.chief_timeout:
-                        raise CollectiveTimeoutError(
-                            f"{self.cluster.task_name} lost the chief: {chief_task} at {address} has not answered for "
-                            f"{silent:.0f} s. Received: {exc}. The chief died or ended without telling this task; "
-                            "restart the job (it resumes from its last checkpoint)."
-                        ) from None
-        finally:
-            chief.close()
+        tasks.serve_as_worker(
+            self.cluster,
+            self._security,
+            self._worker_service,
+            distributed=self._model is not None,
+            chief_timeout=self.chief_timeout,
+            check_seconds=CHIEF_CHECK_SECONDS,
+        )
 
     def _worker_addresses(self) -> list[tuple[str, str]]:
         return [(f"worker:{i}", address) for i, address in enumerate(self.cluster.addresses["worker"])]

@@ -2,8 +2,8 @@
 
 ``ShardedVariables`` knows the placement (``partitioners.place``) and talks to every parameter
 server: a pull asks each server once for all the shards it holds (one call per server, in
-parallel), a push sends each server the gradient rows of its shards in one call. Errors name the
-parameter server that failed (``ps:1 at 127.0.0.1:4242 failed Pull ...``).
+parallel), a push sends each server the gradient rows of its shards in one call, bucket by bucket
+(``layout``). Errors name the parameter server that failed (``ps:1 at 127.0.0.1:4242 failed Pull ...``).
 
 With a parameter server on the same host, pulls and pushes go through a shared-memory file instead
 of gRPC messages (``shared``): attached at the first pull or push, after one ``Attach`` call.
@@ -30,14 +30,11 @@ from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServer
 from stratagem.shm import files as shm_files
 from stratagem.shm import parameter_server as shared
 from stratagem.strategies.parameter_server import checkpoint, wire
+from stratagem.strategies.parameter_server.layout import Layout
 from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.server import SERVICE
-from stratagem.strategies.parameter_server.store import (
-    bucket_layout,
-    bucket_name,
-    fingerprint,
-)
+from stratagem.strategies.parameter_server.store import bucket_name
 from stratagem.strategies.parameter_server.transport import Client, Security
 
 logger = logging.getLogger(__name__)
@@ -76,7 +73,7 @@ class ShardedVariables:
         self._by_ps: dict[int, list[Shard]] = {}
         for shard in self.shards:
             self._by_ps.setdefault(shard.ps, []).append(shard)
-        self._layouts: dict[int, _Layout] = {}
+        self._layouts: dict[int, Layout] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="ps-client")
 
     def _each_ps(self, call: Any) -> dict[int, Any]:
@@ -122,27 +119,11 @@ class ShardedVariables:
         return missed
 
     # ---- workers -------------------------------------------------------------------------------
-    def _layout(self, ps: int, shards: list[Shard], tensors: Mapping[str, torch.Tensor | None]) -> _Layout:
-        """The buckets of ``ps`` as its server keeps them (``store.bucket_layout``), worked out once."""
+    def _layout(self, ps: int, shards: list[Shard], tensors: Mapping[str, torch.Tensor | None]) -> Layout:
+        """The buckets of ``ps`` as its server keeps them (``Layout.build``), worked out once."""
         layout = self._layouts.get(ps)
         if layout is None:
-            missing = [s.parameter for s in shards if tensors.get(s.parameter) is None]
-            if missing:
-                raise ParameterServerError(
-                    f"Cannot tell the dtypes of the shards on ps:{ps}. Received: no tensor for {missing[:3]}. "
-                    "Pull the values (run the model) before the first push."
-                )
-            known = cast("Mapping[str, torch.Tensor]", tensors)  # every shard's tensor is there: checked just above
-            entries = [
-                (s.name, s.group, known[s.parameter].dtype, shard_of(known[s.parameter], s).numel()) for s in shards
-            ]
-            by_name = {s.name: s for s in shards}
-            members = bucket_layout(entries)
-            buckets = [[by_name[name] for name, _ in bucket] for bucket in members]
-            dtypes = [known[bucket[0].parameter].dtype for bucket in buckets]
-            sizes = [(dtype, sum(n for _, n in bucket)) for dtype, bucket in zip(dtypes, members)]
-            shapes = [[shard_of(known[s.parameter], s).shape for s in bucket] for bucket in buckets]
-            layout = self._layouts[ps] = _Layout(fingerprint(entries), buckets, sizes, shapes)
+            layout = self._layouts[ps] = Layout.build(ps, shards, tensors)
         return layout
 
     def arrange(self, parameters: Mapping[str, torch.Tensor]) -> None:
@@ -236,7 +217,7 @@ class ShardedVariables:
         """For each parameter server this task has pulled from or pushed to: how values travel, and why."""
         return dict(self._transfers)
 
-    def _link(self, ps: int, layout: _Layout) -> shared.Link | None:
+    def _link(self, ps: int, layout: Layout) -> shared.Link | None:
         """The file shared with server ``ps``, attached at the first call; None when values go over gRPC."""
         link = self._links.get(ps)
         if link is None:
@@ -248,7 +229,7 @@ class ShardedVariables:
                         self._links[ps] = link
         return link if isinstance(link, shared.Link) else None
 
-    def _attach(self, ps: int, layout: _Layout) -> shared.Link | str | None:
+    def _attach(self, ps: int, layout: Layout) -> shared.Link | str | None:
         """Offers ``ps`` a new file; returns it attached, why values go over gRPC instead, or None when the
         server holds other shards than this worker expects (the call that follows says so; ask again later)."""
         if self.shared_memory is False:
@@ -353,7 +334,7 @@ class ShardedVariables:
                     logger.debug("%s: detach from %s: %s", self.task, self._clients[ps].task, exc)
                     return
 
-    def _pull_shared(self, ps: int, layout: _Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
+    def _pull_shared(self, ps: int, layout: Layout, parameters: Mapping[str, torch.Tensor]) -> bool:
         """A pull from ``ps`` through the shared file; False when it must go over gRPC."""
         link = self._link(ps, layout)
         if link is None:
@@ -374,7 +355,7 @@ class ShardedVariables:
             # Parameters on a GPU or not contiguous. Not this server's shards: the gRPC pull says what does not match.
             return layout.copy_out(link.areas.pull, parameters)
 
-    def _push_shared(self, ps: int, layout: _Layout, gradients: Mapping[str, torch.Tensor | None]) -> bool:
+    def _push_shared(self, ps: int, layout: Layout, gradients: Mapping[str, torch.Tensor | None]) -> bool:
         """A push to ``ps`` through the shared file; False when it must go over gRPC (part of a bucket)."""
         link = self._link(ps, layout)
         if link is None:
@@ -405,7 +386,7 @@ class ShardedVariables:
             shared.copy_all(targets, sources)
             return self._ask(ps, link, layout, shared.PUSH, indices)  # False: not applied, it goes over gRPC now
 
-    def _ask(self, ps: int, link: shared.Link, layout: _Layout, op: int, buckets: Sequence[int]) -> bool:
+    def _ask(self, ps: int, link: shared.Link, layout: Layout, op: int, buckets: Sequence[int]) -> bool:
         """Has ``ps`` pull into or push from the file (under ``link.lock``): through its counters, or by a small
         gRPC call. False when the server no longer knows the file (attach again); the link is dropped then,
         and when the request fails, since neither side knows where the other stands."""
@@ -464,53 +445,3 @@ class ShardedVariables:
         self._pool.shutdown(wait=False)
         for client in self._clients:
             client.close()
-
-
-class _Layout:
-    """One server's buckets seen from a worker, and the ``wire.Flat`` destinations of the last parameters pulled."""
-
-    def __init__(
-        self,
-        fingerprint: str,
-        buckets: list[list[Shard]],
-        sizes: list[tuple[torch.dtype, int]],
-        shapes: list[list[torch.Size]],
-    ) -> None:
-        self.fingerprint = fingerprint
-        self.buckets = buckets
-        self.sizes = sizes  # each bucket's dtype and element count
-        self.shapes = shapes  # each shard's shape, bucket by bucket
-        self.staging = [wire.Staging() for _ in buckets]  # for gathering each bucket's small gradients
-        self.parameters = [[s.parameter for s in bucket] for bucket in buckets]  # each shard's parameter name
-        self.whole = [all(s.name == s.parameter for s in bucket) for bucket in buckets]  # no parameter split
-        self._pulled: list[torch.Tensor] = []  # kept alive, so their id()s below cannot be reused
-        self._pulled_key: tuple[list[int], list[int]] = ([], [])
-        self._destinations: dict[str, wire.Flat] | None = None
-
-    def copy_out(self, buckets: Sequence[torch.Tensor], parameters: Mapping[str, torch.Tensor]) -> bool:
-        """Copies each bucket's values (1-D, shards one after another) into the parameters' shard views, with
-        one call when all are CPU tensors; False (nothing copied) when the shards' shapes are not this layout's."""
-        targets, sources = [], []
-        for bucket, flat, shapes in zip(self.buckets, buckets, self.shapes):
-            views = [shard_of(parameters[s.parameter], s) for s in bucket]
-            if [v.shape for v in views] != shapes:
-                return False
-            targets.extend(views)
-            sources.extend(torch._C._nn.unflatten_dense_tensors(flat, views))
-        shared.copy_all(targets, sources)
-        return True
-
-    def destinations(self, parameters: Mapping[str, torch.Tensor]) -> dict[str, wire.Flat] | None:
-        """A ``Flat`` of the parameters' shard views per bucket (kept while the same tensors, with the same
-        memory, are pulled into), or None when some are not contiguous CPU tensors."""
-        tensors = [parameters[s.parameter] for bucket in self.buckets for s in bucket]
-        # Lists of ints compare in C: this check runs at every pull, over every shard.
-        key = ([id(t) for t in tensors], [t.data_ptr() for t in tensors])
-        if self._destinations is not None and key == self._pulled_key:
-            return self._destinations
-        views = [[shard_of(parameters[s.parameter], s).detach() for s in bucket] for bucket in self.buckets]
-        if not all(v.device.type == "cpu" and v.is_contiguous() for bucket in views for v in bucket):
-            return None
-        self._destinations = {bucket_name(i): wire.Flat(bucket) for i, bucket in enumerate(views)}
-        self._pulled, self._pulled_key = tensors, key
-        return self._destinations

@@ -17,7 +17,8 @@ small shards costs a header entry and a few copies, not 500 of each.
 Decoding checks everything before it builds a tensor: the magic, the lengths, that the header is
 a JSON object of the expected form, that each dtype is one of ``DTYPES``, each shape a list of
 non-negative integers, and that every tensor lies inside the payload. A ``bool`` tensor must
-hold only bytes 0 and 1. Anything else raises ``WireFormatError``.
+hold only bytes 0 and 1. Anything else raises ``WireFormatError``. (``header`` holds the header's
+constants and its checks.)
 
     >>> message = encode("pull", {"step": 3}, {"w": torch.ones(2, 3)})
     >>> op, meta, tensors = decode(message)
@@ -28,7 +29,6 @@ hold only bytes 0 and 1. Anything else raises ``WireFormatError``.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -37,6 +37,22 @@ import torch
 
 from stratagem.errors import WireFormatError
 from stratagem.strategies.parameter_server.flat import SMALL_PART_BYTES, Flat, Staging
+from stratagem.strategies.parameter_server.header import (
+    ALIGN,
+    DTYPES,
+    ITEMSIZE,
+    MAGIC,
+    MAX_DEPTH,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    TOO_LARGE,
+    aligned,
+    check_entry,
+    malformed,
+    parse_header,
+    payload_extent,
+    read_header,
+)
 
 __all__ = [
     "ALIGN",
@@ -61,30 +77,9 @@ __all__ = [
     "stream_chunks",
 ]
 
-MAGIC = b"SGW1"
-_PREFIX = struct.Struct(">4sI")
-MAX_HEADER_BYTES = 64 << 20
-MAX_DEPTH = 64
-"""How deeply a header's JSON may nest: far more than any message needs, far less than Python's recursion limit."""
 CHUNK_BYTES = 2 << 20
-ALIGN = 8
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
 def _bytes_view(tensor: torch.Tensor) -> numpy.ndarray:
@@ -100,10 +95,6 @@ def _bytes_view(tensor: torch.Tensor) -> numpy.ndarray:
     if tensor.dtype == torch.bfloat16:
         return tensor.reshape(-1).view(torch.uint8).numpy()
     return tensor.numpy().reshape(-1).view(numpy.uint8)
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def encode_chunks(
@@ -155,7 +146,7 @@ def segments(
             entries.append([name, _NAMES[tensor.dtype], list(tensor.shape), offset])
             if nbytes:
                 parts.append(_bytes_view(tensor))
-        padding = _aligned(nbytes) - nbytes
+        padding = aligned(nbytes) - nbytes
         if padding:
             parts.append(bytes(padding))
         offset += nbytes + padding
@@ -167,8 +158,8 @@ def segments(
             "Use numbers, strings, booleans, None, lists and dicts with string keys."
         ) from exc
     # Spaces after the JSON put the payload at a multiple of ALIGN, so tensors decode in place, aligned.
-    header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
-    parts.insert(0, _PREFIX.pack(MAGIC, len(header)) + header)
+    header += b" " * (aligned(PREFIX.size + len(header)) - PREFIX.size - len(header))
+    parts.insert(0, PREFIX.pack(MAGIC, len(header)) + header)
     return parts
 
 
@@ -209,70 +200,9 @@ def encode(op: str, meta: Any = None, tensors: Mapping[str, torch.Tensor | Flat]
     return join_chunks(encode_chunks(op, meta, tensors))
 
 
-_TOO_LARGE = (
-    "A stratagem task never sends this method more; check that only this job's tasks hold its cluster "
-    "token, and that both ends run the same model"
-)
-
-
-def _fail(what: str, received: str, fix: str | None = None) -> WireFormatError:
-    return WireFormatError(
-        f"Malformed parameter-server message: {what}. Received: {received}. "
-        f"{fix or 'Send messages built by stratagem.strategies.parameter_server.wire.encode_chunks'}."
-    )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _parse_header(view: memoryview) -> tuple[dict[str, Any], int]:
-    """The header of a message that starts ``view`` (the payload may be partly there) and the payload's start."""
-    if len(view) < _PREFIX.size:
-        raise _fail("shorter than its fixed prefix", f"{len(view)} bytes")
-    magic, header_len = _PREFIX.unpack(view[: _PREFIX.size])
-    if magic != MAGIC:
-        raise _fail("wrong magic bytes", f"{bytes(magic)!r}, expected {MAGIC!r}")
-    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
-        raise _fail("header length out of range", f"header_len={header_len}, message of {len(view)} bytes")
-    if (_PREFIX.size + header_len) % ALIGN:
-        raise _fail(f"payload does not start at a multiple of {ALIGN}", f"header_len={header_len}")
-    try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _fail("header is not JSON", str(exc)) from None
-    except RecursionError:
-        raise _fail(f"header nests deeper than {MAX_DEPTH} levels", f"a header of {header_len} bytes") from None
-    _check_depth(header, header_len)
-    if (
-        not isinstance(header, dict)
-        or set(header) != {"op", "meta", "tensors"}
-        or not isinstance(header["op"], str)
-        or not isinstance(header["tensors"], list)
-    ):
-        raise _fail("header is not {op, meta, tensors}", f"{str(header)[:200]}")
-    return header, _PREFIX.size + header_len
-
-
-def _check_depth(value: Any, header_len: int) -> None:
-    """Refuses JSON nested deeper than ``MAX_DEPTH`` (walked without recursion), so no handler recurses past
-    Python's limit on what a peer sent."""
-    level = [value]
-    for _ in range(MAX_DEPTH + 1):
-        level = [
-            child
-            for node in level
-            if isinstance(node, (list, dict))
-            for child in (node.values() if isinstance(node, dict) else node)
-        ]
-        if not level:
-            return
-    raise _fail(f"header nests deeper than {MAX_DEPTH} levels", f"a header of {header_len} bytes")
-
-
 def _check_bool(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype == torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
-        raise _fail("a bool tensor holds bytes other than 0 and 1", f"name={name!r}")
+        raise malformed("a bool tensor holds bytes other than 0 and 1", f"name={name!r}")
 
 
 def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str, torch.Tensor]]:
@@ -281,7 +211,7 @@ def decode(message: bytes | bytearray | memoryview) -> tuple[str, Any, dict[str,
     Raises ``WireFormatError`` for anything that is not a well-formed message.
     """
     view = memoryview(message)
-    header, start = _parse_header(view)
+    header, start = parse_header(view)
     return _decode_parsed(message, view, header, start)
 
 
@@ -294,13 +224,13 @@ def _decode_parsed(
     buffer = message if isinstance(message, bytearray) else bytearray(view)
     tensors: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
-        name, dtype, shape, offset, nbytes = _check_entry(entry, payload_len)
+        name, dtype, shape, offset, nbytes = check_entry(entry, payload_len)
         if name in tensors:
-            raise _fail("a tensor name appears twice", f"name={name!r}")
+            raise malformed("a tensor name appears twice", f"name={name!r}")
         if nbytes == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
-        numel = nbytes // _ITEMSIZE[dtype]
+        numel = nbytes // ITEMSIZE[dtype]
         tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start + offset).reshape(shape)
         _check_bool(name, tensor)
         tensors[name] = tensor
@@ -326,16 +256,16 @@ def decode_into(
     ``max_header_bytes`` is refused before it is read whole.
     """
     pieces = iter(pieces)
-    head, header, start = _read_header(pieces, max_header_bytes)
+    head, header, start = read_header(pieces, max_header_bytes)
     targets = []  # (payload offset, bytes, flat uint8 view to fill)
     names = []
     gathered = []  # Flat blocks received whole, to scatter to their parts at the end
     for entry in header["tensors"]:
-        name, dtype, shape, offset, nbytes = _check_entry(entry, None)
+        name, dtype, shape, offset, nbytes = check_entry(entry, None)
         dest = destinations.get(name)
         if isinstance(dest, Flat):
             if dest.dtype != dtype or [dest.numel] != shape:
-                raise _fail(
+                raise malformed(
                     "tensors do not match the destinations",
                     f"{name} {dtype} {shape}, destination {dest.dtype} [{dest.numel}] (flat)",
                 )
@@ -345,7 +275,7 @@ def decode_into(
                 if parts:
                     gathered.append((block, parts))
         elif dest is None or dest.dtype != dtype or list(dest.shape) != shape:
-            raise _fail(
+            raise malformed(
                 "tensors do not match the destinations",
                 f"{name} {dtype} {shape}, destination {None if dest is None else (dest.dtype, list(dest.shape))}",
             )
@@ -353,19 +283,19 @@ def decode_into(
             targets.append((offset, nbytes, _bytes_view(dest)))
         names.append(name)
     if (exact and len(names) != len(destinations)) or len(set(names)) != len(names):
-        raise _fail(
+        raise malformed(
             "tensors do not match the destinations",
             f"{len(names)} tensors ({len(set(names))} names) for {len(destinations)} destinations",
         )
     targets.sort(key=lambda t: t[0])
-    expected = max((_aligned(off + n) for off, n, _ in targets), default=0)
+    expected = max((aligned(off + n) for off, n, _ in targets), default=0)
     position, first = 0, 0  # payload offset of the next byte; first target not yet filled
 
     def take(block: memoryview) -> None:
         nonlocal position, first
         end = position + len(block)
         if end > expected:
-            raise _fail("payload longer than its tensors", f"more than {expected} bytes")
+            raise malformed("payload longer than its tensors", f"more than {expected} bytes")
         index = first
         while index < len(targets) and targets[index][0] < end:
             off, nbytes, flat = targets[index]
@@ -385,7 +315,7 @@ def decode_into(
         if progress is not None:
             progress(header, position)
     if position != expected:
-        raise _fail("payload shorter than its tensors", f"{position} of {expected} bytes")
+        raise malformed("payload shorter than its tensors", f"{position} of {expected} bytes")
     Flat.scatter(gathered)
     for name in names:
         dest = destinations[name]
@@ -393,71 +323,6 @@ def decode_into(
             for tensor in dest.parts if isinstance(dest, Flat) else (dest,):
                 _check_bool(name, tensor)
     return header["op"], header["meta"], names
-
-
-def _check_entry(entry: Any, payload_len: int | None) -> tuple[str, torch.dtype, list[int], int, int]:
-    if not (
-        isinstance(entry, list)
-        and len(entry) == 4
-        and isinstance(entry[0], str)
-        and isinstance(entry[1], str)
-        and isinstance(entry[2], list)
-        and _is_int(entry[3])
-    ):
-        raise _fail("a tensor entry is not [name, dtype, shape, offset]", f"{str(entry)[:200]}")
-    name, dtype_name, shape, offset = entry
-    if dtype_name not in DTYPES:
-        raise _fail("unknown dtype", f"{name}: dtype={dtype_name!r}, known {sorted(DTYPES)}")
-    if len(shape) > 32 or not all(_is_int(d) and 0 <= d < 2**48 for d in shape):
-        raise _fail("shape is not a list of at most 32 non-negative integers", f"{name}: shape={shape!r:.200}")
-    dtype = DTYPES[dtype_name]
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * _ITEMSIZE[dtype]
-    if offset < 0 or offset % ALIGN or (payload_len is not None and offset + nbytes > payload_len):
-        raise _fail(
-            "tensor bytes lie outside the payload",
-            f"{name}: offset={offset}, {nbytes} bytes, payload of {payload_len} bytes",
-        )
-    return name, dtype, shape, offset, nbytes
-
-
-def _read_header(pieces: Iterator[bytes], max_header_bytes: int) -> tuple[bytes | bytearray, dict[str, Any], int]:
-    """Takes pieces until the header is in; returns what was taken, the checked header and the payload's start.
-    The magic and the header's length are checked on the first bytes, before more is read."""
-    head: bytes | bytearray = b""
-    for piece in pieces:
-        if not head:
-            head = piece  # used as it is when it holds the whole header, as it nearly always does (no copy)
-        else:
-            head = head if isinstance(head, bytearray) else bytearray(head)
-            head += piece
-        if len(head) >= _PREFIX.size:
-            magic, header_len = _PREFIX.unpack_from(head)
-            if magic != MAGIC:
-                break  # _parse_header names it
-            if header_len > max_header_bytes:
-                raise _fail(
-                    "header longer than this method takes",
-                    f"header_len={header_len}, at most {max_header_bytes} bytes",
-                    _TOO_LARGE,
-                )
-            if len(head) >= _PREFIX.size + header_len:
-                break
-    header, start = _parse_header(memoryview(head))
-    return head, header, start
-
-
-def payload_extent(header: dict[str, Any]) -> int:
-    """The payload's length in bytes as the header declares it (each tensor's end, aligned; the last one)."""
-    return max(
-        (
-            _aligned(offset + nbytes)
-            for _, _, _, offset, nbytes in (_check_entry(entry, None) for entry in header["tensors"])
-        ),
-        default=0,
-    )
 
 
 def read_message(
@@ -469,27 +334,27 @@ def read_message(
     longer or shorter than it declares is refused. So a peer that sends more than a method takes costs
     the receiver a piece or two, not the whole stream."""
     pieces = iter(pieces)
-    head, header, start = _read_header(pieces, max_header_bytes)
+    head, header, start = read_header(pieces, max_header_bytes)
     extent = payload_extent(header)
     if max_payload_bytes is not None and extent > max_payload_bytes:
-        raise _fail(
+        raise malformed(
             "tensors larger than this method takes",
             f"{extent} bytes of tensors declared, at most {max_payload_bytes}",
-            _TOO_LARGE,
+            TOO_LARGE,
         )
     message = bytearray(start + extent)
     filled = min(len(head), len(message))
     message[:filled] = memoryview(head)[:filled]
     if len(head) > len(message):
-        raise _fail("payload longer than its tensors", f"more than {extent} bytes")
+        raise malformed("payload longer than its tensors", f"more than {extent} bytes")
     for piece in pieces:
         end = filled + len(piece)
         if end > len(message):
-            raise _fail("payload longer than its tensors", f"more than {extent} bytes")
+            raise malformed("payload longer than its tensors", f"more than {extent} bytes")
         message[filled:end] = piece
         filled = end
     if filled != len(message):
-        raise _fail("payload shorter than its tensors", f"{filled - start} of {extent} bytes")
+        raise malformed("payload shorter than its tensors", f"{filled - start} of {extent} bytes")
     return _decode_parsed(message, memoryview(message), header, start)
 
 
@@ -500,6 +365,6 @@ def join_chunks(pieces: Iterable[bytes], max_bytes: int | None = None) -> bytear
     for piece in pieces:
         total += len(piece)
         if max_bytes is not None and total > max_bytes:
-            raise _fail("message larger than allowed", f"more than {max_bytes} bytes")
+            raise malformed("message larger than allowed", f"more than {max_bytes} bytes")
         parts.append(piece)
     return bytearray().join(parts)
