@@ -179,6 +179,30 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     ]
 
 
+# A module owns one idea and is read in one sitting; past this many lines, one of its parts becomes a module.
+MAX_LINES = 500
+
+
+def _long_modules(src: Path = SRC, limit: int = MAX_LINES) -> list[str]:
+    """Each module of the package longer than `limit` lines, as "path: N lines"."""
+    counts = [(path, len(path.read_text().splitlines())) for path in _modules(src)]
+    return [f"{path.relative_to(src.parent)}: {count} lines" for path, count in counts if count > limit]
+
+
+def test_no_module_is_over_500_lines() -> None:
+    assert len(_modules()) > 100  # the walk found the package
+    found = "\n".join(_long_modules())
+    assert found == "", f"modules over {MAX_LINES} lines: move one cohesive part of each into its own module:\n{found}"
+
+
+def test_a_module_over_the_limit_is_reported_with_its_line_count(tmp_path: Path) -> None:
+    package = tmp_path / "stratagem" / "train"
+    package.mkdir(parents=True)
+    (package / "at_limit.py").write_text("x = 1\n" * 500)
+    (package / "over.py").write_text("x = 1\n" * 501)
+    assert _long_modules(tmp_path / "stratagem") == ["stratagem/train/over.py: 501 lines"]
+
+
 def _recorded_subjects(src: Path = SRC) -> set[str]:
     """Every literal `subject=` of a `PlacementDecision(...)` call in the package."""
     subjects = set()
