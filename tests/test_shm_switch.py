@@ -117,6 +117,22 @@ def test_the_parameter_server_strategy_refuses_shared_memory_true_with_the_switc
         sg.ParameterServerStrategy(shared_memory=True, env={"STRATAGEM_SHARED_MEMORY": "off"})
 
 
+@pytest.mark.timeout(60)
+def test_the_parameter_server_explains_the_switch_before_any_pull():
+    from stratagem.strategies.parameter_server import InProcessCluster
+
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = sg.ParameterServerStrategy(cluster, env={"STRATAGEM_SHARED_MEMORY": "0"})
+        try:
+            (decision,) = [
+                d for d in strategy.explain().decisions if d.subject == "values between workers and parameter servers"
+            ]
+        finally:
+            strategy.shutdown()
+    assert decision.choice == "gRPC"
+    assert decision.reason == "shared memory turned off by STRATAGEM_SHARED_MEMORY=0, so every value travels over gRPC"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_multi_worker_job_with_the_switch_off_sums_through_gloo_and_matches_one_device(tmp_path):

@@ -139,6 +139,7 @@ class ParameterServerStrategy(Strategy):
                 "True to insist."
             )
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
+        self._switched_off = eligibility.turned_off(env) if shared_memory is None else None
         self._cluster = cluster
         self.partitioner = partitioner
         self.shared_memory = shared_memory
@@ -407,6 +408,8 @@ class ParameterServerStrategy(Strategy):
     def _transfers_choice(self) -> str:
         ways = {how.split(":")[0] for how in self._transfers().values()}
         if not ways:
+            if self._switched_off is not None:
+                return "gRPC"
             return {None: "shared memory on one host, else gRPC", False: "gRPC", True: "shared memory (required)"}[
                 self.shared_memory
             ]
@@ -414,6 +417,8 @@ class ParameterServerStrategy(Strategy):
 
     def _transfers_reason(self) -> str:
         seen = self._transfers()
+        if not seen and self._switched_off is not None:
+            return f"shared memory {self._switched_off}, so every value travels over gRPC"
         if not seen:
             return (
                 f"shared_memory={self.shared_memory}; each worker decides at its first pull from each parameter "
