@@ -281,7 +281,7 @@ def test_a_private_read_or_a_lookup_by_name_of_a_strategy_is_reported(tmp_path: 
 
 
 # The classes a strategy may subclass: the base, and the data-parallel strategies' delegation to their ReplicaSet.
-STRATEGY_BASES = {"Strategy": "strategies/base.py", "ReplicatedStrategy": "strategies/replicated.py"}
+STRATEGY_BASES = {"Strategy": "strategies/base.py", "ReplicatedStrategy": "strategies/data_parallel/replicated.py"}
 
 
 def _strategy_classes(src: Path = SRC) -> list[tuple[Path, ast.ClassDef]]:

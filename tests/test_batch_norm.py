@@ -17,11 +17,11 @@ from helpers import WORKERS, launch_workers
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.combine import choose_local_combine
-from stratagem.strategies.mirrored_placement import place_replicas
-from stratagem.strategies.mirrored_replicas import MirroredReplicas
-from stratagem.strategies.replica_set import ReplicaSet
-from stratagem.strategies.replicated import ReplicatedStrategy
+from stratagem.strategies.data_parallel.combine import choose_local_combine
+from stratagem.strategies.data_parallel.placement import place_replicas
+from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
+from stratagem.strategies.data_parallel.replica_set import ReplicaSet
+from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 
 SIZES = [12, 11, 7, 2, 5]  # uneven splits, a batch smaller than 3 replicas, a last short batch
 

@@ -13,8 +13,9 @@ import torch
 
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
-from stratagem.strategies import cuda_numerics, mirrored
-from stratagem.strategies.cuda_numerics import replica_seed, seed_replica_streams, tf32_decision
+from stratagem.strategies import mirrored
+from stratagem.strategies.data_parallel import cuda_numerics
+from stratagem.strategies.data_parallel.cuda_numerics import replica_seed, seed_replica_streams, tf32_decision
 from stratagem.train import checkpoint
 
 CUDA = [torch.device("cuda", i) for i in range(3)]

@@ -248,7 +248,7 @@ class _SlowBackwardOnReplica1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from stratagem.strategies.replicas import current_replica_context
+        from stratagem.strategies.data_parallel.replicas import current_replica_context
 
         context = current_replica_context()
         if context is not None and context.replica_id_in_sync_group == 1:
@@ -264,7 +264,7 @@ class _Pause(torch.nn.Module):
 def test_a_replica_waiting_at_the_end_of_backward_combines_gradients_the_others_have_ready_exactly(monkeypatch):
     """Replica 0 waits while replica 1 pauses before the first layer's gradient; meanwhile it combines
     both shares of the later layers' gradients. The result still equals one device (uneven splits)."""
-    from stratagem.strategies import replica_set
+    from stratagem.strategies.data_parallel import replica_set
 
     monkeypatch.setattr(replica_set, "STEAL_MIN_ELEMENTS", 1)  # these layers are tiny: let every share be claimed
 

@@ -18,7 +18,7 @@ from stratagem.devices import (
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import MemoryEstimateError
 from stratagem.strategies import mirrored
-from stratagem.strategies.mirrored_placement import check_memory
+from stratagem.strategies.data_parallel.placement import check_memory
 
 GiB = 2**30
 

@@ -26,7 +26,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
-from stratagem.strategies.pipeline import balanced_split_points
+from stratagem.strategies.model_parallel.pipeline import balanced_split_points
 
 
 def strategy_of(num_stages: int, **kwargs) -> sg.ModelParallelStrategy:

@@ -13,8 +13,8 @@ from stratagem.cluster import from_slurm, from_torchrun, single_process
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import CollectiveTimeoutError, InputError
-from stratagem.strategies import worker_devices
-from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
+from stratagem.strategies.multi_worker import devices as worker_devices
+from stratagem.strategies.multi_worker.devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
 
 
 def registry_with_gpus(count: int) -> DeviceRegistry:
@@ -185,7 +185,7 @@ class AbortedWorld(CountingWorld):
 def one_worker_dataset(data, shard="data", world=None):
     import types
 
-    from stratagem.strategies.multi_worker import MultiWorkerDataset
+    from stratagem.strategies.multi_worker.strategy import MultiWorkerDataset
 
     strategy = types.SimpleNamespace(
         _cw=world or CountingWorld(),
@@ -258,7 +258,7 @@ def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_
 
     import stratagem as sg
     from stratagem.cluster import free_ports
-    from stratagem.strategies import multi_worker
+    from stratagem.strategies.multi_worker import strategy as multi_worker
 
     # The strategy believes it has chosen NCCL; the group underneath is Gloo (no GPU here), whose wait() blocks.
     monkeypatch.setattr(multi_worker, "choose_backend", lambda devices: (backend, "a test"))

@@ -22,14 +22,14 @@ def _profiled_step(experimental_config: object | None) -> list[int]:
 
 def test_profile_all_threads_records_every_replica(caplog: pytest.LogCaptureFixture) -> None:
     config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
-    with caplog.at_level(logging.WARNING, logger="stratagem.strategies.profiling"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.strategies.data_parallel.profiling"):
         threads = _profiled_step(config)
     assert len(threads) == 2 and len(set(threads)) == 2  # one matmul per replica, each on its own thread
     assert not caplog.records
 
 
 def test_a_profiler_of_one_thread_sees_one_replica_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="stratagem.strategies.profiling"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.strategies.data_parallel.profiling"):
         threads = _profiled_step(None)
     assert len(threads) == 1
     assert "sees replica 0 of 2 and none of the other replicas' threads" in caplog.text

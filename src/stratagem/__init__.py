@@ -43,7 +43,7 @@ from stratagem.strategies import (
     Strategy,
     current_replica_context,
 )
-from stratagem.strategies.loss_weight import set_loss_weight
+from stratagem.strategies.data_parallel.loss_weight import set_loss_weight
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
 from stratagem.train.from_env import strategy_from_env

@@ -155,12 +155,12 @@ BENCH_STRATEGIES: dict[str, BenchStrategy] = {
         BenchStrategy(name="mirrored", class_path="stratagem.strategies.mirrored:MirroredStrategy", build=_in_process),
         BenchStrategy(
             name="central_storage",
-            class_path="stratagem.strategies.central_storage:CentralStorageStrategy",
+            class_path="stratagem.strategies.central_storage.strategy:CentralStorageStrategy",
             build=_in_process,
         ),
         BenchStrategy(
             name="multi_worker",
-            class_path="stratagem.strategies.multi_worker:MultiWorkerMirroredStrategy",
+            class_path="stratagem.strategies.multi_worker.strategy:MultiWorkerMirroredStrategy",
             build=_multi_worker,
             one_process_per_replica=True,
         ),

@@ -37,7 +37,7 @@ from stratagem.diagnose import log_placement
 from stratagem.cli.checks import check_device_flags, check_writable_directory
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
 from stratagem.errors import InputError, StratagemError
-from stratagem.strategies.amp import PRECISIONS, check_precision
+from stratagem.strategies.data_parallel.amp import PRECISIONS, check_precision
 from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
 from stratagem.train import BackupAndRestore, Callback, ProgressBar
 

@@ -1,11 +1,11 @@
 """The strategy family."""
 
 from stratagem.strategies.base import DistributedDataset, Strategy
-from stratagem.strategies.central_storage import CentralStorageStrategy
+from stratagem.strategies.central_storage.strategy import CentralStorageStrategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.mirrored import MirroredStrategy
-from stratagem.strategies.model_parallel import ModelParallelStrategy
-from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy
+from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.parameter_server import (
     ClusterCoordinator,
@@ -14,7 +14,7 @@ from stratagem.strategies.parameter_server import (
     MinSizePartitioner,
     ParameterServerStrategy,
 )
-from stratagem.strategies.replicas import ReplicaContext, current_replica_context
+from stratagem.strategies.data_parallel.replicas import ReplicaContext, current_replica_context
 
 __all__ = [
     "CentralStorageStrategy",

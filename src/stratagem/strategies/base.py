@@ -31,11 +31,11 @@ from torch import nn
 
 from stratagem.data.split import InputContext, batch_size_of, split_batch, split_sizes
 from stratagem.errors import InputError
-from stratagem.strategies.distributed import check_optimizer_matches
+from stratagem.strategies.data_parallel.distributed import check_optimizer_matches
 from stratagem.strategies.explain import Explanation
-from stratagem.strategies.gather import gather_values
-from stratagem.strategies.replicas import current_replica_context
-from stratagem.strategies.steps import check_returns, make_step
+from stratagem.strategies.data_parallel.gather import gather_values
+from stratagem.strategies.data_parallel.replicas import current_replica_context
+from stratagem.strategies.data_parallel.steps import check_returns, make_step
 from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
 from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
 
@@ -182,18 +182,18 @@ class Strategy(abc.ABC):
 
     def distribute_scaler(self, scaler: torch.amp.GradScaler) -> Any:
         """A loss scaler for this strategy's step function: `scaler` itself where one thread runs the step,
-        else one scaler per local replica behind one object (see `stratagem.strategies.amp`). Every replica
+        else one scaler per local replica behind one object (see `stratagem.strategies.data_parallel.amp`). Every replica
         and worker keeps the same scale, and an inf/NaN in any replica skips the step on all of them.
 
         Example:
             >>> scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda"))
         """
-        from stratagem.strategies.amp import replicate_scaler
+        from stratagem.strategies.data_parallel.amp import replicate_scaler
 
         return replicate_scaler(scaler, self._num_local_replicas(), self)
 
     def _declare_loss_weight(self, replica: int, count: float) -> None:
-        """`sg.set_loss_weight(count)` on `replica` (see strategies/loss_weight.py). Nothing to weigh where one
+        """`sg.set_loss_weight(count)` on `replica` (see strategies/data_parallel/loss_weight.py). Nothing to weigh where one
         replica computes each update's gradient alone; strategies that combine replicas override it."""
 
     def _num_local_replicas(self) -> int:

@@ -7,7 +7,7 @@ the replica's share of the global batch, so by the time `backward()` returns eve
 holds the gradient of the mean loss over the whole global batch. Clipping and the optimizer
 then see the same combined gradient on every replica and apply the same update.
 
-The strategy is a `ReplicaSet` built from the parts its class lists (strategies/replica_set.py).
+The strategy is a `ReplicaSet` built from the parts its class lists (strategies/data_parallel/replica_set.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 
 from stratagem import devices as sg_devices
 from stratagem import diagnose  # noqa: F401  (reached as mirrored.diagnose, as before the placement moved)
-from stratagem.strategies.batch_norm import check_batch_norm_mode
-from stratagem.strategies.combine import choose_local_combine
-from stratagem.strategies.mirrored_placement import nccl_available as _nccl_available
-from stratagem.strategies.mirrored_placement import place_replicas
-from stratagem.strategies.mirrored_replicas import MirroredReplicas
-from stratagem.strategies.replica_set import ReplicaSet
-from stratagem.strategies.replicated import ReplicatedStrategy, check_timeout
+from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
+from stratagem.strategies.data_parallel.combine import choose_local_combine
+from stratagem.strategies.data_parallel.placement import nccl_available as _nccl_available
+from stratagem.strategies.data_parallel.placement import place_replicas
+from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
+from stratagem.strategies.data_parallel.replica_set import ReplicaSet
+from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the group's examples: every micro-batch's mean loss is scaled by its share of th
 before its backward pass, so the accumulated gradient is the gradient of the mean loss over the
 group, whatever the micro-batch sizes. The first K-1 backward passes run inside
 `strategy.no_sync()` (replicas accumulate their own gradients; see
-`stratagem.strategies.accumulation`), the last combines them and steps the optimizer.
+`stratagem.strategies.data_parallel.accumulation`), the last combines them and steps the optimizer.
 
 For `fit` and its callbacks a group is one step: `on_step` is called once per group with the
 metric states of its micro-batches summed (on the device the strategy reduced them to, read by `fit`
@@ -24,7 +24,7 @@ from torch import nn
 
 from stratagem.data.split import batch_size_of
 from stratagem.errors import InputError
-from stratagem.strategies.amp import precision_autocast
+from stratagem.strategies.data_parallel.amp import precision_autocast
 from stratagem.strategies.base import Strategy
 from stratagem.train.loop import LossFn, _check_scalar_loss, _describe
 from stratagem.train.metrics import MetricSet

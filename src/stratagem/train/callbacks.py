@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.text import Text
 
 from stratagem.errors import CorruptCheckpointError, InputError
-from stratagem.strategies import lr_schedulers
+from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.train.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,

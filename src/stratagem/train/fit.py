@@ -31,7 +31,7 @@ from torch import nn
 
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.distributed import DistributedModel, distributing_strategy
+from stratagem.strategies.data_parallel.distributed import DistributedModel, distributing_strategy
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
 from stratagem.train.callbacks import BackupAndRestore, Callback
 from stratagem.train.fit_checks import check_backups_possible, check_callbacks, check_fit_arguments, fit_data

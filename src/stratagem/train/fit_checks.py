@@ -14,7 +14,7 @@ import torch
 
 from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
-from stratagem.strategies.amp import check_precision
+from stratagem.strategies.data_parallel.amp import check_precision
 from stratagem.strategies.base import Strategy
 from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
 

@@ -28,7 +28,7 @@ from stratagem.strategies.base import stack_batch
 from stratagem.values import PerReplica, map_structure
 
 if TYPE_CHECKING:
-    from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
+    from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 
 logger = logging.getLogger(__name__)
 

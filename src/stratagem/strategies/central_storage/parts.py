@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from stratagem.collective.local import Grads
-from stratagem.strategies import lr_schedulers
-from stratagem.strategies.distributed import DistributedModel, ReplicatedOptimizer
-from stratagem.strategies.replicas import current_replica_context
+from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.data_parallel.distributed import DistributedModel, ReplicatedOptimizer
+from stratagem.strategies.data_parallel.replicas import current_replica_context
 
 
 class _CentralUpdate(Protocol):
-    """What the model and optimizer need from the central-storage part (strategies/central_update.py)."""
+    """What the model and optimizer need from the central-storage part (strategies/central_storage/update.py)."""
 
     central_params: list[nn.Parameter]
 

@@ -20,7 +20,7 @@ from stratagem import devices as sg_devices
 from stratagem import diagnose
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
-from stratagem.strategies.sharded import why_not_shareable
+from stratagem.strategies.data_parallel.shared_parameters import why_not_shareable
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def decide_sharing(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
 ) -> tuple[bool, PlacementDecision | None]:
-    """Whether the replicas share one copy of the parameters (see strategies/sharded.py); no decision
+    """Whether the replicas share one copy of the parameters (see strategies/data_parallel/shared_parameters.py); no decision
     for one replica."""
     if len(devices) == 1:
         return False, None

@@ -23,7 +23,7 @@ from torch import nn
 from stratagem import devices as sg_devices
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.pipeline import balanced_split_points
+from stratagem.strategies.model_parallel.pipeline import balanced_split_points
 from stratagem.values import map_structure
 
 Group = tuple[sg_devices.LogicalDevice, list[str], list[nn.Parameter]]

@@ -3,7 +3,7 @@ optimizer that updates them all (`MirroredReplicas`, the part the replica set bu
 
 Replica 0 is the model itself, moved to the first device; every other replica is a deep copy on its
 own device. Replicas that share one copy of the parameters (logical devices of one CPU, see
-strategies/sharded.py) get a `ShardedOptimizer`, each replica updating 1/N of the parameters;
+strategies/data_parallel/shared_parameters.py) get a `ShardedOptimizer`, each replica updating 1/N of the parameters;
 otherwise each replica gets its own copy of the optimizer (`DistributedOptimizer`), with the state
 the user's optimizer already had.
 """
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from stratagem.diagnose import PlacementDecision
-from stratagem.strategies import cuda_numerics, lr_schedulers
-from stratagem.strategies import mirrored_placement as placement
-from stratagem.strategies.compiled import make_room_for_replicas
-from stratagem.strategies.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
-from stratagem.strategies.replica_set import Built
-from stratagem.strategies.sharded import ShardedOptimizer, alias_parameters
+from stratagem.strategies.data_parallel import cuda_numerics
+from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.data_parallel import placement
+from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
+from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
+from stratagem.strategies.data_parallel.replica_set import Built
+from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer, alias_parameters
 
 
 def make_replicas(model: nn.Module, devices: Sequence[torch.device], shared: bool) -> list[nn.Module]:

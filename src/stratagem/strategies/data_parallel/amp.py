@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InputError
-from stratagem.strategies.replicas import current_replica_context
+from stratagem.strategies.data_parallel.replicas import current_replica_context
 
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -120,9 +120,9 @@ class DistributedGradScaler:
 def _parameter_indices(strategy: Any, optimizer: Any) -> list[int] | None:
     """Which of a replica's trainable parameters (`strategy._replica_params[r]`) `optimizer` updates, in its
     order; None for an optimizer that is not one `distribute` handed back."""
-    from stratagem.strategies.central_parts import CentralOptimizer
-    from stratagem.strategies.distributed import DistributedOptimizer
-    from stratagem.strategies.sharded import ShardedOptimizer
+    from stratagem.strategies.central_storage.parts import CentralOptimizer
+    from stratagem.strategies.data_parallel.distributed import DistributedOptimizer
+    from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer
 
     if isinstance(optimizer, ShardedOptimizer):
         return list(optimizer._order)  # its param_groups hold 1/N shards, not parameters

@@ -5,14 +5,14 @@ Two ways to give the split:
 - `stages=[...]`: the layers of an `nn.Sequential` are cut into consecutive stages, one per
   device (where to cut: `split_points`, or by default balanced by parameter count). A batch can be
   cut into `num_micro_batches` that flow through the stages concurrently on the GPipe schedule
-  (see strategies/pipeline.py): stage s works on micro-batch m while stage s+1 works on m-1.
+  (see strategies/model_parallel/pipeline.py): stage s works on micro-batch m while stage s+1 works on m-1.
 - `placement={"encoder": "cuda:0", "head": "cuda:1"}`: named sub-modules of any model go to
   devices. Each placed module computes on its device: its inputs are moved there, its outputs are
   moved back to the device of the code that called it (the enclosing placed module's, or the
   model's own). The model's forward runs as written, so there are no stages to pipeline.
 
 How a model is cut into stages or grouped by placement, and the hooks that move tensors between
-devices, are in strategies/model_split.py; this module checks the arguments, records the
+devices, are in strategies/model_parallel/split.py; this module checks the arguments, records the
 decisions and builds the pipeline or the placed model.
 
 There is one copy of the model, so `num_replicas_in_sync` is 1 and the training step is the one
@@ -38,9 +38,9 @@ from stratagem.diagnose import MemoryEstimate, PlacementDecision
 from stratagem.errors import InputError, MemoryEstimateError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.model_split import ROOT, group_placement, place_modules, split_sequential
-from stratagem.strategies.pipeline import Pipeline, PipelineModel, ScheduleEvent
-from stratagem.strategies.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
+from stratagem.strategies.model_parallel.pipeline import Pipeline, PipelineModel, ScheduleEvent
+from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
 from stratagem.values import select_replica
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies import lr_schedulers
-from stratagem.strategies.replicas import current_replica_context
+from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.data_parallel.replicas import current_replica_context
 
 
 def distributing_strategy(model: DistributedModel) -> Any:

@@ -14,8 +14,8 @@ Each step:
    central device, after every replica has reached it; its state therefore exists once.
 
 The gradient weighting, the replica threads and the barriers are the replica set's
-(strategies/replica_set.py), as under MirroredStrategy; the central copy, its update and the
-reduction onto it are the `CentralUpdate` part (strategies/central_update.py).
+(strategies/data_parallel/replica_set.py), as under MirroredStrategy; the central copy, its update and the
+reduction onto it are the `CentralUpdate` part (strategies/central_storage/update.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch
 from stratagem import devices as sg_devices
 from stratagem import diagnose, environ
 from stratagem.errors import DeviceError, GpuUnavailableError, InputError
-from stratagem.strategies.batch_norm import check_batch_norm_mode
-from stratagem.strategies.central_update import CentralUpdate
-from stratagem.strategies.mirrored_placement import place_replicas
-from stratagem.strategies.replica_set import ReplicaSet
-from stratagem.strategies.replicated import ReplicatedStrategy, check_timeout
+from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
+from stratagem.strategies.central_storage.update import CentralUpdate
+from stratagem.strategies.data_parallel.placement import place_replicas
+from stratagem.strategies.data_parallel.replica_set import ReplicaSet
+from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from stratagem.collective.cross_worker import CrossWorker
 from stratagem.collective.worker_sum import sum_gradients_across_workers
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies import loss_weight
+from stratagem.strategies.data_parallel import loss_weight
 
 logger = logging.getLogger(__name__)
 

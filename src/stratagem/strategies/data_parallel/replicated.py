@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies import cuda_numerics
+from stratagem.strategies.data_parallel import cuda_numerics
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.replica_set import ReplicaSet
+from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 
 
 def check_timeout(timeout: float) -> float:

@@ -31,22 +31,22 @@ from stratagem.cluster import Cluster, resolve_cluster
 from stratagem.cluster.rendezvous import agent_store_prefix
 from stratagem.cluster.release import release_store
 from stratagem.collective.cross_worker import CrossWorker
-from stratagem.strategies.gather import from_bytes, to_bytes
+from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
 from stratagem.data.files import FileDataset
 from stratagem.data.split import batch_size_of, split_sizes
 from stratagem.data import worker_shards
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
-from stratagem.strategies.across_workers import AcrossWorkers, choose_backend
+from stratagem.strategies.multi_worker.across import AcrossWorkers, choose_backend
 from stratagem.strategies.base import _check_iterable
-from stratagem.strategies.batch_norm import check_batch_norm_mode
-from stratagem.strategies.combine import choose_local_combine
-from stratagem.strategies.mirrored_placement import nccl_available, place_replicas
-from stratagem.strategies.mirrored_replicas import MirroredReplicas
-from stratagem.strategies.multi_worker_input import InputSharding, MultiWorkerDataset, _rank
-from stratagem.strategies.replica_set import ReplicaSet
-from stratagem.strategies.replicated import ReplicatedStrategy, check_timeout
-from stratagem.strategies.worker_devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
+from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
+from stratagem.strategies.data_parallel.combine import choose_local_combine
+from stratagem.strategies.data_parallel.placement import nccl_available, place_replicas
+from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
+from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, _rank
+from stratagem.strategies.data_parallel.replica_set import ReplicaSet
+from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout
+from stratagem.strategies.multi_worker.devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
 from stratagem.values import flatten
 
 logger = logging.getLogger(__name__)

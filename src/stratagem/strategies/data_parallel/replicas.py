@@ -23,7 +23,7 @@ from stratagem.diagnose.placement import (
 )
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
-from stratagem.strategies.autocast import apply_autocast, capture_autocast
+from stratagem.strategies.data_parallel.autocast import apply_autocast, capture_autocast
 
 _context = threading.local()
 
@@ -260,7 +260,7 @@ class ReplicaPool:
             replica, error = (real or errors)[0]
             if isinstance(error, _Aborted) and error.__cause__ is not None:
                 error = error.__cause__
-            from stratagem.strategies.amp import shared_scaler_error  # here: amp imports this module
+            from stratagem.strategies.data_parallel.amp import shared_scaler_error  # here: amp imports this module
 
             # torch's "Could not run ... backend", or a GradScaler shared by the replicas, with the fix.
             translated = as_placement_error(error) or shared_scaler_error(error)

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies import lr_schedulers
-from stratagem.strategies.distributed import (
+from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.data_parallel.distributed import (
     KERNEL_KEYS,
     ReplicatedOptimizer,
     _copy_hyperparameters,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InputError
-from stratagem.strategies.replicas import current_replica_context
+from stratagem.strategies.data_parallel.replicas import current_replica_context
 from stratagem.values import PerReplica, map_structure
 
 

@@ -41,8 +41,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.empty_slices import standing_in
-from stratagem.strategies.replicas import ReplicaBarrier, current_replica_context
+from stratagem.strategies.data_parallel.empty_slices import standing_in
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
 
 BATCH_NORM_MODES = ("global", "per_replica")
 CrossWorkerSum = Callable[[torch.Tensor, str, int], None]

@@ -28,7 +28,7 @@ from torch import nn
 
 from stratagem.collective.local import LocalReducer, choose_local_reducer
 from stratagem.diagnose import PlacementDecision
-from stratagem.strategies.replicas import ReplicaBarrier
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
 
 
 @dataclass(frozen=True)

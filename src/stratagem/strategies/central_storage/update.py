@@ -25,12 +25,12 @@ from stratagem import diagnose
 from stratagem.collective.local import choose_local_reducer
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import DeviceError, InputError, MemoryEstimateError
-from stratagem.strategies import lr_schedulers
-from stratagem.strategies.central_parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
-from stratagem.strategies.combine import LocalCombine
-from stratagem.strategies.mirrored_placement import ReplicaDevices, nccl_available
-from stratagem.strategies.replica_set import Built
-from stratagem.strategies.sharded import alias_parameters
+from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.central_storage.parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
+from stratagem.strategies.data_parallel.combine import LocalCombine
+from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
+from stratagem.strategies.data_parallel.replica_set import Built
+from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -30,17 +30,18 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import InputError
-from stratagem.strategies import loss_weight, run_inputs
-from stratagem.strategies.accumulation import LocalAccumulation
-from stratagem.strategies.batch_norm import BatchNormSync, batch_norm_decision
-from stratagem.strategies.combine import LocalCombination, LocalCombine
-from stratagem.strategies.distributed import check_optimizer_supported
-from stratagem.strategies.empty_slices import RULE as EMPTY_SLICE_RULE
-from stratagem.strategies.empty_slices import EmptySlices
-from stratagem.strategies.mirrored_placement import ReplicaDevices
-from stratagem.strategies.profiling import warn_if_profiling_one_thread
-from stratagem.strategies.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
-from stratagem.strategies.replicas import current_replica_context, enter_replica
+from stratagem.strategies.data_parallel import loss_weight
+from stratagem.strategies.data_parallel import run_inputs
+from stratagem.strategies.data_parallel.accumulation import LocalAccumulation
+from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
+from stratagem.strategies.data_parallel.combine import LocalCombination, LocalCombine
+from stratagem.strategies.data_parallel.distributed import check_optimizer_supported
+from stratagem.strategies.data_parallel.empty_slices import RULE as EMPTY_SLICE_RULE
+from stratagem.strategies.data_parallel.empty_slices import EmptySlices
+from stratagem.strategies.data_parallel.placement import ReplicaDevices
+from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
+from stratagem.strategies.data_parallel.replicas import current_replica_context, enter_replica
 from stratagem.values import select_replica, stack_replicas
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class ReplicaBuilder(Protocol):
 
 
 class AcrossWorkersPart(Protocol):
-    """The part that sums gradients across worker processes (see `strategies/across_workers.py`)."""
+    """The part that sums gradients across worker processes (see `strategies/multi_worker/across.py`)."""
 
     world_size: int
     sums_whole_backward: bool
@@ -340,7 +341,7 @@ class ReplicaSet:
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             if self._accumulation.active and self._accumulation.skips(replica):
-                return  # inside no_sync(): this replica's gradient only accumulates (strategies/accumulation.py)
+                return  # inside no_sync(): this replica's gradient only accumulates (strategies/data_parallel/accumulation.py)
             self.combination.grad_ready(replica, index)  # a replica waiting may combine this one now
             state = self.run_state
             if self.across is not None and state is not None:
@@ -382,7 +383,7 @@ class ReplicaSet:
         if total is not None:
             loss_weight.divide_gradients_(self.replica_params[replica], total)
 
-    # ---- losses weighted by declared counts (strategies/loss_weight.py) ---------------------------
+    # ---- losses weighted by declared counts (strategies/data_parallel/loss_weight.py) ---------------------------
     def declare_loss_weight(self, replica: int, count: float) -> None:
         state = self.run_state
         if state is not None:

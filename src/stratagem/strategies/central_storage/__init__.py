@@ -1,0 +1,1 @@
+"""CentralStorageStrategy: parameters and optimizer state once on one device, computation on every replica."""
