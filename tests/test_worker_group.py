@@ -200,3 +200,22 @@ def test_workers_holding_different_numbers_of_devices_are_refused_and_the_group_
             "Every worker must hold the same number of local replicas. Received: worker:0: 1, worker:1: 2."
         )
         assert not initialized
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_strategy_hands_out_its_group_and_explains_the_backend_before_the_sums():
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{free_port()}"]}, "task": {"type": "worker", "index": 0}}
+    strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster, timeout=30, shared_memory=False)
+    try:
+        group = strategy.worker_group
+        assert (group.rank, group.world_size, group.task_names, group.is_chief) == (0, 1, ("worker:0",), True)
+        assert group.local_devices == [torch.device("cpu")]
+        assert strategy.input_pipeline() == (1, 0)
+        subjects = [d.subject for d in strategy.explain().decisions]
+        assert subjects.index("cross-worker backend") + 1 == subjects.index("cross-worker sums")
+        assert strategy.explain().decision("cross-worker backend").choice == "gloo"
+    finally:
+        strategy.close()
+    strategy.close()
+    assert group.closed and not dist.is_initialized()
