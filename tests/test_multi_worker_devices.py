@@ -13,8 +13,9 @@ from stratagem.cluster import from_slurm, from_torchrun, single_process
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import CollectiveTimeoutError, InputError
-from stratagem.strategies.multi_worker import devices as worker_devices
-from stratagem.strategies.multi_worker.devices import default_local_devices, ranks_sharing_a_gpu, start_process_group
+from stratagem.cluster import worker_group
+from stratagem.cluster.worker_group import ranks_sharing_a_gpu, start_process_group
+from stratagem.strategies.multi_worker.devices import default_local_devices
 
 
 def registry_with_gpus(count: int) -> DeviceRegistry:
@@ -90,7 +91,7 @@ def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monke
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(
-        worker_devices,
+        worker_group,
         "init_process_group",
         lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(
             ("init", backend, device_id)
@@ -105,7 +106,7 @@ def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(
-        worker_devices,
+        worker_group,
         "init_process_group",
         lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(
             ("init", backend, device_id)
@@ -120,7 +121,7 @@ def test_the_nccl_group_waits_longer_than_stratagem_so_the_named_error_comes_fir
     # torch's NCCL watchdog ends a collective at the group's timeout, with its own message and no roll call.
     seen = {}
     monkeypatch.setattr(
-        worker_devices,
+        worker_group,
         "init_process_group",
         lambda cluster, backend, timeout, **options: seen.update(timeout=timeout, **options),
     )
@@ -185,16 +186,15 @@ class AbortedWorld(CountingWorld):
 def one_worker_dataset(data, shard="data", world=None):
     import types
 
-    from stratagem.strategies.multi_worker.strategy import MultiWorkerDataset
+    from stratagem.strategies.multi_worker.input import MultiWorkerDataset, WorkerBatches
 
-    strategy = types.SimpleNamespace(
-        _cw=world or CountingWorld(),
-        _devices=[torch.device("cpu")],
-        _backend="gloo",
-        _cluster=single_process(),
-        num_replicas_in_sync=1,
+    group = types.SimpleNamespace(
+        cross_worker=world or CountingWorld(),
+        local_devices=[torch.device("cpu")],
+        collective_device=torch.device("cpu"),
+        rank=0,
     )
-    return MultiWorkerDataset(strategy, data, shard), strategy._cw
+    return MultiWorkerDataset(WorkerBatches(group, 1), data, shard), group.cross_worker
 
 
 def test_loaders_with_a_length_agree_once_per_pass_not_at_every_step():
@@ -258,13 +258,12 @@ def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_
 
     import stratagem as sg
     from stratagem.cluster import free_ports
-    from stratagem.strategies.multi_worker import strategy as multi_worker
 
     # The strategy believes it has chosen NCCL; the group underneath is Gloo (no GPU here), whose wait() blocks.
-    monkeypatch.setattr(multi_worker, "choose_backend", lambda devices: (backend, "a test"))
-    real = multi_worker.start_process_group
+    monkeypatch.setattr(worker_group, "choose_backend", lambda devices: (backend, "a test"))
+    real = worker_group.start_process_group
     monkeypatch.setattr(
-        multi_worker,
+        worker_group,
         "start_process_group",
         lambda cluster, devices, _backend, timeout, **kw: real(cluster, devices, "gloo", timeout, **kw),
     )
@@ -275,7 +274,7 @@ def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_
     reference.load_state_dict(net.state_dict())
     strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster, timeout=20)
     try:
-        assert (strategy._cw.watchdog is not None) == (backend == "nccl")
+        assert (strategy.worker_group.cross_worker.watchdog is not None) == (backend == "nccl")
         model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.5))
 
         def step(xs, ys):
@@ -285,7 +284,7 @@ def test_an_nccl_strategy_hands_its_collectives_to_a_watchdog_and_trains_as_one_
 
         for batch in strategy.distribute_dataset([(x, y)]):
             strategy.run(step, args=batch)
-        strategy._cw.check()
+        strategy.worker_group.cross_worker.check()
     finally:
         strategy.close()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)

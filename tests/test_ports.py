@@ -203,17 +203,18 @@ def test_print_writes_in_the_chief_only(capsys: pytest.CaptureFixture[str]) -> N
     chief = sg.OneDeviceStrategy("cpu:0")
     chief.print("from the chief", 1)
     worker = object.__new__(sg.MultiWorkerMirroredStrategy)
-    worker._cluster = _rank_one_cluster()
+    worker._plan = _rank_one_plan()
     assert chief.is_chief and not worker.is_chief
     worker.print("from worker 1")
     assert capsys.readouterr().out == "from the chief 1\n"
 
 
-def _rank_one_cluster():
-    from stratagem.cluster import resolve_cluster
+def _rank_one_plan():
+    from stratagem.cluster.worker_group import plan_worker_group
 
-    return resolve_cluster(
+    return plan_worker_group(
         None,
+        timeout=60,
         env={
             "RANK": "1",
             "WORLD_SIZE": "2",

@@ -275,7 +275,7 @@ class CrossWorker:
         given here, it returns at once and later work on this stream runs after the sum has landed
         (torch.distributed's docs: the output can then be used on that stream without further sync). With
         TORCH_NCCL_BLOCKING_WAIT=1 it blocks up to the process group's timeout, which is longer than ours
-        (strategies/multi_worker/devices.py): the watchdog still fires first, and its abort ends that wait.
+        (cluster/worker_group.py): the watchdog still fires first, and its abort ends that wait.
         """
         for work in works:
             try:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import environ
-from stratagem.cluster import Cluster, allocator
+from stratagem.cluster import allocator
+from stratagem.cluster.worker_group import WorkerGroup
 from stratagem.collective.buckets import GradientBuckets
-from stratagem.collective.cross_worker import CrossWorker
 from stratagem.collective.worker_sum import sum_gradients_across_workers
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
@@ -36,41 +36,22 @@ from stratagem.strategies.data_parallel import loss_weight
 logger = logging.getLogger(__name__)
 
 
-def choose_backend(devices: list[torch.device]) -> tuple[str, str]:
-    """NCCL when every local replica is on a GPU and torch has it, else Gloo; with the reason."""
-    if all(d.type == "cuda" for d in devices) and dist.is_nccl_available():
-        return "nccl", "every local replica is on a GPU and torch has NCCL"
-    if all(d.type == "cuda" for d in devices):
-        return "gloo", "torch was built without NCCL, so GPU gradients cross workers through Gloo (slower)"
-    return "gloo", "the replicas are on the CPU, where torch.distributed uses Gloo"
-
-
 class AcrossWorkers:
-    """Sums every backward pass's gradients across the workers of `cluster` (see the module docstring)."""
+    """Sums every backward pass's gradients across the workers of `group` (see the module docstring)."""
 
-    def __init__(
-        self,
-        cw: CrossWorker,
-        cluster: Cluster,
-        devices: list[torch.device],
-        backend: str,
-        backend_reason: str,
-        *,
-        bucket_bytes: int,
-        first_bucket_bytes: int,
-    ) -> None:
-        self.cw = cw
-        self.cluster = cluster
-        self.world_size = cluster.world_size
-        self.backend = backend
-        self._devices = devices
+    def __init__(self, group: WorkerGroup, *, bucket_bytes: int, first_bucket_bytes: int) -> None:
+        self.group = group
+        self.cw = group.cross_worker
+        self.world_size = group.world_size
+        self.backend = group.backend
+        self._devices = group.local_devices
         self._bucket_bytes = bucket_bytes
         self._first_bucket_bytes = first_bucket_bytes
         self._buckets: GradientBuckets | None = None
         self.sums_whole_backward = False
         self._step = 0
         self._weights: tuple[float, int] = (0.0, 0)  # declared loss weights summed across workers, and how many
-        self._recorded = [PlacementDecision(subject="cross-worker backend", choice=backend, reason=backend_reason)]
+        self._recorded: list[PlacementDecision] = []
 
     # ---- set-up -------------------------------------------------------------------------------
     def connect_shared_memory(self, wanted: bool | None) -> None:
@@ -92,7 +73,7 @@ class AcrossWorkers:
                 f"shared_memory=True, but the workers cannot sum through shared memory. Received: {why}. "
                 "Leave shared_memory unset to use Gloo in that case."
             )
-        if fell_back and self.cluster.rank == 0:
+        if fell_back and self.group.is_chief:
             logger.warning(
                 "Every worker runs on this host, but gradients cross workers through Gloo's loopback TCP, "
                 "which is slower than shared memory: %s. Make room in /dev/shm (a container's "
@@ -201,10 +182,14 @@ class AcrossWorkers:
     # ---- explain ------------------------------------------------------------------------------
     def decisions(self) -> list[PlacementDecision]:
         memory, why = allocator.describe(environ.current())  # read now: the allocator setting is the process's
-        return [*self._recorded, PlacementDecision(subject="freed host memory", choice=memory, reason=why)]
+        return [
+            *self.group.decisions(),
+            *self._recorded,
+            PlacementDecision(subject="freed host memory", choice=memory, reason=why),
+        ]
 
     def details(self) -> dict[str, str]:
-        cluster = self.cluster
+        cluster = self.group.cluster
         details = {
             "cluster": f"{cluster.task_name}, rank {cluster.rank} of {cluster.world_size} (from {cluster.source})"
         }

@@ -1,40 +1,18 @@
-"""Which GPU each worker process takes, and binding it before the process group forms.
+"""Which GPU each worker process takes by default.
 
-One GPU per local rank by default (torchrun's LOCAL_RANK, SLURM's SLURM_LOCALID, the local rank
-`stratagem launch` and TF_CONFIG give, all resolved into the `Cluster` value), never two ranks on
-one GPU of a machine; the worker's first GPU becomes the current CUDA device before
-``init_process_group``, which gets it as ``device_id``.
+One GPU per local rank (torchrun's LOCAL_RANK, SLURM's SLURM_LOCALID, the local rank `stratagem
+launch` and TF_CONFIG give, all resolved into the `Cluster` value). Binding it before the process
+group forms, and refusing two ranks on one GPU of a machine, is `cluster.worker_group`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from stratagem.cluster import Cluster, init_process_group
-from stratagem.collective.cross_worker import ROLL_CALL_SECONDS
+from stratagem.cluster import Cluster
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-
-NCCL_TIMEOUT_MARGIN_S = 30.0
-"""How much longer than stratagem's own deadline and roll call torch's NCCL watchdog waits for a collective.
-
-torch's NCCL watchdog ends a collective at the process group's timeout (by default tearing the
-process down with its own message); stratagem's watchdog must come first, so that the error names
-who is missing. Its clock starts when the host hands a collective over, which can be the rest of a
-backward pass after torch's starts (a bucket queued early); the margin covers that, the roll call's
-store calls and the stall warning's read of the steps reached, with room to spare."""
-
-
-def process_group_timeout(backend: str, timeout: float) -> float:
-    """The process group's own timeout: under NCCL the strategy's timeout plus two roll calls (the call and
-    the read of the steps reached after it) plus `NCCL_TIMEOUT_MARGIN_S`; under Gloo the strategy's timeout,
-    which the host path's own waits come before anyway (it polls, then waits on finished work only)."""
-    if backend == "nccl":
-        return timeout + 2 * ROLL_CALL_SECONDS + NCCL_TIMEOUT_MARGIN_S
-    return timeout
 
 
 def default_local_devices(
@@ -98,55 +76,3 @@ def default_local_devices(
     else:
         chosen, why = ["cpu:0"], "no visible GPU: one CPU replica per worker process"
     return chosen, PlacementDecision(subject="devices", choice=", ".join(chosen), reason=why)
-
-
-def ranks_sharing_a_gpu(
-    placements: Sequence[tuple[str, str | None, Sequence[int]]],
-) -> tuple[tuple[int, int], int] | None:
-    """The first two ranks that hold the same GPU of one machine, and that GPU's index; None if none do.
-
-    A placement is (host name, CUDA_VISIBLE_DEVICES, cuda indices): indices count within one
-    CUDA_VISIBLE_DEVICES, so ranks with different values (bound by their launcher) never collide here.
-    """
-    seen: dict[tuple[str, str | None, int], int] = {}
-    for rank, (host, visible, indices) in enumerate(placements):
-        for index in indices:
-            other = seen.setdefault((host, visible, index), rank)
-            if other != rank:
-                return (other, rank), index
-    return None
-
-
-def start_process_group(
-    cluster: Cluster,
-    devices: Sequence[torch.device],
-    backend: str,
-    timeout: float,
-    *,
-    token: str | None,
-    agent_store: str | None = None,
-) -> Any:
-    """Binds this process to its first GPU, then forms the process group with that device.
-
-    The current CUDA device must be set before the process group exists: NCCL's communicator and the
-    object collectives (all_gather_object) use `torch.cuda.current_device()`, which is cuda:0 in every
-    process that never set it, so every rank of a machine would land on GPU 0. `device_id` makes NCCL
-    form its communicator at once, on that device (and report an NCCL start-up error here, not at the
-    first all-reduce). The group's own timeout is `process_group_timeout` (longer under NCCL).
-    """
-    first = devices[0] if devices else torch.device("cpu")
-    device_id = None
-    if first.type == "cuda":
-        index = first.index if first.index is not None else 0
-        torch.cuda.set_device(index)
-        if backend == "nccl":
-            device_id = torch.device("cuda", index)
-    return init_process_group(
-        cluster,
-        backend,
-        timeout,
-        token=token,
-        device_id=device_id,
-        agent_store=agent_store,
-        group_timeout=process_group_timeout(backend, timeout),
-    )

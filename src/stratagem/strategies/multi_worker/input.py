@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from stratagem.cluster import Cluster
+from stratagem.cluster.worker_group import WorkerGroup
 from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
@@ -27,16 +27,7 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import stack_batch
 from stratagem.values import PerReplica, map_structure
 
-if TYPE_CHECKING:
-    from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
-
 logger = logging.getLogger(__name__)
-
-
-def _rank(cluster: Cluster) -> int:
-    """This worker's rank: every task of the strategy has one (start_process_group refuses a task without)."""
-    assert cluster.rank is not None
-    return cluster.rank
 
 
 class InputSharding:
@@ -60,17 +51,63 @@ class InputSharding:
         return {}
 
 
+class WorkerBatches:
+    """This worker's part of each global batch, cut among its local replicas.
+
+    `group`: the worker group (rank, local devices, collectives); `num_replicas_in_sync`: the replicas of
+    every worker together, among which a global batch is split (sizes differing by at most one).
+    """
+
+    def __init__(self, group: WorkerGroup, num_replicas_in_sync: int) -> None:
+        self.group = group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def global_sizes(self, global_size: int) -> list[int]:
+        """The sizes of this worker's replicas' slices of a global batch of `global_size` examples."""
+        local = len(self.group.local_devices)
+        rank = self.group.rank
+        return split_sizes(global_size, self.num_replicas_in_sync)[rank * local : (rank + 1) * local]
+
+    def local_part(self, batch: Any, global_size: int, step: int, *, own: bool = False) -> Any:
+        """The per-replica batches of this worker at `step`: from a part cut at the index level (`WorkerPart`),
+        from this worker's own batch (`WorkerBatch`, or `own=True`: shard="file" or "off"), else its
+        contiguous slice of the global `batch`."""
+        devices = self.group.local_devices
+        if isinstance(batch, WorkerPart):
+            local_sizes = self.global_sizes(global_size)
+            have = batch_size_of(batch.batch)
+            if have != sum(local_sizes):
+                raise InputError(
+                    f"Batch {step}: this worker's part of a global batch of {global_size} examples should hold "
+                    f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples."
+                )
+            pieces = split_batch(batch.batch, local_sizes, devices)
+        elif own or isinstance(batch, WorkerBatch):
+            mine = batch.batch if isinstance(batch, WorkerBatch) else batch
+            pieces = split_batch(mine, split_sizes(batch_size_of(mine), len(devices)), devices)
+        else:
+            local_sizes = self.global_sizes(global_size)
+            start = sum(split_sizes(global_size, self.num_replicas_in_sync)[: self.group.rank * len(devices)])
+            mine = map_structure(
+                lambda t: t[start : start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
+            )
+            pieces = split_batch(mine, local_sizes, devices)
+        stacked = stack_batch(pieces)
+        return map_structure(lambda v: _with_global(v, global_size), stacked)
+
+
 class MultiWorkerDataset:
     """Per-step batches for this worker's replicas, with an end-of-data agreement across workers."""
 
     def __init__(
         self,
-        strategy: MultiWorkerMirroredStrategy,
+        batches: WorkerBatches,
         dataset: Iterable[Any],
         shard: str,
         on_first_batch: Callable[[bool, Any], None] | None = None,
     ) -> None:
-        self._strategy = strategy
+        self._batches = batches
+        self._group = batches.group
         self._dataset = dataset
         self._shard = shard
         self.unused_examples = 0
@@ -85,8 +122,7 @@ class MultiWorkerDataset:
         if steps is not None:
             yield from self._iterate_agreed(steps)
             return
-        strategy = self._strategy
-        cw = strategy._cw
+        cw = self._group.cross_worker
         iterator = iter(self._dataset)
         pending, agreement, works = self._fetch(iterator, 0)
         step = 0
@@ -123,11 +159,10 @@ class MultiWorkerDataset:
         the same global batches, so knowing the lengths is enough: one collective per pass, and each
         step's global batch size is the batch's own. None (some loader has no len()): agree per step.
         """
-        strategy = self._strategy
-        cw = strategy._cw
+        cw = self._group.cross_worker
         left = batches_left(self._dataset)
         mine = -1 if left is None else left
-        device = strategy._devices[0] if strategy._backend == "nccl" else torch.device("cpu")
+        device = self._group.collective_device
         lengths = torch.zeros(cw.world_size, dtype=torch.int64, device=device)
         lengths[cw.rank] = mine + 1  # 0: this worker's loader has no length
         cw.all_reduce_([lengths], what="agreement on the number of steps", step=0)
@@ -148,7 +183,7 @@ class MultiWorkerDataset:
         return steps
 
     def _iterate_agreed(self, steps: int) -> Iterator[Any]:
-        cw = self._strategy._cw
+        cw = self._group.cross_worker
         iterator = iter(self._dataset)
         for step in range(steps):
             try:
@@ -179,13 +214,14 @@ class MultiWorkerDataset:
         if batch is not None and size == 0:
             raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
         own = self._shard == "off" or isinstance(batch, WorkerBatch)
-        count = size if own else (size if self._strategy._cw.rank == 0 else 0)
-        device = self._strategy._devices[0] if self._strategy._backend == "nccl" else torch.device("cpu")
-        agreement = torch.tensor([1 if batch is not None else 0, count], dtype=torch.int64, device=device)
+        count = size if own else (size if self._group.rank == 0 else 0)
+        agreement = torch.tensor(
+            [1 if batch is not None else 0, count], dtype=torch.int64, device=self._group.collective_device
+        )
         return (
             batch,
             agreement,
-            self._strategy._cw.all_reduce_async([agreement], what="end-of-data agreement", step=step),
+            self._group.cross_worker.all_reduce_async([agreement], what="end-of-data agreement", step=step),
         )
 
     def _unused(self, batch: Any) -> int:
@@ -193,47 +229,16 @@ class MultiWorkerDataset:
             return batch_size_of(batch.batch)
         if self._shard == "off":
             return batch_size_of(batch)
-        return sum(self._global_sizes(batch_size_of(batch)))
-
-    def _global_sizes(self, global_size: int) -> list[int]:
-        strategy = self._strategy
-        local = len(strategy._devices)
-        rank = _rank(strategy._cluster)
-        all_sizes = split_sizes(global_size, strategy.num_replicas_in_sync)
-        return all_sizes[rank * local : (rank + 1) * local]
+        return sum(self._batches.global_sizes(batch_size_of(batch)))
 
     def _distribute(self, batch: Any, global_size: int, step: int) -> Any:
-        strategy = self._strategy
-        devices = strategy._devices
         if self._on_first_batch is not None and self._shard == "data":
             # A generator's first batch tells whether it carries parts cut by index (fit's); a worker's own
             # batches were noted when their loader was wrapped.
             if not isinstance(batch, WorkerBatch):
                 self._on_first_batch(isinstance(batch, WorkerPart), self._dataset)
             self._on_first_batch = None
-        if isinstance(batch, WorkerPart):
-            local_sizes = self._global_sizes(global_size)
-            have = batch_size_of(batch.batch)
-            if have != sum(local_sizes):
-                raise InputError(
-                    f"Batch {step}: this worker's part of a global batch of {global_size} examples should hold "
-                    f"{sum(local_sizes)} of them. Received: {have}. Keep the collate_fn from adding or dropping examples."
-                )
-            pieces = split_batch(batch.batch, local_sizes, devices)
-        elif self._shard == "off" or isinstance(batch, WorkerBatch):
-            own = batch.batch if isinstance(batch, WorkerBatch) else batch
-            pieces = split_batch(own, split_sizes(batch_size_of(own), len(devices)), devices)
-        else:
-            local_sizes = self._global_sizes(global_size)
-            start = sum(
-                split_sizes(global_size, strategy.num_replicas_in_sync)[: _rank(strategy._cluster) * len(devices)]
-            )
-            mine = map_structure(
-                lambda t: t[start : start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
-            )
-            pieces = split_batch(mine, local_sizes, devices)
-        stacked = stack_batch(pieces)
-        return map_structure(lambda v: _with_global(v, global_size), stacked)
+        return self._batches.local_part(batch, global_size, step, own=self._shard == "off")
 
 
 def _global_size_of(batch: Any) -> int:
