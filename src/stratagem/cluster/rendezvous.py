@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from stratagem.cluster.spec import Cluster
 from stratagem.errors import ClusterError, CollectiveTimeoutError, RendezvousError
+from stratagem.timeouts import check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +38,8 @@ _TOKEN = "stratagem/token/{rank}"
 _CHECKED = "stratagem/checked/{rank}"
 
 
-def _as_timedelta(timeout: float | timedelta) -> timedelta:
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ClusterError(
-            f"The rendezvous timeout must be positive. Received: timeout={timeout!r}. "
-            "Pass a number of seconds, e.g. timeout=300."
-        )
-    return timedelta(seconds=seconds)
+def _as_timedelta(timeout: float | timedelta, name: str = "timeout") -> timedelta:
+    return timedelta(seconds=check_seconds(name, timeout, error=ClusterError))
 
 
 def _token_digest(token: str | None) -> str:
@@ -310,7 +305,7 @@ def init_process_group(
     store = _bounded_meeting(cluster, rank, wait, steps, start)
     import_group_defaults()
     options: dict[str, Any] = {} if device_id is None else {"device_id": device_id}
-    group_wait = wait if group_timeout is None else _as_timedelta(group_timeout)
+    group_wait = wait if group_timeout is None else _as_timedelta(group_timeout, "group_timeout")
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=cluster.world_size, timeout=group_wait, **options
     )
