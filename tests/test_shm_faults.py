@@ -4,6 +4,7 @@ during the meeting leaves nothing in /dev/shm."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -114,3 +115,19 @@ def test_the_chief_killed_before_worker_one_maps_the_file_leaves_nothing_in_dev_
         chief.wait()
     assert len(seen) == 1 and len(seen[0]) == 1, seen  # the file was there when the chief died
     assert _job_files(chief.pid) == []
+
+
+def test_a_refused_map_is_a_reason_on_the_parameter_server_path_and_leaves_no_file(tmp_path, monkeypatch):
+    # The parameter server's worker maps the file it made (make_file) and the server maps the worker's
+    # (Segments.attach): both go through open_mapped, which now answers with the reason instead of raising,
+    # so the worker's values go over gRPC.
+    from stratagem.shm import parameter_server as ps_shared
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(shm_files.mmap, "mmap", refused)
+    why = ps_shared.make_file([(torch.float32, 1024)], directory=str(tmp_path))
+    assert isinstance(why, str) and why.startswith(f"cannot map 17 KiB of {tmp_path}/stratagem-"), why
+    assert why.endswith("(Cannot allocate memory)"), why
+    assert os.listdir(tmp_path) == []

@@ -145,7 +145,8 @@ def open_mapped(path: str, size: int, head: bytes, *, maker: str = "its maker") 
     except OSError as exc:
         # A memory cap (ulimit -v), too many mappings (vm.max_map_count): a reason to fall back, which every
         # party learns through the meeting, rather than an exception that leaves the others waiting.
-        return None, f"cannot map {size / 2**20:.1f} MiB of {path} ({exc.strerror or exc})"
+        amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{-(-size // 1024)} KiB"
+        return None, f"cannot map {amount} of {path} ({exc.strerror or exc})"
     finally:
         os.close(fd)
     if mapping[: len(head)] != head:
