@@ -295,8 +295,11 @@ time.sleep(60 if task["type"] == "worker" else 0)
         ({"ps": -1}, r"parameter servers cannot be negative\. Received: ps=-1"),
         ({"devices_per_worker": 0}, r"Each worker needs at least one device\. Received: devices_per_worker=0"),
         ({"max_restarts": -1}, r"max_restarts cannot be negative\. Received: max_restarts=-1"),
-        ({"timeout": 0}, r"The timeout must be positive\. Received: timeout=0"),
-        ({"grace_period": -1}, r"The grace period cannot be negative\. Received: grace_period=-1"),
+        ({"timeout": 0}, r"timeout must be a finite number of seconds in \(0, 86400\]\. Received: timeout=0"),
+        (
+            {"grace_period": -1},
+            r"grace_period must be a finite number of seconds in \[0, 86400\]\. Received: grace_period=-1",
+        ),
     ],
 )
 def test_invalid_launch_options(options, message):

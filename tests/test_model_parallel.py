@@ -333,7 +333,9 @@ def test_construction_errors_name_the_values_and_the_fix():
         sg.ModelParallelStrategy(["cpu:0"], num_micro_batches=0, registry=registry)
     with pytest.raises(sg.InputError, match=r"Received: num_micro_batches='2'"):
         sg.ModelParallelStrategy(["cpu:0"], num_micro_batches="2", registry=registry)
-    with pytest.raises(sg.InputError, match=r"timeout must be a positive number of seconds. Received: timeout=0"):
+    with pytest.raises(
+        sg.InputError, match=r"timeout must be a finite number of seconds in \(0, 86400\]\. Received: timeout=0"
+    ):
         sg.ModelParallelStrategy(["cpu:0"], timeout=0, registry=registry)
     with pytest.raises(sg.InputError, match=r"intra_op_threads must be at least 1. Received: intra_op_threads=0"):
         sg.ModelParallelStrategy(["cpu:0"], intra_op_threads=0, registry=registry)

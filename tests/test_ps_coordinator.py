@@ -294,7 +294,7 @@ def test_schedule_refuses_what_cannot_travel(cluster2):
         coordinator.schedule(3)
     with pytest.raises(InputError, match="needs a module-level name"):
         function_ref(lambda: 1, local_ok=False)
-    with pytest.raises(InputError, match="closure_timeout must be a positive number"):
+    with pytest.raises(InputError, match="closure_timeout must be a finite number of seconds"):
         ClusterCoordinator(strategy, closure_timeout=0)
     with pytest.raises(CollectiveTimeoutError, match="has no result after 0.01 s"):
         coordinator.schedule(time.sleep, args=(1.0,)).fetch(timeout=0.01)

@@ -11,10 +11,13 @@ MW_SHORT_RANK                  this rank's loader yields one batch less (shard="
 MW_IN_PLACE                    1: zero_grad(set_to_none=False) and two backward passes of half the loss
                                per step, so gradients accumulate in place (in the buckets' views)
 MW_SHM                         the strategy's shared_memory: 0 (Gloo), 1 (shared memory), unset (its choice)
+MW_MAP_CAP_RANK                this rank maps the shared-memory file under a real address-space cap
+                               (RLIMIT_AS at its current size, as `ulimit -v` would), so the kernel refuses the map
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -31,9 +34,36 @@ from cases import build, make_batches  # noqa: E402
 from stratagem.devices import DeviceRegistry  # noqa: E402
 
 
+def cap_address_space_while_mapping() -> None:
+    """Every shared-memory map of this process runs under RLIMIT_AS set to the address space it already
+    has, so the kernel refuses it with ENOMEM, as under `ulimit -v`; the cap is lifted afterwards, so only
+    the map itself meets it (Gloo's threads and the training's allocations do not)."""
+    import resource
+
+    from stratagem.shm import files
+
+    real = files.open_mapped
+
+    def capped(*args, **kwargs):
+        with open("/proc/self/status") as f:
+            size_kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        before = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (size_kib * 1024, before[1]))
+        try:
+            return real(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, before)
+
+    files.open_mapped = capped
+
+
 def main() -> int:
     torch.set_num_threads(1)
     env = os.environ
+    if env.get("MW_MAP_CAP_RANK") is not None:
+        task = json.loads(env["TF_CONFIG"])["task"]
+        if str(task["index"]) == env["MW_MAP_CAP_RANK"]:
+            cap_address_space_while_mapping()
     dtype = {"f64": torch.float64, "f32": torch.float32}[env.get("MW_DTYPE", "f64")]
     local = int(env.get("MW_LOCAL", "1"))
     registry = DeviceRegistry()
@@ -94,7 +124,8 @@ def main() -> int:
             },
             env["MW_OUT"],
         )
-    print(f"rank {rank} done: {len(losses)} steps, unused {dataset.unused_examples}", flush=True)
+    sums = [line.strip() for line in str(strategy.explain()).splitlines() if "cross-worker sums" in line]
+    print(f"rank {rank} done: {len(losses)} steps, unused {dataset.unused_examples}; {sums}", flush=True)
     strategy.close()
     return 0
 

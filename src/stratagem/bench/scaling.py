@@ -46,6 +46,7 @@ from stratagem.bench.trust import Load, machine_load, trust_warnings
 from stratagem.bench.workloads import WORKLOADS
 from stratagem.cluster.launch import free_ports
 from stratagem.errors import InputError
+from stratagem.timeouts import check_seconds
 
 PLAIN = "plain"
 
@@ -106,8 +107,7 @@ class ScalingConfig:
         for name, value, least in (("warmup", self.warmup, 0), ("steps", self.steps, 1), ("rounds", self.rounds, 1)):
             if not _is_int(value) or value < least:
                 raise InputError(f"{name} must be a whole number >= {least}. Received: {name}={value!r}.")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise InputError(f"timeout_s must be a positive number of seconds. Received: timeout_s={self.timeout_s!r}.")
+        check_seconds("timeout_s", self.timeout_s)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

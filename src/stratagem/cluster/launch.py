@@ -45,6 +45,7 @@ from typing import Any
 from stratagem.cluster import allocator
 from stratagem.cluster.processes import OutputLine, Sink, TaskGroup, describe_exit
 from stratagem.errors import ClusterError
+from stratagem.timeouts import check_optional_seconds, check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -268,14 +269,9 @@ def _validate(
             f"max_restarts={max_restarts}",
             "Pass max_restarts >= 0",
         ),
-        (
-            timeout is None or timeout > 0,
-            "The timeout must be positive",
-            f"timeout={timeout}",
-            "Pass seconds > 0, or no timeout",
-        ),
-        (grace_period >= 0, "The grace period cannot be negative", f"grace_period={grace_period}", "Pass seconds >= 0"),
     ]
+    check_optional_seconds("timeout", timeout, error=ClusterError)
+    check_seconds("grace_period", grace_period, allow_zero=True, error=ClusterError)
     for ok, what, received, fix in checks:
         if not ok:
             raise ClusterError(f"{what}. Received: {received}. {fix}.")

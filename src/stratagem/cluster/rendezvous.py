@@ -6,7 +6,12 @@ out, the keys that exist say exactly which ranks (and so which tasks) never came
 the timeout a warning names the ranks not yet there (or the chief's address, while it cannot be
 reached).
 
-The meeting (connecting to the store, arriving, waiting for the others, checking tokens) runs in
+Before it arrives, a rank claims its task index in the store (an atomic ``compare_set`` of
+``stratagem/claim/<rank>``): a second process started with a task that is taken, at the start or in
+the middle of training, is refused at once with an error naming the task, its address and the
+process that holds it, and never touches the running job's keys or its process group.
+
+The meeting (connecting to the store, claiming, arriving, waiting for the others, checking tokens) runs in
 a helper thread that the caller waits for at most the timeout: torch's TCPStore can wait far
 longer inside (its handshake with a port that accepts but never answers waits until the peer
 closes), and the user's timeout is the promise.
@@ -14,9 +19,12 @@ closes), and the user's timeout is the promise.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
+import os
+import secrets
 import socket
 import threading
 import time
@@ -29,22 +37,26 @@ import torch.distributed as dist
 
 from stratagem.cluster.spec import Cluster
 from stratagem.errors import ClusterError, CollectiveTimeoutError, RendezvousError
+from stratagem.timeouts import check_seconds
 
 logger = logging.getLogger(__name__)
 
 _ARRIVED = "stratagem/arrived/{rank}"
 _TOKEN = "stratagem/token/{rank}"
 _CHECKED = "stratagem/checked/{rank}"
+_CLAIM = "stratagem/claim/{rank}"
 
 
-def _as_timedelta(timeout: float | timedelta) -> timedelta:
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ClusterError(
-            f"The rendezvous timeout must be positive. Received: timeout={timeout!r}. "
-            "Pass a number of seconds, e.g. timeout=300."
-        )
-    return timedelta(seconds=seconds)
+@functools.lru_cache(maxsize=None)
+def _claimant(pid: int) -> str:
+    """Who process ``pid`` (this one) is, as its claim of a task index reads: a second process claiming the same
+    index is told who holds it; the random part tells this process from a namesake (same host, a reused pid).
+    Keyed by pid, so that a forked child is not taken for its parent."""
+    return f"{socket.gethostname()} pid {pid} #{secrets.token_hex(4)}"
+
+
+def _as_timedelta(timeout: float | timedelta, name: str = "timeout") -> timedelta:
+    return timedelta(seconds=check_seconds(name, timeout, error=ClusterError))
 
 
 def _token_digest(token: str | None) -> str:
@@ -79,6 +91,29 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str |
                 "Choose a free port for the chief (another process may hold this one)."
             ) from exc
         raise _unreachable(cluster, rank, timeout) from exc
+
+
+def _claim(store: dist.Store, cluster: Cluster, rank: int) -> None:
+    """Takes task index ``rank`` in the store, or raises naming its holder. ``compare_set`` is atomic in the
+    store's server, so of two processes claiming one index (at the start, or one arriving mid-training)
+    exactly one wins, and the other is refused at once, before it arrives: the running job never sees it."""
+    me = _claimant(os.getpid())
+    holder = store.compare_set(_CLAIM.format(rank=rank), "", me).decode()
+    if holder != me:
+        raise _duplicate(cluster, rank, holder)
+
+
+def _duplicate(cluster: Cluster, rank: int, holder: str) -> ClusterError:
+    where = f"{cluster.master_addr}:{cluster.master_port}"
+    listed = cluster.addresses.get(cluster.task_type, ())
+    address = f", address {listed[cluster.task_index]}" if cluster.task_index < len(listed) else ""
+    return ClusterError(
+        f"Task {cluster.task_name} (rank {rank}{address}) of the job meeting at {where} is already held by "
+        "another process "
+        f"({holder.split(' #')[0]}). Received: a second claim of {cluster.task_name} from this process "
+        f"({_claimant(os.getpid()).split(' #')[0]}). Stop the duplicate, or give this process a free task index in TF_CONFIG "
+        "(each task of a job runs once)."
+    )
 
 
 def _unreachable(cluster: Cluster, rank: int, timeout: timedelta) -> CollectiveTimeoutError:
@@ -290,6 +325,11 @@ def init_process_group(
 
     def steps(meeting: _Meeting) -> dist.Store:
         store = _connect(cluster, rank, wait, agent_store)
+        meeting.phase = "claiming its task"
+        try:
+            _claim(store, cluster, rank)
+        except dist.DistNetworkError as exc:
+            raise _lost_chief(cluster, rank, exc) from exc
         meeting.phase = "arriving"
         store.set(_TOKEN.format(rank=rank), _token_digest(token))
         store.set(_ARRIVED.format(rank=rank), cluster.task_name)
@@ -310,7 +350,7 @@ def init_process_group(
     store = _bounded_meeting(cluster, rank, wait, steps, start)
     import_group_defaults()
     options: dict[str, Any] = {} if device_id is None else {"device_id": device_id}
-    group_wait = wait if group_timeout is None else _as_timedelta(group_timeout)
+    group_wait = wait if group_timeout is None else _as_timedelta(group_timeout, "group_timeout")
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=cluster.world_size, timeout=group_wait, **options
     )

@@ -142,6 +142,11 @@ def open_mapped(path: str, size: int, head: bytes, *, maker: str = "its maker") 
         if info.st_size != size:
             return None, f"{path} is not the file {maker} made (size {info.st_size}, expected {size})"
         mapping = mmap.mmap(fd, size)
+    except OSError as exc:
+        # A memory cap (ulimit -v), too many mappings (vm.max_map_count): a reason to fall back, which every
+        # party learns through the meeting, rather than an exception that leaves the others waiting.
+        amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{-(-size // 1024)} KiB"
+        return None, f"cannot map {amount} of {path} ({exc.strerror or exc})"
     finally:
         os.close(fd)
     if mapping[: len(head)] != head:

@@ -293,7 +293,11 @@ def connect(
     wait_for(ranks, "the shared-memory check-in")
     infos = [json.loads(value) for value in store.multi_get(ranks)]
     size = _HEADER + world_size * _LINE + (world_size + 1) * capacity
+    # The file's path once this rank knows it. Whichever way this rank leaves the meeting, it removes the name:
+    # normally every rank has mapped the file by then (or never will), and if the meeting fails (the chief's
+    # store gone with the chief, say) nobody will map it, so nothing is left in /dev/shm.
     path = None
+    mapping: mmap.mmap | None = None
     try:
         if rank == 0:
             offer: dict[str, Any] = {
@@ -307,6 +311,7 @@ def connect(
             store.set(f"{prefix}file", json.dumps(offer))
         wait_for([f"{prefix}file"], "the shared file's name")
         offer = json.loads(store.get(f"{prefix}file"))
+        path = offer["path"]
         mapping, problem = None, offer["why_not"]
         if problem is None:
             mapping, problem = files.open_mapped(
@@ -317,10 +322,10 @@ def connect(
         mapped = [f"{prefix}mapped/{r}" for r in range(world_size)]
         wait_for(mapped, "the shared-memory mapping")
         problems = [json.loads(value) for value in store.multi_get(mapped)]
-        if offer["path"] is not None:
-            # Every rank has mapped it (or never will): whoever gets here first removes the name, so it is gone
-            # even if rank 0 was killed meanwhile.
-            files.unlink(offer["path"])
+    except BaseException:
+        if mapping is not None:
+            mapping.close()
+        raise
     finally:
         if path is not None:
             files.unlink(path)

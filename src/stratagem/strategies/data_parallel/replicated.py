@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.errors import InputError
+from stratagem.timeouts import check_seconds
 from stratagem.strategies.data_parallel import cuda_numerics
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
@@ -22,10 +22,8 @@ from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 
 
 def check_timeout(timeout: float) -> float:
-    """The replicas' timeout in seconds, refused unless positive."""
-    if timeout <= 0:
-        raise InputError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}.")
-    return float(timeout)
+    """The replicas' timeout in seconds (`stratagem.timeouts.check_seconds`)."""
+    return check_seconds("timeout", timeout)
 
 
 class ReplicatedStrategy(Strategy):

@@ -36,6 +36,7 @@ from stratagem import devices as sg_devices
 from stratagem import diagnose
 from stratagem.diagnose import MemoryEstimate, PlacementDecision
 from stratagem.errors import InputError, MemoryEstimateError
+from stratagem.timeouts import check_seconds
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
@@ -115,8 +116,7 @@ class ModelParallelStrategy(Strategy):
         intra_op_threads: int | None = None,
         registry: sg_devices.DeviceRegistry | None = None,
     ) -> None:
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InputError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}.")
+        timeout = check_seconds("timeout", timeout)
         if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
             raise InputError(
                 f"num_micro_batches must be a whole number >= 1. Received: num_micro_batches={num_micro_batches!r}. "

@@ -48,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
+from stratagem.timeouts import check_optional_seconds, check_seconds
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
@@ -78,7 +79,7 @@ class RemoteValue:
 
     def fetch(self, timeout: float | None = None) -> Any:
         """Waits for the result and returns it; re-raises the function's error (or the one that cancelled it)."""
-        wait = self._timeout if timeout is None else timeout
+        wait = self._timeout if timeout is None else check_seconds("timeout", timeout)
         if not self._event.wait(wait):
             raise CollectiveTimeoutError(
                 f"{self._name} has no result after {wait:g} s. Received: it is still queued "
@@ -170,14 +171,9 @@ class ClusterCoordinator:
         worker_recovery_timeout: float = 60.0,
         closure_timeout: float = 600.0,
     ) -> None:
-        for name, value in (("worker_recovery_timeout", worker_recovery_timeout), ("closure_timeout", closure_timeout)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise InputError(
-                    f"{name} must be a positive number of seconds. Received: {name}={value!r}. Pass seconds > 0."
-                )
         self.strategy = strategy
-        self.worker_recovery_timeout = float(worker_recovery_timeout)
-        self.closure_timeout = float(closure_timeout)
+        self.worker_recovery_timeout = check_seconds("worker_recovery_timeout", worker_recovery_timeout)
+        self.closure_timeout = check_seconds("closure_timeout", closure_timeout)
         self._numbers = itertools.count()
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cv = threading.Condition()
@@ -240,6 +236,7 @@ class ClusterCoordinator:
 
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled function has finished; re-raises the first error (once)."""
+        timeout = check_optional_seconds("timeout", timeout)
         if not self.strategy._is_coordinator:
             self.strategy._serve_as_worker()
         deadline = None if timeout is None else time.monotonic() + timeout

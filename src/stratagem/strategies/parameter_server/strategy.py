@@ -40,6 +40,7 @@ from stratagem import environ
 from stratagem.cluster import Cluster, resolve_cluster
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.timeouts import check_seconds
 from stratagem.shm import eligibility
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
@@ -107,16 +108,9 @@ class ParameterServerStrategy(Strategy):
         env: Mapping[str, str] | None = None,
     ) -> None:
         env = environ.current() if env is None else env
-        for name, value, least in (
-            ("rpc_timeout", rpc_timeout, 1e-9),
-            ("chief_timeout", chief_timeout, 1e-9),
-            ("ps_exit_delay", ps_exit_delay, 0.0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
-                raise InputError(
-                    f"{name} must be a number of seconds{' > 0' if least else ' >= 0'}. "
-                    f"Received: {name}={value!r}. Pass a {'positive' if least else 'non-negative'} number of seconds."
-                )
+        rpc_timeout = check_seconds("rpc_timeout", rpc_timeout)
+        chief_timeout = check_seconds("chief_timeout", chief_timeout)
+        ps_exit_delay = check_seconds("ps_exit_delay", ps_exit_delay, allow_zero=True)
         self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
         self._in_process = cluster_resolver if isinstance(cluster_resolver, InProcessCluster) else None
         if isinstance(cluster_resolver, InProcessCluster):
