@@ -8,7 +8,7 @@ workers agree on their devices, and a close that frees the group and hands the r
 They live here, in that order:
 
 1. `plan_worker_group` resolves the cluster and refuses what cannot start (a task without a rank, a
-   timeout that is not a positive number of seconds) before any device is chosen or port opened, as
+   timeout outside `stratagem.timeouts`' range) before any device is chosen or port opened, as
    torchtitan's `ParallelDims` checks its degrees before a mesh exists;
 2. the strategy chooses its local devices (they may depend on the plan's local rank);
 3. `WorkerGroup.start` forms the process group and returns the value its parts are handed.
@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import atexit
-import math
 import socket
 import sys
 import weakref
@@ -42,10 +41,11 @@ from stratagem import environ
 from stratagem.cluster.release import release_store
 from stratagem.cluster.rendezvous import agent_store_prefix, init_process_group
 from stratagem.cluster.resolve import resolve_cluster
-from stratagem.cluster.spec import Cluster, show
+from stratagem.cluster.spec import Cluster
 from stratagem.collective.cross_worker import ROLL_CALL_SECONDS, CrossWorker
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import ClusterError, InputError
+from stratagem.timeouts import check_seconds
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -94,24 +94,14 @@ class WorkerGroupPlan:
         return self.rank == 0
 
 
-def check_group_timeout(timeout: Any) -> float:
-    """`timeout` as seconds, refused unless a finite positive number."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise InputError(
-            f"timeout must be a positive number of seconds. Received: timeout={show(timeout)}. "
-            "Pass a finite number of seconds, e.g. timeout=300."
-        )
-    return float(timeout)
-
-
 def plan_worker_group(cluster: Cluster | Mapping[str, Any] | None, *, timeout: float, env: Environ) -> WorkerGroupPlan:
     """Resolves this process's cluster and checks that it can join a worker group; builds nothing.
 
-    Raises `InputError` for a timeout that is not a positive number of seconds and `ClusterError` for a
+    Raises `InputError` for a timeout outside `stratagem.timeouts`' range and `ClusterError` for a
     cluster that cannot be resolved or a task that is no member of the collective world (``ps``,
     ``evaluator``).
     """
-    seconds = check_group_timeout(timeout)
+    seconds = check_seconds("timeout", timeout)
     resolved = resolve_cluster(cluster, env=env)
     if resolved.rank is None:
         raise ClusterError(
