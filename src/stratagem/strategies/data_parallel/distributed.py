@@ -125,12 +125,37 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
 
     Outside `Strategy.run`, `param_groups` are the primary groups, so a user or an LR scheduler that sets
     `lr` there sets it for every replica: each replica's groups are refreshed from them before its step.
-    An LR scheduler built on this optimizer is stepped once per global step (see `lr_schedulers`).
+    Inside `run` they are views of the running replica's groups that refuse writes: an LR scheduler
+    stepped there must be handed to `strategy.distribute_scheduler` (see `lr_schedulers`).
     """
 
+    # Set by each subclass's __init__ (Optimizer.__init__ is not called: this object owns no parameters).
     _optimizers: list[torch.optim.Optimizer]
     _strategy: Any
-    _schedulers: lr_schedulers.SchedulerSet  # set by each subclass's __init__ (Optimizer.__init__ is not called)
+    _watch: lr_schedulers.HyperparameterWatch
+    _stepped: bool
+
+    def _start_watch(self) -> None:
+        self._watch = lr_schedulers.HyperparameterWatch(lambda: self._primary().param_groups)
+        self._stepped = False
+
+    @property
+    def primary_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose groups hold the hyper-parameters: the one given to `distribute`."""
+        return self._primary()
+
+    @property
+    def has_stepped(self) -> bool:
+        """Whether `step()` has run at least once."""
+        return self._stepped
+
+    def begin_run(self) -> None:
+        """A run starts: the hyper-parameters from here on change only through a handed-over scheduler."""
+        self._watch.begin_run()
+
+    def end_run(self) -> None:
+        """A run ended: refuses a hyper-parameter change that no handed-over scheduler made (`lr_schedulers`)."""
+        self._watch.end_run()
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -150,16 +175,15 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
         self._strategy._meet(replica, what)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[Any]:  # type: ignore[override]
         replica = self._current_replica()
         if replica is None or lr_schedulers.executing():
-            if replica is None:
-                lr_schedulers.adopt_calling_scheduler(self)  # a scheduler being built reads the groups here
             return self._primary().param_groups
-        return self._replica_optimizer(replica).param_groups
+        return self._watch.view(self._replica_optimizer(replica).param_groups, replica)
 
     def _sync_hyperparameters(self, replica: int) -> torch.optim.Optimizer:
         """Replica `replica`'s optimizer, with the primary groups' hyper-parameters (an LR scheduler writes those)."""
+        self._stepped = True
         optimizer = self._replica_optimizer(replica)
         _copy_hyperparameters(self._primary().param_groups, optimizer.param_groups)
         return optimizer
@@ -167,7 +191,8 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
     def _publish_hyperparameters(self) -> None:
         """Copies the primary groups' hyper-parameters to every replica's optimizer (after a scheduler step)."""
         for r in range(len(self._optimizers)):
-            self._sync_hyperparameters(r)
+            _copy_hyperparameters(self._primary().param_groups, self._replica_optimizer(r).param_groups)
+        self._watch.accept()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise InputError(
@@ -204,10 +229,9 @@ class DistributedOptimizer(ReplicatedOptimizer):
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], strategy: Any) -> None:
-        # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._optimizers = list(optimizers)
         self._strategy = strategy
-        self._schedulers = lr_schedulers.SchedulerSet()
+        self._start_watch()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

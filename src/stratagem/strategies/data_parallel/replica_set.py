@@ -159,6 +159,7 @@ class ReplicaSet:
         self.barrier = ReplicaBarrier(self.names, timeout)
         self._pool: ReplicaPool | None = None
         self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # what distribute returned (schedulers are handed it)
         self.replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self.devices)
         self.combination = LocalCombination(self.barrier, len(self.devices))
@@ -247,6 +248,7 @@ class ReplicaSet:
         if len(replicas) > 1:
             self._pool = ReplicaPool(self.names, self._setup_replica_thread, self._timeout)
         self.model = built.model
+        self.optimizer = built.optimizer
         return built.model if optimizer is None else (built.model, built.optimizer)
 
     # ---- run ----------------------------------------------------------------------------------
