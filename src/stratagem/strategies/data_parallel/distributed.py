@@ -284,29 +284,36 @@ def clone_optimizer(
     the parameter the copy holds instead. Every state tensor of the copy is its own (with_state=False:
     the copy starts with no state).
 
-    Why a deep copy of the object rather than a new one built from its `param_groups` (or `defaults`):
-    building one calls `__init__`, whose signature is the class's own business (torch's AdamW does not
-    take every key of its own `defaults`, a user's subclass may take other arguments altogether), and
-    an `__init__` may set attributes beside the groups (LBFGS keeps `_params`, a subclass its own
-    fields) that `param_groups` and `state_dict()` do not carry. Copying the instance's attributes keeps
-    all of it without calling `__init__`; the memo makes every reference to a source parameter (group
-    lists, state keys, LBFGS's `_params`) one to the replica's parameter, and every tensor of the state
-    a new one, so no two replicas ever share a state tensor.
+    Made by `copy.deepcopy`, that is by the class's own copy protocol (`__reduce_ex__`, `__getstate__`,
+    `__setstate__`), never by its `__init__`, whose signature is the class's own business (torch's AdamW
+    does not take every key of its own `defaults`; a user's subclass may take other arguments altogether).
+    The memo makes every reference to a source parameter (group lists, state keys, LBFGS's `_params`) one
+    to the replica's parameter, and every tensor of the state a new one, so no two replicas ever share a
+    state tensor. torch's `Optimizer.__getstate__` carries only `defaults`, `state` and `param_groups`
+    (it is written for the base class), so for a class that keeps torch's the attributes its `__init__`
+    set beside those (LBFGS's `_params`, a subclass's own fields, the user's hooks) are deep-copied onto
+    the copy with the same memo; a class with a `__getstate__` of its own says itself what a copy holds.
     """
-    attrs = dict(vars(optimizer))
-    step = attrs.get("step")
-    if step is not None and hasattr(step, "_wrapped_by_lr_sched"):
-        # An LR scheduler's wrapper of the source's step(): it calls the source, never the copy.
-        del attrs["step"]
-    if not with_state:
-        attrs["state"] = defaultdict(dict)
     memo: dict[int, Any] = dict(mapping)
     memo[id(memo)] = [optimizer]  # keeps what the memo refers to alive, as deepcopy does with its own entries
-    clone = object.__new__(type(optimizer))
-    clone.__dict__.update(copy.deepcopy(attrs, memo))
+    if not with_state:
+        memo[id(optimizer.state)] = defaultdict(dict)
+    clone = copy.deepcopy(optimizer, memo)
+    if type(optimizer).__getstate__ is torch.optim.Optimizer.__getstate__:
+        carried = set(optimizer.__getstate__())
+        for name, value in vars(optimizer).items():
+            if name in carried or _set_by_a_scheduler(name, value):
+                continue
+            setattr(clone, name, copy.deepcopy(value, memo))
     if clone.state and any(p.device != src_device for p, src_device in _moved(optimizer, clone)):
         clone.load_state_dict(clone.state_dict())  # moves the copied state next to the replica's parameters
     return clone
+
+
+def _set_by_a_scheduler(name: str, value: Any) -> bool:
+    """Whether an optimizer's attribute is what torch's LR scheduler set on it: its wrapper of `step` (which
+    calls the source optimizer, never the copy) or the flag that wrapper raises."""
+    return name == "_opt_called" or (name == "step" and hasattr(value, "_wrapped_by_lr_sched"))
 
 
 def _moved(source: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.device]]:

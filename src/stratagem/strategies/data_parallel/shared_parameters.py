@@ -223,9 +223,11 @@ def _prefer_fast_kernels(optimizer: torch.optim.Optimizer) -> None:
         return
     if "fused" in defaults and type(optimizer) in _FUSED_ON_CPU:
         flags = {"fused": True, "foreach": None}
-        # What the class's __init__ does for fused=True: GradScaler may hand it the scale, and the
-        # parameters' device and dtype are checked at the first step.
-        # Attributes torch's optimizer classes set for themselves, undeclared on Optimizer in torch's stubs.
+        # Written on stratagem's own copy (a shard's optimizer, made by clone_optimizer), never on the user's
+        # optimizer. What the class's __init__ does for fused=True in torch 2.13 (Adam, AdamW, SGD, Adagrad):
+        # GradScaler hands the scale to an optimizer whose _step_supports_amp_scaling is true, and the fused
+        # kernel checks the parameters' device and dtype at the first step when _need_device_dtype_check_for_fused
+        # is; the copy was made with the user's flags, so it lacks them. Undeclared on Optimizer in torch's stubs.
         optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
         optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
     elif "foreach" in defaults:
