@@ -375,3 +375,74 @@ def test_a_strategy_reading_its_base_classs_private_state_is_reported(tmp_path: 
         "stratagem/strategies/probe.py:6 NarrowStrategy reads self._mine",
         "stratagem/strategies/probe.py:6 NarrowStrategy reads self._decisions",
     ]
+
+
+# ---- no tricks on the user's objects (issue 24, item 5) -------------------------------------------
+# No frame walking, no heap scanning, no method replaced on an object the library does not define the
+# class of: an assignment `x.<method> = ...` (or setattr(x, "<method>", ...)) where x is not `self`, and
+# <method> is a method of a torch Module, Optimizer or LR scheduler.
+FORBIDDEN_CALLS = {("sys", "_getframe"), ("inspect", "currentframe"), ("gc", "get_referrers"), ("gc", "get_objects")}
+
+
+def _method_names() -> frozenset[str]:
+    import torch
+
+    classes = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    return frozenset(name for cls in classes for name in dir(cls) if callable(getattr(cls, name, None)))
+
+
+def _tricks(path: Path, methods: frozenset[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if (node.value.id, node.attr) in FORBIDDEN_CALLS:
+                found.append(f"{where}: {node.value.id}.{node.attr}")
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):  # (`x.step += 1` counts, it replaces nothing)
+            targets = [node.target]
+        for target in targets:
+            for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if (
+                    isinstance(item, ast.Attribute)
+                    and item.attr in methods
+                    and not (isinstance(item.value, ast.Name) and item.value.id in ("self", "cls"))
+                ):
+                    found.append(f"{where}: {ast.unparse(item)} = ...")
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("setattr", "object.__setattr__")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in methods
+            and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")
+        ):
+            found.append(f"{where}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_frame_walking_heap_scanning_or_method_replaced_on_another_object() -> None:
+    methods = _method_names()
+    assert {"forward", "step", "state_dict"} <= methods
+    found = [trick for path in _modules() for trick in _tricks(path, methods)]
+    assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import sys\nframe = sys._getframe(1)\n",
+        "import gc\nowners = gc.get_referrers(x)\n",
+        "module.forward = wrapper\n",
+        "scheduler.step, other = a, b\n",
+        "setattr(optimizer, 'zero_grad', f)\n",
+    ],
+)
+def test_each_trick_on_a_users_object_is_reported(tmp_path: Path, source: str) -> None:
+    path = tmp_path / "tricks.py"
+    path.write_text(source)
+    assert len(_tricks(path, _method_names())) == 1
+    path.write_text("self.forward = wrapper\nmodule.weight = weight\nsetattr(parent, name, layer)\n")
+    assert _tricks(path, _method_names()) == []

@@ -258,8 +258,17 @@ def test_explain_names_the_mode_and_what_each_layer_exchanges():
 def test_the_users_layers_keep_their_class_keys_and_copies():
     model, opt, _ = build("conv")
     keys = list(model.state_dict())
+    children = list(model.named_modules())
     strategy = mirrored(2)
     distributed, _ = strategy.distribute(model, opt)
+    # The user's model is left as it was: the same modules, of the same classes, with their class's forward.
+    assert [(name, id(m)) for name, m in model.named_modules()] == [(name, id(m)) for name, m in children]
+    assert type(model[1]) is nn.BatchNorm2d and type(model[5]) is nn.BatchNorm2d
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    # Replica 0 is a converted copy that trains the user's parameters and buffers themselves.
+    assert distributed.replicas[0] is not model and distributed.replicas[0][1] is not model[1]
+    assert distributed.replicas[0][1].weight is model[1].weight
+    assert distributed.replicas[0][1].running_mean is model[1].running_mean
     for replica in distributed.replicas:
         assert isinstance(replica[1], nn.BatchNorm2d) and list(replica.state_dict()) == keys
     # A copy is no replica: deepcopy and pickle give a layer with its class's forward, which runs on its own.
@@ -479,3 +488,23 @@ def test_one_replica_per_worker_sums_across_workers_without_a_local_meeting():
     for name, want in reference.named_buffers():  # running_var: the unbiased variance of 10 examples, not 5
         torch.testing.assert_close(model.get_buffer(name), want, **TOL[torch.float64])
     strategy.close()
+
+
+def test_central_storage_trains_the_users_tensors_and_leaves_its_modules_as_they_were():
+    model, opt, shape = build("conv")
+    reference, ref_opt, _ = build("conv")
+    data = batches(shape)
+    train_reference(reference, ref_opt, data, clip=False)
+    modules = [(name, id(m), type(m)) for name, m in model.named_modules()]
+    strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    distributed, dist_opt = strategy.distribute(model, opt)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # while the strategy holds the replicas
+    step = train_step(distributed, dist_opt, clip=False)
+    for batch in strategy.distribute_dataset(data):
+        strategy.run(step, args=batch)
+    strategy.close()
+    assert [(name, id(m), type(m)) for name, m in model.named_modules()] == modules
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    # The user's own parameters and running statistics are what was trained: one device's.
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, **TOL[torch.float64])

@@ -8,6 +8,7 @@ made for other replicas must keep per-group settings, not only the optimizer's d
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -236,3 +237,46 @@ def test_every_optimizer_and_a_scheduler_match_one_device_across_two_workers(tmp
     assert saved["last_epoch"] == scheduler.last_epoch == len(BATCH_SIZES)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64])
+
+
+class KeepsALock(torch.optim.SGD):
+    """A user's optimizer that says through `__getstate__`/`__setstate__` what a copy holds: its lock cannot be
+    copied, so a copy (deepcopy, pickle) gets a new one; its `scale` travels."""
+
+    def __init__(self, params, lr: float, scale: float) -> None:
+        super().__init__(params, lr=lr)
+        self.scale = scale
+        self.lock = threading.Lock()
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "scale": self.scale}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.lock = threading.Lock()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with self.lock:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"] * self.scale)
+
+
+def test_replicas_copy_the_users_optimizer_through_its_own_copy_protocol():
+    # The copies are made by copy.deepcopy: the class's __getstate__/__setstate__ decide what they hold (a lock is
+    # made anew), and no copy shares the user's lock.
+    batches = make_batches((6,), torch.float64, sizes=SIZES)
+    torch.manual_seed(42)
+    reference = mlp().double()
+    model = copy.deepcopy(reference)
+    # The plain one-device update of KeepsALock is SGD at lr * scale.
+    train_reference(reference, torch.optim.SGD(reference.parameters(), lr=0.1 * 0.5), batches)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], share_parameters=False, registry=cpu_registry(2))
+    users = KeepsALock(model.parameters(), lr=0.1, scale=0.5)
+    model, optimizer, _ = train_with(strategy, model, users, batches)
+    assert_same_state(reference, model, torch.float64)
+    copies = optimizer._optimizers[1:]
+    assert copies and all(type(c) is KeepsALock and c.scale == 0.5 and c.lock is not users.lock for c in copies)
+    strategy.close()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cases import TOL, build, make_batches, train_reference
 
 from stratagem.errors import InputError
-from stratagem.strategies.parameter_server.optimizers import optimizer_spec
+from stratagem.strategies.parameter_server.optimizers import build_optimizer, hypers_of, optimizer_spec
 from stratagem.strategies.parameter_server.partitioners import FixedShardsPartitioner, place
 from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Security
@@ -95,3 +95,26 @@ def test_lbfgs_is_refused_by_name_not_by_its_attributes():
         r"Received: LBFGS\. Choose a first-order optimizer",
     ):
         optimizer_spec(optimizer)
+
+
+class KnowsItWasRestored(torch.optim.SGD):
+    """A user's optimizer whose `__setstate__` (what torch.load and copy.deepcopy call) marks the copy."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.restored = True
+
+
+def test_a_server_rebuilds_the_optimizer_as_unpickling_does():
+    # The server calls the class's own __setstate__ (never its __init__, whose signature is the class's business).
+    w = torch.nn.Parameter(torch.ones(2))
+    chief = KnowsItWasRestored([w], lr=0.3)
+    spec = optimizer_spec(chief)
+    shard = torch.nn.Parameter(torch.ones(1))
+    rebuilt = build_optimizer(KnowsItWasRestored, [{"params": [shard], **hypers_of(spec)[0]}], spec)
+    assert not hasattr(chief, "restored") and type(rebuilt) is KnowsItWasRestored and rebuilt.restored
+    assert rebuilt.param_groups[0]["params"] == [shard] and rebuilt.param_groups[0]["lr"] == 0.3
+    assert rebuilt.defaults == chief.defaults
+    shard.grad = torch.full((1,), 2.0)
+    rebuilt.step()
+    assert shard.item() == pytest.approx(1 - 0.3 * 2)  # torch's SGD step over the server's shard

@@ -1,7 +1,9 @@
 """torch LR schedulers on a distributed optimizer: one step per global step, whether
-`scheduler.step()` is called in the step function (by every replica thread) or outside
-`strategy.run`, built after `distribute` or before it; `get_last_lr()`, `state_dict()` and the
-parameters agree with one device; and the same under `sg.fit`."""
+`scheduler.step()` is called in the step function (by every replica thread, on the scheduler handed
+to `strategy.distribute_scheduler`) or outside `strategy.run`, built after `distribute` or before it;
+the rates step by step, `get_last_lr()`, `state_dict()` and the parameters agree with one device; a
+scheduler stepped in the step function without being handed over is refused; and the same under
+`sg.fit`."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def _fresh():
     return model, optimizer
 
 
-def _reference(make_scheduler, batches):
+def _reference(make_scheduler, batches, rates=None):
+    """Plain one-device training; `rates`, when given, gets every group's rate after each step."""
     model, optimizer = _fresh()
     scheduler = make_scheduler(optimizer)
     for x, y in batches:
@@ -50,6 +53,8 @@ def _reference(make_scheduler, batches):
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
+        if rates is not None:
+            rates.append([g["lr"] for g in optimizer.param_groups])
     return model, scheduler
 
 
@@ -70,21 +75,27 @@ def _comparable(state):
     return state
 
 
-# Built after distribute and stepped in the step function: every strategy; the other ways on fewer.
+# Stepped in the step function (handed over), built after or before distribute: every strategy. Stepped after
+# run, handed over or not: Mirrored x2 and CentralStorage x2.
 WAYS = (
-    [(name, "inside", "after") for name in STRATEGIES]
-    + [(name, "inside", "before") for name in STRATEGIES]
-    + [(name, "outside", "after") for name in ("mirrored2", "central2")]
-    + [(name, "outside", "before") for name in ("mirrored2", "mirrored2-private")]
+    [(name, "inside", order, "handed") for name in STRATEGIES for order in ("after", "before")]
+    + [
+        (name, "outside", order, handed)
+        for name in ("mirrored2", "central2")
+        for order in ("after", "before")
+        for handed in ("handed", "kept")
+    ]
+    + [("mirrored2-private", "outside", "before", "kept")]
 )
 
 
-@pytest.mark.parametrize("strategy_name,where,order", WAYS, ids=["-".join(way) for way in WAYS])
+@pytest.mark.parametrize("strategy_name,where,order,handed", WAYS, ids=["-".join(way) for way in WAYS])
 @pytest.mark.parametrize("scheduler_name", list(SCHEDULERS))
-def test_a_scheduler_steps_once_per_global_step(scheduler_name, strategy_name, where, order):
+def test_a_scheduler_steps_once_per_global_step(scheduler_name, strategy_name, where, order, handed):
     make_scheduler = SCHEDULERS[scheduler_name]
     batches = make_batches((6,), torch.float64, sizes=SIZES)
-    reference, expected = _reference(make_scheduler, batches)
+    expected_rates: list[list[float]] = []
+    reference, expected = _reference(make_scheduler, batches, expected_rates)
 
     strategy = STRATEGIES[strategy_name]()
     model, optimizer = _fresh()
@@ -93,6 +104,8 @@ def test_a_scheduler_steps_once_per_global_step(scheduler_name, strategy_name, w
     model, optimizer = strategy.distribute(model, optimizer)
     if order == "after":
         scheduler = make_scheduler(optimizer)
+    if handed == "handed":
+        scheduler = strategy.distribute_scheduler(scheduler)
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
@@ -103,12 +116,16 @@ def test_a_scheduler_steps_once_per_global_step(scheduler_name, strategy_name, w
             scheduler.step()  # every replica thread calls it
         return optimizer.param_groups[0]["lr"]
 
-    lrs = []
+    lrs, rates = [], []
     for x, y in strategy.distribute_dataset(batches):
         seen = strategy.run(step, args=(x, y))
         lrs.append(seen.values if where == "inside" else None)
         if where == "outside":
             scheduler.step()
+        rates.append([g["lr"] for g in optimizer.param_groups])
+    assert len(rates) == len(expected_rates)
+    for step_rates, expected_step_rates in zip(rates, expected_rates):  # step by step
+        assert step_rates == pytest.approx(expected_step_rates, rel=1e-12)
     _assert_same_scheduler(scheduler, expected)
     assert_same_state(reference, model, torch.float64)
     if where == "inside":  # after the step every replica reads the new value
@@ -149,7 +166,7 @@ def test_reduce_lr_on_plateau_outside_run_with_the_global_loss_matches_one_devic
 def test_reduce_lr_on_plateau_inside_run_is_refused_with_the_fix():
     strategy = STRATEGIES["mirrored2"]()
     model, optimizer = strategy.distribute(*_fresh())
-    scheduler = S.ReduceLROnPlateau(optimizer)
+    scheduler = strategy.distribute_scheduler(S.ReduceLROnPlateau(optimizer))
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
@@ -170,7 +187,7 @@ def test_reduce_lr_on_plateau_inside_run_is_refused_with_the_fix():
 def test_a_replica_that_skips_scheduler_step_is_named():
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2), timeout=30)
     model, optimizer = strategy.distribute(*_fresh())
-    scheduler = S.StepLR(optimizer, step_size=1)
+    scheduler = strategy.distribute_scheduler(S.StepLR(optimizer, step_size=1))
 
     def step(x, y):
         F.cross_entropy(model(x), y).backward()
@@ -229,7 +246,7 @@ def test_a_chained_scheduler_steps_its_parts_once_per_global_step(order):
     model, optimizer = _fresh()
     scheduler = make(optimizer) if order == "before" else None
     model, optimizer = strategy.distribute(model, optimizer)
-    scheduler = scheduler or make(optimizer)
+    scheduler = strategy.distribute_scheduler(scheduler or make(optimizer))
 
     def step(x, y):
         F.cross_entropy(model(x), y).backward()
@@ -242,3 +259,72 @@ def test_a_chained_scheduler_steps_its_parts_once_per_global_step(order):
     assert scheduler.get_last_lr() == pytest.approx(expected.get_last_lr(), rel=1e-12)
     assert _comparable(scheduler.state_dict()) == _comparable(expected.state_dict())
     assert_same_state(reference, model, torch.float64)
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "mirrored2-private", "central2"])
+def test_a_scheduler_stepped_inside_run_without_being_handed_over_is_refused(strategy_name, order):
+    # StepLR(step_size=1) changes the rate at every step, so the first step's writes are seen.
+    strategy = STRATEGIES[strategy_name]()
+    model, optimizer = _fresh()
+    scheduler = S.StepLR(optimizer, step_size=1, gamma=0.5) if order == "before" else None
+    model, optimizer = strategy.distribute(model, optimizer)
+    scheduler = scheduler or S.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    batch = next(iter(strategy.distribute_dataset(make_batches((6,), torch.float64, sizes=[4]))))
+    with pytest.raises(sg.InputError) as raised:
+        strategy.run(step, args=batch)
+    message = str(raised.value)
+    assert "inside strategy.run()" in message and "Received: param_groups[0]['lr']" in message
+    assert "strategy.distribute_scheduler(scheduler)" in message
+
+
+def test_a_rate_set_by_hand_inside_run_is_refused_and_outside_reaches_every_replica():
+    strategy = STRATEGIES["mirrored2-private"]()
+    model, optimizer = strategy.distribute(*_fresh())
+
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.param_groups[0]["lr"] = 0.5
+
+    batch = next(iter(strategy.distribute_dataset(make_batches((6,), torch.float64, sizes=[4]))))
+    with pytest.raises(sg.InputError, match=r"Received: param_groups\[0\]\['lr'\] = 0.5 by replica"):
+        strategy.run(step, args=batch)
+    optimizer.param_groups[0]["lr"] = 0.25
+
+    def step_and_read(x, y):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        return [g["lr"] for g in optimizer.param_groups]
+
+    seen = strategy.run(step_and_read, args=batch)
+    assert [rate.values for rate in seen] == [(0.25, 0.25), (0.1, 0.1)]  # each group's rate on each replica
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "central2"])
+def test_handing_a_scheduler_over_leaves_the_users_objects_as_they_were(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    model, optimizer = _fresh()
+    scheduler = S.StepLR(optimizer, step_size=1, gamma=0.5)
+    before = dict(vars(scheduler))
+    distributed_model, distributed_optimizer = strategy.distribute(model, optimizer)
+    handed = strategy.distribute_scheduler(scheduler)
+    assert handed is not scheduler and handed.scheduler is scheduler
+    assert type(scheduler) is S.StepLR and "step" not in vars(scheduler) and "state_dict" not in vars(scheduler)
+    assert vars(scheduler) == before
+    assert handed.state_dict() == scheduler.state_dict()
+    assert "_opt_called" not in vars(optimizer)  # torch's own flag: set only by torch's wrapper of step()
+
+
+def test_distribute_scheduler_refuses_a_scheduler_of_another_optimizer():
+    strategy = STRATEGIES["mirrored2"]()
+    strategy.distribute(*_fresh())
+    _, other = _fresh()
+    with pytest.raises(sg.InputError, match=r"did not distribute. Received: a StepLR of a SGD"):
+        strategy.distribute_scheduler(S.StepLR(other, step_size=1))

@@ -80,6 +80,7 @@ def training_function(config, args):
         num_warmup_steps=len(train_dataloader) // 4,
         num_training_steps=len(train_dataloader) * num_epochs,
     )
+    lr_scheduler = strategy.distribute_scheduler(lr_scheduler)
 
     for epoch in range(num_epochs):
         model.train()

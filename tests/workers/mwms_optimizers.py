@@ -22,7 +22,9 @@ from workers.common import multi_worker, setting  # noqa: E402
 def main() -> int:
     strategy = multi_worker(int(setting("MW_LOCAL", "2")), 60.0)
     model, optimizer = strategy.distribute(*build_heads())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    scheduler = strategy.distribute_scheduler(
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    )
 
     def step(x, y):
         heads_loss(model(x), y).backward()

@@ -180,6 +180,24 @@ class Strategy(abc.ABC):
         _check_iterable(dataset, "the function given to distribute_datasets_from_function")
         return DistributedDataset(self, dataset, per_replica=True)
 
+    def distribute_scheduler(self, scheduler: Any) -> Any:
+        """`scheduler` (a torch LR scheduler, built on the optimizer given to `distribute` or on the one it
+        returned) as an object of stratagem's that steps it once per global step, whether `step()` is called
+        in the step function or after `run`. Step what this returns; the scheduler itself is left as it is.
+        A scheduler stepped in the step function and not handed over is refused there: every replica would
+        step it. Here, where one thread runs the step function, it steps the scheduler as it is.
+
+        Example:
+            >>> model, optimizer = strategy.distribute(model, optimizer)
+            >>> scheduler = strategy.distribute_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, 2))
+        """
+        # A method of its own rather than a third argument of distribute: distribute returns one pair for every
+        # strategy (fit, ports and type checkers rely on it), and a scheduler built on the optimizer distribute
+        # returns can only be handed over after that call anyway.
+        from stratagem.strategies.data_parallel.lr_schedulers import DistributedScheduler
+
+        return DistributedScheduler(scheduler, None)
+
     def distribute_scaler(self, scaler: torch.amp.GradScaler) -> Any:
         """A loss scaler for this strategy's step function: `scaler` itself where one thread runs the step,
         else one scaler per local replica behind one object (see `stratagem.strategies.data_parallel.amp`). Every replica

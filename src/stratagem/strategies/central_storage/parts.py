@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from stratagem.collective.local import Grads
-from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.strategies.data_parallel.distributed import DistributedModel, ReplicatedOptimizer
 from stratagem.strategies.data_parallel.replicas import current_replica_context
 
@@ -106,7 +105,7 @@ class CentralOptimizer(ReplicatedOptimizer):
         self._optimizers = [optimizer]
         self._strategy = update  # the part, which answers _current_replica and _meet as a strategy would
         self._central_params = update.central_params  # in the order of the central model's parameters (amp.py)
-        self._schedulers = lr_schedulers.SchedulerSet()
+        self._start_watch()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -121,6 +120,7 @@ class CentralOptimizer(ReplicatedOptimizer):
         return self.optimizer.state
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self._stepped = True
         return self._strategy.apply_update(self.optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -12,7 +12,6 @@ gradients on the central device and hands the sum back to every replica.
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +24,6 @@ from stratagem import diagnose
 from stratagem.collective.local import choose_local_reducer
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import DeviceError, InputError, MemoryEstimateError
-from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.strategies.central_storage.parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
 from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
@@ -63,6 +61,7 @@ class CentralUpdate:
         self._replicas: list[nn.Module] = []
         self._recorded = [storage, self._copies_decision(), self._update_decision()]
         self._set: Any = None
+        self._optimizer: CentralOptimizer | None = None
 
     def attach(self, replica_set: Any) -> None:
         self._set = replica_set
@@ -210,7 +209,7 @@ class CentralUpdate:
         if optimizer is None:
             return Built(replicas, distributed, None, [])
         central_optimizer = CentralOptimizer(optimizer, self)
-        lr_schedulers.adopt_existing(optimizer, central_optimizer, gc.get_referrers)  # built before distribute
+        self._optimizer = central_optimizer
         return Built(replicas, distributed, central_optimizer, [optimizer])
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -257,12 +256,16 @@ class CentralUpdate:
     # ---- each step ----------------------------------------------------------------------------
     def begin_step(self) -> None:
         self.refresh_replicas()
+        if self._optimizer is not None:
+            self._optimizer.begin_run()  # hyper-parameters change only through a handed-over scheduler now
 
     def end_run(self) -> None:
         """The central copy keeps the buffers of replica 0 (e.g. batch-norm statistics), as Mirrored reports
-        replica 0's."""
+        replica 0's; a hyper-parameter change no handed-over scheduler made is refused (lr_schedulers.py)."""
         if self.central is not None and self._anchor != 0:
             _copy_buffers(self._replicas[0], self.central)
+        if self._optimizer is not None:
+            self._optimizer.end_run()
 
     def refresh_replicas(self) -> None:
         """Hands every replica the current central parameters (those it does not read in place) and buffers."""

@@ -2,9 +2,12 @@
 whole global batch, in the forward and the backward pass, as one device computes them.
 
 Replicas of one process are threads, so torch's `SyncBatchNorm` (which needs a process group) does
-not apply. Instead the user's BatchNorm layers keep their class, parameters and buffers (so
-`isinstance(m, nn.BatchNorm2d)`, `state_dict()` keys and eval mode are untouched); only the
-instance's `forward` is replaced, while a strategy runs, by one that calls `_GlobalBatchNorm`:
+not apply. Instead, as `torch.nn.SyncBatchNorm.convert_sync_batchnorm` does, `convert` returns a
+copy of the user's model (its parameters and buffers shared, not copied) whose BatchNorm layers are
+new layers of a subclass of theirs (`GlobalBatchNorm1d/2d/3d`, so `isinstance(m, nn.BatchNorm2d)`,
+`state_dict()` keys and eval mode are as before) holding the same tensors; the replicas are made from
+that copy and the user's model and its layers are left as they are. While the strategy runs, a
+converted layer's training forward calls `_GlobalBatchNorm`:
 
 - forward: each replica contributes [sum, sum of squares, count] per channel (float64, from
   its slice's mean and biased variance, which keeps the float32 case well conditioned); the
@@ -29,7 +32,7 @@ replicas; `state_dict()` and evaluation read replica 0's.
 
 from __future__ import annotations
 
-import functools
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,20 +99,97 @@ class _Call:
     eps: float
 
 
-class _SyncForward:
-    """The `forward` a synchronised layer's instance carries. A copy of the module (deepcopy,
-    pickle) gets the class's own forward back: a copy is not one of the strategy's replicas."""
+class _SyncLink:
+    """Where converted layers find the part that synchronises them (None before `attach`, after `remove`).
+    Shared by every replica made from a converted model (deepcopy keeps it); a pickled layer gets a link of
+    its own, to nothing: it runs as a plain layer."""
 
-    def __init__(self, sync: "BatchNormSync", layer: int, module: _BatchNorm) -> None:
-        self._call = functools.partial(sync._forward, layer, module)
-        self._module = module
+    def __init__(self) -> None:
+        self.sync: BatchNormSync | None = None
 
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        return self._call(input)
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SyncLink:
+        return self
 
     def __reduce__(self) -> Any:
-        # Rebuilt as the copy's own attribute lookup, made before the copy's __dict__ is filled: the class's forward.
-        return (getattr, (self._module, "forward"))
+        return (_SyncLink, ())
+
+
+class _Converted:
+    """What a converted layer adds to its BatchNorm class: its training forward goes to the part."""
+
+    _link: _SyncLink
+    _layer: int
+    _plain: type[_BatchNorm]
+
+    def _bind(self, link: _SyncLink, layer: int, plain: type[_BatchNorm]) -> None:
+        """Set once, right after `__init__`: where the part is found, which layer this is, the class it replaces."""
+        self._link, self._layer, self._plain = link, layer, plain
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        module: Any = self
+        sync = self._link.sync
+        if sync is None:
+            return self._plain.forward(module, input)  # the strategy is closed: the layer as written
+        return sync._forward(self._layer, module, input)
+
+
+class GlobalBatchNorm1d(_Converted, nn.BatchNorm1d):
+    """A BatchNorm1d whose statistics, inside a strategy's step, are those of the global batch."""
+
+
+class GlobalBatchNorm2d(_Converted, nn.BatchNorm2d):
+    """A BatchNorm2d whose statistics, inside a strategy's step, are those of the global batch."""
+
+
+class GlobalBatchNorm3d(_Converted, nn.BatchNorm3d):
+    """A BatchNorm3d whose statistics, inside a strategy's step, are those of the global batch."""
+
+
+class GlobalBatchNorm(_Converted, _BatchNorm):
+    """Any other BatchNorm class (a user's subclass of `_BatchNorm`): its input check and plain forward are
+    its class's; it is an instance of torch's `_BatchNorm` only, as `convert_sync_batchnorm` makes it."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        self._plain._check_input_dim(self, input)  # type: ignore[arg-type]
+
+
+_CONVERTED: dict[type[_BatchNorm], type[_BatchNorm]] = {
+    nn.BatchNorm1d: GlobalBatchNorm1d,
+    nn.BatchNorm2d: GlobalBatchNorm2d,
+    nn.BatchNorm3d: GlobalBatchNorm3d,
+}
+
+
+def _convert_layer(layer: _BatchNorm, link: _SyncLink, index: int) -> _BatchNorm:
+    """A new layer holding `layer`'s parameters and buffers (the same tensors), built by its class's `__init__`,
+    as `convert_sync_batchnorm` builds its layers."""
+    plain = type(layer)
+    cls = next((c for base, c in _CONVERTED.items() if plain is base), GlobalBatchNorm)
+    new: Any = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+    if layer.affine:
+        new.weight, new.bias = layer.weight, layer.bias
+    if layer.track_running_stats:
+        new.running_mean, new.running_var = layer.running_mean, layer.running_var
+        new.num_batches_tracked = layer.num_batches_tracked
+    new.train(layer.training)
+    new._bind(link, index, plain)
+    return new
+
+
+def convert(model: nn.Module, link: _SyncLink) -> nn.Module:
+    """`model` when it has no BatchNorm layer; else a copy of it (every parameter and buffer shared with it,
+    the modules new) whose BatchNorm layers are converted ones linked to `link`. `model` is left as it is."""
+    if not batch_norm_layers(model):
+        return model
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    copy_ = copy.deepcopy(model, shared)
+    layers = batch_norm_layers(copy_)
+    if layers[0][0] == "":  # the model is one BatchNorm layer
+        return _convert_layer(layers[0][1], link, 0)
+    for index, (name, layer) in enumerate(layers):
+        parent_name, _, child = name.rpartition(".")
+        setattr(copy_.get_submodule(parent_name), child, _convert_layer(layer, link, index))
+    return copy_
 
 
 class BatchNormSync:
@@ -149,27 +229,28 @@ class BatchNormSync:
         self._cross_worker_sum = cross_worker_sum
         self._names: list[str] = []
         self._channels: list[int] = []
-        self._installed: list[_BatchNorm] = []
+        self._link = _SyncLink()
         self.begin_step()
 
     # ---- set-up -------------------------------------------------------------------------------
-    def install(self, replicas: Sequence[nn.Module]) -> None:
-        """Gives each BatchNorm layer of every replica the forward of this part (with several replicas in sync)."""
-        layers = [batch_norm_layers(r) for r in replicas]  # (lazy layers fail before this: torch's own error)
-        self._names = [name for name, _ in layers[0]]
-        self._channels = [m.num_features for _, m in layers[0]]
+    def convert(self, model: nn.Module) -> nn.Module:
+        """What the replicas are made from: with several replicas in sync, `convert(model)` (a copy sharing the
+        user's parameters and buffers, its BatchNorm layers converted); otherwise `model` itself."""
         if self._num_in_sync == 1:
-            return
-        for replica_layers in layers:
-            for index, (_, module) in enumerate(replica_layers):
-                module.forward = _SyncForward(self, index, module)  # type: ignore[method-assign]
-                self._installed.append(module)
+            return model
+        return convert(model, self._link)
+
+    def attach(self, replicas: Sequence[nn.Module]) -> None:
+        """Links the converted layers of the replicas to this part, and learns their names and widths."""
+        layers = batch_norm_layers(replicas[0])  # (lazy layers fail before this: torch's own error)
+        self._names = [name for name, _ in layers]
+        self._channels = [m.num_features for _, m in layers]
+        if self._num_in_sync > 1:
+            self._link.sync = self
 
     def remove(self) -> None:
-        """Gives every layer its class's forward back (the strategy is closed)."""
-        for module in self._installed:
-            module.__dict__.pop("forward", None)
-        self._installed = []
+        """Unlinks the converted layers (the strategy is closed): they run as their plain class does."""
+        self._link.sync = None
 
     def begin_step(self) -> None:
         """Called at the start of each run: every replica's meetings count from zero."""
@@ -203,7 +284,7 @@ class BatchNormSync:
     # ---- the forward a layer gets -------------------------------------------------------------
     def _forward(self, layer: int, module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
         ctx = current_replica_context()
-        plain = type(module).forward
+        plain = getattr(module, "_plain", type(module)).forward
         if ctx is None or ctx.strategy is not self._strategy:
             return plain(module, input)  # outside a step (evaluation on replica 0, a summary): the layer as written
         use_batch_stats = module.training or (module.running_mean is None and module.running_var is None)

@@ -125,12 +125,37 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
 
     Outside `Strategy.run`, `param_groups` are the primary groups, so a user or an LR scheduler that sets
     `lr` there sets it for every replica: each replica's groups are refreshed from them before its step.
-    An LR scheduler built on this optimizer is stepped once per global step (see `lr_schedulers`).
+    Inside `run` they are views of the running replica's groups that refuse writes: an LR scheduler
+    stepped there must be handed to `strategy.distribute_scheduler` (see `lr_schedulers`).
     """
 
+    # Set by each subclass's __init__ (Optimizer.__init__ is not called: this object owns no parameters).
     _optimizers: list[torch.optim.Optimizer]
     _strategy: Any
-    _schedulers: lr_schedulers.SchedulerSet  # set by each subclass's __init__ (Optimizer.__init__ is not called)
+    _watch: lr_schedulers.HyperparameterWatch
+    _stepped: bool
+
+    def _start_watch(self) -> None:
+        self._watch = lr_schedulers.HyperparameterWatch(lambda: self._primary().param_groups)
+        self._stepped = False
+
+    @property
+    def primary_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose groups hold the hyper-parameters: the one given to `distribute`."""
+        return self._primary()
+
+    @property
+    def has_stepped(self) -> bool:
+        """Whether `step()` has run at least once."""
+        return self._stepped
+
+    def begin_run(self) -> None:
+        """A run starts: the hyper-parameters from here on change only through a handed-over scheduler."""
+        self._watch.begin_run()
+
+    def end_run(self) -> None:
+        """A run ended: refuses a hyper-parameter change that no handed-over scheduler made (`lr_schedulers`)."""
+        self._watch.end_run()
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -150,16 +175,15 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
         self._strategy._meet(replica, what)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[Any]:  # type: ignore[override]
         replica = self._current_replica()
         if replica is None or lr_schedulers.executing():
-            if replica is None:
-                lr_schedulers.adopt_calling_scheduler(self)  # a scheduler being built reads the groups here
             return self._primary().param_groups
-        return self._replica_optimizer(replica).param_groups
+        return self._watch.view(self._replica_optimizer(replica).param_groups, replica)
 
     def _sync_hyperparameters(self, replica: int) -> torch.optim.Optimizer:
         """Replica `replica`'s optimizer, with the primary groups' hyper-parameters (an LR scheduler writes those)."""
+        self._stepped = True
         optimizer = self._replica_optimizer(replica)
         _copy_hyperparameters(self._primary().param_groups, optimizer.param_groups)
         return optimizer
@@ -167,7 +191,8 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
     def _publish_hyperparameters(self) -> None:
         """Copies the primary groups' hyper-parameters to every replica's optimizer (after a scheduler step)."""
         for r in range(len(self._optimizers)):
-            self._sync_hyperparameters(r)
+            _copy_hyperparameters(self._primary().param_groups, self._replica_optimizer(r).param_groups)
+        self._watch.accept()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise InputError(
@@ -204,10 +229,9 @@ class DistributedOptimizer(ReplicatedOptimizer):
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], strategy: Any) -> None:
-        # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._optimizers = list(optimizers)
         self._strategy = strategy
-        self._schedulers = lr_schedulers.SchedulerSet()
+        self._start_watch()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -260,29 +284,36 @@ def clone_optimizer(
     the parameter the copy holds instead. Every state tensor of the copy is its own (with_state=False:
     the copy starts with no state).
 
-    Why a deep copy of the object rather than a new one built from its `param_groups` (or `defaults`):
-    building one calls `__init__`, whose signature is the class's own business (torch's AdamW does not
-    take every key of its own `defaults`, a user's subclass may take other arguments altogether), and
-    an `__init__` may set attributes beside the groups (LBFGS keeps `_params`, a subclass its own
-    fields) that `param_groups` and `state_dict()` do not carry. Copying the instance's attributes keeps
-    all of it without calling `__init__`; the memo makes every reference to a source parameter (group
-    lists, state keys, LBFGS's `_params`) one to the replica's parameter, and every tensor of the state
-    a new one, so no two replicas ever share a state tensor.
+    Made by `copy.deepcopy`, that is by the class's own copy protocol (`__reduce_ex__`, `__getstate__`,
+    `__setstate__`), never by its `__init__`, whose signature is the class's own business (torch's AdamW
+    does not take every key of its own `defaults`; a user's subclass may take other arguments altogether).
+    The memo makes every reference to a source parameter (group lists, state keys, LBFGS's `_params`) one
+    to the replica's parameter, and every tensor of the state a new one, so no two replicas ever share a
+    state tensor. torch's `Optimizer.__getstate__` carries only `defaults`, `state` and `param_groups`
+    (it is written for the base class), so for a class that keeps torch's the attributes its `__init__`
+    set beside those (LBFGS's `_params`, a subclass's own fields, the user's hooks) are deep-copied onto
+    the copy with the same memo; a class with a `__getstate__` of its own says itself what a copy holds.
     """
-    attrs = dict(vars(optimizer))
-    step = attrs.get("step")
-    if step is not None and hasattr(step, "_wrapped_by_lr_sched"):
-        # An LR scheduler's wrapper of the source's step(): it calls the source, never the copy.
-        del attrs["step"]
-    if not with_state:
-        attrs["state"] = defaultdict(dict)
     memo: dict[int, Any] = dict(mapping)
     memo[id(memo)] = [optimizer]  # keeps what the memo refers to alive, as deepcopy does with its own entries
-    clone = object.__new__(type(optimizer))
-    clone.__dict__.update(copy.deepcopy(attrs, memo))
+    if not with_state:
+        memo[id(optimizer.state)] = defaultdict(dict)
+    clone = copy.deepcopy(optimizer, memo)
+    if type(optimizer).__getstate__ is torch.optim.Optimizer.__getstate__:
+        carried = set(optimizer.__getstate__())
+        for name, value in vars(optimizer).items():
+            if name in carried or _set_by_a_scheduler(name, value):
+                continue
+            setattr(clone, name, copy.deepcopy(value, memo))
     if clone.state and any(p.device != src_device for p, src_device in _moved(optimizer, clone)):
         clone.load_state_dict(clone.state_dict())  # moves the copied state next to the replica's parameters
     return clone
+
+
+def _set_by_a_scheduler(name: str, value: Any) -> bool:
+    """Whether an optimizer's attribute is what torch's LR scheduler set on it: its wrapper of `step` (which
+    calls the source optimizer, never the copy) or the flag that wrapper raises."""
+    return name == "_opt_called" or (name == "step" and hasattr(value, "_wrapped_by_lr_sched"))
 
 
 def _moved(source: torch.optim.Optimizer, clone: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.device]]:

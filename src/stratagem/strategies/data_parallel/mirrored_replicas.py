@@ -11,7 +11,6 @@ the user's optimizer already had.
 from __future__ import annotations
 
 import copy
-import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ from torch import nn
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.strategies.data_parallel import cuda_numerics
-from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.strategies.data_parallel import placement
 from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
 from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
@@ -57,8 +55,6 @@ def distribute_optimizer(
             [optimizer] + [replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]],
             strategy,
         )
-    if distributed is not None:  # schedulers built before distribute step once per step too
-        lr_schedulers.adopt_existing(optimizer, distributed, gc.get_referrers)
     return distributed
 
 
@@ -76,6 +72,7 @@ class MirroredReplicas:
         self._first_global_replica = first_global_replica  # seeds each GPU replica's random stream
         self._recorded: list[PlacementDecision] = []
         self._set: Any = None
+        self._optimizer: ShardedOptimizer | DistributedOptimizer | None = None
 
     def attach(self, replica_set: Any) -> None:
         self._set = replica_set
@@ -92,6 +89,7 @@ class MirroredReplicas:
         distributed = None
         if optimizer is not None:
             distributed = distribute_optimizer(optimizer, source_params, replicas, devices[0], shared, owner)
+        self._optimizer = distributed
         plain = getattr(distributed, "_optimizers", None) or ([optimizer] if optimizer is not None else [])
         if len(replicas) == 1:
             return Built(replicas, model, optimizer, plain)
@@ -102,10 +100,15 @@ class MirroredReplicas:
             self._recorded.append(decision)
 
     def begin_step(self) -> None:
-        """Nothing to hand out: every replica keeps its own parameters, updated alike."""
+        """Nothing to hand out (every replica keeps its own parameters, updated alike); from here the
+        hyper-parameters change only through a scheduler handed to the strategy (lr_schedulers.py)."""
+        if self._optimizer is not None:
+            self._optimizer.begin_run()
 
     def end_run(self) -> None:
-        """Nothing to collect after a step."""
+        """Refuses a hyper-parameter change inside the run that no handed-over scheduler made."""
+        if self._optimizer is not None:
+            self._optimizer.end_run()
 
     def decisions(self) -> list[PlacementDecision]:
         return list(self._recorded)

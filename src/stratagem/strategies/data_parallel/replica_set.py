@@ -159,6 +159,7 @@ class ReplicaSet:
         self.barrier = ReplicaBarrier(self.names, timeout)
         self._pool: ReplicaPool | None = None
         self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # what distribute returned (schedulers are handed it)
         self.replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self.devices)
         self.combination = LocalCombination(self.barrier, len(self.devices))
@@ -217,24 +218,26 @@ class ReplicaSet:
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
         check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self.owner).__name__)
-        built = self.build.build(model, optimizer)
+        self._batch_norm = BatchNormSync(
+            self._batch_norm_mode,
+            strategy=self.owner,
+            barrier=self.barrier,
+            num_local=len(self.devices),
+            num_replicas_in_sync=self.num_replicas_in_sync,
+            weight=self._replica_weight,
+            step=lambda: self.step,
+            cross_worker_sum=self.across.batch_norm_sum if self.across is not None else None,
+        )
+        # The replicas are made from a converted copy (BatchNorm layers of the global batch; parameters and
+        # buffers shared with the user's model): the user's own modules are left as they are.
+        built = self.build.build(self._batch_norm.convert(model), optimizer)
         replicas = built.replicas
         self.replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
         if self.build.accumulates:
             self._accumulation.attach(self.replica_params, built.plain_optimizers)
         if self.across is not None:
             self.across.prepare(replicas, self.replica_params)
-        self._batch_norm = BatchNormSync(
-            self._batch_norm_mode,
-            strategy=self.owner,
-            barrier=self.barrier,
-            num_local=len(replicas),
-            num_replicas_in_sync=self.num_replicas_in_sync,
-            weight=self._replica_weight,
-            step=lambda: self.step,
-            cross_worker_sum=self.across.batch_norm_sum if self.across is not None else None,
-        )
-        self._batch_norm.install(replicas)
+        self._batch_norm.attach(replicas)
         if self.build.steal:
             # A share of a small gradient costs more in Python calls than it saves; those are combined after
             # the meeting, all in one call (a model of 300 small layers ran 30-50% slower stealing them all).
@@ -247,6 +250,7 @@ class ReplicaSet:
         if len(replicas) > 1:
             self._pool = ReplicaPool(self.names, self._setup_replica_thread, self._timeout)
         self.model = built.model
+        self.optimizer = built.optimizer
         return built.model if optimizer is None else (built.model, built.optimizer)
 
     # ---- run ----------------------------------------------------------------------------------
@@ -415,7 +419,7 @@ class ReplicaSet:
         return self._accumulation.no_sync(inside_run=self.current_replica() is not None)
 
     def close(self) -> None:
-        """Stops the replica threads; BatchNorm layers get their own forward back."""
+        """Stops the replica threads; converted BatchNorm layers run as their plain class from then on."""
         if self._batch_norm is not None:
             self._batch_norm.remove()
         self._accumulation.close()

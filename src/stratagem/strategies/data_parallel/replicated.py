@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.errors import InputError
 from stratagem.timeouts import check_seconds
-from stratagem.strategies.data_parallel import cuda_numerics
+from stratagem.strategies.data_parallel import cuda_numerics, lr_schedulers
+from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
@@ -51,6 +53,18 @@ class ReplicatedStrategy(Strategy):
         or the model alone when no optimizer is given."""
         self._check_distribute_args(model, optimizer, self._replicas.model)
         return self._replicas.distribute(model, optimizer)
+
+    def distribute_scheduler(self, scheduler: Any) -> lr_schedulers.DistributedScheduler:
+        """`scheduler` stepped once per global step, whether its `step()` is called in the step function (by
+        every replica) or after `run`; see `Strategy.distribute_scheduler`."""
+        optimizer = self._replicas.optimizer
+        if optimizer is None:
+            raise InputError(
+                "distribute_scheduler() needs the optimizer distributed first. Received: a "
+                f"{type(scheduler).__name__} before strategy.distribute(model, optimizer). Call distribute first."
+            )
+        host = optimizer if isinstance(optimizer, ReplicatedOptimizer) else None
+        return lr_schedulers.distribute_scheduler(scheduler, host, optimizer)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Runs `fn` once per replica, in parallel, each with its slice of the distributed inputs.

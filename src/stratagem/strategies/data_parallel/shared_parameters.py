@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.strategies.data_parallel.distributed import (
     KERNEL_KEYS,
     ReplicatedOptimizer,
@@ -95,8 +94,8 @@ class ShardedOptimizer(ReplicatedOptimizer):
         # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._template = template
         self._strategy = strategy
-        self._schedulers = lr_schedulers.SchedulerSet()
         self._replica_params = [list(ps) for ps in replica_params]
+        self._start_watch()
         source = self._replica_params[0]
         index = {id(p): i for i, p in enumerate(source)}
         self._order = [index[id(p)] for group in template.param_groups for p in group["params"]]
@@ -150,10 +149,6 @@ class ShardedOptimizer(ReplicatedOptimizer):
         result = optimizer.step(closure)
         for shard in shards:
             shard.grad = None
-        if hasattr(vars(self._template).get("step"), "_wrapped_by_lr_sched"):
-            # A scheduler built on the user's optimizer before distribute checks, at its first step, that
-            # the optimizer stepped: torch's wrapper of its step() records that, but the shards step instead.
-            self._template._opt_called = True  # type: ignore[attr-defined]
         self._strategy._after_optimizer_step(replica)  # nobody reads the parameters until every share is updated
         return result
 
@@ -228,9 +223,11 @@ def _prefer_fast_kernels(optimizer: torch.optim.Optimizer) -> None:
         return
     if "fused" in defaults and type(optimizer) in _FUSED_ON_CPU:
         flags = {"fused": True, "foreach": None}
-        # What the class's __init__ does for fused=True: GradScaler may hand it the scale, and the
-        # parameters' device and dtype are checked at the first step.
-        # Attributes torch's optimizer classes set for themselves, undeclared on Optimizer in torch's stubs.
+        # Written on stratagem's own copy (a shard's optimizer, made by clone_optimizer), never on the user's
+        # optimizer. What the class's __init__ does for fused=True in torch 2.13 (Adam, AdamW, SGD, Adagrad):
+        # GradScaler hands the scale to an optimizer whose _step_supports_amp_scaling is true, and the fused
+        # kernel checks the parameters' device and dtype at the first step when _need_device_dtype_check_for_fused
+        # is; the copy was made with the user's flags, so it lacks them. Undeclared on Optimizer in torch's stubs.
         optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
         optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
     elif "foreach" in defaults:

@@ -9,10 +9,11 @@ script runs on every task) and builds the optimizer over its shards.
 Why the server does not call the class with the groups (``cls(param_groups)``): ``__init__``'s
 signature is the class's own business. A user's subclass may need arguments that are not
 hyper-parameters (the call fails), or take them with defaults and keep them as attributes (the call
-succeeds with the wrong values, silently). So, as ``strategies.distributed.clone_optimizer`` does
-for replicas in one process, the class's ``__init__`` is not called: a new instance gets the
-chief's attributes and ``torch.optim.Optimizer.__init__`` over the server's groups and the chief's
-``defaults``, which is all the state an optimizer keeps outside ``param_groups`` and ``state``.
+succeeds with the wrong values, silently). So the server rebuilds the optimizer as unpickling does
+(``torch.save``/``torch.load`` of an optimizer take this path too): ``cls.__new__`` and the class's own
+``__setstate__`` with the chief's ``defaults`` and an empty state, then the chief's attributes, then
+``add_param_group`` for each of the server's groups, which is all an optimizer keeps outside
+``param_groups`` and ``state``.
 
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> spec = optimizer_spec(torch.optim.AdamW([w], lr=0.1, weight_decay=0.5))
@@ -26,6 +27,7 @@ chief's attributes and ``torch.optim.Optimizer.__init__`` over the server's grou
 from __future__ import annotations
 
 import sys
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,9 +127,9 @@ def resolve_optimizer_class(module: str, qualname: str) -> type[torch.optim.Opti
 def build_optimizer(
     cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], spec: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """An instance of ``cls`` over ``groups`` with the ``defaults`` and attributes of ``spec``, made without
-    calling ``cls.__init__`` (see the module docstring); torch's foreach kernels where the user left the
-    choice to torch (same arithmetic, one call over many shards instead of a Python loop)."""
+    """An instance of ``cls`` over ``groups`` with the ``defaults`` and attributes of ``spec``, made as unpickling
+    makes one (see the module docstring); torch's foreach kernels where the user left the choice to torch (same
+    arithmetic, one call over many shards instead of a Python loop)."""
     defaults, attributes = spec.get("defaults", {}), spec.get("attributes", {})
     if not (
         isinstance(defaults, dict)
@@ -140,8 +142,11 @@ def build_optimizer(
         )
     if all(g.get("foreach", False) is None and not g.get("fused") and not g.get("differentiable") for g in groups):
         groups = [{**g, "foreach": True} for g in groups]  # every torch optimizer with the option has the kernels
-    optimizer = object.__new__(cls)
-    # The class's own attributes first: an add_param_group it overrides may read them.
-    optimizer.__dict__.update(_from_plain(attributes))
-    torch.optim.Optimizer.__init__(optimizer, groups, _from_plain(defaults))
+    optimizer = cls.__new__(cls)
+    optimizer.__setstate__({"defaults": _from_plain(defaults), "state": defaultdict(dict), "param_groups": []})
+    # The class's own attributes before the groups: an add_param_group it overrides may read them.
+    for name, value in _from_plain(attributes).items():
+        setattr(optimizer, name, value)
+    for group in groups:
+        optimizer.add_param_group(group)
     return optimizer
