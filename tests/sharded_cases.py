@@ -182,91 +182,107 @@ def gpt2_batches() -> list[dict[str, torch.Tensor]]:
 def strategy_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
     """ShardedStrategy under each stage on the MLP (AdamW), and tiny GPT-2 with tied embeddings and declared
     token counts, against one device; plus what the strategy reports and refuses."""
+    import stratagem as sg
+
+    out: dict[str, Any] = {}
+    for stage in (3, 2):
+        strategy = sg.ShardedStrategy(stage=stage, cluster=cluster_of(rank, ports[stage - 2]), timeout=60)
+        try:
+            out.update(_mlp_case(strategy, stage))
+        finally:
+            strategy.close()
+    strategy = sg.ShardedStrategy(cluster=cluster_of(rank, ports[2]), timeout=60)
+    try:
+        out.update(_gpt2_case(strategy))
+    finally:
+        strategy.close()
+    return out
+
+
+def _mlp_case(strategy: Any, stage: int) -> dict[str, Any]:
+    import tempfile
+
+    import stratagem as sg
+
+    out: dict[str, Any] = {}
+    data = batches(torch.float32)
+    with pytest_refusal() as refused:
+        net = mlp(torch.float32)
+        strategy.distribute(net, torch.optim.LBFGS(net.parameters()))
+    out[f"stage {stage} LBFGS"] = refused.message
+    reference = mlp(torch.float32)
+    train_one_device(reference, OPTIMIZERS["adamw"](reference.parameters()), data, 0.5, 1)
+    user_model = mlp(torch.float32)
+    model, opt = strategy.distribute(user_model, OPTIMIZERS["adamw"](user_model.parameters()))
+    plan = strategy.memory_plan()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    for x, y in strategy.distribute_dataset(data):
+        strategy.reduce("mean", strategy.run(step, args=(x, y)))
+    out[f"stage {stage} mlp"] = max(
+        float((full(p).detach() - q.detach()).abs().max() / q.detach().abs().max())
+        for p, q in zip(model.parameters(), reference.parameters())
+    )
+    out[f"stage {stage} user model untouched"] = type(user_model) is nn.Sequential and not any(
+        hasattr(p, "full_tensor") for p in user_model.parameters()
+    )
+    out[f"stage {stage} plan"] = (plan.parameters, plan.gathered_peak)
+    out[f"stage {stage} explain"] = str(strategy.explain())
+    gathered = strategy.step(lambda x: model(x).detach(), returns="gather")(data[0][0])
+    out[f"stage {stage} gather"] = tuple(gathered.shape)
+    if stage == 2:
+        with tempfile.TemporaryDirectory() as backup_dir, pytest_refusal() as refused:
+            callbacks = [sg.callbacks.BackupAndRestore(backup_dir)]
+            sg.fit(strategy, model, opt, torch.nn.functional.mse_loss, data, callbacks=callbacks)
+        out["backup refused"] = refused.message
+    return out
+
+
+def _gpt2_case(strategy: Any) -> dict[str, Any]:
     import warnings
 
     import stratagem as sg
     from zoo import tiny_gpt2
 
     out: dict[str, Any] = {}
-    data = batches(torch.float32)
-    for stage in (3, 2):
-        strategy = sg.ShardedStrategy(stage=stage, cluster=cluster_of(rank, ports[stage - 2]), timeout=60)
-        try:
-            with pytest_refusal() as refused:
-                strategy.distribute(mlp(torch.float32), torch.optim.LBFGS(mlp(torch.float32).parameters()))
-            out[f"stage {stage} LBFGS"] = refused.message
-            reference = mlp(torch.float32)
-            train_one_device(reference, OPTIMIZERS["adamw"](reference.parameters()), data, 0.5, 1)
-            user_model = mlp(torch.float32)
-            model, opt = strategy.distribute(user_model, OPTIMIZERS["adamw"](user_model.parameters()))
-            plan = strategy.memory_plan()
-            losses = []
+    torch.manual_seed(0)
+    # float64 parameters (transformers computes the loss in float32 whatever the dtype) and SGD with momentum:
+    # Adam's first steps turn float32 rounding of near-zero gradients into whole steps of lr, hiding the weighting.
+    user_model = tiny_gpt2().to(torch.float64)
+    reference = copy.deepcopy(user_model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    gpt = gpt2_batches()
+    for batch in gpt:
+        reference(**batch).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = strategy.distribute(user_model, torch.optim.SGD(user_model.parameters(), lr=0.1, momentum=0.9))
+    out["gpt2 warnings"] = [str(w.message) for w in caught if "ShardedStrategy" in str(w.message)]
 
-            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                loss = loss_fn(model, x, y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-                opt.step()
-                opt.zero_grad()
-                return loss.detach()
+    def lm_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        output = model(**batch)
+        sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
+        output.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return output.loss.detach()
 
-            for x, y in strategy.distribute_dataset(data):
-                losses.append(float(strategy.reduce("mean", strategy.run(step, args=(x, y)))))
-            out[f"stage {stage} mlp"] = max(
-                float((full(p).detach() - q.detach()).abs().max() / q.detach().abs().max())
-                for p, q in zip(model.parameters(), reference.parameters())
-            )
-            out[f"stage {stage} user model untouched"] = type(user_model) is nn.Sequential and not any(
-                hasattr(p, "full_tensor") for p in user_model.parameters()
-            )
-            out[f"stage {stage} plan"] = (plan.parameters, plan.gathered_peak)
-            out[f"stage {stage} explain"] = str(strategy.explain())
-            x0 = data[0][0]
-            gathered = strategy.step(lambda x: model(x).detach(), returns="gather")(x0)
-            out[f"stage {stage} gather"] = tuple(gathered.shape)
-            if stage == 2:
-                import tempfile
-
-                with tempfile.TemporaryDirectory() as backup_dir, pytest_refusal() as refused:
-                    callbacks = [sg.callbacks.BackupAndRestore(backup_dir)]
-                    sg.fit(strategy, model, opt, torch.nn.functional.mse_loss, data, callbacks=callbacks)
-                out["backup refused"] = refused.message
-        finally:
-            strategy.close()
-
-    strategy = sg.ShardedStrategy(cluster=cluster_of(rank, ports[2]), timeout=60)
-    try:
-        torch.manual_seed(0)
-        user_model = tiny_gpt2()
-        reference = copy.deepcopy(user_model)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
-        gpt = gpt2_batches()
-        for batch in gpt:
-            reference(**batch).loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model, opt = strategy.distribute(user_model, torch.optim.AdamW(user_model.parameters(), lr=0.01))
-        out["gpt2 warnings"] = [str(w.message) for w in caught if "ShardedStrategy" in str(w.message)]
-
-        def lm_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            output = model(**batch)
-            sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
-            output.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return output.loss.detach()
-
-        for batch in strategy.distribute_dataset(gpt):
-            strategy.run(lm_step, args=(batch,))
-        expected = dict(reference.named_parameters())
-        out["gpt2"] = max(
-            float((full(p).detach() - expected[name].detach()).abs().max() / expected[name].detach().abs().max())
-            for name, p in model.named_parameters()
-        )
-    finally:
-        strategy.close()
+    for batch in strategy.distribute_dataset(gpt):
+        strategy.run(lm_step, args=(batch,))
+    expected = dict(reference.named_parameters())
+    out["gpt2"] = max(
+        float((full(p).detach() - expected[name].detach()).abs().max() / expected[name].detach().abs().max())
+        for name, p in model.named_parameters()
+    )
     return out
 
 

@@ -37,7 +37,7 @@ from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_re
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.strategies.sharded.checks import check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import WeightedReduceScatter, weigh_gradients
@@ -146,9 +146,9 @@ class ShardedStrategy(Strategy):
         check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
         sharded = copy.deepcopy(model).to(self._device)
         self._cut = cut_model(sharded, self._policy)
-        message = self._cut.warning()
-        if message is not None:
-            warnings.warn(message, stacklevel=2)
+        for message in (self._cut.warning(), batch_norm_warning(model)):
+            if message is not None:
+                warnings.warn(message, stacklevel=2)
         originals = dict(model.named_parameters())
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
         self._plan = self._memory_plan(list(model.parameters()), optimizer)
@@ -331,5 +331,12 @@ class ShardedStrategy(Strategy):
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
     def close(self) -> None:
-        """Frees the process group (see `WorkerGroup.close`); a second call does nothing."""
-        self._group.close()
+        """Frees the process group (see `WorkerGroup.close`); a second call does nothing.
+
+        The rendezvous store is not handed back (`release=False`): FSDP2's module state keeps the process group,
+        and with it the chief's store, alive as long as the sharded model lives, which is usually until the
+        script ends, so the hand-back would only keep the other workers waiting for their whole timeout.
+        A strategy built again in the same processes meets at another address."""
+        self._model = None
+        self._comm = None
+        self._group.close(release=False)
