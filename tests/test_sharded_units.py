@@ -129,3 +129,11 @@ def test_batch_norm_is_named_in_a_warning_since_its_statistics_are_each_ranks():
     assert message is not None
     assert "Received: 1 BatchNorm layer(s) (1, ...)" in message
     assert batch_norm_warning(Net()) is None
+
+
+def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_gradients():
+    model = nn.Linear(10, 5)
+    plan = plan_memory(
+        list(model.parameters()), None, rank=0, world_size=2, stage=3, largest_unit_bytes=220, num_units=0
+    )
+    assert plan.gathered_peak == 220 + 220

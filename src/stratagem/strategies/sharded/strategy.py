@@ -192,6 +192,7 @@ class ShardedStrategy(Strategy):
             world_size=self._group.world_size,
             stage=self._stage,
             largest_unit_bytes=self._cut.largest_unit_bytes,
+            num_units=len(self._cut.units),
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
         )
 
