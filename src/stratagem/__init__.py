@@ -40,6 +40,7 @@ from stratagem.strategies import (
     OneDeviceStrategy,
     ParameterServerStrategy,
     ReplicaContext,
+    ShardedStrategy,
     Strategy,
     current_replica_context,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "ReduceOp",
     "RendezvousError",
     "ReplicaContext",
+    "ShardedStrategy",
     "ReplicaError",
     "StratagemError",
     "Strategy",

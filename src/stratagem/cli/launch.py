@@ -20,7 +20,9 @@ from stratagem.cluster import OutputLine, launch
 from stratagem.errors import StratagemError
 from stratagem.strategies.by_name import STRATEGY_NAMES
 
-ONE_PROCESS_STRATEGIES = tuple(name for name in STRATEGY_NAMES if name not in ("multi_worker", "parameter_server"))
+ONE_PROCESS_STRATEGIES = tuple(
+    name for name in STRATEGY_NAMES if name not in ("multi_worker", "parameter_server", "sharded")
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

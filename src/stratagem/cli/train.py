@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"stratagem train: {error}", file=sys.stderr)
         return 2
     parameter_server = args.strategy == "parameter_server"
-    if (parameter_server or (args.strategy == "multi_worker" and args.workers > 1)) and not launched_by_stratagem(env):
+    per_worker = args.strategy in ("multi_worker", "sharded") and args.workers > 1
+    if (parameter_server or per_worker) and not launched_by_stratagem(env):
         # Start one process per task running this same command; each becomes a task of the strategy's cluster.
         sink = _json_sink if args.json else _prefixed_sink
         result = relaunch(
@@ -220,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_before_work(args: argparse.Namespace) -> None:
     """What the command can refuse before it builds anything or starts a process."""
-    if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server"):
+    if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server", "sharded"):
         raise InputError(
-            f"--workers {args.workers} needs --strategy multi_worker or parameter_server. "
+            f"--workers {args.workers} needs --strategy multi_worker, sharded or parameter_server. "
             f"Received: --strategy {args.strategy}. Add --strategy multi_worker, or leave --workers out."
         )
     if args.ps is not None and args.strategy != "parameter_server":

@@ -7,6 +7,7 @@ from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
+from stratagem.strategies.sharded import ShardedStrategy
 from stratagem.strategies.parameter_server import (
     ClusterCoordinator,
     FixedShardsPartitioner,
@@ -30,6 +31,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "ReplicaContext",
+    "ShardedStrategy",
     "Strategy",
     "current_replica_context",
 ]

@@ -89,6 +89,12 @@ class Strategy(abc.ABC):
         """True when every replica takes part in each update (False: the parameter server's asynchronous steps)."""
         return True
 
+    @property
+    def holds_whole_state(self) -> bool:
+        """True when each process's model and optimizer hold whole tensors, as `BackupAndRestore` saves them
+        (False: the state is sharded across processes, which a backup of the chief's state would not hold)."""
+        return True
+
     def input_pipeline(self) -> tuple[int, int]:
         """(number of input pipelines, this process's pipeline id): one pipeline per worker process."""
         return 1, 0

@@ -20,6 +20,7 @@ from stratagem.strategies import (
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ParameterServerStrategy,
+    ShardedStrategy,
     Strategy,
 )
 
@@ -42,6 +43,8 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     ),
     # The cluster (chief, workers, parameter servers) comes from TF_CONFIG, as `stratagem launch --ps` sets it.
     "parameter_server": lambda names, registry: ParameterServerStrategy(),
+    # One process per worker, as multi_worker; the cluster comes from the launcher's variables.
+    "sharded": lambda names, registry: ShardedStrategy(device=names[0]),
 }
 """How each strategy is built from its devices; add an entry (and, if its default devices differ,
 a branch in `_default_devices`) to offer another strategy by name."""
@@ -93,7 +96,7 @@ def _default_devices(name: str, registry: DeviceRegistry) -> tuple[list[str], Pl
     why = gpu_unavailable_reason(collect_facts(environ.current()))
     no_gpu = f"no usable GPU: {why.reason}" if why is not None else "no usable GPU"
     cpus = [d.name for d in registry.get_logical_devices("cpu")]
-    if name in ("multi_worker", "parameter_server"):
+    if name in ("multi_worker", "parameter_server", "sharded"):
         # One replica per worker process: the workers already share the cores between them.
         return cpus[:1], PlacementDecision(
             subject="devices", choice=cpus[0], reason=f"{no_gpu} So one CPU replica per worker process."

@@ -137,6 +137,13 @@ class BackupAndRestore(Callback):
         return self.backup_dir / self.PREVIOUS_NAME
 
     def on_train_begin(self, context: TrainingContext) -> None:
+        if not context.strategy.holds_whole_state:
+            raise InputError(
+                f"BackupAndRestore saves the whole model and optimizer state, but {type(context.strategy).__name__} "
+                "shards them across processes. Received: callbacks=[BackupAndRestore(...)] under a sharded strategy. "
+                "Train without BackupAndRestore under it until sharded checkpoints exist, or use "
+                "MultiWorkerMirroredStrategy."
+            )
         if context.is_chief:
             self._make_directory()
             remove_stale_temporaries(self.backup_dir, self.FILE_NAME)  # a save the previous attempt did not finish

@@ -1,0 +1,11 @@
+"""Sharded data parallelism (ZeRO stages 2 and 3) on FSDP2, in the order `strategy.py` applies the parts:
+
+- `units.py`: how the model is cut into the units gathered one at a time, and `fully_shard` applied;
+- `weighting.py`: gradients reduce-scattered as a SUM pre-scaled by each rank's share (exact on any split);
+- `memory.py`: the bytes each rank holds, by category, before the first step;
+- `checks.py`: what is refused before anything is built (LBFGS, CUDA on Gloo, a stepped optimizer).
+"""
+
+from stratagem.strategies.sharded.strategy import ShardedStrategy
+
+__all__ = ["ShardedStrategy"]

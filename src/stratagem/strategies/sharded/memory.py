@@ -1,0 +1,184 @@
+"""The memory plan: bytes per rank by category, worked out before the first step.
+
+FSDP2 cuts every parameter along its first dimension into `world_size` chunks of ceil(rows / N) rows;
+rank r holds rows [r * chunk, min((r + 1) * chunk, rows)) (possibly none). With P_r the bytes of those
+rows on rank r:
+
+- parameters at rest: P_r (stage 2 and 3 alike: between steps only the shards exist);
+- gradients: P_r (each reduce-scatter leaves this rank only its shard's sum);
+- optimizer state: k * P_r plus the per-parameter step counters, k = the state tensors the optimizer
+  keeps per parameter (SGD with momentum 1, Adagrad 1, Adam and AdamW 2, 3 with amsgrad, ...);
+- gathered working set at the peak: stage 3 gathers one unit at a time and prefetches the next, and
+  backward holds the unit's unsharded gradients: 2 U + U_grad, U the largest unit in the compute dtype
+  (U + U_grad when the whole model is one unit);
+  stage 2 keeps every unit gathered from forward to backward: the whole model M plus U_grad.
+
+Against plain data parallelism (a whole copy of parameters, gradients and state per rank: (2 + k) M
+with fp32 AdamW's k = 2 giving DeepSpeed's 16 bytes per parameter), the state at rest falls by N.
+Activations depend on the batch and are not planned here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# State tensors shaped like the parameter, per optimizer class (torch's own optimizers).
+_STATE_TENSORS: dict[str, Any] = {
+    "SGD": lambda g: 1 if g.get("momentum", 0) else 0,
+    "Adam": lambda g: 3 if g.get("amsgrad") else 2,
+    "AdamW": lambda g: 3 if g.get("amsgrad") else 2,
+    "Adamax": lambda g: 2,
+    "NAdam": lambda g: 2,
+    "RAdam": lambda g: 2,
+    "Adadelta": lambda g: 2,
+    "Adagrad": lambda g: 1,
+    "RMSprop": lambda g: 1 + (1 if g.get("momentum", 0) else 0) + (1 if g.get("centered") else 0),
+}
+# Optimizers that keep a step counter per parameter, a 0-dim float32 tensor.
+_STEP_TENSOR = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Adagrad", "RMSprop"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Bytes one rank holds, by category (see the module docstring for the formulas).
+
+    Example:
+        >>> plan = strategy.memory_plan(model, optimizer)                        # doctest: +SKIP
+        >>> plan.parameters + plan.gradients + plan.optimizer_state              # doctest: +SKIP
+    """
+
+    rank: int
+    """The rank this plan is for."""
+    world_size: int
+    stage: int
+    parameters: int
+    """This rank's shards of the parameters, at rest."""
+    gradients: int
+    """This rank's shards of the gradients after a step's reduce-scatter."""
+    optimizer_state: int | None
+    """This rank's shards of the optimizer's state after its first step (None: an optimizer this plan does not know)."""
+    gathered_peak: int
+    """Unsharded parameters and gradients held at once at the peak of forward and backward."""
+    unsharded_model: int
+    """Bytes of the whole model's parameters: what every rank would hold without sharding."""
+
+    @property
+    def total(self) -> int | None:
+        """Everything above added up (activations not included); None when the optimizer state is unknown."""
+        if self.optimizer_state is None:
+            return None
+        return self.parameters + self.gradients + self.optimizer_state + self.gathered_peak
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"total": self.total}
+
+    def __str__(self) -> str:
+        state = "unknown optimizer" if self.optimizer_state is None else show_bytes(self.optimizer_state)
+        return (
+            f"rank {self.rank}/{self.world_size}, stage {self.stage}: parameters {show_bytes(self.parameters)}, "
+            f"gradients {show_bytes(self.gradients)}, optimizer state {state}, gathered at peak {show_bytes(self.gathered_peak)} "
+            f"(unsharded model {show_bytes(self.unsharded_model)})"
+        )
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows of a first dimension of `rows` that FSDP2 gives `rank` (ceil-sized chunks, the last ones short)."""
+    chunk = math.ceil(rows / world_size) if rows else 0
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def shard_bytes(shape: torch.Size, element_size: int, world_size: int, rank: int) -> int:
+    """Bytes of `rank`'s shard of a tensor of `shape` (a 0-dim tensor counts as one row)."""
+    if len(shape) == 0:
+        return element_size if rank == 0 else 0
+    per_row = math.prod(shape[1:]) * element_size
+    return shard_rows(shape[0], world_size, rank) * per_row
+
+
+def plan_memory(
+    params: Iterable[nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    rank: int,
+    world_size: int,
+    stage: int,
+    largest_unit_bytes: int,
+    num_units: int = 1,
+    compute_element_size: int | None = None,
+) -> MemoryPlan:
+    """The plan for the model's ORIGINAL (unsharded) parameters `params` and the user's `optimizer`.
+
+    `largest_unit_bytes`: the largest unit's parameters in their own dtype; `num_units`: the units besides the
+    root (0: the whole model is one unit, nothing is prefetched); `compute_element_size`: the
+    bytes of one element of the mixed-precision parameter dtype, when one is set.
+    """
+    params = list(params)
+    mine = {id(p): shard_bytes(p.shape, p.element_size(), world_size, rank) for p in params}
+    local = sum(mine.values())
+    whole = sum(p.numel() * p.element_size() for p in params)
+    scale = 1.0
+    if compute_element_size is not None and params:
+        scale = compute_element_size / params[0].element_size()
+    unit = int(largest_unit_bytes * scale)
+    # With no unit below the root there is nothing to prefetch: the model and its unsharded gradients.
+    gathered = (2 * unit if num_units else unit) + unit if stage == 3 else int(whole * scale) + unit
+    return MemoryPlan(
+        rank=rank,
+        world_size=world_size,
+        stage=stage,
+        parameters=local,
+        gradients=local,
+        optimizer_state=_optimizer_bytes(optimizer, mine),
+        gathered_peak=gathered,
+        unsharded_model=whole,
+    )
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, mine: dict[int, int]) -> int | None:
+    if optimizer is None:
+        return 0
+    name = type(optimizer).__name__
+    per_param = _STATE_TENSORS.get(name)
+    if per_param is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        return None
+    total = 0
+    for group in optimizer.param_groups:
+        k = per_param(group)
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            total += k * mine.get(id(p), 0)
+            if name in _STEP_TENSOR:
+                total += 4  # the 0-dim float32 step counter every rank keeps whole
+    return total
+
+
+def measured_local_bytes(params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds now: the local shards of parameters, gradients and optimizer state, in bytes."""
+
+    def local(t: torch.Tensor) -> int:
+        inner = t.to_local() if hasattr(t, "to_local") else t
+        return inner.numel() * inner.element_size()
+
+    params = list(params)
+    state = sum(local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return {
+        "parameters": sum(local(p) for p in params),
+        "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+        "optimizer_state": state,
+    }
+
+
+def show_bytes(n: int) -> str:
+    """`n` bytes for a reader: B under a KiB, KiB under a MiB, else MiB."""
+    if n < 1024:
+        return f"{n} B"
+    if n < 2**20:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 2**20:.2f} MiB"

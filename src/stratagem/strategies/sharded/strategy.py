@@ -1,0 +1,343 @@
+"""ShardedStrategy: data parallelism whose parameters, gradients and optimizer state are sharded (ZeRO).
+
+One process per worker, as under MultiWorkerMirroredStrategy (`stratagem launch --workers N`, torchrun,
+SLURM, TF_CONFIG), the same training script. Built on torch's own FSDP2 (`fully_shard`), DTensor and
+DeviceMesh: each rank keeps 1/N of every parameter, gradient and optimizer state tensor; a unit's
+parameters are all-gathered for its forward and backward and its gradients reduce-scattered, weighted
+so that the result is one device's update on the global batch whatever the split (weighting.py).
+
+stage=3 (DeepSpeed ZeRO-3) frees each unit's gathered parameters after its forward and gathers them
+again for backward; stage=2 (`reshard_after_forward=False`) keeps them from forward to backward: one
+all-gather per step instead of two, for a peak of the whole model's parameters (docs/sharded.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import environ
+from stratagem.cluster import Cluster
+from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
+from stratagem.data import worker_shards
+from stratagem.data.split import batch_size_of
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import InputError
+from stratagem.strategies.base import Strategy, _check_iterable
+from stratagem.strategies.data_parallel.distributed import clone_optimizer
+from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
+from stratagem.strategies.data_parallel.loss_weight import tag_results
+from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
+from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
+from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
+from stratagem.strategies.sharded.weighting import WeightedReduceScatter, weigh_gradients
+from stratagem.values import flatten, select_replica, stack_replicas
+
+
+class ShardedStrategy(Strategy):
+    """Sharded data parallelism on FSDP2, exact on any split of the global batch.
+
+    Args:
+        stage: 3 (default): parameters, gradients and optimizer state sharded, each unit gathered for its
+            forward and again for its backward (ZeRO-3). 2: gathered parameters kept from forward to backward.
+        units: how the model is cut into units gathered one at a time: None (each child of a ModuleList or
+            Sequential), a tuple of module classes, or a callable of a module.
+        device: this worker's device (default: the CPU).
+        cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
+        timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
+        param_dtype, reduce_dtype: FSDP2's `MixedPrecisionPolicy` (e.g. torch.bfloat16 for both).
+
+    Example:
+        >>> strategy = sg.ShardedStrategy(stage=3)               # under `stratagem launch --workers 2`
+        >>> model, optimizer = strategy.distribute(Net(), torch.optim.AdamW(...))
+        >>> print(strategy.memory_plan())                        # bytes per rank, before the first step
+        >>> for x, y in strategy.distribute_dataset(loader):     # every worker iterates the same global batches
+        ...     strategy.run(train_step, args=(x, y))
+    """
+
+    # Parts, in the order they are applied (torchtitan's parallelize_llama order: cut, shard, then the rest):
+    #   group      cluster.worker_group: the plan checked, then the process group and its DeviceMesh
+    #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
+    #   units      units.cut_model: each block a unit by default, or the user's policy; the root last
+    #   shard      units.apply_cut: fully_shard per unit then the root (stage 2: reshard_after_forward=False)
+    #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
+    #   optimizer  distributed.clone_optimizer: the user's optimizer over the sharded parameters
+    #   memory     memory.plan_memory: bytes per rank, said before the first step
+    #   input      multi_worker.input: each worker's part of every global batch
+
+    def __init__(
+        self,
+        stage: int = 3,
+        *,
+        units: UnitPolicy = None,
+        device: str | torch.device = "cpu",
+        cluster: Cluster | Mapping[str, Any] | None = None,
+        timeout: float = 300.0,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self._stage = check_stage(stage)
+        self._policy = units
+        env = environ.current()
+        plan = plan_worker_group(cluster, timeout=timeout, env=env)
+        self._device = torch.device(device)
+        self._group = WorkerGroup.start(plan, [self._device], env=env)
+        self._mp = (param_dtype, reduce_dtype)
+        self._comm: WeightedReduceScatter | None = None
+        self._cut: UnitCut | None = None
+        self._plan: MemoryPlan | None = None
+        self._counts: float | None = None
+        self._accumulated: list[float] = []
+        self._syncing = True
+        self._input_sharding = InputSharding()
+        self._gathers = 0
+        self._steps = 0
+
+    # ---- Strategy ---------------------------------------------------------------------------------
+    @property
+    def _local_devices(self) -> list[torch.device]:
+        return [self._device]
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._group.world_size
+
+    @property
+    def cluster(self) -> Cluster:
+        return self._group.cluster
+
+    @property
+    def is_chief(self) -> bool:
+        return self._group.is_chief
+
+    @property
+    def holds_whole_state(self) -> bool:
+        """False: each process holds 1/N of the state, which a backup of the chief's would not hold."""
+        return False
+
+    @property
+    def stage(self) -> int:
+        return self._stage
+
+    def input_pipeline(self) -> tuple[int, int]:
+        return self._group.world_size, self._group.rank
+
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """A sharded copy of `model` (the user's own module is left as it is) and `optimizer` over its shards.
+
+        Refused: an optimizer that needs whole tensors (LBFGS), one that already holds state, parameters on a
+        device the process group cannot reach (CUDA tensors on Gloo). The whole model as one unit is allowed
+        with a warning that its peak is the unsharded model.
+        """
+        self._check_distribute_args(model, optimizer, self._model)
+        check_optimizer(optimizer)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
+        sharded = copy.deepcopy(model).to(self._device)
+        self._cut = cut_model(sharded, self._policy)
+        for message in (self._cut.warning(), batch_norm_warning(model)):
+            if message is not None:
+                warnings.warn(message, stacklevel=2)
+        originals = dict(model.named_parameters())
+        # The plan is for the parameters as the user built them, before any is replaced by its shard.
+        self._plan = self._memory_plan(list(model.parameters()), optimizer)
+        param_dtype, reduce_dtype = self._mp
+        apply_cut(
+            sharded,
+            self._cut,
+            mesh=self._group.device_mesh(),
+            reshard_after_forward=self._stage == 3,
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        )
+        self._comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
+        self._model = sharded
+        if optimizer is None:
+            return sharded
+        mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
+        return sharded, clone_optimizer(optimizer, mapping, with_state=False)
+
+    def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
+        """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
+
+        After `distribute`: the plan made then. Before it: the plan for `model` and `optimizer` as they would be
+        distributed (the default cut, or this strategy's `units`)."""
+        if model is None:
+            if self._plan is None:
+                raise InputError(
+                    "memory_plan() needs the model until distribute() has run. Received: no model. "
+                    "Call strategy.memory_plan(model, optimizer), or distribute first."
+                )
+            return self._plan
+        self._cut = self._cut or cut_model(model, self._policy)
+        return self._memory_plan(list(model.parameters()), optimizer)
+
+    def _memory_plan(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> MemoryPlan:
+        assert self._cut is not None, "cut before planning"
+        param_dtype = self._mp[0]
+        return plan_memory(
+            params,
+            optimizer,
+            rank=self._group.rank,
+            world_size=self._group.world_size,
+            stage=self._stage,
+            largest_unit_bytes=self._cut.largest_unit_bytes,
+            num_units=len(self._cut.units),
+            compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
+        )
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs `fn` on this worker's slice; its backward reduce-scatters gradients weighted by the slice's share."""
+        kwargs = dict(kwargs or {})
+        args = tuple(args)
+        sizes = batch_sizes(args, kwargs, 1)
+        weight = replica_weights(sizes, global_size(args, kwargs), 1, self.num_replicas_in_sync)[0]
+        self._set_weight(weight)
+        local_args, local_kwargs = select_replica((args, kwargs), 0)
+        self._counts = None
+        ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self)
+        previous = enter_replica(ctx)
+        try:
+            result = fn(*local_args, **local_kwargs)
+        finally:
+            enter_replica(previous)
+            self._steps += 1
+        stacked = stack_replicas([result], sizes, global_size(args, kwargs))
+        return tag_results(stacked, None if self._counts is None else [self._counts])
+
+    def _set_weight(self, weight: float) -> None:
+        if self._comm is None:
+            return
+        if not self._syncing:
+            self._accumulated.append(weight)
+        elif self._accumulated:
+            different = [w for w in self._accumulated if abs(w - weight) > 1e-12 * max(1.0, abs(weight))]
+            self._accumulated = []
+            if different:
+                raise InputError(
+                    "Under no_sync() every micro-batch's gradient is summed on this rank and weighted once, at the "
+                    "synchronising step, so the micro-batches must be split alike. Received: this rank's shares "
+                    f"{different + [weight]}. Give every micro-batch the same global size, or step without no_sync()."
+                )
+        self._comm.weight = weight
+
+    def _declare_loss_weight(self, replica: int, count: float) -> None:
+        """`sg.set_loss_weight(count)`: this rank's weight becomes count / (sum of every rank's count)."""
+        total = self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64))
+        self._counts = count
+        if self._comm is not None:
+            self._comm.weight = count / float(total) if float(total) > 0 else 0.0
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context whose backward passes accumulate this rank's unsharded gradients without reduce-scattering;
+        the first backward after it reduce-scatters the sum (micro-batches must be split alike)."""
+        return self._no_sync()
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        model = self._model
+        if model is None:
+            raise InputError("no_sync() needs a distributed model. Received: none yet. Call distribute() first.")
+        model.set_requires_gradient_sync(False)
+        self._syncing = False
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+            self._syncing = True
+
+    # ---- across workers ---------------------------------------------------------------------------
+    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().clone().to(self._group.collective_device)
+        self._group.cross_worker.all_reduce_([out], what="reduce", step=self._steps)
+        return out
+
+    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
+        self._gathers += 1
+        cw = self._group.cross_worker
+        payloads = cw.all_gather_bytes(
+            to_bytes(items), what="gather", step=self._gathers, device=self._group.collective_device
+        )
+        out: list[Any] = []
+        for rank, payload in enumerate(payloads):
+            out.extend(items if rank == cw.rank else from_bytes(payload, cw.task_names[rank]))
+        return out
+
+    # ---- input --------------------------------------------------------------------------------------
+    def distribute_dataset(self, dataset: Iterable[Any]) -> MultiWorkerDataset:  # type: ignore[override]
+        """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each."""
+        _check_iterable(dataset, "distribute_dataset")
+        return MultiWorkerDataset(self._batches(), self.shard_input(dataset), "data")
+
+    def shard_input(self, data: Any, *, note: bool = True) -> Any:
+        worker = worker_shards.WorkerRange(self.num_replicas_in_sync, self._group.rank, 1)
+        data, decision = worker_shards.input_sharding(data, worker)
+        if note and decision is not None:
+            self._input_sharding.note(*decision)
+        return data
+
+    def _distribute_step_inputs(self, inputs: Any) -> Any:
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs
+        size = batch_size_of(inputs)
+        if size == 0:
+            raise InputError(
+                "The global batch given to the step function holds no examples. Received: 0 examples. "
+                "Skip empty batches before calling it."
+            )
+        return self._batches().local_part(inputs, size, self._steps)
+
+    def _batches(self) -> WorkerBatches:
+        return WorkerBatches(self._group, self.num_replicas_in_sync)
+
+    # ---- reports and the end ------------------------------------------------------------------------
+    def explain(self) -> Explanation:
+        """The worker group, the stage, the units, the exact weighting and the memory plan."""
+        decisions = list(self._group.decisions())
+        decisions.append(
+            PlacementDecision(
+                subject="sharding stage",
+                choice=f"stage {self._stage}",
+                reason="parameters, gradients and optimizer state sharded; each unit gathered for forward and "
+                "again for backward (ZeRO-3)"
+                if self._stage == 3
+                else "parameters, gradients and optimizer state sharded at rest; gathered parameters kept from "
+                "forward to backward (reshard_after_forward=False): one all-gather per step, peak = whole model",
+            )
+        )
+        if self._cut is not None:
+            decisions.append(self._cut.decision())
+        decisions.append(
+            PlacementDecision(
+                subject="gradient combination",
+                choice="reduce-scatter of SUM, each rank pre-scaled by its share of the global batch",
+                reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
+            )
+        )
+        decisions.extend(self._input_sharding.decisions())
+        details: dict[str, Any] = {}
+        if self._plan is not None:
+            details["memory plan"] = str(self._plan)
+        replicas = [ReplicaPlacement(self._group.rank, str(self._device), str(self._device))]
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
+
+    def close(self) -> None:
+        """Frees the process group (see `WorkerGroup.close`); a second call does nothing.
+
+        The rendezvous store is not handed back (`release=False`): FSDP2's module state keeps the process group,
+        and with it the chief's store, alive as long as the sharded model lives, which is usually until the
+        script ends, so the hand-back would only keep the other workers waiting for their whole timeout.
+        A strategy built again in the same processes meets at another address."""
+        self._model = None
+        self._comm = None
+        self._group.close(release=False)

@@ -1,0 +1,63 @@
+"""Exact gradients: each rank's gradient weighted by its share of the global batch before the sum.
+
+FSDP2 reduce-scatters gradients with `ReduceOp.AVG`, the mean of the per-rank gradients. Each rank's
+gradient is that of the mean loss over ITS slice, so the mean over ranks is one device's gradient only
+when every slice is the same size: 13 examples over 2 ranks (7 and 6) come out 7.7% off. One device's
+gradient of the mean over the global batch of N examples is sum_r (n_r / N) g_r, a weighted SUM.
+
+FSDP2's own hook for another divisor (`set_gradient_divide_factor`) multiplies before the sum with
+`ReduceOp.PREMUL_SUM`, which Gloo does not have ("Cannot use ReduceOp.PREMUL_SUM with Gloo"), and one
+divisor cannot weight ranks differently anyway. So every unit is set to reduce with a plain SUM and a
+divide factor of 1 (`set_force_sum_reduction_for_comms`, `set_gradient_divide_factor(1.0)`), and its
+reduce-scatter (`set_custom_reduce_scatter`) first multiplies this rank's flat gradient buffer, FSDP's
+own copy, by the rank's weight n_r / N: the sum that comes out is one device's gradient, on Gloo and
+NCCL alike. A declared `sg.set_loss_weight(c_r)` makes the weight c_r / sum_r c_r instead.
+
+Pre-scaling rather than dividing the sum afterwards keeps each rank's term as one device would weigh it;
+the weight of a rank is the same for every unit of one backward, so the scaled buffers need no care
+about which unit runs when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+
+class WeightedReduceScatter(ReduceScatter):
+    """A reduce-scatter of SUM that first scales this rank's gradients by `weight` (its share of the batch)."""
+
+    def __init__(self) -> None:
+        self.weight = 1.0
+        """This rank's weight in the current backward: n_r / N, or c_r / sum c for declared loss weights."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if self.weight != 1.0:
+            input_tensor.mul_(self.weight)  # FSDP's flat copy of the gradients, not the user's tensors
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+
+
+def weigh_gradients(modules: Sequence[nn.Module]) -> WeightedReduceScatter:
+    """Makes every sharded module of the model reduce with a weighted SUM; returns the comm whose weight `run` sets."""
+    comm = WeightedReduceScatter()
+    for module in modules:
+        module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        module.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        module.set_custom_reduce_scatter(comm)  # type: ignore[operator]
+    return comm

@@ -1,0 +1,139 @@
+"""ShardedStrategy's parts that need no process group: the cut into units, the refusals, the memory formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import stratagem as sg
+from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.memory import plan_memory, shard_rows
+from stratagem.strategies.sharded.units import cut_model
+
+pytestmark = [pytest.mark.sharded]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([Block(), Block(), Block()])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+
+def test_the_default_cut_makes_each_block_a_unit_and_leaves_the_rest_to_the_root():
+    cut = cut_model(Net(), None)
+    assert cut.names == ("blocks.0", "blocks.1", "blocks.2")
+    # The root's own embed and head (20 + 10 parameters) are gathered with any one block (20).
+    assert cut.largest_unit_bytes == (20 + 10 + 20) * 4
+    assert cut.model_bytes == (20 + 3 * 20 + 10) * 4
+    assert cut.warning() is None
+    assert cut.decision().choice.startswith("3 units and the root")
+
+
+def test_a_sequential_mlp_is_cut_at_its_layers_with_parameters():
+    cut = cut_model(nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)), None)
+    assert cut.names == ("0", "2")
+
+
+def test_module_classes_or_a_callable_choose_the_units():
+    assert cut_model(Net(), (Block,)).names == ("blocks.0", "blocks.1", "blocks.2")
+    assert cut_model(Net(), lambda m: isinstance(m, nn.Linear) and m.out_features == 2).names == ("head",)
+
+
+def test_a_model_with_no_blocks_is_one_unit_and_the_warning_says_the_peak_and_the_cut():
+    cut = cut_model(Flat(), None)
+    assert cut.whole_model
+    message = cut.warning()
+    assert message is not None
+    assert "the peak working set is the unsharded model (232 B)" in message
+    assert "Received: the default found no ModuleList or Sequential of blocks with parameters" in message
+    assert "units=(Linear,)" in message
+
+
+def test_a_policy_of_another_kind_is_refused():
+    with pytest.raises(sg.InputError, match=r"units must be None .* Received: units='blocks'"):
+        cut_model(Net(), "blocks")  # type: ignore[arg-type]
+
+
+def test_lbfgs_a_stepped_optimizer_and_a_bad_stage_are_refused():
+    model = nn.Linear(2, 1)
+    with pytest.raises(sg.InputError, match=r"LBFGS needs every parameter whole .* Received: LBFGS"):
+        check_optimizer(torch.optim.LBFGS(model.parameters()))
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    with pytest.raises(sg.InputError, match=r"must not have stepped yet. Received: SGD holding state for 2"):
+        check_optimizer(stepped)
+    with pytest.raises(sg.InputError, match=r"stage 2 or 3. Received: stage=1"):
+        check_stage(1)
+
+
+def test_cuda_parameters_on_a_gloo_group_are_refused():
+    placed = [("fc.weight", torch.device("cuda", 0)), ("fc.bias", torch.device("cuda", 0))]
+    with pytest.raises(sg.InputError, match=r"Received: CUDA parameters \(fc.weight, ...\) on a Gloo group"):
+        check_device(placed, "gloo")
+    check_device(placed, "nccl")
+
+
+def test_shards_are_ceil_sized_chunks_of_the_first_dimension():
+    assert [shard_rows(17, 3, r) for r in range(3)] == [6, 6, 5]
+    assert [shard_rows(7, 2, r) for r in range(2)] == [4, 3]
+    assert [shard_rows(2, 3, r) for r in range(3)] == [1, 1, 0]
+
+
+def test_the_plan_of_adamw_over_two_ranks_by_hand():
+    model = nn.Linear(10, 5)  # weight 5x10 -> rows 3 and 2; bias 5 -> 3 and 2
+    plan = plan_memory(
+        list(model.parameters()),
+        torch.optim.AdamW(model.parameters()),
+        rank=1,
+        world_size=2,
+        stage=3,
+        largest_unit_bytes=55 * 4,
+    )
+    assert plan.parameters == (2 * 10 + 2) * 4
+    assert plan.gradients == plan.parameters
+    assert plan.optimizer_state == 2 * (2 * 10 + 2) * 4 + 2 * 4  # exp_avg, exp_avg_sq, two step counters
+    assert plan.gathered_peak == 3 * 55 * 4  # current unit, prefetched unit, unsharded gradients
+    assert plan.unsharded_model == 55 * 4
+    stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
+    assert stage2.gathered_peak == 55 * 4 + 55 * 4 and stage2.optimizer_state == 0
+
+
+def test_batch_norm_is_named_in_a_warning_since_its_statistics_are_each_ranks():
+    message = batch_norm_warning(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)))
+    assert message is not None
+    assert "Received: 1 BatchNorm layer(s) (1, ...)" in message
+    assert batch_norm_warning(Net()) is None
+
+
+def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_gradients():
+    model = nn.Linear(10, 5)
+    plan = plan_memory(
+        list(model.parameters()), None, rank=0, world_size=2, stage=3, largest_unit_bytes=220, num_units=0
+    )
+    assert plan.gathered_peak == 220 + 220
