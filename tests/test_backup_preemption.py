@@ -18,6 +18,8 @@ import torch
 from test_backup_restore import assert_matches, reference_state
 
 from stratagem import environ
+from stratagem.train.checkpoint import load_checkpoint
+from stratagem.train.preemption import StopSignals
 
 WORKER = str(Path(__file__).parent / "workers" / "fit_resume.py")
 # 4 steps per epoch, 8 in all; backups every 3 steps. The run pauses after step 4 until it is signalled, so the
@@ -164,3 +166,42 @@ def test_a_second_job_on_a_live_jobs_directory_is_refused_and_a_dead_owner_is_ta
     assert saved["restored_from"] == {"epoch": 0, "step": SAVE_FREQ}  # the dead job's last backup
     assert_matches(saved["state"], reference_state())
     assert not (tmp_path / "backup").exists()  # its claim, the dead job's temporary and the backups are gone
+
+
+@pytest.mark.timeout(600)
+def test_a_stop_that_outlasts_the_grace_period_exits_with_the_signals_code_and_keeps_the_backups(tmp_path):
+    process = _start([sys.executable, WORKER], _env(tmp_path, "one_device", FIT_PAUSE_AT=PAUSE_AT, FIT_GRACE=1,
+                                                      FIT_STUCK=120))  # fmt: skip
+    _wait_for(tmp_path / "paused", process, timeout=240)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code, output = _finish(process, timeout=60)
+    assert code == 128 + signal.SIGTERM, output
+    assert time.monotonic() - sent < 60  # not the 120 s the step is stuck for
+    assert "The grace period of 1 s after SIGTERM ran out before the stop finished" in output, output
+    assert "preempted" not in output
+    # The last backup before the signal (step 3) is whole; the stop's own was never begun.
+    assert load_checkpoint(tmp_path / "backup" / "backup.pt")["step"] == SAVE_FREQ
+
+
+def test_a_second_signal_goes_to_the_handler_installed_before():
+    signals = StopSignals(grace_period=60)
+    assert signals.install()
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert signals.requested == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # Python's own SIGINT handler raises KeyboardInterrupt
+    finally:
+        signals.acted_on()
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_that_no_step_boundary_saw_is_delivered_when_training_ends():
+    signals = StopSignals(grace_period=60)
+    assert signals.install()
+    signal.raise_signal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        signals.uninstall()  # fit ended (or failed) before acting on it: the signal is not swallowed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -13,6 +13,7 @@ FIT_DROPOUT       1: put a dropout layer before the model, so the random state m
 FIT_PAUSE_AT      after that step (first attempt, the rank FIT_KILL_RANK), touch FIT_MARKER and wait for a signal
 FIT_MARKER        the file touched when paused (the test then signals or kills this process)
 FIT_GRACE         BackupAndRestore's grace_period
+FIT_STUCK         seconds the paused step goes on after the signal (a step stuck on a lost worker, say)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,14 +63,15 @@ class KillAfter(sg.callbacks.Callback):
 class PauseAfter(sg.callbacks.Callback):
     """Stands still after a step until a signal comes: the test then knows where the run is when it signals."""
 
-    def __init__(self, step: int, marker: str) -> None:
-        self.step, self.marker = step, marker
+    def __init__(self, step: int, marker: str, stuck: float) -> None:
+        self.step, self.marker, self.stuck = step, marker, stuck
 
     def on_train_batch_end(self, context, num_examples):
         if context.step == self.step:
             with open(self.marker, "w") as f:
                 f.write(str(os.getpid()))
             signal.pause()  # returns once BackupAndRestore's handler has recorded the signal
+            time.sleep(self.stuck)
 
 
 def main() -> int:
@@ -96,7 +99,7 @@ def main() -> int:
     if env.get("FIT_KILL_AFTER") and first_attempt and str(rank) == env.get("FIT_KILL_RANK", "0"):
         callbacks.append(KillAfter(int(env["FIT_KILL_AFTER"])))
     if env.get("FIT_PAUSE_AT") and first_attempt and str(rank) == env.get("FIT_KILL_RANK", "0"):
-        callbacks.append(PauseAfter(int(env["FIT_PAUSE_AT"]), env["FIT_MARKER"]))
+        callbacks.append(PauseAfter(int(env["FIT_PAUSE_AT"]), env["FIT_MARKER"], float(env.get("FIT_STUCK", "0"))))
     x, y = data()
     try:
         history = _fit(strategy, model, optimizer, x, y, callbacks)
