@@ -70,3 +70,22 @@ def test_verify_of_a_directory_without_backups_fails_and_inspect_is_a_usage_erro
     assert "holds no backup (none of backup.pt" in capsys.readouterr().err
     assert main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
     assert "No backup directory or checkpoint file at" in capsys.readouterr().err
+
+
+def test_export_writes_the_plain_model_of_the_newest_backup_as_torch_and_safetensors(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    directory, _ = _backups(tmp_path)
+    newest = torch.load(directory / "backup.pt", weights_only=True)["model"]
+    plain, _ = build_model(False)  # the model as the user built it: its keys must load as they are
+    assert main(["checkpoint", "export", str(directory), str(tmp_path / "model.pt")]) == 0
+    assert f"wrote the model of {directory / 'backup.pt'} (step 6, epoch 2)" in capsys.readouterr().out
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, newest[name]), name
+    assert main(["checkpoint", "export", str(directory), str(tmp_path / "model.safetensors")]) == 0
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert exported.keys() == newest.keys()
+    assert all(torch.equal(exported[name], newest[name]) for name in newest)
+    assert main(["checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "m.pt")]) == 2
+    assert "No backup directory or checkpoint file at" in capsys.readouterr().err

@@ -4,11 +4,14 @@ Usage:
     $ stratagem checkpoint inspect /shared/run1/backup     # step, epoch, strategy, world size, sizes, files
     $ stratagem checkpoint verify /shared/run1/backup      # exit code 0: every file whole; 1: one is damaged
     $ stratagem checkpoint inspect backup/backup.pt --json
+    $ stratagem checkpoint export /shared/run1/backup model.safetensors   # the plain model (or model.pt)
 
 ``verify`` reads every member of every backup file and compares its CRC32 (the same check a
 resumed run makes before it uses a backup); a file moved aside as damaged
 (``backup.corrupt.pt``) is listed but does not fail it. Exit codes: 0 whole, 1 damaged (or no
-backup at all), 2 a bad argument.
+backup at all), 2 a bad argument. ``export`` writes the newest whole backup's model, with the keys
+of the model you built, to one file: safetensors when its name ends in ``.safetensors``, else
+``torch.save`` of the state_dict.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 import sys
 
 from stratagem.errors import InputError
-from stratagem.train.backup_report import BackupReport, inspect_backups
+from stratagem.train.backup_report import BackupReport, export_model, inspect_backups
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,10 +39,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action = actions.add_parser(name, help=help_text, description=help_text)
         action.add_argument("path", help="a backup directory (BackupAndRestore's backup_dir) or a checkpoint file")
         action.add_argument("--json", action="store_true", help="print JSON instead of text")
+    export = actions.add_parser(
+        "export",
+        help="write the plain model of the newest whole backup to one torch or safetensors file",
+        description="Write the model of the newest whole backup (keys as in the model you built) to OUTPUT: "
+        "safetensors when its name ends in .safetensors, else torch.save of the state_dict.",
+    )
+    export.add_argument("path", help="a backup directory (BackupAndRestore's backup_dir) or a checkpoint file")
+    export.add_argument("output", help="the file to write (model.pt or model.safetensors)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "export":
+        return _export(args)
     try:
         report = inspect_backups(args.path)
     except InputError as error:
@@ -51,6 +64,16 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(_lines(report, args.action)))
     if args.action == "verify":
         return 0 if report.ok else 1
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        used = export_model(args.path, args.output)
+    except InputError as error:
+        print(f"stratagem checkpoint export: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote the model of {used.path} (step {used.step}, epoch {(used.epoch or 0) + 1}) to {args.output}")
     return 0
 
 

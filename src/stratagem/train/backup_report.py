@@ -4,7 +4,8 @@
 named), verifies the CRC32 of every member of its archive (`stratagem.archive.verify_archive`), and
 reports its step, epoch, the strategy and world size that wrote it and the sizes of its parts; it
 also names the job that holds the directory's claim. ``stratagem checkpoint inspect`` and
-``verify`` print it.
+``verify`` print it; `export_model` (``stratagem checkpoint export``) writes a backup's plain model
+to one torch or safetensors file.
 
 Example:
     >>> report = inspect_backups("/shared/run1/backup")
@@ -19,9 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.train.backup_claim import ClaimOwner, read_claim
 from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
+from stratagem.train.model_checkpoint import write_atomically
 
 BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
 """The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""
@@ -113,3 +117,39 @@ def _inspect_file(path: Path) -> CheckpointFile:
 
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> CheckpointFile:
+    """Writes the plain model of a backup (the newest whole one of a directory, or the file `source`) to `target`:
+    a ``torch.save`` state_dict, or safetensors when `target` ends in ``.safetensors``. Returns the backup used.
+
+    The keys are those of the model the user built (no replica or wrapper prefix):
+    ``model.load_state_dict(torch.load(target))`` or ``safetensors.torch.load_file(target)`` loads it.
+
+    Raises:
+        InputError: no whole backup at `source`; `target` is an existing directory.
+    """
+    report = inspect_backups(source)
+    usable = [f for f in report.files if f.ok and f.name != "backup.corrupt.pt"]
+    if not usable:
+        raise InputError(
+            f"No whole backup to export in {str(source)!r}. Received: "
+            f"{[(f.name, f.error) for f in report.files] or 'no backup files'}. Run `stratagem checkpoint verify` "
+            "for the details, or point at another backup."
+        )
+    target = Path(target)
+    if target.is_dir():
+        raise InputError(
+            f"The export target is a directory. Received: {str(target)!r}. Give a file name, e.g. model.pt or "
+            "model.safetensors."
+        )
+    model = load_checkpoint(usable[0].path)["model"]
+    state = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in model.items()}
+    if target.suffix == ".safetensors":
+        from safetensors.torch import save
+
+        payload = save(state)  # copies above: safetensors refuses tensors that share memory (tied weights)
+        write_atomically(target, lambda handle: handle.write(payload))
+    else:
+        write_atomically(target, lambda handle: torch.save(state, handle))
+    return usable[0]
