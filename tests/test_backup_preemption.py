@@ -43,7 +43,15 @@ def _env(tmp_path: Path, kind: str, out: str = "out.pt", **settings: object) -> 
 
 
 def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # SIGINT back to its default in the child: a test run in a shell's background inherits it ignored, and a
+    # process that ignores SIGINT keeps ignoring it under BackupAndRestore.
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _wait_for(path: Path, process: subprocess.Popen[bytes], timeout: float) -> None:
@@ -184,7 +192,15 @@ def test_a_stop_that_outlasts_the_grace_period_exits_with_the_signals_code_and_k
     assert load_checkpoint(tmp_path / "backup" / "backup.pt")["step"] == SAVE_FREQ
 
 
-def test_a_second_signal_goes_to_the_handler_installed_before():
+@pytest.fixture
+def python_sigint_handler():
+    # A test run started in the background of a shell inherits SIGINT ignored; these tests need Python's own.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_second_signal_goes_to_the_handler_installed_before(python_sigint_handler):
     signals = StopSignals(grace_period=60)
     assert signals.install()
     try:
@@ -198,10 +214,24 @@ def test_a_second_signal_goes_to_the_handler_installed_before():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_signal_that_no_step_boundary_saw_is_delivered_when_training_ends():
+def test_a_signal_that_no_step_boundary_saw_is_delivered_when_training_ends(python_sigint_handler):
     signals = StopSignals(grace_period=60)
     assert signals.install()
     signal.raise_signal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         signals.uninstall()  # fit ended (or failed) before acting on it: the signal is not swallowed
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_the_process_ignores_stays_ignored(python_sigint_handler):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup or a shell's background job leaves it
+    signals = StopSignals(grace_period=60)
+    assert signals.install()
+    try:
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signals._handle
+        signal.raise_signal(signal.SIGINT)
+        assert signals.requested == 0
+    finally:
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN

@@ -62,7 +62,8 @@ class StopSignals:
         return bool(self._previous)
 
     def install(self) -> bool:
-        """Installs the handlers; False (nothing changed) outside the main thread, where Python allows none."""
+        """Installs the handlers; False (nothing changed) outside the main thread, where Python allows none.
+        A signal this process ignores (SIG_IGN) is left ignored."""
         if self._previous:
             return True
         if threading.current_thread() is not threading.main_thread():
@@ -70,6 +71,8 @@ class StopSignals:
             return False
         self.requested, self.received_at, self._acted_on = 0, None, False
         for signum in SIGNALS:
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # ignored on purpose (nohup, a background job of a shell): it stays ignored
             previous = signal.signal(signum, self._handle)
             earlier = getattr(previous, "__self__", None)
             if isinstance(earlier, StopSignals) and earlier is not self:
