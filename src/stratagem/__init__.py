@@ -11,6 +11,8 @@ from stratagem.cluster.function import launch
 from stratagem.data.split import InputContext
 from stratagem.diagnose.placement import log_placement, soft_placement
 from stratagem.errors import (
+    BackupDirectoryInUseError,
+    CheckpointWriteError,
     ClusterError,
     CollectiveTimeoutError,
     CorruptCheckpointError,
@@ -23,6 +25,7 @@ from stratagem.errors import (
     MemoryEstimateInputError,
     ParameterServerError,
     PlacementError,
+    Preempted,
     RendezvousError,
     ReplicaError,
     StratagemError,
@@ -63,6 +66,9 @@ __all__ = [
     "ClusterError",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
+    "BackupDirectoryInUseError",
+    "CheckpointWriteError",
+    "Preempted",
     "DeviceConfigurationError",
     "DeviceError",
     "FixedShardsPartitioner",

@@ -30,6 +30,29 @@ class CorruptCheckpointError(InputError):
     """A checkpoint file is damaged: a checksum differs, it is truncated, or torch cannot read it."""
 
 
+class BackupDirectoryInUseError(InputError):
+    """Another live job holds the backup directory (its claim file is locked); the message names that job."""
+
+
+class CheckpointWriteError(StratagemError, OSError):
+    """A checkpoint could not be written (a full disk, a file-size limit, a read-only file system); the message
+    names the path and the cause, and the backups already on disk are left as they were."""
+
+
+class Preempted(StratagemError, SystemExit):
+    """`fit` stopped on SIGTERM or SIGINT at a step boundary every worker agreed on, after writing a backup.
+
+    It is a ``SystemExit`` whose ``code`` is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), so a
+    script that does not catch it exits with that code and no traceback, as a process ended by the signal would.
+    """
+
+    def __init__(self, message: str, code: int, step: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.step = step
+        """The global step the backup holds (the last one applied)."""
+
+
 class ReplicaError(StratagemError, RuntimeError):
     """A replica failed while running a step; the message names the replica."""
 

@@ -10,6 +10,10 @@ FIT_SAVE_FREQ     BackupAndRestore's save_freq ("epoch" or a number of steps)
 FIT_KILL_AFTER    SIGKILL this process after that step (first attempt only: STRATAGEM_RESTART_COUNT 0 or unset)
 FIT_KILL_RANK     under multi_worker, the rank that kills itself (default 0, the chief)
 FIT_DROPOUT       1: put a dropout layer before the model, so the random state must be restored too
+FIT_PAUSE_AT      after that step (first attempt, the rank FIT_KILL_RANK), touch FIT_MARKER and wait for a signal
+FIT_MARKER        the file touched when paused (the test then signals or kills this process)
+FIT_GRACE         BackupAndRestore's grace_period
+FIT_STUCK         seconds the paused step goes on after the signal (a step stuck on a lost worker, say)
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,6 +60,20 @@ class KillAfter(sg.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class PauseAfter(sg.callbacks.Callback):
+    """Stands still after a step until a signal comes: the test then knows where the run is when it signals."""
+
+    def __init__(self, step: int, marker: str, stuck: float) -> None:
+        self.step, self.marker, self.stuck = step, marker, stuck
+
+    def on_train_batch_end(self, context, num_examples):
+        if context.step == self.step:
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            signal.pause()  # returns once BackupAndRestore's handler has recorded the signal
+            time.sleep(self.stuck)
+
+
 def main() -> int:
     torch.set_num_threads(1)
     env = os.environ
@@ -71,14 +90,39 @@ def main() -> int:
     model, optimizer = build_model(env.get("FIT_DROPOUT") == "1")
     save_freq = env.get("FIT_SAVE_FREQ", "epoch")
     backup = sg.callbacks.BackupAndRestore(
-        env["FIT_BACKUP"], save_freq=save_freq if save_freq == "epoch" else int(save_freq)
+        env["FIT_BACKUP"],
+        save_freq=save_freq if save_freq == "epoch" else int(save_freq),
+        grace_period=float(env.get("FIT_GRACE", "25")),
     )
-    callbacks = [backup]
+    callbacks: list[sg.callbacks.Callback] = [backup]
     first_attempt = env.get("STRATAGEM_RESTART_COUNT", "0") == "0"
     if env.get("FIT_KILL_AFTER") and first_attempt and str(rank) == env.get("FIT_KILL_RANK", "0"):
         callbacks.append(KillAfter(int(env["FIT_KILL_AFTER"])))
+    if env.get("FIT_PAUSE_AT") and first_attempt and str(rank) == env.get("FIT_KILL_RANK", "0"):
+        callbacks.append(PauseAfter(int(env["FIT_PAUSE_AT"]), env["FIT_MARKER"], float(env.get("FIT_STUCK", "0"))))
     x, y = data()
-    history = sg.fit(
+    try:
+        history = _fit(strategy, model, optimizer, x, y, callbacks)
+    except sg.Preempted as stop:
+        print(f"rank {rank} preempted: {stop}", flush=True)
+        raise
+    if rank == 0:
+        torch.save(
+            {
+                "state": history.model.state_dict(),
+                "history": [log.metrics for log in history.epochs],
+                "num_examples": [log.num_examples for log in history.epochs],
+                "restored_from": backup.restored_from,
+            },
+            env["FIT_OUT"],
+        )
+    print(f"rank {rank} done, restored from {backup.restored_from}", flush=True)
+    strategy.close()
+    return 0
+
+
+def _fit(strategy, model, optimizer, x, y, callbacks):
+    return sg.fit(
         strategy,
         model,
         optimizer,
@@ -93,19 +137,6 @@ def main() -> int:
         clip_grad_norm=1.0,
         callbacks=callbacks,
     )
-    if rank == 0:
-        torch.save(
-            {
-                "state": history.model.state_dict(),
-                "history": [log.metrics for log in history.epochs],
-                "num_examples": [log.num_examples for log in history.epochs],
-                "restored_from": backup.restored_from,
-            },
-            env["FIT_OUT"],
-        )
-    print(f"rank {rank} done, restored from {backup.restored_from}", flush=True)
-    strategy.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ COMMANDS = [
     ("train", "train"),
     ("launch", "launch"),
     ("bench", "bench"),
+    ("checkpoint", "checkpoint"),
 ]
 
 

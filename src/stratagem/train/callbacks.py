@@ -27,13 +27,17 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from stratagem import environ
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.train.backup_claim import ClaimOwner, DirectoryClaim
+from stratagem.train.backup_dir import CLUSTER_TOKEN, check_backup_directory, check_room_for_backups, job_id
 from stratagem.train.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
 )
+from stratagem.train.preemption import StopSignals
 
 if TYPE_CHECKING:
     from stratagem.train.fit import EpochLog, History, TrainingContext
@@ -87,6 +91,19 @@ class BackupAndRestore(Callback):
     temporaries named ``.stratagem-partial.backup.pt.<16 hex digits>.tmp``; the directory goes
     only when this callback created it and nothing else is left in it.
 
+    One job per directory: before it reads or removes anything there, the chief claims the
+    directory (``.stratagem-claim``, locked for the job's life; see
+    `stratagem.train.backup_claim`). A second job is refused with `sg.BackupDirectoryInUseError`
+    naming the owner; the claim of an owner that no longer runs is taken over, logged, and kept in
+    `took_over_from`. A directory that cannot hold the backups (a file, read-only, uncreatable, too
+    little free space for three backups) is refused before the first step.
+
+    While training, SIGTERM and SIGINT (``stop_on_signals``) stop every worker after the same step:
+    the chief writes a backup and `fit` raises `sg.Preempted`, a ``SystemExit`` with code 143
+    (SIGTERM) or 130 (SIGINT); rerunning the command resumes from that step. When the stop has not
+    finished `grace_period` seconds after the signal, the process exits with that code at once,
+    and the backups written before are whole (see `stratagem.train.preemption`).
+
     Example:
         >>> backup = sg.callbacks.BackupAndRestore("/shared/run1/backup", save_freq="epoch")
         >>> sg.fit(strategy, model, optimizer, loss, data, epochs=10, callbacks=[backup])
@@ -106,6 +123,8 @@ class BackupAndRestore(Callback):
         *,
         delete_checkpoint: bool = True,
         keep_previous: bool = True,
+        stop_on_signals: bool = True,
+        grace_period: float = 25.0,
     ) -> None:
         if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
             raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
@@ -120,7 +139,19 @@ class BackupAndRestore(Callback):
                 f"backup_dir must be a directory. Received: backup_dir={str(backup_dir)!r}, which is a file. "
                 "Choose a directory path."
             )
+        if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)) or not grace_period > 0:
+            raise InputError(
+                f"grace_period must be a positive number of seconds. Received: grace_period={grace_period!r}. Use "
+                "a little less than the scheduler's own (Kubernetes' terminationGracePeriodSeconds, 30 by default)."
+            )
         self.save_freq = save_freq
+        self.stop_signals = StopSignals(float(grace_period)) if stop_on_signals else None
+        """While training, SIGTERM and SIGINT stop at the next step boundary with a backup (None: left alone)."""
+        self.claim: DirectoryClaim | None = None
+        """The chief's claim on `backup_dir` while training (`claim.took_over_from`: a dead owner replaced)."""
+        self.took_over_from: ClaimOwner | None = None
+        """The owner of the directory's claim that this run took over because it no longer ran, or None."""
+        self._saved_step: int | None = None
         self.delete_checkpoint = delete_checkpoint
         self.keep_previous = keep_previous
         self.restored_from: dict[str, int] | None = None
@@ -136,6 +167,10 @@ class BackupAndRestore(Callback):
     def previous_path(self) -> Path:
         return self.backup_dir / self.PREVIOUS_NAME
 
+    def check_directory(self) -> None:
+        """Refuses a `backup_dir` that cannot hold backups (see `stratagem.train.backup_dir.check_backup_directory`)."""
+        check_backup_directory(self.backup_dir)
+
     def on_train_begin(self, context: TrainingContext) -> None:
         if not context.strategy.holds_whole_state:
             raise InputError(
@@ -144,9 +179,19 @@ class BackupAndRestore(Callback):
                 "Train without BackupAndRestore under it until sharded checkpoints exist, or use "
                 "MultiWorkerMirroredStrategy."
             )
+        self._saved_step = None
         if context.is_chief:
             self._make_directory()
-            remove_stale_temporaries(self.backup_dir, self.FILE_NAME)  # a save the previous attempt did not finish
+            # Before anything is read or removed: a second job must not resume from, or clean up, a live job's files.
+            self.claim = DirectoryClaim.acquire(self.backup_dir, job_id(environ.current().get(CLUSTER_TOKEN)))
+            self.took_over_from = self.claim.took_over_from
+            check_room_for_backups(
+                self.backup_dir, context.state_dict(), self._backup_files(), files=3 if self.keep_previous else 2
+            )
+            # Only the claim's holder writes here, so a temporary left is one a dead owner did not finish.
+            remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+        if self.stop_signals is not None:
+            self.stop_signals.install()
         found = self._load_newest_whole_backup(context.is_chief)
         if found is None:
             return
@@ -206,8 +251,12 @@ class BackupAndRestore(Callback):
     def _make_directory(self) -> None:
         if self.backup_dir.is_dir():
             return
+        check_backup_directory(self.backup_dir)
         self.backup_dir.mkdir(parents=True, exist_ok=True)
         (self.backup_dir / self.MARKER_NAME).touch()  # a later attempt of this job knows it may remove the directory
+
+    def _backup_files(self) -> list[Path]:
+        return [p for p in (self.path, self.previous_path) if p.is_file()]
 
     def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
         if isinstance(self.save_freq, int) and context.step % self.save_freq == 0:
@@ -218,11 +267,25 @@ class BackupAndRestore(Callback):
             self._save(context)
 
     def on_train_end(self, context: TrainingContext, history: History) -> None:
-        if not (context.is_chief and self.delete_checkpoint):
-            return
+        try:
+            if context.is_chief and self.delete_checkpoint:
+                self._delete_backups()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Gives the signals back to their handlers and the directory up; `fit` calls it when training fails."""
+        if self.stop_signals is not None:
+            self.stop_signals.uninstall()
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
+
+    def _delete_backups(self) -> None:
         self.path.unlink(missing_ok=True)
         self.previous_path.unlink(missing_ok=True)
         remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+        self.close()  # the claim file goes too, so the directory may be empty now
         marker = self.backup_dir / self.MARKER_NAME
         try:
             left = {entry.name for entry in self.backup_dir.iterdir()}
@@ -241,6 +304,12 @@ class BackupAndRestore(Callback):
             save_checkpoint(
                 self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None
             )
+        self._saved_step = context.step
+
+    def save_on_stop(self, context: TrainingContext) -> None:
+        """Writes a backup of the step just done, unless the last save was of that step (`fit` calls it on a signal)."""
+        if self._saved_step != context.step:
+            self._save(context)
 
 
 class LearningRateScheduler(Callback):

@@ -20,11 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import re
 import secrets
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,12 @@ from typing import Any
 import torch
 
 from stratagem.archive import load_verified
-from stratagem.errors import InputError
+from stratagem.errors import CheckpointWriteError, InputError
+
+try:
+    import resource
+except ImportError:  # Windows: no file-size limits to report
+    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -49,35 +56,106 @@ def save_checkpoint(
     """Writes `state` to `path` atomically (temp file, fsync, rename, fsync of the directory).
 
     The directory is created if needed. With `previous`, the checkpoint that `path` held is
-    kept there once the new one is complete (the one `previous` held before is dropped first,
-    so the directory never holds more than two checkpoints and one being written). Returns the
-    path written.
+    kept there once the new one is complete. The order is: write the temporary and fsync it,
+    rename `path` to `previous` (replacing the one before), rename the temporary to `path`. A
+    crash at any point leaves a whole checkpoint: before the first rename both old ones are
+    untouched; between the renames `previous` holds the newest (a reader falls back to it); after,
+    both are new. The price is room for three files at once. Returns the path written.
 
     Raises:
         InputError: `state` is not a dict.
+        CheckpointWriteError: the file could not be written (a full disk, a file-size limit, a read-only
+            file system...); the message names the path and the cause, and what was on disk before is kept.
     """
     if not isinstance(state, dict):
         raise InputError(f"A checkpoint is a dict of state. Received: {type(state).__name__}.")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, **state}
     keep = Path(previous) if previous is not None else None
-    if keep is not None and path.exists():
-        keep.unlink(missing_ok=True)  # `path` still holds a whole checkpoint while the new one is written
-    fd, temp_name = _create_temporary(path)
+    needed = state_bytes(payload)
+    temp_name: str | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _check_room(path, needed)
+        fd, temp_name = _create_temporary(path)
         with os.fdopen(fd, "wb") as handle:
             torch.save(payload, handle)
             handle.flush()
-            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
+            os.fsync(handle.fileno())  # the bytes are on disk before any name points at them
         if keep is not None and path.exists():
-            os.replace(path, keep)  # killed right after: `keep` is the latest checkpoint, still whole
+            os.replace(path, keep)  # killed right after: `keep` is the newest checkpoint, whole
         os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
+        _fsync_directory(path.parent)  # the renames themselves survive a power cut
+    except BaseException as error:
+        if temp_name is not None:
+            Path(temp_name).unlink(missing_ok=True)
+        if isinstance(error, Exception) and not isinstance(error, CheckpointWriteError):
+            raise write_error(path, error, needed) from error
         raise
-    _fsync_directory(path.parent)  # the rename itself survives a power cut
     return path
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors in a nest of dicts, lists and tuples: roughly the size ``torch.save`` writes."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
+
+
+def _check_room(path: Path, needed: int) -> None:
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise CheckpointWriteError(
+            f"Cannot write the checkpoint {str(path)!r}: the file system is full. It needs about {_size(needed)} and "
+            f"{_size(free)} is free in {str(path.parent)!r}. Received: path={str(path)!r}. Free some space there or "
+            "point the checkpoint at a larger file system; the checkpoints already there are kept."
+        )
+
+
+def write_error(path: Path, error: BaseException, needed: int) -> CheckpointWriteError:
+    """A `CheckpointWriteError` naming `path` and the likely cause of `error` (torch's writer hides the OSError)."""
+    cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    number = getattr(error, "errno", None)
+    try:
+        free: int | None = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    limit = _file_size_limit()
+    if number == errno.EFBIG or (limit is not None and limit < needed):
+        why = f"the file-size limit of this process (ulimit -f) is {_size(limit or 0)}, and it needs about {_size(needed)}"
+        fix = "Raise the limit (ulimit -f unlimited) or make the checkpoint smaller"
+    elif number in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < needed):
+        why = f"the file system is full: it needs about {_size(needed)} and {_size(free or 0)} is free"
+        fix = "Free some space there or point the checkpoint at a larger file system"
+    elif number == errno.EROFS or number == errno.EACCES or number == errno.EPERM:
+        why = f"the directory cannot be written ({os.strerror(number)})"
+        fix = "Choose a directory this process can write to"
+    else:
+        why = f"writing it failed ({_size(free)} free there)" if free is not None else "writing it failed"
+        fix = "Check the disk and the file system that holds it"
+    return CheckpointWriteError(
+        f"Cannot write the checkpoint {str(path)!r}: {why} ({cause}). Received: path={str(path)!r}. {fix}; the "
+        "checkpoints already there are kept as they were."
+    )
+
+
+def _file_size_limit() -> int | None:
+    """This process's limit on the size of a file it writes (RLIMIT_FSIZE), or None when there is none."""
+    if resource is None:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"
 
 
 def _create_temporary(path: Path) -> tuple[int, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -29,12 +30,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.errors import InputError
+from stratagem.errors import InputError, Preempted
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.data_parallel.distributed import DistributedModel, distributing_strategy
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
 from stratagem.train.callbacks import BackupAndRestore, Callback
-from stratagem.train.fit_checks import check_backups_possible, check_callbacks, check_fit_arguments, fit_data
+from stratagem.train.fit_checks import (
+    check_backup_directories,
+    check_backups_possible,
+    check_callbacks,
+    check_fit_arguments,
+    fit_data,
+)
 
 # The run's state and records live in fit_state; they stay importable from here, where callers found them.
 from stratagem.train.fit_state import CHECKPOINT_KIND as CHECKPOINT_KIND
@@ -50,6 +57,7 @@ from stratagem.train.loop import (
     run_steps,
 )
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
+from stratagem.train.preemption import StopSignals, exit_code, fold_stop_flag, split_stop_flag
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +133,7 @@ def fit(
     metric_set = MetricSet(get_metrics(metrics))
     train_data, val_data = fit_data(strategy, data, batch_size, shuffle, seed, validation_data, validation_batch_size)
     callbacks = check_callbacks(callbacks, verbose)
+    check_backup_directories(callbacks)  # a directory that cannot hold backups is refused before any work
     model, optimizer = _ensure_distributed(strategy, model, optimizer)
     check_backups_possible(callbacks, optimizer)  # found now rather than at the first backup, an epoch in
     context = TrainingContext(
@@ -150,11 +159,15 @@ def fit(
             model, optimizer, loss, metric_set, clip_grad_norm=clip_grad_norm, precision=precision, scaler=scaler
         )
     eval_step = make_eval_step(model, loss, metric_set, precision=precision)
+    signals = _stop_signals(callbacks)
+    if signals is not None:
+        # The stop flag rides in the metric sums each step already makes across workers: no collective of its own.
+        train_step = fold_stop_flag(train_step, signals)
     # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
     # worker) serves from here until the chief ends the job.
     strategy.prepare_fit_steps({"train": train_step, "eval": eval_step}, model)
     try:
-        history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps)
+        history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps, signals)
     except BaseException:
         for callback in callbacks:
             close = getattr(callback, "close", None)
@@ -171,6 +184,7 @@ def _train(
     eval_step: Any,
     val_data: Any,
     accumulate_steps: int = 1,
+    signals: StopSignals | None = None,
 ) -> History:
     # Backups restore before any other callback starts and save after every other callback has
     # run for the step or epoch (a scheduler's step included), so a backup holds the state that follows.
@@ -195,6 +209,9 @@ def _train(
             *,
             num_batches: int = 1,
         ) -> None:
+            stop = False
+            if signals is not None:
+                state, stop = split_stop_flag(state)
             if context.totals.device != state.device:  # the sums stay on the device; read at the epoch's end
                 context.totals = context.totals.to(state.device)
             context.totals.add_(state)
@@ -203,6 +220,8 @@ def _train(
             context.epoch_elapsed_s = elapsed_before + time.perf_counter() - started
             for callback in last:
                 callback.on_train_batch_end(context, int(state[1]) if num_examples is None else num_examples)
+            if stop:
+                raise _Stop
             if context.stop_training:
                 raise _StopEpoch
 
@@ -213,6 +232,8 @@ def _train(
                 run_steps(context.strategy, train_step, _epoch_batches(context), on_step)
         except _StopEpoch:
             pass
+        except _Stop:
+            _stop_with_backup(context, backups, signals)
         log = _end_epoch(context, val_data, eval_step)
         for callback in last:
             callback.on_epoch_end(context, log)
@@ -224,6 +245,34 @@ def _train(
 
 class _StopEpoch(Exception):
     """A callback set stop_training: leave the step loop at once."""
+
+
+class _Stop(Exception):
+    """Some process received SIGTERM or SIGINT: every worker leaves the step loop after the same step."""
+
+
+def _stop_signals(callbacks: Sequence[Callback]) -> StopSignals | None:
+    for callback in callbacks:
+        if isinstance(callback, BackupAndRestore) and callback.stop_signals is not None:
+            return callback.stop_signals
+    return None
+
+
+def _stop_with_backup(context: TrainingContext, backups: list[BackupAndRestore], signals: StopSignals | None) -> None:
+    for backup in backups:
+        backup.save_on_stop(context)
+    signum = (signals.requested if signals is not None else 0) or signal.SIGTERM  # a worker told by another
+    if signals is not None:
+        signals.acted_on()
+    waited = signals.seconds_since_signal() if signals is not None else 0.0
+    where = f" to {backups[0].path}" if backups and context.is_chief else ""
+    message = (
+        f"Stopped by {signal.Signals(signum).name} after step {context.step} (epoch {context.epoch + 1}, "
+        f"{context.step_in_epoch} batch(es) into it), {waited:.2f} s after the signal; backed up{where}. Rerun the "
+        "same command to resume from that step."
+    )
+    logger.warning(message)
+    raise Preempted(message, exit_code(signum), context.step)
 
 
 def _end_epoch(context: TrainingContext, val_data: Any, eval_step: Any) -> EpochLog:

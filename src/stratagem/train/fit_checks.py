@@ -81,6 +81,13 @@ def check_callbacks(callbacks: Sequence[Callback] | None, verbose: bool) -> list
     return checked
 
 
+def check_backup_directories(callbacks: Sequence[Callback]) -> None:
+    """Every `BackupAndRestore`'s directory can be made and written, checked before the model is distributed."""
+    for callback in callbacks:
+        if isinstance(callback, BackupAndRestore):
+            callback.check_directory()
+
+
 def check_backups_possible(callbacks: Sequence[Callback], optimizer: Any) -> None:
     """A `BackupAndRestore` needs an optimizer whose state it can save (not the parameter server's)."""
     if any(isinstance(c, BackupAndRestore) for c in callbacks) and not callable(getattr(optimizer, "state_dict", None)):

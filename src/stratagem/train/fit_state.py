@@ -136,6 +136,10 @@ class TrainingContext:
             "rng": capture_rng_state(),
             "data": self.data.state_dict() if is_resumable(self.data) else None,
             "callbacks": {key: callback.state_dict() for key, callback in self._stateful_callbacks().items()},
+            # What wrote it, for `stratagem checkpoint inspect`; a resume does not need them.
+            "strategy": type(self.strategy).__name__,
+            "num_replicas_in_sync": int(self.strategy.num_replicas_in_sync),
+            "num_processes": int(self.strategy.input_pipeline()[0]),
         }
 
     def _stateful_callbacks(self) -> dict[str, Any]:

@@ -1,0 +1,155 @@
+"""What a backup directory (or one checkpoint file) holds, and whether every checksum in it holds.
+
+`inspect_backups` reads each backup file `BackupAndRestore` writes (and any other checkpoint file
+named), verifies the CRC32 of every member of its archive (`stratagem.archive.verify_archive`), and
+reports its step, epoch, the strategy and world size that wrote it and the sizes of its parts; it
+also names the job that holds the directory's claim. ``stratagem checkpoint inspect`` and
+``verify`` print it; `export_model` (``stratagem checkpoint export``) writes a backup's plain model
+to one torch or safetensors file.
+
+Example:
+    >>> report = inspect_backups("/shared/run1/backup")
+    >>> report.ok, [f.name for f in report.files]
+    (True, ['backup.pt', 'backup.previous.pt'])
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.errors import CorruptCheckpointError, InputError
+from stratagem.train.backup_claim import ClaimOwner, read_claim
+from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
+from stratagem.train.model_checkpoint import write_atomically
+
+BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
+"""The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""
+
+
+@dataclass
+class CheckpointFile:
+    """One checkpoint file: its size, whether its checksums hold, and what it holds."""
+
+    name: str
+    path: str
+    bytes: int
+    ok: bool
+    error: str | None = None
+    """Why it cannot be used (a checksum that differs, a file that is no checkpoint), or None."""
+    step: int | None = None
+    epoch: int | None = None
+    """0-based: the epoch the run resumes in."""
+    step_in_epoch: int | None = None
+    strategy: str | None = None
+    num_replicas_in_sync: int | None = None
+    num_processes: int | None = None
+    parts: dict[str, int] = field(default_factory=dict)
+    """Bytes of the tensors of each top-level part (model, optimizer, ...)."""
+
+
+@dataclass
+class BackupReport:
+    """Every checkpoint file of a directory, and who holds the directory."""
+
+    path: str
+    files: list[CheckpointFile]
+    temporaries: list[str]
+    """Temporaries of saves in progress, or of a job that died while saving."""
+    owner: dict[str, Any] | None
+    """The claim's owner (host, pid, ...), or None when no job holds the directory."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether there is at least one file and every file's checksums hold."""
+        return bool(self.files) and all(f.ok for f in self.files if f.name != "backup.corrupt.pt")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def inspect_backups(path: str | os.PathLike[str]) -> BackupReport:
+    """Reads and verifies the backups of the directory `path`, or the one checkpoint file `path`.
+
+    Raises:
+        InputError: nothing at `path`, or a directory without any backup file.
+    """
+    path = Path(path)
+    if path.is_file():
+        return BackupReport(str(path), [_inspect_file(path)], [], None)
+    if not path.is_dir():
+        raise InputError(
+            f"No backup directory or checkpoint file at {str(path)!r}. Received: path={str(path)!r}. Give the "
+            "backup_dir of BackupAndRestore, or a checkpoint file."
+        )
+    files = [_inspect_file(path / name) for name in BACKUP_FILES if (path / name).is_file()]
+    temporaries = sorted(entry.name for entry in path.iterdir() if is_temporary_of(entry.name))
+    if not files and not temporaries:
+        raise InputError(
+            f"The directory {str(path)!r} holds no backup (none of {', '.join(BACKUP_FILES)}). Received: "
+            f"path={str(path)!r}. Give the backup_dir of BackupAndRestore while a run is under way or was stopped."
+        )
+    owner: ClaimOwner | None = read_claim(path)
+    return BackupReport(str(path), files, temporaries, asdict(owner) if owner is not None else None)
+
+
+def _inspect_file(path: Path) -> CheckpointFile:
+    entry = CheckpointFile(name=path.name, path=str(path), bytes=path.stat().st_size, ok=False)
+    try:
+        state = load_checkpoint(path)
+    except (CorruptCheckpointError, InputError) as error:
+        entry.error = str(error)
+        return entry
+    entry.ok = True
+    entry.step = _int(state.get("step"))
+    entry.epoch = _int(state.get("epoch"))
+    entry.step_in_epoch = _int(state.get("step_in_epoch"))
+    entry.strategy = state.get("strategy") if isinstance(state.get("strategy"), str) else None
+    entry.num_replicas_in_sync = _int(state.get("num_replicas_in_sync"))
+    entry.num_processes = _int(state.get("num_processes"))
+    entry.parts = {key: state_bytes(value) for key, value in state.items() if state_bytes(value)}
+    return entry
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> CheckpointFile:
+    """Writes the plain model of a backup (the newest whole one of a directory, or the file `source`) to `target`:
+    a ``torch.save`` state_dict, or safetensors when `target` ends in ``.safetensors``. Returns the backup used.
+
+    The keys are those of the model the user built (no replica or wrapper prefix):
+    ``model.load_state_dict(torch.load(target))`` or ``safetensors.torch.load_file(target)`` loads it.
+
+    Raises:
+        InputError: no whole backup at `source`; `target` is an existing directory.
+    """
+    report = inspect_backups(source)
+    usable = [f for f in report.files if f.ok and f.name != "backup.corrupt.pt"]
+    if not usable:
+        raise InputError(
+            f"No whole backup to export in {str(source)!r}. Received: "
+            f"{[(f.name, f.error) for f in report.files] or 'no backup files'}. Run `stratagem checkpoint verify` "
+            "for the details, or point at another backup."
+        )
+    target = Path(target)
+    if target.is_dir():
+        raise InputError(
+            f"The export target is a directory. Received: {str(target)!r}. Give a file name, e.g. model.pt or "
+            "model.safetensors."
+        )
+    model = load_checkpoint(usable[0].path)["model"]
+    state = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in model.items()}
+    if target.suffix == ".safetensors":
+        from safetensors.torch import save
+
+        payload = save(state)  # copies above: safetensors refuses tensors that share memory (tied weights)
+        write_atomically(target, lambda handle: handle.write(payload))
+    else:
+        write_atomically(target, lambda handle: torch.save(state, handle))
+    return usable[0]
