@@ -98,21 +98,24 @@ def inspect_backups(path: str | os.PathLike[str]) -> BackupReport:
 
 
 def _inspect_file(path: Path) -> CheckpointFile:
-    entry = CheckpointFile(name=path.name, path=str(path), bytes=path.stat().st_size, ok=False)
+    size = path.stat().st_size
     try:
         state = load_checkpoint(path)
     except (CorruptCheckpointError, InputError) as error:
-        entry.error = str(error)
-        return entry
-    entry.ok = True
-    entry.step = _int(state.get("step"))
-    entry.epoch = _int(state.get("epoch"))
-    entry.step_in_epoch = _int(state.get("step_in_epoch"))
-    entry.strategy = state.get("strategy") if isinstance(state.get("strategy"), str) else None
-    entry.num_replicas_in_sync = _int(state.get("num_replicas_in_sync"))
-    entry.num_processes = _int(state.get("num_processes"))
-    entry.parts = {key: state_bytes(value) for key, value in state.items() if state_bytes(value)}
-    return entry
+        return CheckpointFile(name=path.name, path=str(path), bytes=size, ok=False, error=str(error))
+    return CheckpointFile(
+        name=path.name,
+        path=str(path),
+        bytes=size,
+        ok=True,
+        step=_int(state.get("step")),
+        epoch=_int(state.get("epoch")),
+        step_in_epoch=_int(state.get("step_in_epoch")),
+        strategy=state.get("strategy") if isinstance(state.get("strategy"), str) else None,
+        num_replicas_in_sync=_int(state.get("num_replicas_in_sync")),
+        num_processes=_int(state.get("num_processes")),
+        parts={key: state_bytes(value) for key, value in state.items() if state_bytes(value)},
+    )
 
 
 def _int(value: Any) -> int | None:
