@@ -107,7 +107,13 @@ class ReplicaSet(ReplicaHost):
         self._accumulation = LocalAccumulation()
         self._loss_weights = LossWeights(len(self.devices), self.num_replicas_in_sync, across)
         self._combination = (
-            LocalCombinationPart(combine, self.barrier, len(self.devices), lambda: STEAL_MIN_ELEMENTS)
+            LocalCombinationPart(
+                combine,
+                self.barrier,
+                len(self.devices),
+                may_steal=build.steal,
+                steal_min=lambda: STEAL_MIN_ELEMENTS,  # read at distribute: a test lowers it
+            )
             if combine is not None
             else None
         )
@@ -137,7 +143,6 @@ class ReplicaSet(ReplicaHost):
             parts.append(self._accumulation)
         combination = self._combination
         if combination is not None:
-            combination.may_steal = self.build.steal
             # One replica has nothing to combine; its reducer is still reported.
             parts.append(combination if several else ReportedOnly(combination))
         across = self.across
