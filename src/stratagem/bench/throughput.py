@@ -13,12 +13,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from stratagem.bench.workloads import WORKLOADS, Workload
+
+if TYPE_CHECKING:
+    from stratagem.strategies.base import Strategy
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ def make_train_step(
     return train_step
 
 
-def strategy_steps(strategy: Any, workload: Workload) -> Callable[[int], Any]:
+def strategy_steps(strategy: Strategy, workload: Workload) -> Callable[[int], Any]:
     """Step ``i`` of ``workload`` under ``strategy``: a fresh model distributed, the batches split, ``run``."""
     net = workload.build_model()
     model, optimizer = strategy.distribute(net, workload.build_optimizer(net))

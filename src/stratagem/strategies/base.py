@@ -214,15 +214,7 @@ class Strategy(abc.ABC):
         """
         from stratagem.strategies.data_parallel.amp import replicate_scaler
 
-        return replicate_scaler(scaler, self._num_local_replicas(), self)
-
-    def _declare_loss_weight(self, replica: int, count: float) -> None:
-        """`sg.set_loss_weight(count)` on `replica` (see strategies/data_parallel/loss_weight.py). Nothing to weigh where one
-        replica computes each update's gradient alone; strategies that combine replicas override it."""
-
-    def _num_local_replicas(self) -> int:
-        """How many replica threads of this process run the step function (1 unless replicas are threads)."""
-        return 1
+        return replicate_scaler(scaler, None)  # one thread runs the step: torch's scaler as it is
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of the local replicas, as a tuple (one element for a plain value)."""
@@ -292,8 +284,8 @@ class Strategy(abc.ABC):
         """
         if fn is None:
             check_returns(returns)
-            return lambda function: make_step(self, function, returns)
-        return make_step(self, fn, returns)
+            return lambda function: make_step(self, function, returns, self._distribute_step_inputs)
+        return make_step(self, fn, returns, self._distribute_step_inputs)
 
     def _distribute_step_inputs(self, inputs: Any) -> Any:
         """Cuts the global batch a `step` function was called with among the local replicas."""

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_fit_arguments(
-    strategy: Any,
+    strategy: Strategy,
     optimizer: Any,
     loss: Any,
     epochs: Any,
@@ -155,7 +155,7 @@ def _check_accumulate_steps(strategy: Strategy, accumulate_steps: Any) -> None:
 
 
 def _check_arguments(
-    strategy: Any, optimizer: Any, loss: Any, epochs: Any, steps_per_epoch: Any, clip_grad_norm: Any
+    strategy: Strategy, optimizer: Any, loss: Any, epochs: Any, steps_per_epoch: Any, clip_grad_norm: Any
 ) -> None:
     if not isinstance(strategy, Strategy):
         raise InputError(

@@ -11,30 +11,17 @@ replica calls `step()`, the strategy applies it once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from stratagem.collective.local import Grads
-from stratagem.strategies.data_parallel.distributed import DistributedModel, ReplicatedOptimizer
-from stratagem.strategies.data_parallel.replicas import current_replica_context
+from stratagem.strategies.data_parallel.distributed import DistributedModel, ReplicatedOptimizer, positions
+from stratagem.strategies.data_parallel.host import ReplicaHost
 
-
-class _CentralUpdate(Protocol):
-    """What the model and optimizer need from the central-storage part (strategies/central_storage/update.py)."""
-
-    central_params: list[nn.Parameter]
-
-    def apply_update(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any: ...
-
-    def zero_grad(self, set_to_none: bool) -> None: ...
-
-    def refresh_replicas(self) -> None: ...
-
-    def _current_replica(self) -> int | None: ...
-
-    def _meet(self, replica: int, what: str) -> None: ...
+if TYPE_CHECKING:
+    from stratagem.strategies.central_storage.update import CentralUpdate
 
 
 class CentralModel(DistributedModel):
@@ -50,20 +37,18 @@ class CentralModel(DistributedModel):
     """
 
     def __init__(
-        self, central: nn.Module, replicas: Sequence[nn.Module], strategy: Any, update: _CentralUpdate
+        self, central: nn.Module, replicas: Sequence[nn.Module], host: ReplicaHost, update: CentralUpdate
     ) -> None:
         # Not registered as a sub-module (nn.Module's __setattr__ would): parameters() lists one copy's parameters.
         object.__setattr__(self, "_central", central)
         object.__setattr__(self, "_update", update)
-        super().__init__(replicas, strategy)
+        super().__init__(replicas, host)
 
     @property
     def module(self) -> nn.Module:
         """The running replica's compute copy inside `strategy.run`, the central copy outside it."""
-        ctx = current_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy:
-            return self._central
-        return self._replicas[ctx.replica_id_in_sync_group]
+        replica = self._host.current_replica()
+        return self._central if replica is None else self._replicas[replica]
 
     @property
     def central(self) -> nn.Module:
@@ -100,11 +85,12 @@ class CentralOptimizer(ReplicatedOptimizer):
     replica inside `strategy.run`; the update happens once, on the central device.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, update: _CentralUpdate) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, update: CentralUpdate, host: ReplicaHost) -> None:
         # torch.optim.Optimizer.__init__ is not called: the user's optimizer owns the parameters.
         self._optimizers = [optimizer]
-        self._strategy = update  # the part, which answers _current_replica and _meet as a strategy would
-        self._central_params = update.central_params  # in the order of the central model's parameters (amp.py)
+        self._update = update
+        self._host = host
+        self._central_params = update.central_params  # in the order of the central model's parameters
         self._start_watch()
 
     @property
@@ -121,10 +107,13 @@ class CentralOptimizer(ReplicatedOptimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         self._stepped = True
-        return self._strategy.apply_update(self.optimizer, closure)
+        return self._update.apply_update(self.optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._strategy.zero_grad(set_to_none)
+        self._update.zero_grad(set_to_none)
+
+    def updated_parameter_indices(self) -> list[int]:
+        return positions(self._central_params, self.optimizer.param_groups)  # its groups hold the central copy
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

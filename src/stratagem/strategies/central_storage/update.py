@@ -27,13 +27,14 @@ from stratagem.errors import DeviceError, InputError, MemoryEstimateError
 from stratagem.strategies.central_storage.parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
 from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
-from stratagem.strategies.data_parallel.replica_set import Built
+from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 
 logger = logging.getLogger(__name__)
 
 
-class CentralUpdate:
+class CentralUpdate(ReplicaBuilder):
     """Parameters and optimizer state once on the central device; a compute copy per replica."""
 
     steal = False  # the central reduction is done by one thread; nothing to combine early
@@ -60,11 +61,17 @@ class CentralUpdate:
         self.central_params: list[nn.Parameter] = []
         self._replicas: list[nn.Module] = []
         self._recorded = [storage, self._copies_decision(), self._update_decision()]
-        self._set: Any = None
+        self._host: ReplicaHost | None = None
         self._optimizer: CentralOptimizer | None = None
 
-    def attach(self, replica_set: Any) -> None:
-        self._set = replica_set
+    def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
+        self._host = host
+
+    @property
+    def host(self) -> ReplicaHost:
+        """The replica set that holds this part."""
+        assert self._host is not None, "a replica set attaches its builder when it is made"
+        return self._host
 
     # ---- decisions ----------------------------------------------------------------------------
     def _choose_parameter_device(
@@ -204,11 +211,11 @@ class CentralUpdate:
         self.central = central
         self.central_params = [p for p in central.parameters() if p.requires_grad]
         self._replicas = replicas
-        distributed = CentralModel(central, replicas, self._set.owner, self)
+        distributed = CentralModel(central, replicas, self.host, self)
         logger.info("CentralStorageStrategy: parameters on %s, replicas on %s", self.central_device, self._names)
         if optimizer is None:
             return Built(replicas, distributed, None, [])
-        central_optimizer = CentralOptimizer(optimizer, self)
+        central_optimizer = CentralOptimizer(optimizer, self, self.host)
         self._optimizer = central_optimizer
         return Built(replicas, distributed, central_optimizer, [optimizer])
 
@@ -254,12 +261,12 @@ class CentralUpdate:
                 )
 
     # ---- each step ----------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, state: RunState) -> None:
         self.refresh_replicas()
         if self._optimizer is not None:
             self._optimizer.begin_run()  # hyper-parameters change only through a handed-over scheduler now
 
-    def end_run(self) -> None:
+    def end_run(self, state: RunState) -> None:
         """The central copy keeps the buffers of replica 0 (e.g. batch-norm statistics), as Mirrored reports
         replica 0's; a hyper-parameter change no handed-over scheduler made is refused (lr_schedulers.py)."""
         if self.central is not None and self._anchor != 0:
@@ -280,12 +287,6 @@ class CentralUpdate:
                     torch._foreach_copy_(list(replica.parameters()), list(central.parameters()))
                 _copy_buffers(central, replica)
 
-    def _current_replica(self) -> int | None:
-        return self._set.current_replica()
-
-    def _meet(self, replica: int, what: str) -> None:
-        self._set.meet(replica, what)
-
     def apply_update(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         """`optimizer.step()` from each replica: the first to come waits for the others, one applies it."""
         if closure is not None:
@@ -294,7 +295,8 @@ class CentralUpdate:
                 f"re-evaluates the loss cannot run on every replica. Received: closure={closure!r}. Call "
                 "optimizer.step() without a closure, or use MirroredStrategy(share_parameters=False) for such optimizers."
             )
-        replica = self._set.current_replica()
+        replica = self.host.current_replica()
+        in_step = replica is not None
         num_replicas = len(self._devices)
         if replica is None:
             if num_replicas > 1:
@@ -304,21 +306,18 @@ class CentralUpdate:
                     "function given to strategy.run()."
                 )
             replica = 0
-        state = self._set.run_state
-        together = num_replicas > 1 and state is not None
+        together = num_replicas > 1  # host.meet waits only inside a step
         if together:
-            assert state is not None  # together needs a running step
             # Nobody may still read the parameters this update overwrites (replicas on the central device share them).
-            self._set.barrier.wait(replica, "optimizer step", state.step)
+            self.host.meet(replica, "optimizer step")
         result = None
         if replica == self._applier:
-            if state is not None:  # outside a step (one replica) the central gradients are the user's own
+            if in_step:  # outside a step (one replica) the central gradients are the user's own
                 self._stage_gradients()
             result = optimizer.step()
         if together:
-            assert state is not None
             # Nobody reads the parameters (or steps again) before the update is complete.
-            self._set.barrier.wait(replica, "end of the optimizer step", state.step)
+            self.host.meet(replica, "end of the optimizer step")
         return result
 
     def _stage_gradients(self) -> None:
@@ -327,7 +326,7 @@ class CentralUpdate:
         if self._anchor is not None:
             return
         with torch.no_grad():
-            for central, mine in zip(self.central_params, self._set.replica_params[self._applier]):
+            for central, mine in zip(self.central_params, self.host.replica_params[self._applier]):
                 if mine.grad is None:
                     central.grad = None
                     continue
@@ -337,7 +336,7 @@ class CentralUpdate:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Inside a step: the running replica's gradients; outside: every replica's and the central ones."""
-        replica = self._set.current_replica()
+        replica = self.host.current_replica()
         if replica is None:
             targets: list[nn.Module | None] = [self.central] if self.central is not None else []
             targets += self._replicas

@@ -21,17 +21,19 @@ with the fix.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies.data_parallel.step_part import Built, RunState, StepPart
 
 
-class LocalAccumulation:
-    """The no_sync() state of one strategy's replicas (see the module docstring)."""
+class LocalAccumulation(StepPart):
+    """The no_sync() state of one strategy's replicas (see the module docstring); a part of the replica
+    set of a strategy whose `no_sync()` skips combinations."""
 
     def __init__(self) -> None:
         self._params: list[list[nn.Parameter]] = []
@@ -46,14 +48,12 @@ class LocalAccumulation:
         self._stash: list[list[torch.Tensor | None] | None] = []
         self._hooks: list[Any] = []
 
-    def attach(
-        self, replica_params: Sequence[Sequence[nn.Parameter]], optimizers: Sequence[torch.optim.Optimizer]
-    ) -> None:
+    def prepare(self, built: Built, replica_params: list[list[nn.Parameter]]) -> None:
         """The parameters (those that require grad) of each local replica and the plain optimizers that
         update them, from `distribute`."""
         self._params = [list(ps) for ps in replica_params]
         self._local = [False] * len(self._params)
-        self._optimizers = list(optimizers)
+        self._optimizers = list(built.plain_optimizers)
 
     @property
     def pending(self) -> bool:
@@ -97,11 +97,12 @@ class LocalAccumulation:
         return False
 
     # ---- each run -------------------------------------------------------------------------------
-    def begin_run(self, weights: Sequence[float], step: int) -> None:
+    def begin_step(self, state: RunState) -> None:
         """Before the step function runs: prepares each replica's accumulated gradients for this run."""
         if not self.active:
             return
-        self._weights = list(weights)
+        step = state.step
+        self._weights = list(state.weights)
         count = len(self._params)
         self._rescaled = [False] * count
         self._seen = [False] * count
@@ -130,7 +131,7 @@ class LocalAccumulation:
                 torch._foreach_div_(grads, self._weights[r])
                 self._rescaled[r] = True
 
-    def end_run(self) -> None:
+    def end_run(self, state: RunState) -> None:
         """After the step function ran on every replica."""
         if not self.active or not self._weights:
             return

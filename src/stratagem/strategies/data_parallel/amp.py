@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from stratagem.errors import InputError
+from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
+from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.replicas import current_replica_context
 
 PRECISIONS = ("32", "bf16", "fp16")
@@ -51,14 +53,14 @@ class _ReplicaGradients:
 class DistributedGradScaler:
     """One `torch.amp.GradScaler` per local replica; calls go to the running replica's (replica 0's outside `run`)."""
 
-    def __init__(self, scalers: Sequence[torch.amp.GradScaler], strategy: Any) -> None:
+    def __init__(self, scalers: Sequence[torch.amp.GradScaler], host: ReplicaHost) -> None:
         self._scalers = list(scalers)
-        self._strategy = strategy
+        self._host = host
         self._views: dict[tuple[int, int], _ReplicaGradients] = {}
 
     def _replica(self) -> int:
-        ctx = current_replica_context()
-        return 0 if ctx is None or ctx.strategy is not self._strategy else ctx.replica_id_in_sync_group
+        replica = self._host.current_replica()
+        return 0 if replica is None else replica
 
     def _view(self, optimizer: torch.optim.Optimizer) -> Any:
         """The running replica's `_ReplicaGradients` of `optimizer` (one object per replica and optimizer, since
@@ -67,10 +69,10 @@ class DistributedGradScaler:
         key = (replica, id(optimizer))
         view = self._views.get(key)
         if view is None:
-            indices = _parameter_indices(self._strategy, optimizer)
-            if indices is None:
+            if not isinstance(optimizer, ReplicatedOptimizer):
                 return optimizer  # a plain optimizer: its own parameters hold the gradients
-            params = self._strategy._replica_params[replica]
+            indices = optimizer.updated_parameter_indices()
+            params = self._host.replica_params[replica]
             view = self._views[key] = _ReplicaGradients(optimizer, [params[i] for i in indices])
         return view
 
@@ -117,37 +119,18 @@ class DistributedGradScaler:
         return f"DistributedGradScaler(num_replicas={len(self._scalers)}, scale={self._scalers[0].get_scale()})"
 
 
-def _parameter_indices(strategy: Any, optimizer: Any) -> list[int] | None:
-    """Which of a replica's trainable parameters (`strategy._replica_params[r]`) `optimizer` updates, in its
-    order; None for an optimizer that is not one `distribute` handed back."""
-    from stratagem.strategies.central_storage.parts import CentralOptimizer
-    from stratagem.strategies.data_parallel.distributed import DistributedOptimizer
-    from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer
-
-    if isinstance(optimizer, ShardedOptimizer):
-        return list(optimizer._order)  # its param_groups hold 1/N shards, not parameters
-    if isinstance(optimizer, CentralOptimizer):
-        own = optimizer._central_params  # its param_groups hold the central copy, in this order
-        groups = optimizer.param_groups
-    elif isinstance(optimizer, DistributedOptimizer):
-        own = strategy._replica_params[0]
-        groups = optimizer._optimizers[0].param_groups
-    else:
-        return None
-    position = {id(p): i for i, p in enumerate(own)}  # frozen parameters are not there: they have no gradient
-    return [position[id(p)] for group in groups for p in group["params"] if id(p) in position]
-
-
-def replicate_scaler(scaler: Any, num_replicas: int, strategy: Any) -> Any:
-    """`scaler` itself for one local replica, else a `DistributedGradScaler` of `num_replicas` copies."""
+def replicate_scaler(scaler: Any, host: ReplicaHost | None) -> Any:
+    """`scaler` itself where one thread runs the step (no host, or one local replica), else a
+    `DistributedGradScaler` of one copy per local replica of `host`."""
     if not isinstance(scaler, torch.amp.GradScaler):
         raise InputError(
             f"distribute_scaler() takes a torch.amp.GradScaler. Received: {type(scaler).__name__}. "
             "Build one with torch.amp.GradScaler('cuda') (or 'cpu')."
         )
-    if num_replicas == 1:
+    if host is None or host.num_local_replicas == 1:
         return scaler  # one thread calls it: torch's scaler works as it is
-    return DistributedGradScaler([scaler] + [copy.deepcopy(scaler) for _ in range(num_replicas - 1)], strategy)
+    copies = [copy.deepcopy(scaler) for _ in range(host.num_local_replicas - 1)]
+    return DistributedGradScaler([scaler, *copies], host)
 
 
 _SHARED_SCALER_SYMPTOMS = (

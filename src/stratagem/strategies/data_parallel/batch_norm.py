@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.empty_slices import standing_in
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
+
+if TYPE_CHECKING:
+    from stratagem.strategies.base import Strategy
 
 BATCH_NORM_MODES = ("global", "per_replica")
 CrossWorkerSum = Callable[[torch.Tensor, str, int], None]
@@ -211,7 +214,7 @@ class BatchNormSync:
         self,
         mode: str,
         *,
-        strategy: Any,
+        strategy: Strategy,
         barrier: ReplicaBarrier,
         num_local: int,
         num_replicas_in_sync: int,

@@ -10,26 +10,29 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.data_parallel.host import ReplicaHost, ReplicaMeeting
 from stratagem.strategies.data_parallel.replicas import current_replica_context
 
+if TYPE_CHECKING:
+    from stratagem.strategies.base import Strategy
 
-def distributing_strategy(model: DistributedModel) -> Any:
+
+def distributing_strategy(model: DistributedModel) -> Strategy:
     """The strategy whose `distribute` made `model` (not an attribute: it would hide one of the user's model)."""
-    return model._strategy
+    return model._host.strategy
 
 
-def _replica_index(owner: Any) -> int:
-    ctx = current_replica_context()
-    if ctx is None or ctx.strategy is not owner._strategy:
-        return 0
-    return ctx.replica_id_in_sync_group
+def _replica_index(host: ReplicaMeeting) -> int:
+    """The running replica of `host`, replica 0 outside its run."""
+    replica = host.current_replica()
+    return 0 if replica is None else replica
 
 
 class DistributedModel(nn.Module):
@@ -41,16 +44,18 @@ class DistributedModel(nn.Module):
         >>> model.state_dict()  # outside: replica 0's (every replica holds the same values)
     """
 
-    def __init__(self, replicas: Sequence[nn.Module], strategy: Any) -> None:
+    _host: ReplicaHost
+
+    def __init__(self, replicas: Sequence[nn.Module], host: ReplicaHost) -> None:
         super().__init__()
         # Not registered as sub-modules: parameters() must list one replica's parameters, not all of them.
         object.__setattr__(self, "_replicas", list(replicas))
-        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_host", host)
 
     @property
     def module(self) -> nn.Module:
         """The running replica's model (replica 0's outside `Strategy.run`)."""
-        return self._replicas[_replica_index(self)]
+        return self._replicas[_replica_index(self._host)]
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -58,8 +63,8 @@ class DistributedModel(nn.Module):
         return list(self._replicas)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Through the strategy: a replica whose slice is empty calls the model on a stand-in (empty_slices.py).
-        return self._strategy._call_replica(self.module, args, kwargs)
+        # Through the host: a replica whose slice is empty calls the model on a stand-in (empty_slices.py).
+        return self._host.call_replica(self.module, args, kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
@@ -111,7 +116,7 @@ class DistributedModel(nn.Module):
         )
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("_replicas", "_strategy"):
+        if name in ("_replicas", "_host"):
             raise AttributeError(name)
         return getattr(self.module, name)
 
@@ -131,7 +136,7 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
 
     # Set by each subclass's __init__ (Optimizer.__init__ is not called: this object owns no parameters).
     _optimizers: list[torch.optim.Optimizer]
-    _strategy: Any
+    _host: ReplicaMeeting
     _watch: lr_schedulers.HyperparameterWatch
     _stepped: bool
 
@@ -161,6 +166,12 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self._primary().defaults
 
+    @property
+    def replica_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers that update the replicas (one per replica, one per replica's share of the
+        parameters, or the user's one), in replica order."""
+        return list(self._optimizers)
+
     def _primary(self) -> torch.optim.Optimizer:
         """The optimizer whose groups hold the hyper-parameters (the user's own)."""
         return self._optimizers[0]
@@ -169,10 +180,15 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
         return self._optimizers[replica]
 
     def _current_replica(self) -> int | None:
-        return self._strategy._current_replica()
+        return self._host.current_replica()
 
     def _meet(self, replica: int, what: str) -> None:
-        self._strategy._meet(replica, what)
+        self._host.meet(replica, what)
+
+    def updated_parameter_indices(self) -> list[int]:
+        """Which of a replica's trainable parameters (`ReplicaHost.replica_params[r]`, in the order of
+        `model.parameters()`) this optimizer updates, in the order of its groups (a loss scaler's view)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which parameters it updates.")
 
     @property
     def param_groups(self) -> list[Any]:  # type: ignore[override]
@@ -207,6 +223,13 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}(num_replicas={len(self._optimizers)}, optimizer={self._optimizers[0]!r})"
 
 
+def positions(params: Sequence[nn.Parameter], groups: Sequence[dict[str, Any]]) -> list[int]:
+    """The position in `params` of each parameter of `groups`, in the groups' order (a frozen parameter is not
+    in `params`: it has no gradient)."""
+    position = {id(p): i for i, p in enumerate(params)}
+    return [position[id(p)] for group in groups for p in group["params"] if id(p) in position]
+
+
 KERNEL_KEYS = ("fused", "foreach")
 """Group entries that choose kernels, not arithmetic: a replica's optimizer may keep its own."""
 
@@ -228,15 +251,21 @@ class DistributedOptimizer(ReplicatedOptimizer):
     `param_groups[i]["lr"]`) are copied to the other replicas before each of their steps.
     """
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], strategy: Any) -> None:
+    _host: ReplicaHost
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], host: ReplicaHost) -> None:
+        # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._optimizers = list(optimizers)
-        self._strategy = strategy
+        self._host = host
         self._start_watch()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The running replica's optimizer (replica 0's outside `Strategy.run`)."""
-        return self._optimizers[_replica_index(self)]
+        return self._optimizers[_replica_index(self._host)]
+
+    def updated_parameter_indices(self) -> list[int]:
+        return positions(self._host.replica_params[0], self._optimizers[0].param_groups)
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -248,7 +277,7 @@ class DistributedOptimizer(ReplicatedOptimizer):
                 "optimizer.step() ran outside strategy.run(), so only replica 0 would be updated and the replicas "
                 "would drift apart. Call it in the function given to strategy.run()."
             )
-        return self._sync_hyperparameters(_replica_index(self)).step(closure)
+        return self._sync_hyperparameters(_replica_index(self._host)).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from stratagem.strategies.data_parallel.step_part import RunState, StepPart
 from stratagem.values import flatten, map_structure
 
 _state = threading.local()
@@ -73,16 +74,20 @@ def _standing_in() -> Iterator[None]:
         _state.active = previous
 
 
-class EmptySlices:
+class EmptySlices(StepPart):
     """The empty-slice part of a data-parallel strategy: knows each local replica's slice size in
     the running step and calls the model on a stand-in when that size is zero."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_replicas_in_sync: int = 1) -> None:
         self._sizes: tuple[int, ...] | None = None
+        self._num_in_sync = num_replicas_in_sync
 
-    def begin_step(self, batch_sizes: tuple[int, ...] | None) -> None:
+    def begin_step(self, state: RunState) -> None:
         """The local replicas' slice sizes in the step that starts (None: not known, never idle)."""
-        self._sizes = batch_sizes
+        self._sizes = state.batch_sizes
+
+    def details(self) -> dict[str, str]:
+        return {"empty slices": RULE} if self._num_in_sync > 1 else {}
 
     def end_step(self) -> None:
         self._sizes = None

@@ -23,13 +23,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.replicas import current_replica_context
 from stratagem.values import PerReplica, map_structure
+
+if TYPE_CHECKING:
+    from stratagem.strategies.data_parallel.step_part import RunState
 
 
 def set_loss_weight(count: int | float | torch.Tensor) -> None:
@@ -54,7 +57,8 @@ def set_loss_weight(count: int | float | torch.Tensor) -> None:
             "A loss weight is the number of units the replica's loss averages over: a finite number, 0 or more. "
             f"Received: count={_show(count)}. Pass e.g. (labels != -100).sum()."
         )
-    ctx.strategy._declare_loss_weight(ctx.replica_id_in_sync_group, float(value))
+    if ctx.host is not None:  # nothing to weigh where one replica computes each update's gradient alone
+        ctx.host.declare_loss_weight(ctx.replica_id_in_sync_group, float(value))
 
 
 def _show(count: object) -> str:
@@ -69,7 +73,7 @@ def _show(count: object) -> str:
 # by the total count C = sum_r c_r (known locally, or summed along with the gradients across workers).
 
 
-def declare(state: Any, replica: int, count: float, num_local: int) -> None:
+def declare(state: RunState, replica: int, count: float, num_local: int) -> None:
     """Records replica `replica`'s count in the step's state, and makes it that replica's weight."""
     if state.counts is None:
         state.counts = [None] * num_local

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -22,7 +20,9 @@ from stratagem.strategies.data_parallel import cuda_numerics
 from stratagem.strategies.data_parallel import placement
 from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
 from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
-from stratagem.strategies.data_parallel.replica_set import Built
+from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.data_parallel.placement import ReplicaDevices
+from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer, alias_parameters
 
 
@@ -42,23 +42,23 @@ def distribute_optimizer(
     replicas: list[nn.Module],
     first_device: torch.device,
     shared: bool,
-    strategy: Any,
+    host: ReplicaHost,
 ) -> ShardedOptimizer | DistributedOptimizer | None:
     """The optimizer `distribute` returns (None with one private replica: the user's own)."""
     if optimizer.state and first_device.type != "cpu":
         optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the parameters
     distributed: ShardedOptimizer | DistributedOptimizer | None = None
     if shared:
-        distributed = ShardedOptimizer(optimizer, [list(r.parameters()) for r in replicas], strategy)
+        distributed = ShardedOptimizer(optimizer, [list(r.parameters()) for r in replicas], host)
     elif len(replicas) > 1:
         distributed = DistributedOptimizer(
             [optimizer] + [replicate_optimizer(optimizer, source_params, list(r.parameters())) for r in replicas[1:]],
-            strategy,
+            host,
         )
     return distributed
 
 
-class MirroredReplicas:
+class MirroredReplicas(ReplicaBuilder):
     """The replicas part of Mirrored, OneDevice and MultiWorkerMirrored: at `distribute`, a copy of the model
     per device (one copy read by all, on logical devices of one CPU, when the optimizer allows it), and the
     optimizer that updates them all. It records the decisions it makes then: room in torch.compile's cache,
@@ -71,15 +71,19 @@ class MirroredReplicas:
         self._share_parameters = share_parameters
         self._first_global_replica = first_global_replica  # seeds each GPU replica's random stream
         self._recorded: list[PlacementDecision] = []
-        self._set: Any = None
+        self._host: ReplicaHost | None = None
+        self._placement: ReplicaDevices | None = None
         self._optimizer: ShardedOptimizer | DistributedOptimizer | None = None
 
-    def attach(self, replica_set: Any) -> None:
-        self._set = replica_set
+    def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
+        self._host = host
+        self._placement = placement
 
     def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Built:
-        owner, devices = self._set.owner, self._set.devices
-        placement.check_memory(self._set.placement.logical, model, optimizer)  # before anything is copied
+        host, where = self._host, self._placement
+        assert host is not None and where is not None, "a replica set attaches its builder when it is made"
+        devices = where.devices
+        placement.check_memory(where.logical, model, optimizer)  # before anything is copied
         self._record(make_room_for_replicas(model, len(devices)))
         self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
         source_params = list(model.parameters())
@@ -88,24 +92,26 @@ class MirroredReplicas:
         replicas = make_replicas(model, devices, shared)
         distributed = None
         if optimizer is not None:
-            distributed = distribute_optimizer(optimizer, source_params, replicas, devices[0], shared, owner)
+            distributed = distribute_optimizer(optimizer, source_params, replicas, devices[0], shared, host)
+        plain = distributed.replica_optimizers if distributed is not None else []
+        if optimizer is not None and not plain:
+            plain = [optimizer]
         self._optimizer = distributed
-        plain = getattr(distributed, "_optimizers", None) or ([optimizer] if optimizer is not None else [])
         if len(replicas) == 1:
             return Built(replicas, model, optimizer, plain)
-        return Built(replicas, DistributedModel(replicas, owner), distributed, plain)
+        return Built(replicas, DistributedModel(replicas, host), distributed, plain)
 
     def _record(self, decision: PlacementDecision | None) -> None:
         if decision is not None:
             self._recorded.append(decision)
 
-    def begin_step(self) -> None:
+    def begin_step(self, state: RunState) -> None:
         """Nothing to hand out (every replica keeps its own parameters, updated alike); from here the
         hyper-parameters change only through a scheduler handed to the strategy (lr_schedulers.py)."""
         if self._optimizer is not None:
             self._optimizer.begin_run()
 
-    def end_run(self) -> None:
+    def end_run(self, state: RunState) -> None:
         """Refuses a hyper-parameter change inside the run that no handed-over scheduler made."""
         if self._optimizer is not None:
             self._optimizer.end_run()

@@ -29,8 +29,10 @@ ONE_THREAD_WARNING = (
 )
 
 
-def warn_if_profiling_one_thread(owner: object, num_replicas: int) -> None:
-    """Logs `ONE_THREAD_WARNING` once per `owner` when the caller's thread alone is being profiled."""
-    if num_replicas > 1 and torch.autograd._profiler_enabled() and not getattr(owner, "_warned_profiler", False):
-        owner._warned_profiler = True  # type: ignore[attr-defined]
-        logger.warning(ONE_THREAD_WARNING, num_replicas)
+def warn_if_profiling_one_thread(num_replicas: int, *, warned: bool) -> bool:
+    """Logs `ONE_THREAD_WARNING`, unless the caller has `warned` already, when the caller's thread alone is
+    being profiled; returns whether the caller has warned now (it keeps that, to warn once)."""
+    if warned or num_replicas <= 1 or not torch.autograd._profiler_enabled():
+        return warned
+    logger.warning(ONE_THREAD_WARNING, num_replicas)
+    return True

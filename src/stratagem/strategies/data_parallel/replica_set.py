@@ -1,17 +1,20 @@
-"""The data-parallel core: one process's replicas, run in lockstep, and the parts that combine them.
+"""The data-parallel core: one process's replicas, run in lockstep, and the ordered parts around each step.
 
 Mirrored, OneDevice, CentralStorage and MultiWorkerMirrored each hold one `ReplicaSet` and differ
 only in the parts they give it:
 
-- `placement` (`mirrored_placement.ReplicaDevices`): the devices and their threads;
-- `build`: how `distribute` makes the replicas and the optimizer (`mirrored_replicas.MirroredReplicas`:
-  a copy per device; `central_update.CentralUpdate`: one central copy, updated once per step);
-- `combine` (`combine.LocalCombine`): the reducer of the local combination at the end of backward;
-- `across` (`across_workers.AcrossWorkers`, or None in one process): the sum across worker processes.
+- `placement` (`placement.ReplicaDevices`): the devices and their threads;
+- `build` (a `step_part.ReplicaBuilder`): how `distribute` makes the replicas and the optimizer
+  (`mirrored_replicas.MirroredReplicas`: a copy per device; `central_storage.update.CentralUpdate`: one
+  central copy, updated once per step);
+- `combine` (`combine.LocalCombine`, or None): the reducer of the local combination at the end of backward;
+- `across` (`strategies/multi_worker/across.py`, or None in one process): the sum across worker processes.
 
-The set itself owns the replica threads and their barrier, `run`'s inputs and weights, the hook at
-the end of each backward pass, BatchNorm statistics, empty slices and accumulation (`no_sync`).
-`explain()` collects the decisions of every part from `parts`; no part edits another's.
+The set owns the replica threads and their barrier, `run`'s inputs and weights and the hook at the end of
+each backward pass; everything else is a `StepPart` in one ordered tuple (`_step_parts`), which the set
+iterates at `distribute`, around each step, at each gradient, at the end of backward, and at `close`.
+The set is the replicas' `host.ReplicaHost`: what runs inside the replicas calls it through that protocol.
+`explain()` collects the decisions of the placement and of every part; no part edits another's.
 """
 
 from __future__ import annotations
@@ -19,30 +22,39 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stratagem.collective.local import InMemoryReduce
-from stratagem.diagnose import PlacementDecision
-from stratagem.diagnose.placement import capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import loss_weight
 from stratagem.strategies.data_parallel import run_inputs
 from stratagem.strategies.data_parallel.accumulation import LocalAccumulation
-from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.combine import LocalCombination, LocalCombine
 from stratagem.strategies.data_parallel.distributed import check_optimizer_supported
-from stratagem.strategies.data_parallel.empty_slices import RULE as EMPTY_SLICE_RULE
 from stratagem.strategies.data_parallel.empty_slices import EmptySlices
+from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
 from stratagem.strategies.data_parallel.replicas import current_replica_context, enter_replica
+from stratagem.strategies.data_parallel.set_parts import (
+    AcrossWorkers,
+    BatchNormPart,
+    BucketRestart,
+    BucketSum,
+    LocalCombinationPart,
+    LossWeights,
+    ReportedOnly,
+    WorkerSumAfterCombination,
+)
+from stratagem.strategies.data_parallel.step_part import ReplicaBuilder, RunState, StepPart
 from stratagem.values import select_replica, stack_replicas
+
+if TYPE_CHECKING:
+    from stratagem.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -50,201 +62,160 @@ STEAL_MIN_ELEMENTS = 64 * 1024
 """A replica waiting at the end of backward combines early only shares of at least this many elements."""
 
 
-@dataclass
-class RunState:
-    """What one `run` knows while its replicas compute."""
-
-    step: int
-    weights: list[float]
-    counts: list[float | None] | None = None
-    """Loss weights declared with sg.set_loss_weight in this step (None: weighting by examples)."""
+def _overrides(part: StepPart, member: str) -> bool:
+    return getattr(type(part), member) is not getattr(StepPart, member)
 
 
-@dataclass(frozen=True)
-class Built:
-    """What a `ReplicaBuilder` made of the user's model and optimizer."""
-
-    replicas: list[nn.Module]
-    model: nn.Module
-    """The model `distribute` returns."""
-    optimizer: Any
-    """The optimizer `distribute` returns (None without one)."""
-    plain_optimizers: list[torch.optim.Optimizer]
-    """The torch optimizers that update the replicas (accumulation checks their steps)."""
-
-
-class ReplicaBuilder(Protocol):
-    """The part that makes the replicas at `distribute` and keeps them fed at each step."""
-
-    steal: bool
-    """Whether a replica waiting at the end of backward may combine shares of the others' gradients."""
-    accumulates: bool
-    """Whether `no_sync()` skips the combination (False: every backward pass combines)."""
-
-    def attach(self, replica_set: ReplicaSet) -> None: ...
-
-    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Built: ...
-
-    def begin_step(self) -> None: ...
-
-    def end_run(self) -> None: ...
-
-    def decisions(self) -> list[PlacementDecision]: ...
-
-    def details(self) -> dict[str, str]: ...
-
-
-class AcrossWorkersPart(Protocol):
-    """The part that sums gradients across worker processes (see `strategies/multi_worker/across.py`)."""
-
-    world_size: int
-    sums_whole_backward: bool
-    """True when gradients cross workers in buckets as backward produces them (one local replica)."""
-
-    def prepare(self, replicas: list[nn.Module], replica_params: list[list[nn.Parameter]]) -> None: ...
-
-    def begin_step(self, state: RunState) -> None: ...
-
-    def grad_ready(self, index: int, state: RunState) -> None: ...
-
-    def finish_backward(self, state: RunState) -> None: ...
-
-    def after_backward(self, state: RunState) -> None: ...
-
-    def sum_after_local_combine(
-        self, replica: int, replica_params: list[list[nn.Parameter]], state: RunState
-    ) -> None: ...
-
-    def loss_weight_declared(self, count: float) -> None: ...
-
-    def loss_weight_total(self, state: RunState, num_replicas_in_sync: int) -> float | None: ...
-
-    def batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> Any: ...
-
-    def decisions(self) -> list[PlacementDecision]: ...
-
-    def details(self) -> dict[str, str]: ...
-
-
-class ReplicaSet:
-    """The replicas of one process, their threads and barrier, and the parts that combine them.
+class ReplicaSet(ReplicaHost):
+    """The replicas of one process, their threads and barrier, and the parts around each step.
 
     Args:
-        owner: the strategy whose replica contexts these are (what `ReplicaContext.strategy` names).
-        placement, build, combine, across: the parts (see the module docstring).
+        strategy: the strategy whose replica contexts these are (what `ReplicaContext.strategy` names).
+        placement, build, combine, across: the parts (see the module docstring); `combine=None` for a
+            strategy whose replicas do not combine their gradients here (their library does).
         batch_norm: "global" or "per_replica" (checked by the strategy).
         timeout: seconds a replica waits for the others.
     """
 
     def __init__(
         self,
-        owner: Any,
+        strategy: Strategy,
         placement: ReplicaDevices,
         *,
         build: ReplicaBuilder,
-        combine: LocalCombine,
-        across: AcrossWorkersPart | None = None,
+        combine: LocalCombine | None,
+        across: AcrossWorkers | None = None,
         batch_norm: str,
         timeout: float,
     ) -> None:
-        self.owner = owner
+        self._strategy = strategy
         self.placement = placement
         self.devices = placement.devices
         self.names = placement.names
         self.build = build
-        self.combine = combine
         self.across = across
-        self._batch_norm_mode = batch_norm
         self._timeout = timeout
         self.barrier = ReplicaBarrier(self.names, timeout)
         self._pool: ReplicaPool | None = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # what distribute returned (schedulers are handed it)
-        self.replica_params: list[list[nn.Parameter]] = []
+        self._replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self.devices)
-        self.combination = LocalCombination(self.barrier, len(self.devices))
         self.run_state: RunState | None = None
         self.step = 0
-        self._empty_slices = EmptySlices()
-        self._batch_norm: BatchNormSync | None = None
+        self._warned_profiler = False
+        self._empty_slices = EmptySlices(self.num_replicas_in_sync)
         self._accumulation = LocalAccumulation()
-        build.attach(self)
-
-    @property
-    def parts(self) -> tuple[Any, ...]:
-        """Every part, in the order a step meets them; each reports its own decisions to `explain()`."""
-        parts = (self.placement, self.build, self.combine, self, self.across)
-        return tuple(part for part in parts if part is not None)
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        return len(self.devices) * (self.across.world_size if self.across is not None else 1)
-
-    @property
-    def needs_gradient_sync(self) -> bool:
-        """Whether replicas must combine gradients at the end of backward (several replicas, or workers)."""
-        return len(self.devices) > 1 or self.across is not None
-
-    def decisions(self) -> list[PlacementDecision]:
-        """The set's own decision: which statistics BatchNorm layers use, with more than one replica in sync."""
-        return [batch_norm_decision(self._batch_norm_mode)] if self.num_replicas_in_sync > 1 else []
-
-    def details(self) -> dict[str, str]:
-        details = {}
-        if self.across is not None or len(self.devices) > 1:
-            where = " across all workers" if self.across is not None else ""
-            details["gradient weighting"] = (
-                f"each replica's gradient weighted by its share of the global batch{where}, "
-                "or by the loss weight its step declares (sg.set_loss_weight)"
+        self._loss_weights = LossWeights(len(self.devices), self.num_replicas_in_sync, across)
+        self._combination = (
+            LocalCombinationPart(
+                combine,
+                self.barrier,
+                len(self.devices),
+                may_steal=build.steal,
+                steal_min=lambda: STEAL_MIN_ELEMENTS,  # read at distribute: a test lowers it
             )
-        if self.num_replicas_in_sync > 1:
-            details["empty slices"] = EMPTY_SLICE_RULE
-            if self._batch_norm is not None:
-                details.update(self._batch_norm.describe())
-        return details
-
-    def current_replica(self) -> int | None:
-        ctx = current_replica_context()
-        if ctx is None or ctx.strategy is not self.owner:
-            return None
-        return ctx.replica_id_in_sync_group
-
-    def meet(self, replica: int, what: str) -> None:
-        """Inside a step, this process's replicas wait for each other at `what` (an optimizer or scheduler step)."""
-        state = self.run_state
-        if state is not None:
-            self.barrier.wait(replica, what, state.step)
-
-    # ---- distribute ---------------------------------------------------------------------------
-    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-        check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self.owner).__name__)
-        self._batch_norm = BatchNormSync(
-            self._batch_norm_mode,
-            strategy=self.owner,
+            if combine is not None
+            else None
+        )
+        self._batch_norm = BatchNormPart(
+            batch_norm,
+            strategy=strategy,
             barrier=self.barrier,
             num_local=len(self.devices),
             num_replicas_in_sync=self.num_replicas_in_sync,
             weight=self._replica_weight,
             step=lambda: self.step,
-            cross_worker_sum=self.across.batch_norm_sum if self.across is not None else None,
+            across=across,
         )
+        self.step_parts = self._step_parts()
+        self._grad_parts = tuple(p for p in self.step_parts if _overrides(p, "grad_ready"))
+        self._backward_parts = tuple(p for p in self.step_parts if _overrides(p, "end_of_backward"))
+        build.attach(self, placement)
+
+    def _step_parts(self) -> tuple[StepPart, ...]:
+        """Every part, in the order a step meets them: a new part is one more entry here.
+
+        At the end of backward the order is the arithmetic's: the local combination, then the sum across
+        workers, then the division by the declared loss weights, which needs the sums complete.
+        """
+        several = len(self.devices) > 1
+        parts: list[StepPart] = [self.build, self._empty_slices, self._batch_norm]
+        if self.build.accumulates:
+            parts.append(self._accumulation)
+        combination = self._combination
+        if combination is not None:
+            # One replica has nothing to combine; its reducer is still reported.
+            parts.append(combination if several else ReportedOnly(combination))
+        across = self.across
+        if across is not None and several:
+            parts += [WorkerSumAfterCombination(across, self.barrier), self._loss_weights]
+        elif across is not None:
+            # One local replica: its gradients cross in buckets as backward produces them; the buckets are
+            # restarted after the division, since the gradients are views of them.
+            parts += [BucketSum(across), self._loss_weights, BucketRestart(across)]
+        elif combination is not None and several:
+            parts.append(self._loss_weights)
+        return tuple(parts)
+
+    @property
+    def parts(self) -> tuple[Any, ...]:
+        """Every part that reports to `explain()`, in the order a step meets them."""
+        return (self.placement, *self.step_parts)
+
+    # ---- the host protocol (host.py) -----------------------------------------------------------
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def num_local_replicas(self) -> int:
+        return len(self.devices)
+
+    @property
+    def replica_params(self) -> list[list[nn.Parameter]]:
+        return self._replica_params
+
+    @property
+    def combination(self) -> LocalCombination | None:
+        """The state of the local replicas' meeting at the end of backward (None without a combining part)."""
+        return self._combination.combination if self._combination is not None else None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self.devices) * (self.across.world_size if self.across is not None else 1)
+
+    def current_replica(self) -> int | None:
+        ctx = current_replica_context()
+        if ctx is None or ctx.host is not self:
+            return None
+        return ctx.replica_id_in_sync_group
+
+    def meet(self, replica: int, what: str) -> None:
+        state = self.run_state
+        if state is not None:
+            self.barrier.wait(replica, what, state.step)
+
+    def call_replica(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return self._empty_slices.call(model, self.current_replica(), args, kwargs)
+
+    def declare_loss_weight(self, replica: int, count: float) -> None:
+        state = self.run_state
+        if state is not None:
+            self._loss_weights.declare(state, replica, count)
+
+    # ---- distribute ---------------------------------------------------------------------------
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self._strategy).__name__)
         # The replicas are made from a converted copy (BatchNorm layers of the global batch; parameters and
         # buffers shared with the user's model): the user's own modules are left as they are.
         built = self.build.build(self._batch_norm.convert(model), optimizer)
         replicas = built.replicas
-        self.replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
-        if self.build.accumulates:
-            self._accumulation.attach(self.replica_params, built.plain_optimizers)
-        if self.across is not None:
-            self.across.prepare(replicas, self.replica_params)
-        self._batch_norm.attach(replicas)
-        if self.build.steal:
-            # A share of a small gradient costs more in Python calls than it saves; those are combined after
-            # the meeting, all in one call (a model of 300 small layers ran 30-50% slower stealing them all).
-            steal = isinstance(self.combine.reducer, InMemoryReduce) and len(replicas) > 1
-            self.combination.attach(self.replica_params, steal, STEAL_MIN_ELEMENTS)
-        if self.needs_gradient_sync:
-            for r, params in enumerate(self.replica_params):
+        self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        for part in self.step_parts:
+            part.prepare(built, self._replica_params)
+        if self._backward_parts or self._grad_parts:
+            for r, params in enumerate(self._replica_params):
                 for i, p in enumerate(params):
                     p.register_post_accumulate_grad_hook(self._make_grad_hook(r, i))
         if len(replicas) > 1:
@@ -265,16 +236,10 @@ class ReplicaSet:
         global_size = run_inputs.global_size(args, kwargs)
         self.step += 1
         weights = run_inputs.replica_weights(batch_sizes, global_size, num_replicas, self.num_replicas_in_sync)
-        self.run_state = state = RunState(self.step, weights)
-        self._empty_slices.begin_step(batch_sizes)
-        if self._batch_norm is not None:
-            self._batch_norm.begin_step()
+        self.run_state = state = RunState(self.step, weights, batch_sizes)
         self._queued = [False] * num_replicas
-        self.combination.begin_run()
-        self._accumulation.begin_run(state.weights, self.step)
-        self.build.begin_step()
-        if self.across is not None:
-            self.across.begin_step(state)
+        for part in self.step_parts:
+            part.begin_step(state)
         try:
             if num_replicas == 1:
                 results = [self._run_one(fn, args, kwargs)]
@@ -282,8 +247,8 @@ class ReplicaSet:
                 results = self._run_all(fn, args, kwargs)
         finally:
             self.run_state = None
-            self._accumulation.end_run()
-        self.build.end_run()
+            for part in self.step_parts:
+                part.end_run(state)
         if num_replicas == 1 and self.num_replicas_in_sync == 1:
             return results[0]
         return loss_weight.tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)
@@ -293,13 +258,11 @@ class ReplicaSet:
         if self._pool is None:
             self._pool = ReplicaPool(self.names, self._setup_replica_thread, self._timeout)
         self.barrier.reset()
-        self.combination.reset(self.replica_params)
-        self.combination.stealing = self.combination.steal and capture_placement() is None
         grad_enabled = torch.is_grad_enabled()
-        warn_if_profiling_one_thread(self.owner, num_replicas)
+        self._warned_profiler = warn_if_profiling_one_thread(num_replicas, warned=self._warned_profiler)
 
         def job(replica: int) -> Any:
-            ctx = ReplicaContext(replica, self.num_replicas_in_sync, self.devices[replica], self.owner)
+            ctx = ReplicaContext(replica, self.num_replicas_in_sync, self.devices[replica], self._strategy, self)
             previous = enter_replica(ctx)
             try:
                 with torch.set_grad_enabled(grad_enabled), run_inputs.device_guard(self.devices[replica]):
@@ -322,7 +285,8 @@ class ReplicaSet:
                 torch.set_num_threads(caller_threads)
 
     def _run_one(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        previous = enter_replica(ReplicaContext(0, self.num_replicas_in_sync, self.devices[0], self.owner))
+        ctx = ReplicaContext(0, self.num_replicas_in_sync, self.devices[0], self._strategy, self)
+        previous = enter_replica(ctx)
         try:
             with run_inputs.device_guard(self.devices[0]):
                 return fn(*select_replica(args, 0), **select_replica(kwargs, 0))
@@ -341,15 +305,18 @@ class ReplicaSet:
         elif device.type == "cuda":
             torch.cuda.set_device(device)
 
-    # ---- gradient combination at the end of backward -------------------------------------------
+    # ---- the end of backward: the parts that act on gradients ---------------------------------
     def _make_grad_hook(self, replica: int, index: int) -> Callable[[torch.Tensor], None]:
+        accumulation = self._accumulation if self.build.accumulates else None
+        grad_parts = self._grad_parts
+
         def hook(_: torch.Tensor) -> None:
-            if self._accumulation.active and self._accumulation.skips(replica):
-                return  # inside no_sync(): this replica's gradient only accumulates (strategies/data_parallel/accumulation.py)
-            self.combination.grad_ready(replica, index)  # a replica waiting may combine this one now
+            if accumulation is not None and accumulation.active and accumulation.skips(replica):
+                return  # inside no_sync(): this replica's gradient only accumulates (accumulation.py)
             state = self.run_state
-            if self.across is not None and state is not None:
-                self.across.grad_ready(index, state)
+            if state is not None:
+                for part in grad_parts:
+                    part.grad_ready(replica, index, state)
             if not self._queued[replica]:
                 self._queued[replica] = True
                 # Runs once when this backward pass has finished, before backward() returns.
@@ -368,61 +335,26 @@ class ReplicaSet:
                 "their gradients and would drift apart. Call loss.backward() inside the function given to "
                 "strategy.run()."
             )
-        across = self.across
-        if across is not None and across.sums_whole_backward:
-            # One local replica: its buckets went across as backward filled them.
-            across.finish_backward(state)
-            self._divide_by_loss_weights(replica, state)
-            across.after_backward(state)  # after the division: the gradients are views of the buckets
-            return
-        self.combination.combine(replica, self.replica_params, self.combine.reducer, state.weights, state.step)
-        if across is not None:
-            # Not only when this worker has gradients: the others may, and every worker must join the sum.
-            across.sum_after_local_combine(replica, self.replica_params, state)
-            self.barrier.wait(replica, "gradient combination across workers", state.step)
-        self._divide_by_loss_weights(replica, state)
-
-    def _divide_by_loss_weights(self, replica: int, state: RunState) -> None:
-        total = self._loss_weight_total(state)
-        if total is not None:
-            loss_weight.divide_gradients_(self.replica_params[replica], total)
-
-    # ---- losses weighted by declared counts (strategies/data_parallel/loss_weight.py) ---------------------------
-    def declare_loss_weight(self, replica: int, count: float) -> None:
-        state = self.run_state
-        if state is not None:
-            loss_weight.declare(state, replica, count, len(self.devices))
-            if self.across is not None:
-                self.across.loss_weight_declared(count)
-
-    def _loss_weight_total(self, state: RunState) -> float | None:
-        """The count the combined gradients are divided by (None: weighted by examples, nothing to divide)."""
-        if self.across is not None:
-            return self.across.loss_weight_total(state, self.num_replicas_in_sync)
-        total, declared = loss_weight.local_total(state.counts)
-        return loss_weight.check_total(total, declared, len(self.devices), state.step)
+        for part in self._backward_parts:
+            part.end_of_backward(replica, state)
 
     def _replica_weight(self, replica: int) -> float | None:
         state = self.run_state
         return None if state is None else state.weights[replica]
 
-    # ---- what the model and the user call -----------------------------------------------------
-    def call_replica(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """The distributed model's call on the running replica (a stand-in on an empty slice)."""
-        return self._empty_slices.call(model, self.current_replica(), args, kwargs)
-
+    # ---- what the user calls ------------------------------------------------------------------
     def no_sync(self) -> Any:
         """Accumulation without combining (see `MirroredStrategy.no_sync`); nothing to skip where every backward
         combines anyway (one replica, or central storage)."""
-        if not (self.build.accumulates and self.needs_gradient_sync):
+        if not (self.build.accumulates and self._backward_parts):
             return contextlib.nullcontext()
         return self._accumulation.no_sync(inside_run=self.current_replica() is not None)
 
     def close(self) -> None:
-        """Stops the replica threads; converted BatchNorm layers run as their plain class from then on."""
-        if self._batch_norm is not None:
-            self._batch_norm.remove()
-        self._accumulation.close()
+        """Stops the replica threads; every part removes what it installed (converted BatchNorm layers run as
+        their plain class from then on)."""
+        for part in self.step_parts:
+            part.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,10 @@ from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 from stratagem.strategies.data_parallel.autocast import apply_autocast, capture_autocast
 
+if TYPE_CHECKING:
+    from stratagem.strategies.base import Strategy
+    from stratagem.strategies.data_parallel.host import ReplicaHost
+
 _context = threading.local()
 
 
@@ -35,7 +39,11 @@ class ReplicaContext:
     replica_id_in_sync_group: int
     num_replicas_in_sync: int
     device: torch.device
-    strategy: Any
+    strategy: Strategy | None
+    """The strategy that runs the replica (None: a `Pipeline` built on its own, outside any strategy)."""
+    host: ReplicaHost | None = None
+    """The host of the replicas (a data-parallel strategy's replica set), which `sg.set_loss_weight` and
+    what `distribute` returned call; None where the strategy runs no replicas in lockstep (model parallelism)."""
 
 
 def current_replica_context() -> ReplicaContext | None:

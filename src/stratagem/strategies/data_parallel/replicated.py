@@ -1,9 +1,10 @@
 """What the data-parallel strategies share: a `ReplicaSet` each holds, and the members their parts call.
 
 Mirrored, OneDevice, CentralStorage and MultiWorkerMirrored subclass `ReplicatedStrategy` and only
-build their `ReplicaSet` from parts (see each class's parts list); the `Strategy` members and the
-members the distributed model and optimizer call back (`_current_replica`, `_meet`, ...) are
-delegated to that set here, once. No strategy subclasses another one.
+build their `ReplicaSet` from parts (see each class's parts list); the `Strategy` members are
+delegated to that set here, once. What runs inside the replicas (the distributed model and optimizer,
+the loss scaler, `sg.set_loss_weight`) calls the set itself, through the protocol it declares
+(`host.ReplicaHost`). No strategy subclasses another one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from stratagem.errors import InputError
 from stratagem.timeouts import check_seconds
 from stratagem.strategies.data_parallel import cuda_numerics, lr_schedulers
 from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
+from stratagem.strategies.data_parallel.amp import replicate_scaler
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
@@ -36,9 +38,6 @@ class ReplicatedStrategy(Strategy):
     @property
     def _local_devices(self) -> list[torch.device]:
         return self._replicas.devices
-
-    def _num_local_replicas(self) -> int:
-        return len(self._replicas.devices)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -73,6 +72,15 @@ class ReplicatedStrategy(Strategy):
         An exception in any replica stops the others and is re-raised here.
         """
         return self._replicas.run(fn, args, kwargs)
+
+    def distribute_scaler(self, scaler: torch.amp.GradScaler) -> Any:
+        """A loss scaler for this strategy's step function: `scaler` itself with one local replica, else one
+        scaler per local replica behind one object (see `stratagem.strategies.data_parallel.amp`).
+
+        Example:
+            >>> scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda"))
+        """
+        return replicate_scaler(scaler, self._replicas)
 
     def no_sync(self) -> Any:
         """A context in which backward only accumulates each replica's gradients, as DDP's `no_sync`.
@@ -116,24 +124,3 @@ class ReplicatedStrategy(Strategy):
         """Stops the replica threads (they also stop when the process exits); BatchNorm layers get their own
         forward back."""
         self._replicas.close()
-
-    # ---- what the distributed model, its optimizer and sg.set_loss_weight call ------------------
-    def _current_replica(self) -> int | None:
-        return self._replicas.current_replica()
-
-    def _meet(self, replica: int, what: str) -> None:
-        self._replicas.meet(replica, what)
-
-    def _after_optimizer_step(self, replica: int) -> None:
-        self._replicas.meet(replica, "optimizer step")
-
-    def _call_replica(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        return self._replicas.call_replica(model, args, kwargs)
-
-    def _declare_loss_weight(self, replica: int, count: float) -> None:
-        self._replicas.declare_loss_weight(replica, count)
-
-    @property
-    def _replica_params(self) -> list[list[nn.Parameter]]:
-        """Each local replica's trainable parameters, in the order of `model.parameters()` (amp's scalers)."""
-        return self._replicas.replica_params

@@ -15,12 +15,13 @@ This is exact only for optimizers whose update of an element depends on that ele
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies.data_parallel.host import ReplicaMeeting
 from stratagem.strategies.data_parallel.distributed import (
     KERNEL_KEYS,
     ReplicatedOptimizer,
@@ -70,16 +71,6 @@ def why_not_shareable(optimizer: torch.optim.Optimizer | None, model: nn.Module)
     return None
 
 
-class ShardOwner(Protocol):
-    """What the sharded optimizer needs from its strategy."""
-
-    def _current_replica(self) -> int | None: ...
-
-    def _meet(self, replica: int, what: str) -> None: ...
-
-    def _after_optimizer_step(self, replica: int) -> None: ...
-
-
 class ShardedOptimizer(ReplicatedOptimizer):
     """The optimizer `distribute` returns when replicas share parameters.
 
@@ -89,11 +80,11 @@ class ShardedOptimizer(ReplicatedOptimizer):
     """
 
     def __init__(
-        self, template: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]], strategy: ShardOwner
+        self, template: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]], host: ReplicaMeeting
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: this object owns no parameters of its own.
         self._template = template
-        self._strategy = strategy
+        self._host = host
         self._replica_params = [list(ps) for ps in replica_params]
         self._start_watch()
         source = self._replica_params[0]
@@ -114,6 +105,9 @@ class ShardedOptimizer(ReplicatedOptimizer):
         self._user_flags = {k: template.defaults[k] for k in KERNEL_KEYS if k in template.defaults}
         if template.state:
             self.load_state_dict(template.state_dict())
+
+    def updated_parameter_indices(self) -> list[int]:
+        return list(self._order)  # its param_groups hold 1/N shards, not parameters
 
     def _primary(self) -> torch.optim.Optimizer:
         # The user's optimizer keeps the hyper-parameters (a scheduler built on it before distribute writes
@@ -149,7 +143,7 @@ class ShardedOptimizer(ReplicatedOptimizer):
         result = optimizer.step(closure)
         for shard in shards:
             shard.grad = None
-        self._strategy._after_optimizer_step(replica)  # nobody reads the parameters until every share is updated
+        self._host.meet(replica, "optimizer step")  # nobody reads the parameters until every share is updated
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -45,8 +45,11 @@ def check_returns(returns: str) -> None:
         )
 
 
-def make_step(strategy: "Strategy", fn: Callable[..., Any], returns: str) -> Callable[..., Any]:
-    """`fn` as a function of the global batch that runs once per replica (see the module docstring)."""
+def make_step(
+    strategy: "Strategy", fn: Callable[..., Any], returns: str, distribute_inputs: Callable[[Any], Any]
+) -> Callable[..., Any]:
+    """`fn` as a function of the global batch that runs once per replica (see the module docstring);
+    `distribute_inputs` cuts the global batch `(args, kwargs)` among the strategy's local replicas."""
     if not callable(fn):
         raise InputError(
             f"step() needs the function to run once per replica. Received: {type(fn).__name__}. "
@@ -57,7 +60,7 @@ def make_step(strategy: "Strategy", fn: Callable[..., Any], returns: str) -> Cal
     @functools.wraps(fn, updated=())  # a wrapped nn.Module keeps its attributes to itself
     def run_step(*args: Any, **kwargs: Any) -> Any:
         home = _batch_device((args, kwargs))
-        distributed_args, distributed_kwargs = strategy._distribute_step_inputs((args, kwargs))
+        distributed_args, distributed_kwargs = distribute_inputs((args, kwargs))
         result = strategy.run(fn, args=distributed_args, kwargs=distributed_kwargs)
         if returns == "per_replica":
             return result

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from stratagem.data.split import split_sizes
 from stratagem.diagnose.placement import apply_placement, capture_placement
 from stratagem.errors import CollectiveTimeoutError, InputError
 from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+
+if TYPE_CHECKING:
+    from stratagem.strategies.base import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,7 @@ class Pipeline:
         num_micro_batches: int,
         timeout: float,
         threads_per_stage: int | None = None,
-        strategy: Any = None,
+        strategy: Strategy | None = None,
     ) -> None:
         self._stages = list(stages)
         self._devices = list(devices)
