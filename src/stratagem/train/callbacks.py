@@ -4,6 +4,10 @@ A callback receives the `TrainingContext` of the run (strategy, model, optimizer
 chief or not); `BackupAndRestore` uses its ``state_dict``/``load_state_dict`` to save and
 restore everything a run needs to continue exactly.
 
+Its members are every callback: `Callback` (the base class, in `stratagem.train.callback`),
+`BackupAndRestore`, `LearningRateScheduler` and `ProgressBar` (here), `EarlyStopping`, `ModelCheckpoint`,
+`CSVLogger` and `TensorBoard` (each in a module of its own).
+
 Example:
     >>> history = sg.fit(strategy, model, optimizer, F.cross_entropy, data, epochs=5,
     ...                  callbacks=[sg.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)])
@@ -34,40 +38,17 @@ from stratagem.train.checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
+from stratagem.train.callback import Callback
+
+# The callbacks that live in modules of their own, here too so that sg.callbacks lists every callback.
+from stratagem.train.early_stopping import EarlyStopping
+from stratagem.train.loggers import CSVLogger, TensorBoard
+from stratagem.train.model_checkpoint import ModelCheckpoint
 
 if TYPE_CHECKING:
     from stratagem.train.fit import EpochLog, History, TrainingContext
 
 logger = logging.getLogger(__name__)
-
-
-class Callback:
-    """Base class: override the hooks you need; each receives the run's `TrainingContext`.
-
-    Hooks run on every worker (check ``context.is_chief`` for what only one process should do),
-    in the order the callbacks were given, except that `BackupAndRestore` restores before the
-    others begin and saves after the others ran for the step or epoch.
-
-    Example:
-        >>> class StopAtLoss(Callback):
-        ...     def on_epoch_end(self, context, log):
-        ...         context.stop_training = log.metrics["loss"] < 0.1
-    """
-
-    def on_train_begin(self, context: TrainingContext) -> None:
-        """Before the first step (in a restored run, after `BackupAndRestore` restored it)."""
-
-    def on_epoch_begin(self, context: TrainingContext) -> None:
-        """At the start of epoch ``context.epoch`` (0-based), possibly mid-epoch after a restore."""
-
-    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
-        """After each step; ``context.step`` steps are done, this one had `num_examples` global examples."""
-
-    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
-        """After an epoch and its validation; `log` is also in ``context.history`` already."""
-
-    def on_train_end(self, context: TrainingContext, history: History) -> None:
-        """After training finished normally (not called when it raised)."""
 
 
 class BackupAndRestore(Callback):
@@ -362,9 +343,14 @@ def format_epoch_line(log: EpochLog, epochs: int) -> str:
     return "  ".join(parts) + f"  ({log.elapsed_s:.1f} s, {log.samples_per_s:,.0f} samples/s)"
 
 
-# The callbacks that live in their own modules, reachable as sg.callbacks.<Name> (imported last:
-# each of them builds on Callback above).
-from stratagem.train.early_stopping import EarlyStopping as EarlyStopping  # noqa: E402
-from stratagem.train.loggers import CSVLogger as CSVLogger  # noqa: E402
-from stratagem.train.loggers import TensorBoard as TensorBoard  # noqa: E402
-from stratagem.train.model_checkpoint import ModelCheckpoint as ModelCheckpoint  # noqa: E402
+__all__ = [
+    "BackupAndRestore",
+    "CSVLogger",
+    "Callback",
+    "EarlyStopping",
+    "LearningRateScheduler",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoard",
+    "format_epoch_line",
+]

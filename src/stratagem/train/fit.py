@@ -33,7 +33,8 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.data_parallel.distributed import DistributedModel, distributing_strategy
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
-from stratagem.train.callbacks import BackupAndRestore, Callback
+from stratagem.train.callback import Callback
+from stratagem.train.callbacks import BackupAndRestore
 from stratagem.train.fit_checks import check_backups_possible, check_callbacks, check_fit_arguments, fit_data
 
 # The run's state and records live in fit_state; they stay importable from here, where callers found them.
