@@ -564,3 +564,113 @@ def test_a_private_read_of_another_object_is_reported(tmp_path: Path) -> None:
         (11, "strategy._call_replica"),
         (11, "strategy._replicas"),
     ]
+
+
+def _runs_only_for_type_checkers(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_time_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is imported: not in a function, not under ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and _runs_only_for_type_checkers(node.test):
+            found += _import_time_imports(node.orelse)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                found += _import_time_imports(getattr(node, field, None) or [])
+    return found
+
+
+def _import_graph(src: Path = SRC) -> dict[str, list[str]]:
+    """Each module of the package and the modules of the package it imports when it is imported.
+
+    ``from package import name`` is an edge to the module ``package.name`` when there is one, else to the
+    package (its ``__init__``)."""
+    modules = {_module_name(path, src): path for path in _modules(src)}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in _import_time_imports(ast.parse(path.read_text(), filename=str(path)).body):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+                continue
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base] * bool(base))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[name] = sorted(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _import_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_module_imports_itself_through_others_when_imported() -> None:
+    graph = _import_graph()
+    assert len(graph) > 100 and graph["stratagem.strategies.mirrored"]  # the walk found the package and its imports
+    cycles = _import_cycles(graph)
+    assert cycles == [], "import cycles (move the shared part to the module that owns it):\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles
+    )
+
+
+def test_an_import_cycle_is_found_and_lazy_or_type_only_imports_are_not(tmp_path: Path) -> None:
+    package = tmp_path / "stratagem" / "train"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from stratagem.train import b\n")
+    (package / "b.py").write_text("import stratagem.train.c\n")
+    (package / "c.py").write_text("try:\n    from .a import thing\nexcept ImportError:\n    pass\n")
+    (package / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stratagem.train.e import E\n"
+    )
+    (package / "e.py").write_text("def f():\n    from stratagem.train.d import D\n\nfrom . import d\n")
+    graph = _import_graph(tmp_path / "stratagem")
+    assert graph["stratagem.train.e"] == ["stratagem.train.d"] and graph["stratagem.train.d"] == []
+    assert _import_cycles(graph) == [["stratagem.train.a", "stratagem.train.b", "stratagem.train.c"]]
+
+
+def test_importing_the_library_loads_neither_dynamo_nor_grpc() -> None:
+    # torch._dynamo costs about 2.7 s of CPU and grpc 0.3 s in every process of every job: both load when
+    # first used (torch.compile, an optimizer built for a parameter server, a gRPC server or client).
+    probe = "import sys, stratagem; print(sorted(m for m in ('torch._dynamo', 'grpc') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "[]"

@@ -10,7 +10,8 @@ import zlib
 import pytest
 
 from stratagem.bench.measure import MeasureRequest, measure_rank
-from stratagem.bench.registry import BENCH_STRATEGIES, BenchMachine, BenchStrategy
+from stratagem.bench.registry import BenchMachine, BenchStrategy
+from stratagem.strategies.records import STRATEGIES
 from stratagem.bench.scaling import (
     ScalingConfig,
     ScalingRow,
@@ -146,14 +147,10 @@ def test_plan_says_why_a_configuration_cannot_run_here():
     assert reasons[("gpu", "multi_worker")] == "torch.distributed has no nccl backend in this torch build"
 
 
-def test_a_strategy_missing_from_the_build_is_reported_not_dropped():
-    missing = BenchStrategy(
-        name="someday",
-        class_path="stratagem.strategies.someday:SomedayStrategy",
-        build=BENCH_STRATEGIES["mirrored"].build,
-    )
-    reason = missing.unavailable_reason("cpu", 1, BenchMachine(cpu_devices=2))
-    assert reason.startswith("stratagem.strategies.someday.SomedayStrategy is not in this build (ModuleNotFoundError")
+def test_a_strategy_the_benchmark_cannot_build_is_refused_with_its_name():
+    no_bench = STRATEGIES["model_parallel"]  # its record gives no bench_build
+    with pytest.raises(InputError, match=r"Received: 'model_parallel' with bench_build=None\. Give its StrategyRecord"):
+        BenchStrategy.from_record(no_bench)
 
 
 def test_a_replica_count_no_device_kind_has_is_refused_before_any_work():

@@ -94,7 +94,7 @@ def _measure_in_process(spec: BenchStrategy, workload: Workload, request: Measur
     options: dict[str, Any] = {"timeout": _wait_timeout(request)}
     if request.kind == "cpu":
         options["registry"] = _cpu_registry(request.replicas)
-    strategy = spec.build(spec.strategy_class(), replica_devices(request.kind, request.replicas), options)
+    strategy = spec.build(replica_devices(request.kind, request.replicas), options)
     try:
         step = strategy_steps(strategy, workload)
         barrier = _cuda_synchronizer(request.replicas) if request.kind == "gpu" else None
@@ -119,7 +119,6 @@ def _measure_process_rank(
         "task": {"type": "worker", "index": rank},
     }
     strategy = spec.build(
-        spec.strategy_class(),
         [process_device(request.kind, rank)],
         {"timeout": _wait_timeout(request), "cluster": cluster},
     )

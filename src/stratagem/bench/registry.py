@@ -1,9 +1,8 @@
-"""The strategies `stratagem bench` knows how to measure: one small entry per strategy.
+"""The strategies `stratagem bench` knows how to measure, taken from the strategies' records.
 
-A strategy joins the benchmark with one `BenchStrategy` entry in `BENCH_STRATEGIES`: where its
-class lives, how to build it on a list of devices, and whether its replicas are threads of one
-process or one process each. An entry whose class is not importable (a strategy still being
-built) stays listed and is reported as unavailable with the import error, never dropped.
+A strategy joins the benchmark through its `StrategyRecord` (`stratagem.strategies.records`): a
+``bench_build`` saying how to build it on a list of devices; whether its replicas are threads of one
+process or one process each, and the most devices it takes, are the record's too.
 
 Example:
     >>> spec = BENCH_STRATEGIES["mirrored"]
@@ -13,13 +12,16 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from stratagem.errors import InputError
+from stratagem.strategies import Strategy
+from stratagem.strategies.records import STRATEGIES, StrategyRecord
 
 DEVICE_KINDS = ("cpu", "gpu")
 
@@ -93,24 +95,32 @@ def process_device(kind: str, rank: int) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchStrategy:
-    """How to build and run one strategy in the benchmark."""
+    """How to build and run one strategy in the benchmark: its record's (`strategies.records`) view of it."""
 
     name: str
     """Its name on the command line and in the results."""
-    class_path: str
-    """`module:Class` of the strategy, imported only when it is measured."""
-    build: Callable[[type, list[str], Mapping[str, Any]], Any]
-    """`build(cls, devices, options)` returns the strategy; `options` holds `timeout` and `registry`
+    build: Callable[[list[str], Mapping[str, Any]], Strategy]
+    """`build(devices, options)` returns the strategy; `options` holds `timeout` and `registry`
     (in-process) or `timeout` and `cluster` (one process per replica)."""
     one_process_per_replica: bool = False
     """Each replica is its own process (collectives through torch.distributed) instead of a thread."""
     max_replicas: int | None = None
     """A fixed limit of the strategy itself (OneDeviceStrategy: 1); None for as many as the devices."""
 
-    def strategy_class(self) -> type:
-        """Imports the strategy class; ImportError or AttributeError when it is not in this build."""
-        module_name, _, class_name = self.class_path.partition(":")
-        return getattr(importlib.import_module(module_name), class_name)
+    @classmethod
+    def from_record(cls, record: StrategyRecord) -> BenchStrategy:
+        """The benchmark's entry for a strategy whose record says how bench builds it."""
+        if record.bench_build is None:
+            raise InputError(
+                f"The strategy has no benchmark build. Received: {record.name!r} with bench_build=None. "
+                "Give its StrategyRecord a bench_build, or leave it out of the benchmark."
+            )
+        return cls(
+            name=record.name,
+            build=record.bench_build,
+            one_process_per_replica=record.one_process_per_worker,
+            max_replicas=record.max_devices,
+        )
 
     def unavailable_reason(self, kind: str, replicas: int, machine: BenchMachine) -> str | None:
         """Why this strategy cannot run `replicas` replicas of `kind` here, or None when it can."""
@@ -124,45 +134,10 @@ class BenchStrategy:
             backend, present = ("gloo", machine.gloo) if kind == "cpu" else ("nccl", machine.nccl)
             if not present:
                 return f"torch.distributed has no {backend} backend in this torch build"
-        try:
-            self.strategy_class()
-        except (ImportError, AttributeError) as error:
-            return f"{self.class_path.replace(':', '.')} is not in this build ({type(error).__name__}: {error})"
         return None
 
 
-def _one_device(cls: type, devices: list[str], options: Mapping[str, Any]) -> Any:
-    return cls(devices[0], timeout=options["timeout"], registry=options.get("registry"))
-
-
-def _in_process(cls: type, devices: list[str], options: Mapping[str, Any]) -> Any:
-    return cls(devices, timeout=options["timeout"], registry=options.get("registry"))
-
-
-def _multi_worker(cls: type, devices: list[str], options: Mapping[str, Any]) -> Any:
-    return cls(devices, cluster=options["cluster"], timeout=options["timeout"])
-
-
 BENCH_STRATEGIES: dict[str, BenchStrategy] = {
-    spec.name: spec
-    for spec in (
-        BenchStrategy(
-            name="one_device",
-            class_path="stratagem.strategies.one_device:OneDeviceStrategy",
-            build=_one_device,
-            max_replicas=1,
-        ),
-        BenchStrategy(name="mirrored", class_path="stratagem.strategies.mirrored:MirroredStrategy", build=_in_process),
-        BenchStrategy(
-            name="central_storage",
-            class_path="stratagem.strategies.central_storage.strategy:CentralStorageStrategy",
-            build=_in_process,
-        ),
-        BenchStrategy(
-            name="multi_worker",
-            class_path="stratagem.strategies.multi_worker.strategy:MultiWorkerMirroredStrategy",
-            build=_multi_worker,
-            one_process_per_replica=True,
-        ),
-    )
+    record.name: BenchStrategy.from_record(record) for record in STRATEGIES if record.bench_build is not None
 }
+"""Every strategy whose record says how `stratagem bench` builds it, in the records' order."""

@@ -18,11 +18,9 @@ from pathlib import Path
 from stratagem import environ
 from stratagem.cluster import OutputLine, launch
 from stratagem.errors import StratagemError
-from stratagem.strategies.by_name import STRATEGY_NAMES
+from stratagem.strategies.records import STRATEGIES
 
-ONE_PROCESS_STRATEGIES = tuple(
-    name for name in STRATEGY_NAMES if name not in ("multi_worker", "parameter_server", "sharded")
-)
+ONE_PROCESS_STRATEGIES = tuple(record.name for record in STRATEGIES if not record.one_process_per_worker)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,10 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="number of worker processes (default 1)")
     parser.add_argument(
         "--strategy",
-        choices=STRATEGY_NAMES,
+        choices=STRATEGIES.names,
         metavar="NAME",
         help="the strategy sg.strategy_from_env() builds in each task (exported as STRATAGEM_STRATEGY): "
-        f"one of {', '.join(STRATEGY_NAMES)}; by default multi_worker for several workers",
+        f"one of {', '.join(STRATEGIES.names)}; by default multi_worker for several workers",
     )
     parser.add_argument(
         "--devices-per-worker",

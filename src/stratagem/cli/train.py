@@ -38,7 +38,8 @@ from stratagem.cli.checks import check_device_flags, check_writable_directory
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
 from stratagem.errors import InputError, StratagemError
 from stratagem.strategies.data_parallel.amp import PRECISIONS, check_precision
-from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
+from stratagem.strategies.by_name import build_strategy
+from stratagem.strategies.records import STRATEGIES
 from stratagem.train import BackupAndRestore, Callback, ProgressBar
 
 _DEFAULTS = TrainConfig()
@@ -54,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--strategy",
-        choices=STRATEGY_NAMES,
+        choices=STRATEGIES.names,
         default=_DEFAULTS.strategy,
         help=f"distribution strategy (default: {_DEFAULTS.strategy})",
     )
@@ -136,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
     except StratagemError as error:
         print(f"stratagem train: {error}", file=sys.stderr)
         return 2
-    parameter_server = args.strategy == "parameter_server"
-    per_worker = args.strategy in ("multi_worker", "sharded") and args.workers > 1
-    if (parameter_server or per_worker) and not launched_by_stratagem(env):
+    record = STRATEGIES[args.strategy]
+    parameter_server = record.parameter_servers
+    if (parameter_server or (record.one_process_per_worker and args.workers > 1)) and not launched_by_stratagem(env):
         # Start one process per task running this same command; each becomes a task of the strategy's cluster.
         sink = _json_sink if args.json else _prefixed_sink
         result = relaunch(
@@ -221,24 +222,27 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_before_work(args: argparse.Namespace) -> None:
     """What the command can refuse before it builds anything or starts a process."""
-    if args.workers > 1 and args.strategy not in ("multi_worker", "parameter_server", "sharded"):
+    record = STRATEGIES[args.strategy]
+    several = [r.name for r in STRATEGIES if r.one_process_per_worker]
+    if args.workers > 1 and not record.one_process_per_worker:
         raise InputError(
-            f"--workers {args.workers} needs --strategy multi_worker, sharded or parameter_server. "
-            f"Received: --strategy {args.strategy}. Add --strategy multi_worker, or leave --workers out."
+            f"--workers {args.workers} needs --strategy {' or '.join(several)}. "
+            f"Received: --strategy {args.strategy}. Add --strategy {several[0]}, or leave --workers out."
         )
-    if args.ps is not None and args.strategy != "parameter_server":
+    with_ps = [r.name for r in STRATEGIES if r.parameter_servers]
+    if args.ps is not None and not record.parameter_servers:
         raise InputError(
-            f"--ps {args.ps} needs --strategy parameter_server. Received: --strategy {args.strategy}. "
-            "Add --strategy parameter_server, or leave --ps out."
+            f"--ps {args.ps} needs --strategy {' or '.join(with_ps)}. Received: --strategy {args.strategy}. "
+            f"Add --strategy {with_ps[0]}, or leave --ps out."
         )
     if args.devices:
         check_device_flags(args.devices)
     if args.backup_dir:
-        if args.strategy == "parameter_server":
+        if record.parameter_servers:
             # The optimizer's state lives on the parameter servers, out of reach of fit's backups.
             raise InputError(
-                "--backup-dir does not work with --strategy parameter_server: the optimizer state lives on the "
-                f"parameter servers, which fit's backups cannot save. Received: --strategy parameter_server "
+                f"--backup-dir does not work with --strategy {args.strategy}: the optimizer state lives on the "
+                f"parameter servers, which fit's backups cannot save. Received: --strategy {args.strategy} "
                 f"--backup-dir {args.backup_dir}. Leave --backup-dir out, or use --strategy multi_worker for a "
                 "resumable multi-process run."
             )

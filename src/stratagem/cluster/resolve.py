@@ -1,7 +1,7 @@
 """Resolve the ``Cluster`` this process belongs to, from the first source that describes one.
 
-Order: an explicit argument, TF_CONFIG, torchrun's variables, SLURM's variables, else one
-process. Every source is parsed strictly: a half-set source is an error, never skipped, because
+Order: an explicit argument, then the first of `SOURCES` whose variables are set (TF_CONFIG,
+torchrun's variables, SLURM's variables), else one process. Every source is parsed strictly: a half-set source is an error, never skipped, because
 skipping it would silently train one model per process instead of one model.
 
 SLURM rendezvous port: ``STRATAGEM_MASTER_PORT``, else ``MASTER_PORT``, else
@@ -17,8 +17,8 @@ Start SLURM tasks with ``srun``: a batch script run without it is one process th
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stratagem.cluster.nodelist import first_host, tasks_on_node
@@ -207,17 +207,6 @@ def single_process() -> Cluster:
     )
 
 
-def _detected(env: Mapping[str, str]) -> list[str]:
-    found = []
-    if env.get("TF_CONFIG", "").strip():
-        found.append("TF_CONFIG")
-    if "RANK" in env or "WORLD_SIZE" in env:
-        found.append("torchrun")
-    if "SLURM_PROCID" in env:
-        found.append("SLURM")
-    return found
-
-
 def _agree_with_torchrun(cluster: Cluster, env: Mapping[str, str]) -> None:
     """TF_CONFIG wins over RANK/WORLD_SIZE; if both are set they must describe the same process."""
     if cluster.rank is None or "RANK" not in env or "WORLD_SIZE" not in env:
@@ -230,8 +219,41 @@ def _agree_with_torchrun(cluster: Cluster, env: Mapping[str, str]) -> None:
         )
 
 
+def _from_tf_config(env: Mapping[str, str]) -> Cluster:
+    cluster = parse_tf_config(env["TF_CONFIG"], source="TF_CONFIG")
+    _agree_with_torchrun(cluster, env)
+    return cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSource:
+    """One place a process learns its cluster from: how to tell it is set, and how to read it.
+
+    Example:
+        >>> SOURCES[1].name, SOURCES[1].detect({"RANK": "0"})
+        ('torchrun', True)
+    """
+
+    name: str
+    """How the cluster names its source (``Cluster.source``) and how a shadowed source is named."""
+    detect: Callable[[Mapping[str, str]], bool]
+    """True when the environment sets any of this source's variables, even only some of them: ``parse``
+    then refuses a half-set source instead of skipping it."""
+    parse: Callable[[Mapping[str, str]], Cluster]
+    """The cluster the environment describes; raises ``ClusterError`` naming what is wrong."""
+
+
+SOURCES: tuple[ClusterSource, ...] = (
+    ClusterSource(name="TF_CONFIG", detect=lambda env: bool(env.get("TF_CONFIG", "").strip()), parse=_from_tf_config),
+    ClusterSource(name="torchrun", detect=lambda env: "RANK" in env or "WORLD_SIZE" in env, parse=from_torchrun),
+    ClusterSource(name="SLURM", detect=lambda env: "SLURM_PROCID" in env, parse=from_slurm),
+)
+"""Where a cluster is read from, first match wins; a later source also set is noted in the evidence."""
+
+
 def resolve_cluster(explicit: Cluster | Mapping[str, Any] | None = None, *, env: Mapping[str, str]) -> Cluster:
-    """The cluster of this process: ``explicit``, else TF_CONFIG, torchrun, SLURM, else one process.
+    """The cluster of this process: ``explicit``, else the first of `SOURCES` set (TF_CONFIG, torchrun,
+    SLURM), else one process.
 
     ``explicit`` is a ``Cluster`` (returned as is) or a dict in TF_CONFIG form. ``env`` is the
     process environment (``stratagem.environ.current()``), passed in so tests can construct one.
@@ -242,7 +264,7 @@ def resolve_cluster(explicit: Cluster | Mapping[str, Any] | None = None, *, env:
         >>> c.source, c.rank, c.task_name
         ('torchrun', 1, 'worker:1')
     """
-    detected = _detected(env)
+    detected = [source for source in SOURCES if source.detect(env)]
     if explicit is not None:
         if isinstance(explicit, Cluster):
             return explicit
@@ -253,17 +275,11 @@ def resolve_cluster(explicit: Cluster | Mapping[str, Any] | None = None, *, env:
                 '{"cluster": {...}, "task": {"type": ..., "index": ...}}.'
             )
         cluster, shadowed = parse_tf_config(explicit, source="explicit"), detected
-    elif "TF_CONFIG" in detected:
-        cluster = parse_tf_config(env["TF_CONFIG"], source="TF_CONFIG")
-        _agree_with_torchrun(cluster, env)
-        shadowed = detected[1:]
-    elif "torchrun" in detected:
-        cluster, shadowed = from_torchrun(env), detected[1:]
-    elif "SLURM" in detected:
-        cluster, shadowed = from_slurm(env), []
+    elif detected:
+        cluster, shadowed = detected[0].parse(env), detected[1:]
     else:
         return single_process()
     if not shadowed:
         return cluster
-    note = f"{cluster.source} takes precedence over {', '.join(shadowed)} (also set)"
+    note = f"{cluster.source} takes precedence over {', '.join(source.name for source in shadowed)} (also set)"
     return replace(cluster, evidence=(*cluster.evidence, note))

@@ -30,7 +30,7 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies import ModelParallelStrategy, ParameterServerStrategy, Strategy
 from stratagem.strategies.by_name import STRATEGY_NAMES
-from stratagem.train.callbacks import Callback
+from stratagem.train.callback import Callback
 from stratagem.train.fit import EpochLog, fit
 from stratagem.train.loop import Evaluation, evaluate
 

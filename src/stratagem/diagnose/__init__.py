@@ -11,9 +11,6 @@ Example:
 """
 
 from stratagem.diagnose.checks import (
-    MIN_DRIVER_FOR_CUDA_MAJOR,
-    Check,
-    Verdict,
     check_cuda_visible_devices,
     check_cudnn,
     check_device_index,
@@ -26,6 +23,7 @@ from stratagem.diagnose.checks import (
     gpu_unavailable_reason,
     visible_by_cuda_visible_devices,
 )
+from stratagem.diagnose.cuda_versions import MIN_DRIVER_FOR_CUDA_MAJOR
 from stratagem.diagnose.decisions import PlacementDecision
 from stratagem.diagnose.facts import EnvironmentFacts, GpuFacts, collect_facts, cpu_count, probe_gpus
 from stratagem.diagnose.memory import (
@@ -47,6 +45,7 @@ from stratagem.diagnose.placement import (
 from stratagem.diagnose.placement_report import CopySummary, OffDeviceOp, PlacementSummary
 from stratagem.diagnose.report import DoctorReport, SmokeResult, blocking_checks, exit_code
 from stratagem.diagnose.soft_placement import SoftPlacement
+from stratagem.diagnose.verdict import Check, Verdict
 
 __all__ = [
     "MIN_DRIVER_FOR_CUDA_MAJOR",

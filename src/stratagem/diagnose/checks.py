@@ -12,40 +12,16 @@ Verdicts follow one rule, so ``stratagem doctor`` can turn them into an exit cod
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from stratagem.diagnose.cuda_start import check_cuda_start
+from stratagem.diagnose.cuda_versions import MIN_DRIVER_FOR_CUDA_MAJOR, major_version, version_numbers
 from stratagem.diagnose.facts import EnvironmentFacts
+from stratagem.diagnose.verdict import Check, Verdict
 from stratagem.diagnose.visible_devices import read_visible_devices
 
-Verdict = Literal["ok", "warning", "problem"]
-
-# Minimum driver release for each CUDA major version under minor-version compatibility, from
-# NVIDIA's CUDA Toolkit Release Notes ("CUDA Toolkit and Minimum Required Driver Version for CUDA
-# Minor Version Compatibility", Linux x86_64 column); 13.x lists ">= 580", first shipped as 580.65.06.
-MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
-
 INSTALL_CUDA_TORCH = "install a CUDA build of torch (pick one at https://pytorch.org/get-started/locally/)"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Check:
-    """The verdict of one diagnosis, with the reason and the fix, both naming the values seen."""
-
-    name: str
-    verdict: Verdict
-    reason: str
-    fix: str = ""
-
-    @property
-    def message(self) -> str:
-        """Reason and fix in one sentence pair, for error messages."""
-        return f"{self.reason} {self.fix}" if self.fix else self.reason
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def check_torch_build(facts: EnvironmentFacts) -> Check:
@@ -87,7 +63,7 @@ def check_driver(facts: EnvironmentFacts) -> Check:
             if part
         )
         return Check(name="driver", verdict="ok", reason=f"NVIDIA driver found ({found}).")
-    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(_major(facts.torch_cuda_version))
+    minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(major_version(facts.torch_cuda_version))
     needed = f" (release {minimum} or newer for CUDA {facts.torch_cuda_version})" if minimum else ""
     return Check(
         name="driver",
@@ -109,9 +85,9 @@ def check_driver_version(facts: EnvironmentFacts) -> Check:
     if not facts.is_cuda_build or not facts.driver_present:
         return Check(name="driver_version", verdict="ok", reason="Not applicable: no CUDA build or no driver.")
     torch_cuda = facts.torch_cuda_version
-    major = _major(torch_cuda)
+    major = major_version(torch_cuda)
     minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(major)
-    if facts.driver_version and minimum and _version(facts.driver_version) < _version(minimum):
+    if facts.driver_version and minimum and version_numbers(facts.driver_version) < version_numbers(minimum):
         supports = f" (it supports CUDA up to {facts.driver_cuda_version})" if facts.driver_cuda_version else ""
         return Check(
             name="driver_version",
@@ -125,8 +101,8 @@ def check_driver_version(facts: EnvironmentFacts) -> Check:
                 f"version that driver {facts.driver_version} supports{supports}."
             ),
         )
-    if facts.driver_cuda_version and _version(facts.driver_cuda_version) < _version(torch_cuda):
-        if _major(facts.driver_cuda_version) < major:
+    if facts.driver_cuda_version and version_numbers(facts.driver_cuda_version) < version_numbers(torch_cuda):
+        if major_version(facts.driver_cuda_version) < major:
             return Check(
                 name="driver_version",
                 verdict="problem",
@@ -317,7 +293,7 @@ def check_cudnn(facts: EnvironmentFacts) -> Check:
     if facts.cudnn_available:
         version = f" {facts.cudnn_version}" if facts.cudnn_version else ""
         return Check(name="cudnn", verdict="ok", reason=f"cuDNN{version} is available.")
-    major = _major(facts.torch_cuda_version)
+    major = major_version(facts.torch_cuda_version)
     return Check(
         name="cudnn",
         verdict="warning",
@@ -327,6 +303,58 @@ def check_cudnn(facts: EnvironmentFacts) -> Check:
         ),
         fix=f"Install a torch build that bundles cuDNN (the official CUDA wheels do) or nvidia-cudnn-cu{major}.",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorRequest:
+    """What ``stratagem doctor`` was asked beyond the machine's facts."""
+
+    requested_gpus: Sequence[int] | None = None
+    """GPU indices the user means to use (``--gpus``); None when none were named."""
+    memory: Check | None = None
+    """The verdict of `stratagem.diagnose.check_memory` on the user's model, when one was estimated."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorCheck:
+    """One check of the doctor: its name, how it is run, and whether it can be why no GPU is used.
+
+    Example:
+        >>> [check.name for check in CHECKS if check.explains_no_gpu][:2]
+        ['torch_build', 'driver']
+    """
+
+    name: str
+    """The name of the `Check` it returns."""
+    run: Callable[[EnvironmentFacts, DoctorRequest], Check | None]
+    """Its verdict on these facts, or None when it was not asked for (no GPU indices, no memory estimate)."""
+    explains_no_gpu: bool = False
+    """Its failure is a reason torch can use no GPU: `gpu_unavailable_reason` returns the first such failure."""
+
+
+def _on_facts(check: Callable[[EnvironmentFacts], Check]) -> Callable[[EnvironmentFacts, DoctorRequest], Check]:
+    return lambda facts, request: check(facts)
+
+
+def _device_index(facts: EnvironmentFacts, request: DoctorRequest) -> Check | None:
+    return None if request.requested_gpus is None else check_device_index(facts, request.requested_gpus)
+
+
+CHECKS: tuple[DoctorCheck, ...] = (
+    # Why no GPU, ordered from the most fundamental cause: each later check assumes the earlier ones passed.
+    DoctorCheck(name="torch_build", run=_on_facts(check_torch_build), explains_no_gpu=True),
+    DoctorCheck(name="driver", run=_on_facts(check_driver), explains_no_gpu=True),
+    DoctorCheck(name="driver_version", run=_on_facts(check_driver_version), explains_no_gpu=True),
+    DoctorCheck(name="cuda_start", run=_on_facts(check_cuda_start), explains_no_gpu=True),
+    DoctorCheck(name="cuda_visible_devices", run=_on_facts(check_cuda_visible_devices), explains_no_gpu=True),
+    DoctorCheck(name="nvml_vs_torch", run=_on_facts(check_gpu_visibility), explains_no_gpu=True),
+    # What the user asked for, then what multi-GPU training needs.
+    DoctorCheck(name="device_index", run=_device_index),
+    DoctorCheck(name="memory", run=lambda facts, request: request.memory),
+    DoctorCheck(name="nccl", run=_on_facts(check_nccl)),
+    DoctorCheck(name="cudnn", run=_on_facts(check_cudnn)),
+)
+"""Every check of ``stratagem doctor``, in the order a person would fix what they find."""
 
 
 def gpu_unavailable_reason(facts: EnvironmentFacts) -> Check | None:
@@ -339,20 +367,12 @@ def gpu_unavailable_reason(facts: EnvironmentFacts) -> Check | None:
     """
     if facts.torch_device_count > 0:
         return None
-    from stratagem.diagnose.cuda_start import check_cuda_start  # it builds on this module's Check
-
-    # Ordered from the most fundamental cause: each later check assumes the earlier ones passed.
-    for check in (
-        check_torch_build,
-        check_driver,
-        check_driver_version,
-        check_cuda_start,
-        check_cuda_visible_devices,
-        check_gpu_visibility,
-    ):
-        result = check(facts)
-        if result.verdict != "ok":
-            return result
+    nothing_asked = DoctorRequest()
+    for check in CHECKS:
+        if check.explains_no_gpu:
+            result = check.run(facts, nothing_asked)
+            if result is not None and result.verdict != "ok":
+                return result
     return _no_gpu_fallback(facts)
 
 
@@ -373,7 +393,7 @@ def _no_gpu_fallback(facts: EnvironmentFacts) -> Check:
 def check_environment(
     facts: EnvironmentFacts, *, requested_gpus: Sequence[int] | None = None, memory: Check | None = None
 ) -> list[Check]:
-    """Runs every check, in the order a person would fix them.
+    """Runs every check of `CHECKS`, in the order a person would fix them.
 
     ``requested_gpus`` adds the device-index check; ``memory`` is a check from
     `stratagem.diagnose.check_memory`, added in place.
@@ -382,27 +402,5 @@ def check_environment(
         >>> [c.name for c in check_environment(EnvironmentFacts(torch_version="2.3.0+cpu"))][:4]
         ['torch_build', 'driver', 'driver_version', 'cuda_start']
     """
-    from stratagem.diagnose.cuda_start import check_cuda_start  # it builds on this module's Check
-
-    checks = [
-        check_torch_build(facts),
-        check_driver(facts),
-        check_driver_version(facts),
-        check_cuda_start(facts),
-        check_cuda_visible_devices(facts),
-        check_gpu_visibility(facts),
-    ]
-    if requested_gpus is not None:
-        checks.append(check_device_index(facts, requested_gpus))
-    if memory is not None:
-        checks.append(memory)
-    checks += [check_nccl(facts), check_cudnn(facts)]
-    return checks
-
-
-def _major(version: str | None) -> int:
-    return _version(version)[0] if version else 0
-
-
-def _version(text: str | None) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text or ""))
+    request = DoctorRequest(requested_gpus=requested_gpus, memory=memory)
+    return [result for check in CHECKS if (result := check.run(facts, request)) is not None]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import re
 
-from stratagem.diagnose.checks import MIN_DRIVER_FOR_CUDA_MAJOR, Check, _major
+from stratagem.diagnose.cuda_versions import MIN_DRIVER_FOR_CUDA_MAJOR, major_version
 from stratagem.diagnose.facts import EnvironmentFacts
+from stratagem.diagnose.verdict import Check
 
 SHOW_ERROR = 'python -c "import torch; torch.cuda.init()" shows CUDA\'s own error'
 
@@ -79,7 +80,7 @@ def check_cuda_start(facts: EnvironmentFacts) -> Check:
             ),
         )
     if re.search(r"too old|insufficient driver|\b35\b", text, re.IGNORECASE):
-        minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(_major(facts.torch_cuda_version))
+        minimum = MIN_DRIVER_FOR_CUDA_MAJOR.get(major_version(facts.torch_cuda_version))
         to = f" to {minimum} or newer" if minimum else ""
         return Check(
             name="cuda_start",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stratagem.diagnose.checks import Check
+from stratagem.diagnose.verdict import Check
 from stratagem.diagnose.facts import EnvironmentFacts, GpuFacts
 from stratagem.errors import MemoryEstimateError, MemoryEstimateInputError
 

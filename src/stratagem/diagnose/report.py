@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from stratagem.diagnose.checks import Check
+from stratagem.diagnose.verdict import Check
 from stratagem.diagnose.decisions import PlacementDecision
 from stratagem.diagnose.facts import EnvironmentFacts
 

@@ -59,7 +59,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy
 import torch
 
@@ -93,7 +92,6 @@ CHECK_SECONDS = 0.05
 """How often a sleeping side wakes to check the other is alive, the clock, and whether to stop."""
 PREFIX = "stratagem-ps-"
 _NAME = re.compile(r"stratagem-ps-[A-Za-z0-9_]{1,64}\Z")
-_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # how a lost server is told apart from other failures
 
 Buckets = Sequence[tuple[torch.dtype, int]]
 """Each bucket's dtype and element count, in the server's order."""
@@ -236,7 +234,10 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
                 f"{server} (pid {pid}) exited during a {what} through shared memory. Received: no answer, and no such "
                 f"process. Restart the job; it resumes from the last checkpoint (strategy.save)."
             )
-            error.code, error.task = _UNAVAILABLE, server  # type: ignore[attr-defined]
+            import grpc  # loaded already: this worker reached the server over gRPC first
+
+            # UNAVAILABLE is how a lost server is told apart from other failures (transport.task_lost).
+            error.code, error.task = grpc.StatusCode.UNAVAILABLE, server  # type: ignore[attr-defined]
             raise error
         if time.monotonic() - start > timeout:
             raise CollectiveTimeoutError(

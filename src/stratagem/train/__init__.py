@@ -7,17 +7,11 @@ Example:
     >>> history.history["accuracy"]
 """
 
-from stratagem.train.callbacks import (
-    BackupAndRestore,
-    Callback,
-    CSVLogger,
-    EarlyStopping,
-    LearningRateScheduler,
-    ModelCheckpoint,
-    ProgressBar,
-    TensorBoard,
-    format_epoch_line,
-)
+from stratagem.train.callback import Callback
+from stratagem.train.callbacks import BackupAndRestore, LearningRateScheduler, ProgressBar, format_epoch_line
+from stratagem.train.early_stopping import EarlyStopping
+from stratagem.train.loggers import CSVLogger, TensorBoard
+from stratagem.train.model_checkpoint import ModelCheckpoint
 from stratagem.train.checkpoint import (
     capture_rng_state,
     load_checkpoint,

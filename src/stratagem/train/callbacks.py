@@ -4,6 +4,10 @@ A callback receives the `TrainingContext` of the run (strategy, model, optimizer
 chief or not); `BackupAndRestore` uses its ``state_dict``/``load_state_dict`` to save and
 restore everything a run needs to continue exactly.
 
+Its members are every callback: `Callback` (the base class, in `stratagem.train.callback`),
+`BackupAndRestore`, `LearningRateScheduler` and `ProgressBar` (here), `EarlyStopping`, `ModelCheckpoint`,
+`CSVLogger` and `TensorBoard` (each in a module of its own).
+
 Example:
     >>> history = sg.fit(strategy, model, optimizer, F.cross_entropy, data, epochs=5,
     ...                  callbacks=[sg.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)])
@@ -17,16 +21,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.text import Text
-
 from stratagem import environ
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.strategies.data_parallel import lr_schedulers
@@ -38,40 +32,20 @@ from stratagem.train.checkpoint import (
     save_checkpoint,
 )
 from stratagem.train.preemption import StopSignals
+from stratagem.train.callback import Callback
+
+# The callbacks that live in modules of their own, here too so that sg.callbacks lists every callback.
+from stratagem.train.early_stopping import EarlyStopping
+from stratagem.train.loggers import CSVLogger, TensorBoard
+from stratagem.train.model_checkpoint import ModelCheckpoint
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
     from stratagem.train.fit import EpochLog, History, TrainingContext
 
 logger = logging.getLogger(__name__)
-
-
-class Callback:
-    """Base class: override the hooks you need; each receives the run's `TrainingContext`.
-
-    Hooks run on every worker (check ``context.is_chief`` for what only one process should do),
-    in the order the callbacks were given, except that `BackupAndRestore` restores before the
-    others begin and saves after the others ran for the step or epoch.
-
-    Example:
-        >>> class StopAtLoss(Callback):
-        ...     def on_epoch_end(self, context, log):
-        ...         context.stop_training = log.metrics["loss"] < 0.1
-    """
-
-    def on_train_begin(self, context: TrainingContext) -> None:
-        """Before the first step (in a restored run, after `BackupAndRestore` restored it)."""
-
-    def on_epoch_begin(self, context: TrainingContext) -> None:
-        """At the start of epoch ``context.epoch`` (0-based), possibly mid-epoch after a restore."""
-
-    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
-        """After each step; ``context.step`` steps are done, this one had `num_examples` global examples."""
-
-    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
-        """After an epoch and its validation; `log` is also in ``context.history`` already."""
-
-    def on_train_end(self, context: TrainingContext, history: History) -> None:
-        """After training finished normally (not called when it raised)."""
 
 
 class BackupAndRestore(Callback):
@@ -374,6 +348,9 @@ class ProgressBar(Callback):
     def __init__(
         self, console: Console | None = None, *, show_bar: bool | None = None, print_lines: bool = True
     ) -> None:
+        # rich loads with the first progress bar, not with `import stratagem` (about 0.1 s of CPU).
+        from rich.console import Console
+
         self._console = console or Console(highlight=False, soft_wrap=True)
         self._show_bar = self._console.is_terminal if show_bar is None else show_bar
         self._print_lines = print_lines
@@ -392,6 +369,8 @@ class ProgressBar(Callback):
         self._started, self._seen = time.perf_counter(), 0
         if not (context.is_chief and self._show_bar):
             return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         total = context.examples_per_epoch
         self._progress = Progress(
             TextColumn(f"epoch {context.epoch + 1:>{self._width}}/{self._epochs}"),
@@ -417,6 +396,8 @@ class ProgressBar(Callback):
     def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
         self.close()
         if context.is_chief and self._print_lines:
+            from rich.text import Text
+
             self._console.print(Text(format_epoch_line(log, self._epochs)))
 
     def on_train_end(self, context: TrainingContext, history: History) -> None:
@@ -438,9 +419,14 @@ def format_epoch_line(log: EpochLog, epochs: int) -> str:
     return "  ".join(parts) + f"  ({log.elapsed_s:.1f} s, {log.samples_per_s:,.0f} samples/s)"
 
 
-# The callbacks that live in their own modules, reachable as sg.callbacks.<Name> (imported last:
-# each of them builds on Callback above).
-from stratagem.train.early_stopping import EarlyStopping as EarlyStopping  # noqa: E402
-from stratagem.train.loggers import CSVLogger as CSVLogger  # noqa: E402
-from stratagem.train.loggers import TensorBoard as TensorBoard  # noqa: E402
-from stratagem.train.model_checkpoint import ModelCheckpoint as ModelCheckpoint  # noqa: E402
+__all__ = [
+    "BackupAndRestore",
+    "CSVLogger",
+    "Callback",
+    "EarlyStopping",
+    "LearningRateScheduler",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoard",
+    "format_epoch_line",
+]

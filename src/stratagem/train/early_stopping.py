@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.errors import InputError
-from stratagem.train.callbacks import Callback
+from stratagem.train.callback import Callback
 
 if TYPE_CHECKING:
     from stratagem.train.fit import EpochLog, History, TrainingContext

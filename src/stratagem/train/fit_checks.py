@@ -16,7 +16,8 @@ from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.amp import check_precision
 from stratagem.strategies.base import Strategy
-from stratagem.train.callbacks import BackupAndRestore, Callback, ProgressBar
+from stratagem.train.callback import Callback
+from stratagem.train.callbacks import BackupAndRestore, ProgressBar
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
-from stratagem.train.callbacks import Callback
+from stratagem.train.callback import Callback
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
 from stratagem.train.metrics import MetricSet
 

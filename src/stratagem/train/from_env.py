@@ -6,8 +6,9 @@ Resolution, first match wins:
    `STRATEGY_NAMES`), over the devices in ``STRATAGEM_DEVICES`` (comma-separated, ``cpu:0,cpu:1``)
    or the defaults of ``stratagem train --strategy NAME``;
 2. a cluster of several processes (TF_CONFIG, torchrun's variables, SLURM's; `stratagem launch
-   --workers N` sets the first two): `ParameterServerStrategy` when TF_CONFIG names parameter
-   servers, else `MultiWorkerMirroredStrategy`;
+   --workers N` sets the first two): the first strategy of one process per worker that needs
+   parameter servers (`ParameterServerStrategy`) when TF_CONFIG names some, else the first that
+   needs none (`MultiWorkerMirroredStrategy`), in the order of `records.STRATEGIES`;
 3. otherwise one process: `MirroredStrategy()` over every visible GPU, or the CPU (and its
    `explain()` says why).
 
@@ -25,12 +26,12 @@ from stratagem.cluster import resolve_cluster
 from stratagem.errors import InputError
 from stratagem.strategies import MirroredStrategy, Strategy
 from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
+from stratagem.strategies.records import STRATEGIES
 
 logger = logging.getLogger(__name__)
 
 STRATEGY_VARIABLE = "STRATAGEM_STRATEGY"
 DEVICES_VARIABLE = "STRATAGEM_DEVICES"
-_MULTI_PROCESS = ("multi_worker", "parameter_server")
 
 
 def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
@@ -56,7 +57,7 @@ def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
                 f"Unknown strategy. Received: {STRATEGY_VARIABLE}={name!r}. "
                 f"Set it to one of {', '.join(STRATEGY_NAMES)}, or unset it to choose from the cluster."
             )
-        if cluster.is_distributed and name not in _MULTI_PROCESS:
+        if cluster.is_distributed and not STRATEGIES[name].one_process_per_worker:
             raise InputError(
                 f"{STRATEGY_VARIABLE}={name} trains in one process, but this process is {cluster.task_name} of a "
                 f"cluster of {cluster.world_size} (from {cluster.source}), so every process would train its own model. "
@@ -65,7 +66,8 @@ def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
         logger.info("strategy %s, as %s says", name, STRATEGY_VARIABLE)
         return build_strategy(name, devices)[0]
     if cluster.is_distributed:
-        name = "parameter_server" if cluster.addresses.get("ps") else "multi_worker"
+        with_ps = bool(cluster.addresses.get("ps"))
+        name = next(r.name for r in STRATEGIES if r.one_process_per_worker and r.parameter_servers == with_ps)
         logger.info(
             "strategy %s for %s of a cluster of %d (from %s)",
             name,

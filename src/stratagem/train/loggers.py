@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import InputError
-from stratagem.train.callbacks import Callback
+from stratagem.train.callback import Callback
 
 if TYPE_CHECKING:
     from stratagem.train.fit import EpochLog, History, TrainingContext

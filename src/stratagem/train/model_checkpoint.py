@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from stratagem.errors import InputError
-from stratagem.train.callbacks import Callback
+from stratagem.train.callback import Callback
 from stratagem.train.early_stopping import monitored_value, resolve_mode
 
 if TYPE_CHECKING:

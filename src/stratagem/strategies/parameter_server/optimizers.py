@@ -26,6 +26,7 @@ succeeds with the wrong values, silently). So the server rebuilds the optimizer 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import defaultdict
 from collections.abc import Mapping
@@ -35,8 +36,12 @@ import torch
 
 from stratagem.errors import InputError, ParameterServerError, WireFormatError
 
-# What torch.optim.Optimizer.__init__ sets on every instance: built again on the server, never sent.
-BASE_ATTRIBUTES = frozenset(vars(torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {})))
+
+@functools.cache
+def base_attributes() -> frozenset[str]:
+    """What torch.optim.Optimizer.__init__ sets on every instance: built again on the server, never sent."""
+    # Found on first use, not at import: building an optimizer imports torch._dynamo (about 2.7 s of CPU).
+    return frozenset(vars(torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {})))
 
 
 def _plain(value: Any, where: str, what: str = "hyper-parameter") -> Any:
@@ -89,7 +94,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     ]
     attributes = {}
     for name, value in vars(optimizer).items():
-        if name in BASE_ATTRIBUTES or (name == "step" and hasattr(value, "_wrapped_by_lr_sched")):
+        if name in base_attributes() or (name == "step" and hasattr(value, "_wrapped_by_lr_sched")):
             continue  # rebuilt by Optimizer.__init__; an LR scheduler's wrapper calls the chief's optimizer
         attributes[name] = _plain(value, f"{cls.__name__}.{name}", "attribute")
     return {
@@ -134,7 +139,7 @@ def build_optimizer(
     if not (
         isinstance(defaults, dict)
         and isinstance(attributes, dict)
-        and all(isinstance(k, str) and not k.startswith("__") and k not in BASE_ATTRIBUTES for k in attributes)
+        and all(isinstance(k, str) and not k.startswith("__") and k not in base_attributes() for k in attributes)
     ):
         raise WireFormatError(
             f"An optimizer spec needs 'defaults' and 'attributes' objects of plain names. Received: "

@@ -25,10 +25,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-import grpc.experimental
 import torch
 
 from stratagem.errors import (
@@ -38,6 +36,9 @@ from stratagem.errors import (
     WireFormatError,
 )
 from stratagem.strategies.parameter_server import wire
+
+if TYPE_CHECKING:
+    import grpc
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ _SERVER_OPTIONS = _CHANNEL_OPTIONS + [
 ]
 _CLIENT_OPTIONS = _CHANNEL_OPTIONS + [
     # A streamed reply is read by the thread that asks for it, instead of a thread grpc-python starts per
-    # call (measured: a 2 MB pull from 1.5 to 1.1 ms of bare gRPC).
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+    # call (measured: a 2 MB pull from 1.5 to 1.1 ms of bare gRPC). The spelling of
+    # grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, so grpc loads with the first server or client.
+    ("SingleThreadedUnaryStream", 1),
     # A restarted task is found again within about a second (gRPC's default backoff grows to 2 minutes).
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -151,6 +153,7 @@ class Security:
 
 def _refuse(message: str, kind: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``kind`` (streaming or not) that refuses the call without reading it."""
+    import grpc
 
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -168,30 +171,37 @@ def _refuse(message: str, kind: grpc.RpcMethodHandler | None) -> grpc.RpcMethodH
     )
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses a call whose metadata lacks the cluster token before its handler runs."""
+def _token_interceptor(token: str) -> grpc.ServerInterceptor:
+    """An interceptor that refuses a call whose metadata lacks the cluster token before its handler runs.
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+    Built here rather than at module level because its base class is grpc's, which loads only with a server."""
+    import grpc
 
-    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
-        given = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
-        if given is None:
-            logger.warning("refused %s: no cluster token", details.method)
-            return _refuse(
-                f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
-                "Connect with the job's cluster token.",
-                continuation(details),
-            )
-        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if not hmac.compare_digest(given_bytes, self._token):
-            logger.warning("refused %s: wrong cluster token", details.method)
-            return _refuse(
-                f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
-                "match this job's. Use the STRATAGEM_CLUSTER_TOKEN of this job.",
-                continuation(details),
-            )
-        return continuation(details)
+    class TokenInterceptor(grpc.ServerInterceptor):
+        def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+            return _check_token(token.encode(), continuation, details)
+
+    return TokenInterceptor()
+
+
+def _check_token(expected: bytes, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+    given = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
+    if given is None:
+        logger.warning("refused %s: no cluster token", details.method)
+        return _refuse(
+            f"No cluster token. Received: a call to {details.method} without '{TOKEN_KEY}' metadata. "
+            "Connect with the job's cluster token.",
+            continuation(details),
+        )
+    given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+    if not hmac.compare_digest(given_bytes, expected):
+        logger.warning("refused %s: wrong cluster token", details.method)
+        return _refuse(
+            f"Wrong cluster token. Received: a call to {details.method} with a token that does not "
+            "match this job's. Use the STRATAGEM_CLUSTER_TOKEN of this job.",
+            continuation(details),
+        )
+    return continuation(details)
 
 
 class Server:
@@ -222,9 +232,11 @@ class Server:
                 f"A TLS server needs its private key. Received: certificate={security.certificate!r}, private_key=None. "
                 "Pass private_key= with certificate= on every task that serves (parameter servers and workers)."
             )
+        import grpc
+
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
-            interceptors=[_TokenInterceptor(security.token)],
+            interceptors=[_token_interceptor(security.token)],
             options=_SERVER_OPTIONS,
         )
         methods = {}
@@ -265,6 +277,8 @@ class Server:
     def _wrap(
         self, name: str, handler: Handler | Streaming, limit: Limit
     ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+        import grpc
+
         def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             try:
                 if isinstance(handler, Streaming):
@@ -310,6 +324,8 @@ def _why_not_listening(address: str) -> str:
 
 def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
     """A reply's pieces as the one message of a unary reply."""
+    import grpc
+
     reply = list(pieces)
     if len(reply) == 1:
         return reply[0]
@@ -330,10 +346,12 @@ class Client:
         self.address = address
         self.task = task
         self._service = service
+        import grpc
+
         if security.tls:
             assert security.certificate is not None  # what tls means
             credentials = grpc.ssl_channel_credentials(root_certificates=Path(security.certificate).read_bytes())
-            options = list(_CLIENT_OPTIONS)
+            options: list[tuple[str, Any]] = list(_CLIENT_OPTIONS)
             if security.server_name:
                 options.append(("grpc.ssl_target_name_override", security.server_name))
             self._channel = grpc.secure_channel(address, credentials, options=options)
@@ -361,6 +379,8 @@ class Client:
         Raises ``ParameterServerError`` naming the task when it cannot be reached or refuses the
         call, and ``CollectiveTimeoutError`` when no reply came within ``timeout`` seconds.
         """
+        import grpc
+
         try:
             replies = self._send(method, wire.stream_chunks(op, meta, tensors), timeout, wait_for_ready, small_reply)
             return wire.decode(wire.join_chunks(replies))
@@ -399,6 +419,8 @@ class Client:
         self, method: str, op: str, meta: Any, destinations: Mapping[str, torch.Tensor | wire.Flat], *, timeout: float
     ) -> tuple[str, Any]:
         """Like ``call``, but the reply's tensors are written straight into ``destinations`` (see ``wire.decode_into``)."""
+        import grpc
+
         try:
             replies = self._send(method, wire.stream_chunks(op, meta), timeout, False)
             reply_op, reply_meta, _ = wire.decode_into(replies, destinations)
@@ -408,6 +430,8 @@ class Client:
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the channel is connected, False after ``timeout`` seconds without it."""
+        import grpc
+
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
             return True
@@ -418,19 +442,20 @@ class Client:
         self._channel.close()
 
 
-LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-"""What a call to a task that went away ends with: UNAVAILABLE when its port no longer answers, CANCELLED
-when the server stopped while the call was in flight (gRPC aborts the calls of a server that stops, and
-stratagem's clients never cancel a call of their own)."""
-
-
 def task_lost(exc: BaseException) -> bool:
-    """True when ``exc`` is a failed call that says its task went away (as opposed to refusing the call)."""
-    return getattr(exc, "code", None) in LOST_CODES
+    """True when ``exc`` is a failed call that says its task went away (as opposed to refusing the call):
+    UNAVAILABLE when its port no longer answers, CANCELLED when the server stopped while the call was in
+    flight (gRPC aborts the calls of a server that stops, and stratagem's clients never cancel a call of
+    their own)."""
+    import grpc
+
+    return getattr(exc, "code", None) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def rpc_error(exc: grpc.RpcError, task: str, address: str, method: str, timeout: float) -> Exception:
     """The stratagem error for a failed call to ``task``."""
+    import grpc
+
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

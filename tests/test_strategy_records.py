@@ -1,0 +1,71 @@
+"""The strategy records: one per strategy, names unique, and every list of choices taken from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from stratagem.bench.registry import BENCH_STRATEGIES
+from stratagem.cli.main import build_parser
+from stratagem.devices import DeviceRegistry
+from stratagem.errors import InputError
+from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
+from stratagem.strategies.records import STRATEGIES, StrategyRegistry
+
+
+def _choices(command: str, option: str) -> tuple[str, ...]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices[command]._actions if option in a.option_strings)
+    return tuple(action.choices)
+
+
+def test_a_second_record_of_the_same_name_is_refused_with_the_name() -> None:
+    mirrored = STRATEGIES["mirrored"]
+    twin = dataclasses.replace(mirrored, strategy_class=STRATEGIES["central_storage"].strategy_class)
+    with pytest.raises(
+        InputError,
+        match=r"Two strategy records have the same name\. Received: name='mirrored' for MirroredStrategy "
+        r"and CentralStorageStrategy\. Give each record a name of its own\.",
+    ):
+        StrategyRegistry([mirrored, STRATEGIES["one_device"], twin])
+
+
+def test_every_command_line_choice_list_is_the_registrys_names() -> None:
+    names = STRATEGIES.names
+    assert names == (
+        "mirrored",
+        "one_device",
+        "multi_worker",
+        "central_storage",
+        "model_parallel",
+        "parameter_server",
+        "sharded",
+    )
+    assert _choices("train", "--strategy") == names
+    assert _choices("launch", "--strategy") == names
+    assert STRATEGY_NAMES == names
+    # bench measures the strategies whose record says how to build them there, in the records' order
+    assert tuple(BENCH_STRATEGIES) == tuple(r.name for r in STRATEGIES if r.bench_build is not None)
+    assert tuple(BENCH_STRATEGIES) == ("mirrored", "one_device", "multi_worker", "central_storage", "sharded")
+
+
+def test_each_record_builds_its_own_class_on_its_default_devices() -> None:
+    registry = DeviceRegistry()
+    for record in STRATEGIES:
+        if record.parameter_servers:
+            continue  # needs a cluster with parameter-server tasks (tests/test_ps_*.py)
+        strategy, decision = build_strategy(record.name, registry=registry)
+        try:
+            assert type(strategy) is record.strategy_class, record.name
+            assert decision.subject == "devices"
+        finally:
+            strategy.close()
+
+
+def test_the_bench_entries_follow_their_records() -> None:
+    assert BENCH_STRATEGIES["one_device"].max_replicas == 1
+    assert BENCH_STRATEGIES["mirrored"].max_replicas is None
+    assert [n for n, s in BENCH_STRATEGIES.items() if s.one_process_per_replica] == ["multi_worker", "sharded"]
