@@ -668,9 +668,11 @@ def test_an_import_cycle_is_found_and_lazy_or_type_only_imports_are_not(tmp_path
     assert _import_cycles(graph) == [["stratagem.train.a", "stratagem.train.b", "stratagem.train.c"]]
 
 
-def test_importing_the_library_loads_neither_dynamo_nor_grpc() -> None:
-    # torch._dynamo costs about 2.7 s of CPU and grpc 0.3 s in every process of every job: both load when
-    # first used (torch.compile, an optimizer built for a parameter server, a gRPC server or client).
-    probe = "import sys, stratagem; print(sorted(m for m in ('torch._dynamo', 'grpc') if m in sys.modules))"
+def test_importing_the_library_loads_neither_dynamo_nor_grpc_nor_fsdp() -> None:
+    # torch._dynamo costs about 2.7 s of CPU, torch.distributed.fsdp 1.2 s and grpc 0.3 s in every process of
+    # every job: each loads when first used (torch.compile, an optimizer built for a parameter server, a gRPC
+    # server or client, a model sharded by ShardedStrategy).
+    heavy = "('torch._dynamo', 'grpc', 'torch.distributed.fsdp')"
+    probe = f"import sys, stratagem; print(sorted(m for m in {heavy} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert loaded.stdout.strip() == "[]"

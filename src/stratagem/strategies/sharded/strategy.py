@@ -17,7 +17,7 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,7 +40,10 @@ from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDa
 from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
-from stratagem.strategies.sharded.weighting import WeightedReduceScatter, weigh_gradients
+from stratagem.strategies.sharded.weighting import weigh_gradients
+
+if TYPE_CHECKING:
+    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 from stratagem.values import flatten, select_replica, stack_replicas
 
 
