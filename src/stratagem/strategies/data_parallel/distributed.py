@@ -204,7 +204,12 @@ class ReplicatedOptimizer(torch.optim.Optimizer):
         _copy_hyperparameters(self._primary().param_groups, optimizer.param_groups)
         return optimizer
 
-    def _publish_hyperparameters(self) -> None:
+    @property
+    def meeting(self) -> ReplicaMeeting:
+        """The replicas' host, as the schedulers handed over for this optimizer see it (`lr_schedulers`)."""
+        return self._host
+
+    def publish_hyperparameters(self) -> None:
         """Copies the primary groups' hyper-parameters to every replica's optimizer (after a scheduler step)."""
         for r in range(len(self._optimizers)):
             _copy_hyperparameters(self._primary().param_groups, self._replica_optimizer(r).param_groups)

@@ -29,11 +29,14 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from stratagem.errors import InputError
+
+if TYPE_CHECKING:
+    from stratagem.strategies.data_parallel.host import ReplicaMeeting
 
 _local = threading.local()
 
@@ -49,16 +52,19 @@ class SchedulerHost(Protocol):
     """What a distributed optimizer offers the schedulers handed over for it."""
 
     @property
-    def primary_optimizer(self) -> Any: ...
+    def primary_optimizer(self) -> Any:
+        """The optimizer whose groups hold the hyper-parameters (the one given to `distribute`)."""
 
     @property
-    def has_stepped(self) -> bool: ...
+    def has_stepped(self) -> bool:
+        """Whether `step()` has run at least once."""
 
-    def _current_replica(self) -> int | None: ...
+    @property
+    def meeting(self) -> ReplicaMeeting:
+        """The replicas' host: which replica runs on this thread, and where they meet."""
 
-    def _meet(self, replica: int, what: str) -> None: ...
-
-    def _publish_hyperparameters(self) -> None: ...
+    def publish_hyperparameters(self) -> None:
+        """Copies the primary groups' hyper-parameters to every replica's optimizer (after a scheduler step)."""
 
 
 def executing() -> bool:
@@ -120,7 +126,7 @@ class DistributedScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         host = self._host
-        replica = None if host is None or executing() else host._current_replica()
+        replica = None if host is None or executing() else host.meeting.current_replica()
         if replica is None:  # outside run, one replica thread, or within a scheduler step executed for all
             return self._execute(args, kwargs)
         if isinstance(self._scheduler, ReduceLROnPlateau):
@@ -131,9 +137,9 @@ class DistributedScheduler:
                 "with the metric over the global batch (e.g. strategy.reduce('mean', losses))."
             )
         assert host is not None  # replica is None without a host
-        host._meet(replica, "scheduler step")
+        host.meeting.meet(replica, "scheduler step")
         result = self._execute(args, kwargs) if replica == 0 else None
-        host._meet(replica, "end of the scheduler step")  # nobody reads the hyper-parameters half-written
+        host.meeting.meet(replica, "end of the scheduler step")  # nobody reads the hyper-parameters half-written
         return result
 
     def _execute(self, args: tuple, kwargs: dict) -> Any:
@@ -150,7 +156,7 @@ class DistributedScheduler:
                     warnings.filterwarnings("ignore", message=_NOT_FIRST_STEP)
                 result = self._scheduler.step(*args, **kwargs)
             if host is not None:
-                host._publish_hyperparameters()
+                host.publish_hyperparameters()
             return result
         finally:
             _local.executing = previous
