@@ -25,7 +25,7 @@ from stratagem.data.worker_shards import WorkerPart
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.base import stack_batch
-from stratagem.values import PerReplica, map_structure
+from stratagem.values import PerReplica, flatten, map_structure
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,22 @@ class WorkerBatches:
             pieces = split_batch(mine, local_sizes, devices)
         stacked = stack_batch(pieces)
         return map_structure(lambda v: _with_global(v, global_size), stacked)
+
+    def step_inputs(self, inputs: Any, step: int) -> Any:
+        """This worker's part of the global batch handed to a `step` function, cut among its replicas.
+
+        Every worker calls the step with the same global batch (the same loader, seeded alike), as
+        `distribute_dataset(shard="data")` assumes; inputs without a tensor are handed on as they are.
+        """
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs
+        size = batch_size_of(inputs)
+        if size == 0:
+            raise InputError(
+                "The global batch given to the step function holds no examples. Received: 0 examples. "
+                "Skip empty batches before calling it."
+            )
+        return self.local_part(inputs, size, step)
 
 
 class MultiWorkerDataset:

@@ -28,7 +28,7 @@ from stratagem.cluster import Cluster
 from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
 from stratagem.data import worker_shards
 from stratagem.data.files import FileDataset
-from stratagem.data.split import batch_size_of, split_sizes
+from stratagem.data.split import split_sizes
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
 from stratagem.strategies.base import _check_iterable
@@ -42,7 +42,6 @@ from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 from stratagem.strategies.multi_worker.across import AcrossWorkers
 from stratagem.strategies.multi_worker.devices import default_local_devices
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.values import flatten
 
 logger = logging.getLogger(__name__)
 
@@ -178,15 +177,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         Every worker calls the step with the same global batch (the same loader, seeded alike), as
         `distribute_dataset(shard="data")` assumes.
         """
-        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
-            return inputs
-        size = batch_size_of(inputs)
-        if size == 0:
-            raise InputError(
-                "The global batch given to the step function holds no examples. Received: 0 examples. "
-                "Skip empty batches before calling it."
-            )
-        return self._worker_batches().local_part(inputs, size, self._replicas.step)
+        return self._worker_batches().step_inputs(inputs, self._replicas.step)
 
     # ---- input --------------------------------------------------------------------------------
     def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> MultiWorkerDataset:  # type: ignore[override]

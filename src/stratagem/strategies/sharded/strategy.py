@@ -26,7 +26,6 @@ from stratagem import environ
 from stratagem.cluster import Cluster
 from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
 from stratagem.data import worker_shards
-from stratagem.data.split import batch_size_of
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy, _check_iterable
@@ -44,7 +43,7 @@ from stratagem.strategies.sharded.weighting import weigh_gradients
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
-from stratagem.values import flatten, select_replica, stack_replicas
+from stratagem.values import select_replica, stack_replicas
 
 
 class ShardedStrategy(Strategy):
@@ -290,15 +289,7 @@ class ShardedStrategy(Strategy):
         return data
 
     def _distribute_step_inputs(self, inputs: Any) -> Any:
-        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
-            return inputs
-        size = batch_size_of(inputs)
-        if size == 0:
-            raise InputError(
-                "The global batch given to the step function holds no examples. Received: 0 examples. "
-                "Skip empty batches before calling it."
-            )
-        return self._batches().local_part(inputs, size, self._steps)
+        return self._batches().step_inputs(inputs, self._steps)
 
     def _batches(self) -> WorkerBatches:
         return WorkerBatches(self._group, self.num_replicas_in_sync)
