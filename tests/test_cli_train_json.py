@@ -1,6 +1,6 @@
 """`stratagem train --json` prints exactly one JSON document on standard output under every strategy.
 
-The strategies that run in this process are checked here, through the CLI's main(); the two that
+The strategies that run in this process are checked here, through the CLI's main(); those that
 relaunch the command as a cluster (multi_worker --workers 2, parameter_server) are checked in
 tests/test_cli_train.py, whose launcher tests parse their whole standard output the same way."""
 
@@ -19,7 +19,8 @@ IN_PROCESS = {
     "central_storage": "CentralStorageStrategy",
     "model_parallel": "ModelParallelStrategy",
     "multi_worker": "MultiWorkerMirroredStrategy",
-}  # multi_worker alone: a cluster of one, no relaunch
+    "sharded": "ShardedStrategy",
+}  # multi_worker and sharded alone: a cluster of one, no relaunch
 
 
 def test_every_strategy_of_the_command_is_covered():

@@ -226,7 +226,7 @@ def _check_before_work(args: argparse.Namespace) -> None:
     several = [r.name for r in STRATEGIES if r.one_process_per_worker]
     if args.workers > 1 and not record.one_process_per_worker:
         raise InputError(
-            f"--workers {args.workers} needs --strategy {' or '.join(several)}. "
+            f"--workers {args.workers} needs --strategy {', '.join(several[:-1])} or {several[-1]}. "
             f"Received: --strategy {args.strategy}. Add --strategy {several[0]}, or leave --workers out."
         )
     with_ps = [r.name for r in STRATEGIES if r.parameter_servers]
