@@ -263,10 +263,13 @@ def train_reference(name: str, simple: bool = False, batches: list[Any] | None =
 
 
 def train_with(strategy: Any, name: str, simple: bool = False) -> tuple[nn.Module, list[float]]:
-    """The same loop under `strategy`: distribute, then the scheduler on the distributed optimizer."""
+    """The same loop under `strategy`: distribute, then the scheduler on the distributed optimizer, handed to the
+    strategy (the port's one extra line, docs/porting.md), since the step function steps it on every replica."""
     setup = build(name, simple)
     model, optimizer = strategy.distribute(setup.model, setup.make_optimizer(setup.model))
     scheduler = setup.make_scheduler(optimizer) if setup.make_scheduler else None
+    if scheduler is not None:
+        scheduler = strategy.distribute_scheduler(scheduler)
     step = make_step(name, model, optimizer, scheduler)
     model.train()
     losses = []
