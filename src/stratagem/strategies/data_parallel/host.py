@@ -39,7 +39,17 @@ class ReplicaMeeting(abc.ABC):
         raised when a replica does not arrive in time."""
 
 
-class ReplicaHost(ReplicaMeeting):
+class LossWeightHost(abc.ABC):
+    """Where `sg.set_loss_weight` sends the weight of the running replica's loss: a replica set, or a strategy
+    whose library combines the gradients itself (ShardedStrategy weights its reduce-scatter)."""
+
+    @abc.abstractmethod
+    def declare_loss_weight(self, replica: int, count: float) -> None:
+        """`sg.set_loss_weight(count)` on `replica`: its gradient is weighted by `count` instead of its share
+        of the batch, and the combined gradient divided by the sum of the counts over every replica."""
+
+
+class ReplicaHost(ReplicaMeeting, LossWeightHost):
     """What the parts inside replicas may call on the host of one process's replicas (see the module)."""
 
     @property
@@ -62,8 +72,3 @@ class ReplicaHost(ReplicaMeeting):
     def call_replica(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         """`model(*args, **kwargs)` for the running replica: on a stand-in input when its slice of the
         batch is empty, so that the replica still joins every meeting of the step."""
-
-    @abc.abstractmethod
-    def declare_loss_weight(self, replica: int, count: float) -> None:
-        """`sg.set_loss_weight(count)` on `replica`: its gradient is weighted by `count` instead of its share
-        of the batch, and the combined gradient divided by the sum of the counts over every replica."""

@@ -27,7 +27,7 @@ from stratagem.strategies.data_parallel.autocast import apply_autocast, capture_
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy
-    from stratagem.strategies.data_parallel.host import ReplicaHost
+    from stratagem.strategies.data_parallel.host import LossWeightHost
 
 _context = threading.local()
 
@@ -41,9 +41,10 @@ class ReplicaContext:
     device: torch.device
     strategy: Strategy | None
     """The strategy that runs the replica (None: a `Pipeline` built on its own, outside any strategy)."""
-    host: ReplicaHost | None = None
-    """The host of the replicas (a data-parallel strategy's replica set), which `sg.set_loss_weight` and
-    what `distribute` returned call; None where the strategy runs no replicas in lockstep (model parallelism)."""
+    host: LossWeightHost | None = None
+    """The host of the replicas (a data-parallel strategy's replica set, or ShardedStrategy), which
+    `sg.set_loss_weight` tells the replica's loss weight; None where the strategy runs no replicas in lockstep
+    (model parallelism)."""
 
 
 def current_replica_context() -> ReplicaContext | None:

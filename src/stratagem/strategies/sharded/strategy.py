@@ -31,6 +31,7 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy, _check_iterable
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
+from stratagem.strategies.data_parallel.host import LossWeightHost
 from stratagem.strategies.data_parallel.loss_weight import tag_results
 from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 from stratagem.values import select_replica, stack_replicas
 
 
-class ShardedStrategy(Strategy):
+class ShardedStrategy(Strategy, LossWeightHost):
     """Sharded data parallelism on FSDP2, exact on any split of the global batch.
 
     Args:
@@ -207,7 +208,7 @@ class ShardedStrategy(Strategy):
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
-        ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self)
+        ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self, host=self)
         previous = enter_replica(ctx)
         try:
             result = fn(*local_args, **local_kwargs)
@@ -233,7 +234,7 @@ class ShardedStrategy(Strategy):
                 )
         self._comm.weight = weight
 
-    def _declare_loss_weight(self, replica: int, count: float) -> None:
+    def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this rank's weight becomes count / (sum of every rank's count)."""
         total = self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64))
         self._counts = count
