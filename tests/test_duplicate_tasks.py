@@ -104,16 +104,24 @@ def test_a_second_worker_one_arriving_mid_job_is_refused_and_the_job_finishes():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_worker_ones_starting_together_one_is_refused_the_other_joins():
-    # Before: the loser got "Connection reset by peer" from Gloo.
+    # Before: the loser got "Connection reset by peer" from Gloo. The job waits for the test's go-ahead, so
+    # the winner cannot finish it (and take the chief's store away) before the loser has made its claim.
     port = free_port()
-    chief = _start(port, 0, "start")
-    _job_store(port)  # the chief listens: the two worker:1 start at once and race for the claim
-    ones = [_start(port, 1, "start"), _start(port, 1, "start")]
+    chief = _start(port, 0, "job")
+    store = _job_store(port)  # the chief listens: the two worker:1 start at once and race for the claim
+    ones = [_start(port, 1, "job"), _start(port, 1, "job")]
     try:
-        outcomes = [_result(p) for p in ones]
-        assert sorted(code for code, _ in outcomes) == [0, 3], outcomes
-        (refused,) = [outcome for code, outcome in outcomes if code == 3]
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in ones):
+            assert time.monotonic() < deadline, "neither worker:1 was refused within 120 s"
+            time.sleep(0.1)
+        (loser,) = [p for p in ones if p.poll() is not None]
+        code, refused = _result(loser)
+        assert code == 3, refused
         _assert_refused(refused, port, "worker:1", "127.0.0.1:1")
+        store.set("test/go", "1")
+        (winner,) = [p for p in ones if p is not loser]
+        assert _result(winner) == (0, {"sum": [2.0, 2.0, 2.0]})
         assert _result(chief) == (0, {"sum": [2.0, 2.0, 2.0]})
     finally:
         for p in [chief, *ones]:
