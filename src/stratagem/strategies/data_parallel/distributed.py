@@ -8,9 +8,10 @@ thread is running, outside it replica 0. So a training step written for one devi
 from __future__ import annotations
 
 import copy
+import operator
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -119,6 +120,13 @@ class DistributedModel(nn.Module):
         if name in ("_replicas", "_host"):
             raise AttributeError(name)
         return getattr(self.module, name)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give what they give on one device: the
+        # plain model (replica 0's copy outside a run, which holds every replica's values), never the replicas'
+        # threads and locks. Rebuilt as itemgetter(0)([module]), a callable of the standard library, so loading
+        # it needs nothing of stratagem (pickle refuses the module's own __newobj__ reduction for another class).
+        return operator.itemgetter(0), ([self.module],)
 
     def __repr__(self) -> str:
         return f"DistributedModel(num_replicas={len(self._replicas)}, module={self._replicas[0]!r})"
