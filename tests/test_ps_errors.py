@@ -276,7 +276,9 @@ def test_every_worker_lost_fails_the_coordinator():
         cluster.kill_worker(0)
         value = coordinator.schedule(_numbers)
         with pytest.raises(
-            ParameterServerError, match="Every worker was lost. Received: worker:0 did not come back within 0.5 s"
+            ParameterServerError,
+            match=r"Every worker was lost. Received: worker:0 \(unreachable\) did not answer again within "
+            r"worker_recovery_timeout=0.5 s",
         ):
             coordinator.join()
         with pytest.raises(ParameterServerError, match="Every worker was lost"):

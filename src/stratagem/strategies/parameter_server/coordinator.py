@@ -25,11 +25,15 @@ scheduled function is re-raised by ``join``, ``done``, ``fetch`` and ``schedule`
 still queued are cancelled (their values raise the same error); after ``join`` has raised it the
 coordinator can be used again.
 
-Faults: a worker that cannot be reached (it died) gives its in-flight function back to the queue,
-so another worker runs it (at least once; a function can run twice if the worker died after
-applying its update); the worker's thread then waits up to ``worker_recovery_timeout`` for it to
-come back (a restarted task on the same address) and goes on; a worker that does not come back is
-dropped, and if no worker is left the coordinator fails naming them. A parameter server that cannot
+Faults: a worker that cannot be reached (it died) or that stops answering (stopped with SIGSTOP, cut
+off the network, wedged: no answer to its heartbeat, a ping every ``heartbeat_interval`` seconds, for
+``heartbeat_timeout`` seconds; see ``heartbeat``) gives its in-flight function back to the queue, so
+another worker runs it (at least once; a function can run twice if the worker applied its update
+before it was lost, or resumes after it); the worker's thread then waits up to
+``worker_recovery_timeout`` for it to answer again (a restarted task on the same address, a stopped one
+continued) and takes it back; a worker that does not come back is dropped, and if no worker is left the
+coordinator fails naming them. A function that runs longer than ``closure_timeout`` on a worker that
+still answers its heartbeat fails the job (the function itself is stuck, not its worker). A parameter server that cannot
 be reached is an error naming it (``ps:0``), raised at once: the job is then restarted and resumes
 from its last checkpoint (``strategy.save`` / ``strategy.restore``).
 
@@ -50,6 +54,14 @@ from typing import TYPE_CHECKING, Any
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.timeouts import check_optional_seconds, check_seconds
 from stratagem.strategies.parameter_server import functions
+from stratagem.strategies.parameter_server.heartbeat import (
+    CLOSURE_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    Heartbeat,
+    WORKER_RECOVERY_TIMEOUT,
+    WorkerFault,
+)
 from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 
@@ -168,12 +180,24 @@ class ClusterCoordinator:
         self,
         strategy: ParameterServerStrategy,
         *,
-        worker_recovery_timeout: float = 60.0,
-        closure_timeout: float = 600.0,
+        worker_recovery_timeout: float = WORKER_RECOVERY_TIMEOUT,
+        closure_timeout: float = CLOSURE_TIMEOUT,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ) -> None:
         self.strategy = strategy
         self.worker_recovery_timeout = check_seconds("worker_recovery_timeout", worker_recovery_timeout)
         self.closure_timeout = check_seconds("closure_timeout", closure_timeout)
+        self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
+        self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise InputError(
+                "heartbeat_timeout must be longer than heartbeat_interval, or a worker counts as hung between two "
+                f"pings. Received: heartbeat_interval={heartbeat_interval!r}, heartbeat_timeout={heartbeat_timeout!r}. "
+                "Pass a heartbeat_timeout of several intervals (the defaults: 2 s and 10 s)."
+            )
+        self.faults: list[WorkerFault] = []
+        """Every loss of a worker so far, in order (``WorkerFault``: the task, hung or unreachable, when)."""
         self._numbers = itertools.count()
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cv = threading.Condition()
@@ -182,16 +206,34 @@ class ClusterCoordinator:
         self._closed = False
         self._lost: list[str] = []
         self._threads: list[threading.Thread] = []
+        self._heartbeats: list[Heartbeat] = []
+        strategy.coordinator_timeouts = self.timeouts()
         if not strategy._is_coordinator:
             return  # a worker task: schedule() serves instead
-        workers = strategy._worker_addresses()
-        self._live = len(workers)
-        for task, address in workers:
+        for task, address in strategy._worker_addresses():
             client = Client(address, WORKER_SERVICE, security=strategy._security, task=task)
-            thread = threading.Thread(target=self._dispatch, args=(client,), name=f"coordinator-{task}", daemon=True)
+            beat = Heartbeat(
+                Client(address, WORKER_SERVICE, security=strategy._security, task=task),
+                interval=self.heartbeat_interval,
+                timeout=self.heartbeat_timeout,
+            )
+            thread = threading.Thread(
+                target=self._dispatch, args=(client, beat), name=f"coordinator-{task}", daemon=True
+            )
             self._threads.append(thread)
+            self._heartbeats.append(beat)
+            beat.start()
             thread.start()
         strategy._on_shutdown(self._close)
+
+    def timeouts(self) -> dict[str, float]:
+        """The seconds this coordinator waits, by argument name (``strategy.explain()`` states them)."""
+        return {
+            "heartbeat_interval": self.heartbeat_interval,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "worker_recovery_timeout": self.worker_recovery_timeout,
+            "closure_timeout": self.closure_timeout,
+        }
 
     @property
     def num_workers(self) -> int:
@@ -297,75 +339,103 @@ class ClusterCoordinator:
             self._inflight -= 1
             self._cv.notify_all()
 
-    def _dispatch(self, client: Client) -> None:
+    def _dispatch(self, client: Client, beat: Heartbeat) -> None:
         """One worker's thread: take a function, run it there, record the result; survive the worker's loss."""
-        while True:
-            closure = self._next()
-            if closure is None:
-                return
-            try:
-                reply = self._run_on(client, closure)
-            except ParameterServerError as exc:
-                if not task_lost(exc):
+        try:
+            while True:
+                closure = self._next()
+                if closure is None:
+                    return
+                try:
+                    if beat.hung:  # lost while idle: no call, the function goes back at once
+                        raise _Hung()
+                    reply = self._run_on(client, closure, beat)
+                except (ParameterServerError, _Hung) as exc:
+                    if not (isinstance(exc, _Hung) or task_lost(exc) or beat.hung):
+                        with self._cv:
+                            self._fail(exc, closure)
+                        continue
+                    back = self._requeue_and_wait(client, beat, closure)
+                    if back is None:  # the coordinator was shut down meanwhile
+                        return
+                    if not back:
+                        self._lose(client)
+                        return
+                    logger.warning("%s is back and takes functions again", client.task)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a value that cannot travel: fail the job clearly
                     with self._cv:
                         self._fail(exc, closure)
                     continue
-                with self._cv:
-                    self._queue.appendleft(closure)  # another worker (or this one, back) runs it again
-                    self._cv.notify_all()
-                logger.warning(
-                    "%s unreachable; %s goes back to the queue; waiting up to %g s for it to return",
-                    client.task,
-                    closure.name,
-                    self.worker_recovery_timeout,
-                )
-                back = self._wait_for_return(client)
-                if back is None:  # the coordinator was shut down meanwhile
-                    return
-                if not back:
-                    self._lose(client)
-                    return
-                logger.info("%s is back", client.task)
-                continue
-            except Exception as exc:  # noqa: BLE001 - a value that cannot travel, a timeout: fail the job clearly
+                self._record(closure, client, reply)
+        finally:
+            client.close()
+
+    def _requeue_and_wait(self, client: Client, beat: Heartbeat, closure: _Closure) -> bool | None:
+        """Gives ``closure`` back to the queue, records the fault and waits for the worker (``_wait_for_return``)."""
+        answers = beat.answers()  # an answer after this one means the worker is back
+        with self._cv:
+            self._queue.appendleft(closure)  # another worker (or this one, back) runs it again
+            self._cv.notify_all()
+        hung = beat.hung
+        fault = WorkerFault(client.task, "hung" if hung else "unreachable", beat.silent_for(), time.monotonic())
+        with self._cv:
+            self.faults.append(fault)
+        logger.warning(
+            "%s %s; %s goes back to the queue; waiting up to %g s for it to return",
+            client.task,
+            f"hung (no heartbeat answer for {fault.silent_s:.1f} s)" if hung else "unreachable",
+            closure.name,
+            self.worker_recovery_timeout,
+        )
+        return self._wait_for_return(beat, answers)
+
+    def _too_long(self, closure: _Closure, client: Client, beat: Heartbeat, exc: Exception) -> Exception:
+        return CollectiveTimeoutError(
+            f"{closure.name} ran longer than closure_timeout={self.closure_timeout:g} s on {client.task}, which "
+            f"still answers its heartbeat (last answer {beat.silent_for():.1f} s ago), so the function itself is "
+            f"slow or stuck. Received: {exc} Pass a longer closure_timeout to ClusterCoordinator, or find what the "
+            "function waits for (the worker's log)."
+        )
+
+    def _record(self, closure: _Closure, client: Client, reply: tuple[str, Any, dict[str, Any]]) -> None:
+        """Sets ``closure``'s value from the worker's reply (its result, or the error it raised)."""
+        op, meta, tensors = reply
+        if op == "result":
+            try:
+                value = functions.decode(meta["value"], tensors)
+            except ParameterServerError as exc:
                 with self._cv:
                     self._fail(exc, closure)
-                continue
-            op, meta, tensors = reply
-            if op == "result":
-                try:
-                    value = functions.decode(meta["value"], tensors)
-                except ParameterServerError as exc:
-                    with self._cv:
-                        self._fail(exc, closure)
-                    continue
-                self._finish(closure, value)
+                return
+            self._finish(closure, value)
+        else:
+            where = f"{closure.name} on {client.task}"
+            if meta.get("ps_lost"):
+                error: BaseException = ParameterServerError(
+                    f"Parameter server {meta['ps_lost']} was lost while {where} ran. Received: "
+                    f"{meta.get('message')}. Restart the job; it resumes from the last checkpoint "
+                    "(strategy.save / strategy.restore)."
+                )
             else:
-                where = f"{closure.name} on {client.task}"
-                if meta.get("ps_lost"):
-                    error: BaseException = ParameterServerError(
-                        f"Parameter server {meta['ps_lost']} was lost while {where} ran. Received: "
-                        f"{meta.get('message')}. Restart the job; it resumes from the last checkpoint "
-                        "(strategy.save / strategy.restore)."
-                    )
-                else:
-                    error = functions.rebuild_error(meta, where)
-                with self._cv:
-                    self._fail(error, closure)
+                error = functions.rebuild_error(meta, where)
+            with self._cv:
+                self._fail(error, closure)
 
-    def _wait_for_return(self, client: Client) -> bool | None:
-        """True once an unreachable worker is back, False after ``worker_recovery_timeout`` without it, None as
-        soon as the coordinator is shut down (its thread then ends instead of waiting on)."""
+    def _wait_for_return(self, beat: Heartbeat, answers: int) -> bool | None:
+        """True once a lost worker answers its heartbeat again (more than ``answers`` pings answered), False after
+        ``worker_recovery_timeout`` without it, None as soon as the coordinator is shut down (its thread then
+        ends instead of waiting on)."""
         deadline = time.monotonic() + self.worker_recovery_timeout
         while not self._closed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            if client.wait_ready(min(0.5, remaining)):
+            if beat.wait_answer(answers, min(0.5, remaining)):
                 return True
         return None
 
-    def _run_on(self, client: Client, closure: _Closure) -> tuple[str, Any, dict[str, Any]]:
+    def _run_on(self, client: Client, closure: _Closure, beat: Heartbeat) -> tuple[str, Any, dict[str, Any]]:
         datasets: dict[str, Any] = {}
         encoder = functions.Encoder(_iterator_ref(datasets))
         args = _fetched(list(closure.args))
@@ -377,16 +447,25 @@ class ClusterCoordinator:
             "datasets": datasets,
         }
         closure.attempts += 1
-        return client.call("Run", "run", meta, encoder.tensors, timeout=self.closure_timeout)
+        try:
+            return client.call(
+                "Run", "run", meta, encoder.tensors, timeout=self.closure_timeout, cancellation=beat.cancellation
+            )
+        except CollectiveTimeoutError as exc:
+            raise self._too_long(closure, client, beat, exc) from None
 
     def _lose(self, client: Client) -> None:
         with self._cv:
             self._lost.append(client.task)
             if len(self._lost) == len(self._threads):
+                kinds = {fault.task: fault.kind for fault in self.faults}
+                named = ", ".join(f"{task} ({kinds.get(task, 'unreachable')})" for task in self._lost)
                 self._fail(
                     ParameterServerError(
-                        f"Every worker was lost. Received: {', '.join(self._lost)} did not come back within "
-                        f"{self.worker_recovery_timeout:g} s. Restart the workers (same TF_CONFIG) or the job."
+                        f"Every worker was lost. Received: {named} did not answer again within "
+                        f"worker_recovery_timeout={self.worker_recovery_timeout:g} s (hung: no heartbeat answer for "
+                        f"heartbeat_timeout={self.heartbeat_timeout:g} s; unreachable: its port refused calls). "
+                        "Restart the workers (same TF_CONFIG) or the job; it resumes from the last checkpoint."
                     ),
                     None,
                 )
@@ -398,3 +477,9 @@ class ClusterCoordinator:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        for beat in self._heartbeats:
+            beat.stop()
+
+
+class _Hung(Exception):
+    """A worker found hung by its heartbeat before its function was sent."""

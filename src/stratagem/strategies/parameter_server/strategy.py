@@ -45,7 +45,7 @@ from stratagem.shm import eligibility
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.parameter_server import fit_steps as fit_support
-from stratagem.strategies.parameter_server import tasks
+from stratagem.strategies.parameter_server import heartbeat, tasks
 from stratagem.strategies.parameter_server.coordinator import ClusterCoordinator
 from stratagem.strategies.parameter_server.partitioners import Partitioner, place
 from stratagem.strategies.parameter_server.tasks import CHIEF_SERVICE as CHIEF_SERVICE
@@ -140,6 +140,8 @@ class ParameterServerStrategy(Strategy):
         self.rpc_timeout = rpc_timeout
         self.chief_timeout = chief_timeout
         self.ps_exit_delay = ps_exit_delay
+        self.coordinator_timeouts: dict[str, float] | None = None
+        """The waits of the ``ClusterCoordinator`` made for this strategy (set by it), stated by ``explain()``."""
         self._ps_addresses = list(cluster.addresses.get("ps", ()))
         if not self._ps_addresses:
             raise InputError(
@@ -420,6 +422,23 @@ class ParameterServerStrategy(Strategy):
             )
         return "; ".join(f"{pair}: {how}" for pair, how in sorted(seen.items()))
 
+    def _worker_faults(self) -> PlacementDecision:
+        """How the coordinator finds a worker lost (the heartbeat) and how long it waits, as an ``explain()`` line."""
+        given = self.coordinator_timeouts
+        t = given or heartbeat.DEFAULTS
+        return PlacementDecision(
+            subject="lost workers",
+            choice=f"hung after {t['heartbeat_timeout']:g} s without a heartbeat answer",
+            reason=(
+                f"the coordinator pings each worker every {t['heartbeat_interval']:g} s; a worker that died or "
+                f"stopped answering for heartbeat_timeout={t['heartbeat_timeout']:g} s has its function in flight "
+                f"cut and run again on another worker, and is taken back if it answers within "
+                f"worker_recovery_timeout={t['worker_recovery_timeout']:g} s; one function may run up to "
+                f"closure_timeout={t['closure_timeout']:g} s on a worker that answers"
+                + ("" if given else " (the ClusterCoordinator's defaults: none is made yet)")
+            ),
+        )
+
     def explain(self) -> Explanation:
         """Tasks, where the variables live and why."""
         shards = self._model._shards if self._model is not None else []
@@ -452,6 +471,7 @@ class ParameterServerStrategy(Strategy):
                 reason=self._transfers_reason(),
             )
         )
+        decisions.append(self._worker_faults())
         details = {
             "workers": list(self.cluster.addresses["worker"]),
             "ps": self._ps_addresses,

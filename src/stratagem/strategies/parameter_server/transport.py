@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
@@ -339,6 +340,42 @@ def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
     return b"".join(reply)
 
 
+class Cancellation:
+    """Lets another thread cut a call in flight (the coordinator's heartbeat, when the worker running it stopped
+    answering): ``cancel`` ends the call at once with ``CANCELLED``, which ``task_lost`` counts as the task's loss.
+    A call started after ``cancel`` and before ``reset`` is cut as soon as it starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: list[Any] = []
+        self.cancelled = False
+
+    def track(self, call: Any) -> None:
+        """Follows ``call`` (a gRPC call object) until ``forget``; cuts it at once when already cancelled."""
+        with self._lock:
+            self._calls.append(call)
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+    def forget(self, call: Any) -> None:
+        with self._lock:
+            if call in self._calls:
+                self._calls.remove(call)
+
+    def cancel(self) -> None:
+        """Cuts every call followed now, and every one started until ``reset``."""
+        with self._lock:
+            self.cancelled = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.cancelled = False
+
+
 class Client:
     """Calls the methods of one remote ``Server``; errors name the task at the other end."""
 
@@ -370,11 +407,13 @@ class Client:
         timeout: float,
         wait_for_ready: bool = False,
         small_reply: bool = False,
+        cancellation: Cancellation | None = None,
     ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         """Sends one message to ``method`` and returns the decoded reply.
 
         ``small_reply``: the caller knows the reply fits one piece (an acknowledgement), so a request
-        of one piece goes as a unary call, the cheapest kind.
+        of one piece goes as a unary call, the cheapest kind. ``cancellation``: another thread may cut
+        the call (the reply is then streamed, since a streamed call is one that can be cut).
 
         Raises ``ParameterServerError`` naming the task when it cannot be reached or refuses the
         call, and ``CollectiveTimeoutError`` when no reply came within ``timeout`` seconds.
@@ -382,8 +421,17 @@ class Client:
         import grpc
 
         try:
-            replies = self._send(method, wire.stream_chunks(op, meta, tensors), timeout, wait_for_ready, small_reply)
-            return wire.decode(wire.join_chunks(replies))
+            if cancellation is None:
+                replies = self._send(
+                    method, wire.stream_chunks(op, meta, tensors), timeout, wait_for_ready, small_reply
+                )
+                return wire.decode(wire.join_chunks(replies))
+            call = self._send(method, wire.stream_chunks(op, meta, tensors), timeout, wait_for_ready)
+            cancellation.track(call)
+            try:
+                return wire.decode(wire.join_chunks(call))
+            finally:
+                cancellation.forget(call)
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.task, self.address, method, timeout) from None
 
@@ -445,8 +493,8 @@ class Client:
 def task_lost(exc: BaseException) -> bool:
     """True when ``exc`` is a failed call that says its task went away (as opposed to refusing the call):
     UNAVAILABLE when its port no longer answers, CANCELLED when the server stopped while the call was in
-    flight (gRPC aborts the calls of a server that stops, and stratagem's clients never cancel a call of
-    their own)."""
+    flight (gRPC aborts the calls of a server that stops) or when the coordinator cut it because the task
+    stopped answering its heartbeat (``Cancellation``); stratagem never cancels a call for another reason."""
     import grpc
 
     return getattr(exc, "code", None) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
