@@ -4,7 +4,7 @@ A dead worker is found by its calls: its port refuses them (``UNAVAILABLE``). A 
 stopped (SIGSTOP), whose host is cut off the network, or whose serving threads are stuck still holds its
 connection open, so a call to it gets no answer and no error. One thread per worker pings it on a channel
 of its own every ``interval`` seconds; when no ping has been answered for ``timeout`` seconds the worker
-counts as hung: the calls in flight to it are cut (``transport.Cancellation``), which the coordinator
+counts as hung: the calls in flight to it are cut (``Cancellation``), which the coordinator
 treats as the worker's loss (its function goes back to the queue). Pings go on while it is lost, so a
 worker that answers again (SIGCONT, the network back) is seen at its next ping.
 
@@ -18,9 +18,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
-from stratagem.strategies.parameter_server.transport import Cancellation, Client
+from stratagem.strategies.parameter_server.transport import Client
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,42 @@ DEFAULTS = {
     "closure_timeout": CLOSURE_TIMEOUT,
 }
 """The ``ClusterCoordinator``'s waits by argument name, as ``ParameterServerStrategy.explain()`` states them."""
+
+
+class Cancellation:
+    """Lets another thread cut a call in flight (the coordinator's heartbeat, when the worker running it stopped
+    answering): ``cancel`` ends the call at once with ``CANCELLED``, which ``transport.task_lost`` counts as the task's loss.
+    A call started after ``cancel`` and before ``reset`` is cut as soon as it starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: list[Any] = []
+        self.cancelled = False
+
+    def track(self, call: Any) -> None:
+        """Follows ``call`` (a gRPC call object) until ``forget``; cuts it at once when already cancelled."""
+        with self._lock:
+            self._calls.append(call)
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+    def forget(self, call: Any) -> None:
+        with self._lock:
+            if call in self._calls:
+                self._calls.remove(call)
+
+    def cancel(self) -> None:
+        """Cuts every call followed now, and every one started until ``reset``."""
+        with self._lock:
+            self.cancelled = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.cancelled = False
 
 
 @dataclass(frozen=True)

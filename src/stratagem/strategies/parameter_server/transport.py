@@ -21,12 +21,11 @@ import itertools
 import logging
 import os
 import socket
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -340,40 +339,12 @@ def _one_piece(pieces: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
     return b"".join(reply)
 
 
-class Cancellation:
-    """Lets another thread cut a call in flight (the coordinator's heartbeat, when the worker running it stopped
-    answering): ``cancel`` ends the call at once with ``CANCELLED``, which ``task_lost`` counts as the task's loss.
-    A call started after ``cancel`` and before ``reset`` is cut as soon as it starts."""
+class CallTracker(Protocol):
+    """Follows the calls of a ``Client`` while they run, so another thread can cut them (``heartbeat.Cancellation``)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: list[Any] = []
-        self.cancelled = False
+    def track(self, call: Any) -> None: ...
 
-    def track(self, call: Any) -> None:
-        """Follows ``call`` (a gRPC call object) until ``forget``; cuts it at once when already cancelled."""
-        with self._lock:
-            self._calls.append(call)
-            cancelled = self.cancelled
-        if cancelled:
-            call.cancel()
-
-    def forget(self, call: Any) -> None:
-        with self._lock:
-            if call in self._calls:
-                self._calls.remove(call)
-
-    def cancel(self) -> None:
-        """Cuts every call followed now, and every one started until ``reset``."""
-        with self._lock:
-            self.cancelled = True
-            calls = list(self._calls)
-        for call in calls:
-            call.cancel()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.cancelled = False
+    def forget(self, call: Any) -> None: ...
 
 
 class Client:
@@ -407,7 +378,7 @@ class Client:
         timeout: float,
         wait_for_ready: bool = False,
         small_reply: bool = False,
-        cancellation: Cancellation | None = None,
+        cancellation: CallTracker | None = None,
     ) -> tuple[str, Any, dict[str, torch.Tensor]]:
         """Sends one message to ``method`` and returns the decoded reply.
 
@@ -494,7 +465,7 @@ def task_lost(exc: BaseException) -> bool:
     """True when ``exc`` is a failed call that says its task went away (as opposed to refusing the call):
     UNAVAILABLE when its port no longer answers, CANCELLED when the server stopped while the call was in
     flight (gRPC aborts the calls of a server that stops) or when the coordinator cut it because the task
-    stopped answering its heartbeat (``Cancellation``); stratagem never cancels a call for another reason."""
+    stopped answering its heartbeat (``heartbeat.Cancellation``); stratagem never cancels a call for another reason."""
     import grpc
 
     return getattr(exc, "code", None) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
