@@ -40,8 +40,8 @@ class Job:
             PYTHONUNBUFFERED="1",
             PS_TEST_HEARTBEAT=f"{HEARTBEAT_INTERVAL},{HEARTBEAT_TIMEOUT}",
             PS_TEST_OUT=str(tmp_path / "out.json"),
-            **settings,
         )
+        base.update(settings)
         self.out = tmp_path / "out.json"
         self.output: queue.Queue = queue.Queue()
         self.log: list[str] = []
