@@ -452,6 +452,8 @@ class ClusterCoordinator:
                 "Run", "run", meta, encoder.tensors, timeout=self.closure_timeout, cancellation=beat.cancellation
             )
         except CollectiveTimeoutError as exc:
+            if beat.hung:  # closure_timeout shorter than heartbeat_timeout: the worker, not the function
+                raise _Hung() from None
             raise self._too_long(closure, client, beat, exc) from None
 
     def _lose(self, client: Client) -> None:
