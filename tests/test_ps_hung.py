@@ -98,6 +98,7 @@ def _detection_s(result: dict, task: str, stopped_at: float) -> float:
     """Seconds from the SIGSTOP to the coordinator's record of ``task`` as hung (one monotonic clock per host)."""
     hung = [f for f in result["faults"] if f["task"] == task and f["kind"] == "hung" and f["at"] >= stopped_at]
     assert hung, result["faults"]
+    assert hung[0]["silent_s"] >= HEARTBEAT_TIMEOUT, hung[0]  # named only after heartbeat_timeout of silence
     return hung[0]["at"] - stopped_at
 
 
@@ -115,7 +116,7 @@ def test_a_stopped_worker_is_named_hung_and_its_step_runs_elsewhere(tmp_path):
         print(
             f"worker:1 found hung {detection:.2f} s after SIGSTOP (heartbeat {HEARTBEAT_INTERVAL}/{HEARTBEAT_TIMEOUT})"
         )
-        assert HEARTBEAT_TIMEOUT - HEARTBEAT_INTERVAL - 0.5 < detection < HEARTBEAT_TIMEOUT + 10, detection
+        assert 0 < detection < HEARTBEAT_TIMEOUT + 10, detection
         log = job.tail()
         assert "worker:1 hung (no heartbeat answer for" in log and "goes back to the queue" in log, log
         assert "worker:1 did not come back within 4 s" in log, log
