@@ -31,11 +31,11 @@ off the network, wedged: no answer to its heartbeat, a ping every ``heartbeat_in
 another worker runs it (at least once; a function can run twice if the worker applied its update
 before it was lost, or resumes after it); the worker's thread then waits up to
 ``worker_recovery_timeout`` for it to answer again (a restarted task on the same address, a stopped one
-continued) and takes it back; a worker that does not come back is dropped, and if no worker is left the
-coordinator fails naming them. A function that runs longer than ``closure_timeout`` on a worker that
-still answers its heartbeat fails the job (the function itself is stuck, not its worker). A parameter server that cannot
-be reached is an error naming it (``ps:0``), raised at once: the job is then restarted and resumes
-from its last checkpoint (``strategy.save`` / ``strategy.restore``).
+continued) and takes it back; a worker that does not come back is dropped, and if no worker is left
+the coordinator fails naming them. A function that runs longer than ``closure_timeout`` on a worker
+that still answers its heartbeat fails the job (the function itself is stuck, not its worker). A
+parameter server that cannot be reached is an error naming it (``ps:0``), raised at once: the job is
+then restarted and resumes from its last checkpoint (``strategy.save`` / ``strategy.restore``).
 
 On a worker task the same script reaches ``schedule`` (or ``join``/``done``/``fetch``) and serves
 there until the chief ends the job, then exits (``SystemExit(0)``).
