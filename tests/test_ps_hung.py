@@ -102,7 +102,7 @@ def _detection_s(result: dict, task: str, stopped_at: float) -> float:
     return hung[0]["at"] - stopped_at
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_a_stopped_worker_is_named_hung_and_its_step_runs_elsewhere(tmp_path):
     job = Job(tmp_path, workers=2, PS_TEST_STEPS="40", PS_TEST_STEP_SLEEP="0.3", PS_TEST_RECOVERY="4")
     try:
@@ -125,7 +125,7 @@ def test_a_stopped_worker_is_named_hung_and_its_step_runs_elsewhere(tmp_path):
         job.close()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_a_stopped_worker_that_is_continued_is_taken_back(tmp_path):
     job = Job(tmp_path, workers=2, PS_TEST_STEPS="80", PS_TEST_STEP_SLEEP="0.3", PS_TEST_RECOVERY="60")
     try:
