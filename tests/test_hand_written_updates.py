@@ -87,8 +87,11 @@ def test_a_hand_written_update_beside_the_optimizer_is_refused_at_the_first_step
         return loss.detach()
 
     x, y = batches()[0]
-    with pytest.raises(sg.InputError, match=f"Parameter '0.weight' was changed in place.*{consequence}.*Received: "
-                       r"an in-place change of '0.weight' \(shape \(6, 4\)\)\. Update the parameters only through"):
+    with pytest.raises(
+        sg.InputError,
+        match=f"Parameter '0.weight' was changed in place.*{consequence}.*Received: "
+        r"an in-place change of '0.weight' \(shape \(6, 4\)\)\. Update the parameters only through",
+    ):
         strategy.step(step)(x, y)
     strategy.close()
 

@@ -308,7 +308,9 @@ class CentralUpdate(ReplicaBuilder):
             # No optimizer and no replica reading the central parameters in place: whatever the step did to the
             # parameters by hand, it did alike on every replica's copy; the central copy takes the applier's.
             with torch.no_grad():
-                torch._foreach_copy_(self.central_params, self.host.replica_params[self._applier])
+                torch._foreach_copy_(
+                    list[torch.Tensor](self.central_params), list(self.host.replica_params[self._applier])
+                )
         if self._optimizer is not None:
             self._optimizer.end_run()
         if self._watch is not None:
