@@ -103,8 +103,8 @@ def test_a_hand_written_update_counts_once_across_two_workers(tmp_path) -> None:
     exit_code, output = launch_workers("mwms_hand_updates.py", {"MW_OUT": str(out)}, timeout=280)
     assert exit_code == 0, output
     saved = torch.load(out)
-    for way in WAYS:
+    for way, local in [*((way, 1) for way in WAYS), ("data_add", 2)]:
         expected, expected_losses = train(None, way)
-        state, losses = saved[way]
+        state, losses = saved[(way, local)]
         assert_same(state, expected)
-        assert losses == pytest.approx(expected_losses, rel=1e-12), way
+        assert losses == pytest.approx(expected_losses, rel=1e-12), (way, local)

@@ -1,5 +1,7 @@
 """One worker of the hand-written update test (tests/test_hand_written_updates.py), run under `stratagem launch`:
-trains tests/hand_update_cases.py each way with one local replica per worker, a new strategy each time."""
+trains tests/hand_update_cases.py each way with one local replica per worker, and `p.data.add_` with two
+(logical devices of one CPU, where replicas without an optimizer must not share parameters), a new strategy
+each time."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from workers.common import chief_saves_each_case  # noqa: E402
 
 
 def main() -> int:
-    return chief_saves_each_case({way: 1 for way in WAYS}, lambda strategy, way: train(strategy, way))
+    cases = {(way, 1): 1 for way in WAYS} | {("data_add", 2): 2}
+    return chief_saves_each_case(cases, lambda strategy, case: train(strategy, case[0]))
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ class ReplicaSet(ReplicaHost):
         kwargs = dict(kwargs or {})
         args = tuple(args)
         num_replicas = len(self.devices)
-        run_inputs.warn_whole_tensors(args, kwargs, self.num_replicas_in_sync, self._warned_whole)
+        run_inputs.warn_whole_tensors(args, kwargs, num_replicas, self._warned_whole)
         batch_sizes = run_inputs.batch_sizes(args, kwargs, num_replicas)
         global_size = run_inputs.global_size(args, kwargs)
         self.step += 1

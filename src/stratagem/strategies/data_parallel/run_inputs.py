@@ -8,7 +8,8 @@ batch was split), so the weighted sum is the gradient of the mean loss over the 
 A tensor handed to `run` that no `distribute_dataset` or `strategy.step` cut reaches every replica whole.
 That is right for a constant (a mask, class weights) and wrong for a batch: the loss still looks right,
 but every replica does the whole batch's work (841 against 504 ms per step, issue 29). `warn_whole_tensors`
-says so once per argument, unless the tensor was marked with `replicated`.
+says so once per argument where one process runs several replicas, unless the tensor was marked with
+`replicated`.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def _is_marked(t: torch.Tensor) -> bool:
     return ref is not None and ref() is t
 
 
-def warn_whole_tensors(args: tuple, kwargs: dict, num_replicas_in_sync: int, warned: set[str]) -> None:
-    """Warns once per argument (its path, recorded in `warned`) about a tensor that reaches every one of several
-    replicas whole: not cut by distribute_dataset or strategy.step, not marked with `replicated`."""
-    if num_replicas_in_sync < 2:
+def warn_whole_tensors(args: tuple, kwargs: dict, num_local_replicas: int, warned: set[str]) -> None:
+    """Warns once per argument (its path, recorded in `warned`) about a tensor that reaches every one of this
+    process's several replicas whole: not cut by distribute_dataset or strategy.step, not marked with
+    `replicated`. With one replica per process nothing is said: each worker's replica receives that worker's
+    tensor, which may be its own part of the batch (a loader sharded by the user)."""
+    if num_local_replicas < 2:
         return
     is_per_replica = lambda v: isinstance(v, PerReplica)  # noqa: E731
     leaves = flatten_with_paths(args, "args", is_per_replica) + flatten_with_paths(kwargs, "kwargs", is_per_replica)
@@ -70,7 +73,7 @@ def warn_whole_tensors(args: tuple, kwargs: dict, num_replicas_in_sync: int, war
         warned.add(path)
         warnings.warn(
             f"strategy.run received {path}, a tensor of shape {tuple(leaf.shape)} that no distribute_dataset or "
-            f"strategy.step cut among the replicas, so each of the {num_replicas_in_sync} replicas receives it whole: "
+            f"strategy.step cut among the replicas, so each of the {num_local_replicas} replicas receives it whole: "
             "if it is a batch, every replica computes on every example (the loss looks right, but each replica does "
             "the whole batch's work). Cut batches with strategy.distribute_dataset(loader), or call the step "
             "function through strategy.step(fn), which cuts its tensor arguments; if every replica is meant to "
