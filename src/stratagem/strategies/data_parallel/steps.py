@@ -69,7 +69,8 @@ def make_step(
         )
     check_returns(returns)
     params = _parameters(fn)
-    check_batch_dims(batch_dims, None if params is None else [p.name for p in params], where="step()")
+    closed = params is not None and not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+    check_batch_dims(batch_dims, [p.name for p in params] if params is not None and closed else None, where="step()")
 
     @functools.wraps(fn, updated=())  # a wrapped nn.Module keeps its attributes to itself
     def run_step(*args: Any, **kwargs: Any) -> Any:
@@ -106,15 +107,12 @@ def make_step(
 
 
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
-    """The parameters of `fn` (of its forward for a module); None when they cannot be read or any name goes."""
+    """The parameters of `fn` (of its forward for a module); None when they cannot be read."""
     try:
         signature = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
     except (TypeError, ValueError):
         return None
-    params = list(signature.parameters.values())
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        return None
-    return params
+    return list(signature.parameters.values())
 
 
 def _positional_names(params: list[inspect.Parameter] | None, count: int) -> list[str]:
