@@ -6,10 +6,11 @@ written by hand there (`p -= lr * p.grad` under `no_grad`, `torch._foreach_add_(
 every replica and lands on the same memory: N updates per step instead of one. Without an optimizer the
 replicas never share (each updates its own copy, which is exact); with one, `InPlaceWatch` reads each
 replica parameter's version counter, which torch's in-place operations on that parameter advance and the
-strategy's own optimizer (working on views taken through `.data`) does not, and stops at the end of the
-first step that changed one, naming it. CentralStorage watches its compute copies too: a change
-there is overwritten by the central parameters at the next step. Changes made through `p.data` advance no counter of `p`; the
-`explain()` decision "parameter storage" says to update shared parameters only through the optimizer.
+strategy's own optimizer (working on views taken through `.data`, or on the central parameters, which are
+not watched) does not, and stops at the end of the first step that changed one, naming it. CentralStorage
+watches its compute copies too: a change there is overwritten by the central parameters at the next step.
+Changes made through `p.data` advance no counter of `p`; the `explain()` decision "parameter storage" says
+to update shared parameters only through the optimizer.
 """
 
 from __future__ import annotations
