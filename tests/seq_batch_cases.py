@@ -1,6 +1,7 @@
 """A small LSTM trained on `(seq, batch)` inputs with its hidden state carried across batches, on one device
-(strategy None) or under a strategy through `strategy.step(batch_dims=1, returns="per_replica")`. Shared by
-tests/test_batch_dims.py and tests/workers/mwms_batch_dims.py."""
+(strategy None) or under a strategy through `strategy.step(batch_dims=1, returns="per_replica")`; and without
+a carried state from `strategy.distribute_dataset(batches, batch_dim=1)`. Shared by tests/test_batch_dims.py
+and tests/workers/mwms_batch_dims.py."""
 
 from __future__ import annotations
 
@@ -69,5 +70,32 @@ def train(strategy: Any) -> tuple[dict[str, torch.Tensor], list[float]]:
     for data, targets in batches():
         loss, hidden = step(data, targets, hidden)
         losses.append(float(loss if strategy is None else strategy.reduce("mean", loss)))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, losses
+
+
+def train_from_dataset(strategy: Any) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Three steps from `distribute_dataset(..., batch_dim=1)` and `run`, each from a zero state."""
+    model = make_model()
+    if strategy is not None:
+        model = strategy.distribute(model)
+
+    def step(data: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model.zero_grad()
+        zeros = torch.zeros(1, data.shape[1], HIDDEN, dtype=torch.float64)
+        output, _ = model(data, (zeros, zeros))
+        loss = F.cross_entropy(output.reshape(-1, CLASSES), targets.reshape(-1))
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+        return loss.detach()
+
+    losses = []
+    if strategy is None:
+        losses = [step(data, targets).item() for data, targets in batches()]
+    else:
+        for data, targets in strategy.distribute_dataset(batches(), batch_dim=1):
+            losses.append(float(strategy.reduce("mean", strategy.run(step, args=(data, targets)))))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, losses

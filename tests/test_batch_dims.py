@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import cpu_registry
 from helpers import launch_workers
-from seq_batch_cases import BATCH, HIDDEN, init_hidden, train
+from seq_batch_cases import BATCH, HIDDEN, init_hidden, train, train_from_dataset
 
 import stratagem as sg
 
@@ -32,6 +32,18 @@ def test_seq_batch_inputs_and_a_carried_hidden_state_train_as_one_device(name: s
     strategy = STRATEGIES[name]()
     try:
         state, losses = train(strategy)
+    finally:
+        strategy.close()
+    assert_same(state, expected)
+    assert losses == pytest.approx(expected_losses, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_seq_batch_batches_from_distribute_dataset_train_as_one_device(name: str) -> None:
+    expected, expected_losses = train_from_dataset(None)
+    strategy = STRATEGIES[name]()
+    try:
+        state, losses = train_from_dataset(strategy)
     finally:
         strategy.close()
     assert_same(state, expected)
@@ -108,8 +120,9 @@ def test_seq_batch_inputs_train_as_one_device_across_two_workers(tmp_path) -> No
     exit_code, output = launch_workers("mwms_batch_dims.py", {"MW_OUT": str(out)}, timeout=280)
     assert exit_code == 0, output
     saved = torch.load(out)
-    expected, expected_losses = train(None)
-    for local in (1, 2):
-        state, losses = saved[local]
-        assert_same(state, expected)
-        assert losses == pytest.approx(expected_losses, rel=1e-12), local
+    for way, plain in {"step": train, "dataset": train_from_dataset}.items():
+        expected, expected_losses = plain(None)
+        for local in (1, 2):
+            state, losses = saved[(way, local)]
+            assert_same(state, expected)
+            assert losses == pytest.approx(expected_losses, rel=1e-12), (way, local)
