@@ -482,6 +482,9 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     # torch-private flags set on stratagem's own shard optimizers (see shared_parameters.py for why).
     ("strategies/data_parallel/shared_parameters.py", "_step_supports_amp_scaling"): "user objects",
     ("strategies/data_parallel/shared_parameters.py", "_need_device_dtype_check_for_fused"): "user objects",
+    # A parameter's version counter, advanced by torch's in-place operations on it: the one way to see a hand-written
+    # update on parameters that replicas share without copying them (hand_updates.py); torch has no public name for it.
+    ("strategies/data_parallel/hand_updates.py", "_version"): "torch tensors",
     # torch's operator overloads: their schema and the aten ops the placement log follows have no public name.
     ("diagnose/placement.py", "_schema"): "torch operators",
     ("diagnose/placement.py", "_to_copy"): "torch operators",

@@ -48,6 +48,7 @@ from stratagem.strategies import (
     current_replica_context,
 )
 from stratagem.strategies.data_parallel.loss_weight import set_loss_weight
+from stratagem.strategies.data_parallel.run_inputs import replicated
 from stratagem.train import callbacks, metrics
 from stratagem.train.fit import History, fit
 from stratagem.train.from_env import strategy_from_env
@@ -98,6 +99,7 @@ __all__ = [
     "Strategy",
     "WireFormatError",
     "current_replica_context",
+    "replicated",
     "callbacks",
     "evaluate",
     "fit",

@@ -16,7 +16,7 @@ import torch
 from stratagem.data.prefetch import copy_to_device
 from stratagem.errors import InputError
 from stratagem.nest import flatten_with_paths
-from stratagem.values import map_structure
+from stratagem.values import PerReplica, map_structure
 
 
 def split_sizes(num_examples: int, num_replicas: int) -> list[int]:
@@ -38,7 +38,9 @@ def batch_size_of(batch: Any) -> int:
     other `Mapping`s such as Hugging Face's `BatchEncoding`. Leaves that are not tensors (strings,
     numbers) are not split: every replica receives them unchanged.
     """
-    tensors = [(path, t) for path, t in flatten_with_paths(batch, "batch") if isinstance(t, torch.Tensor)]
+    # A PerReplica leaf (a step's per-replica result handed back) is already cut: it is not part of the batch.
+    leaves = flatten_with_paths(batch, "batch", lambda v: isinstance(v, PerReplica))
+    tensors = [(path, t) for path, t in leaves if isinstance(t, torch.Tensor)]
     if not tensors:
         raise InputError(
             "A batch must contain at least one tensor (a tensor, or a tuple, list, dict, Mapping or dataclass "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from stratagem.data.batch_dims import BatchDimFirst, BatchDims, check_batch_dim, check_batch_dims, restore_batch_dim
 from stratagem.data.split import InputContext, batch_size_of, split_batch, split_sizes
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.distributed import check_optimizer_matches
@@ -143,13 +144,15 @@ class Strategy(abc.ABC):
         """How many replicas take part in each step, across every worker."""
         return len(self._local_devices)
 
-    def distribute_dataset(self, dataset: Iterable[Any]) -> "DistributedDataset":
+    def distribute_dataset(self, dataset: Iterable[Any], *, batch_dim: int = 0) -> "DistributedDataset":
         """Splits each GLOBAL batch that `dataset` yields among the replicas.
 
         Each batch (a tensor, or any nest of tensors sharing their first dimension: tuples, lists,
         named tuples, dicts and other Mappings such as Hugging Face's BatchEncoding, dataclasses)
         is cut into contiguous slices whose sizes differ by at most one; a replica whose slice is
-        empty still takes part in the step, with weight zero.
+        empty still takes part in the step, with weight zero. `batch_dim` is the dimension of every
+        tensor that counts examples (1 for `(seq, batch)` batches); tensors that disagree along it are
+        refused, naming the tensor.
 
         Example:
             >>> loader = DataLoader(data, batch_size=256)          # 256 = the global batch
@@ -157,7 +160,8 @@ class Strategy(abc.ABC):
             ...     strategy.run(train_step, args=(x, y))
         """
         _check_iterable(dataset, "distribute_dataset")
-        return DistributedDataset(self, dataset)
+        check_batch_dim(batch_dim)
+        return DistributedDataset(self, dataset, batch_dim=batch_dim)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]]
@@ -258,7 +262,7 @@ class Strategy(abc.ABC):
             )
         return gather_values(value, axis, len(self._local_devices), self._gather_across_workers, self._reduce_device())
 
-    def step(self, fn: Callable[..., Any] | None = None, *, returns: str = "mean") -> Any:
+    def step(self, fn: Callable[..., Any] | None = None, *, returns: str = "mean", batch_dims: BatchDims = None) -> Any:
         """Makes `fn` a step function called with the GLOBAL batch that runs once per replica.
 
         The wrapper cuts every tensor argument (a global batch: first dimension = examples) among
@@ -268,6 +272,12 @@ class Strategy(abc.ABC):
         ``"sum"`` sums, ``"gather"`` concatenates in batch order (`gather`), ``"per_replica"``
         gives `run`'s `PerReplica` values. Use it as a decorator on the body of an existing loop,
         or wrap a model to predict on global batches.
+
+        `batch_dims` names the dimension that counts examples where it is not the first: an int for every
+        tensor argument, or a dict of argument names (the function's parameters) to ints, the others
+        keeping 0. Arguments whose sizes along their batch dimensions differ are refused, naming the argument,
+        before anything is cut. A `PerReplica` argument (a result of `returns="per_replica"` handed back, such
+        as a recurrent state) reaches each replica as its own value, uncut.
 
         Example:
             >>> @strategy.step
@@ -281,11 +291,17 @@ class Strategy(abc.ABC):
             ...     loss = train_step(data, target)           # the mean loss over the global batch
             >>> predict = strategy.step(model, returns="gather")
             >>> logits = predict(images)                      # every example's logits, in order
+            >>> @strategy.step(batch_dims=1, returns="per_replica")   # (seq, batch) inputs, an LSTM's state
+            ... def lm_step(data, targets, hidden):
+            ...     output, hidden = model(data, hidden)
+            ...     ...
+            ...     return loss, hidden                      # the state stays with its replica's columns
         """
         if fn is None:
             check_returns(returns)
-            return lambda function: make_step(self, function, returns, self._distribute_step_inputs)
-        return make_step(self, fn, returns, self._distribute_step_inputs)
+            check_batch_dims(batch_dims, where="step()")
+            return lambda function: make_step(self, function, returns, self._distribute_step_inputs, batch_dims)
+        return make_step(self, fn, returns, self._distribute_step_inputs, batch_dims)
 
     def _distribute_step_inputs(self, inputs: Any) -> Any:
         """Cuts the global batch a `step` function was called with among the local replicas."""
@@ -381,15 +397,25 @@ def _check_iterable(dataset: Any, where: str) -> None:
 class DistributedDataset:
     """An iterable of distributed batches: each yields one batch per local replica (`PerReplica` leaves)."""
 
-    def __init__(self, strategy: Strategy, dataset: Iterable[Any], per_replica: bool = False) -> None:
+    def __init__(
+        self, strategy: Strategy, dataset: Iterable[Any], per_replica: bool = False, batch_dim: int = 0
+    ) -> None:
         self._strategy = strategy
-        self._dataset = dataset
+        self._dataset: Iterable[Any] = dataset if batch_dim == 0 else BatchDimFirst(dataset, batch_dim)
         self._per_replica = per_replica
+        self._batch_dim = batch_dim
 
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        if self._batch_dim != 0:
+            # Cut along dimension 0 of views with the batch dimension first, each piece moved back (batch_dims.py).
+            yield from restore_batch_dim(self._batches(), self._batch_dim)
+        else:
+            yield from self._batches()
+
+    def _batches(self) -> Iterator[Any]:
         devices = self._strategy._local_devices
         if self._per_replica:
             yield from self._iter_per_replica(devices)

@@ -27,6 +27,7 @@ from stratagem.errors import DeviceError, InputError, MemoryEstimateError
 from stratagem.strategies.central_storage.parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
 from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
+from stratagem.strategies.data_parallel.hand_updates import InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
@@ -57,6 +58,8 @@ class CentralUpdate(ReplicaBuilder):
         # The anchor's model IS the central copy, so its gradients are the central gradients (no staging).
         self._anchor = next((r for r, a in enumerate(self._aliased) if a), None)
         self._applier = self._anchor if self._anchor is not None else 0  # whose thread applies the update
+        self._by_hand: list[int] = []  # replicas given a copy because no optimizer was given (see build)
+        self._watch: InPlaceWatch | None = None
         self.central: nn.Module | None = None
         self.central_params: list[nn.Parameter] = []
         self._replicas: list[nn.Module] = []
@@ -104,7 +107,10 @@ class CentralUpdate(ReplicaBuilder):
     def _copies_decision(self) -> PlacementDecision:
         central = self.central_device
         in_place = [r for r, a in enumerate(self._aliased) if a]
-        by_choice = [r for r, d in enumerate(self._devices) if d == central and not self._aliased[r]]
+        by_hand = self._by_hand
+        by_choice = [
+            r for r, d in enumerate(self._devices) if d == central and not self._aliased[r] and r not in by_hand
+        ]
         elsewhere = [r for r, d in enumerate(self._devices) if d != central]
         parts = []
         if in_place:
@@ -117,12 +123,18 @@ class CentralUpdate(ReplicaBuilder):
                 f"{self._describe(by_choice)} receive a copy of every parameter at the start of each step "
                 "(share_parameters=False)"
             )
+        if by_hand:
+            parts.append(
+                f"{self._describe(by_hand)} receive a copy of every parameter at the start of each step: no optimizer "
+                "was given to distribute(), so a step that updates the parameters by hand updates each replica's own "
+                f"copy, and the central copy takes replica {self._applier}'s after each step (once, not once per replica)"
+            )
         if elsewhere:
             parts.append(
                 f"{self._describe(elsewhere)} compute on another device than {central}, so they receive a "
                 "copy of every parameter at the start of each step"
             )
-        copied = len(by_choice) + len(elsewhere)
+        copied = len(by_choice) + len(by_hand) + len(elsewhere)
         choice = "none" if not copied else f"one per step to {copied} replica(s)"
         return PlacementDecision(subject="parameter copies", choice=choice, reason="; ".join(parts))
 
@@ -197,6 +209,13 @@ class CentralUpdate(ReplicaBuilder):
         central = model.to(self.central_device)
         if optimizer is not None and optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the central parameters
+        if optimizer is None and len(self._devices) > 1:
+            # No optimizer: the step updates the parameters by hand, on every replica. Replicas reading the central
+            # parameters in place would each apply that update to the same memory (N times per step); with a copy
+            # each, the central copy takes the applier's updated values after the step (end_run), once.
+            self._by_hand = [r for r, a in enumerate(self._aliased) if a and r != self._anchor]
+            self._aliased = [a and r == self._anchor for r, a in enumerate(self._aliased)]
+            self._recorded[1] = self._copies_decision()
         replicas: list[nn.Module] = []
         for r, device in enumerate(self._devices):
             if r == self._anchor:
@@ -217,6 +236,18 @@ class CentralUpdate(ReplicaBuilder):
             return Built(replicas, distributed, None, [])
         central_optimizer = CentralOptimizer(optimizer, self, self.host)
         self._optimizer = central_optimizer
+        others = [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor]
+        if len(replicas) > 1:
+            # With an optimizer the update happens once, on the central copy; a change made by hand in the step to a
+            # replica's parameters lands N times on shared memory, or on a compute copy overwritten at the next step.
+            self._watch = InPlaceWatch(
+                others,
+                consequence="Under CentralStorageStrategy the optimizer updates the central parameters once; a change "
+                "made in the step applies once per replica where replicas read the central parameters in place, "
+                "and is overwritten at the next step where they compute on a copy.",
+                fix="Update the parameters only through the optimizer, or distribute the model without an optimizer "
+                "and update it by hand (each replica then updates its own copy, and the central copy takes one).",
+            )
         return Built(replicas, distributed, central_optimizer, [optimizer])
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -265,14 +296,25 @@ class CentralUpdate(ReplicaBuilder):
         self.refresh_replicas()
         if self._optimizer is not None:
             self._optimizer.begin_run()  # hyper-parameters change only through a handed-over scheduler now
+        if self._watch is not None:
+            self._watch.begin_step()  # after the refresh, which writes the compute copies in place
 
     def end_run(self, state: RunState) -> None:
         """The central copy keeps the buffers of replica 0 (e.g. batch-norm statistics), as Mirrored reports
         replica 0's; a hyper-parameter change no handed-over scheduler made is refused (lr_schedulers.py)."""
         if self.central is not None and self._anchor != 0:
             _copy_buffers(self._replicas[0], self.central)
+        if self.central is not None and self._optimizer is None and self._anchor is None and len(self._replicas) > 1:
+            # No optimizer and no replica reading the central parameters in place: whatever the step did to the
+            # parameters by hand, it did alike on every replica's copy; the central copy takes the applier's.
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    list[torch.Tensor](self.central_params), list(self.host.replica_params[self._applier])
+                )
         if self._optimizer is not None:
             self._optimizer.end_run()
+        if self._watch is not None:
+            self._watch.end_step()
 
     def refresh_replicas(self) -> None:
         """Hands every replica the current central parameters (those it does not read in place) and buffers."""

@@ -20,6 +20,7 @@ from stratagem.strategies.data_parallel import cuda_numerics
 from stratagem.strategies.data_parallel import placement
 from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
 from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
+from stratagem.strategies.data_parallel.hand_updates import InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
@@ -74,6 +75,7 @@ class MirroredReplicas(ReplicaBuilder):
         self._host: ReplicaHost | None = None
         self._placement: ReplicaDevices | None = None
         self._optimizer: ShardedOptimizer | DistributedOptimizer | None = None
+        self._watch: InPlaceWatch | None = None
 
     def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
         self._host = host
@@ -97,6 +99,18 @@ class MirroredReplicas(ReplicaBuilder):
         if optimizer is not None and not plain:
             plain = [optimizer]
         self._optimizer = distributed
+        if shared:
+            # Shared parameters are chosen only with an optimizer (placement.decide_sharing); a hand-written update
+            # in the step on top of it would run on every replica, on the same memory.
+            n = len(replicas)
+            self._watch = InPlaceWatch(
+                list(enumerate(replicas)),
+                consequence=f"The {n} replicas share one copy of the parameters, so every replica's change landed on "
+                f"the same memory: this step applied it {n} times, and the parameters are no longer one device's.",
+                fix="Update the parameters only through the optimizer, or keep a copy per replica with "
+                "MirroredStrategy(share_parameters=False), where each replica applies the combined gradient to its "
+                "own copy (once per step).",
+            )
         if len(replicas) == 1:
             return Built(replicas, model, optimizer, plain)
         return Built(replicas, DistributedModel(replicas, host), distributed, plain)
@@ -110,11 +124,15 @@ class MirroredReplicas(ReplicaBuilder):
         hyper-parameters change only through a scheduler handed to the strategy (lr_schedulers.py)."""
         if self._optimizer is not None:
             self._optimizer.begin_run()
+        if self._watch is not None:
+            self._watch.begin_step()
 
     def end_run(self, state: RunState) -> None:
         """Refuses a hyper-parameter change inside the run that no handed-over scheduler made."""
         if self._optimizer is not None:
             self._optimizer.end_run()
+        if self._watch is not None:
+            self._watch.end_step()
 
     def decisions(self) -> list[PlacementDecision]:
         return list(self._recorded)

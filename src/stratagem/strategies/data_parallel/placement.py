@@ -170,6 +170,14 @@ def decide_sharing(
         return False, None
     if len(set(devices)) != 1:
         reason: str | None = "the replicas are on different physical devices"
+    elif optimizer is None:
+        # Without an optimizer the step updates the parameters by hand (`p.data.add_(p.grad, alpha=-lr)`): every
+        # replica applies the combined gradient, which is exact only on a copy of its own. On one shared copy
+        # each update would land on the same memory, N times per step.
+        reason = (
+            "no optimizer was given to distribute(), so a step that updates the parameters by hand does so on every "
+            "replica, each on its own copy, once per step"
+        )
     else:
         reason = why_not_shareable(optimizer, model)
     if share_parameters is False:

@@ -104,6 +104,7 @@ class ReplicaSet(ReplicaHost):
         self.run_state: RunState | None = None
         self.step = 0
         self._warned_profiler = False
+        self._warned_whole: set[str] = set()  # the arguments run_inputs.warn_whole_tensors warned about
         self._empty_slices = EmptySlices(self.num_replicas_in_sync)
         self._accumulation = LocalAccumulation()
         self._loss_weights = LossWeights(len(self.devices), self.num_replicas_in_sync, across)
@@ -232,6 +233,7 @@ class ReplicaSet(ReplicaHost):
         kwargs = dict(kwargs or {})
         args = tuple(args)
         num_replicas = len(self.devices)
+        run_inputs.warn_whole_tensors(args, kwargs, num_replicas, self._warned_whole)
         batch_sizes = run_inputs.batch_sizes(args, kwargs, num_replicas)
         global_size = run_inputs.global_size(args, kwargs)
         self.step += 1

@@ -27,6 +27,7 @@ from stratagem import environ
 from stratagem.cluster import Cluster
 from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
 from stratagem.data import worker_shards
+from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
 from stratagem.data.files import FileDataset
 from stratagem.data.split import split_sizes
 from stratagem.errors import InputError
@@ -180,7 +181,9 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         return self._worker_batches().step_inputs(inputs, self._replicas.step)
 
     # ---- input --------------------------------------------------------------------------------
-    def distribute_dataset(self, dataset: Iterable[Any], shard: str = "auto") -> MultiWorkerDataset:  # type: ignore[override]
+    def distribute_dataset(  # type: ignore[override]
+        self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
+    ) -> MultiWorkerDataset | BatchDimRestored:
         """Distributes a loader across workers and their local replicas.
 
         shard="data": every worker trains on its contiguous part of the same GLOBAL batches, so the split is
@@ -197,7 +200,11 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         The workers agree on when to stop: with shard="data" and loaders that know their length, once per
         pass (the shortest loader's length); otherwise at every step, that each of them has a batch. When
         one runs out they all stop at the same step, and what was left unused is logged.
+        batch_dim: the dimension that counts examples, as in `Strategy.distribute_dataset`.
         """
+        if batch_dim != 0:  # cut views with the batch dimension first, each piece moved back (data/batch_dims.py)
+            check_batch_dim(batch_dim)
+            return BatchDimRestored(self.distribute_dataset(BatchDimFirst(dataset, batch_dim), shard), batch_dim)
         _check_iterable(dataset, "distribute_dataset")
         if shard not in SHARD_POLICIES:
             raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")

@@ -293,7 +293,7 @@ class ParameterServerStrategy(Strategy):
         """True in the coordinator, the task that drives training and reports."""
         return self._is_coordinator
 
-    def step(self, fn: Any = None, *, returns: str = "mean") -> Any:
+    def step(self, fn: Any = None, *, returns: str = "mean", batch_dims: Any = None) -> Any:
         """Refused: the coordinator schedules steps on the workers, no step runs on every replica at once."""
         raise InputError(
             "step has no meaning under ParameterServerStrategy: the coordinator schedules each step on one "

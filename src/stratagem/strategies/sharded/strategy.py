@@ -26,6 +26,7 @@ from stratagem import environ
 from stratagem.cluster import Cluster
 from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
 from stratagem.data import worker_shards
+from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy, _check_iterable
@@ -277,9 +278,15 @@ class ShardedStrategy(Strategy, LossWeightHost):
         return out
 
     # ---- input --------------------------------------------------------------------------------------
-    def distribute_dataset(self, dataset: Iterable[Any]) -> MultiWorkerDataset:  # type: ignore[override]
-        """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each."""
+    def distribute_dataset(  # type: ignore[override]
+        self, dataset: Iterable[Any], *, batch_dim: int = 0
+    ) -> MultiWorkerDataset | BatchDimRestored:
+        """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each (along
+        `batch_dim`, as in `Strategy.distribute_dataset`)."""
         _check_iterable(dataset, "distribute_dataset")
+        if batch_dim != 0:  # cut views with the batch dimension first, each piece moved back (data/batch_dims.py)
+            check_batch_dim(batch_dim)
+            return BatchDimRestored(self.distribute_dataset(BatchDimFirst(dataset, batch_dim)), batch_dim)
         return MultiWorkerDataset(self._batches(), self.shard_input(dataset), "data")
 
     def shard_input(self, data: Any, *, note: bool = True) -> Any:
