@@ -52,6 +52,7 @@ class DistributedModel(nn.Module):
         # Not registered as sub-modules: parameters() must list one replica's parameters, not all of them.
         object.__setattr__(self, "_replicas", list(replicas))
         object.__setattr__(self, "_host", host)
+        object.__setattr__(self, "training", replicas[0].training)  # the user's mode, not nn.Module's default
 
     @property
     def module(self) -> nn.Module:

@@ -73,7 +73,7 @@ class MirroredReplicas(ReplicaBuilder):
         self._recorded: list[PlacementDecision] = []
         self._host: ReplicaHost | None = None
         self._placement: ReplicaDevices | None = None
-        self._optimizer: ShardedOptimizer | DistributedOptimizer | None = None
+        self._optimizers: list[ShardedOptimizer | DistributedOptimizer] = []  # one per distributed model with one
 
     def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
         self._host = host
@@ -96,25 +96,28 @@ class MirroredReplicas(ReplicaBuilder):
         plain = distributed.replica_optimizers if distributed is not None else []
         if optimizer is not None and not plain:
             plain = [optimizer]
-        self._optimizer = distributed
+        if distributed is not None:
+            self._optimizers.append(distributed)
+        # A DistributedModel with one replica too: `.module` is the plain model under every replica count.
+        model_out = DistributedModel(replicas, host)
         if len(replicas) == 1:
-            return Built(replicas, model, optimizer, plain)
-        return Built(replicas, DistributedModel(replicas, host), distributed, plain)
+            return Built(replicas, model_out, optimizer, plain)
+        return Built(replicas, model_out, distributed, plain)
 
     def _record(self, decision: PlacementDecision | None) -> None:
-        if decision is not None:
+        if decision is not None and decision not in self._recorded:  # a second model decided alike says nothing new
             self._recorded.append(decision)
 
     def begin_step(self, state: RunState) -> None:
         """Nothing to hand out (every replica keeps its own parameters, updated alike); from here the
         hyper-parameters change only through a scheduler handed to the strategy (lr_schedulers.py)."""
-        if self._optimizer is not None:
-            self._optimizer.begin_run()
+        for optimizer in self._optimizers:
+            optimizer.begin_run()
 
     def end_run(self, state: RunState) -> None:
         """Refuses a hyper-parameter change inside the run that no handed-over scheduler made."""
-        if self._optimizer is not None:
-            self._optimizer.end_run()
+        for optimizer in self._optimizers:
+            optimizer.end_run()
 
     def decisions(self) -> list[PlacementDecision]:
         return list(self._recorded)
