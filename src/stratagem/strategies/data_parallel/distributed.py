@@ -122,6 +122,10 @@ class DistributedModel(nn.Module):
             raise AttributeError(name)
         return getattr(self.module, name)
 
+    def __getitem__(self, index: Any) -> Any:
+        # Looked up on the class, so __getattr__ never sees it: `model[0]` of an nn.Sequential works as on one device.
+        return self.module[index]  # type: ignore[index]
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give what they give on one device: the
         # plain model (replica 0's copy outside a run, which holds every replica's values), never the replicas'
