@@ -20,9 +20,7 @@ EMA_DECAY = 0.8
 
 
 def generator() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(Z, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, FEATURES), nn.Tanh()
-    )
+    return nn.Sequential(nn.Linear(Z, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, FEATURES), nn.Tanh())
 
 
 def discriminator() -> nn.Module:
@@ -34,8 +32,11 @@ def discriminator() -> nn.Module:
 def build_gan() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
     torch.manual_seed(11)
     g, d = generator().double(), discriminator().double()
-    return g, d, torch.optim.Adam(g.parameters(), lr=0.01, betas=(0.5, 0.999)), torch.optim.Adam(
-        d.parameters(), lr=0.02, betas=(0.5, 0.999)
+    return (
+        g,
+        d,
+        torch.optim.Adam(g.parameters(), lr=0.01, betas=(0.5, 0.999)),
+        torch.optim.Adam(d.parameters(), lr=0.02, betas=(0.5, 0.999)),
     )
 
 
@@ -43,8 +44,10 @@ def gan_batches(sizes=GAN_SIZES, seed=5) -> list[tuple[torch.Tensor, torch.Tenso
     """(real examples, noise): the noise is drawn here, from the global batch's generator, never inside the step."""
     gen = torch.Generator().manual_seed(seed)
     return [
-        (torch.rand((n, FEATURES), generator=gen, dtype=torch.float64) * 2 - 1,
-         torch.randn((n, Z), generator=gen, dtype=torch.float64))
+        (
+            torch.rand((n, FEATURES), generator=gen, dtype=torch.float64) * 2 - 1,
+            torch.randn((n, Z), generator=gen, dtype=torch.float64),
+        )
         for n in sizes
     ]
 

@@ -47,7 +47,9 @@ def _same_as_original(path, original: dict) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", sorted(IN_PROCESS))
 def test_dcgan_port_equals_the_original(mode, original, tmp_path, monkeypatch, capsys) -> None:
-    out = run_in_process(PORTS / "dcgan_port.py", [*ARGS, "--outf", str(tmp_path)], IN_PROCESS[mode], monkeypatch, capsys)
+    out = run_in_process(
+        PORTS / "dcgan_port.py", [*ARGS, "--outf", str(tmp_path)], IN_PROCESS[mode], monkeypatch, capsys
+    )
     _same_as_original(tmp_path / "dcgan.pth", original)
     # The losses and D outputs it prints are the global batch's, as the original's (to the 4 digits printed).
     assert out.splitlines() == original["log"]
