@@ -101,6 +101,7 @@ def test_module_is_the_plain_model_under_every_in_process_strategy(name):
         assert type(model.module) is nn.Sequential
         assert model.module[0].weight.shape == (2, 3)  # attribute access reaches the plain model
         assert model[0].out_features == 2  # and through the distributed model itself
+        assert model.to("cpu") is model  # a script's .to(device) where the replicas already are changes nothing
         seen = []
 
         def step(x):

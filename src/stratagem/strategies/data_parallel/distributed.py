@@ -112,6 +112,14 @@ class DistributedModel(nn.Module):
         self.module.zero_grad(set_to_none)
 
     def to(self, *args: Any, **kwargs: Any) -> "DistributedModel":
+        # A script's `model.to(device)` after distribute, naming where the replicas already are, changes nothing.
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [t for r in self._replicas for t in (*r.parameters(), *r.buffers())]
+        if all(
+            (device is None or t.device == device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
         raise InputError(
             "A distributed model stays on the devices its strategy chose; it cannot be moved with .to(). "
             f"Received: .to({', '.join(map(repr, args))}). Choose devices with the strategy's `devices=` instead."
