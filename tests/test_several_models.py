@@ -143,3 +143,17 @@ def test_distribute_inside_a_step_is_refused():
             strategy.run(lambda: strategy.distribute(nn.Linear(2, 1)))
     finally:
         strategy.close()
+
+
+def test_each_replicas_random_stream_is_seeded_at_the_first_distribute_only(monkeypatch):
+    from stratagem.strategies.data_parallel import cuda_numerics
+
+    calls = []
+    monkeypatch.setattr(cuda_numerics, "seed_replica_streams", lambda devices, first: calls.append(first))
+    strategy = STRATEGIES["mirrored-2"]()
+    try:
+        strategy.distribute(nn.Linear(2, 1))
+        strategy.distribute(nn.Linear(2, 1))  # a second model must not restart the streams the first one began
+        assert calls == [0]
+    finally:
+        strategy.close()

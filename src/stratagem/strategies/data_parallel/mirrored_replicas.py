@@ -74,6 +74,7 @@ class MirroredReplicas(ReplicaBuilder):
         self._host: ReplicaHost | None = None
         self._placement: ReplicaDevices | None = None
         self._optimizers: list[ShardedOptimizer | DistributedOptimizer] = []  # one per distributed model with one
+        self._seeded = False  # each GPU replica's random stream, seeded at the first distribute
 
     def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
         self._host = host
@@ -85,7 +86,10 @@ class MirroredReplicas(ReplicaBuilder):
         devices = where.devices
         placement.check_memory(where.logical, model, optimizer)  # before anything is copied
         self._record(make_room_for_replicas(model, len(devices)))
-        self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
+        if not self._seeded:
+            # Once, at the first model: a later model's distribute must not restart the replicas' streams.
+            self._seeded = True
+            self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
         source_params = list(model.parameters())
         shared, decision = placement.decide_sharing(devices, self._share_parameters, model, optimizer)
         self._record(decision)
