@@ -157,3 +157,23 @@ def test_each_replicas_random_stream_is_seeded_at_the_first_distribute_only(monk
         assert calls == [0]
     finally:
         strategy.close()
+
+
+def test_fit_trains_a_model_that_was_not_the_first_one_distributed():
+    torch.manual_seed(3)
+    teacher, net = nn.Linear(4, 2).double(), nn.Linear(4, 2).double()
+    reference = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 2, (6,))
+    ref_opt.zero_grad()
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    ref_opt.step()
+    strategy = STRATEGIES["mirrored-2"]()
+    try:
+        strategy.distribute(teacher)
+        model, opt = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        history = sg.fit(strategy, model, opt, torch.nn.functional.cross_entropy, [(x, y)], shuffle=False)
+        assert history.model is model
+        assert_same_state(reference, model, torch.float64)
+    finally:
+        strategy.close()
