@@ -392,8 +392,8 @@ def test_step_outside_run_with_a_closure_or_in_one_replica_only_is_an_error():
         r"distributed. Received: a group with keys \['params'\]",
     ):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
-    with pytest.raises(sg.InputError, match="already holds a distributed model"):
-        strategy.distribute(mlp())
+    with pytest.raises(sg.InputError, match="shares parameters with a model this strategy already distributed"):
+        strategy.distribute(model.central)
     strategy.close()
 
 

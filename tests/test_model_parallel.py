@@ -425,7 +425,11 @@ def test_distribute_errors_name_the_model_and_the_fix():
     strategy = strategy_of(2)
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     strategy.distribute(net)
-    with pytest.raises(sg.InputError, match=r"already holds a distributed model"):
+    with pytest.raises(
+        sg.InputError,
+        match=r"already holds a distributed model; ModelParallelStrategy distributes one model. "
+        r"Received: a second distribute\(\) of a Sequential. Make one nn.Module",
+    ):
         strategy.distribute(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     strategy.close()
 

@@ -209,19 +209,22 @@ def test_optimizer_over_other_parameters_is_rejected():
         strategy.distribute(nn.Linear(2, 1), torch.optim.SGD(other.parameters(), lr=0.1))
 
 
-def test_distribute_rejects_non_modules_and_a_second_model():
+def test_distribute_rejects_non_modules_and_a_model_sharing_parameters_with_one_distributed():
     strategy = two_replicas()
     with pytest.raises(sg.InputError, match=r"needs a torch.nn.Module. Received: str"):
         strategy.distribute("model")
-    strategy.distribute(nn.Linear(2, 1))
-    with pytest.raises(sg.InputError, match="already holds a distributed model"):
-        strategy.distribute(nn.Linear(2, 1))
+    first = nn.Linear(2, 1)
+    strategy.distribute(first)
+    strategy.distribute(nn.Linear(2, 1))  # a second model of its own: allowed (a GAN's two models)
+    with pytest.raises(sg.InputError, match=r"shares parameters .* 2 shared parameter\(s\), first '0.weight'"):
+        strategy.distribute(nn.Sequential(first, nn.ReLU()))
 
 
 def test_distributed_model_cannot_be_moved():
     model = two_replicas().distribute(nn.Linear(2, 1))
-    with pytest.raises(sg.InputError, match=r"cannot be moved with .to\(\). Received: .to\('cpu'\)"):
-        model.to("cpu")
+    assert model.to("cpu") is model  # where the replicas already are: nothing to do
+    with pytest.raises(sg.InputError, match=r"cannot be moved with .to\(\). Received: .to\(torch.float16\)"):
+        model.to(torch.float16)
 
 
 def test_distributed_model_modules_takes_torchs_arguments():

@@ -82,7 +82,7 @@ class Strategy(abc.ABC):
 
     @property
     def distributed_model(self) -> nn.Module | None:
-        """The model `distribute` returned, or None before it ran (a strategy distributes one model)."""
+        """The model `distribute` returned (the first one, where a strategy distributes several), or None before."""
         return self._model
 
     @property
@@ -335,8 +335,10 @@ class Strategy(abc.ABC):
             )
         if held is not None:
             raise InputError(
-                "This strategy already holds a distributed model; a strategy distributes one model. "
-                "Build a second strategy for a second model."
+                f"This strategy already holds a distributed model; {type(self).__name__} distributes one model. "
+                f"Received: a second distribute() of a {type(model).__name__}. Make one nn.Module that holds both "
+                "models and distribute it once, or use a data-parallel strategy (OneDevice, Mirrored, "
+                "CentralStorage, MultiWorkerMirrored), which distributes every model of a step."
             )
         if optimizer is not None:
             check_optimizer_matches(model, optimizer)

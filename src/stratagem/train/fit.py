@@ -353,6 +353,8 @@ def _ensure_distributed(strategy: Strategy, model: nn.Module, optimizer: torch.o
             return dist_model, dist_opt
     if model is strategy.distributed_model:
         return model, optimizer  # the user already called strategy.distribute
+    if isinstance(model, DistributedModel) and distributing_strategy(model) is strategy:
+        return model, optimizer  # one of several models the user distributed with this strategy
     if isinstance(model, DistributedModel):
         raise InputError(
             "The model was distributed by another strategy. Received: a DistributedModel of "

@@ -21,7 +21,7 @@ from stratagem.strategies.data_parallel.distributed import DistributedModel, Rep
 from stratagem.strategies.data_parallel.host import ReplicaHost
 
 if TYPE_CHECKING:
-    from stratagem.strategies.central_storage.update import CentralUpdate
+    from stratagem.strategies.central_storage.update import CentralCopy, CentralUpdate
 
 
 class CentralModel(DistributedModel):
@@ -36,13 +36,12 @@ class CentralModel(DistributedModel):
         >>> model.state_dict()       # outside: the central copy (the parameters, once)
     """
 
-    def __init__(
-        self, central: nn.Module, replicas: Sequence[nn.Module], host: ReplicaHost, update: CentralUpdate
-    ) -> None:
+    def __init__(self, held: CentralCopy, host: ReplicaHost, update: CentralUpdate) -> None:
         # Not registered as a sub-module (nn.Module's __setattr__ would): parameters() lists one copy's parameters.
-        object.__setattr__(self, "_central", central)
+        object.__setattr__(self, "_central", held.central)
+        object.__setattr__(self, "_held", held)
         object.__setattr__(self, "_update", update)
-        super().__init__(replicas, host)
+        super().__init__(held.replicas, host)
 
     @property
     def module(self) -> nn.Module:
@@ -66,10 +65,10 @@ class CentralModel(DistributedModel):
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._update.zero_grad(set_to_none)
+        self._update.zero_grad(self._held, set_to_none)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("_central", "_update"):
+        if name in ("_central", "_held", "_update"):
             raise AttributeError(name)
         return super().__getattr__(name)
 
@@ -85,12 +84,15 @@ class CentralOptimizer(ReplicatedOptimizer):
     replica inside `strategy.run`; the update happens once, on the central device.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, update: CentralUpdate, host: ReplicaHost) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, held: CentralCopy, update: CentralUpdate, host: ReplicaHost
+    ) -> None:
         # torch.optim.Optimizer.__init__ is not called: the user's optimizer owns the parameters.
         self._optimizers = [optimizer]
+        self._held = held
         self._update = update
         self._host = host
-        self._central_params = update.central_params  # in the order of the central model's parameters
+        self._central_params = held.central_params  # in the order of the central model's parameters
         self._start_watch()
 
     @property
@@ -107,13 +109,14 @@ class CentralOptimizer(ReplicatedOptimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         self._stepped = True
-        return self._update.apply_update(self.optimizer, closure)
+        return self._update.apply_update(self.optimizer, self._held, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._update.zero_grad(set_to_none)
+        self._update.zero_grad(self._held, set_to_none)
 
     def updated_parameter_indices(self) -> list[int]:
-        return positions(self._central_params, self.optimizer.param_groups)  # its groups hold the central copy
+        # Its groups hold the central copy; the positions count on from the models distributed before it.
+        return [self._held.first + i for i in positions(self._central_params, self.optimizer.param_groups)]
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,19 @@ from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, 
 from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CentralCopy:
+    """One distributed model under central storage: its central copy and every replica's compute copy."""
+
+    central: nn.Module
+    central_params: list[nn.Parameter]
+    """The central copy's trainable parameters, in the order of `parameters()`."""
+    replicas: list[nn.Module]
+    first: int
+    """Where its trainable parameters start in each replica's list (`ReplicaHost.replica_params`): the
+    models distributed before it come first."""
 
 
 class CentralUpdate(ReplicaBuilder):
@@ -59,13 +73,12 @@ class CentralUpdate(ReplicaBuilder):
         self._anchor = next((r for r, a in enumerate(self._aliased) if a), None)
         self._applier = self._anchor if self._anchor is not None else 0  # whose thread applies the update
         self._by_hand: list[int] = []  # replicas given a copy because no optimizer was given (see build)
-        self._watch: InPlaceWatch | None = None
-        self.central: nn.Module | None = None
-        self.central_params: list[nn.Parameter] = []
-        self._replicas: list[nn.Module] = []
+        self._by_hand_copies: list[CentralCopy] = []  # the models updated by hand on every replica's own copy
+        self._watches: list[InPlaceWatch] = []
+        self.copies: list[CentralCopy] = []  # one per distributed model, in the order of distribute
         self._recorded = [storage, self._copies_decision(), self._update_decision()]
         self._host: ReplicaHost | None = None
-        self._optimizer: CentralOptimizer | None = None
+        self._optimizers: list[CentralOptimizer] = []
 
     def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
         self._host = host
@@ -193,8 +206,8 @@ class CentralUpdate(ReplicaBuilder):
 
     def details(self) -> dict[str, str]:
         details = {"parameter device": f"{self.central_logical.name} (runs on {self.central_device})"}
-        if self.central is not None:
-            params = list(self.central.parameters())
+        if self.copies:
+            params = [p for held in self.copies for p in held.central.parameters()]
             copies = sum(1 for a in self._aliased if not a)
             details["parameters"] = (
                 f"{len(params)} tensors, {sum(p.numel() for p in params)} values, trained once on {self.central_device}"
@@ -209,10 +222,12 @@ class CentralUpdate(ReplicaBuilder):
         central = model.to(self.central_device)
         if optimizer is not None and optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to the central parameters
-        if optimizer is None and len(self._devices) > 1:
+        by_hand = optimizer is None and len(self._devices) > 1 and not self.copies
+        if by_hand:
             # No optimizer: the step updates the parameters by hand, on every replica. Replicas reading the central
             # parameters in place would each apply that update to the same memory (N times per step); with a copy
-            # each, the central copy takes the applier's updated values after the step (end_run), once.
+            # each, the central copy takes the applier's updated values after the step (end_run), once. Which
+            # replicas read in place is decided at the first distribute, for every model (see the watch below).
             self._by_hand = [r for r, a in enumerate(self._aliased) if a and r != self._anchor]
             self._aliased = [a and r == self._anchor for r, a in enumerate(self._aliased)]
             self._recorded[1] = self._copies_decision()
@@ -227,26 +242,45 @@ class CentralUpdate(ReplicaBuilder):
             else:
                 replica = replica.to(device)
             replicas.append(replica)
-        self.central = central
-        self.central_params = [p for p in central.parameters() if p.requires_grad]
-        self._replicas = replicas
-        distributed = CentralModel(central, replicas, self.host, self)
+        known = self.host.replica_params
+        held = CentralCopy(
+            central, [p for p in central.parameters() if p.requires_grad], replicas, len(known[0]) if known else 0
+        )
+        self.copies.append(held)
+        distributed = CentralModel(held, self.host, self)
         logger.info("CentralStorageStrategy: parameters on %s, replicas on %s", self.central_device, self._names)
         if optimizer is None:
+            if by_hand:
+                self._by_hand_copies.append(held)
+            elif any(self._aliased[r] for r in range(len(replicas)) if r != self._anchor):
+                # A later model without an optimizer, on replicas that read the central parameters in place (decided
+                # by the first model, which has one): an update by hand would land once per replica.
+                self._watches.append(
+                    InPlaceWatch(
+                        [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor],
+                        consequence="This model was distributed without an optimizer after a model with one, so its "
+                        "replicas read the central parameters in place; a change made in the step applied once per "
+                        "replica, on the same memory.",
+                        fix="Distribute the model you update by hand first, or build the strategy with "
+                        "share_parameters=False so that every replica keeps a copy.",
+                    )
+                )
             return Built(replicas, distributed, None, [])
-        central_optimizer = CentralOptimizer(optimizer, self, self.host)
-        self._optimizer = central_optimizer
-        others = [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor]
+        central_optimizer = CentralOptimizer(optimizer, held, self, self.host)
+        self._optimizers.append(central_optimizer)
         if len(replicas) > 1:
             # With an optimizer the update happens once, on the central copy; a change made by hand in the step to a
             # replica's parameters lands N times on shared memory, or on a compute copy overwritten at the next step.
-            self._watch = InPlaceWatch(
-                others,
-                consequence="Under CentralStorageStrategy the optimizer updates the central parameters once; a change "
-                "made in the step applies once per replica where replicas read the central parameters in place, "
-                "and is overwritten at the next step where they compute on a copy.",
-                fix="Update the parameters only through the optimizer, or distribute the model without an optimizer "
-                "and update it by hand (each replica then updates its own copy, and the central copy takes one).",
+            self._watches.append(
+                InPlaceWatch(
+                    [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor],
+                    consequence="Under CentralStorageStrategy the optimizer updates the central parameters once; a "
+                    "change made in the step applies once per replica where replicas read the central parameters in "
+                    "place, and is overwritten at the next step where they compute on a copy.",
+                    fix="Update the parameters only through the optimizer, or distribute the model without an "
+                    "optimizer and update it by hand (each replica then updates its own copy, and the central copy "
+                    "takes one).",
+                )
             )
         return Built(replicas, distributed, central_optimizer, [optimizer])
 
@@ -294,43 +328,43 @@ class CentralUpdate(ReplicaBuilder):
     # ---- each step ----------------------------------------------------------------------------
     def begin_step(self, state: RunState) -> None:
         self.refresh_replicas()
-        if self._optimizer is not None:
-            self._optimizer.begin_run()  # hyper-parameters change only through a handed-over scheduler now
-        if self._watch is not None:
-            self._watch.begin_step()  # after the refresh, which writes the compute copies in place
+        for optimizer in self._optimizers:
+            optimizer.begin_run()  # hyper-parameters change only through a handed-over scheduler now
+        for watch in self._watches:
+            watch.begin_step()  # after the refresh, which writes the compute copies in place
 
     def end_run(self, state: RunState) -> None:
         """The central copy keeps the buffers of replica 0 (e.g. batch-norm statistics), as Mirrored reports
         replica 0's; a hyper-parameter change no handed-over scheduler made is refused (lr_schedulers.py)."""
-        if self.central is not None and self._anchor != 0:
-            _copy_buffers(self._replicas[0], self.central)
-        if self.central is not None and self._optimizer is None and self._anchor is None and len(self._replicas) > 1:
+        if self._anchor != 0:
+            for held in self.copies:
+                _copy_buffers(held.replicas[0], held.central)
+        if self._anchor is None:
             # No optimizer and no replica reading the central parameters in place: whatever the step did to the
             # parameters by hand, it did alike on every replica's copy; the central copy takes the applier's.
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    list[torch.Tensor](self.central_params), list(self.host.replica_params[self._applier])
-                )
-        if self._optimizer is not None:
-            self._optimizer.end_run()
-        if self._watch is not None:
-            self._watch.end_step()
+            for held in self._by_hand_copies:
+                mine = self.host.replica_params[self._applier][held.first : held.first + len(held.central_params)]
+                with torch.no_grad():
+                    torch._foreach_copy_(list[torch.Tensor](held.central_params), list(mine))
+        for optimizer in self._optimizers:
+            optimizer.end_run()
+        for watch in self._watches:
+            watch.end_step()
 
     def refresh_replicas(self) -> None:
         """Hands every replica the current central parameters (those it does not read in place) and buffers."""
-        central = self.central
-        if central is None:
-            return
         with torch.no_grad():
-            for r, replica in enumerate(self._replicas):
-                if r == self._anchor:
-                    continue
-                if not self._aliased[r]:
-                    torch._foreach_copy_(list(replica.parameters()), list(central.parameters()))
-                _copy_buffers(central, replica)
+            for held in self.copies:
+                for r, replica in enumerate(held.replicas):
+                    if r == self._anchor:
+                        continue
+                    if not self._aliased[r]:
+                        torch._foreach_copy_(list(replica.parameters()), list(held.central.parameters()))
+                    _copy_buffers(held.central, replica)
 
-    def apply_update(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        """`optimizer.step()` from each replica: the first to come waits for the others, one applies it."""
+    def apply_update(self, optimizer: torch.optim.Optimizer, held: CentralCopy, closure: Any) -> Any:
+        """`optimizer.step()` (over the model `held`) from each replica: the first to come waits for the others,
+        one applies it."""
         if closure is not None:
             raise InputError(
                 "CentralStorageStrategy applies optimizer.step() once, on the central device, so a closure that "
@@ -355,20 +389,32 @@ class CentralUpdate(ReplicaBuilder):
         result = None
         if replica == self._applier:
             if in_step:  # outside a step (one replica) the central gradients are the user's own
-                self._stage_gradients()
+                self._stage_gradients(held)
             result = optimizer.step()
+            if in_step:
+                # The step may go on using the model (a GAN's generator loss through the discriminator just
+                # updated): the compute copies take the new values before any replica reads them again.
+                self._copy_parameters(held)
         if together:
             # Nobody reads the parameters (or steps again) before the update is complete.
             self.host.meet(replica, "end of the optimizer step")
         return result
 
-    def _stage_gradients(self) -> None:
+    def _copy_parameters(self, held: CentralCopy) -> None:
+        """The central parameters of `held` copied into every replica's compute copy that does not read them in place."""
+        with torch.no_grad():
+            for r, replica in enumerate(held.replicas):
+                if r != self._anchor and not self._aliased[r]:
+                    torch._foreach_copy_(list(replica.parameters()), list(held.central.parameters()))
+
+    def _stage_gradients(self, held: CentralCopy) -> None:
         """Without an anchor the central parameters have no gradients of their own: copy the applier's
-        (combined, and clipped if the step function clipped) gradients to the central device."""
+        (combined, and clipped if the step function clipped) gradients of `held` to the central device."""
         if self._anchor is not None:
             return
+        mine_all = self.host.replica_params[self._applier][held.first : held.first + len(held.central_params)]
         with torch.no_grad():
-            for central, mine in zip(self.central_params, self.host.replica_params[self._applier]):
+            for central, mine in zip(held.central_params, mine_all):
                 if mine.grad is None:
                     central.grad = None
                     continue
@@ -376,19 +422,18 @@ class CentralUpdate(ReplicaBuilder):
                     central.grad = torch.empty_like(central)
                 central.grad.copy_(mine.grad)
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        """Inside a step: the running replica's gradients; outside: every replica's and the central ones."""
+    def zero_grad(self, held: CentralCopy, set_to_none: bool) -> None:
+        """The gradients of the model `held`: inside a step the running replica's; outside, every replica's and
+        the central ones."""
         replica = self.host.current_replica()
         if replica is None:
-            targets: list[nn.Module | None] = [self.central] if self.central is not None else []
-            targets += self._replicas
+            targets = [held.central, *held.replicas]
         else:
-            targets = [self._replicas[replica]]
+            targets = [held.replicas[replica]]
             if replica == self._applier and self._anchor is None:
-                targets.append(self.central)
+                targets.append(held.central)
         for module in targets:
-            if module is not None:
-                module.zero_grad(set_to_none)
+            module.zero_grad(set_to_none)
 
 
 def _copy_buffers(source: nn.Module, target: nn.Module) -> None:

@@ -52,8 +52,13 @@ class LocalAccumulation(StepPart):
         """The parameters (those that require grad) of each local replica and the plain optimizers that
         update them, from `distribute`."""
         self._params = [list(ps) for ps in replica_params]
-        self._local = [False] * len(self._params)
-        self._optimizers = list(built.plain_optimizers)
+        if len(self._local) != len(self._params):
+            self._local = [False] * len(self._params)
+        # Called once per distributed model: every model's optimizers are checked, those of a later model too.
+        added = [opt for opt in built.plain_optimizers if all(opt is not known for known in self._optimizers)]
+        self._optimizers += added
+        if self.active:
+            self._hooks += [opt.register_step_pre_hook(self._check_step) for opt in added]
 
     @property
     def pending(self) -> bool:

@@ -179,17 +179,17 @@ def _convert_layer(layer: _BatchNorm, link: _SyncLink, index: int) -> _BatchNorm
     return new
 
 
-def convert(model: nn.Module, link: _SyncLink) -> nn.Module:
-    """`model` when it has no BatchNorm layer; else a copy of it (every parameter and buffer shared with it,
-    the modules new) whose BatchNorm layers are converted ones linked to `link`. `model` is left as it is."""
+def convert(model: nn.Module, link: _SyncLink, first: int = 0) -> nn.Module:
+    """`model` when it has no BatchNorm layer; else a copy of it (every parameter and buffer shared with it, the
+    modules new) whose BatchNorm layers are converted ones linked to `link`, numbered from `first`."""
     if not batch_norm_layers(model):
         return model
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     copy_ = copy.deepcopy(model, shared)
     layers = batch_norm_layers(copy_)
     if layers[0][0] == "":  # the model is one BatchNorm layer
-        return _convert_layer(layers[0][1], link, 0)
-    for index, (name, layer) in enumerate(layers):
+        return _convert_layer(layers[0][1], link, first)
+    for index, (name, layer) in enumerate(layers, start=first):
         parent_name, _, child = name.rpartition(".")
         setattr(copy_.get_submodule(parent_name), child, _convert_layer(layer, link, index))
     return copy_
@@ -241,13 +241,13 @@ class BatchNormSync:
         user's parameters and buffers, its BatchNorm layers converted); otherwise `model` itself."""
         if self._num_in_sync == 1:
             return model
-        return convert(model, self._link)
+        return convert(model, self._link, len(self._names))
 
     def attach(self, replicas: Sequence[nn.Module]) -> None:
-        """Links the converted layers of the replicas to this part, and learns their names and widths."""
+        """Links the converted layers of the replicas to this part; their names and widths follow earlier models'."""
         layers = batch_norm_layers(replicas[0])  # (lazy layers fail before this: torch's own error)
-        self._names = [name for name, _ in layers]
-        self._channels = [m.num_features for _, m in layers]
+        self._names += [name for name, _ in layers]
+        self._channels += [m.num_features for _, m in layers]
         if self._num_in_sync > 1:
             self._link.sync = self
 

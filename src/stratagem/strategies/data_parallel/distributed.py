@@ -52,6 +52,7 @@ class DistributedModel(nn.Module):
         # Not registered as sub-modules: parameters() must list one replica's parameters, not all of them.
         object.__setattr__(self, "_replicas", list(replicas))
         object.__setattr__(self, "_host", host)
+        object.__setattr__(self, "training", replicas[0].training)  # the user's mode, not nn.Module's default
 
     @property
     def module(self) -> nn.Module:
@@ -111,6 +112,14 @@ class DistributedModel(nn.Module):
         self.module.zero_grad(set_to_none)
 
     def to(self, *args: Any, **kwargs: Any) -> "DistributedModel":
+        # A script's `model.to(device)` after distribute, naming where the replicas already are, changes nothing.
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [t for r in self._replicas for t in (*r.parameters(), *r.buffers())]
+        if all(
+            (device is None or t.device == device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
         raise InputError(
             "A distributed model stays on the devices its strategy chose; it cannot be moved with .to(). "
             f"Received: .to({', '.join(map(repr, args))}). Choose devices with the strategy's `devices=` instead."
@@ -120,6 +129,10 @@ class DistributedModel(nn.Module):
         if name in ("_replicas", "_host"):
             raise AttributeError(name)
         return getattr(self.module, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        # Looked up on the class, so __getattr__ never sees it: `model[0]` of an nn.Sequential works as on one device.
+        return self.module[index]  # type: ignore[index]
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give what they give on one device: the

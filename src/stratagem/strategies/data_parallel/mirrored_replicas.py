@@ -74,8 +74,9 @@ class MirroredReplicas(ReplicaBuilder):
         self._recorded: list[PlacementDecision] = []
         self._host: ReplicaHost | None = None
         self._placement: ReplicaDevices | None = None
-        self._optimizer: ShardedOptimizer | DistributedOptimizer | None = None
-        self._watch: InPlaceWatch | None = None
+        self._optimizers: list[ShardedOptimizer | DistributedOptimizer] = []  # one per distributed model with one
+        self._seeded = False  # each GPU replica's random stream, seeded at the first distribute
+        self._watches: list[InPlaceWatch] = []
 
     def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:
         self._host = host
@@ -87,7 +88,10 @@ class MirroredReplicas(ReplicaBuilder):
         devices = where.devices
         placement.check_memory(where.logical, model, optimizer)  # before anything is copied
         self._record(make_room_for_replicas(model, len(devices)))
-        self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
+        if not self._seeded:
+            # Once, at the first model: a later model's distribute must not restart the replicas' streams.
+            self._seeded = True
+            self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
         source_params = list(model.parameters())
         shared, decision = placement.decide_sharing(devices, self._share_parameters, model, optimizer)
         self._record(decision)
@@ -98,41 +102,47 @@ class MirroredReplicas(ReplicaBuilder):
         plain = distributed.replica_optimizers if distributed is not None else []
         if optimizer is not None and not plain:
             plain = [optimizer]
-        self._optimizer = distributed
+        if distributed is not None:
+            self._optimizers.append(distributed)
         if shared:
             # Shared parameters are chosen only with an optimizer (placement.decide_sharing); a hand-written update
             # in the step on top of it would run on every replica, on the same memory.
             n = len(replicas)
-            self._watch = InPlaceWatch(
-                list(enumerate(replicas)),
-                consequence=f"The {n} replicas share one copy of the parameters, so every replica's change landed on "
-                f"the same memory: this step applied it {n} times, and the parameters are no longer one device's.",
-                fix="Update the parameters only through the optimizer, or keep a copy per replica with "
-                "MirroredStrategy(share_parameters=False), where each replica applies the combined gradient to its "
-                "own copy (once per step).",
+            self._watches.append(
+                InPlaceWatch(
+                    list(enumerate(replicas)),
+                    consequence=f"The {n} replicas share one copy of the parameters, so every replica's change landed "
+                    f"on the same memory: this step applied it {n} times, and the parameters are no longer one "
+                    "device's.",
+                    fix="Update the parameters only through the optimizer, or keep a copy per replica with "
+                    "MirroredStrategy(share_parameters=False), where each replica applies the combined gradient to its "
+                    "own copy (once per step).",
+                )
             )
+        # A DistributedModel with one replica too: `.module` is the plain model under every replica count.
+        model_out = DistributedModel(replicas, host)
         if len(replicas) == 1:
-            return Built(replicas, model, optimizer, plain)
-        return Built(replicas, DistributedModel(replicas, host), distributed, plain)
+            return Built(replicas, model_out, optimizer, plain)
+        return Built(replicas, model_out, distributed, plain)
 
     def _record(self, decision: PlacementDecision | None) -> None:
-        if decision is not None:
+        if decision is not None and decision not in self._recorded:  # a second model decided alike says nothing new
             self._recorded.append(decision)
 
     def begin_step(self, state: RunState) -> None:
         """Nothing to hand out (every replica keeps its own parameters, updated alike); from here the
         hyper-parameters change only through a scheduler handed to the strategy (lr_schedulers.py)."""
-        if self._optimizer is not None:
-            self._optimizer.begin_run()
-        if self._watch is not None:
-            self._watch.begin_step()
+        for optimizer in self._optimizers:
+            optimizer.begin_run()
+        for watch in self._watches:
+            watch.begin_step()
 
     def end_run(self, state: RunState) -> None:
         """Refuses a hyper-parameter change inside the run that no handed-over scheduler made."""
-        if self._optimizer is not None:
-            self._optimizer.end_run()
-        if self._watch is not None:
-            self._watch.end_step()
+        for optimizer in self._optimizers:
+            optimizer.end_run()
+        for watch in self._watches:
+            watch.end_step()
 
     def decisions(self) -> list[PlacementDecision]:
         return list(self._recorded)

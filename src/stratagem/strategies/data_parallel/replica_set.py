@@ -97,8 +97,10 @@ class ReplicaSet(ReplicaHost):
         self._timeout = timeout
         self.barrier = ReplicaBarrier(self.names, timeout)
         self._pool: ReplicaPool | None = None
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None  # what distribute returned (schedulers are handed it)
+        self.model: nn.Module | None = None  # what the first distribute returned (fit trains it)
+        self.optimizer: torch.optim.Optimizer | None = None  # what the first distribute returned with an optimizer
+        self.optimizers: list[Any] = []  # what every distribute returned as the optimizer (schedulers pick theirs)
+        self._distributed_ids: set[int] = set()  # every parameter of the models distributed so far
         self._replica_params: list[list[nn.Parameter]] = []
         self._queued = [False] * len(self.devices)
         self.run_state: RunState | None = None
@@ -207,23 +209,54 @@ class ReplicaSet(ReplicaHost):
 
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        """Replicas of `model` (and `optimizer`); called again for every further model of the same steps (a GAN's
+        generator and discriminator, a teacher, an EMA copy). Every model's trainable parameters are appended to
+        each replica's list, so the parts combine the gradients of all of them at the end of each backward pass,
+        whichever models that pass reached."""
         check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self._strategy).__name__)
+        self._check_another_model(model)
         # The replicas are made from a converted copy (BatchNorm layers of the global batch; parameters and
         # buffers shared with the user's model): the user's own modules are left as they are.
         built = self.build.build(self._batch_norm.convert(model), optimizer)
         replicas = built.replicas
-        self._replica_params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        first = len(self._replica_params[0]) if self._replica_params else 0
+        added = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        if not self._replica_params:
+            self._replica_params = [[] for _ in replicas]
+        for mine, new in zip(self._replica_params, added):
+            mine.extend(new)  # in place: the parts hold this list of lists
+        self._distributed_ids.update(id(p) for r in (model, *replicas) for p in r.parameters())
         for part in self.step_parts:
             part.prepare(built, self._replica_params)
         if self._backward_parts or self._grad_parts:
-            for r, params in enumerate(self._replica_params):
-                for i, p in enumerate(params):
+            for r, params in enumerate(added):
+                for i, p in enumerate(params, start=first):
                     p.register_post_accumulate_grad_hook(self._make_grad_hook(r, i))
-        if len(replicas) > 1:
+        if len(replicas) > 1 and self._pool is None:
             self._pool = ReplicaPool(self.names, self._setup_replica_thread, self._timeout)
-        self.model = built.model
-        self.optimizer = built.optimizer
+        if self.model is None:
+            self.model = built.model
+        if self.optimizer is None:
+            self.optimizer = built.optimizer
+        self.optimizers.append(built.optimizer)
         return built.model if optimizer is None else (built.model, built.optimizer)
+
+    def _check_another_model(self, model: nn.Module) -> None:
+        """Refuses a second `distribute` inside a step, or of a model that shares parameters with one already
+        distributed (its gradients would be combined twice)."""
+        if self.current_replica() is not None:
+            raise InputError(
+                "strategy.distribute() was called inside strategy.run(), where every replica would make its own "
+                "copies. Received: distribute() on a replica's thread. Distribute every model before the first run."
+            )
+        shared = [name for name, p in model.named_parameters() if id(p) in self._distributed_ids]
+        if shared:
+            raise InputError(
+                "The model shares parameters with a model this strategy already distributed, so their gradients "
+                f"would be combined twice. Received: {len(shared)} shared parameter(s), first '{shared[0]}'. "
+                "Distribute the model that holds both once (an nn.Module with both as sub-modules), or give the "
+                "second model parameters of its own (copy.deepcopy)."
+            )
 
     # ---- run ----------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:

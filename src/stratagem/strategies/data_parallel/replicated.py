@@ -30,6 +30,14 @@ def check_timeout(timeout: float) -> float:
     return check_seconds("timeout", timeout)
 
 
+def _adjusts(scheduler: Any, optimizer: Any) -> bool:
+    """Whether `scheduler` was built on `optimizer`, as `distribute` returned it or as the user gave it."""
+    target = getattr(scheduler, "optimizer", None)
+    if target is optimizer:
+        return True
+    return isinstance(optimizer, ReplicatedOptimizer) and target is optimizer.primary_optimizer
+
+
 class ReplicatedStrategy(Strategy):
     """A strategy made of one `ReplicaSet` (`_replicas`, built by the subclass's constructor from its parts)."""
 
@@ -49,14 +57,26 @@ class ReplicatedStrategy(Strategy):
 
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Places a replica of `model` on every device (see the class's parts); returns `(model, optimizer)`,
-        or the model alone when no optimizer is given."""
-        self._check_distribute_args(model, optimizer, self._replicas.model)
+        or the model alone when no optimizer is given. The model returned is a `DistributedModel` under every
+        replica count, whose `.module` is the plain model (the running replica's copy inside `run`).
+
+        Called once per model: a step may use several (a GAN's generator and discriminator with an optimizer
+        each, a frozen teacher distributed without one), and every backward pass combines the gradients of
+        every model it reached, exactly as on one device.
+
+        Example:
+            >>> g, opt_g = strategy.distribute(Generator(), torch.optim.Adam(g_params))
+            >>> d, opt_d = strategy.distribute(Discriminator(), torch.optim.Adam(d_params))
+        """
+        self._check_distribute_args(model, optimizer, None)  # several models: ReplicaSet checks they share nothing
         return self._replicas.distribute(model, optimizer)
 
     def distribute_scheduler(self, scheduler: Any) -> lr_schedulers.DistributedScheduler:
         """`scheduler` stepped once per global step, whether its `step()` is called in the step function (by
         every replica) or after `run`; see `Strategy.distribute_scheduler`."""
-        optimizer = self._replicas.optimizer
+        # The optimizer the scheduler adjusts, among those of every distributed model (the first one by default).
+        optimizers = [o for o in self._replicas.optimizers if o is not None]
+        optimizer = next((o for o in optimizers if _adjusts(scheduler, o)), self._replicas.optimizer)
         if optimizer is None:
             raise InputError(
                 "distribute_scheduler() needs the optimizer distributed first. Received: a "
