@@ -402,10 +402,15 @@ class CentralUpdate(ReplicaBuilder):
 
     def _copy_parameters(self, held: CentralCopy) -> None:
         """The central parameters of `held` copied into every replica's compute copy that does not read them in place."""
+        written: list[torch.Tensor] = []
         with torch.no_grad():
             for r, replica in enumerate(held.replicas):
                 if r != self._anchor and not self._aliased[r]:
-                    torch._foreach_copy_(list(replica.parameters()), list(held.central.parameters()))
+                    targets = list(replica.parameters())
+                    torch._foreach_copy_(targets, list(held.central.parameters()))
+                    written += targets
+        for watch in self._watches:
+            watch.written(written)
 
     def _stage_gradients(self, held: CentralCopy) -> None:
         """Without an anchor the central parameters have no gradients of their own: copy the applier's

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from stratagem.errors import InputError
@@ -43,6 +44,14 @@ class InPlaceWatch:
     def begin_step(self) -> None:
         # torch's count of in-place operations on each parameter (autograd's check that saved tensors are unchanged).
         self._before = [p._version for p in self._params]
+
+    def written(self, params: Sequence[torch.Tensor]) -> None:
+        """The strategy itself wrote `params` in place once each inside the step (CentralStorage refreshing its
+        compute copies right after the update): those writes are not the user's."""
+        if not self._before:
+            return
+        ids = {id(p) for p in params}
+        self._before = [v + (id(p) in ids) for p, v in zip(self._params, self._before)]
 
     def end_step(self) -> None:
         """Raises `InputError` when a watched parameter was changed in place since `begin_step`."""
