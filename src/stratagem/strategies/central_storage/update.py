@@ -11,7 +11,6 @@ gradients on the central device and hands the sum back to every replica.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from stratagem.strategies.central_storage.parts import CentralModel, CentralOpti
 from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
 from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.data_parallel.replica_copy import copy_replica
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 
@@ -202,7 +202,7 @@ class CentralUpdate(ReplicaBuilder):
             if r == self._anchor:
                 replicas.append(central)
                 continue
-            replica = copy.deepcopy(central)
+            replica = copy_replica(central)
             if self._aliased[r]:
                 alias_parameters([central, replica])
             else:

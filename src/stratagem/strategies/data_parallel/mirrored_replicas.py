@@ -10,7 +10,6 @@ the user's optimizer already had.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 import torch
 from torch import nn
@@ -22,6 +21,7 @@ from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
 from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
+from stratagem.strategies.data_parallel.replica_copy import copy_replica
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer, alias_parameters
 
@@ -30,7 +30,7 @@ def make_replicas(model: nn.Module, devices: Sequence[torch.device], shared: boo
     """One replica per device, replica 0 being `model`; with `shared`, all read replica 0's parameters."""
     replicas = [model.to(devices[0])]
     for device in devices[1:]:
-        replicas.append(copy.deepcopy(model).to(device))
+        replicas.append(copy_replica(model).to(device))
     if shared:
         alias_parameters(replicas)
     return replicas
