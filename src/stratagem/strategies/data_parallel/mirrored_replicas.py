@@ -69,7 +69,7 @@ class MirroredReplicas(ReplicaBuilder):
 
     def __init__(self, share_parameters: bool | None, first_global_replica: int = 0) -> None:
         self._share_parameters = share_parameters
-        self._first_global_replica = first_global_replica  # seeds each GPU replica's random stream
+        self.first_global_replica = first_global_replica  # seeds each replica's random stream
         self._recorded: list[PlacementDecision] = []
         self._host: ReplicaHost | None = None
         self._placement: ReplicaDevices | None = None
@@ -85,7 +85,7 @@ class MirroredReplicas(ReplicaBuilder):
         devices = where.devices
         placement.check_memory(where.logical, model, optimizer)  # before anything is copied
         self._record(make_room_for_replicas(model, len(devices)))
-        self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
+        self._record(cuda_numerics.seed_replica_streams(devices, self.first_global_replica))
         source_params = list(model.parameters())
         shared, decision = placement.decide_sharing(devices, self._share_parameters, model, optimizer)
         self._record(decision)
