@@ -17,7 +17,8 @@ from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.data_parallel.replica_random import ReplicaRandom
+from stratagem.strategies.data_parallel.replica_random import ReplicaRandom, ReplicaRandomPart
+from stratagem.strategies.data_parallel.step_part import Built, RunState
 
 _jitter = random.Random()  # seeded from the OS: the interleaving differs from run to run
 
@@ -119,3 +120,34 @@ def test_the_mode_hands_its_generator_to_random_operators_and_leaves_a_given_one
     for a, b in zip(drawn, expected):
         assert torch.equal(a, b)
     assert torch.equal(given, torch.rand(4, generator=torch.Generator().manual_seed(9)))
+
+
+def _part_after_steps(model: nn.Module, draws: list[bool]) -> tuple[ReplicaRandomPart, list[bool]]:
+    """A replica-random part for 2 CPU replicas, run through steps that draw on replica 1 (or not); returns
+    the part and whether its mode was on in each step."""
+    part = ReplicaRandomPart([torch.device("cpu"), torch.device("cpu")], lambda: 0)
+    part.prepare(Built([model, model], model, None, []), [])
+    on = []
+    for step, draw in enumerate(draws, start=1):
+        state = RunState(step, [0.5, 0.5])
+        part.begin_step(state)
+        context = part.random(1)
+        on.append(isinstance(context, ReplicaRandom))
+        with context:
+            if draw:
+                torch.rand(3)
+        part.end_run(state)
+    return part, on
+
+
+def test_the_mode_stays_off_where_nothing_draws_and_comes_back_with_a_warning(caplog) -> None:
+    _, on = _part_after_steps(nn.Linear(2, 2), [False, False, False])
+    assert on == [True, False, False]  # the first step looked, and saw nothing drawn
+    with caplog.at_level("WARNING", logger="stratagem.strategies.data_parallel.replica_random"):
+        _, on = _part_after_steps(nn.Linear(2, 2), [False, False, True, True])
+    assert on == [True, False, False, True]
+    assert "Step 3 drew random numbers from torch's CPU generator" in caplog.text
+    _, on = _part_after_steps(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), [False, False])
+    assert on == [True, True]  # a model with dropout: always
+    _, on = _part_after_steps(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), [False, False])
+    assert on == [True, False]  # dropout with p=0 draws nothing

@@ -14,12 +14,14 @@ dropout is `bernoulli_` underneath. Replica r's generator is seeded at `distribu
 `torch.initial_seed() + r x 0x9E3779B97F4A7C15` (r its global index, as GPU replicas' streams in
 cuda_numerics.py) and keeps its state from step to step; replica 0 keeps torch's own generator, so one replica
 is plain torch. A generator the user passes is left alone; so are operators on GPU tensors (each GPU has its
-own generator, seeded per replica). The cost is one Python call per operator on replicas 1..N-1.
+own generator, seeded per replica). The cost is one Python call per operator on replicas 1..N-1, so the
+mode is on only where the step draws (see `ReplicaRandomPart`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, ContextManager
 
@@ -29,7 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.strategies.data_parallel.cuda_numerics import replica_seed
-from stratagem.strategies.data_parallel.step_part import Built, StepPart
+from stratagem.strategies.data_parallel.step_part import Built, RunState, StepPart
+
+logger = logging.getLogger(__name__)
 
 _NO_GENERATOR: tuple[Any, str] | None = None
 _targets: dict[Any, tuple[Any, str] | None] = {}
@@ -73,12 +77,14 @@ class ReplicaRandom(TorchDispatchMode):
     def __init__(self, generator: torch.Generator) -> None:
         super().__init__()
         self.generator = generator
+        self.draws = 0  # random operators seen (on this replica's thread only)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         target = _target(func)
         if target is not None and kwargs.get(target[1]) is None and _on_cpu(args, kwargs):
             op, name = target
+            self.draws += 1
             position = [a.name for a in op._schema.arguments].index(name)
             if position >= len(args):
                 return op(*args, **{**kwargs, name: self.generator})
@@ -87,13 +93,29 @@ class ReplicaRandom(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_DRAWING_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def draws_in_forward(model: nn.Module) -> bool:
+    """Whether `model` holds a layer that draws random numbers in training (dropout with p > 0, RReLU)."""
+    return any(isinstance(m, nn.RReLU) or (isinstance(m, _DRAWING_MODULES) and m.p > 0) for m in model.modules())
+
+
 class ReplicaRandomPart(StepPart):
-    """The step part that gives each CPU replica but the first its own generator (see the module docstring)."""
+    """The step part that gives each CPU replica but the first its own generator (see the module docstring).
+
+    The mode costs one Python call per operator, so it stays on only where something draws: always for a
+    model with dropout or RReLU; otherwise for the first step, which counts the draws, and then only once
+    torch's own generator is seen to have moved during a step (logged: that step drew in thread order)."""
 
     def __init__(self, devices: Sequence[torch.device], first_global_replica: Callable[[], int]) -> None:
         self._devices = list(devices)
         self._first_global_replica = first_global_replica
         self._modes: list[ReplicaRandom | None] = [None] * len(self._devices)
+        self._on = True
+        self._always = False
+        self._steps = 0
+        self._before: torch.Tensor | None = None
 
     def prepare(self, built: Built, replica_params: list[list[nn.Parameter]]) -> None:
         """Seeds the generators from torch's base seed now (`torch.manual_seed` before `distribute`)."""
@@ -104,11 +126,37 @@ class ReplicaRandomPart(StepPart):
             else None
             for r, device in enumerate(self._devices)
         ]
+        self._always = draws_in_forward(built.replicas[0])
+        self._on, self._steps = True, 0
+
+    def begin_step(self, state: RunState) -> None:
+        if not self._on and self._active:
+            self._before = torch.random.get_rng_state()
+
+    def end_run(self, state: RunState) -> None:
+        if not self._active:
+            return
+        self._steps += 1
+        if self._on and not self._always and self._steps == 1:
+            self._on = any(mode is not None and mode.draws for mode in self._modes)
+        elif not self._on and self._before is not None and not torch.equal(self._before, torch.random.get_rng_state()):
+            self._on = True
+            logger.warning(
+                "Step %d drew random numbers from torch's CPU generator on several CPU replicas, in the order their "
+                "threads ran, so it may differ from run to run; from the next step each replica draws from its own "
+                "generator. A model whose layers draw (dropout, RReLU) gets its own generators from the first step.",
+                state.step,
+            )
+        self._before = None
+
+    @property
+    def _active(self) -> bool:
+        return any(mode is not None for mode in self._modes)
 
     def random(self, replica: int) -> ContextManager[Any]:
         """Where replica `replica`'s step runs: under its generator's mode, or as it is (replica 0, GPUs)."""
         mode = self._modes[replica]
-        return mode if mode is not None else contextlib.nullcontext()
+        return mode if mode is not None and self._on else contextlib.nullcontext()
 
     def decisions(self) -> list[PlacementDecision]:
         if not any(mode is not None for mode in self._modes):
@@ -121,7 +169,8 @@ class ReplicaRandomPart(StepPart):
                     "the CPU replicas are threads sharing torch's one CPU generator, so each replica but the first "
                     "draws from its own, seeded with the base seed + replica x 0x9E3779B97F4A7C15 at distribute() "
                     "(replica 0 keeps torch's): dropout repeats from run to run; call torch.manual_seed before "
-                    "distribute()"
+                    "distribute(). On from the first step for a model with dropout or RReLU; else only once a step "
+                    "is seen to draw"
                 ),
             )
         ]
