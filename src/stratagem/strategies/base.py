@@ -126,6 +126,14 @@ class Strategy(abc.ABC):
         """Every worker's `items` (its replicas' contributions to a gather), joined in rank order."""
         return items
 
+    def barrier(self) -> None:
+        """Waits until every worker of the job has called `barrier()`: the chief wrote a file, now every worker
+        may read it (what a DDP script does with `torch.distributed.barrier()`).
+
+        A strategy of one process is the whole job, so here it returns at once; the strategies of several
+        processes wait, within their `timeout`, and their error names the workers that did not arrive.
+        """
+
     def close(self) -> None:
         """Releases what this strategy holds (replica threads, process groups, servers); every strategy that
         holds something overrides it, so here there is nothing to release."""
@@ -144,8 +152,15 @@ class Strategy(abc.ABC):
         """How many replicas take part in each step, across every worker."""
         return len(self._local_devices)
 
-    def distribute_dataset(self, dataset: Iterable[Any], *, batch_dim: int = 0) -> "DistributedDataset":
+    def distribute_dataset(
+        self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
+    ) -> "DistributedDataset":
         """Splits each GLOBAL batch that `dataset` yields among the replicas.
+
+        `shard` says how the input is divided among the workers of a job of several processes ("auto",
+        "data", "file" or "off": see `MultiWorkerMirroredStrategy.distribute_dataset`). A strategy of one
+        process is one worker, which reads all of its input, so here every policy means the same: a script
+        that passes `shard=` runs under every strategy.
 
         Each batch (a tensor, or any nest of tensors sharing their first dimension: tuples, lists,
         named tuples, dicts and other Mappings such as Hugging Face's BatchEncoding, dataclasses)
@@ -160,6 +175,7 @@ class Strategy(abc.ABC):
             ...     strategy.run(train_step, args=(x, y))
         """
         _check_iterable(dataset, "distribute_dataset")
+        check_shard_policy(shard)
         check_batch_dim(batch_dim)
         return DistributedDataset(self, dataset, batch_dim=batch_dim)
 
@@ -385,6 +401,16 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={[str(d) for d in self._local_devices]})"
+
+
+SHARD_POLICIES = ("auto", "file", "data", "off")
+"""How `distribute_dataset(shard=...)` may divide an input among workers."""
+
+
+def check_shard_policy(shard: Any) -> None:
+    """Refuses a `shard=` that is not one of SHARD_POLICIES."""
+    if shard not in SHARD_POLICIES:
+        raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")
 
 
 def _check_iterable(dataset: Any, where: str) -> None:

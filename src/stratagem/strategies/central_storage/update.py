@@ -11,7 +11,6 @@ gradients on the central device and hands the sum back to every replica.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
 from stratagem.strategies.data_parallel.hand_updates import InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.data_parallel.replica_copy import copy_replica
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 
@@ -236,7 +236,7 @@ class CentralUpdate(ReplicaBuilder):
             if r == self._anchor:
                 replicas.append(central)
                 continue
-            replica = copy.deepcopy(central)
+            replica = copy_replica(central)
             if self._aliased[r]:
                 alias_parameters([central, replica])
             else:

@@ -10,7 +10,6 @@ the user's optimizer already had.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from stratagem.strategies.data_parallel.distributed import DistributedModel, Dis
 from stratagem.strategies.data_parallel.hand_updates import InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
+from stratagem.strategies.data_parallel.replica_copy import copy_replica
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer, alias_parameters
 
@@ -31,7 +31,7 @@ def make_replicas(model: nn.Module, devices: Sequence[torch.device], shared: boo
     """One replica per device, replica 0 being `model`; with `shared`, all read replica 0's parameters."""
     replicas = [model.to(devices[0])]
     for device in devices[1:]:
-        replicas.append(copy.deepcopy(model).to(device))
+        replicas.append(copy_replica(model).to(device))
     if shared:
         alias_parameters(replicas)
     return replicas
@@ -70,7 +70,7 @@ class MirroredReplicas(ReplicaBuilder):
 
     def __init__(self, share_parameters: bool | None, first_global_replica: int = 0) -> None:
         self._share_parameters = share_parameters
-        self._first_global_replica = first_global_replica  # seeds each GPU replica's random stream
+        self.first_global_replica = first_global_replica  # seeds each replica's random stream
         self._recorded: list[PlacementDecision] = []
         self._host: ReplicaHost | None = None
         self._placement: ReplicaDevices | None = None
@@ -91,7 +91,7 @@ class MirroredReplicas(ReplicaBuilder):
         if not self._seeded:
             # Once, at the first model: a later model's distribute must not restart the replicas' streams.
             self._seeded = True
-            self._record(cuda_numerics.seed_replica_streams(devices, self._first_global_replica))
+            self._record(cuda_numerics.seed_replica_streams(devices, self.first_global_replica))
         source_params = list(model.parameters())
         shared, decision = placement.decide_sharing(devices, self._share_parameters, model, optimizer)
         self._record(decision)

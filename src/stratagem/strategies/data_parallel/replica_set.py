@@ -38,6 +38,7 @@ from stratagem.strategies.data_parallel.empty_slices import EmptySlices
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
+from stratagem.strategies.data_parallel.replica_random import ReplicaRandomPart
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
 from stratagem.strategies.data_parallel.replicas import current_replica_context, enter_replica
 from stratagem.strategies.data_parallel.set_parts import (
@@ -109,6 +110,7 @@ class ReplicaSet(ReplicaHost):
         self._warned_whole: set[str] = set()  # the arguments run_inputs.warn_whole_tensors warned about
         self._empty_slices = EmptySlices(self.num_replicas_in_sync)
         self._accumulation = LocalAccumulation()
+        self._random = ReplicaRandomPart(self.devices, lambda: build.first_global_replica)
         self._loss_weights = LossWeights(len(self.devices), self.num_replicas_in_sync, across)
         self._combination = (
             LocalCombinationPart(
@@ -143,7 +145,7 @@ class ReplicaSet(ReplicaHost):
         workers, then the division by the declared loss weights, which needs the sums complete.
         """
         several = len(self.devices) > 1
-        parts: list[StepPart] = [self.build, self._empty_slices, self._batch_norm]
+        parts: list[StepPart] = [self.build, self._random, self._empty_slices, self._batch_norm]
         if self.build.accumulates:
             parts.append(self._accumulation)
         combination = self._combination
@@ -300,7 +302,11 @@ class ReplicaSet(ReplicaHost):
             ctx = ReplicaContext(replica, self.num_replicas_in_sync, self.devices[replica], self._strategy, self)
             previous = enter_replica(ctx)
             try:
-                with torch.set_grad_enabled(grad_enabled), run_inputs.device_guard(self.devices[replica]):
+                with (
+                    torch.set_grad_enabled(grad_enabled),
+                    run_inputs.device_guard(self.devices[replica]),
+                    self._random.random(replica),
+                ):
                     return fn(*select_replica(args, replica), **select_replica(kwargs, replica))
             except BaseException as error:
                 self.barrier.abort(error)  # before finish(): waiting replicas must see the cause, not an early exit

@@ -119,6 +119,19 @@ class ReplicaBarrier:
             if self._error is not None:
                 raise _Aborted() from self._error
             generation = self._generation
+            if replica in self._arrived:
+                # The same replica twice in one meeting: another replica's thread ran this replica's modules.
+                missing = sorted(set(range(n)) - self._arrived)
+                twice = ReplicaError(
+                    f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step} a second time "
+                    f"while {self._describe(missing)} never did: another replica ran replica {replica}'s "
+                    "parameters. Received: replica copies that share a submodule, typically through a function "
+                    "kept as an attribute (a lambda or a function from outside the model) that calls the "
+                    "original's submodule. Define a method on the module instead, which each copy binds to itself."
+                )
+                self._error = twice
+                self._cond.notify_all()
+                raise twice
             if not self._arrived:
                 self._what = what
             elif what != self._what:

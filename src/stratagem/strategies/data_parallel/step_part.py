@@ -93,6 +93,8 @@ class ReplicaBuilder(StepPart):
     """Whether a replica waiting at the end of backward may combine shares of the others' gradients."""
     accumulates: bool
     """Whether `no_sync()` skips the combination (False: every backward pass combines)."""
+    first_global_replica: int = 0
+    """The global index of this process's first replica (seeds each replica's random stream)."""
 
     @abc.abstractmethod
     def attach(self, host: ReplicaHost, placement: ReplicaDevices) -> None:

@@ -137,6 +137,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         atexit.register(_close_at_exit, weakref.ref(self))
         self._across.connect_shared_memory(shared_memory)
         self._gathers = 0
+        self._barriers = 0
 
     @property
     def cluster(self) -> Cluster:
@@ -166,6 +167,13 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         for rank, payload in enumerate(payloads):
             out.extend(items if rank == group.rank else from_bytes(payload, group.task_names[rank]))
         return out
+
+    def barrier(self) -> None:
+        """Waits until every worker has called `barrier()`, within the strategy's timeout; the error names the
+        workers that did not arrive."""
+        self._barriers += 1
+        device = self._group.collective_device
+        self._group.cross_worker.all_reduce_([torch.zeros(1, device=device)], what="barrier", step=self._barriers)
 
     @property
     def is_chief(self) -> bool:

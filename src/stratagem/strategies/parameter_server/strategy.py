@@ -302,6 +302,15 @@ class ParameterServerStrategy(Strategy):
             "sg.ClusterCoordinator(strategy).schedule(train_step, args=...)."
         )
 
+    def barrier(self) -> None:
+        """Refused: only the chief runs the training loop; the other tasks serve what it schedules."""
+        raise InputError(
+            "barrier has no meaning under ParameterServerStrategy: the chief runs the training loop, and workers "
+            "run only the functions it schedules, after what the chief did before scheduling them. Received: "
+            "barrier() on this task. Write the file before coordinator.schedule(...) and read it inside the "
+            "scheduled function, or use strategy.save(path) for the variables."
+        )
+
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Refused: workers run scheduled functions on their own, with no step at which all their values meet."""
         raise InputError(

@@ -29,7 +29,7 @@ from stratagem.data import worker_shards
 from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.base import Strategy, _check_iterable
+from stratagem.strategies.base import Strategy, _check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
@@ -105,6 +105,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._syncing = True
         self._input_sharding = InputSharding()
         self._gathers = 0
+        self._barriers = 0
         self._steps = 0
 
     # ---- Strategy ---------------------------------------------------------------------------------
@@ -279,15 +280,31 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     # ---- input --------------------------------------------------------------------------------------
     def distribute_dataset(  # type: ignore[override]
-        self, dataset: Iterable[Any], *, batch_dim: int = 0
+        self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
     ) -> MultiWorkerDataset | BatchDimRestored:
-        """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each (along
-        `batch_dim`, as in `Strategy.distribute_dataset`)."""
+        """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each (shard="auto"
+        or "data", along `batch_dim` as in `Strategy.distribute_dataset`); with shard="off" each worker's loader
+        already yields this worker's part of each step."""
         _check_iterable(dataset, "distribute_dataset")
+        check_shard_policy(shard)
         if batch_dim != 0:  # cut views with the batch dimension first, each piece moved back (data/batch_dims.py)
             check_batch_dim(batch_dim)
-            return BatchDimRestored(self.distribute_dataset(BatchDimFirst(dataset, batch_dim)), batch_dim)
+            return BatchDimRestored(self.distribute_dataset(BatchDimFirst(dataset, batch_dim), shard), batch_dim)
+        if shard == "off":
+            return MultiWorkerDataset(self._batches(), dataset, "off")
+        if shard == "file":
+            raise InputError(
+                "ShardedStrategy reads files through the data-parallel cut of each global batch. Received: "
+                "shard='file'. Use shard='data' (or 'auto'), or give each worker its own files and use shard='off'."
+            )
         return MultiWorkerDataset(self._batches(), self.shard_input(dataset), "data")
+
+    def barrier(self) -> None:
+        """Waits until every worker has called `barrier()`, within the strategy's timeout; the error names the
+        workers that did not arrive."""
+        self._barriers += 1
+        device = self._group.collective_device
+        self._group.cross_worker.all_reduce_([torch.zeros(1, device=device)], what="barrier", step=self._barriers)
 
     def shard_input(self, data: Any, *, note: bool = True) -> Any:
         worker = worker_shards.WorkerRange(self.num_replicas_in_sync, self._group.rank, 1)
