@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import check_device, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import plan_memory, shard_rows
 from stratagem.strategies.sharded.units import cut_model
 
@@ -122,13 +122,6 @@ def test_the_plan_of_adamw_over_two_ranks_by_hand():
     assert plan.unsharded_model == 55 * 4
     stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
     assert stage2.gathered_peak == 55 * 4 + 55 * 4 and stage2.optimizer_state == 0
-
-
-def test_batch_norm_is_named_in_a_warning_since_its_statistics_are_each_ranks():
-    message = batch_norm_warning(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)))
-    assert message is not None
-    assert "Received: 1 BatchNorm layer(s) (1, ...)" in message
-    assert batch_norm_warning(Net()) is None
 
 
 def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_gradients():

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from stratagem.errors import InputError
 
@@ -55,16 +54,3 @@ def check_device(placed: Iterable[tuple[str, torch.device]], backend: str) -> No
             f"Received: CUDA parameters ({cuda[0]}, ...) on a Gloo group. Pass device='cuda' so the group uses "
             "NCCL, or keep the model on the CPU."
         )
-
-
-def batch_norm_warning(model: nn.Module) -> str | None:
-    """What to tell the user when the model normalises over the batch: each rank sees only its slice."""
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if not names:
-        return None
-    return (
-        "ShardedStrategy computes BatchNorm statistics over each rank's slice of the batch, not the global batch, "
-        f"so training is not exactly one device's. Received: {len(names)} BatchNorm layer(s) ({names[0]}, ...). "
-        "Use MultiWorkerMirroredStrategy (global statistics by default), or a normalisation per example "
-        "(LayerNorm, GroupNorm)."
-    )

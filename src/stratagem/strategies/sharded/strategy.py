@@ -29,15 +29,16 @@ from stratagem.data import worker_shards
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy, _check_iterable
+from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
 from stratagem.strategies.data_parallel.loss_weight import tag_results
-from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, enter_replica
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import check_device, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
@@ -71,6 +72,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
     # Parts, in the order they are applied (torchtitan's parallelize_llama order: cut, shard, then the rest):
     #   group      cluster.worker_group: the plan checked, then the process group and its DeviceMesh
     #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
+    #   batch norm data_parallel.batch_norm: BatchNorm layers converted to global statistics, summed across workers
     #   units      units.cut_model: each block a unit by default, or the user's policy; the root last
     #   shard      units.apply_cut: fully_shard per unit then the root (stage 2: reshard_after_forward=False)
     #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
@@ -105,6 +107,18 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._input_sharding = InputSharding()
         self._gathers = 0
         self._steps = 0
+        # BatchNorm over the global batch: the data-parallel strategies' layers, one replica per process, their
+        # statistics summed through the worker group's bounded collectives as MultiWorkerMirroredStrategy does.
+        self._batch_norm = BatchNormSync(
+            "global",
+            strategy=self,
+            barrier=ReplicaBarrier([self._group.cluster.task_name], timeout),
+            num_local=1,
+            num_replicas_in_sync=self._group.world_size,
+            weight=lambda replica: None if self._comm is None else self._comm.weight,
+            step=lambda: self._steps,
+            cross_worker_sum=self._batch_norm_sum,
+        )
 
     # ---- Strategy ---------------------------------------------------------------------------------
     @property
@@ -147,11 +161,12 @@ class ShardedStrategy(Strategy, LossWeightHost):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
-        sharded = copy.deepcopy(model).to(self._device)
+        # BatchNorm layers of the copy become global-statistics ones (a copy again, sharing the first's tensors).
+        sharded = self._batch_norm.convert(copy.deepcopy(model).to(self._device))
         self._cut = cut_model(sharded, self._policy)
-        for message in (self._cut.warning(), batch_norm_warning(model)):
-            if message is not None:
-                warnings.warn(message, stacklevel=2)
+        message = self._cut.warning()
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
         originals = dict(model.named_parameters())
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
         self._plan = self._memory_plan(list(model.parameters()), optimizer)
@@ -164,6 +179,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         )
         self._comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
+        self._batch_norm.attach([sharded])
         self._model = sharded
         if optimizer is None:
             return sharded
@@ -265,6 +281,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._group.cross_worker.all_reduce_([out], what="reduce", step=self._steps)
         return out
 
+    def _batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> None:
+        self._group.cross_worker.all_reduce_([tensor], what=what, step=step)
+
     def _gather_across_workers(self, items: list[Any]) -> list[Any]:
         self._gathers += 1
         cw = self._group.cross_worker
@@ -319,8 +338,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
                 reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
             )
         )
+        if self._batch_norm.describe():
+            decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
-        details: dict[str, Any] = {}
+        details: dict[str, Any] = dict(self._batch_norm.describe())
         if self._plan is not None:
             details["memory plan"] = str(self._plan)
         replicas = [ReplicaPlacement(self._group.rank, str(self._device), str(self._device))]
@@ -333,6 +354,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         and with it the chief's store, alive as long as the sharded model lives, which is usually until the
         script ends, so the hand-back would only keep the other workers waiting for their whole timeout.
         A strategy built again in the same processes meets at another address."""
+        self._batch_norm.remove()
         self._model = None
         self._comm = None
         self._group.close(release=False)
