@@ -80,6 +80,7 @@ def numerics_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
         ("bf16 policy", {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}, _bf16_case),
         ("gpt2 float64 adamw", {}, lambda s: _gpt2(s, torch.float64, "adamw")),
         ("gpt2 float32 sgd", {}, lambda s: _gpt2(s, torch.float32, "sgd")),
+        ("other dtype on rank 1", {}, lambda s: _mismatch_case(s, rank)),
     ]
     out: dict[str, Any] = {}
     for (name, options, case), pair in zip(cases, ports):
@@ -117,6 +118,16 @@ def _batch_norm_case(strategy: Any, dtype: torch.dtype) -> dict[str, Any]:
     with torch.no_grad():  # evaluation reads the running statistics, the same on every rank
         evaluated = float((model(data[0][0]) - reference.eval()(data[0][0])).abs().max())
     return {"worst": worst, "where": name, "eval": evaluated, "explain": str(strategy.explain())}
+
+
+def _mismatch_case(strategy: Any, rank: int) -> str:
+    """Rank 1 builds the model in float64: distribute refuses on every rank, before any step all-gathers."""
+    from sharded_cases import mlp, pytest_refusal
+
+    with pytest_refusal() as refused:
+        net = mlp(torch.float64 if rank == 1 else torch.float32)
+        strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return refused.message
 
 
 def _bf16_case(strategy: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.sharded]
 
 @pytest.mark.timeout(300)
 def test_batch_norm_bf16_and_gpt2_train_as_one_device():
-    ports = [(free_port(), free_port()) for _ in range(5)]  # one cluster per strategy the ranks build
+    ports = [(free_port(), free_port()) for _ in range(6)]  # one cluster per strategy the ranks build
     outcomes = run_ranks(sharded_numerics_cases.numerics_cases, [0, 1], args=(ports,), timeout=280)
     for outcome in outcomes.values():
         assert outcome.error is None, outcome.error
@@ -36,3 +36,10 @@ def test_batch_norm_bf16_and_gpt2_train_as_one_device():
         # gradients that are zero in exact arithmetic (GPT-2's key bias) into steps of lr: docs/sharded.md.
         assert got["gpt2 float64 adamw"]["worst"] <= 1e-9, (rank, got["gpt2 float64 adamw"])
         assert got["gpt2 float32 sgd"]["worst"] <= 1e-5, (rank, got["gpt2 float32 sgd"])
+        # A rank that built another model is named on every rank, with its shard and the plan's.
+        refused = got["other dtype on rank 1"]
+        assert "Every rank must shard the same model" in refused
+        assert (
+            "worker:1 (rank 1): '0.weight' has a shard of (8, 6) float64 (whole (17, 6)), the plan (8, 6) float32"
+            in refused
+        )

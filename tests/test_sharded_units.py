@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.sharded.checks import check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import (
+    check_device,
+    check_optimizer,
+    check_shards,
+    check_stage,
+    shard_mismatches,
+    shard_records,
+)
 from stratagem.strategies.sharded.memory import plan_memory, shard_rows
 from stratagem.strategies.sharded.units import cut_model
 
@@ -130,3 +137,25 @@ def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_
         list(model.parameters()), None, rank=0, world_size=2, stage=3, largest_unit_bytes=220, num_units=0
     )
     assert plan.gathered_peak == 220 + 220
+
+
+def test_a_rank_whose_shards_differ_from_the_plan_is_named_with_its_shard_and_the_planned_one():
+    model = nn.Linear(6, 17)  # 17 rows: 9 on rank 0, 8 on rank 1
+    rank0 = [("weight", [17, 6], "float32", [9, 6]), ("bias", [17], "float32", [9])]
+    rank1 = [("weight", [17, 6], "float32", [8, 6]), ("bias", [17], "float32", [8])]
+    names = ["worker:0", "worker:1"]
+    assert shard_records(model.named_parameters()) == [
+        ("weight", [17, 6], "float32", [17, 6]),
+        ("bias", [17], "float32", [17]),
+    ]
+    assert shard_mismatches([rank0, rank1], names) == []
+    other_dtype = [("weight", [17, 6], "float64", [8, 6]), ("bias", [17], "float64", [8])]
+    problems = shard_mismatches([rank0, other_dtype], names)
+    assert problems[0] == (
+        "worker:1 (rank 1): 'weight' has a shard of (8, 6) float64 (whole (17, 6)), the plan (8, 6) float32 (whole (17, 6))"
+    )
+    wider = [("weight", [18, 6], "float32", [9, 6]), ("bias", [18], "float32", [9])]
+    assert "worker:1 (rank 1): 'weight' has a shard of (9, 6)" in shard_mismatches([rank0, wider], names)[0]
+    assert "holds other parameters than rank 0 (bias)" in shard_mismatches([rank0, rank1[:1]], names)[0]
+    with pytest.raises(sg.InputError, match=r"Every rank must shard the same model.*Received: worker:1 \(rank 1\)"):
+        check_shards([rank0, other_dtype], names)

@@ -1,8 +1,9 @@
-"""What ShardedStrategy refuses before it builds anything, each with the reason and the fix."""
+"""What ShardedStrategy refuses, each with the reason and the fix: before it builds anything (the stage, LBFGS, a
+stepped optimizer, CUDA on Gloo), and once sharded, before the first step: a rank whose shards differ from the plan."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -53,4 +54,53 @@ def check_device(placed: Iterable[tuple[str, torch.device]], backend: str) -> No
             "ShardedStrategy's process group uses Gloo, which does not reduce-scatter CUDA tensors. "
             f"Received: CUDA parameters ({cuda[0]}, ...) on a Gloo group. Pass device='cuda' so the group uses "
             "NCCL, or keep the model on the CPU."
+        )
+
+
+ShardRecord = tuple[str, list[int], str, list[int]]
+"""One parameter as a rank holds it: (name, whole shape, dtype, shape of this rank's shard)."""
+
+
+def shard_records(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> list[ShardRecord]:
+    """This rank's records of its sharded parameters (a DTensor's local part, a plain tensor as it is)."""
+    records = []
+    for name, p in named_parameters:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        records.append((name, list(p.shape), str(p.dtype).removeprefix("torch."), list(local.shape)))
+    return records
+
+
+def shard_mismatches(records: Sequence[Sequence[ShardRecord]], task_names: Sequence[str]) -> list[str]:
+    """Where a rank's shards differ from the plan: rank 0's parameters cut into ceil-sized row chunks (memory.py),
+    in the same names, shapes and dtypes on every rank. One line per rank and parameter, empty when all agree."""
+    from stratagem.strategies.sharded.memory import shard_rows
+
+    world_size = len(records)
+    reference = [(name, shape, dtype) for name, shape, dtype, _ in records[0]]
+    problems = []
+    for rank, held in enumerate(records):
+        who = f"{task_names[rank]} (rank {rank})"
+        if [r[0] for r in held] != [r[0] for r in reference]:
+            extra = sorted({r[0] for r in held} ^ {r[0] for r in reference})
+            problems.append(f"{who} holds other parameters than rank 0 ({', '.join(extra[:3]) or 'another order'})")
+            continue
+        for (name, shape, dtype, local), (_, want_shape, want_dtype) in zip(held, reference):
+            want = [shard_rows(want_shape[0], world_size, rank), *want_shape[1:]] if want_shape else list(local)
+            if dtype != want_dtype or list(local) != want:
+                problems.append(
+                    f"{who}: '{name}' has a shard of {tuple(local)} {dtype} (whole {tuple(shape)}), "
+                    f"the plan {tuple(want)} {want_dtype} (whole {tuple(want_shape)})"
+                )
+    return problems
+
+
+def check_shards(records: Sequence[Sequence[ShardRecord]], task_names: Sequence[str]) -> None:
+    """Refuses shards that differ from the plan on any rank (every rank gets the same records, so all refuse)."""
+    problems = shard_mismatches(records, task_names)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise InputError(
+            "Every rank must shard the same model: the first step would all-gather shards of different sizes or "
+            f"dtypes. Received: {shown}. Build the model with the same configuration and dtype on every rank "
+            "(the same code, arguments and .to(dtype)) before distribute()."
         )

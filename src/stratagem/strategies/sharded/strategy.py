@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaC
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.strategies.sharded.checks import check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import check_device, check_shards, shard_records, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
@@ -180,6 +181,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         )
         self._comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
         self._batch_norm.attach([sharded])
+        self._check_shards(sharded)
         self._model = sharded
         if optimizer is None:
             return sharded
@@ -280,6 +282,18 @@ class ShardedStrategy(Strategy, LossWeightHost):
         out = tensor.detach().clone().to(self._group.collective_device)
         self._group.cross_worker.all_reduce_([out], what="reduce", step=self._steps)
         return out
+
+    def _check_shards(self, sharded: nn.Module) -> None:
+        """Every rank's shard shapes and dtypes against the plan, in one small all-gather before the first step
+        (a rank that built another model would otherwise all-gather mismatched shards, or hang)."""
+        cw = self._group.cross_worker
+        payloads = cw.all_gather_bytes(
+            json.dumps(shard_records(sharded.named_parameters())).encode(),
+            what="shard shapes and dtypes",
+            step=self._steps,
+            device=self._group.collective_device,
+        )
+        check_shards([json.loads(p) for p in payloads], cw.task_names)
 
     def _batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> None:
         self._group.cross_worker.all_reduce_([tensor], what=what, step=step)
