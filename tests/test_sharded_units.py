@@ -7,6 +7,10 @@ import torch
 from torch import nn
 
 import stratagem as sg
+from stratagem.cluster import from_torchrun
+from stratagem.devices import DeviceRegistry
+from stratagem.devices.physical import PhysicalDevice
+from stratagem.strategies.records import STRATEGIES
 from stratagem.strategies.sharded.checks import (
     check_device,
     check_optimizer,
@@ -16,6 +20,7 @@ from stratagem.strategies.sharded.checks import (
     shard_records,
 )
 from stratagem.strategies.sharded.memory import plan_memory, shard_rows
+from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import cut_model
 
 pytestmark = [pytest.mark.sharded]
@@ -159,3 +164,40 @@ def test_a_rank_whose_shards_differ_from_the_plan_is_named_with_its_shard_and_th
     assert "holds other parameters than rank 0 (bias)" in shard_mismatches([rank0, rank1[:1]], names)[0]
     with pytest.raises(sg.InputError, match=r"Every rank must shard the same model.*Received: worker:1 \(rank 1\)"):
         check_shards([rank0, other_dtype], names)
+
+
+def _registry_with_gpus(count: int) -> DeviceRegistry:
+    cpu = PhysicalDevice(device_type="cpu", name="cpu", core_count=2)
+    gpus = [PhysicalDevice(device_type="cuda", index=i, name="H200", total_memory=141 * 2**30) for i in range(count)]
+    return DeviceRegistry(physical=[cpu, *gpus])
+
+
+def _torchrun_env(local_rank: int, local_world_size: int) -> dict[str, str]:
+    return {
+        "RANK": str(local_rank),
+        "WORLD_SIZE": str(local_world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_each_local_rank_of_a_sharded_job_takes_its_own_gpu(local_rank, monkeypatch):
+    env = _torchrun_env(local_rank, 4)
+    device, decision = local_device(from_torchrun(env), env, _registry_with_gpus(4))
+    assert device == f"cuda:{local_rank}"
+    assert f"local rank {local_rank} of 4" in decision.reason
+    # The record `stratagem train --strategy sharded` builds from reads the same from the environment.
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    devices, _ = STRATEGIES["sharded"].default_devices("sharded", _registry_with_gpus(4))
+    assert devices == [f"cuda:{local_rank}"]
+
+
+def test_a_sharded_process_alone_takes_the_first_gpu_and_without_one_the_cpu():
+    env = _torchrun_env(0, 1)
+    device, decision = local_device(from_torchrun(env), env, _registry_with_gpus(2))
+    assert device == "cuda:0" and "one device per sharded worker process: the first" in decision.reason
+    assert local_device(from_torchrun(env), env, _registry_with_gpus(0))[0] == "cpu"

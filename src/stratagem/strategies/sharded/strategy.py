@@ -41,6 +41,7 @@ from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
 from stratagem.strategies.sharded.checks import check_device, check_shards, shard_records, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
+from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
 
@@ -57,7 +58,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             forward and again for its backward (ZeRO-3). 2: gathered parameters kept from forward to backward.
         units: how the model is cut into units gathered one at a time: None (each child of a ModuleList or
             Sequential), a tuple of module classes, or a callable of a module.
-        device: this worker's device (default: the CPU).
+        device: this worker's device (default: the GPU of its local rank, else the CPU: placement.py).
         cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
         timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
         param_dtype, reduce_dtype: FSDP2's `MixedPrecisionPolicy` (e.g. torch.bfloat16 for both).
@@ -86,7 +87,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         stage: int = 3,
         *,
         units: UnitPolicy = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         cluster: Cluster | Mapping[str, Any] | None = None,
         timeout: float = 300.0,
         param_dtype: torch.dtype | None = None,
@@ -96,6 +97,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._policy = units
         env = environ.current()
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
+        self._device_decision: PlacementDecision | None = None
+        if device is None:
+            device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
         self._mp = (param_dtype, reduce_dtype)
@@ -332,6 +336,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
     def explain(self) -> Explanation:
         """The worker group, the stage, the units, the exact weighting and the memory plan."""
         decisions = list(self._group.decisions())
+        if self._device_decision is not None:
+            decisions.append(self._device_decision)
         decisions.append(
             PlacementDecision(
                 subject="sharding stage",
