@@ -81,6 +81,7 @@ def numerics_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
         ("gpt2 float64 adamw", {}, lambda s: _gpt2(s, torch.float64, "adamw")),
         ("gpt2 float32 sgd", {}, lambda s: _gpt2(s, torch.float32, "sgd")),
         ("other dtype on rank 1", {}, lambda s: _mismatch_case(s, rank)),
+        ("loaded after distribute on rank 0", {}, lambda s: _loaded_after_case(s, rank)),
     ]
     out: dict[str, Any] = {}
     for (name, options, case), pair in zip(cases, ports):
@@ -127,6 +128,21 @@ def _mismatch_case(strategy: Any, rank: int) -> str:
     with pytest_refusal() as refused:
         net = mlp(torch.float64 if rank == 1 else torch.float32)
         strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return refused.message
+
+
+def _loaded_after_case(strategy: Any, rank: int) -> str:
+    """Rank 0 loads a state dict into the model it gave distribute(), not the sharded copy: the first step refuses
+    on every rank (rank 1 would otherwise wait in the first collective)."""
+    from sharded_cases import batches, loss_fn, mlp, pytest_refusal
+
+    net = mlp(torch.float32)
+    model, opt = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if rank == 0:
+        net.load_state_dict({k: v + 1 for k, v in net.state_dict().items()})
+    with pytest_refusal() as refused:
+        for x, y in strategy.distribute_dataset(batches(torch.float32)[:1]):
+            strategy.run(lambda x, y: loss_fn(model, x, y).backward(), args=(x, y))
     return refused.message
 
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.sharded]
 
 @pytest.mark.timeout(300)
 def test_batch_norm_bf16_and_gpt2_train_as_one_device():
-    ports = [(free_port(), free_port()) for _ in range(6)]  # one cluster per strategy the ranks build
+    ports = [(free_port(), free_port()) for _ in range(7)]  # one cluster per strategy the ranks build
     outcomes = run_ranks(sharded_numerics_cases.numerics_cases, [0, 1], args=(ports,), timeout=280)
     for outcome in outcomes.values():
         assert outcome.error is None, outcome.error

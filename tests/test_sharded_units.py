@@ -12,6 +12,8 @@ from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.strategies.records import STRATEGIES
 from stratagem.strategies.sharded.checks import (
+    OriginalModel,
+    check_original_unchanged,
     check_device,
     check_optimizer,
     check_shards,
@@ -201,3 +203,17 @@ def test_a_sharded_process_alone_takes_the_first_gpu_and_without_one_the_cpu():
     device, decision = local_device(from_torchrun(env), env, _registry_with_gpus(2))
     assert device == "cuda:0" and "one device per sharded worker process: the first" in decision.reason
     assert local_device(from_torchrun(env), env, _registry_with_gpus(0))[0] == "cpu"
+
+
+def test_a_change_to_the_model_given_to_distribute_is_found_and_refused_naming_the_rank():
+    model = nn.Linear(3, 2)
+    original = OriginalModel(model.named_parameters())
+    assert original.changed() == []
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    assert original.changed() == ["bias"]
+    check_original_unchanged([[], []], ["worker:0", "worker:1"])  # nothing changed anywhere: no error
+    with pytest.raises(sg.InputError, match=r"Received: changed parameters on worker:1 \(rank 1\): bias\. Load"):
+        check_original_unchanged([[], ["bias"]], ["worker:0", "worker:1"])
+    del model  # a model the user dropped is not kept alive, and no longer checked
+    assert original.changed() == []

@@ -39,7 +39,15 @@ from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaC
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.strategies.sharded.checks import check_device, check_shards, shard_records, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import (
+    OriginalModel,
+    check_device,
+    check_original_unchanged,
+    check_shards,
+    check_optimizer,
+    check_stage,
+    shard_records,
+)
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
@@ -98,6 +106,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         env = environ.current()
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
         self._device_decision: PlacementDecision | None = None
+        self._original: OriginalModel | None = None
         if device is None:
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
@@ -186,6 +195,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
         self._batch_norm.attach([sharded])
         self._check_shards(sharded)
+        self._original = OriginalModel(model.named_parameters())
         self._model = sharded
         if optimizer is None:
             return sharded
@@ -227,6 +237,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         args = tuple(args)
         sizes = batch_sizes(args, kwargs, 1)
         weight = replica_weights(sizes, global_size(args, kwargs), 1, self.num_replicas_in_sync)[0]
+        if self._original is not None:  # once, at the first step: the user's own model left as distribute saw it
+            changed, self._original = self._original.changed(), None
+            check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
