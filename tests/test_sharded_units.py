@@ -132,10 +132,11 @@ def test_the_plan_of_adamw_over_two_ranks_by_hand():
     assert plan.parameters == (2 * 10 + 2) * 4
     assert plan.gradients == plan.parameters
     assert plan.optimizer_state == 2 * (2 * 10 + 2) * 4 + 2 * 4  # exp_avg, exp_avg_sq, two step counters
-    assert plan.gathered_peak == 3 * 55 * 4  # current unit, prefetched unit, unsharded gradients
+    # current unit, prefetched unit, unsharded gradients and the reduce-scatter input they are copied into
+    assert plan.gathered_peak == 4 * 55 * 4
     assert plan.unsharded_model == 55 * 4
     stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
-    assert stage2.gathered_peak == 55 * 4 + 55 * 4 and stage2.optimizer_state == 0
+    assert stage2.gathered_peak == 55 * 4 + 2 * 55 * 4 and stage2.optimizer_state == 0
 
 
 def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_gradients():
@@ -143,7 +144,19 @@ def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_
     plan = plan_memory(
         list(model.parameters()), None, rank=0, world_size=2, stage=3, largest_unit_bytes=220, num_units=0
     )
-    assert plan.gathered_peak == 220 + 220
+    assert plan.gathered_peak == 220 + 220 + 220
+    # bf16 parameters and gradients, a float32 reduce-scatter input: a bf16 unit counts half, the input whole.
+    mixed = plan_memory(
+        list(model.parameters()),
+        None,
+        rank=0,
+        world_size=2,
+        stage=3,
+        largest_unit_bytes=220,
+        compute_element_size=2,
+        reduce_element_size=4,
+    )
+    assert mixed.gathered_peak == 2 * 110 + 110 + 220
 
 
 def test_a_rank_whose_shards_differ_from_the_plan_is_named_with_its_shard_and_the_planned_one():

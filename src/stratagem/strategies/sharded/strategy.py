@@ -219,7 +219,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     def _memory_plan(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> MemoryPlan:
         assert self._cut is not None, "cut before planning"
-        param_dtype = self._mp[0]
+        param_dtype, reduce_dtype = self._mp
         return plan_memory(
             params,
             optimizer,
@@ -229,6 +229,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             largest_unit_bytes=self._cut.largest_unit_bytes,
             num_units=len(self._cut.units),
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
+            reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
         )
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
