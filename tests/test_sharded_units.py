@@ -135,6 +135,14 @@ def test_the_plan_of_adamw_over_two_ranks_by_hand():
     # current unit, prefetched unit, unsharded gradients and the reduce-scatter input they are copied into
     assert plan.gathered_peak == 4 * 55 * 4
     assert plan.unsharded_model == 55 * 4
+    # A data-parallel rank: the whole parameters and gradients, AdamW's two states and its step counters.
+    assert plan.replicated == 2 * 55 * 4 + 2 * 55 * 4 + 2 * 4
+    assert plan.total == 88 + 88 + 184 + 880
+    assert plan.against_replica() == (
+        "1.2 KiB per rank against a whole copy's 888 B (1.40x): the state at rest (360 B) is sharded 2 ways, but the "
+        "gathered working set (880 B: the largest unit twice, its gradients and their reduce-scatter input) is not "
+        "divided by N; smaller units (units=...) lower it"
+    )
     stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
     assert stage2.gathered_peak == 55 * 4 + 2 * 55 * 4 and stage2.optimizer_state == 0
 

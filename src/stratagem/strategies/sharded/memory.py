@@ -69,6 +69,8 @@ class MemoryPlan:
     """Unsharded parameters and gradients held at once at the peak of forward and backward."""
     unsharded_model: int
     """Bytes of the whole model's parameters: what every rank would hold without sharding."""
+    replicated: int | None = None
+    """What a rank of plain data parallelism holds: the whole parameters, gradients and optimizer state."""
 
     @property
     def total(self) -> int | None:
@@ -76,6 +78,22 @@ class MemoryPlan:
         if self.optimizer_state is None:
             return None
         return self.parameters + self.gradients + self.optimizer_state + self.gathered_peak
+
+    def against_replica(self) -> str | None:
+        """Why memory dropped by what it did against a whole copy per rank (None: not known)."""
+        total = self.total
+        if total is None or not self.replicated:
+            return None
+        at_rest = total - self.gathered_peak
+        return (
+            f"{show_bytes(total)} per rank against a whole copy's {show_bytes(self.replicated)} "
+            f"({total / self.replicated:.2f}x): the state at rest ({show_bytes(at_rest)}) is sharded {self.world_size} ways, "
+            f"but the gathered working set ({show_bytes(self.gathered_peak)}: "
+            + ("the largest unit twice, its gradients and their reduce-scatter input" if self.stage == 3
+               else "the whole model, and the largest unit's gradients and their reduce-scatter input")
+            + ") is not divided by N; smaller units (units=...) lower it"
+            + (", and stage 3 frees each unit after its forward" if self.stage == 2 else "")
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"total": self.total}
@@ -145,7 +163,13 @@ def plan_memory(
         optimizer_state=_optimizer_bytes(optimizer, mine),
         gathered_peak=gathered,
         unsharded_model=whole,
+        replicated=_replicated_bytes(params, optimizer, whole),
     )
+
+
+def _replicated_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, whole: int) -> int | None:
+    state = _optimizer_bytes(optimizer, {id(p): p.numel() * p.element_size() for p in params})
+    return None if state is None else 2 * whole + state
 
 
 def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, mine: dict[int, int]) -> int | None:

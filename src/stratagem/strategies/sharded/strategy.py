@@ -378,6 +378,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         details: dict[str, Any] = dict(self._batch_norm.describe())
         if self._plan is not None:
             details["memory plan"] = str(self._plan)
+            against = self._plan.against_replica()
+            if against is not None:
+                details["memory against a replica"] = against
         replicas = [ReplicaPlacement(self._group.rank, str(self._device), str(self._device))]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
