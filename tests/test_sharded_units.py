@@ -180,7 +180,8 @@ def test_a_rank_whose_shards_differ_from_the_plan_is_named_with_its_shard_and_th
     other_dtype = [("weight", [17, 6], "float64", [8, 6]), ("bias", [17], "float64", [8])]
     problems = shard_mismatches([rank0, other_dtype], names)
     assert problems[0] == (
-        "worker:1 (rank 1): 'weight' has a shard of (8, 6) float64 (whole (17, 6)), the plan (8, 6) float32 (whole (17, 6))"
+        "worker:1 (rank 1): 'weight' has a shard of (8, 6) float64 (whole (17, 6)), "
+        "the plan (8, 6) float32 (whole (17, 6))"
     )
     wider = [("weight", [18, 6], "float32", [9, 6]), ("bias", [18], "float32", [9])]
     assert "worker:1 (rank 1): 'weight' has a shard of (9, 6)" in shard_mismatches([rank0, wider], names)[0]

@@ -87,7 +87,8 @@ class MemoryPlan:
         at_rest = total - self.gathered_peak
         return (
             f"{show_bytes(total)} per rank against a whole copy's {show_bytes(self.replicated)} "
-            f"({total / self.replicated:.2f}x): the state at rest ({show_bytes(at_rest)}) is sharded {self.world_size} ways, "
+            f"({total / self.replicated:.2f}x): the state at rest ({show_bytes(at_rest)}) is sharded "
+            f"{self.world_size} ways, "
             f"but the gathered working set ({show_bytes(self.gathered_peak)}: "
             + ("the largest unit twice, its gradients and their reduce-scatter input" if self.stage == 3
                else "the whole model, and the largest unit's gradients and their reduce-scatter input")
