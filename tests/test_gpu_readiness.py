@@ -10,7 +10,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "gpu" / "check_readiness.py"
-SECTIONS = ["nccl_wait", "cpu_first_reduction", "doctor", "equivalence", "overhead", "memory", "existing_scripts"]
+SECTIONS = [
+    "nccl_wait",
+    "cpu_first_reduction",
+    "doctor",
+    "equivalence",
+    "overhead",
+    "memory",
+    "existing_scripts",
+    "sharded",
+]
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:

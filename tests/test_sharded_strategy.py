@@ -27,6 +27,7 @@ def test_the_sharded_strategy_trains_as_one_device_and_says_what_it_holds():
             assert f"sharding stage: stage {stage}" in explained
             assert "sharding units: 3 units and the root (0, 2, 4)" in explained
             assert "memory plan: rank " in explained
+            assert "memory against a replica: " in explained and "is not divided by N" in explained
             assert got[f"stage {stage} gather"] == (13, 3)
         # Linear(6, 17), Linear(17, 7), Linear(7, 3) in float32, cut in ceil-sized row chunks over 2 ranks.
         rows = [(9, 8), (4, 3), (2, 1)]

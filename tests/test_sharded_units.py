@@ -7,8 +7,22 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
+from stratagem.cluster import from_torchrun
+from stratagem.devices import DeviceRegistry
+from stratagem.devices.physical import PhysicalDevice
+from stratagem.strategies.records import STRATEGIES
+from stratagem.strategies.sharded.checks import (
+    OriginalModel,
+    check_original_unchanged,
+    check_device,
+    check_optimizer,
+    check_shards,
+    check_stage,
+    shard_mismatches,
+    shard_records,
+)
 from stratagem.strategies.sharded.memory import plan_memory, shard_rows
+from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import cut_model
 
 pytestmark = [pytest.mark.sharded]
@@ -118,17 +132,19 @@ def test_the_plan_of_adamw_over_two_ranks_by_hand():
     assert plan.parameters == (2 * 10 + 2) * 4
     assert plan.gradients == plan.parameters
     assert plan.optimizer_state == 2 * (2 * 10 + 2) * 4 + 2 * 4  # exp_avg, exp_avg_sq, two step counters
-    assert plan.gathered_peak == 3 * 55 * 4  # current unit, prefetched unit, unsharded gradients
+    # current unit, prefetched unit, unsharded gradients and the reduce-scatter input they are copied into
+    assert plan.gathered_peak == 4 * 55 * 4
     assert plan.unsharded_model == 55 * 4
+    # A data-parallel rank: the whole parameters and gradients, AdamW's two states and its step counters.
+    assert plan.replicated == 2 * 55 * 4 + 2 * 55 * 4 + 2 * 4
+    assert plan.total == 88 + 88 + 184 + 880
+    assert plan.against_replica() == (
+        "1.2 KiB per rank against a whole copy's 888 B (1.40x): the state at rest (360 B) is sharded 2 ways, but the "
+        "gathered working set (880 B: the largest unit twice, its gradients and their reduce-scatter input) is not "
+        "divided by N; smaller units (units=...) lower it"
+    )
     stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
-    assert stage2.gathered_peak == 55 * 4 + 55 * 4 and stage2.optimizer_state == 0
-
-
-def test_batch_norm_is_named_in_a_warning_since_its_statistics_are_each_ranks():
-    message = batch_norm_warning(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)))
-    assert message is not None
-    assert "Received: 1 BatchNorm layer(s) (1, ...)" in message
-    assert batch_norm_warning(Net()) is None
+    assert stage2.gathered_peak == 55 * 4 + 2 * 55 * 4 and stage2.optimizer_state == 0
 
 
 def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_gradients():
@@ -136,4 +152,90 @@ def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_
     plan = plan_memory(
         list(model.parameters()), None, rank=0, world_size=2, stage=3, largest_unit_bytes=220, num_units=0
     )
-    assert plan.gathered_peak == 220 + 220
+    assert plan.gathered_peak == 220 + 220 + 220
+    # bf16 parameters and gradients, a float32 reduce-scatter input: a bf16 unit counts half, the input whole.
+    mixed = plan_memory(
+        list(model.parameters()),
+        None,
+        rank=0,
+        world_size=2,
+        stage=3,
+        largest_unit_bytes=220,
+        compute_element_size=2,
+        reduce_element_size=4,
+    )
+    assert mixed.gathered_peak == 2 * 110 + 110 + 220
+
+
+def test_a_rank_whose_shards_differ_from_the_plan_is_named_with_its_shard_and_the_planned_one():
+    model = nn.Linear(6, 17)  # 17 rows: 9 on rank 0, 8 on rank 1
+    rank0 = [("weight", [17, 6], "float32", [9, 6]), ("bias", [17], "float32", [9])]
+    rank1 = [("weight", [17, 6], "float32", [8, 6]), ("bias", [17], "float32", [8])]
+    names = ["worker:0", "worker:1"]
+    assert shard_records(model.named_parameters()) == [
+        ("weight", [17, 6], "float32", [17, 6]),
+        ("bias", [17], "float32", [17]),
+    ]
+    assert shard_mismatches([rank0, rank1], names) == []
+    other_dtype = [("weight", [17, 6], "float64", [8, 6]), ("bias", [17], "float64", [8])]
+    problems = shard_mismatches([rank0, other_dtype], names)
+    assert problems[0] == (
+        "worker:1 (rank 1): 'weight' has a shard of (8, 6) float64 (whole (17, 6)), "
+        "the plan (8, 6) float32 (whole (17, 6))"
+    )
+    wider = [("weight", [18, 6], "float32", [9, 6]), ("bias", [18], "float32", [9])]
+    assert "worker:1 (rank 1): 'weight' has a shard of (9, 6)" in shard_mismatches([rank0, wider], names)[0]
+    assert "holds other parameters than rank 0 (bias)" in shard_mismatches([rank0, rank1[:1]], names)[0]
+    with pytest.raises(sg.InputError, match=r"Every rank must shard the same model.*Received: worker:1 \(rank 1\)"):
+        check_shards([rank0, other_dtype], names)
+
+
+def _registry_with_gpus(count: int) -> DeviceRegistry:
+    cpu = PhysicalDevice(device_type="cpu", name="cpu", core_count=2)
+    gpus = [PhysicalDevice(device_type="cuda", index=i, name="H200", total_memory=141 * 2**30) for i in range(count)]
+    return DeviceRegistry(physical=[cpu, *gpus])
+
+
+def _torchrun_env(local_rank: int, local_world_size: int) -> dict[str, str]:
+    return {
+        "RANK": str(local_rank),
+        "WORLD_SIZE": str(local_world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_each_local_rank_of_a_sharded_job_takes_its_own_gpu(local_rank, monkeypatch):
+    env = _torchrun_env(local_rank, 4)
+    device, decision = local_device(from_torchrun(env), env, _registry_with_gpus(4))
+    assert device == f"cuda:{local_rank}"
+    assert f"local rank {local_rank} of 4" in decision.reason
+    # The record `stratagem train --strategy sharded` builds from reads the same from the environment.
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    devices, _ = STRATEGIES["sharded"].default_devices("sharded", _registry_with_gpus(4))
+    assert devices == [f"cuda:{local_rank}"]
+
+
+def test_a_sharded_process_alone_takes_the_first_gpu_and_without_one_the_cpu():
+    env = _torchrun_env(0, 1)
+    device, decision = local_device(from_torchrun(env), env, _registry_with_gpus(2))
+    assert device == "cuda:0" and "one device per sharded worker process: the first" in decision.reason
+    assert local_device(from_torchrun(env), env, _registry_with_gpus(0))[0] == "cpu"
+
+
+def test_a_change_to_the_model_given_to_distribute_is_found_and_refused_naming_the_rank():
+    model = nn.Linear(3, 2)
+    original = OriginalModel(model.named_parameters())
+    assert original.changed() == []
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    assert original.changed() == ["bias"]
+    check_original_unchanged([[], []], ["worker:0", "worker:1"])  # nothing changed anywhere: no error
+    with pytest.raises(sg.InputError, match=r"Received: changed parameters on worker:1 \(rank 1\): bias\. Load"):
+        check_original_unchanged([[], ["bias"]], ["worker:0", "worker:1"])
+    del model  # a model the user dropped is not kept alive, and no longer checked
+    assert original.changed() == []

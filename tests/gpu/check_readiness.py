@@ -10,8 +10,8 @@ process with its own time limit, so one that crashes (a CUDA error that poisons 
 segfault, a hang) is reported as FAIL and the others still run. The whole run stays within
 ``--budget`` seconds (default 450, under 8 minutes); exits 1 when any section failed.
 
-Sections (readiness_sections.py and readiness_training.py): nccl_wait, cpu_first_reduction,
-doctor, equivalence, overhead, memory, existing_scripts.
+Sections (readiness_sections.py, readiness_training.py, readiness_sharded.py): nccl_wait,
+cpu_first_reduction, doctor, equivalence, overhead, memory, existing_scripts, sharded.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
 import readiness_sections  # noqa: E402  (after the path set-up above)
+import readiness_sharded  # noqa: E402
 import readiness_training  # noqa: E402
 
 SECTIONS: dict[str, tuple[Any, float]] = {
@@ -45,6 +46,7 @@ SECTIONS: dict[str, tuple[Any, float]] = {
     "overhead": (readiness_training.overhead, 150),
     "memory": (readiness_sections.memory, 90),
     "existing_scripts": (readiness_sections.existing_scripts, 300),
+    "sharded": (readiness_sharded.sharded, 240),
 }
 
 

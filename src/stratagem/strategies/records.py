@@ -28,6 +28,7 @@ from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.parameter_server.strategy import ParameterServerStrategy
+from stratagem.strategies.sharded.placement import default_devices as sharded_default_devices
 from stratagem.strategies.sharded.strategy import ShardedStrategy
 
 DefaultDevices = Callable[[str, DeviceRegistry], tuple[list[str], PlacementDecision]]
@@ -224,7 +225,8 @@ STRATEGIES = StrategyRegistry(
         StrategyRecord(
             name="sharded",
             strategy_class=ShardedStrategy,
-            default_devices=every_gpu_else_one_cpu,
+            # The GPU of this worker's local rank (not the first GPU, which every local rank would share).
+            default_devices=sharded_default_devices,
             # One device per worker process: the parameters, gradients and optimizer state are cut across them.
             build=lambda devices, registry: ShardedStrategy(device=devices[0]),
             one_process_per_worker=True,

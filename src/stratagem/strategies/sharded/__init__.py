@@ -3,7 +3,8 @@
 - `units.py`: how the model is cut into the units gathered one at a time, and `fully_shard` applied;
 - `weighting.py`: gradients reduce-scattered as a SUM pre-scaled by each rank's share (exact on any split);
 - `memory.py`: the bytes each rank holds, by category, before the first step;
-- `checks.py`: what is refused before anything is built (LBFGS, CUDA on Gloo, a stepped optimizer).
+- `checks.py`: what is refused before anything is built (LBFGS, CUDA on Gloo, a stepped optimizer), and a rank
+  whose shards differ from the plan (one all-gather of shapes and dtypes before the first step).
 """
 
 from stratagem.strategies.sharded.strategy import ShardedStrategy

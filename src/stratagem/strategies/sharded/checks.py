@@ -1,11 +1,12 @@
-"""What ShardedStrategy refuses before it builds anything, each with the reason and the fix."""
+"""What ShardedStrategy refuses, each with the reason and the fix: before it builds anything (the stage, LBFGS, a
+stepped optimizer, CUDA on Gloo), and once sharded, before the first step: a rank whose shards differ from the plan."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Sequence
 
 import torch
-from torch import nn
 
 from stratagem.errors import InputError
 
@@ -57,14 +58,87 @@ def check_device(placed: Iterable[tuple[str, torch.device]], backend: str) -> No
         )
 
 
-def batch_norm_warning(model: nn.Module) -> str | None:
-    """What to tell the user when the model normalises over the batch: each rank sees only its slice."""
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if not names:
-        return None
-    return (
-        "ShardedStrategy computes BatchNorm statistics over each rank's slice of the batch, not the global batch, "
-        f"so training is not exactly one device's. Received: {len(names)} BatchNorm layer(s) ({names[0]}, ...). "
-        "Use MultiWorkerMirroredStrategy (global statistics by default), or a normalisation per example "
-        "(LayerNorm, GroupNorm)."
-    )
+ShardRecord = tuple[str, list[int], str, list[int]]
+"""One parameter as a rank holds it: (name, whole shape, dtype, shape of this rank's shard)."""
+
+
+def shard_records(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> list[ShardRecord]:
+    """This rank's records of its sharded parameters (a DTensor's local part, a plain tensor as it is)."""
+    records = []
+    for name, p in named_parameters:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        records.append((name, list(p.shape), str(p.dtype).removeprefix("torch."), list(local.shape)))
+    return records
+
+
+def shard_mismatches(records: Sequence[Sequence[ShardRecord]], task_names: Sequence[str]) -> list[str]:
+    """Where a rank's shards differ from the plan: rank 0's parameters cut into ceil-sized row chunks (memory.py),
+    in the same names, shapes and dtypes on every rank. One line per rank and parameter, empty when all agree."""
+    from stratagem.strategies.sharded.memory import shard_rows
+
+    world_size = len(records)
+    reference = [(name, shape, dtype) for name, shape, dtype, _ in records[0]]
+    problems = []
+    for rank, held in enumerate(records):
+        who = f"{task_names[rank]} (rank {rank})"
+        if [r[0] for r in held] != [r[0] for r in reference]:
+            extra = sorted({r[0] for r in held} ^ {r[0] for r in reference})
+            problems.append(f"{who} holds other parameters than rank 0 ({', '.join(extra[:3]) or 'another order'})")
+            continue
+        for (name, shape, dtype, local), (_, want_shape, want_dtype) in zip(held, reference):
+            want = [shard_rows(want_shape[0], world_size, rank), *want_shape[1:]] if want_shape else list(local)
+            if dtype != want_dtype or list(local) != want:
+                problems.append(
+                    f"{who}: '{name}' has a shard of {tuple(local)} {dtype} (whole {tuple(shape)}), "
+                    f"the plan {tuple(want)} {want_dtype} (whole {tuple(want_shape)})"
+                )
+    return problems
+
+
+def check_shards(records: Sequence[Sequence[ShardRecord]], task_names: Sequence[str]) -> None:
+    """Refuses shards that differ from the plan on any rank (every rank gets the same records, so all refuse)."""
+    problems = shard_mismatches(records, task_names)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise InputError(
+            "Every rank must shard the same model: the first step would all-gather shards of different sizes or "
+            f"dtypes. Received: {shown}. Build the model with the same configuration and dtype on every rank "
+            "(the same code, arguments and .to(dtype)) before distribute()."
+        )
+
+
+class OriginalModel:
+    """The model the user passed to `distribute`, as it was then: a weak reference and a checksum per parameter
+    (weak, so that a user who drops the model frees it). The strategy trains its sharded copy, so a change made to
+    the original afterwards (a `load_state_dict` to resume, say) would be silently ignored; `changed` finds it."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._parameters = [(name, weakref.ref(p), _checksum(p)) for name, p in named_parameters]
+
+    def changed(self) -> list[str]:
+        """The names of the parameters that still exist and no longer hold what they held at `distribute`."""
+        out = []
+        for name, ref, before in self._parameters:
+            p = ref()
+            if p is not None and _checksum(p) != before:
+                out.append(name)
+        return out
+
+
+def _checksum(p: torch.Tensor) -> tuple[float, float]:
+    with torch.no_grad():  # float64 sums computed without a float64 copy of the parameter
+        return float(torch.sum(p, dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64))
+
+
+def check_original_unchanged(changed: Sequence[Sequence[str]], task_names: Sequence[str]) -> None:
+    """Refuses, on every rank, a first step after the user changed the model given to distribute() on any rank
+    (`changed`: each rank's `OriginalModel.changed()`, gathered)."""
+    ranks = [f"{task_names[r]} (rank {r}): {', '.join(names[:3])}" for r, names in enumerate(changed) if names]
+    if ranks:
+        raise InputError(
+            "The parameters of the model passed to distribute() changed after it (a load_state_dict, an in-place "
+            "write), but ShardedStrategy trains the sharded copy distribute() returned, so the change would be "
+            f"ignored. Received: changed parameters on {'; '.join(ranks)}. Load or change the model before "
+            "distribute(), or write to the returned model (torch.distributed.checkpoint.state_dict."
+            "set_model_state_dict for a whole state dict)."
+        )

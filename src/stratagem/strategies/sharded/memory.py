@@ -9,9 +9,11 @@ rows on rank r:
 - optimizer state: k * P_r plus the per-parameter step counters, k = the state tensors the optimizer
   keeps per parameter (SGD with momentum 1, Adagrad 1, Adam and AdamW 2, 3 with amsgrad, ...);
 - gathered working set at the peak: stage 3 gathers one unit at a time and prefetches the next, and
-  backward holds the unit's unsharded gradients: 2 U + U_grad, U the largest unit in the compute dtype
-  (U + U_grad when the whole model is one unit);
-  stage 2 keeps every unit gathered from forward to backward: the whole model M plus U_grad.
+  backward holds the unit's unsharded gradients while FSDP2 copies them into the flat input of its
+  reduce-scatter (the gradients are freed only after that copy): 2 U + U_grad + U_rs, U the largest unit
+  in the compute dtype, U_rs the same unit in the reduce dtype (U + U_grad + U_rs when the whole model
+  is one unit); stage 2 keeps every unit gathered from forward to backward: the whole model M plus
+  U_grad + U_rs.
 
 Against plain data parallelism (a whole copy of parameters, gradients and state per rank: (2 + k) M
 with fp32 AdamW's k = 2 giving DeepSpeed's 16 bytes per parameter), the state at rest falls by N.
@@ -67,6 +69,8 @@ class MemoryPlan:
     """Unsharded parameters and gradients held at once at the peak of forward and backward."""
     unsharded_model: int
     """Bytes of the whole model's parameters: what every rank would hold without sharding."""
+    replicated: int | None = None
+    """What a rank of plain data parallelism holds: the whole parameters, gradients and optimizer state."""
 
     @property
     def total(self) -> int | None:
@@ -74,6 +78,23 @@ class MemoryPlan:
         if self.optimizer_state is None:
             return None
         return self.parameters + self.gradients + self.optimizer_state + self.gathered_peak
+
+    def against_replica(self) -> str | None:
+        """Why memory dropped by what it did against a whole copy per rank (None: not known)."""
+        total = self.total
+        if total is None or not self.replicated:
+            return None
+        at_rest = total - self.gathered_peak
+        return (
+            f"{show_bytes(total)} per rank against a whole copy's {show_bytes(self.replicated)} "
+            f"({total / self.replicated:.2f}x): the state at rest ({show_bytes(at_rest)}) is sharded "
+            f"{self.world_size} ways, "
+            f"but the gathered working set ({show_bytes(self.gathered_peak)}: "
+            + ("the largest unit twice, its gradients and their reduce-scatter input" if self.stage == 3
+               else "the whole model, and the largest unit's gradients and their reduce-scatter input")
+            + ") is not divided by N; smaller units (units=...) lower it"
+            + (", and stage 3 frees each unit after its forward" if self.stage == 2 else "")
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"total": self.total}
@@ -111,12 +132,14 @@ def plan_memory(
     largest_unit_bytes: int,
     num_units: int = 1,
     compute_element_size: int | None = None,
+    reduce_element_size: int | None = None,
 ) -> MemoryPlan:
     """The plan for the model's ORIGINAL (unsharded) parameters `params` and the user's `optimizer`.
 
     `largest_unit_bytes`: the largest unit's parameters in their own dtype; `num_units`: the units besides the
-    root (0: the whole model is one unit, nothing is prefetched); `compute_element_size`: the
-    bytes of one element of the mixed-precision parameter dtype, when one is set.
+    root (0: the whole model is one unit, nothing is prefetched); `compute_element_size` and
+    `reduce_element_size`: the bytes of one element of the mixed-precision parameter and reduce dtypes,
+    when set.
     """
     params = list(params)
     mine = {id(p): shard_bytes(p.shape, p.element_size(), world_size, rank) for p in params}
@@ -126,8 +149,12 @@ def plan_memory(
     if compute_element_size is not None and params:
         scale = compute_element_size / params[0].element_size()
     unit = int(largest_unit_bytes * scale)
+    reduce_input = unit
+    if reduce_element_size is not None and params:
+        reduce_input = int(largest_unit_bytes * reduce_element_size / params[0].element_size())
     # With no unit below the root there is nothing to prefetch: the model and its unsharded gradients.
-    gathered = (2 * unit if num_units else unit) + unit if stage == 3 else int(whole * scale) + unit
+    held = (2 * unit if num_units else unit) if stage == 3 else int(whole * scale)
+    gathered = held + unit + reduce_input
     return MemoryPlan(
         rank=rank,
         world_size=world_size,
@@ -137,7 +164,13 @@ def plan_memory(
         optimizer_state=_optimizer_bytes(optimizer, mine),
         gathered_peak=gathered,
         unsharded_model=whole,
+        replicated=_replicated_bytes(params, optimizer, whole),
     )
+
+
+def _replicated_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, whole: int) -> int | None:
+    state = _optimizer_bytes(optimizer, {id(p): p.numel() * p.element_size() for p in params})
+    return None if state is None else 2 * whole + state
 
 
 def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, mine: dict[int, int]) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,16 +31,26 @@ from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_bat
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy, _check_iterable, check_shard_policy
+from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
 from stratagem.strategies.data_parallel.loss_weight import tag_results
-from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, enter_replica
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
+from stratagem.strategies.sharded.checks import (
+    OriginalModel,
+    check_device,
+    check_original_unchanged,
+    check_shards,
+    check_optimizer,
+    check_stage,
+    shard_records,
+)
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
+from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
 
@@ -56,7 +67,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             forward and again for its backward (ZeRO-3). 2: gathered parameters kept from forward to backward.
         units: how the model is cut into units gathered one at a time: None (each child of a ModuleList or
             Sequential), a tuple of module classes, or a callable of a module.
-        device: this worker's device (default: the CPU).
+        device: this worker's device (default: the GPU of its local rank, else the CPU: placement.py).
         cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
         timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
         param_dtype, reduce_dtype: FSDP2's `MixedPrecisionPolicy` (e.g. torch.bfloat16 for both).
@@ -72,6 +83,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
     # Parts, in the order they are applied (torchtitan's parallelize_llama order: cut, shard, then the rest):
     #   group      cluster.worker_group: the plan checked, then the process group and its DeviceMesh
     #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
+    #   batch norm data_parallel.batch_norm: BatchNorm layers converted to global statistics, summed across workers
     #   units      units.cut_model: each block a unit by default, or the user's policy; the root last
     #   shard      units.apply_cut: fully_shard per unit then the root (stage 2: reshard_after_forward=False)
     #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
@@ -84,7 +96,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         stage: int = 3,
         *,
         units: UnitPolicy = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         cluster: Cluster | Mapping[str, Any] | None = None,
         timeout: float = 300.0,
         param_dtype: torch.dtype | None = None,
@@ -94,6 +106,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._policy = units
         env = environ.current()
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
+        self._device_decision: PlacementDecision | None = None
+        self._original: OriginalModel | None = None
+        if device is None:
+            device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
         self._mp = (param_dtype, reduce_dtype)
@@ -107,6 +123,18 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._gathers = 0
         self._barriers = 0
         self._steps = 0
+        # BatchNorm over the global batch: the data-parallel strategies' layers, one replica per process, their
+        # statistics summed through the worker group's bounded collectives as MultiWorkerMirroredStrategy does.
+        self._batch_norm = BatchNormSync(
+            "global",
+            strategy=self,
+            barrier=ReplicaBarrier([self._group.cluster.task_name], timeout),
+            num_local=1,
+            num_replicas_in_sync=self._group.world_size,
+            weight=lambda replica: None if self._comm is None else self._comm.weight,
+            step=lambda: self._steps,
+            cross_worker_sum=self._batch_norm_sum,
+        )
 
     # ---- Strategy ---------------------------------------------------------------------------------
     @property
@@ -149,11 +177,12 @@ class ShardedStrategy(Strategy, LossWeightHost):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
-        sharded = copy.deepcopy(model).to(self._device)
+        # BatchNorm layers of the copy become global-statistics ones (a copy again, sharing the first's tensors).
+        sharded = self._batch_norm.convert(copy.deepcopy(model).to(self._device))
         self._cut = cut_model(sharded, self._policy)
-        for message in (self._cut.warning(), batch_norm_warning(model)):
-            if message is not None:
-                warnings.warn(message, stacklevel=2)
+        message = self._cut.warning()
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
         originals = dict(model.named_parameters())
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
         self._plan = self._memory_plan(list(model.parameters()), optimizer)
@@ -166,6 +195,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         )
         self._comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
+        self._batch_norm.attach([sharded])
+        self._check_shards(sharded)
+        self._original = OriginalModel(model.named_parameters())
         self._model = sharded
         if optimizer is None:
             return sharded
@@ -189,7 +221,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     def _memory_plan(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> MemoryPlan:
         assert self._cut is not None, "cut before planning"
-        param_dtype = self._mp[0]
+        param_dtype, reduce_dtype = self._mp
         return plan_memory(
             params,
             optimizer,
@@ -199,6 +231,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             largest_unit_bytes=self._cut.largest_unit_bytes,
             num_units=len(self._cut.units),
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
+            reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
         )
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -207,6 +240,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         args = tuple(args)
         sizes = batch_sizes(args, kwargs, 1)
         weight = replica_weights(sizes, global_size(args, kwargs), 1, self.num_replicas_in_sync)[0]
+        if self._original is not None:  # once, at the first step: the user's own model left as distribute saw it
+            changed, self._original = self._original.changed(), None
+            check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
@@ -267,6 +303,21 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._group.cross_worker.all_reduce_([out], what="reduce", step=self._steps)
         return out
 
+    def _check_shards(self, sharded: nn.Module) -> None:
+        """Every rank's shard shapes and dtypes against the plan, in one small all-gather before the first step
+        (a rank that built another model would otherwise all-gather mismatched shards, or hang)."""
+        cw = self._group.cross_worker
+        payloads = cw.all_gather_bytes(
+            json.dumps(shard_records(sharded.named_parameters())).encode(),
+            what="shard shapes and dtypes",
+            step=self._steps,
+            device=self._group.collective_device,
+        )
+        check_shards([json.loads(p) for p in payloads], cw.task_names)
+
+    def _batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> None:
+        self._group.cross_worker.all_reduce_([tensor], what=what, step=step)
+
     def _gather_across_workers(self, items: list[Any]) -> list[Any]:
         self._gathers += 1
         cw = self._group.cross_worker
@@ -323,6 +374,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
     def explain(self) -> Explanation:
         """The worker group, the stage, the units, the exact weighting and the memory plan."""
         decisions = list(self._group.decisions())
+        if self._device_decision is not None:
+            decisions.append(self._device_decision)
         decisions.append(
             PlacementDecision(
                 subject="sharding stage",
@@ -343,10 +396,15 @@ class ShardedStrategy(Strategy, LossWeightHost):
                 reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
             )
         )
+        if self._batch_norm.describe():
+            decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
-        details: dict[str, Any] = {}
+        details: dict[str, Any] = dict(self._batch_norm.describe())
         if self._plan is not None:
             details["memory plan"] = str(self._plan)
+            against = self._plan.against_replica()
+            if against is not None:
+                details["memory against a replica"] = against
         replicas = [ReplicaPlacement(self._group.rank, str(self._device), str(self._device))]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
@@ -357,6 +415,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         and with it the chief's store, alive as long as the sharded model lives, which is usually until the
         script ends, so the hand-back would only keep the other workers waiting for their whole timeout.
         A strategy built again in the same processes meets at another address."""
+        self._batch_norm.remove()
         self._model = None
         self._comm = None
         self._group.close(release=False)
