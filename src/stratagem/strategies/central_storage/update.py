@@ -407,7 +407,7 @@ class CentralUpdate(ReplicaBuilder):
             for r, replica in enumerate(held.replicas):
                 if r != self._anchor and not self._aliased[r]:
                     targets = list(replica.parameters())
-                    torch._foreach_copy_(targets, list(held.central.parameters()))
+                    torch._foreach_copy_(list[torch.Tensor](targets), list(held.central.parameters()))
                     written += targets
         for watch in self._watches:
             watch.written(written)
