@@ -151,3 +151,12 @@ def test_the_mode_stays_off_where_nothing_draws_and_comes_back_with_a_warning(ca
     assert on == [True, True]  # a model with dropout: always
     _, on = _part_after_steps(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), [False, False])
     assert on == [True, False]  # dropout with p=0 draws nothing
+
+
+def test_a_foreach_update_under_the_mode_moves_version_counters_as_outside_it() -> None:
+    # torch leaves a foreach operator's in-place list unversioned under a dispatch mode; autograd's check of saved
+    # tensors and the hand-written-update watch read those counters, so the mode moves them itself.
+    p, q = torch.zeros(3), torch.zeros(2)
+    with torch.no_grad(), ReplicaRandom(torch.Generator()):
+        torch._foreach_add_([p, q], 1.0)
+    assert (p._version, q._version) == (1, 1)

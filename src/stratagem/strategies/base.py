@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from stratagem.data.batch_dims import BatchDimFirst, BatchDims, check_batch_dim, check_batch_dims, restore_batch_dim
-from stratagem.data.split import InputContext, batch_size_of, split_batch, split_sizes
+from stratagem.data.split import InputContext, batch_size_of, split_batch
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.distributed import check_optimizer_matches
+from stratagem.strategies.batches import check_iterable, check_shard_policy, distribute_batch, stack_batch
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.data_parallel.gather import gather_values
 from stratagem.strategies.data_parallel.replicas import current_replica_context
@@ -174,7 +175,7 @@ class Strategy(abc.ABC):
             >>> for x, y in strategy.distribute_dataset(loader):
             ...     strategy.run(train_step, args=(x, y))
         """
-        _check_iterable(dataset, "distribute_dataset")
+        check_iterable(dataset, "distribute_dataset")
         check_shard_policy(shard)
         check_batch_dim(batch_dim)
         return DistributedDataset(self, dataset, batch_dim=batch_dim)
@@ -203,7 +204,7 @@ class Strategy(abc.ABC):
             num_replicas_in_sync=self.num_replicas_in_sync,
         )
         dataset = dataset_fn(ctx)
-        _check_iterable(dataset, "the function given to distribute_datasets_from_function")
+        check_iterable(dataset, "the function given to distribute_datasets_from_function")
         return DistributedDataset(self, dataset, per_replica=True)
 
     def distribute_scheduler(self, scheduler: Any) -> Any:
@@ -403,25 +404,6 @@ class Strategy(abc.ABC):
         return f"{type(self).__name__}(devices={[str(d) for d in self._local_devices]})"
 
 
-SHARD_POLICIES = ("auto", "file", "data", "off")
-"""How `distribute_dataset(shard=...)` may divide an input among workers."""
-
-
-def check_shard_policy(shard: Any) -> None:
-    """Refuses a `shard=` that is not one of SHARD_POLICIES."""
-    if shard not in SHARD_POLICIES:
-        raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")
-
-
-def _check_iterable(dataset: Any, where: str) -> None:
-    if isinstance(dataset, (torch.Tensor, str, bytes, Mapping)) or not isinstance(dataset, Iterable):
-        raise InputError(
-            f"{where} needs an iterable of batches (a DataLoader, a list of (x, y) tuples, a generator...). "
-            f"Received: {type(dataset).__name__}. Wrap tensors in a DataLoader, e.g. "
-            "DataLoader(TensorDataset(x, y), batch_size=64)."
-        )
-
-
 class DistributedDataset:
     """An iterable of distributed batches: each yields one batch per local replica (`PerReplica` leaves)."""
 
@@ -483,35 +465,3 @@ class DistributedDataset:
             moved = [split_batch(p, [batch_size_of(p)], [d])[0] for p, d in zip(pieces, devices)]
             yield stack_batch(moved)
             step += 1
-
-
-def distribute_batch(batch: Any, devices: Sequence[torch.device], step: int = 0) -> Any:
-    """Cuts one global batch among `devices`; a single device gets the batch itself (moved)."""
-    try:
-        size = batch_size_of(batch)
-    except InputError as error:
-        raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
-    if size == 0:
-        raise InputError(
-            f"Batch {step} of the dataset holds no examples, so there is nothing to train on. "
-            "Drop empty batches from the input."
-        )
-    sizes = split_sizes(size, len(devices))
-    pieces = split_batch(batch, sizes, devices)
-    if len(devices) == 1:
-        return pieces[0]
-    return stack_batch(pieces)
-
-
-def stack_batch(pieces: Sequence[Any]) -> Any:
-    """One batch per replica -> one batch whose tensors are `PerReplica` values with batch sizes."""
-    sizes = tuple(batch_size_of(p) for p in pieces)
-    columns = iter(zip(*[flatten(p) for p in pieces]))
-
-    def make(leaf: Any) -> Any:
-        column = next(columns)
-        if isinstance(leaf, torch.Tensor):
-            return PerReplica(tuple(column), sizes)
-        return leaf
-
-    return map_structure(make, pieces[0])

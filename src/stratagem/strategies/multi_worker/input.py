@@ -24,7 +24,7 @@ from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.data.worker_shards import WorkerPart
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.base import stack_batch
+from stratagem.strategies.batches import stack_batch
 from stratagem.values import PerReplica, flatten, map_structure
 
 logger = logging.getLogger(__name__)

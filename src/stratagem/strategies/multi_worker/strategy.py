@@ -32,7 +32,7 @@ from stratagem.data.files import FileDataset
 from stratagem.data.split import split_sizes
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
-from stratagem.strategies.base import _check_iterable
+from stratagem.strategies.batches import check_iterable
 from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
 from stratagem.strategies.data_parallel.combine import choose_local_combine
 from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
@@ -213,7 +213,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         if batch_dim != 0:  # cut views with the batch dimension first, each piece moved back (data/batch_dims.py)
             check_batch_dim(batch_dim)
             return BatchDimRestored(self.distribute_dataset(BatchDimFirst(dataset, batch_dim), shard), batch_dim)
-        _check_iterable(dataset, "distribute_dataset")
+        check_iterable(dataset, "distribute_dataset")
         if shard not in SHARD_POLICIES:
             raise InputError(f"Unknown shard policy. Received: shard={shard!r}. Use one of {SHARD_POLICIES}.")
         world, rank = self._plan.world_size, self._plan.rank

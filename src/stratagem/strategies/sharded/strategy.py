@@ -30,7 +30,8 @@ from stratagem.data import worker_shards
 from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.base import Strategy, _check_iterable, check_shard_policy
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
@@ -336,7 +337,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each (shard="auto"
         or "data", along `batch_dim` as in `Strategy.distribute_dataset`); with shard="off" each worker's loader
         already yields this worker's part of each step."""
-        _check_iterable(dataset, "distribute_dataset")
+        check_iterable(dataset, "distribute_dataset")
         check_shard_policy(shard)
         if batch_dim != 0:  # cut views with the batch dimension first, each piece moved back (data/batch_dims.py)
             check_batch_dim(batch_dim)
