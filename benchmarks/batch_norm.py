@@ -1,43 +1,155 @@
-"""What BatchNorm over the global batch costs: a BatchNorm CNN (3 BatchNorm layers, batch 64 of
-3x32x32) on 2 logical CPU replicas with batch_norm="global" against batch_norm="per_replica".
+"""What BatchNorm over the global batch costs: batch_norm="global" against batch_norm="per_replica" on 2
+replicas, on the reference 3-BatchNorm CNN (batch 64 of 3x32x32) or a ResNet-18 (torchvision's layout,
+20 BatchNorm layers, width 64, batch 64 of 3x32x32, SGD with momentum).
 
-    .venv/bin/python benchmarks/batch_norm.py            # 5 blocks of 20 steps each, alternating
-    .venv/bin/python benchmarks/batch_norm.py --blocks 3
+    .venv/bin/python benchmarks/batch_norm.py                               # CNN, Mirrored x2, 5 blocks of 20 steps
+    .venv/bin/python benchmarks/batch_norm.py --model resnet18 --steps 4 --blocks 8 --breakdown
+    .venv/bin/python benchmarks/batch_norm.py --strategy multi_worker --model resnet18 --steps 4 --blocks 6
 
-The two settings run in one process, in alternating blocks (per-replica first in odd blocks), so a
-disturbance from other work on a shared machine hits both; prints each side's median ms/step and
-the median of the per-block ratios global / per-replica.
+Mirrored x2: the two settings run in one process, in alternating blocks (per-replica first in odd
+blocks), so a disturbance from other work on a shared machine hits both; prints each side's median
+ms/step and the median of the per-block ratios global / per-replica. --breakdown also times, in the
+global side's blocks, each replica's time inside the BatchNorm meetings (arrival to return: waiting
+for the slower replica and the sum). It also prints the process's CPU time per step of each side: the
+work exactness adds, apart from waiting.
+
+MultiWorkerMirrored x2 (2 processes, one replica each): one process holds one MultiWorkerMirroredStrategy,
+so the two settings cannot share processes. Each run holds the strategy (one setting) and a
+DistributedDataParallel model (per-replica statistics: torch's SyncBatchNorm has no CPU kernel) in the
+same two processes, in alternating blocks; the runs of the two settings alternate, and the ratio of
+their MWMS / DDP medians is global / per-replica with the noise of each run divided out by its DDP.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import stratagem as sg
-from stratagem.devices import DeviceRegistry
 
-
-def net() -> nn.Module:
+def cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 64, bias=False), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 64, bias=False),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
 
 
-def setup(mode: str, data: list) -> tuple:
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+def resnet18(width: int = 64) -> nn.Module:
+    """torchvision's resnet18 layout (7x7 stem, max-pool, 4 stages of 2 basic blocks), 10 classes."""
+    torch.manual_seed(0)
+    widths = [width, 2 * width, 4 * width, 8 * width]
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, width, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    cin = width
+    for stage, cout in enumerate(widths):
+        layers += [_Block(cin, cout, 1 if stage == 0 else 2), _Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    return nn.Sequential(*layers)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": cnn, "resnet18": resnet18}
+
+
+def make_data() -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(4)]
+
+
+def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+# ---- Mirrored x2, one process ------------------------------------------------------------------------------
+class MeetingClock:
+    """Times each replica's calls of BatchNormSync.meet while `on` (the benchmark's own instrumentation), split
+    into waiting for the last replica to arrive, the combination the last one runs for all (sums, and across
+    workers), and the wake-up after it (from the end of the combination until the replica runs again: the
+    operating system and Python's global lock handing it back)."""
+
+    PARTS = ("waiting for the last replica", "combination", "wake-up")
+
+    def __init__(self) -> None:
+        from stratagem.strategies.data_parallel.batch_norm import BatchNormSync
+
+        self.on = False
+        self.ns: dict[int, dict[str, int]] = {}
+        original = BatchNormSync.meet
+        clock = self
+        combined: list[int] = [0, 0]  # start and end of the running meeting's combination
+
+        def meet(sync, replica, contribution, what, combine):  # type: ignore[no-untyped-def]
+            if not clock.on:
+                return original(sync, replica, contribution, what, combine)
+
+            def timed(contributions, step):  # type: ignore[no-untyped-def]
+                combined[0] = time.perf_counter_ns()
+                try:
+                    return combine(contributions, step)
+                finally:
+                    combined[1] = time.perf_counter_ns()
+
+            arrived = time.perf_counter_ns()
+            result = original(sync, replica, contribution, what, timed)
+            done = time.perf_counter_ns()
+            mine = clock.ns.setdefault(replica, dict.fromkeys(clock.PARTS, 0))
+            mine["waiting for the last replica"] += max(0, combined[0] - arrived)
+            mine["combination"] += combined[1] - combined[0]
+            mine["wake-up"] += done - combined[1]
+            return result
+
+        BatchNormSync.meet = meet  # type: ignore[method-assign]
+
+    def slowest(self) -> dict[str, int]:
+        """The parts of the replica that spent the longest inside meetings."""
+        return max(self.ns.values(), key=lambda parts: sum(parts.values()))
+
+
+def mirrored_side(model_name: str, mode: str, data: list) -> tuple:
+    import stratagem as sg
+    from stratagem.devices import DeviceRegistry
+
     registry = DeviceRegistry()
     registry.set_logical_device_configuration("cpu", 2)
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=registry, batch_norm=mode)
-    model = net()
-    model, optimizer = strategy.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = MODELS[model_name]()
+    model, optimizer = strategy.distribute(model, optimizer_for(model))
 
     def step(x, y):
         F.cross_entropy(model(x), y).backward()
@@ -49,33 +161,146 @@ def setup(mode: str, data: list) -> tuple:
     return strategy, step, batches
 
 
-def block(strategy, step, batches, steps: int) -> float:
-    start = time.perf_counter()
-    for i in range(steps):
-        strategy.run(step, args=batches[i % len(batches)])
-    return (time.perf_counter() - start) / steps
+def mirrored(args: argparse.Namespace) -> None:
+    clock = MeetingClock() if args.breakdown else None
+    data = make_data()
+    sides = {mode: mirrored_side(args.model, mode, data) for mode in ("global", "per_replica")}
+    print(sides["global"][0].explain().details.get("BatchNorm meetings", ""))
+    times: dict[str, list[float]] = {mode: [] for mode in sides}
+    cpu: dict[str, list[float]] = {mode: [] for mode in sides}
+    in_meetings: list[dict[str, float]] = []
+    for b in range(args.blocks):
+        for mode in ["global", "per_replica"] if b % 2 == 0 else ["per_replica", "global"]:
+            strategy, step, batches = sides[mode]
+            if clock is not None:
+                clock.on, clock.ns = mode == "global", {}
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for i in range(args.steps):
+                strategy.run(step, args=batches[i % len(batches)])
+            times[mode].append((time.perf_counter() - start) / args.steps)
+            cpu[mode].append((time.process_time() - start_cpu) / args.steps)
+            if clock is not None and mode == "global":
+                in_meetings.append({k: v / 1e9 / args.steps for k, v in clock.slowest().items()})
+    for mode, values in times.items():
+        print(
+            f"{args.model}, Mirrored x2, batch_norm={mode!r}: median {statistics.median(values) * 1000:.1f} ms/step "
+            f"(blocks: {', '.join(f'{v * 1000:.0f}' for v in values)})"
+        )
+    ratios = [g / p for g, p in zip(times["global"], times["per_replica"])]
+    print(
+        f"global / per_replica: median ratio {statistics.median(ratios):.3f} over {args.blocks} blocks "
+        f"(range {min(ratios):.3f}-{max(ratios):.3f})"
+    )
+    cpu_ratios = [g / p for g, p in zip(cpu["global"], cpu["per_replica"])]
+    print(f"CPU time of the process (both replica threads) per step, global / per_replica: median "
+          f"{statistics.median(cpu_ratios):.3f} (range {min(cpu_ratios):.3f}-{max(cpu_ratios):.3f}; "
+          f"{statistics.median(cpu['global']) * 1000:.1f} and {statistics.median(cpu['per_replica']) * 1000:.1f} ms)")
+    if in_meetings:
+        totals = [sum(m.values()) for m in in_meetings]
+        shares = [m / t for m, t in zip(totals, times["global"])]
+        parts = ", ".join(f"{k} {statistics.median(m[k] for m in in_meetings) * 1000:.1f}" for k in MeetingClock.PARTS)
+        print(
+            f"global: the slower replica spent a median {statistics.median(totals) * 1000:.1f} ms/step inside "
+            f"the BatchNorm meetings ({parts} ms/step), {statistics.median(shares):.1%} of the step "
+            f"(blocks: {', '.join(f'{s:.1%}' for s in shares)})"
+        )
+    for strategy, _, _ in sides.values():
+        strategy.close()
+
+
+# ---- MultiWorkerMirrored x2, two processes ---------------------------------------------------------------
+def _rank(rank: int, model_name: str, mode: str, port: int, blocks: int, steps: int, queue) -> None:
+    import torch.distributed as dist
+
+    import stratagem as sg
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    cluster = {
+        "cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
+        "task": {"type": "worker", "index": rank},
+    }
+    strategy = sg.MultiWorkerMirroredStrategy(["cpu:0"], cluster=cluster, timeout=300, batch_norm=mode)
+    data = make_data()
+    model = MODELS[model_name]()
+    model, opt = strategy.distribute(model, optimizer_for(model))
+
+    def mwms_step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    batches = [b for b in strategy.distribute_dataset(data)]
+    ddp = torch.nn.parallel.DistributedDataParallel(MODELS[model_name]())
+    ddp_opt = optimizer_for(ddp)
+    local = [(x[rank * 32 : (rank + 1) * 32], y[rank * 32 : (rank + 1) * 32]) for x, y in data]
+
+    def ddp_step(x, y):
+        F.cross_entropy(ddp(x), y).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+    sides = {
+        "mwms": lambda i: strategy.run(mwms_step, args=batches[i % len(batches)]),
+        "ddp": lambda i: ddp_step(*local[i % len(local)]),
+    }
+    for run in sides.values():
+        run(0)
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for block in range(blocks):
+        for name in ["mwms", "ddp"] if block % 2 == 0 else ["ddp", "mwms"]:
+            dist.barrier()
+            start = time.perf_counter()
+            for i in range(steps):
+                sides[name](i)
+            dist.barrier()
+            seconds[name].append((time.perf_counter() - start) / steps)
+    if rank == 0:
+        queue.put(
+            {
+                "mode": mode,
+                "seconds": seconds,
+                "ratios": [m / d for m, d in zip(seconds["mwms"], seconds["ddp"])],
+                "meetings": strategy.explain().details.get("BatchNorm meetings", ""),
+            }
+        )
+    del ddp, sides
+    strategy.close()
+
+
+def multi_worker(args: argparse.Namespace) -> None:
+    from stratagem.bench.multi_process import spawn_ranks
+
+    results: dict[str, list[float]] = {"global": [], "per_replica": []}
+    for round_ in range(args.rounds):
+        for mode in ["global", "per_replica"] if round_ % 2 == 0 else ["per_replica", "global"]:
+            r = spawn_ranks(_rank, 2, args.model, mode, "PORT", args.blocks, args.steps)
+            ms = {n: statistics.median(v) * 1000 for n, v in r["seconds"].items()}
+            print(
+                f"{args.model}, round {round_ + 1}, MultiWorkerMirrored x2 batch_norm={mode!r}: "
+                f"{ms['mwms']:.0f} ms/step, DDP x2 {ms['ddp']:.0f} ms/step, MWMS / DDP median "
+                f"{statistics.median(r['ratios']):.3f} (blocks: {', '.join(f'{x:.2f}' for x in r['ratios'])})"
+            )
+            if r["meetings"]:
+                print(f"  explain(): {r['meetings']}")
+            results[mode] += r["ratios"]
+    g, p = statistics.median(results["global"]), statistics.median(results["per_replica"])
+    print(
+        f"global / per_replica (each against DDP in its own processes): {g / p:.3f} "
+        f"(MWMS / DDP medians {g:.3f} and {p:.3f})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    parser.add_argument("--strategy", choices=("mirrored", "multi_worker"), default="mirrored")
     parser.add_argument("--blocks", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=2, help="multi_worker: runs of each setting, alternating")
+    parser.add_argument("--breakdown", action="store_true", help="mirrored: time inside the BatchNorm meetings")
     args = parser.parse_args()
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(10)]
-    sides = {mode: setup(mode, data) for mode in ("global", "per_replica")}
-    times: dict[str, list[float]] = {mode: [] for mode in sides}
-    for b in range(args.blocks):
-        order = ["global", "per_replica"] if b % 2 == 0 else ["per_replica", "global"]
-        for mode in order:
-            times[mode].append(block(*sides[mode], args.steps))
-    for mode, values in times.items():
-        print(f"batch_norm={mode!r}: median {statistics.median(values) * 1000:.1f} ms/step "
-              f"(blocks: {', '.join(f'{v * 1000:.0f}' for v in values)})")
-    ratios = [g / p for g, p in zip(times["global"], times["per_replica"])]
-    print(f"global / per_replica: median ratio {statistics.median(ratios):.3f} over {args.blocks} blocks")
-    for strategy, _, _ in sides.values():
-        strategy.close()
+    (mirrored if args.strategy == "mirrored" else multi_worker)(args)
 
 
 if __name__ == "__main__":

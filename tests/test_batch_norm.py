@@ -5,6 +5,7 @@ per-replica statistics as an option; the user's layers keep their class, keys an
 from __future__ import annotations
 
 import copy
+import re
 import io
 import time
 
@@ -245,12 +246,30 @@ def test_explain_names_the_mode_and_what_each_layer_exchanges():
     strategy = mirrored(2)
     decision = strategy.explain().decision("BatchNorm statistics")
     assert decision.choice == "global batch" and "batch_norm='per_replica' is cheaper" in decision.reason
-    model, _, _ = build("conv")
+    model, opt, shape = build("conv")
     strategy.distribute(model)
     text = str(strategy.explain())
     # Layer '1' has 4 channels (9 + 8 values), layer '5' has 6 (13 + 12): (17 + 25) * 8 bytes.
     assert "BatchNorm layers: 2 layer(s)" in text
-    assert "per replica and step 336 bytes (1: 9 + 8 float64 values; 5: 13 + 12 float64 values)" in text
+    assert "336 bytes per step (1: 9 + 8 float64 values; 5: 13 + 12 float64 values)" in text
+    assert "BatchNorm meetings" not in text  # nothing measured before a step
+    strategy.close()
+
+
+def test_explain_gives_the_measured_cost_of_the_first_steps_meetings():
+    model, opt, shape = build("conv")
+    strategy = mirrored(2)
+    train_distributed(strategy, model, opt, batches(shape, sizes=[8, 6]))
+    text = str(strategy.explain())
+    # Two layers, each meeting once in forward and once in backward, in the first step only.
+    found = re.search(
+        r"BatchNorm meetings: measured in step 1: 4 meetings took ([0-9.]+) ms \(replica 0: ([0-9.]+) ms, "
+        r"replica 1: ([0-9.]+) ms\) of the ([0-9.]+) ms from the step's start to its last BatchNorm meeting",
+        text,
+    )
+    assert found is not None, text
+    took, r0, r1, span = (float(v) for v in found.groups())
+    assert took == max(r0, r1) and 0 < took <= span
     strategy.close()
     assert sg.MirroredStrategy(["cpu:0"], registry=cpu_registry(1)).explain().decision("BatchNorm statistics") is None
 
@@ -386,7 +405,7 @@ def test_two_workers_share_global_statistics_and_idle_workers_take_part(tmp_path
         assert all(0 not in seen for seen in saved["seen"]), saved["seen"]
         assert saved["loss"] == pytest.approx(want_loss, rel=1e-9)
         assert "BatchNorm statistics: global batch" in saved["explain"]
-        assert "and a sum across workers" in saved["explain"]
+        assert "the last to arrive also sums across workers" in saved["explain"]
     assert saved["seen"][0][1] == 1  # worker 1 ran its stand-in example in the step it had no example of its own
 
 

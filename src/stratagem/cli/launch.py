@@ -16,11 +16,14 @@ import sys
 from pathlib import Path
 
 from stratagem import environ
-from stratagem.cluster import OutputLine, launch
+from stratagem.cluster.launch import LAUNCHABLE_STRATEGIES, launch
+from stratagem.cluster.processes import OutputLine
 from stratagem.errors import StratagemError
-from stratagem.strategies.records import STRATEGIES
 
-ONE_PROCESS_STRATEGIES = tuple(record.name for record in STRATEGIES if not record.one_process_per_worker)
+# The launcher imports neither torch nor the strategies before it starts its tasks (their names come from
+# cluster/launch.py, which tests/test_launch_startup.py keeps equal to strategies/records.py's).
+STRATEGY_NAMES = tuple(LAUNCHABLE_STRATEGIES)
+ONE_PROCESS_STRATEGIES = tuple(name for name, per_worker in LAUNCHABLE_STRATEGIES.items() if not per_worker)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -38,10 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="number of worker processes (default 1)")
     parser.add_argument(
         "--strategy",
-        choices=STRATEGIES.names,
+        choices=STRATEGY_NAMES,
         metavar="NAME",
         help="the strategy sg.strategy_from_env() builds in each task (exported as STRATAGEM_STRATEGY): "
-        f"one of {', '.join(STRATEGIES.names)}; by default multi_worker for several workers",
+        f"one of {', '.join(STRATEGY_NAMES)}; by default multi_worker for several workers",
     )
     parser.add_argument(
         "--devices-per-worker",

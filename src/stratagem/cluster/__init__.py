@@ -4,7 +4,15 @@
 >>> from stratagem.cluster import resolve_cluster
 >>> cluster = resolve_cluster(env=environ.current())   # TF_CONFIG, torchrun, SLURM, or one process
 >>> print(cluster.explain())                            # doctest: +SKIP
+
+`init_process_group` (the rendezvous, which imports torch.distributed) is imported when first used, so that
+`stratagem launch` starts its tasks without torch; the rest is plain Python.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from stratagem.cluster.launch import (
     LaunchResult,
@@ -18,10 +26,22 @@ from stratagem.cluster.launch import (
 )
 from stratagem.cluster.nodelist import expand_nodelist, expand_tasks_per_node, first_host, tasks_on_node
 from stratagem.cluster.processes import OutputLine, describe_exit
-from stratagem.cluster.rendezvous import init_process_group
 from stratagem.cluster.resolve import from_slurm, from_torchrun, resolve_cluster, single_process, slurm_master_port
 from stratagem.cluster.spec import TASK_TYPES, Cluster
 from stratagem.cluster.tf_config import parse_tf_config, split_address
+
+if TYPE_CHECKING:
+    from stratagem.cluster.rendezvous import init_process_group
+
+
+def __getattr__(name: str) -> Any:
+    """`cluster.init_process_group`, imported when first used (with torch.distributed)."""
+    if name != "init_process_group":
+        raise AttributeError(f"module 'stratagem.cluster' has no attribute {name!r}")
+    value = importlib.import_module("stratagem.cluster.rendezvous").init_process_group
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "TASK_TYPES",

@@ -7,14 +7,14 @@ copy of the user's model (its parameters and buffers shared, not copied) whose B
 new layers of a subclass of theirs (`GlobalBatchNorm1d/2d/3d`, so `isinstance(m, nn.BatchNorm2d)`,
 `state_dict()` keys and eval mode are as before) holding the same tensors; the replicas are made from
 that copy and the user's model and its layers are left as they are. While the strategy runs, a
-converted layer's training forward calls `_GlobalBatchNorm`:
+converted layer's training forward calls `GlobalBatchNormFunction` (batch_norm_function.py):
 
-- forward: each replica contributes [sum, sum of squares, count] per channel (float64, from
-  its slice's mean and biased variance, which keeps the float32 case well conditioned); the
-  replicas of the process meet at the strategy's `ReplicaBarrier` and each sums the
-  contributions in replica order (so every replica gets the same bits); under
-  MultiWorkerMirroredStrategy replica 0 then sums across workers and the others wait for it.
-  The layer normalises with the global mean and biased variance and updates its running
+- forward: each replica contributes its slice's mean and biased variance and its count; the
+  replicas of the process meet once at the strategy's `ReplicaBarrier`, where the last to
+  arrive builds [sum, sum of squares, count] per channel in float64 and replica order (which
+  keeps the float32 case well conditioned), sums it across workers under
+  MultiWorkerMirroredStrategy, and derives the global statistics once for every replica
+  (so every replica gets the same bits). The layer normalises with the global mean and biased variance and updates its running
   statistics with the global mean and the unbiased global variance, identically everywhere.
 - backward: each replica contributes [sum dy, sum dy*x_hat] (x_hat = (x - mean) / sigma with the
   global statistics: torch's sum_dy_xmu over sigma) weighted by its share of the
@@ -33,8 +33,8 @@ replicas; `state_dict()` and evaluation read replica 0's.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.strategies.data_parallel.batch_norm_function import Call, Combine, GlobalBatchNormFunction
 from stratagem.strategies.data_parallel.empty_slices import standing_in
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
 
@@ -89,17 +90,6 @@ def batch_norm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
         for name, m in model.named_modules()
         if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
     ]
-
-
-@dataclass
-class _Call:
-    """One replica's call of one layer, as its forward and backward see it."""
-
-    sync: "BatchNormSync"
-    layer: int
-    replica: int
-    standing_in: bool
-    eps: float
 
 
 class _SyncLink:
@@ -233,6 +223,7 @@ class BatchNormSync:
         self._names: list[str] = []
         self._channels: list[int] = []
         self._link = _SyncLink()
+        self._timing = _MeetingTimes(num_local)
         self.begin_step()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -260,6 +251,7 @@ class BatchNormSync:
         self._exchanges = [0] * self._num_local
         self._slots: list[list[Any]] = [[None] * self._num_local, [None] * self._num_local]
         self._results: list[Any] = [None, None]
+        self._timing.begin_step()
 
     # ---- explain ------------------------------------------------------------------------------
     def describe(self) -> dict[str, str]:
@@ -271,18 +263,22 @@ class BatchNormSync:
                 "BatchNorm layers": f"{len(self._names)} layer(s), statistics of each replica's own slice, "
                 "nothing exchanged"
             }
-        across = " and a sum across workers" if self._cross_worker_sum is not None else ""
+        across = " (the last to arrive also sums across workers)" if self._cross_worker_sum is not None else ""
         costs = "; ".join(
             f"{name or '(model)'}: {2 * c + 1} + {2 * c} float64 values" for name, c in zip(self._names, self._channels)
         )
         total = sum(4 * c + 1 for c in self._channels) * 8
-        return {
+        described = {
             "BatchNorm layers": (
-                f"{len(self._names)} layer(s), each training call exchanges [sum, sum of squares, count] per channel in "
-                f"forward and [sum dy, sum dy*x_hat] in backward: one meeting of the local replicas each way{across}; "
-                f"per replica and step {total} bytes ({costs})"
+                f"{len(self._names)} layer(s), each training call sums [sum, sum of squares, count] per channel in "
+                f"forward and [sum dy, sum dy*x_hat] in backward over every replica: one meeting of the local "
+                f"replicas each way{across}; {total} bytes per step ({costs})"
             )
         }
+        measured = self._timing.describe()
+        if measured is not None:
+            described["BatchNorm meetings"] = measured
+        return described
 
     # ---- the forward a layer gets -------------------------------------------------------------
     def _forward(self, layer: int, module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
@@ -298,11 +294,11 @@ class BatchNormSync:
         if self.mode == "per_replica":
             if standing_in():
                 return _normalise_stand_in(module, input)
-            per_replica_check(module, input, replica, self._layer_name(layer))
+            per_replica_check(module, input, replica, self.layer_name(layer))
             return plain(module, input)
         factor = _update_factor(module)
-        call = _Call(self, layer, replica, standing_in(), module.eps)
-        return _GlobalBatchNorm.apply(
+        call = Call(self, layer, replica, standing_in(), module.eps)
+        return GlobalBatchNormFunction.apply(
             input,
             module.weight,
             module.bias,
@@ -313,39 +309,82 @@ class BatchNormSync:
         )
 
     # ---- the meeting --------------------------------------------------------------------------
-    def _exchange(self, replica: int, local: torch.Tensor, what: str) -> torch.Tensor:
-        """The sum of `local` over every replica of every worker (each replica calls this in the same order)."""
+    def meet(self, replica: int, contribution: Any, what: str, combine: Combine) -> Any:
+        """What `combine` makes of every local replica's `contribution` (in replica order), run once by the last
+        replica to arrive; each replica calls this in the same order. The first step's meetings are timed."""
         step = self._step()
+        timed = self._timing.step in (None, step)
+        start = time.perf_counter_ns() if timed else 0
         if self._num_local == 1:
-            total = local.clone()
-            if self._cross_worker_sum is not None:
-                self._cross_worker_sum(total, what, step)
-            return total
-        count = self._exchanges[replica]
-        self._exchanges[replica] = count + 1
-        # Two sets of slots: a replica that runs ahead writes the next exchange's slot while a slow one may still
-        # read this one's; the one after next needs every replica past the next meeting, so past reading this one.
-        slots = self._slots[count % 2]
-        slots[replica] = local
-        self._barrier.wait(replica, what, step, call="the model (and backward())")
-        if self._cross_worker_sum is None:
-            return _sum_in_order(slots, local.device)
-        if replica == 0:
-            total = _sum_in_order(slots, local.device)
-            self._cross_worker_sum(total, what, step)
-            self._results[count % 2] = total
-        self._barrier.wait(replica, f"{what} across workers", step, call="the model (and backward())")
-        return self._results[count % 2].to(local.device)
+            result = combine([contribution], step)
+        else:
+            count = self._exchanges[replica]
+            self._exchanges[replica] = count + 1
+            # Two sets of slots: a replica that runs ahead writes the next meeting's slot while a slow one may
+            # still read this one's result; the one after next needs every replica past the next meeting, so past
+            # reading this one.
+            slots, results = self._slots[count % 2], self._results
 
-    def _layer_name(self, layer: int) -> str:
+            def last() -> None:
+                results[count % 2] = combine(list(slots), step)
+
+            slots[replica] = contribution
+            self._barrier.wait(replica, what, step, call="the model (and backward())", last=last)
+            result = results[count % 2]
+        if timed:
+            self._timing.record(replica, step, start, time.perf_counter_ns())
+        return result
+
+    def sum_across_workers(self, total: torch.Tensor, what: str, step: int) -> None:
+        """Sums `total` in place across worker processes (MultiWorkerMirroredStrategy); nothing otherwise."""
+        if self._cross_worker_sum is not None:
+            self._cross_worker_sum(total, what, step)
+
+    def layer_name(self, layer: int) -> str:
         return self._names[layer] or "(model)"
 
+    def weight_of(self, replica: int) -> float | None:
+        """The combination weight of local `replica` in the running step."""
+        return self._weight(replica)
 
-def _sum_in_order(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = tensors[0].to(device, copy=True)
-    for t in tensors[1:]:
-        total.add_(t.to(device))
-    return total
+    def step_number(self) -> int:
+        return self._step()
+
+
+class _MeetingTimes:
+    """How long each local replica spent in the BatchNorm meetings of the first step that had any (waiting for
+    the slowest replica, summing, and across workers), against the time from that step's start to its last
+    meeting: what `explain()` reports as the measured cost of exact BatchNorm on the user's model."""
+
+    def __init__(self, num_local: int) -> None:
+        self.step: int | None = None
+        self.started = 0
+        self.meetings = 0
+        self.last_end = 0
+        self.spent = [0] * num_local
+
+    def begin_step(self) -> None:
+        if self.step is None:
+            self.started = time.perf_counter_ns()
+
+    def record(self, replica: int, step: int, start: int, end: int) -> None:
+        self.step = step
+        self.spent[replica] += end - start
+        if replica == 0:
+            self.meetings += 1
+        self.last_end = max(self.last_end, end)
+
+    def describe(self) -> str | None:
+        if self.step is None:
+            return None
+        span = (self.last_end - self.started) / 1e6
+        each = ", ".join(f"replica {r}: {ns / 1e6:.1f} ms" for r, ns in enumerate(self.spent))
+        return (
+            f"measured in step {self.step}: {self.meetings} meetings took {max(self.spent) / 1e6:.1f} ms "
+            f"({each}) of the {span:.1f} ms from the step's start to its last BatchNorm meeting, waiting for the "
+            "slowest replica at each layer and summing; batch_norm='per_replica' has none (a first step also "
+            "holds one-off work, so the share in later steps is usually smaller)"
+        )
 
 
 def _update_factor(module: _BatchNorm) -> float:
@@ -356,128 +395,6 @@ def _update_factor(module: _BatchNorm) -> float:
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     return factor
-
-
-def _channel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return t.reshape(1, -1, *([1] * (dim - 2)))
-
-
-class _GlobalBatchNorm(torch.autograd.Function):
-    """Batch normalisation with statistics summed over every replica (see the module docstring).
-
-    The element-wise passes are torch's own fused kernels: the local mean and variance from
-    `batch_norm_update_stats`, the output from eval-mode `batch_norm` given the global mean and
-    variance, the local sums of the backward pass from eval-mode `native_batch_norm_backward`
-    (which then skips the input gradient), and the input gradient from one more eval-mode
-    `batch_norm` of the input plus `dy` scaled; a written-out version took five times as long.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        call: _Call,
-        running_mean: torch.Tensor | None,
-        running_var: torch.Tensor | None,
-        factor: float,
-    ) -> torch.Tensor:
-        channels = x.shape[1]
-        sync = call.sync
-        if call.standing_in:
-            local = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)  # counted as no example
-        else:
-            count = x.numel() // channels
-            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # biased variance
-            mean64 = mean.double()
-            # [sum, sum of squares, count] in float64, built from a stable mean and variance.
-            local = torch.cat(
-                [
-                    mean64 * count,
-                    (var.double() + mean64 * mean64) * count,
-                    torch.tensor([float(count)], dtype=torch.float64, device=x.device),
-                ]
-            )
-        name = sync._layer_name(call.layer)
-        total = sync._exchange(call.replica, local, f"BatchNorm statistics of '{name}' (forward)")
-        size = float(total[-1])
-        if size <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {int(size)} over the global batch in "
-                f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})."
-            )
-        mean64 = total[:channels] / size
-        var64 = (total[channels : 2 * channels] / size - mean64 * mean64).clamp_(min=0)
-        if running_mean is not None and running_var is not None:
-            running_mean.mul_(1 - factor).add_(mean64.to(running_mean.dtype), alpha=factor)
-            running_var.mul_(1 - factor).add_((var64 * (size / (size - 1))).to(running_var.dtype), alpha=factor)
-        # Under autocast the input may be bfloat16 while the parameters stay float32: torch's kernels then take
-        # statistics of the parameters' dtype.
-        stats_dtype = weight.dtype if weight is not None else x.dtype
-        mean, var = mean64.to(stats_dtype), var64.to(stats_dtype)
-        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, call.eps)
-        ctx.save_for_backward(x, weight, mean, var)
-        ctx.call = call
-        ctx.size = size
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, weight, mean, var = ctx.saved_tensors
-        call: _Call = ctx.call
-        channels = x.shape[1]
-        dy = dy.contiguous()
-        # Local sums: sum dy, and sum dy * x_hat (x_hat normalised with the global statistics).
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, mean, var, None, None, False, call.eps, [False, True, True]
-        )
-        grad_weight = grad_bias = grad_x = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros_like(sum_dy_xhat) if call.standing_in else sum_dy_xhat
-        if ctx.needs_input_grad[2]:
-            grad_bias = torch.zeros_like(sum_dy) if call.standing_in else sum_dy
-        if ctx.needs_input_grad[0]:
-            combination = call.sync._weight(call.replica)
-            if combination == 0 and not call.standing_in:
-                _refuse_zero_weight(call, x)
-            share = combination or 0.0
-            idle = call.standing_in or share == 0
-            if idle:
-                local = torch.zeros(2 * channels, dtype=torch.float64, device=x.device)
-            else:
-                local = torch.cat([sum_dy.double(), sum_dy_xhat.double()]) * share
-            name = call.sync._layer_name(call.layer)
-            total = call.sync._exchange(call.replica, local, f"BatchNorm statistics of '{name}' (backward)")
-            if idle:
-                grad_x = torch.zeros_like(x)  # a weight-zero replica's gradient is never read
-            else:
-                # The global loss's gradient divided by this replica's weight, which the combination multiplies back:
-                # dx = w/sigma * (dy - a - x_hat * c), a and c the global weighted means of dy and dy * x_hat.
-                scale = share * ctx.size
-                a = (total[:channels] / scale).to(mean.dtype)
-                c = (total[channels:] / scale).to(mean.dtype)
-                gain = torch.rsqrt(var + call.eps)
-                if weight is not None:
-                    gain = gain * weight
-                grad_x = F.batch_norm(x, mean, var, -gain * c, -gain * a, False, 0.0, call.eps)
-                grad_x.addcmul_(dy, _channel_view(gain, x.dim()))
-        return grad_x, grad_weight, grad_bias, None, None, None, None
-
-
-def _refuse_zero_weight(call: _Call, x: torch.Tensor) -> None:
-    """A loss weight of 0 declared on a slice with examples: through the global statistics those examples move the
-    other replicas' losses, a gradient that the combination, multiplying this replica's by 0, would drop."""
-    name = call.sync._layer_name(call.layer)
-    raise InputError(
-        f"BatchNorm layer '{name}' normalises with the statistics of the whole global batch, so the examples of "
-        f"replica {call.replica} move every replica's loss, but in step {call.sync._step()} replica {call.replica} "
-        "declared a loss weight of 0 with sg.set_loss_weight(), which would drop the gradient they get through "
-        f"those statistics. Received: sg.set_loss_weight(0) on a slice of {x.shape[0]} example(s) with "
-        "batch_norm='global'. Make each replica's loss its share of the global one (its sum over tokens divided "
-        "by the global count, times num_replicas_in_sync) and declare sg.set_loss_weight(1) on every replica, or "
-        "use batch_norm='per_replica'."
-    )
 
 
 def per_replica_check(module: _BatchNorm, input: torch.Tensor, replica: int, name: str) -> None:

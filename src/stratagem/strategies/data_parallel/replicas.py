@@ -106,13 +106,16 @@ class ReplicaBarrier:
         step: int,
         steal: Callable[[], Callable[[], None] | None] | None = None,
         call: str | None = None,
+        last: Callable[[], None] | None = None,
     ) -> None:
         """Waits until every replica has arrived (or one has failed, returned, or timed out).
 
         `steal`, called with the barrier's lock held while this replica waits, may hand back a job
         to run with the lock released (work another replica would otherwise do after the meeting);
         what it claims is decided before the last replica arrives, never after. `call`: what the user
-        calls to get here (for the error when a replica returned without arriving).
+        calls to get here (for the error when a replica returned without arriving). `last` runs once,
+        on the last replica to arrive, before any is released (what the meeting computes for all of them, so
+        the others wake to it); when it raises, every replica of the meeting fails with its error.
         """
         n = len(self._names)
         with self._cond:
@@ -146,6 +149,13 @@ class ReplicaBarrier:
                 raise error
             self._arrived.add(replica)
             if len(self._arrived) == n:
+                if last is not None:
+                    try:
+                        last()
+                    except BaseException as exc:
+                        self._error = exc
+                        self._cond.notify_all()
+                        raise
                 self._arrived.clear()
                 self._generation += 1
                 self._cond.notify_all()
