@@ -70,9 +70,9 @@ _writes_list: dict[Any, bool] = {}
 def _writes_first_list(func: Any) -> bool:
     """Whether `func` writes into its first argument, a list of tensors (`_foreach_add_` and the like)."""
     if func not in _writes_list:
-        first = func._schema.arguments[0] if func._schema.arguments else None
-        info = first.alias_info if first is not None else None
-        _writes_list[func] = info is not None and info.is_write and str(first.type).startswith("List[")
+        arguments = func._schema.arguments
+        info = arguments[0].alias_info if arguments else None
+        _writes_list[func] = info is not None and info.is_write and str(arguments[0].type).startswith("List[")
     return _writes_list[func]
 
 
