@@ -6,7 +6,11 @@ strategy; blocks of 20 steps alternate between `check_batches=True` and False (w
 too), each block timed between barriers, and every block distributes its batches as it iterates them
 (`distribute_dataset` over a list of global batches, so the fingerprint hashes each whole global batch:
 the dearest case; a DataLoader cut at the index level hashes its indices instead). Prints each side's
-samples/s and the median (with range) of the per-block ratios.
+samples/s and the median (with range) of the per-block ratios. On a loaded machine those ratios scatter
+by tens of percent, so after each pair of blocks the check's own work (fingerprint of one global batch,
+its slots, the comparison) is also timed 20 times in the same process, and printed per step and as a
+share of the median step time: that is the cost on the training thread; the check's 27 numbers per
+worker added to an all-reduce of 3.4 MB of gradients are not measurable.
 
     .venv/bin/python benchmarks/batch_check.py --blocks 20
 """
@@ -26,6 +30,7 @@ def _rank(rank: int, port: int, blocks: int, warmup: int, shared_memory: bool | 
     import stratagem as sg
     from stratagem.bench.throughput import make_train_step
     from stratagem.bench.workloads import WORKLOADS
+    from stratagem.strategies.multi_worker.agreement import SLOT, BatchAgreement
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
@@ -47,6 +52,18 @@ def _rank(rank: int, port: int, blocks: int, warmup: int, shared_memory: bool | 
             strategy.run(train_step, args=(x, y))
 
     block(warmup)
+    alone = BatchAgreement(rank=0, task_names=["worker:0", "worker:1"])
+    x, y = batches[0]
+    own: list[float] = []
+
+    def check_alone() -> float:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            alone.note_global_batch((x, y), len(x))
+            mine = alone.slots(1, torch.float32).tolist()[:SLOT]
+            alone.check(mine * 2, 1)
+        return (time.perf_counter() - t0) / 20
+
     seconds: dict[bool, list[float]] = {True: [], False: []}
     for b in range(blocks):
         for check in (True, False) if b % 2 == 0 else (False, True):
@@ -56,12 +73,15 @@ def _rank(rank: int, port: int, blocks: int, warmup: int, shared_memory: bool | 
             block(20)
             dist.barrier()  # the slowest rank's time
             seconds[check].append(time.perf_counter() - t0)
+        own.append(check_alone())
     if rank == 0:
         ratios = [on / off for on, off in zip(seconds[True], seconds[False])]
         queue.put(
             {
                 "samples_per_s": {str(k): blocks * 20 * workload.global_batch / sum(v) for k, v in seconds.items()},
                 "ratios": ratios,
+                "check_s": own,
+                "step_s": [t / 20 for t in seconds[False]],
             }
         )
     strategy.close()
@@ -81,6 +101,11 @@ def main() -> int:
         f"check on: {r['samples_per_s']['True']:.0f} samples/s, off: {r['samples_per_s']['False']:.0f} samples/s; "
         f"step time on / off: median {statistics.median(ratios):.4f} (range {ratios[0]:.3f}-{ratios[-1]:.3f}) "
         f"over {len(ratios)} block pairs"
+    )
+    own, step = sorted(r["check_s"]), statistics.median(r["step_s"])
+    print(
+        f"the check's own work: median {statistics.median(own) * 1e6:.0f} us a step (range {own[0] * 1e6:.0f}-"
+        f"{own[-1] * 1e6:.0f}), {statistics.median(own) / step:.2%} of the median step ({step * 1e3:.1f} ms)"
     )
     return 0
 
