@@ -105,9 +105,10 @@ def test_the_digest_is_exact_integer_arithmetic_independent_of_threads():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_a_chief_whose_shuffle_was_shifted_stops_both_workers_at_the_first_step():
+@pytest.mark.parametrize("shm", ["", "0"], ids=["shared-memory", "gloo"])
+def test_a_chief_whose_shuffle_was_shifted_stops_both_workers_at_the_first_step(shm):
     # Before: training ran on halves of two different shuffles without a word (issue 27: 0.34 away from one device).
-    code, outcomes = _launched(AG_MODE="loader", AG_EVAL_CHIEF=1)
+    code, outcomes = _launched(AG_MODE="loader", AG_EVAL_CHIEF=1, AG_SHM=shm)
     assert code != 0
     for outcome in outcomes.values():
         assert outcome.get("error") == "InputError", outcome

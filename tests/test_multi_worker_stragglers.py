@@ -81,6 +81,17 @@ def test_a_slow_input_is_named_as_input():
     assert [(s.task, s.phase) for s in named] == [("worker:2", "input")]
 
 
+def test_slow_communication_is_named_only_when_the_worker_is_not_just_waiting():
+    watch = StragglerWatch(rank=0, task_names=["worker:0", "worker:1", "worker:2"])
+    # worker:1's own sums take 40 ms longer while its work is as long as its peers': slow in communication.
+    named = _synthetic(watch, 20, lambda step, r: [1.0, 10.0, 45.0] if r == 1 else [1.0, 10.0, 5.0])
+    assert [(s.task, s.phase) for s in named] == [("worker:1", "communication")]
+    waiting = StragglerWatch(rank=0, task_names=["worker:0", "worker:1"])
+    # worker:0 waits 40 ms for worker:1, which computes 40 ms longer: only worker:1 is named, in compute.
+    named = _synthetic(waiting, 20, lambda step, r: [1.0, 50.0, 5.0] if r == 1 else [1.0, 10.0, 45.0])
+    assert [(s.task, s.phase) for s in named] == [("worker:1", "compute")]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_worker_sleeping_50_ms_in_its_step_is_named_in_compute_within_20_steps():

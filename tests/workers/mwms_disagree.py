@@ -8,6 +8,7 @@ AG_EVAL_CHIEF  1: the chief draws from torch's random stream before training (as
 AG_SHIFT_RANK  this rank builds its list of batches from another seed (AG_MODE "batches" or "step")
 AG_CHECK       0: check_batches=False
 AG_STEPS       how many steps to train (default 6)
+AG_SHM         0: sum through Gloo (shared_memory=False); unset: the strategy's choice (shared memory here)
 Prints one JSON line: {"error": class, "message": ...} or {"steps": n, "losses": [...]}.
 """
 
@@ -29,7 +30,11 @@ def main() -> int:
     torch.set_num_threads(1)
     env = os.environ
     mode = env.get("AG_MODE", "loader")
-    strategy = sg.MultiWorkerMirroredStrategy(timeout=60, check_batches=env.get("AG_CHECK", "1") != "0")
+    strategy = sg.MultiWorkerMirroredStrategy(
+        timeout=60,
+        check_batches=env.get("AG_CHECK", "1") != "0",
+        shared_memory=False if env.get("AG_SHM") == "0" else None,
+    )
     rank = strategy.cluster.rank
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))

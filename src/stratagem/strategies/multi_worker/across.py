@@ -163,7 +163,8 @@ class AcrossWorkers:
 
     def _extra(self, step: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """What rides the gradient sum after the counts: the step's fingerprint, then the last step's phase times."""
-        return torch.cat([self.agreement.slots(step, dtype, device), self.stragglers.slots(self.times, dtype, device)])
+        numbers = self.agreement.numbers(step) + self.stragglers.numbers(self.times)
+        return torch.tensor(numbers, dtype=dtype, device=device)
 
     def _fill_tail(self, step: int) -> None:
         """This worker's slots after the counts (the sum overwrote the last ones)."""

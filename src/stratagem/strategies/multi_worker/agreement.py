@@ -21,7 +21,7 @@ sampled ones are not told apart: the check is for batches drawn differently, at 
 
     >>> agreement = BatchAgreement(rank=0, task_names=["worker:0", "worker:1"])
     >>> agreement.note_global_batch((x, y), global_size=64)         # doctest: +SKIP
-    >>> slots = agreement.slots(step=3)                             # summed with the gradients
+    >>> slots = agreement.slots(3, torch.float32)                   # summed with the gradients
     >>> agreement.check(summed_slots, step=3)                       # raises InputError naming who differs
 """
 
@@ -57,10 +57,9 @@ SAMPLES_PER_EXAMPLE = 64
 at a cost that does not grow with the example's size."""
 
 
-def tensor_digest(tensor: torch.Tensor) -> int:
-    """A 24-bit hash of a tensor's shape, dtype, values and their order along dimension 0. Of each example (row
-    along dimension 0) at most `SAMPLES_PER_EXAMPLE` values, evenly strided, are summed as raw bits in int64:
-    exact integer arithmetic, so independent of the number of threads."""
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Per example (row along dimension 0): the int64 sum of the raw bits of at most `SAMPLES_PER_EXAMPLE`
+    values, evenly strided. Exact integer arithmetic, so independent of the number of threads."""
     t = tensor.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
@@ -71,11 +70,34 @@ def tensor_digest(tensor: torch.Tensor) -> int:
         t = t.view(_ELEMENT_INT[t.element_size()])
     rows = t.reshape(t.shape[0], -1) if t.dim() > 0 else t.reshape(1, 1)
     stride = max(1, -(-rows.shape[1] // SAMPLES_PER_EXAMPLE))
-    per_row = rows[:, ::stride].to(torch.int64).sum(1)
-    weights = torch.arange(1, per_row.numel() + 1, dtype=torch.int64, device=per_row.device)
-    weighted, plain = torch.stack([(per_row * weights).sum(), per_row.sum()]).tolist()
+    return rows[:, ::stride].to(torch.int64).sum(1)
+
+
+def _digest(tensor: torch.Tensor, weighted: int, plain: int) -> int:
     text = f"{tuple(tensor.shape)}|{tensor.dtype}|{weighted}|{plain}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=3).digest(), "little")
+
+
+def tensor_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """A 24-bit hash of each tensor's shape, dtype, values and their order along dimension 0 (see `_rows`): the
+    per-example sums of the tensors with as many examples on one device go through one weighting and one read."""
+    sums = [_rows(t) for t in tensors]
+    out: dict[int, int] = {}
+    groups: dict[tuple[int, torch.device], list[int]] = {}
+    for i, per_row in enumerate(sums):
+        groups.setdefault((per_row.numel(), per_row.device), []).append(i)
+    for (n, device), members in groups.items():
+        stacked = torch.stack([sums[i] for i in members])
+        weights = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+        values = torch.cat([(stacked * weights).sum(1), stacked.sum(1)]).tolist()
+        for k, i in enumerate(members):
+            out[i] = _digest(tensors[i], values[k], values[len(members) + k])
+    return [out[i] for i in range(len(tensors))]
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """The 24-bit hash of one tensor (`tensor_digests`)."""
+    return tensor_digests([tensor])[0]
 
 
 def _bytes(value: int, count: int) -> list[int]:
@@ -111,7 +133,7 @@ class BatchAgreement:
         if not self.enabled:
             return
         leaves = [(i, t) for i, t in enumerate(flatten(batch)) if isinstance(t, torch.Tensor)]
-        digests = [tensor_digest(t) for _, t in leaves[:MAX_INPUTS]]
+        digests = tensor_digests([t for _, t in leaves[:MAX_INPUTS]])
         described = [f"tensor {n} of the batch (shape {tuple(t.shape)}, {t.dtype})" for n, (_, t) in enumerate(leaves)]
         self._noted = (_GLOBAL, global_size, [len(leaves), *digests], described)
 
@@ -130,18 +152,22 @@ class BatchAgreement:
             self._noted = (_OWN, 0, [0], [])
 
     # ---- the wire -----------------------------------------------------------------------------------
-    def slots(self, step: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    def numbers(self, step: int) -> list[float]:
         """Every worker's slot, this worker's filled, the others zero: summed across workers, each slot holds
         its worker's fingerprint exactly."""
-        out = torch.zeros(self.size, dtype=dtype)
+        out = [0.0] * self.size
         if self.enabled:
             mode, size, (count, *digests), _ = self._noted
             numbers = [1, *_bytes(step, 4), *_bytes(size, 3), mode, min(count, 255)]
             for digest in digests[:MAX_INPUTS]:
                 numbers.extend(_bytes(digest, 3))
             start = self.rank * SLOT
-            out[start : start + len(numbers)] = torch.tensor(numbers, dtype=dtype)
-        return out.to(device)
+            out[start : start + len(numbers)] = [float(n) for n in numbers]
+        return out
+
+    def slots(self, step: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`numbers` as a tensor."""
+        return torch.tensor(self.numbers(step), dtype=dtype, device=device)
 
     def check(self, summed: Sequence[float], step: int) -> None:
         """Raises `InputError` when a worker's fingerprint differs from the chief's (every worker raises the same)."""

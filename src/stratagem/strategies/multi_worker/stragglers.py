@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 PHASES = ("input", "compute", "communication")
 SLOT = len(PHASES)
 """Numbers each worker sends per step: its last complete step's phase times, in milliseconds."""
@@ -130,12 +128,13 @@ class StragglerWatch:
     def size(self) -> int:
         return SLOT * self.world_size
 
-    def slots(self, times: StepTimes, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        out = torch.zeros(self.size, dtype=dtype)
+    def numbers(self, times: StepTimes) -> list[float]:
+        """Every worker's slot, this worker's holding its last complete step's phase times (ms), the others zero."""
+        out = [0.0] * self.size
         if times.last is not None:
             start = self.rank * SLOT
-            out[start : start + SLOT] = torch.tensor([1000.0 * t for t in times.last], dtype=dtype)
-        return out.to(device)
+            out[start : start + SLOT] = [1000.0 * t for t in times.last]
+        return out
 
     def observe(self, summed: Sequence[float], step: int) -> Straggler | None:
         """Takes one step's summed slots (every worker's last complete step, ms); returns a straggler newly
