@@ -128,8 +128,9 @@ def _chief_holder(cluster: Cluster, timeout: timedelta) -> str | None:
                 cluster.master_addr, cluster.master_port, is_master=False, timeout=timedelta(seconds=seconds)
             )
             key = _CLAIM.format(rank=0)
-            if client.check([key]):
-                found.append(client.get(key).decode())
+            # A chief that started at the same moment may have bound the port but not claimed yet.
+            client.wait([key], timedelta(seconds=seconds))
+            found.append(client.get(key).decode())
         except Exception:  # noqa: BLE001 - not a job's store, or gone: the caller says the port is taken
             pass
 
