@@ -89,6 +89,13 @@ def test_workers_at_different_steps_or_with_different_sizes_or_a_check_off_are_n
         chief.check(_summed(chief, other, step=4), 4)
 
 
+def test_check_batches_must_be_a_bool():
+    import stratagem as sg
+
+    with pytest.raises(InputError, match=r"check_batches must be True or False. Received: check_batches='yes'"):
+        sg.MultiWorkerMirroredStrategy(check_batches="yes")
+
+
 def test_the_digest_is_exact_integer_arithmetic_independent_of_threads():
     x = torch.randn(257, 33, dtype=torch.float32)
     before = torch.get_num_threads()

@@ -105,6 +105,10 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         check_batches: bool = True,
         registry: Any = None,
     ) -> None:
+        if not isinstance(check_batches, bool):
+            raise InputError(
+                f"check_batches must be True or False. Received: check_batches={check_batches!r}. Pass a bool."
+            )
         env = environ.current()
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         mode = check_batch_norm_mode(batch_norm)
@@ -120,10 +124,6 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             intra_op_threads=intra_op_threads,
             devices_decision=local_decision,
         )
-        if not isinstance(check_batches, bool):
-            raise InputError(
-                f"check_batches must be True or False. Received: check_batches={check_batches!r}. Pass a bool."
-            )
         self._group = group = WorkerGroup.start(plan, placement.devices, env=env)
         self._agreement = BatchAgreement(rank=plan.rank, task_names=group.task_names, enabled=check_batches)
         self._step_times = StepTimes()
