@@ -36,3 +36,5 @@ def test_json_is_one_document_on_stdout(capfd, strategy):
     summary = json.loads(out)  # the whole of standard output, nothing before or after
     assert summary["strategy"] == IN_PROCESS[strategy]
     assert summary["num_train_examples"] == 1437
+    # A cluster of one has no peers to be slower than; the key is there for the workers' stragglers.
+    assert summary.get("stragglers", "absent") == ([] if strategy == "multi_worker" else "absent")

@@ -131,24 +131,51 @@ def test_two_worker_ones_starting_together_one_is_refused_the_other_joins():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_second_chief_is_refused_and_the_job_finishes():
+def test_a_second_chief_is_refused_naming_the_holder_and_the_job_finishes():
     # The chief's task is held by the process that serves the store at its address: a second chief cannot
-    # listen there, and is refused before it touches the job.
+    # listen there, reads the holder's claim from that store, and is refused before it touches the job.
+    # Before: "The chief (worker:0) cannot listen at ...", which named neither the task's holder nor its pid.
     port = free_port()
     job = [_start(port, 0, "job"), _start(port, 1, "job")]
     try:
         store = _job_store(port)
         store.wait(["stratagem/checked/0", "stratagem/checked/1"], timedelta(seconds=60))
-        started = time.monotonic()
+        holder = store.get("stratagem/claim/0").decode().split(" #")[0]
+        assert holder.endswith(f" pid {job[0].pid}"), holder
         code, outcome = _result(_start(port, 0, "duplicate"))
         assert code == 3
-        assert outcome["error"] == "ClusterError", outcome
-        assert outcome["message"].startswith(f"The chief (worker:0) cannot listen at 127.0.0.1:{port}: "), outcome
-        assert "Choose a free port for the chief (another process may hold this one)." in outcome["message"]
-        assert time.monotonic() - started < 120
+        _assert_refused(outcome, port, "worker:0", f"127.0.0.1:{port}", within=30.0)
+        assert f"already held by another process ({holder})" in outcome["message"]
         store.set("test/go", "1")
         assert [_result(p) for p in job] == [(0, {"sum": [2.0, 2.0, 2.0]})] * 2
     finally:
         for p in job:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_chiefs_starting_together_one_is_refused_naming_the_other():
+    # The loser of the race for the port reads the winner's claim (waiting for it if the winner has bound the
+    # port but not yet claimed). Before: "The chief (worker:0) cannot listen at ...", naming no holder.
+    port = free_port()
+    chiefs = [_start(port, 0, "job"), _start(port, 0, "job")]
+    worker = _start(port, 1, "job")
+    try:
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in chiefs):
+            assert time.monotonic() < deadline, "neither chief was refused within 120 s"
+            time.sleep(0.1)
+        (loser,) = [p for p in chiefs if p.poll() is not None]
+        (winner,) = [p for p in chiefs if p is not loser]
+        code, refused = _result(loser)
+        assert code == 3, refused
+        _assert_refused(refused, port, "worker:0", f"127.0.0.1:{port}")
+        assert f" pid {winner.pid})" in refused["message"], refused
+        _job_store(port).set("test/go", "1")
+        assert [_result(p) for p in (winner, worker)] == [(0, {"sum": [2.0, 2.0, 2.0]})] * 2
+    finally:
+        for p in [*chiefs, worker]:
             p.kill()
             p.wait()

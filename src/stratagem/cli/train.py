@@ -39,6 +39,7 @@ from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digi
 from stratagem.errors import InputError, StratagemError
 from stratagem.strategies.data_parallel.amp import PRECISIONS, check_precision
 from stratagem.strategies.by_name import build_strategy
+from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.records import STRATEGIES
 from stratagem.train import BackupAndRestore, Callback, ProgressBar
 
@@ -210,6 +211,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         summary = report.to_dict()
+        if isinstance(strategy, MultiWorkerMirroredStrategy):
+            # Each worker named slower than its peers (also logged as a warning by the chief as it happens).
+            summary["stragglers"] = [straggler.to_dict() for straggler in strategy.stragglers]
         if log is not None:
             summary["placement"] = log.summary().to_dict()
         print(json.dumps(summary, indent=2))

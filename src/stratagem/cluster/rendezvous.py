@@ -85,6 +85,9 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str |
         )
     except dist.DistNetworkError as exc:
         if rank == 0:
+            holder = _chief_holder(cluster, timeout)
+            if holder is not None:
+                raise _duplicate(cluster, rank, holder) from exc
             raise ClusterError(
                 f"The chief ({cluster.task_name}) cannot listen at {where}: {str(exc).splitlines()[0]} "
                 f"Received: master_addr={cluster.master_addr!r}, master_port={cluster.master_port}. "
@@ -101,6 +104,40 @@ def _claim(store: dist.Store, cluster: Cluster, rank: int) -> None:
     holder = store.compare_set(_CLAIM.format(rank=rank), "", me).decode()
     if holder != me:
         raise _duplicate(cluster, rank, holder)
+
+
+HOLDER_READ_SECONDS = 5.0
+"""At most this long (or a quarter of the timeout, if shorter: the meeting's own error must come within the
+timeout), a chief that cannot listen asks the store there who holds it."""
+
+
+def _chief_holder(cluster: Cluster, timeout: timedelta) -> str | None:
+    """Who holds the chief's task at its address, as the claim in the store there reads; None when nothing
+    answers there, or something that is not a job's store (another program on the port).
+
+    Read in a daemon thread waited for at most ``HOLDER_READ_SECONDS``: torch's client handshake with a port
+    that accepts but never answers waits until the peer closes."""
+    if not _accepts(cluster.master_addr, cluster.master_port):
+        return None
+    seconds = min(HOLDER_READ_SECONDS, timeout.total_seconds() * STALL_FRACTION)
+    found: list[str] = []
+
+    def read() -> None:
+        try:
+            client = dist.TCPStore(
+                cluster.master_addr, cluster.master_port, is_master=False, timeout=timedelta(seconds=seconds)
+            )
+            key = _CLAIM.format(rank=0)
+            # A chief that started at the same moment may have bound the port but not claimed yet.
+            client.wait([key], timedelta(seconds=seconds))
+            found.append(client.get(key).decode())
+        except Exception:  # noqa: BLE001 - not a job's store, or gone: the caller says the port is taken
+            pass
+
+    thread = threading.Thread(target=read, daemon=True, name="stratagem-rendezvous-holder")
+    thread.start()
+    thread.join(seconds)
+    return found[0] if found else None
 
 
 def _duplicate(cluster: Cluster, rank: int, holder: str) -> ClusterError:

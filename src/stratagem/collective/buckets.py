@@ -18,6 +18,8 @@ of theirs. The last collective starts only once every gradient is in, so the cou
 then and cost no extra round trip (when the last bucket holds a direct gradient, a small one of
 their own follows it). Two more numbers follow them: the loss weight this rank declared
 (`sg.set_loss_weight`) and 1 if it declared one, so that every rank learns the total it divides by.
+Then `extra` numbers that the caller fills (`extra_tail`) before the backward pass and reads after the sum:
+MultiWorkerMirroredStrategy's fingerprint of the step (strategies/multi_worker/agreement.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class GradientBuckets:
         direct_bytes: int | None = None,
         count_users: bool = False,
         after_host_read: Callable[[], None] | None = None,
+        extra: int = 0,
     ) -> None:
         # A first bucket of 1 MiB, as DDP's: 128 KiB (the CNN's dense layers sent before its convolutions'
         # gradients exist) measured 2-3% slower a step against an A/A control.
@@ -79,10 +82,12 @@ class GradientBuckets:
         self.buckets = _assign(self.params, bucket_bytes, first_bucket_bytes, direct_bytes)
         self._users: torch.Tensor | None = None
         self._declared_tail: torch.Tensor | None = None
+        self.extra_tail: torch.Tensor | None = None
+        """`extra` numbers after the counts, summed with them (None without counts)."""
         self._declared = False
         self._allocate()
         if count_users and self.params:
-            self._allocate_user_counts()
+            self._allocate_user_counts(extra)
         self._arrived = [False] * len(self.params)
         self._used = [False] * len(self.params)
         self._next_to_launch = 0
@@ -105,7 +110,7 @@ class GradientBuckets:
                 bucket.views[i] = bucket.flat[offset : offset + n].view_as(self.params[i])
                 offset += n
 
-    def _allocate_user_counts(self) -> None:
+    def _allocate_user_counts(self, extra: int) -> None:
         """One number per parameter after the last bucket's gradients (a bucket of its own after a direct one)."""
         n = len(self.params)
         last = self.buckets[-1] if self.buckets else None
@@ -115,7 +120,7 @@ class GradientBuckets:
             self.buckets.append(last)
         assert last.flat is not None  # every fused bucket got its flat tensor in _allocate, or just above
         size = last.flat.numel()
-        last.wire = torch.zeros(size + n + 2, dtype=last.flat.dtype, device=last.flat.device)
+        last.wire = torch.zeros(size + n + 2 + extra, dtype=last.flat.dtype, device=last.flat.device)
         last.flat = last.wire[:size]
         offset = 0
         for i in last.members:
@@ -123,7 +128,8 @@ class GradientBuckets:
             last.views[i] = last.flat[offset : offset + numel].view_as(self.params[i])
             offset += numel
         self._users = last.wire[size : size + n]
-        self._declared_tail = last.wire[size + n :]
+        self._declared_tail = last.wire[size + n : size + n + 2]
+        self.extra_tail = last.wire[size + n + 2 :]
 
     @property
     def sizes_bytes(self) -> list[int]:

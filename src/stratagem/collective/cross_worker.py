@@ -7,7 +7,9 @@ each handle's `wait()` orders the current CUDA stream after the collective, and 
 (`collective/watchdog.py`) polls the handles instead, so the CPU can queue the next step's work
 while the GPU still communicates. Either way a stall warning is logged before the timeout with the
 step each rank last reported, and when a collective fails or times out the surviving ranks hold a
-roll call through the TCP store so the error names the task(s) that are gone; on the device path
+roll call through the TCP store so the error names the task(s) that are gone, and tells a task that is
+alive but behind (its pulse, a counter a thread of each worker advances in the store, still moves) from
+one that is lost; on the device path
 that error is raised by the next call here (or `check()`), and the process group is aborted so a
 host blocked on the collective's result is released.
 """
@@ -15,6 +17,7 @@ host blocked on the collective's result is released.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -31,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 _STEP = "stratagem/step/{rank}"
 _ROLL_CALL = "stratagem/rollcall/{step}/{rank}"
+_PULSE = "stratagem/pulse/{rank}"
+PULSE_SECONDS = 0.5
+"""How often each worker's pulse thread writes its step and a counter (less than the roll call's wait)."""
 _POLL_FIRST_S = 50e-6
 _POLL_MAX_S = 1e-3
 ROLL_CALL_SECONDS = 2.0
@@ -72,6 +78,9 @@ class CrossWorker:
         self.heartbeat_seconds = heartbeat_seconds
         self._last_step_reported = -1
         self._last_report_time = -float("inf")
+        self._step = -1
+        self._waiting = 0  # > 0 while the training thread waits in a collective here (host path)
+        self._pulse: threading.Event | None = None
         self.shared: Any = None
         """The shared-memory group (`connect_shared_memory`), or None: every sum goes through the process group."""
         # Every call on the chief's store is bounded (torch's client can wait forever on a stopped chief).
@@ -99,6 +108,7 @@ class CrossWorker:
         errors are the last ones reported, at most that much behind.
         """
         self.check()
+        self._step = step
         now = time.monotonic()
         if step != self._last_step_reported and now - self._last_report_time >= self.heartbeat_seconds:
             self._store_calls.run(
@@ -111,6 +121,44 @@ class CrossWorker:
             self._last_step_reported = step
             self._last_report_time = now
 
+    def start_pulse(self, seconds: float = PULSE_SECONDS) -> None:
+        """Starts this worker's pulse: a daemon thread that writes, every `seconds`, the step this worker is at
+        and a counter. It runs while the training thread is busy (a slow step, a long backward), so the others'
+        stall warnings read a fresh step, and their roll call tells a slow worker (its counter moves) from a
+        lost one."""
+        if self._pulse is not None:
+            return
+        self._pulse = stop = threading.Event()
+        key = _PULSE.format(rank=self.rank)
+
+        def beat() -> None:
+            count = 0
+            while not stop.wait(seconds if count else 0.0):
+                count += 1
+                try:
+                    self.store.set(key, f"{self._step} {count} {'waiting' if self._waiting else 'working'}")
+                except Exception:  # noqa: BLE001 - the store is gone with the chief: the collectives report that
+                    return
+
+        threading.Thread(target=beat, daemon=True, name="stratagem-pulse").start()
+
+    def pulses(self, seconds: float) -> dict[int, tuple[int, int, str]]:
+        """Each rank's last pulse (step, counter, "waiting" in a collective or "working"), for the ranks that
+        have one; within `seconds`."""
+        return self._store_calls.run("a read of the pulses", self._read_pulses, seconds=seconds)
+
+    def _read_pulses(self) -> dict[int, tuple[int, int, str]]:
+        out: dict[int, tuple[int, int, str]] = {}
+        for rank in range(self.world_size):
+            key = _PULSE.format(rank=rank)
+            try:
+                if self.store.check([key]):
+                    step, count, state = self.store.get(key).decode().split()
+                    out[rank] = (int(step), int(count), state)
+            except Exception:  # noqa: BLE001 - the store itself may be gone; that is reported elsewhere
+                pass
+        return out
+
     def steps_reached(self, seconds: float | None = None) -> dict[str, int | None]:
         """The last step each task reported, as far as the store knows.
 
@@ -122,13 +170,18 @@ class CrossWorker:
         )
 
     def _read_steps(self) -> dict[str, int | None]:
+        """The step of each rank's pulse (fresh within `PULSE_SECONDS`), else of its last heartbeat."""
+        pulses = self._read_pulses()
         out: dict[str, int | None] = {}
         for rank, name in enumerate(self.task_names):
             key = _STEP.format(rank=rank)
             try:
-                out[name] = int(self.store.get(key).decode()) if self.store.check([key]) else None
+                step = int(self.store.get(key).decode()) if self.store.check([key]) else None
             except Exception:  # noqa: BLE001 - the store itself may be gone; that is reported elsewhere
-                out[name] = None
+                step = None
+            if rank in pulses and (step is None or pulses[rank][0] > step):
+                step = pulses[rank][0]
+            out[name] = step
         return out
 
     # ---- collectives ------------------------------------------------------------------------
@@ -142,7 +195,11 @@ class CrossWorker:
         works = []
         for tensor in tensors:
             if self.shared is not None and self.shared.supports(tensor):
-                self.shared.all_reduce_(tensor, what=what, step=step)
+                self._waiting += 1
+                try:
+                    self.shared.all_reduce_(tensor, what=what, step=step)
+                finally:
+                    self._waiting -= 1
             else:
                 works.append(self._start(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True))
         return works
@@ -215,6 +272,9 @@ class CrossWorker:
             self.watchdog.check()
 
     def close(self) -> None:
+        if self._pulse is not None:
+            self._pulse.set()
+            self._pulse = None
         if self.watchdog is not None:
             self.watchdog.close()
         if self.shared is not None:
@@ -243,6 +303,13 @@ class CrossWorker:
         if self.watchdog is not None:
             self._hand_to_watchdog(self.watchdog, works, what, step)
             return
+        self._waiting += 1
+        try:
+            self._wait_host(works, what, step)
+        finally:
+            self._waiting -= 1
+
+    def _wait_host(self, works: Sequence[Any], what: str, step: int) -> None:
         start = time.monotonic()
         warn_at = start + min(self.stall_warning_after, self.timeout)
         deadline = start + self.timeout
@@ -308,17 +375,50 @@ class CrossWorker:
     def _format_steps(self, seconds: float) -> str:
         try:
             steps = self.steps_reached(seconds)
+            pulses = self._pulses_quietly(seconds)
         except CollectiveTimeoutError:
             return f"unknown (the chief's store, {self.task_names[0]}, did not answer within {seconds:g} s)"
-        return ", ".join(f"{name}: {'-' if s is None else s}" for name, s in steps.items())
+        states = {self.task_names[r]: p[2] for r, p in pulses.items()}
+        text = ", ".join(
+            f"{name}: {'-' if s is None else s}{f' ({states[name]})' if name in states else ''}"
+            for name, s in steps.items()
+        )
+        known = [s for s in steps.values() if s is not None]
+        # Behind: at an earlier step than the furthest, or at the same step but still working while others wait.
+        behind = [
+            name
+            for name, s in steps.items()
+            if s is not None and (s < max(known) or (states.get(name) == "working" and "waiting" in states.values()))
+        ]
+        return text + (f"; behind: {', '.join(behind)}" if behind else "")
 
     def _failure(self, what: str, step: int, error: Exception | None) -> Exception:
+        before = self._pulses_quietly()
         missing, store_ok = self._roll_call(step)
+        after = self._pulses_quietly() if missing and store_ok else {}
+        if missing and store_ok and any(r in before for r in missing) and not _moved(before, after, missing):
+            # The roll call ended early (or the pulses were read too close together): wait one pulse more.
+            time.sleep(PULSE_SECONDS * 1.5)
+            after = self._pulses_quietly()
+        alive = [r for r in missing if _moved(before, after, [r])]
+        lost = [r for r in missing if r not in alive]
         cause = "timed out" if error is None else f"failed ({_first_line(error)})"
         if not store_ok:
             who = f"the chief ({self.task_names[0]}), which hosts the rendezvous store, is unreachable"
         elif missing:
-            who = "lost: " + ", ".join(f"{self.task_names[r]} (rank {r})" for r in missing)
+            parts = []
+            if alive:
+                parts.append(
+                    "alive but behind (slow, not gone: its pulse still moves): "
+                    + ", ".join(
+                        f"{self.task_names[r]} (rank {r}) at step {after[r][0]}, "
+                        + ("waiting in another collective" if after[r][2] == "waiting" else "still working")
+                        for r in alive
+                    )
+                )
+            if lost:
+                parts.append("lost: " + ", ".join(f"{self.task_names[r]} (rank {r})" for r in lost))
+            who = "; ".join(parts)
         else:
             who = "every task answered the roll call, so one is stuck rather than gone"
         message = (
@@ -329,6 +429,12 @@ class CrossWorker:
         if error is None:
             return CollectiveTimeoutError(message)
         return ReplicaError(message)
+
+    def _pulses_quietly(self, seconds: float | None = None) -> dict[int, tuple[int, int, str]]:
+        try:
+            return self.pulses(self.roll_call_seconds if seconds is None else seconds)
+        except CollectiveTimeoutError:
+            return {}
 
     def _roll_call(self, step: int) -> tuple[list[int], bool]:
         """Which ranks are still alive: each survivor signs in, then reads who else did (within
@@ -362,6 +468,11 @@ class CrossWorker:
             return missing, True
         except Exception:  # noqa: BLE001 - the store is gone (or stopped) with the chief
             return [0] if self.rank != 0 else [], False
+
+
+def _moved(before: dict[int, tuple[int, int, str]], after: dict[int, tuple[int, int, str]], ranks: list[int]) -> bool:
+    """Whether every rank of `ranks` wrote a newer pulse between the two reads."""
+    return all(r in before and r in after and after[r][1] > before[r][1] for r in ranks)
 
 
 def _first_line(error: BaseException) -> str:

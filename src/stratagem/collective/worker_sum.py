@@ -18,26 +18,36 @@ from torch import nn
 
 
 def sum_gradients_across_workers(
-    cw: Any, replica_params: Sequence[Sequence[nn.Parameter]], declared: tuple[float, int], step: int
-) -> tuple[float, int]:
+    cw: Any,
+    replica_params: Sequence[Sequence[nn.Parameter]],
+    declared: tuple[float, int],
+    step: int,
+    extra: torch.Tensor | None = None,
+) -> tuple[float, int, list[float]]:
     """Sums every local replica's gradients across workers in place (the replicas hold the same local sum);
-    returns (total declared loss weight, number of replicas that declared one) across every worker."""
+    returns (total declared loss weight, number of replicas that declared one) across every worker, and the
+    sum of `extra` (numbers that ride along, after the counts: the step's fingerprint)."""
     params = replica_params
     used = [any(replica[i].grad is not None for replica in params) for i in range(len(params[0]))]
     # Used by some local replica: the local combine has given every replica the sum, replica 0 included.
     grads = [cast(torch.Tensor, p.grad) if u else torch.zeros_like(p) for p, u in zip(params[0], used)]
     if not grads:
-        return declared
+        return (*declared, [])
     total, num_declared = declared
     # Counts ride in the gradients' dtype; float32 keeps integers exact up to 2**24.
     counts = torch.tensor([*used, total, num_declared], dtype=grads[0].dtype, device=grads[0].device)
+    num_extra = 0 if extra is None else extra.numel()
+    if extra is not None:
+        counts = torch.cat([counts, extra.to(dtype=counts.dtype, device=counts.device)])
     flat = torch._utils._flatten_dense_tensors([*grads, counts])
     cw.all_reduce_([flat], what="gradient all-reduce", step=step)
     *summed, users = torch._utils._unflatten_dense_tensors(flat, [*grads, counts])
     # A host read, so under NCCL a host sync each step: which parameters end with grad None must be known on
     # the host. cw.check() after it: a value read from a collective the watchdog aborted is never used.
-    *users_list, total, num_declared = users.tolist()
+    numbers = users.tolist()
     cw.check()
+    extra_sum = numbers[len(numbers) - num_extra :] if num_extra else []
+    *users_list, total, num_declared = numbers[: len(numbers) - num_extra]
     for i, count in enumerate(users_list):
         if count == 0:
             continue  # nobody used it: every local replica's grad is already None
@@ -47,4 +57,4 @@ def sum_gradients_across_workers(
                 p.grad = summed[i].clone()
             else:
                 p.grad.copy_(summed[i])
-    return float(total), int(round(num_declared))
+    return float(total), int(round(num_declared)), extra_sum

@@ -20,6 +20,7 @@ already and is read whole (data/distributed_sampler.py).
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +37,21 @@ INDEX_LEVEL = "index level"
 SLICES = "each worker slices every global batch"
 
 
+def indices_digest(indices: Any) -> int:
+    """A 24-bit hash of a global batch's example indices, in order (what its sampler drew)."""
+    text = ",".join(str(int(i)) for i in indices).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=3).digest(), "little")
+
+
 @dataclass(frozen=True)
 class WorkerPart:
     """This worker's contiguous part of one global batch, and the size of that global batch."""
 
     batch: Any
     global_size: int
+    indices_digest: int | None = None
+    """A hash of the global batch's example indices (`indices_digest`), by which the workers check that they
+    cut the same global batch; None where the source does not say."""
 
 
 @dataclass(frozen=True)
@@ -141,14 +151,14 @@ class _PartSampler:
     def __init__(self, batch_sampler: Any, worker: WorkerRange) -> None:
         self.batch_sampler = batch_sampler
         self.worker = worker
-        self.pending: collections.deque[tuple[int, bool]] = collections.deque()
+        self.pending: collections.deque[tuple[int, bool, int]] = collections.deque()
 
     def __iter__(self) -> Iterator[list[int]]:
         for indices in self.batch_sampler:
             indices = list(indices)
             lo, hi = self.worker.bounds(len(indices))
             mine = indices[lo:hi]
-            self.pending.append((len(indices), bool(mine)))
+            self.pending.append((len(indices), bool(mine), indices_digest(indices)))
             # An empty part still needs a batch of the loader's structure: one example, dropped afterwards.
             yield mine if mine else indices[:1]
 
@@ -203,8 +213,8 @@ class WorkerLoader:
         pending = self._parts.pending
         pending.clear()  # what an abandoned iteration had prefetched; cleared before the new one prefetches
         for batch in self._loader:
-            global_size, kept = pending.popleft()
-            yield WorkerPart(batch if kept else _empty_part(batch), global_size)
+            global_size, kept, digest = pending.popleft()
+            yield WorkerPart(batch if kept else _empty_part(batch), global_size, digest)
 
 
 class WorkerShuffledBatches:
@@ -251,10 +261,11 @@ class WorkerShuffledBatches:
     def __iter__(self) -> Iterator[WorkerPart]:
         for indices in self.source.batch_indices():
             lo, hi = self._worker.bounds(len(indices))
+            digest = indices_digest(indices)
             if hi > lo:
-                yield WorkerPart(self.source.batch_of(indices[lo:hi]), len(indices))
+                yield WorkerPart(self.source.batch_of(indices[lo:hi]), len(indices), digest)
             else:
-                yield WorkerPart(_empty_part(self.source.batch_of(indices[:1])), len(indices))
+                yield WorkerPart(_empty_part(self.source.batch_of(indices[:1])), len(indices), digest)
 
     def __repr__(self) -> str:
         return f"WorkerShuffledBatches({self.source!r}, {self._worker})"

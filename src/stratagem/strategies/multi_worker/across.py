@@ -11,13 +11,17 @@ workers through `collective.cross_worker.CrossWorker` (Gloo, NCCL or one host's 
   in one all-reduce (`collective/worker_sum.py`) while the other local replicas wait.
 
 Declared loss weights (`sg.set_loss_weight`) travel with the gradients, so the total every worker
-divides by is known without another round trip. The part reports the cross-worker backend, the path
+divides by is known without another round trip; so does each worker's fingerprint of the step and its
+global batch (`agreement.BatchAgreement`), compared after the sum, so workers handed different batches
+stop at once, and each worker's phase times of its last step (`stragglers.StragglerWatch`), so a worker
+slower than its peers is named, with the phase it is slow in, while training continues. The part reports the cross-worker backend, the path
 of the sums (shared memory or Gloo) and what the allocator does with freed host memory.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -32,6 +36,8 @@ from stratagem.collective.worker_sum import sum_gradients_across_workers
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import loss_weight
+from stratagem.strategies.multi_worker.agreement import BatchAgreement
+from stratagem.strategies.multi_worker.stragglers import StepTimes, Straggler, StragglerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +45,22 @@ logger = logging.getLogger(__name__)
 class AcrossWorkers:
     """Sums every backward pass's gradients across the workers of `group` (see the module docstring)."""
 
-    def __init__(self, group: WorkerGroup, *, bucket_bytes: int, first_bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        bucket_bytes: int,
+        first_bucket_bytes: int,
+        agreement: BatchAgreement,
+        times: StepTimes,
+        stragglers: StragglerWatch,
+    ) -> None:
         self.group = group
+        self.agreement = agreement
+        self.times = times
+        self.stragglers = stragglers
         self.cw = group.cross_worker
+        self.cw.start_pulse()  # fresh steps in stall warnings; a slow worker is told from a lost one
         self.world_size = group.world_size
         self.backend = group.backend
         self._devices = group.local_devices
@@ -94,6 +113,7 @@ class AcrossWorkers:
                 first_bucket_bytes=self._first_bucket_bytes,
                 count_users=True,
                 after_host_read=self.cw.check,  # grad None where no worker used it, as on one device
+                extra=self.agreement.size + self.stragglers.size,
             )
             self.sums_whole_backward = True
 
@@ -139,13 +159,40 @@ class AcrossWorkers:
         self.cw.heartbeat(state.step)
         if self._buckets is not None:
             self._buckets.start(state.weights[0])
+            self._fill_tail(state.step)
+
+    def _extra(self, step: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """What rides the gradient sum after the counts: the step's fingerprint, then the last step's phase times."""
+        numbers = self.agreement.numbers(step) + self.stragglers.numbers(self.times)
+        return torch.tensor(numbers, dtype=dtype, device=device)
+
+    def _fill_tail(self, step: int) -> None:
+        """This worker's slots after the counts (the sum overwrote the last ones)."""
+        tail = self._buckets.extra_tail if self._buckets is not None else None
+        if tail is not None:
+            tail.copy_(self._extra(step, tail.dtype, tail.device))
+
+    def _after_sum(self, summed: list[float], step: int) -> None:
+        """Every worker's slots, summed: the fingerprints compared, the phase times judged."""
+        size = self.agreement.size
+        self.agreement.check(summed[:size], step)
+        found = self.stragglers.observe(summed[size:], step)
+        if found is not None and self.group.is_chief:
+            logger.warning("%s", found.describe())
+
+    @property
+    def straggler(self) -> Straggler | None:
+        """The worker named slower than its peers at the last step, or None."""
+        return self.stragglers.current
 
     def grad_ready(self, index: int, state: Any) -> None:
         if self._buckets is not None:
             self._buckets.mark_ready(index, self._launch)
 
     def _launch(self, flat: torch.Tensor) -> Any:
+        start = time.perf_counter()  # through shared memory the sum is made here, waiting for the peers
         works = self.cw.all_reduce_async([flat], what="gradient all-reduce", step=self._step)
+        self.times.communication_(time.perf_counter() - start)
         return works[0] if works else None
 
     def finish_backward(self, state: Any) -> None:
@@ -153,20 +200,37 @@ class AcrossWorkers:
         (bounded; the error names the ranks missing) and each gradient becomes its view of its bucket."""
         assert self._buckets is not None  # sums_whole_backward: the buckets exist
         works = self._buckets.finish(self._launch)
+        start = time.perf_counter()
         self.cw.wait(works, what="gradient all-reduce", step=state.step)
+        self.times.communication_(time.perf_counter() - start)
+        self.times.summed()
         self._buckets.hand_out()
         self._weights = self._buckets.declared_total()
+        tail = self._buckets.extra_tail
+        if tail is not None:
+            summed = tail.tolist()  # after hand_out's host read of the counts: no further sync under NCCL
+            self.cw.check()
+            self._after_sum(summed, state.step)
 
     def after_backward(self, state: Any) -> None:
         """Ready for a second backward in the same step (after the gradients were divided, if they are)."""
         if self._buckets is not None:
             self._buckets.start(state.weights[0], declared=state.counts is not None)
+            self._fill_tail(state.step)
 
     def sum_after_local_combine(self, replica: int, replica_params: list[list[nn.Parameter]], state: Any) -> None:
         """Several local replicas, after their combination: replica 0 sums across workers for all of them."""
         if replica == 0:
             declared = loss_weight.local_total(state.counts)
-            self._weights = sum_gradients_across_workers(self.cw, replica_params, declared, state.step)
+            start = time.perf_counter()
+            total, count, summed = sum_gradients_across_workers(
+                self.cw, replica_params, declared, state.step, extra=self._extra(state.step, torch.float64)
+            )
+            self.times.communication_(time.perf_counter() - start)
+            self.times.summed()
+            self._weights = (total, count)
+            if summed:
+                self._after_sum(summed, state.step)
 
     def loss_weight_declared(self, count: float) -> None:
         if self._buckets is not None:

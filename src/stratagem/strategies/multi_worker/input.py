@@ -12,6 +12,7 @@ otherwise they agree at every step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ from stratagem.data.worker_shards import WorkerPart
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.batches import stack_batch
+from stratagem.strategies.multi_worker.agreement import BatchAgreement
+from stratagem.strategies.multi_worker.stragglers import StepTimes
 from stratagem.values import PerReplica, flatten, map_structure
 
 logger = logging.getLogger(__name__)
@@ -55,12 +58,28 @@ class WorkerBatches:
     """This worker's part of each global batch, cut among its local replicas.
 
     `group`: the worker group (rank, local devices, collectives); `num_replicas_in_sync`: the replicas of
-    every worker together, among which a global batch is split (sizes differing by at most one).
+    every worker together, among which a global batch is split (sizes differing by at most one);
+    `agreement`: notes each batch's fingerprint, compared across workers with the step's gradient sum;
+    `times`: counts the time spent fetching and cutting batches as the input phase of the step.
     """
 
-    def __init__(self, group: WorkerGroup, num_replicas_in_sync: int) -> None:
+    def __init__(
+        self,
+        group: WorkerGroup,
+        num_replicas_in_sync: int,
+        agreement: BatchAgreement | None = None,
+        times: StepTimes | None = None,
+    ) -> None:
         self.group = group
         self.num_replicas_in_sync = num_replicas_in_sync
+        self.agreement = agreement
+        self.times = times
+
+    def note_input_time(self, since: float, minus: float = 0.0) -> None:
+        """Time from `since` (time.perf_counter) to now, less `minus` seconds of collectives, was spent on input."""
+        if self.times is not None:
+            self.times.input_(time.perf_counter() - since - minus)
+            self.times.communication_(minus)
 
     def global_sizes(self, global_size: int) -> list[int]:
         """The sizes of this worker's replicas' slices of a global batch of `global_size` examples."""
@@ -73,6 +92,8 @@ class WorkerBatches:
         from this worker's own batch (`WorkerBatch`, or `own=True`: shard="file" or "off"), else its
         contiguous slice of the global `batch`."""
         devices = self.group.local_devices
+        if self.agreement is not None:
+            self._note(batch, global_size, own)
         if isinstance(batch, WorkerPart):
             local_sizes = self.global_sizes(global_size)
             have = batch_size_of(batch.batch)
@@ -94,6 +115,15 @@ class WorkerBatches:
             pieces = split_batch(mine, local_sizes, devices)
         stacked = stack_batch(pieces)
         return map_structure(lambda v: _with_global(v, global_size), stacked)
+
+    def _note(self, batch: Any, global_size: int, own: bool) -> None:
+        assert self.agreement is not None  # the caller checked
+        if isinstance(batch, WorkerPart):
+            self.agreement.note_indices(batch.indices_digest, global_size)
+        elif own or isinstance(batch, WorkerBatch):
+            self.agreement.note_own_part()
+        else:
+            self.agreement.note_global_batch(batch, global_size)
 
     def step_inputs(self, inputs: Any, step: int) -> Any:
         """This worker's part of the global batch handed to a `step` function, cut among its replicas.
@@ -130,6 +160,7 @@ class MultiWorkerDataset:
         """Examples this worker had fetched but did not train on because another worker ran out."""
         self.steps = 0
         self._on_first_batch = on_first_batch
+        self._agreeing = 0.0
 
     def __iter__(self) -> Iterator[Any]:
         # A loader already cut per worker (a DistributedSampler's) knows its length but not the others' batch
@@ -143,7 +174,9 @@ class MultiWorkerDataset:
         pending, agreement, works = self._fetch(iterator, 0)
         step = 0
         while True:
+            waited = time.perf_counter()
             cw.wait(works, what="end-of-data agreement", step=step)
+            waited = time.perf_counter() - waited
             have, total = int(agreement[0]), int(agreement[1])
             cw.check()  # under NCCL the read above waited for the GPU: not a value from an aborted collective
             if have < cw.world_size:
@@ -161,10 +194,13 @@ class MultiWorkerDataset:
                 self.steps = step
                 return
             current = pending
+            since = time.perf_counter() - waited
             # Fetch and agree on the next step now: over Gloo the agreement overlaps this step's compute; through
             # shared memory it is done here, at once, since the workers left the last step together.
             pending, agreement, works = self._fetch(iterator, step + 1)
-            yield self._distribute(current, total, step)
+            part = self._distribute(current, total, step)
+            self._batches.note_input_time(since, waited + self._agreeing)
+            yield part
             step += 1
 
     def _agreed_steps(self) -> int | None:
@@ -202,6 +238,7 @@ class MultiWorkerDataset:
         cw = self._group.cross_worker
         iterator = iter(self._dataset)
         for step in range(steps):
+            since = time.perf_counter()
             try:
                 batch = next(iterator)
                 size = _global_size_of(batch)
@@ -215,7 +252,9 @@ class MultiWorkerDataset:
                 raise InputError(f"Batch {step} of the dataset cannot be distributed: {error}") from None
             if size == 0:
                 raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
-            yield self._distribute(batch, size, step)
+            part = self._distribute(batch, size, step)
+            self._batches.note_input_time(since)
+            yield part
             self.steps = step + 1
         self.steps = steps
 
@@ -234,11 +273,10 @@ class MultiWorkerDataset:
         agreement = torch.tensor(
             [1 if batch is not None else 0, count], dtype=torch.int64, device=self._group.collective_device
         )
-        return (
-            batch,
-            agreement,
-            self._group.cross_worker.all_reduce_async([agreement], what="end-of-data agreement", step=step),
-        )
+        start = time.perf_counter()
+        works = self._group.cross_worker.all_reduce_async([agreement], what="end-of-data agreement", step=step)
+        self._agreeing = time.perf_counter() - start  # communication, not input (shared memory sums here)
+        return batch, agreement, works
 
     def _unused(self, batch: Any) -> int:
         if isinstance(batch, (WorkerPart, WorkerBatch)):

@@ -41,6 +41,8 @@ from stratagem.strategies.data_parallel.placement import nccl_available, place_r
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 from stratagem.strategies.multi_worker.across import AcrossWorkers
+from stratagem.strategies.multi_worker.agreement import BatchAgreement
+from stratagem.strategies.multi_worker.stragglers import StepTimes, Straggler, StragglerWatch
 from stratagem.strategies.multi_worker.devices import default_local_devices
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
 
@@ -64,6 +66,10 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             error unless they can). `explain()` says which, and why.
         batch_norm: "global" (default): BatchNorm statistics of the global batch of every worker;
             "per_replica": each replica's own slice (see MirroredStrategy).
+        check_batches: True (default): every step, the workers compare a fingerprint of the step number and
+            of the global batch they were handed (sent with the gradient sum), and all of them stop with an
+            `InputError` naming the step, the workers and the first input that differs. False: no check
+            (pass it on every worker alike).
 
     Example:
         >>> strategy = sg.MultiWorkerMirroredStrategy()       # under `stratagem launch --workers 2`
@@ -97,8 +103,13 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         share_parameters: bool | None = None,
         shared_memory: bool | None = None,
         batch_norm: str = "global",
+        check_batches: bool = True,
         registry: Any = None,
     ) -> None:
+        if not isinstance(check_batches, bool):
+            raise InputError(
+                f"check_batches must be True or False. Received: check_batches={check_batches!r}. Pass a bool."
+            )
         env = environ.current()
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         mode = check_batch_norm_mode(batch_norm)
@@ -115,10 +126,15 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             devices_decision=local_decision,
         )
         self._group = group = WorkerGroup.start(plan, placement.devices, env=env)
+        self._agreement = BatchAgreement(rank=plan.rank, task_names=group.task_names, enabled=check_batches)
+        self._step_times = StepTimes()
         self._across = AcrossWorkers(
             group,
             bucket_bytes=int(bucket_mb * 1024 * 1024),
             first_bucket_bytes=int(first_bucket_mb * 1024 * 1024),
+            agreement=self._agreement,
+            times=self._step_times,
+            stragglers=StragglerWatch(rank=plan.rank, task_names=group.task_names),
         )
         self._input_sharding = InputSharding()
         first_replica = plan.rank * len(group.local_devices)  # seeds each GPU replica's random stream
@@ -238,7 +254,25 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         return MultiWorkerDataset(self._worker_batches(), dataset, shard, on_first_batch=self._observe_input_sharding)
 
     def _worker_batches(self) -> WorkerBatches:
-        return WorkerBatches(self._group, self.num_replicas_in_sync)
+        return WorkerBatches(self._group, self.num_replicas_in_sync, self._agreement, self._step_times)
+
+    @property
+    def stragglers(self) -> list[Straggler]:
+        """Each worker named slower than its peers so far (with its phase and every worker's median phase
+        times), in order; `Straggler.to_dict()` for JSON. The chief also logs each as a warning."""
+        return list(self._across.stragglers.named)
+
+    @property
+    def check_batches(self) -> bool:
+        """Whether the workers compare each step's number and global batch (the `check_batches` argument).
+        Set it on every worker alike, between steps."""
+        return self._agreement.enabled
+
+    @check_batches.setter
+    def check_batches(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise InputError(f"check_batches must be True or False. Received: {value!r}. Pass a bool.")
+        self._agreement.enabled = value
 
     def shard_input(self, data: Any, *, note: bool = True) -> Any:
         """`data` cut at the index level for this worker where it can be (data/worker_shards.py), else as it is.
