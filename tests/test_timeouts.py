@@ -55,6 +55,14 @@ ENTRY_POINTS = {
         "worker_recovery_timeout",
         lambda v: ClusterCoordinator(None, worker_recovery_timeout=v),
     ),
+    "ClusterCoordinator.heartbeat_interval": (
+        "heartbeat_interval",
+        lambda v: ClusterCoordinator(None, heartbeat_interval=v),
+    ),
+    "ClusterCoordinator.heartbeat_timeout": (
+        "heartbeat_timeout",
+        lambda v: ClusterCoordinator(None, heartbeat_timeout=v),
+    ),
     "RemoteValue.fetch": ("timeout", lambda v: RemoteValue("f", 1.0).fetch(timeout=v)),
     "init_process_group.timeout": ("timeout", lambda v: init_process_group(single_process(), "gloo", timeout=v)),
     "init_process_group.group_timeout": (
