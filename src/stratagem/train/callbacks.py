@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,11 +28,11 @@ from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.train.backup_claim import ClaimOwner, DirectoryClaim
 from stratagem.train.backup_dir import CLUSTER_TOKEN, check_backup_directory, check_room_for_backups, job_id
 from stratagem.train.checkpoint import (
-    load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
 )
 from stratagem.train.preemption import StopSignals
+from stratagem.train.sharded_backup import read_backup, remove_stale_directories, save_sharded, weights_loader
 from stratagem.train.callback import Callback
 
 # The callbacks that live in modules of their own, here too so that sg.callbacks lists every callback.
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
+    from stratagem.strategies.state_shards import StateShards
     from stratagem.train.fit import EpochLog, History, TrainingContext
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,10 @@ class BackupAndRestore(Callback):
     PREVIOUS_NAME = "backup.previous.pt"
     CORRUPT_NAME = "backup.corrupt.pt"
     """Where the chief moves a damaged backup it fell back from, for the user to inspect or delete."""
+    SHARDED_NAME = "backup.dcp"
+    """Under a strategy whose state is sharded: a directory of every rank's shards (`stratagem.train.sharded_backup`)."""
+    SHARDED_PREVIOUS_NAME = "backup.previous.dcp"
+    CORRUPT_SHARDED_NAME = "backup.corrupt.dcp"
     MARKER_NAME = ".stratagem-backup-dir"
     """Written into `backup_dir` when this callback creates it: only such a directory is ever removed."""
 
@@ -126,6 +132,8 @@ class BackupAndRestore(Callback):
         self.took_over_from: ClaimOwner | None = None
         """The owner of the directory's claim that this run took over because it no longer ran, or None."""
         self._saved_step: int | None = None
+        self._shards: StateShards | None = None
+        self._damaged_sharded = False
         self.delete_checkpoint = delete_checkpoint
         self.keep_previous = keep_previous
         self.restored_from: dict[str, int] | None = None
@@ -145,14 +153,17 @@ class BackupAndRestore(Callback):
         """Refuses a `backup_dir` that cannot hold backups (see `stratagem.train.backup_dir.check_backup_directory`)."""
         check_backup_directory(self.backup_dir)
 
+    @property
+    def sharded_path(self) -> Path:
+        return self.backup_dir / self.SHARDED_NAME
+
+    @property
+    def sharded_previous_path(self) -> Path:
+        return self.backup_dir / self.SHARDED_PREVIOUS_NAME
+
     def on_train_begin(self, context: TrainingContext) -> None:
-        if not context.strategy.holds_whole_state:
-            raise InputError(
-                f"BackupAndRestore saves the whole model and optimizer state, but {type(context.strategy).__name__} "
-                "shards them across processes. Received: callbacks=[BackupAndRestore(...)] under a sharded strategy. "
-                "Train without BackupAndRestore under it until sharded checkpoints exist, or use "
-                "MultiWorkerMirroredStrategy."
-            )
+        self._shards = context.strategy.state_shards()
+        self._damaged_sharded = False
         self._saved_step = None
         if context.is_chief:
             self._make_directory()
@@ -164,14 +175,15 @@ class BackupAndRestore(Callback):
             )
             # Only the claim's holder writes here, so a temporary left is one a dead owner did not finish.
             remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+            remove_stale_directories(self.backup_dir, self._sharded_names)
         if self.stop_signals is not None:
             self.stop_signals.install()
-        found = self._load_newest_whole_backup(context.is_chief)
+        found = self._load_newest_whole_backup(context)
         if found is None:
             return
-        path, state = found
+        path, state, load_weights = found
         try:
-            context.load_state_dict(state)
+            context.load_state_dict(state, load_weights=load_weights)
         except InputError as error:
             raise InputError(f"Cannot resume from the backup {str(path)!r}: {error}") from error
         self.restored_from = {"epoch": context.epoch, "step": context.step}
@@ -184,43 +196,53 @@ class BackupAndRestore(Callback):
             context.step_in_epoch,
         )
 
-    def _load_newest_whole_backup(self, is_chief: bool) -> tuple[Path, dict[str, Any]] | None:
-        """The newest backup whose checksums hold, or None when there is none; damaged ones are refused."""
-        damaged: list[CorruptCheckpointError] = []
-        for candidate in (self.path, self.previous_path):
-            if not candidate.is_file():
+    def _load_newest_whole_backup(self, context: TrainingContext) -> tuple[Path, dict[str, Any], Any] | None:
+        """The whole backup of the latest step (its state, and how to load its tensors when they are not in it:
+        a sharded backup, or a whole one into a sharded model), or None when there is none; damaged ones are
+        refused. Both forms are read, so a run resumes from what a run of another strategy wrote."""
+        damaged: list[tuple[Path, CorruptCheckpointError]] = []
+        whole: list[tuple[int, Path, dict[str, Any], Any]] = []
+        for candidate in (self.sharded_path, self.path, self.sharded_previous_path, self.previous_path):
+            if not candidate.exists():
                 continue  # killed between the two renames of a save: the previous backup is the newest
             try:
-                state = load_checkpoint(candidate)
+                step, state = read_backup(candidate)
             except CorruptCheckpointError as error:
-                damaged.append(error)
+                damaged.append((candidate, error))
                 continue
             except InputError:
                 if not candidate.exists():  # the chief moved a damaged file aside while this worker looked
                     continue
                 raise
+            whole.append((step, candidate, state, weights_loader(self._shards, context, candidate, state)))
+        if whole:
+            step, chosen, state, load_weights = max(whole, key=lambda found: found[0])  # the first of a tie
             if damaged:
-                logger.warning("%s Resuming from the previous backup %s instead.", damaged[0], candidate)
-                if is_chief and candidate != self.path:
-                    # Out of the way of the next save, which would otherwise keep it as the previous backup.
-                    os.replace(self.path, self.backup_dir / self.CORRUPT_NAME)
-                    logger.warning(
-                        "The damaged backup was moved to %s; delete it once inspected.",
-                        self.backup_dir / self.CORRUPT_NAME,
-                    )
-            return candidate, state
+                logger.warning("%s Resuming from the backup %s instead.", damaged[0][1], chosen)
+                self._set_damaged_aside(context.is_chief, [path for path, _ in damaged])
+            return chosen, state, load_weights
         if damaged:
             kept = (
                 ""
-                if self.previous_path.is_file()
+                if self.previous_path.is_file() or self.sharded_previous_path.is_dir()
                 else f" (and there is no previous backup {str(self.previous_path)!r})"
             )
             raise CorruptCheckpointError(
-                " ".join(str(error) for error in damaged)
+                " ".join(str(error) for _, error in damaged)
                 + f" No whole backup is left to resume from{kept}. Received: backup_dir={str(self.backup_dir)!r}. "
                 "Remove the damaged file(s) to start afresh, or restore them from a copy."
             )
         return None
+
+    def _set_damaged_aside(self, is_chief: bool, damaged: list[Path]) -> None:
+        """Damaged newest backups out of the way of the next save, which would keep them as the previous backup."""
+        if self.path in damaged and is_chief:
+            os.replace(self.path, self.backup_dir / self.CORRUPT_NAME)
+            logger.warning(
+                "The damaged backup was moved to %s; delete it once inspected.", self.backup_dir / self.CORRUPT_NAME
+            )
+        # Other ranks may still be reading it now: the chief moves it at its first save, after a collective step.
+        self._damaged_sharded = self.sharded_path in damaged
 
     def _make_directory(self) -> None:
         if self.backup_dir.is_dir():
@@ -228,6 +250,10 @@ class BackupAndRestore(Callback):
         check_backup_directory(self.backup_dir)
         self.backup_dir.mkdir(parents=True, exist_ok=True)
         (self.backup_dir / self.MARKER_NAME).touch()  # a later attempt of this job knows it may remove the directory
+
+    @property
+    def _sharded_names(self) -> tuple[str, ...]:
+        return (self.SHARDED_NAME, self.SHARDED_PREVIOUS_NAME)
 
     def _backup_files(self) -> list[Path]:
         return [p for p in (self.path, self.previous_path) if p.is_file()]
@@ -259,6 +285,9 @@ class BackupAndRestore(Callback):
         self.path.unlink(missing_ok=True)
         self.previous_path.unlink(missing_ok=True)
         remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+        for directory in (self.sharded_path, self.sharded_previous_path):
+            shutil.rmtree(directory, ignore_errors=True)
+        remove_stale_directories(self.backup_dir, self._sharded_names)
         self.close()  # the claim file goes too, so the directory may be empty now
         marker = self.backup_dir / self.MARKER_NAME
         try:
@@ -273,11 +302,34 @@ class BackupAndRestore(Callback):
                 pass
 
     def _save(self, context: TrainingContext) -> None:
+        if self._shards is not None:
+            self._save_sharded(context, self._shards)
+            return
         # Only the chief builds and writes the state: one writer, and every worker holds the same values.
         if context.is_chief:
             save_checkpoint(
                 self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None
             )
+        self._saved_step = context.step
+
+    def _save_sharded(self, context: TrainingContext, shards: StateShards) -> None:
+        # Every rank writes its own shards; the chief adds the rest of the state and the manifest, last.
+        if context.is_chief and self._damaged_sharded:
+            corrupt = self.backup_dir / self.CORRUPT_SHARDED_NAME
+            shutil.rmtree(corrupt, ignore_errors=True)
+            os.replace(self.sharded_path, corrupt)
+            logger.warning("The damaged sharded backup was moved to %s; delete it once inspected.", corrupt)
+        self._damaged_sharded = False
+        save_sharded(
+            self.sharded_path,
+            shards,
+            context.model,
+            context.optimizer,
+            context.state_dict(weights=False) if context.is_chief else {},
+            step=context.step,
+            is_chief=context.is_chief,
+            previous=self.sharded_previous_path if self.keep_previous else None,
+        )
         self._saved_step = context.step
 
     def save_on_stop(self, context: TrainingContext) -> None:

@@ -37,6 +37,7 @@ from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_re
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
+from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import batch_norm_warning, check_device, check_optimizer, check_stage
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
@@ -127,6 +128,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
     def holds_whole_state(self) -> bool:
         """False: each process holds 1/N of the state, which a backup of the chief's would not hold."""
         return False
+
+    def state_shards(self) -> ShardedStateShards:
+        """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
+        return ShardedStateShards(self._group)
 
     @property
     def stage(self) -> int:
