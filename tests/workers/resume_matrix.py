@@ -26,7 +26,7 @@ from torch import nn
 import stratagem as sg
 from stratagem.devices import DeviceRegistry
 
-NUM_EXAMPLES, BATCH_SIZE, SHUFFLE_SEED, EPOCHS, SAVE_FREQ = 52, 13, 7, 2, 3
+NUM_EXAMPLES, BATCH_SIZE, SHUFFLE_SEED, EPOCHS, SAVE_FREQ = 52, 13, 7, 3, 3
 
 
 def data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,9 +200,11 @@ def read_whole(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     state = load_checkpoint(directory / STATE)
     tensors: dict[str, Any] = {}
     # As torch's own dcp_to_torch_save reads one: the public dcp.load fills only the keys it is given.
-    _load_state_dict(
-        tensors, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no process group, on purpose
+        _load_state_dict(
+            tensors, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
     positions = tensors.get("optimizer", {})
     optimizer = {
         "state": {int(i): dict(entry) for i, entry in positions.items()},
