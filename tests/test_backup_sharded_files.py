@@ -175,3 +175,34 @@ def test_optimizer_state_by_position_and_back_by_name():
         by_name(positions, [{"params": [0, 1], "lr": 0.1}], names)
     with pytest.raises(sg.InputError, match=r"values other than tensors in its state \(\['note'\]"):
         by_position({"state": {"0.bias": {"note": "x"}}, "param_groups": []}, names)
+
+
+def test_checkpoint_inspect_verify_and_export_read_a_sharded_backup(tmp_path, capsys):
+    from stratagem.cli.main import main
+
+    save(tmp_path, 3)
+    model, _ = save(tmp_path, 6)
+    assert main(["checkpoint", "inspect", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    newest, previous = report["files"]
+    assert (newest["name"], newest["step"], newest["num_processes"]) == ("backup.dcp", 6, 1)
+    assert (previous["name"], previous["step"]) == ("backup.previous.dcp", 3)
+    assert {(s["name"], s["rank"]) for s in newest["shards"]} >= {("__0_0.distcp", 0), (".metadata", 0)}
+    assert newest["parts"] == {"rank 0": sum(s["num_bytes"] for s in newest["shards"])}
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    assert "    rank 0: __0_0.distcp  " in capsys.readouterr().out
+
+    assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "model.pt")]) == 0
+    assert "(step 6, epoch 1)" in capsys.readouterr().out
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 0
+    assert "backup.dcp" in capsys.readouterr().out
+    flip_byte(tmp_path / "backup.previous.dcp" / "__0_0.distcp", 100)
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "backup.previous.dcp" in out and "its file '__0_0.distcp' (written by rank 0) differs" in out
+    assert main(["checkpoint", "verify", str(tmp_path / "backup.dcp")]) == 0  # one sharded backup alone
+    capsys.readouterr()

@@ -6,11 +6,13 @@ Usage:
     $ stratagem checkpoint inspect backup/backup.pt --json
     $ stratagem checkpoint export /shared/run1/backup model.safetensors   # the plain model (or model.pt)
 
-``verify`` reads every member of every backup file and compares its CRC32 (the same check a
-resumed run makes before it uses a backup); a file moved aside as damaged
-(``backup.corrupt.pt``) is listed but does not fail it. Exit codes: 0 whole, 1 damaged (or no
-backup at all), 2 a bad argument. ``export`` writes the newest whole backup's model, with the keys
-of the model you built, to one file: safetensors when its name ends in ``.safetensors``, else
+``verify`` reads every member of every backup file and compares its CRC32, and every file of a
+sharded backup (``backup.dcp/``) with the sha256 its manifest lists (the same checks a resumed run
+makes before it uses a backup); a backup moved aside as damaged (``backup.corrupt.pt``,
+``backup.corrupt.dcp``) is listed but does not fail it. ``inspect`` lists a sharded backup's files by
+the rank that wrote them. Exit codes: 0 whole, 1 damaged (or no
+backup at all), 2 a bad argument. ``export`` writes the newest whole backup's model (a sharded one read
+as whole tensors, in this process), with the keys of the model you built, to one file: safetensors when its name ends in ``.safetensors``, else
 ``torch.save`` of the state_dict.
 """
 
@@ -84,7 +86,8 @@ def _lines(report: BackupReport, action: str) -> list[str]:
             lines.append(f"  {entry.name}  {_size(entry.bytes)}  DAMAGED: {entry.error}")
             continue
         if action == "verify":
-            lines.append(f"  {entry.name}  {_size(entry.bytes)}  ok (every checksum holds)")
+            what = f"{len(entry.shards)} files, every sha256 holds" if entry.shards else "every checksum holds"
+            lines.append(f"  {entry.name}  {_size(entry.bytes)}  ok ({what})")
             continue
         epoch = "?" if entry.epoch is None else entry.epoch + 1
         world = (
@@ -97,6 +100,8 @@ def _lines(report: BackupReport, action: str) -> list[str]:
             f"({entry.step_in_epoch} batch(es) into it), {world}"
         )
         lines.append("    " + ", ".join(f"{part} {_size(size)}" for part, size in entry.parts.items()))
+        for shard in entry.shards:
+            lines.append(f"    rank {shard['rank']}: {shard['name']}  {_size(shard['num_bytes'])}")
     for name in report.temporaries:
         lines.append(f"  {name}  a save in progress, or one a stopped job did not finish")
     if report.owner is not None:

@@ -26,9 +26,13 @@ from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.train.backup_claim import ClaimOwner, read_claim
 from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
 from stratagem.train.model_checkpoint import write_atomically
+from stratagem.train.sharded_backup import MANIFEST, STATE, files_by_rank, read_whole, verify_sharded
 
 BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
 """The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""
+SHARDED_BACKUPS = ("backup.dcp", "backup.previous.dcp", "backup.corrupt.dcp")
+"""The directories it writes under a sharded strategy (`stratagem.train.sharded_backup`), in the same order."""
+MOVED_ASIDE = ("backup.corrupt.pt", "backup.corrupt.dcp")
 
 
 @dataclass
@@ -49,7 +53,9 @@ class CheckpointFile:
     num_replicas_in_sync: int | None = None
     num_processes: int | None = None
     parts: dict[str, int] = field(default_factory=dict)
-    """Bytes of the tensors of each top-level part (model, optimizer, ...)."""
+    """Bytes of the tensors of each top-level part (model, optimizer, ...); of a sharded backup, of each rank's files."""
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    """A sharded backup's files as its manifest lists them: ``name``, ``rank`` (that wrote it), ``num_bytes``."""
 
 
 @dataclass
@@ -66,7 +72,7 @@ class BackupReport:
     @property
     def ok(self) -> bool:
         """Whether there is at least one file and every file's checksums hold."""
-        return bool(self.files) and all(f.ok for f in self.files if f.name != "backup.corrupt.pt")
+        return bool(self.files) and all(f.ok for f in self.files if f.name not in MOVED_ASIDE)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
@@ -81,16 +87,20 @@ def inspect_backups(path: str | os.PathLike[str]) -> BackupReport:
     path = Path(path)
     if path.is_file():
         return BackupReport(str(path), [_inspect_file(path)], [], None)
+    if path.is_dir() and ((path / MANIFEST).exists() or path.name in SHARDED_BACKUPS):
+        return BackupReport(str(path), [_inspect_sharded(path)], [], None)
     if not path.is_dir():
         raise InputError(
             f"No backup directory or checkpoint file at {str(path)!r}. Received: path={str(path)!r}. Give the "
             "backup_dir of BackupAndRestore, or a checkpoint file."
         )
     files = [_inspect_file(path / name) for name in BACKUP_FILES if (path / name).is_file()]
+    files += [_inspect_sharded(path / name) for name in SHARDED_BACKUPS if (path / name).is_dir()]
     temporaries = sorted(entry.name for entry in path.iterdir() if is_temporary_of(entry.name))
     if not files and not temporaries:
         raise InputError(
-            f"The directory {str(path)!r} holds no backup (none of {', '.join(BACKUP_FILES)}). Received: "
+            f"The directory {str(path)!r} holds no backup (none of {', '.join(BACKUP_FILES + SHARDED_BACKUPS)}). "
+            "Received: "
             f"path={str(path)!r}. Give the backup_dir of BackupAndRestore while a run is under way or was stopped."
         )
     owner: ClaimOwner | None = read_claim(path)
@@ -118,6 +128,31 @@ def _inspect_file(path: Path) -> CheckpointFile:
     )
 
 
+def _inspect_sharded(path: Path) -> CheckpointFile:
+    """A sharded backup directory: every file's digest checked, its files by the rank that wrote them."""
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    try:
+        manifest = verify_sharded(path)
+        state = load_checkpoint(path / STATE)
+    except (CorruptCheckpointError, InputError) as error:
+        return CheckpointFile(name=path.name, path=str(path), bytes=size, ok=False, error=str(error))
+    shards = [{k: entry[k] for k in ("name", "rank", "num_bytes")} for entry in manifest["files"]]
+    return CheckpointFile(
+        name=path.name,
+        path=str(path),
+        bytes=size,
+        ok=True,
+        step=_int(manifest.get("step")),
+        epoch=_int(manifest.get("epoch")),
+        step_in_epoch=_int(manifest.get("step_in_epoch")),
+        strategy=manifest.get("strategy") if isinstance(manifest.get("strategy"), str) else None,
+        num_replicas_in_sync=_int(state.get("num_replicas_in_sync")),
+        num_processes=_int(manifest.get("world_size")),
+        parts={f"rank {rank}": sum(f["num_bytes"] for f in files) for rank, files in files_by_rank(manifest).items()},
+        shards=shards,
+    )
+
+
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -133,7 +168,7 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
         InputError: no whole backup at `source`; `target` is an existing directory.
     """
     report = inspect_backups(source)
-    usable = [f for f in report.files if f.ok and f.name != "backup.corrupt.pt"]
+    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
     if not usable:
         raise InputError(
             f"No whole backup to export in {str(source)!r}. Received: "
@@ -146,7 +181,11 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
             f"The export target is a directory. Received: {str(target)!r}. Give a file name, e.g. model.pt or "
             "model.safetensors."
         )
-    model = load_checkpoint(usable[0].path)["model"]
+    newest = max(usable, key=lambda f: -1 if f.step is None else f.step)  # the first of a tie
+    if Path(newest.path).is_dir():
+        model = read_whole(Path(newest.path))[1]  # whole tensors, read in this process alone
+    else:
+        model = load_checkpoint(newest.path)["model"]
     state = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in model.items()}
     if target.suffix == ".safetensors":
         from safetensors.torch import save
@@ -155,4 +194,4 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
         write_atomically(target, lambda handle: handle.write(payload))
     else:
         write_atomically(target, lambda handle: torch.save(state, handle))
-    return usable[0]
+    return newest

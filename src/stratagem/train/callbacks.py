@@ -170,9 +170,14 @@ class BackupAndRestore(Callback):
             # Before anything is read or removed: a second job must not resume from, or clean up, a live job's files.
             self.claim = DirectoryClaim.acquire(self.backup_dir, job_id(environ.current().get(CLUSTER_TOKEN)))
             self.took_over_from = self.claim.took_over_from
-            check_room_for_backups(
-                self.backup_dir, context.state_dict(), self._backup_files(), files=3 if self.keep_previous else 2
+            # Sharded: no model.state_dict() on the chief alone, whose FSDP hooks would reshard it out of step with
+            # the other ranks; the parameters' global sizes are what the ranks write into the directory together.
+            sizes = (
+                context.state_dict()
+                if self._shards is None
+                else {"model": dict(context.model.named_parameters()), "optimizer": context.optimizer.state_dict()}
             )
+            check_room_for_backups(self.backup_dir, sizes, self._backup_files(), files=3 if self.keep_previous else 2)
             # Only the claim's holder writes here, so a temporary left is one a dead owner did not finish.
             remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
             remove_stale_directories(self.backup_dir, self._sharded_names)
