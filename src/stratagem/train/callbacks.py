@@ -223,7 +223,8 @@ class BackupAndRestore(Callback):
         if whole:
             step, chosen, state, load_weights = max(whole, key=lambda found: found[0])  # the first of a tie
             if damaged:
-                logger.warning("%s Resuming from the backup %s instead.", damaged[0][1], chosen)
+                which = "previous backup" if chosen in (self.previous_path, self.sharded_previous_path) else "backup"
+                logger.warning("%s Resuming from the %s %s instead.", damaged[0][1], which, chosen)
                 self._set_damaged_aside(context.is_chief, [path for path, _ in damaged])
             return chosen, state, load_weights
         if damaged:
