@@ -128,3 +128,22 @@ def test_a_flipped_byte_in_one_ranks_shard_is_refused_naming_it_and_the_previous
     assert worst <= 1e-9, worst
     # Moved out of the way at the first save, so it never became the previous backup.
     assert (tmp_path / "backup" / "backup.corrupt.dcp" / "__1_0.distcp").read_bytes() == bytes(data_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_in_float32_a_sharded_backup_of_two_workers_resumes_at_three_within_1e_6(tmp_path):
+    run(
+        "sharded",
+        2,
+        tmp_path / "backup",
+        tmp_path / "first.pt",
+        tmp_path / "log",
+        RM_STOP_AFTER=STOP_AFTER,
+        RM_DTYPE="float32",
+    )
+    run("sharded", 3, tmp_path / "backup", tmp_path / "out.pt", tmp_path / "log", RM_DTYPE="float32")
+    result = torch.load(tmp_path / "out.pt")
+    assert result["restored_from"] == {"epoch": 1, "step": 6}
+    expected = reference(torch.float32)
+    worst = max(float((result["state"][name] - value).abs().max()) for name, value in expected.items())
+    assert worst <= 1e-6, worst
