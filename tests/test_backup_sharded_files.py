@@ -206,3 +206,29 @@ def test_checkpoint_inspect_verify_and_export_read_a_sharded_backup(tmp_path, ca
     assert "backup.previous.dcp" in out and "its file '__0_0.distcp' (written by rank 0) differs" in out
     assert main(["checkpoint", "verify", str(tmp_path / "backup.dcp")]) == 0  # one sharded backup alone
     capsys.readouterr()
+
+
+def test_export_to_one_torch_file_and_back_to_a_sharded_checkpoint(tmp_path, capsys):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from stratagem.cli.main import main
+
+    model, _ = save(tmp_path / "backup", 4)
+    assert main(["checkpoint", "export", str(tmp_path / "backup"), str(tmp_path / "model.pt")]) == 0
+    assert main(["checkpoint", "export", str(tmp_path / "model.pt"), str(tmp_path / "model.dcp")]) == 0
+    assert f"wrote the model of {tmp_path / 'model.pt'} to {tmp_path / 'model.dcp'}" in capsys.readouterr().out
+    assert main(["checkpoint", "verify", str(tmp_path / "model.dcp")]) == 0
+    assert "ok (" in capsys.readouterr().out
+    back: dict[str, Any] = {}
+    _load_state_dict(
+        back,
+        storage_reader=FileSystemReader(tmp_path / "model.dcp"),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    assert back["model"].keys() == model.state_dict().keys()
+    assert all(torch.equal(back["model"][k], v) for k, v in model.state_dict().items())
+    assert main(["checkpoint", "export", str(tmp_path / "model.pt"), str(tmp_path / "model.dcp")]) == 2
+    assert "The export target exists" in capsys.readouterr().err

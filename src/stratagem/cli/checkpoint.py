@@ -5,6 +5,7 @@ Usage:
     $ stratagem checkpoint verify /shared/run1/backup      # exit code 0: every file whole; 1: one is damaged
     $ stratagem checkpoint inspect backup/backup.pt --json
     $ stratagem checkpoint export /shared/run1/backup model.safetensors   # the plain model (or model.pt)
+    $ stratagem checkpoint export model.pt model.dcp       # and back: a sharded checkpoint of a plain model
 
 ``verify`` reads every member of every backup file and compares its CRC32, and every file of a
 sharded backup (``backup.dcp/``) with the sha256 its manifest lists (the same checks a resumed run
@@ -48,7 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "safetensors when its name ends in .safetensors, else torch.save of the state_dict.",
     )
     export.add_argument("path", help="a backup directory (BackupAndRestore's backup_dir) or a checkpoint file")
-    export.add_argument("output", help="the file to write (model.pt or model.safetensors)")
+    export.add_argument(
+        "output",
+        help="the file to write (model.pt or model.safetensors), or a sharded checkpoint directory (model.dcp)",
+    )
     return parser
 
 
@@ -75,7 +79,8 @@ def _export(args: argparse.Namespace) -> int:
     except InputError as error:
         print(f"stratagem checkpoint export: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote the model of {used.path} (step {used.step}, epoch {(used.epoch or 0) + 1}) to {args.output}")
+    when = "" if used.step is None else f" (step {used.step}, epoch {(used.epoch or 0) + 1})"
+    print(f"wrote the model of {used.path}{when} to {args.output}")
     return 0
 
 

@@ -16,17 +16,31 @@ Example:
 from __future__ import annotations
 
 import os
+import secrets
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stratagem.archive import load_verified
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.train.backup_claim import ClaimOwner, read_claim
 from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
 from stratagem.train.model_checkpoint import write_atomically
-from stratagem.train.sharded_backup import MANIFEST, STATE, files_by_rank, read_whole, verify_sharded
+from stratagem.strategies.state_shards import hash_file
+from stratagem.train.sharded_backup import (
+    FORMAT,
+    MANIFEST,
+    STATE,
+    VERSION,
+    files_by_rank,
+    partial_directory,
+    read_whole,
+    verify_sharded,
+    write_manifest,
+)
 
 BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
 """The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""
@@ -133,7 +147,8 @@ def _inspect_sharded(path: Path) -> CheckpointFile:
     size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     try:
         manifest = verify_sharded(path)
-        state = load_checkpoint(path / STATE)
+        listed = {entry["name"] for entry in manifest["files"]}
+        state = load_checkpoint(path / STATE) if STATE in listed else {}  # no state: a model `export_sharded` wrote
     except (CorruptCheckpointError, InputError) as error:
         return CheckpointFile(name=path.name, path=str(path), bytes=size, ok=False, error=str(error))
     shards = [{k: entry[k] for k in ("name", "rank", "num_bytes")} for entry in manifest["files"]]
@@ -167,6 +182,9 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
     Raises:
         InputError: no whole backup at `source`; `target` is an existing directory.
     """
+    target = Path(target)
+    if target.suffix == ".dcp":
+        return export_sharded(Path(source), target)
     report = inspect_backups(source)
     usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
     if not usable:
@@ -175,7 +193,6 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
             f"{[(f.name, f.error) for f in report.files] or 'no backup files'}. Run `stratagem checkpoint verify` "
             "for the details, or point at another backup."
         )
-    target = Path(target)
     if target.is_dir():
         raise InputError(
             f"The export target is a directory. Received: {str(target)!r}. Give a file name, e.g. model.pt or "
@@ -195,3 +212,51 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
     else:
         write_atomically(target, lambda handle: torch.save(state, handle))
     return newest
+
+
+def export_sharded(source: Path, target: Path) -> CheckpointFile:
+    """Writes a plain model (a ``torch.save`` state_dict, or the model of the newest whole backup of `source`) as a
+    sharded checkpoint directory `target` (``*.dcp``): ``dcp.load({"model": model.state_dict()}, checkpoint_id=target)``
+    loads it into a model sharded at any number of ranks. Written in a partial directory, with a manifest of the
+    files' sha256 (``stratagem checkpoint verify`` checks it), then renamed into place.
+
+    Raises:
+        InputError: `source` holds no model; `target` exists.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if target.exists():
+        raise InputError(
+            f"The export target exists. Received: {str(target)!r}. Give a new directory name ending in .dcp."
+        )
+    state, used = _plain_model(source)
+    partial = partial_directory(target, secrets.randbits(64))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process, on purpose
+        dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
+    files = [asdict(hash_file(p, 0)) for p in sorted(partial.iterdir())]
+    manifest = {"format": FORMAT, "version": VERSION, "kind": "model", "step": used.step, "epoch": used.epoch}
+    write_manifest(partial, {**manifest, "step_in_epoch": None, "strategy": None, "world_size": 1, "files": files})
+    os.replace(partial, target)
+    return used
+
+
+def _plain_model(source: Path) -> tuple[dict[str, torch.Tensor], CheckpointFile]:
+    if source.is_file():
+        loaded = load_verified(source)
+        if isinstance(loaded, dict) and loaded.get("format") is None:
+            tensors = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+            if tensors and len(tensors) == len(loaded):
+                return tensors, CheckpointFile(source.name, str(source), source.stat().st_size, ok=True)
+    report = inspect_backups(source)
+    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
+    if not usable:
+        raise InputError(
+            f"No model to export in {str(source)!r}: neither a state_dict of tensors nor a whole backup. Received: "
+            f"{[(f.name, f.error) for f in report.files]}. Point at a model file (torch.save(model.state_dict())) "
+            "or a backup directory."
+        )
+    newest = max(usable, key=lambda f: -1 if f.step is None else f.step)
+    if Path(newest.path).is_dir():
+        return read_whole(Path(newest.path))[1], newest
+    return load_checkpoint(newest.path)["model"], newest

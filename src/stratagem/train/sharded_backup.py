@@ -96,14 +96,14 @@ def save_sharded(
             "world_size": int(state.get("num_processes", 1)),
             "files": [asdict(f) for f in files],
         }
-        _write_manifest(partial, manifest)
+        write_manifest(partial, manifest)
     except Exception as error:
         shutil.rmtree(partial, ignore_errors=True)
         raise error if isinstance(error, OSError) else write_error(partial, error, 0) from error
     _move_into_place(partial, final, previous)
 
 
-def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     temporary = directory / f".{MANIFEST}.{secrets.token_hex(8)}.tmp"
     with open(temporary, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=1)
