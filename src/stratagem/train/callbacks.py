@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +25,14 @@ from stratagem import environ
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.train.backup_claim import ClaimOwner, DirectoryClaim
+from stratagem.train.backup_writer import BackgroundWrite, snapshot
 from stratagem.train.backup_dir import CLUSTER_TOKEN, check_backup_directory, check_room_for_backups, job_id
 from stratagem.train.checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
 from stratagem.train.preemption import StopSignals
+from stratagem.train.progress_bar import ProgressBar, format_epoch_line
 from stratagem.train.sharded_backup import read_backup, remove_stale_directories, save_sharded, weights_loader
 from stratagem.train.callback import Callback
 
@@ -41,9 +42,6 @@ from stratagem.train.loggers import CSVLogger, TensorBoard
 from stratagem.train.model_checkpoint import ModelCheckpoint
 
 if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.progress import Progress
-
     from stratagem.strategies.state_shards import StateShards
     from stratagem.train.fit import EpochLog, History, TrainingContext
 
@@ -80,6 +78,12 @@ class BackupAndRestore(Callback):
     finished `grace_period` seconds after the signal, the process exits with that code at once,
     and the backups written before are whole (see `stratagem.train.preemption`).
 
+    Under a strategy whose state is sharded (`ShardedStrategy`), every rank writes its own shards into
+    ``backup.dcp/`` with a manifest of sha256 digests written last (`stratagem.train.sharded_backup`); a
+    backup of either form resumes under any strategy and number of workers. ``async_save=True``: the
+    chief copies the state at the step boundary and writes a single-file backup on a thread
+    (`stratagem.train.backup_writer`), keeping one more copy of the state in memory.
+
     Example:
         >>> backup = sg.callbacks.BackupAndRestore("/shared/run1/backup", save_freq="epoch")
         >>> sg.fit(strategy, model, optimizer, loss, data, epochs=10, callbacks=[backup])
@@ -105,6 +109,7 @@ class BackupAndRestore(Callback):
         keep_previous: bool = True,
         stop_on_signals: bool = True,
         grace_period: float = 25.0,
+        async_save: bool = False,
     ) -> None:
         if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
             raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
@@ -125,6 +130,9 @@ class BackupAndRestore(Callback):
                 "a little less than the scheduler's own (Kubernetes' terminationGracePeriodSeconds, 30 by default)."
             )
         self.save_freq = save_freq
+        self._writes = BackgroundWrite() if async_save else None
+        self._copy: Any = None
+        """async_save: the chief writes each single-file backup on a thread from a copy taken at the step boundary."""
         self.stop_signals = StopSignals(float(grace_period)) if stop_on_signals else None
         """While training, SIGTERM and SIGINT stop at the next step boundary with a backup (None: left alone)."""
         self.claim: DirectoryClaim | None = None
@@ -163,6 +171,12 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, context: TrainingContext) -> None:
         self._shards = context.strategy.state_shards()
+        if self._shards is not None and self._writes is not None:
+            logger.warning(
+                "async_save=True writes single-file backups on a thread; under %s every rank writes its shards "
+                "synchronously at each save.",
+                type(context.strategy).__name__,
+            )
         self._damaged_sharded = False
         self._saved_step = None
         if context.is_chief:
@@ -274,6 +288,8 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, context: TrainingContext, history: History) -> None:
         try:
+            if self._writes is not None:
+                self._writes.wait()
             if context.is_chief and self.delete_checkpoint:
                 self._delete_backups()
         finally:
@@ -283,6 +299,11 @@ class BackupAndRestore(Callback):
         """Gives the signals back to their handlers and the directory up; `fit` calls it when training fails."""
         if self.stop_signals is not None:
             self.stop_signals.uninstall()
+        if self._writes is not None:
+            try:
+                self._writes.wait()  # no write may outlive the claim
+            except Exception as error:  # noqa: BLE001 - training already failed or ended; this one is logged
+                logger.warning("The last background backup write failed: %s", error)
         if self.claim is not None:
             self.claim.release()
             self.claim = None
@@ -313,9 +334,14 @@ class BackupAndRestore(Callback):
             return
         # Only the chief builds and writes the state: one writer, and every worker holds the same values.
         if context.is_chief:
-            save_checkpoint(
-                self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None
-            )
+            previous = self.previous_path if self.keep_previous else None
+            if self._writes is None:
+                save_checkpoint(self.path, context.state_dict(), previous=previous)
+            else:
+                self._writes.wait()  # the copy before is free again (and its write's error raised here)
+                # The step boundary's values, into the buffers of the copy before; training goes on meanwhile.
+                state = self._copy = snapshot(context.state_dict(), self._copy)
+                self._writes.start(lambda: save_checkpoint(self.path, state, previous=previous), str(self.path))
         self._saved_step = context.step
 
     def _save_sharded(self, context: TrainingContext, shards: StateShards) -> None:
@@ -342,6 +368,8 @@ class BackupAndRestore(Callback):
         """Writes a backup of the step just done, unless the last save was of that step (`fit` calls it on a signal)."""
         if self._saved_step != context.step:
             self._save(context)
+        if self._writes is not None:
+            self._writes.wait()  # on disk before the process exits
 
 
 class LearningRateScheduler(Callback):
@@ -388,93 +416,6 @@ class LearningRateScheduler(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
-
-
-class ProgressBar(Callback):
-    """A progress bar per epoch on the chief (examples, samples/s), then one line of metrics per epoch.
-
-    The library never shows progress on its own: pass ``ProgressBar()`` in `callbacks` (or
-    ``fit(verbose=True)``). Workers other than the chief show nothing, so a multi-worker job
-    prints one bar, not one per process.
-
-    Args:
-        console: where to draw (default: a new ``rich.console.Console()``, standard output).
-        show_bar: draw the live bar (default: only when the console is a terminal).
-        print_lines: print each epoch's metrics line.
-    """
-
-    def __init__(
-        self, console: Console | None = None, *, show_bar: bool | None = None, print_lines: bool = True
-    ) -> None:
-        # rich loads with the first progress bar, not with `import stratagem` (about 0.1 s of CPU).
-        from rich.console import Console
-
-        self._console = console or Console(highlight=False, soft_wrap=True)
-        self._show_bar = self._console.is_terminal if show_bar is None else show_bar
-        self._print_lines = print_lines
-        self._progress: Progress | None = None
-        self._task: Any = None
-        self._started = 0.0
-        self._seen = 0
-        self._width = 1
-        self._epochs = 1
-
-    def on_train_begin(self, context: TrainingContext) -> None:
-        self._epochs = context.epochs
-        self._width = len(str(context.epochs))
-
-    def on_epoch_begin(self, context: TrainingContext) -> None:
-        self._started, self._seen = time.perf_counter(), 0
-        if not (context.is_chief and self._show_bar):
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        total = context.examples_per_epoch
-        self._progress = Progress(
-            TextColumn(f"epoch {context.epoch + 1:>{self._width}}/{self._epochs}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("examples"),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            console=self._console,
-            transient=True,
-        )
-        self._progress.start()
-        # After a restore mid-epoch, the examples already trained on count as done.
-        self._task = self._progress.add_task("train", total=total, completed=int(context.totals[1]), rate="")
-
-    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
-        self._seen += num_examples
-        if self._progress is not None:
-            elapsed = time.perf_counter() - self._started
-            rate = f"{self._seen / elapsed:,.0f} samples/s" if elapsed > 0 else ""
-            self._progress.update(self._task, advance=num_examples, rate=rate)
-
-    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
-        self.close()
-        if context.is_chief and self._print_lines:
-            from rich.text import Text
-
-            self._console.print(Text(format_epoch_line(log, self._epochs)))
-
-    def on_train_end(self, context: TrainingContext, history: History) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stops the live bar; also called when training fails, so the terminal is left clean."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
-def format_epoch_line(log: EpochLog, epochs: int) -> str:
-    """``epoch 2/10  loss 0.1234  accuracy 96.50%  val_loss ...  (1.2 s, 12,345 samples/s)``."""
-    width = len(str(epochs))
-    parts = [f"epoch {log.epoch:>{width}}/{epochs}"]
-    for name, value in log.metrics.items():
-        parts.append(f"{name} {value:6.2%}" if name.endswith("accuracy") else f"{name} {value:.4f}")
-    return "  ".join(parts) + f"  ({log.elapsed_s:.1f} s, {log.samples_per_s:,.0f} samples/s)"
 
 
 __all__ = [
