@@ -74,3 +74,30 @@ def test_a_snapshot_copies_into_the_buffers_of_the_one_before_and_is_independent
     assert second["t"][0] is first["t"][0] and second["t"][1] == 5 and second["groups"] == [{"lr": 0.1}]
     other = snapshot({"w": torch.ones(4)}, first)  # another shape: a new buffer
     assert other["w"] is not first["w"]
+
+
+def test_a_backup_of_another_data_seed_is_refused_with_both_seeds_unless_allowed(tmp_path):
+    def run(seed: int, **options: object) -> sg.callbacks.BackupAndRestore:
+        model, optimizer = build_model(False)
+        backup = sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=3, delete_checkpoint=False, **options)
+        sg.fit(
+            sg.OneDeviceStrategy("cpu:0", registry=cpu_registry(1)),
+            model,
+            optimizer,
+            F.cross_entropy,
+            data(),
+            batch_size=BATCH_SIZE,
+            seed=seed,
+            epochs=2,
+            callbacks=[backup],
+        )
+        return backup
+
+    run(SHUFFLE_SEED)
+    with pytest.raises(sg.InputError) as refused:
+        run(SHUFFLE_SEED + 1)
+    assert f"shuffled with seed={SHUFFLE_SEED} but this run's are shuffled with seed={SHUFFLE_SEED + 1}" in str(
+        refused.value
+    )
+    assert "allow_new_data_seed=True" in str(refused.value)
+    assert run(SHUFFLE_SEED + 1, allow_new_data_seed=True).restored_from == {"epoch": 1, "step": 6}

@@ -110,6 +110,7 @@ class BackupAndRestore(Callback):
         stop_on_signals: bool = True,
         grace_period: float = 25.0,
         async_save: bool = False,
+        allow_new_data_seed: bool = False,
     ) -> None:
         if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
             raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
@@ -132,6 +133,8 @@ class BackupAndRestore(Callback):
         self.save_freq = save_freq
         self._writes = BackgroundWrite() if async_save else None
         self._copy: Any = None
+        self.allow_new_data_seed = allow_new_data_seed
+        """Resume a backup taken with another data seed (with the backup's seed) instead of refusing it."""
         """async_save: the chief writes each single-file backup on a thread from a copy taken at the step boundary."""
         self.stop_signals = StopSignals(float(grace_period)) if stop_on_signals else None
         """While training, SIGTERM and SIGINT stop at the next step boundary with a backup (None: left alone)."""
@@ -202,7 +205,7 @@ class BackupAndRestore(Callback):
             return
         path, state, load_weights = found
         try:
-            context.load_state_dict(state, load_weights=load_weights)
+            context.load_state_dict(state, load_weights=load_weights, allow_new_data_seed=self.allow_new_data_seed)
         except InputError as error:
             raise InputError(f"Cannot resume from the backup {str(path)!r}: {error}") from error
         self.restored_from = {"epoch": context.epoch, "step": context.step}

@@ -157,11 +157,19 @@ class TrainingContext:
         ]
         return {f"{i}:{type(c).__name__}": c for i, c in enumerate(stateful)}
 
-    def load_state_dict(self, state: dict[str, Any], *, load_weights: Callable[[], None] | None = None) -> None:
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        *,
+        load_weights: Callable[[], None] | None = None,
+        allow_new_data_seed: bool = False,
+    ) -> None:
         """Restores a `state_dict` into this run (the model reaches every replica).
 
         `load_weights`: loads the model and optimizer in place of ``state["model"]`` and ``state["optimizer"]``
         (a sharded backup, or a whole one into a sharded model), called once the rest has been checked.
+        `allow_new_data_seed`: a backup whose data seed differs from this run's resumes with the backup's seed
+        (the batches of the interrupted run) instead of being refused.
 
         Raises:
             InputError: the state is not a fit checkpoint, or its model, optimizer or metrics
@@ -194,6 +202,15 @@ class TrainingContext:
                 "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup."
             )
         if state["data"] is not None and is_resumable(self.data):
+            saved_seed, seed = state["data"].get("seed"), self.data.state_dict().get("seed")
+            if saved_seed is not None and seed is not None and saved_seed != seed and not allow_new_data_seed:
+                raise InputError(
+                    f"The backup's data were shuffled with seed={saved_seed!r} but this run's are shuffled with "
+                    f"seed={seed!r}, so resuming would mix two orders within the epoch. Received: seed={seed!r}. "
+                    f"Pass seed={saved_seed!r} as the interrupted run did, pass "
+                    "BackupAndRestore(..., allow_new_data_seed=True) to resume with the backup's seed, or remove the "
+                    "backup to start afresh."
+                )
             self.data.load_state_dict(state["data"])  # checks the batching first: nothing else is touched yet
         try:
             if load_weights is None:
