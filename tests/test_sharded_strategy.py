@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.sharded]
 def test_the_sharded_strategy_trains_as_one_device_and_says_what_it_holds():
     ports = [(free_port(), free_port()) for _ in range(3)]  # one cluster per strategy the ranks build
     outcomes = run_ranks(sharded_cases.strategy_cases, [0, 1], args=(ports,), timeout=280)
-    for outcome in outcomes.values():
-        assert outcome.error is None, outcome.error
+    errors = {rank: outcome.error for rank, outcome in outcomes.items() if outcome.error is not None}
+    assert not errors, errors
     for rank, outcome in outcomes.items():
         got = outcome.value
         for stage in (3, 2):
@@ -33,9 +33,7 @@ def test_the_sharded_strategy_trains_as_one_device_and_says_what_it_holds():
         rows = [(9, 8), (4, 3), (2, 1)]
         widths = [6 + 1, 17 + 1, 7 + 1]
         assert got["stage 3 plan"][0] == 4 * sum(r[rank] * w for r, w in zip(rows, widths))
-        assert (
-            "BackupAndRestore saves the whole model and optimizer state, but ShardedStrategy shards"
-            in (got["backup refused"])
-        )
+        if rank == 0:  # each rank wrote its shards (into a directory of its own here); the chief's holds the backups
+            assert [name for name in got["backups"] if name.endswith(".dcp")] == ["backup.dcp", "backup.previous.dcp"]
         assert got["gpt2"] <= 1e-5, (rank, got["gpt2"])
         assert got["gpt2 warnings"] == []

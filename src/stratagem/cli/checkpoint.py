@@ -5,12 +5,15 @@ Usage:
     $ stratagem checkpoint verify /shared/run1/backup      # exit code 0: every file whole; 1: one is damaged
     $ stratagem checkpoint inspect backup/backup.pt --json
     $ stratagem checkpoint export /shared/run1/backup model.safetensors   # the plain model (or model.pt)
+    $ stratagem checkpoint export model.pt model.dcp       # and back: a sharded checkpoint of a plain model
 
-``verify`` reads every member of every backup file and compares its CRC32 (the same check a
-resumed run makes before it uses a backup); a file moved aside as damaged
-(``backup.corrupt.pt``) is listed but does not fail it. Exit codes: 0 whole, 1 damaged (or no
-backup at all), 2 a bad argument. ``export`` writes the newest whole backup's model, with the keys
-of the model you built, to one file: safetensors when its name ends in ``.safetensors``, else
+``verify`` reads every member of every backup file and compares its CRC32, and every file of a
+sharded backup (``backup.dcp/``) with the sha256 its manifest lists (the same checks a resumed run
+makes before it uses a backup); a backup moved aside as damaged (``backup.corrupt.pt``,
+``backup.corrupt.dcp``) is listed but does not fail it. ``inspect`` lists a sharded backup's files by
+the rank that wrote them. Exit codes: 0 whole, 1 damaged (or no
+backup at all), 2 a bad argument. ``export`` writes the newest whole backup's model (a sharded one read
+as whole tensors, in this process), with the keys of the model you built, to one file: safetensors when its name ends in ``.safetensors``, else
 ``torch.save`` of the state_dict.
 """
 
@@ -46,7 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "safetensors when its name ends in .safetensors, else torch.save of the state_dict.",
     )
     export.add_argument("path", help="a backup directory (BackupAndRestore's backup_dir) or a checkpoint file")
-    export.add_argument("output", help="the file to write (model.pt or model.safetensors)")
+    export.add_argument(
+        "output",
+        help="the file to write (model.pt or model.safetensors), or a sharded checkpoint directory (model.dcp)",
+    )
     return parser
 
 
@@ -73,7 +79,8 @@ def _export(args: argparse.Namespace) -> int:
     except InputError as error:
         print(f"stratagem checkpoint export: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote the model of {used.path} (step {used.step}, epoch {(used.epoch or 0) + 1}) to {args.output}")
+    when = "" if used.step is None else f" (step {used.step}, epoch {(used.epoch or 0) + 1})"
+    print(f"wrote the model of {used.path}{when} to {args.output}")
     return 0
 
 
@@ -84,7 +91,8 @@ def _lines(report: BackupReport, action: str) -> list[str]:
             lines.append(f"  {entry.name}  {_size(entry.bytes)}  DAMAGED: {entry.error}")
             continue
         if action == "verify":
-            lines.append(f"  {entry.name}  {_size(entry.bytes)}  ok (every checksum holds)")
+            what = f"{len(entry.shards)} files, every sha256 holds" if entry.shards else "every checksum holds"
+            lines.append(f"  {entry.name}  {_size(entry.bytes)}  ok ({what})")
             continue
         epoch = "?" if entry.epoch is None else entry.epoch + 1
         world = (
@@ -97,6 +105,8 @@ def _lines(report: BackupReport, action: str) -> list[str]:
             f"({entry.step_in_epoch} batch(es) into it), {world}"
         )
         lines.append("    " + ", ".join(f"{part} {_size(size)}" for part, size in entry.parts.items()))
+        for shard in entry.shards:
+            lines.append(f"    rank {shard['rank']}: {shard['name']}  {_size(shard['num_bytes'])}")
     for name in report.temporaries:
         lines.append(f"  {name}  a save in progress, or one a stopped job did not finish")
     if report.owner is not None:

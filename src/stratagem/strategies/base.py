@@ -43,6 +43,7 @@ from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
 
 if TYPE_CHECKING:
     from stratagem.cluster import Cluster
+    from stratagem.strategies.state_shards import StateShards
 
 
 class Strategy(abc.ABC):
@@ -96,6 +97,11 @@ class Strategy(abc.ABC):
         """True when each process's model and optimizer hold whole tensors, as `BackupAndRestore` saves them
         (False: the state is sharded across processes, which a backup of the chief's state would not hold)."""
         return True
+
+    def state_shards(self) -> StateShards | None:
+        """How this strategy saves and loads a state sharded across processes (`strategies.state_shards`), or
+        None when every process holds the whole model and optimizer and the chief's copy is the whole state."""
+        return None
 
     def input_pipeline(self) -> tuple[int, int]:
         """(number of input pipelines, this process's pipeline id): one pipeline per worker process."""

@@ -16,19 +16,37 @@ Example:
 from __future__ import annotations
 
 import os
+import secrets
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stratagem.archive import load_verified
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.train.backup_claim import ClaimOwner, read_claim
 from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
 from stratagem.train.model_checkpoint import write_atomically
+from stratagem.strategies.state_shards import hash_file
+from stratagem.train.sharded_backup import (
+    FORMAT,
+    MANIFEST,
+    STATE,
+    VERSION,
+    files_by_rank,
+    partial_directory,
+    read_whole,
+    verify_sharded,
+    write_manifest,
+)
 
 BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
 """The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""
+SHARDED_BACKUPS = ("backup.dcp", "backup.previous.dcp", "backup.corrupt.dcp")
+"""The directories it writes under a sharded strategy (`stratagem.train.sharded_backup`), in the same order."""
+MOVED_ASIDE = ("backup.corrupt.pt", "backup.corrupt.dcp")
 
 
 @dataclass
@@ -49,7 +67,9 @@ class CheckpointFile:
     num_replicas_in_sync: int | None = None
     num_processes: int | None = None
     parts: dict[str, int] = field(default_factory=dict)
-    """Bytes of the tensors of each top-level part (model, optimizer, ...)."""
+    """Bytes of the tensors of each top-level part (model, optimizer, ...); of a sharded backup, of each rank's files."""
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    """A sharded backup's files as its manifest lists them: ``name``, ``rank`` (that wrote it), ``num_bytes``."""
 
 
 @dataclass
@@ -66,7 +86,7 @@ class BackupReport:
     @property
     def ok(self) -> bool:
         """Whether there is at least one file and every file's checksums hold."""
-        return bool(self.files) and all(f.ok for f in self.files if f.name != "backup.corrupt.pt")
+        return bool(self.files) and all(f.ok for f in self.files if f.name not in MOVED_ASIDE)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
@@ -81,16 +101,20 @@ def inspect_backups(path: str | os.PathLike[str]) -> BackupReport:
     path = Path(path)
     if path.is_file():
         return BackupReport(str(path), [_inspect_file(path)], [], None)
+    if path.is_dir() and ((path / MANIFEST).exists() or path.name in SHARDED_BACKUPS):
+        return BackupReport(str(path), [_inspect_sharded(path)], [], None)
     if not path.is_dir():
         raise InputError(
             f"No backup directory or checkpoint file at {str(path)!r}. Received: path={str(path)!r}. Give the "
             "backup_dir of BackupAndRestore, or a checkpoint file."
         )
     files = [_inspect_file(path / name) for name in BACKUP_FILES if (path / name).is_file()]
+    files += [_inspect_sharded(path / name) for name in SHARDED_BACKUPS if (path / name).is_dir()]
     temporaries = sorted(entry.name for entry in path.iterdir() if is_temporary_of(entry.name))
     if not files and not temporaries:
         raise InputError(
-            f"The directory {str(path)!r} holds no backup (none of {', '.join(BACKUP_FILES)}). Received: "
+            f"The directory {str(path)!r} holds no backup (none of {', '.join(BACKUP_FILES + SHARDED_BACKUPS)}). "
+            "Received: "
             f"path={str(path)!r}. Give the backup_dir of BackupAndRestore while a run is under way or was stopped."
         )
     owner: ClaimOwner | None = read_claim(path)
@@ -118,6 +142,32 @@ def _inspect_file(path: Path) -> CheckpointFile:
     )
 
 
+def _inspect_sharded(path: Path) -> CheckpointFile:
+    """A sharded backup directory: every file's digest checked, its files by the rank that wrote them."""
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    try:
+        manifest = verify_sharded(path)
+        listed = {entry["name"] for entry in manifest["files"]}
+        state = load_checkpoint(path / STATE) if STATE in listed else {}  # no state: a model `export_sharded` wrote
+    except (CorruptCheckpointError, InputError) as error:
+        return CheckpointFile(name=path.name, path=str(path), bytes=size, ok=False, error=str(error))
+    shards = [{k: entry[k] for k in ("name", "rank", "num_bytes")} for entry in manifest["files"]]
+    return CheckpointFile(
+        name=path.name,
+        path=str(path),
+        bytes=size,
+        ok=True,
+        step=_int(manifest.get("step")),
+        epoch=_int(manifest.get("epoch")),
+        step_in_epoch=_int(manifest.get("step_in_epoch")),
+        strategy=manifest.get("strategy") if isinstance(manifest.get("strategy"), str) else None,
+        num_replicas_in_sync=_int(state.get("num_replicas_in_sync")),
+        num_processes=_int(manifest.get("world_size")),
+        parts={f"rank {rank}": sum(f["num_bytes"] for f in files) for rank, files in files_by_rank(manifest).items()},
+        shards=shards,
+    )
+
+
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -132,21 +182,27 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
     Raises:
         InputError: no whole backup at `source`; `target` is an existing directory.
     """
+    target = Path(target)
+    if target.suffix == ".dcp":
+        return export_sharded(Path(source), target)
     report = inspect_backups(source)
-    usable = [f for f in report.files if f.ok and f.name != "backup.corrupt.pt"]
+    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
     if not usable:
         raise InputError(
             f"No whole backup to export in {str(source)!r}. Received: "
             f"{[(f.name, f.error) for f in report.files] or 'no backup files'}. Run `stratagem checkpoint verify` "
             "for the details, or point at another backup."
         )
-    target = Path(target)
     if target.is_dir():
         raise InputError(
             f"The export target is a directory. Received: {str(target)!r}. Give a file name, e.g. model.pt or "
             "model.safetensors."
         )
-    model = load_checkpoint(usable[0].path)["model"]
+    newest = max(usable, key=lambda f: -1 if f.step is None else f.step)  # the first of a tie
+    if Path(newest.path).is_dir():
+        model = read_whole(Path(newest.path))[1]  # whole tensors, read in this process alone
+    else:
+        model = load_checkpoint(newest.path)["model"]
     state = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in model.items()}
     if target.suffix == ".safetensors":
         from safetensors.torch import save
@@ -155,4 +211,52 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
         write_atomically(target, lambda handle: handle.write(payload))
     else:
         write_atomically(target, lambda handle: torch.save(state, handle))
-    return usable[0]
+    return newest
+
+
+def export_sharded(source: Path, target: Path) -> CheckpointFile:
+    """Writes a plain model (a ``torch.save`` state_dict, or the model of the newest whole backup of `source`) as a
+    sharded checkpoint directory `target` (``*.dcp``): ``dcp.load({"model": model.state_dict()}, checkpoint_id=target)``
+    loads it into a model sharded at any number of ranks. Written in a partial directory, with a manifest of the
+    files' sha256 (``stratagem checkpoint verify`` checks it), then renamed into place.
+
+    Raises:
+        InputError: `source` holds no model; `target` exists.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if target.exists():
+        raise InputError(
+            f"The export target exists. Received: {str(target)!r}. Give a new directory name ending in .dcp."
+        )
+    state, used = _plain_model(source)
+    partial = partial_directory(target, secrets.randbits(64))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process, on purpose
+        dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
+    files = [asdict(hash_file(p, 0)) for p in sorted(partial.iterdir())]
+    manifest = {"format": FORMAT, "version": VERSION, "kind": "model", "step": used.step, "epoch": used.epoch}
+    write_manifest(partial, {**manifest, "step_in_epoch": None, "strategy": None, "world_size": 1, "files": files})
+    os.replace(partial, target)
+    return used
+
+
+def _plain_model(source: Path) -> tuple[dict[str, torch.Tensor], CheckpointFile]:
+    if source.is_file():
+        loaded = load_verified(source)
+        if isinstance(loaded, dict) and loaded.get("format") is None:
+            tensors = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+            if tensors and len(tensors) == len(loaded):
+                return tensors, CheckpointFile(source.name, str(source), source.stat().st_size, ok=True)
+    report = inspect_backups(source)
+    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
+    if not usable:
+        raise InputError(
+            f"No model to export in {str(source)!r}: neither a state_dict of tensors nor a whole backup. Received: "
+            f"{[(f.name, f.error) for f in report.files]}. Point at a model file (torch.save(model.state_dict())) "
+            "or a backup directory."
+        )
+    newest = max(usable, key=lambda f: -1 if f.step is None else f.step)
+    if Path(newest.path).is_dir():
+        return read_whole(Path(newest.path))[1], newest
+    return load_checkpoint(newest.path)["model"], newest

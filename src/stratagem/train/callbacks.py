@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +25,15 @@ from stratagem import environ
 from stratagem.errors import CorruptCheckpointError, InputError
 from stratagem.strategies.data_parallel import lr_schedulers
 from stratagem.train.backup_claim import ClaimOwner, DirectoryClaim
+from stratagem.train.backup_writer import BackgroundWrite, snapshot
 from stratagem.train.backup_dir import CLUSTER_TOKEN, check_backup_directory, check_room_for_backups, job_id
 from stratagem.train.checkpoint import (
-    load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
 )
 from stratagem.train.preemption import StopSignals
+from stratagem.train.progress_bar import ProgressBar, format_epoch_line
+from stratagem.train.sharded_backup import read_backup, remove_stale_directories, save_sharded, weights_loader
 from stratagem.train.callback import Callback
 
 # The callbacks that live in modules of their own, here too so that sg.callbacks lists every callback.
@@ -40,9 +42,7 @@ from stratagem.train.loggers import CSVLogger, TensorBoard
 from stratagem.train.model_checkpoint import ModelCheckpoint
 
 if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.progress import Progress
-
+    from stratagem.strategies.state_shards import StateShards
     from stratagem.train.fit import EpochLog, History, TrainingContext
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,12 @@ class BackupAndRestore(Callback):
     finished `grace_period` seconds after the signal, the process exits with that code at once,
     and the backups written before are whole (see `stratagem.train.preemption`).
 
+    Under a strategy whose state is sharded (`ShardedStrategy`), every rank writes its own shards into
+    ``backup.dcp/`` with a manifest of sha256 digests written last (`stratagem.train.sharded_backup`); a
+    backup of either form resumes under any strategy and number of workers. ``async_save=True``: the
+    chief copies the state at the step boundary and writes a single-file backup on a thread
+    (`stratagem.train.backup_writer`), keeping one more copy of the state in memory.
+
     Example:
         >>> backup = sg.callbacks.BackupAndRestore("/shared/run1/backup", save_freq="epoch")
         >>> sg.fit(strategy, model, optimizer, loss, data, epochs=10, callbacks=[backup])
@@ -87,6 +93,10 @@ class BackupAndRestore(Callback):
     PREVIOUS_NAME = "backup.previous.pt"
     CORRUPT_NAME = "backup.corrupt.pt"
     """Where the chief moves a damaged backup it fell back from, for the user to inspect or delete."""
+    SHARDED_NAME = "backup.dcp"
+    """Under a strategy whose state is sharded: a directory of every rank's shards (`stratagem.train.sharded_backup`)."""
+    SHARDED_PREVIOUS_NAME = "backup.previous.dcp"
+    CORRUPT_SHARDED_NAME = "backup.corrupt.dcp"
     MARKER_NAME = ".stratagem-backup-dir"
     """Written into `backup_dir` when this callback creates it: only such a directory is ever removed."""
 
@@ -99,6 +109,8 @@ class BackupAndRestore(Callback):
         keep_previous: bool = True,
         stop_on_signals: bool = True,
         grace_period: float = 25.0,
+        async_save: bool = False,
+        allow_new_data_seed: bool = False,
     ) -> None:
         if isinstance(backup_dir, bool) or not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
             raise InputError(f"backup_dir must be a directory path. Received: backup_dir={backup_dir!r}.")
@@ -119,6 +131,11 @@ class BackupAndRestore(Callback):
                 "a little less than the scheduler's own (Kubernetes' terminationGracePeriodSeconds, 30 by default)."
             )
         self.save_freq = save_freq
+        self._writes = BackgroundWrite() if async_save else None
+        self._copy: Any = None
+        self.allow_new_data_seed = allow_new_data_seed
+        """Resume a backup taken with another data seed (with the backup's seed) instead of refusing it."""
+        """async_save: the chief writes each single-file backup on a thread from a copy taken at the step boundary."""
         self.stop_signals = StopSignals(float(grace_period)) if stop_on_signals else None
         """While training, SIGTERM and SIGINT stop at the next step boundary with a backup (None: left alone)."""
         self.claim: DirectoryClaim | None = None
@@ -126,6 +143,8 @@ class BackupAndRestore(Callback):
         self.took_over_from: ClaimOwner | None = None
         """The owner of the directory's claim that this run took over because it no longer ran, or None."""
         self._saved_step: int | None = None
+        self._shards: StateShards | None = None
+        self._damaged_sharded = False
         self.delete_checkpoint = delete_checkpoint
         self.keep_previous = keep_previous
         self.restored_from: dict[str, int] | None = None
@@ -145,33 +164,48 @@ class BackupAndRestore(Callback):
         """Refuses a `backup_dir` that cannot hold backups (see `stratagem.train.backup_dir.check_backup_directory`)."""
         check_backup_directory(self.backup_dir)
 
+    @property
+    def sharded_path(self) -> Path:
+        return self.backup_dir / self.SHARDED_NAME
+
+    @property
+    def sharded_previous_path(self) -> Path:
+        return self.backup_dir / self.SHARDED_PREVIOUS_NAME
+
     def on_train_begin(self, context: TrainingContext) -> None:
-        if not context.strategy.holds_whole_state:
-            raise InputError(
-                f"BackupAndRestore saves the whole model and optimizer state, but {type(context.strategy).__name__} "
-                "shards them across processes. Received: callbacks=[BackupAndRestore(...)] under a sharded strategy. "
-                "Train without BackupAndRestore under it until sharded checkpoints exist, or use "
-                "MultiWorkerMirroredStrategy."
+        self._shards = context.strategy.state_shards()
+        if self._shards is not None and self._writes is not None:
+            logger.warning(
+                "async_save=True writes single-file backups on a thread; under %s every rank writes its shards "
+                "synchronously at each save.",
+                type(context.strategy).__name__,
             )
+        self._damaged_sharded = False
         self._saved_step = None
         if context.is_chief:
             self._make_directory()
             # Before anything is read or removed: a second job must not resume from, or clean up, a live job's files.
             self.claim = DirectoryClaim.acquire(self.backup_dir, job_id(environ.current().get(CLUSTER_TOKEN)))
             self.took_over_from = self.claim.took_over_from
-            check_room_for_backups(
-                self.backup_dir, context.state_dict(), self._backup_files(), files=3 if self.keep_previous else 2
+            # Sharded: no model.state_dict() on the chief alone, whose FSDP hooks would reshard it out of step with
+            # the other ranks; the parameters' global sizes are what the ranks write into the directory together.
+            sizes = (
+                context.state_dict()
+                if self._shards is None
+                else {"model": dict(context.model.named_parameters()), "optimizer": context.optimizer.state_dict()}
             )
+            check_room_for_backups(self.backup_dir, sizes, self._backup_files(), files=3 if self.keep_previous else 2)
             # Only the claim's holder writes here, so a temporary left is one a dead owner did not finish.
             remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+            remove_stale_directories(self.backup_dir, self._sharded_names)
         if self.stop_signals is not None:
             self.stop_signals.install()
-        found = self._load_newest_whole_backup(context.is_chief)
+        found = self._load_newest_whole_backup(context)
         if found is None:
             return
-        path, state = found
+        path, state, load_weights = found
         try:
-            context.load_state_dict(state)
+            context.load_state_dict(state, load_weights=load_weights, allow_new_data_seed=self.allow_new_data_seed)
         except InputError as error:
             raise InputError(f"Cannot resume from the backup {str(path)!r}: {error}") from error
         self.restored_from = {"epoch": context.epoch, "step": context.step}
@@ -184,43 +218,54 @@ class BackupAndRestore(Callback):
             context.step_in_epoch,
         )
 
-    def _load_newest_whole_backup(self, is_chief: bool) -> tuple[Path, dict[str, Any]] | None:
-        """The newest backup whose checksums hold, or None when there is none; damaged ones are refused."""
-        damaged: list[CorruptCheckpointError] = []
-        for candidate in (self.path, self.previous_path):
-            if not candidate.is_file():
+    def _load_newest_whole_backup(self, context: TrainingContext) -> tuple[Path, dict[str, Any], Any] | None:
+        """The whole backup of the latest step (its state, and how to load its tensors when they are not in it:
+        a sharded backup, or a whole one into a sharded model), or None when there is none; damaged ones are
+        refused. Both forms are read, so a run resumes from what a run of another strategy wrote."""
+        damaged: list[tuple[Path, CorruptCheckpointError]] = []
+        whole: list[tuple[int, Path, dict[str, Any], Any]] = []
+        for candidate in (self.sharded_path, self.path, self.sharded_previous_path, self.previous_path):
+            if not candidate.exists():
                 continue  # killed between the two renames of a save: the previous backup is the newest
             try:
-                state = load_checkpoint(candidate)
+                step, state = read_backup(candidate)
             except CorruptCheckpointError as error:
-                damaged.append(error)
+                damaged.append((candidate, error))
                 continue
             except InputError:
                 if not candidate.exists():  # the chief moved a damaged file aside while this worker looked
                     continue
                 raise
+            whole.append((step, candidate, state, weights_loader(self._shards, context, candidate, state)))
+        if whole:
+            step, chosen, state, load_weights = max(whole, key=lambda found: found[0])  # the first of a tie
             if damaged:
-                logger.warning("%s Resuming from the previous backup %s instead.", damaged[0], candidate)
-                if is_chief and candidate != self.path:
-                    # Out of the way of the next save, which would otherwise keep it as the previous backup.
-                    os.replace(self.path, self.backup_dir / self.CORRUPT_NAME)
-                    logger.warning(
-                        "The damaged backup was moved to %s; delete it once inspected.",
-                        self.backup_dir / self.CORRUPT_NAME,
-                    )
-            return candidate, state
+                which = "previous backup" if chosen in (self.previous_path, self.sharded_previous_path) else "backup"
+                logger.warning("%s Resuming from the %s %s instead.", damaged[0][1], which, chosen)
+                self._set_damaged_aside(context.is_chief, [path for path, _ in damaged])
+            return chosen, state, load_weights
         if damaged:
             kept = (
                 ""
-                if self.previous_path.is_file()
+                if self.previous_path.is_file() or self.sharded_previous_path.is_dir()
                 else f" (and there is no previous backup {str(self.previous_path)!r})"
             )
             raise CorruptCheckpointError(
-                " ".join(str(error) for error in damaged)
+                " ".join(str(error) for _, error in damaged)
                 + f" No whole backup is left to resume from{kept}. Received: backup_dir={str(self.backup_dir)!r}. "
                 "Remove the damaged file(s) to start afresh, or restore them from a copy."
             )
         return None
+
+    def _set_damaged_aside(self, is_chief: bool, damaged: list[Path]) -> None:
+        """Damaged newest backups out of the way of the next save, which would keep them as the previous backup."""
+        if self.path in damaged and is_chief:
+            os.replace(self.path, self.backup_dir / self.CORRUPT_NAME)
+            logger.warning(
+                "The damaged backup was moved to %s; delete it once inspected.", self.backup_dir / self.CORRUPT_NAME
+            )
+        # Other ranks may still be reading it now: the chief moves it at its first save, after a collective step.
+        self._damaged_sharded = self.sharded_path in damaged
 
     def _make_directory(self) -> None:
         if self.backup_dir.is_dir():
@@ -228,6 +273,10 @@ class BackupAndRestore(Callback):
         check_backup_directory(self.backup_dir)
         self.backup_dir.mkdir(parents=True, exist_ok=True)
         (self.backup_dir / self.MARKER_NAME).touch()  # a later attempt of this job knows it may remove the directory
+
+    @property
+    def _sharded_names(self) -> tuple[str, ...]:
+        return (self.SHARDED_NAME, self.SHARDED_PREVIOUS_NAME)
 
     def _backup_files(self) -> list[Path]:
         return [p for p in (self.path, self.previous_path) if p.is_file()]
@@ -242,6 +291,8 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, context: TrainingContext, history: History) -> None:
         try:
+            if self._writes is not None:
+                self._writes.wait()
             if context.is_chief and self.delete_checkpoint:
                 self._delete_backups()
         finally:
@@ -251,6 +302,11 @@ class BackupAndRestore(Callback):
         """Gives the signals back to their handlers and the directory up; `fit` calls it when training fails."""
         if self.stop_signals is not None:
             self.stop_signals.uninstall()
+        if self._writes is not None:
+            try:
+                self._writes.wait()  # no write may outlive the claim
+            except Exception as error:  # noqa: BLE001 - training already failed or ended; this one is logged
+                logger.warning("The last background backup write failed: %s", error)
         if self.claim is not None:
             self.claim.release()
             self.claim = None
@@ -259,6 +315,9 @@ class BackupAndRestore(Callback):
         self.path.unlink(missing_ok=True)
         self.previous_path.unlink(missing_ok=True)
         remove_stale_temporaries(self.backup_dir, self.FILE_NAME)
+        for directory in (self.sharded_path, self.sharded_previous_path):
+            shutil.rmtree(directory, ignore_errors=True)
+        remove_stale_directories(self.backup_dir, self._sharded_names)
         self.close()  # the claim file goes too, so the directory may be empty now
         marker = self.backup_dir / self.MARKER_NAME
         try:
@@ -273,17 +332,47 @@ class BackupAndRestore(Callback):
                 pass
 
     def _save(self, context: TrainingContext) -> None:
+        if self._shards is not None:
+            self._save_sharded(context, self._shards)
+            return
         # Only the chief builds and writes the state: one writer, and every worker holds the same values.
         if context.is_chief:
-            save_checkpoint(
-                self.path, context.state_dict(), previous=self.previous_path if self.keep_previous else None
-            )
+            previous = self.previous_path if self.keep_previous else None
+            if self._writes is None:
+                save_checkpoint(self.path, context.state_dict(), previous=previous)
+            else:
+                self._writes.wait()  # the copy before is free again (and its write's error raised here)
+                # The step boundary's values, into the buffers of the copy before; training goes on meanwhile.
+                state = self._copy = snapshot(context.state_dict(), self._copy)
+                self._writes.start(lambda: save_checkpoint(self.path, state, previous=previous), str(self.path))
+        self._saved_step = context.step
+
+    def _save_sharded(self, context: TrainingContext, shards: StateShards) -> None:
+        # Every rank writes its own shards; the chief adds the rest of the state and the manifest, last.
+        if context.is_chief and self._damaged_sharded:
+            corrupt = self.backup_dir / self.CORRUPT_SHARDED_NAME
+            shutil.rmtree(corrupt, ignore_errors=True)
+            os.replace(self.sharded_path, corrupt)
+            logger.warning("The damaged sharded backup was moved to %s; delete it once inspected.", corrupt)
+        self._damaged_sharded = False
+        save_sharded(
+            self.sharded_path,
+            shards,
+            context.model,
+            context.optimizer,
+            context.state_dict(weights=False) if context.is_chief else {},
+            step=context.step,
+            is_chief=context.is_chief,
+            previous=self.sharded_previous_path if self.keep_previous else None,
+        )
         self._saved_step = context.step
 
     def save_on_stop(self, context: TrainingContext) -> None:
         """Writes a backup of the step just done, unless the last save was of that step (`fit` calls it on a signal)."""
         if self._saved_step != context.step:
             self._save(context)
+        if self._writes is not None:
+            self._writes.wait()  # on disk before the process exits
 
 
 class LearningRateScheduler(Callback):
@@ -330,93 +419,6 @@ class LearningRateScheduler(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
-
-
-class ProgressBar(Callback):
-    """A progress bar per epoch on the chief (examples, samples/s), then one line of metrics per epoch.
-
-    The library never shows progress on its own: pass ``ProgressBar()`` in `callbacks` (or
-    ``fit(verbose=True)``). Workers other than the chief show nothing, so a multi-worker job
-    prints one bar, not one per process.
-
-    Args:
-        console: where to draw (default: a new ``rich.console.Console()``, standard output).
-        show_bar: draw the live bar (default: only when the console is a terminal).
-        print_lines: print each epoch's metrics line.
-    """
-
-    def __init__(
-        self, console: Console | None = None, *, show_bar: bool | None = None, print_lines: bool = True
-    ) -> None:
-        # rich loads with the first progress bar, not with `import stratagem` (about 0.1 s of CPU).
-        from rich.console import Console
-
-        self._console = console or Console(highlight=False, soft_wrap=True)
-        self._show_bar = self._console.is_terminal if show_bar is None else show_bar
-        self._print_lines = print_lines
-        self._progress: Progress | None = None
-        self._task: Any = None
-        self._started = 0.0
-        self._seen = 0
-        self._width = 1
-        self._epochs = 1
-
-    def on_train_begin(self, context: TrainingContext) -> None:
-        self._epochs = context.epochs
-        self._width = len(str(context.epochs))
-
-    def on_epoch_begin(self, context: TrainingContext) -> None:
-        self._started, self._seen = time.perf_counter(), 0
-        if not (context.is_chief and self._show_bar):
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        total = context.examples_per_epoch
-        self._progress = Progress(
-            TextColumn(f"epoch {context.epoch + 1:>{self._width}}/{self._epochs}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("examples"),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            console=self._console,
-            transient=True,
-        )
-        self._progress.start()
-        # After a restore mid-epoch, the examples already trained on count as done.
-        self._task = self._progress.add_task("train", total=total, completed=int(context.totals[1]), rate="")
-
-    def on_train_batch_end(self, context: TrainingContext, num_examples: int) -> None:
-        self._seen += num_examples
-        if self._progress is not None:
-            elapsed = time.perf_counter() - self._started
-            rate = f"{self._seen / elapsed:,.0f} samples/s" if elapsed > 0 else ""
-            self._progress.update(self._task, advance=num_examples, rate=rate)
-
-    def on_epoch_end(self, context: TrainingContext, log: EpochLog) -> None:
-        self.close()
-        if context.is_chief and self._print_lines:
-            from rich.text import Text
-
-            self._console.print(Text(format_epoch_line(log, self._epochs)))
-
-    def on_train_end(self, context: TrainingContext, history: History) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stops the live bar; also called when training fails, so the terminal is left clean."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
-def format_epoch_line(log: EpochLog, epochs: int) -> str:
-    """``epoch 2/10  loss 0.1234  accuracy 96.50%  val_loss ...  (1.2 s, 12,345 samples/s)``."""
-    width = len(str(epochs))
-    parts = [f"epoch {log.epoch:>{width}}/{epochs}"]
-    for name, value in log.metrics.items():
-        parts.append(f"{name} {value:6.2%}" if name.endswith("accuracy") else f"{name} {value:.4f}")
-    return "  ".join(parts) + f"  ({log.elapsed_s:.1f} s, {log.samples_per_s:,.0f} samples/s)"
 
 
 __all__ = [

@@ -85,7 +85,7 @@ def save_checkpoint(
         if keep is not None and path.exists():
             os.replace(path, keep)  # killed right after: `keep` is the newest checkpoint, whole
         os.replace(temp_name, path)
-        _fsync_directory(path.parent)  # the renames themselves survive a power cut
+        fsync_directory(path.parent)  # the renames themselves survive a power cut
     except BaseException as error:
         if temp_name is not None:
             Path(temp_name).unlink(missing_ok=True)
@@ -215,7 +215,8 @@ def remove_stale_temporaries(directory: str | os.PathLike[str], checkpoint_name:
     return sorted(removed)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Flushes `directory`'s entries (renames, new files) to disk."""
     if sys.platform == "win32":  # directories cannot be opened for fsync there; the rename is durable enough
         return
     fd = os.open(directory, os.O_RDONLY)

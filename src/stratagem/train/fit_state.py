@@ -9,6 +9,7 @@ moves this state on is `stratagem.train.fit`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,13 +120,19 @@ class TrainingContext:
         """The current epoch's metrics so far."""
         return self.metric_set.results(self.totals)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, weights: bool = True) -> dict[str, Any]:
         """Everything needed to continue exactly: parameters, buffers, optimizer state, counters,
-        the epoch's metric sums, the history, random states and the data position."""
+        the epoch's metric sums, the history, random states and the data position.
+
+        ``weights=False``: all but ``model`` and ``optimizer``, with the optimizer's hyper-parameters as
+        ``optimizer_param_groups`` (a sharded backup writes the tensors apart, each rank its own shards)."""
+        if weights:
+            held = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        else:
+            held = {"optimizer_param_groups": self.optimizer.state_dict()["param_groups"]}
         return {
             "kind": CHECKPOINT_KIND,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **held,
             "epoch": self.epoch,
             "step": self.step,
             "step_in_epoch": self.step_in_epoch,
@@ -150,8 +157,19 @@ class TrainingContext:
         ]
         return {f"{i}:{type(c).__name__}": c for i, c in enumerate(stateful)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        *,
+        load_weights: Callable[[], None] | None = None,
+        allow_new_data_seed: bool = False,
+    ) -> None:
         """Restores a `state_dict` into this run (the model reaches every replica).
+
+        `load_weights`: loads the model and optimizer in place of ``state["model"]`` and ``state["optimizer"]``
+        (a sharded backup, or a whole one into a sharded model), called once the rest has been checked.
+        `allow_new_data_seed`: a backup whose data seed differs from this run's resumes with the backup's seed
+        (the batches of the interrupted run) instead of being refused.
 
         Raises:
             InputError: the state is not a fit checkpoint, or its model, optimizer or metrics
@@ -162,7 +180,8 @@ class TrainingContext:
                 f"This checkpoint was not written by fit. Received: kind={state.get('kind')!r:.100}. "
                 "Restore it by hand, or point BackupAndRestore at a fit backup directory."
             )
-        missing = [name for name in _BACKUP_FIELDS if name not in state]
+        needed = _BACKUP_FIELDS if load_weights is None else _BACKUP_FIELDS[2:]
+        missing = [name for name in needed if name not in state]
         if missing:
             raise InputError(
                 f"The backup lacks fields that fit writes: {missing}. Received: fields {sorted(state)[:20]}. "
@@ -183,10 +202,22 @@ class TrainingContext:
                 "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup."
             )
         if state["data"] is not None and is_resumable(self.data):
+            saved_seed, seed = state["data"].get("seed"), self.data.state_dict().get("seed")
+            if saved_seed is not None and seed is not None and saved_seed != seed and not allow_new_data_seed:
+                raise InputError(
+                    f"The backup's data were shuffled with seed={saved_seed!r} but this run's are shuffled with "
+                    f"seed={seed!r}, so resuming would mix two orders within the epoch. Received: seed={seed!r}. "
+                    f"Pass seed={saved_seed!r} as the interrupted run did, pass "
+                    "BackupAndRestore(..., allow_new_data_seed=True) to resume with the backup's seed, or remove the "
+                    "backup to start afresh."
+                )
             self.data.load_state_dict(state["data"])  # checks the batching first: nothing else is touched yet
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if load_weights is None:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+            else:
+                load_weights()
         except (RuntimeError, ValueError, KeyError) as error:
             raise InputError(
                 f"The backup does not fit this model or optimizer: {error}. Received: a backup of a "

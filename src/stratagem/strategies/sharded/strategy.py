@@ -41,6 +41,7 @@ from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaC
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
+from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import (
     OriginalModel,
     check_device,
@@ -158,6 +159,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
     def holds_whole_state(self) -> bool:
         """False: each process holds 1/N of the state, which a backup of the chief's would not hold."""
         return False
+
+    def state_shards(self) -> ShardedStateShards:
+        """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
+        return ShardedStateShards(self._group)
 
     @property
     def stage(self) -> int:

@@ -1,0 +1,148 @@
+"""Checkpoints of a sharded model: every rank writes and reads only its own shards (``torch.distributed.checkpoint``).
+
+`ShardedStateShards` is what `ShardedStrategy.state_shards()` hands `BackupAndRestore`. Saving takes the
+model's and optimizer's sharded state with ``get_state_dict`` (DTensors: each rank's local shards, nothing
+gathered), writes it with ``dcp.save`` (one ``__<rank>_<n>.distcp`` file per rank, ``.metadata`` from rank
+0), then each rank hashes the files it wrote and every rank learns every rank's digests. Loading reads
+the shards this rank needs at whatever number of ranks the checkpoint was written with (DCP reshards), or
+cuts whole tensors of a single-file backup into this rank's shards (``set_state_dict(full_state_dict=True)``).
+
+The optimizer's tensors are stored by position (``optimizer.<i>.<name>``, i the parameter's place in
+``optimizer.state_dict()``), as a single-file backup numbers them, so a process that holds whole tensors
+can read a sharded checkpoint into a plain ``optimizer.load_state_dict`` without this module (see
+`stratagem.train.sharded_backup`). Only tensors go into the DCP files; hyper-parameters travel beside them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from stratagem.errors import InputError
+from stratagem.strategies.state_shards import ShardFile, hash_file
+
+if TYPE_CHECKING:
+    from stratagem.cluster.worker_group import WorkerGroup
+
+
+class ShardedStateShards:
+    """Saving and loading an FSDP2 model and its optimizer, each rank its own shards (a `StateShards`)."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._group = group
+        self._saves = 0
+
+    def save(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ShardFile]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        names = parameter_names(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": by_position(optimizer_state, names)}, checkpoint_id=directory)
+        rank = self._group.rank
+        mine = [
+            hash_file(directory / name, rank)
+            for name in sorted(p.name for p in directory.iterdir())
+            if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")
+        ]
+        self._saves += 1
+        payloads = self._group.cross_worker.all_gather_bytes(
+            json.dumps([vars(f) for f in mine]).encode(),
+            what="checkpoint digests",
+            step=self._saves,
+            device=self._group.collective_device,
+        )
+        return [ShardFile(**entry) for payload in payloads for entry in json.loads(payload)]
+
+    def load(
+        self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, param_groups: list[dict[str, Any]]
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        # The skeleton: this rank's shards, optimizer state made by a step at learning rate 0 when there is none.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        names = parameter_names(model, optimizer)
+        positions = by_position(optimizer_state, names)
+        dcp.load({"model": model_state, "optimizer": positions}, checkpoint_id=directory)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=by_name(positions, param_groups, names),
+        )
+
+    def load_whole(
+        self,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        names = parameter_names(model, optimizer)
+        state = {str(key): value for key, value in optimizer_state["state"].items()}
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=by_name(state, optimizer_state["param_groups"], names),
+            options=StateDictOptions(full_state_dict=True),
+        )
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name in `model` of each parameter of `optimizer`, in the order ``optimizer.state_dict()`` numbers them."""
+    named = {id(p): name for name, p in model.named_parameters()}
+    names = []
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in named:
+                raise InputError(
+                    f"The optimizer holds a parameter that is not the model's (param_groups[{g}], shape "
+                    f"{tuple(p.shape)}), so its state cannot be saved by name. Received: an optimizer over other "
+                    "tensors. Pass the model and optimizer that strategy.distribute returned."
+                )
+            names.append(named[id(p)])
+    return names
+
+
+def by_position(optimizer_state: Mapping[str, Any], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """``get_state_dict``'s optimizer state (keyed by parameter name) keyed by position instead; tensors only."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for position, name in enumerate(names):
+        entry = optimizer_state["state"].get(name)
+        if entry is None:
+            continue
+        others = sorted(key for key, value in entry.items() if not isinstance(value, torch.Tensor))
+        if others:
+            raise InputError(
+                f"The optimizer keeps values other than tensors in its state ({others} of {name!r}), which a sharded "
+                "checkpoint does not hold. Received: an optimizer whose state is not all tensors. Use a torch.optim "
+                "optimizer whose state is tensors (SGD, Adam, AdamW, Adagrad...)."
+            )
+        out[str(position)] = dict(entry)
+    return out
+
+
+def by_name(
+    positions: Mapping[str, Mapping[str, torch.Tensor]], param_groups: list[dict[str, Any]], names: list[str]
+) -> dict[str, Any]:
+    """The optimizer state `by_position` made, keyed by parameter name again, with `param_groups` (numbered as
+    ``Optimizer.state_dict`` numbers them): the form ``set_state_dict`` takes."""
+    groups = []
+    for group in param_groups:
+        groups.append({**group, "params": [names[int(i)] for i in group["params"]]})
+    if sum(len(g["params"]) for g in groups) != len(names):
+        raise InputError(
+            f"The checkpoint's optimizer has {sum(len(g['params']) for g in groups)} parameters and this run's has "
+            f"{len(names)}. Received: a checkpoint of another model or optimizer. Build the same model and optimizer "
+            "as the run that wrote it, or remove the checkpoint to start afresh."
+        )
+    return {"state": {names[int(i)]: dict(entry) for i, entry in positions.items()}, "param_groups": groups}

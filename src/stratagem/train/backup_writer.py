@@ -1,0 +1,80 @@
+"""Writing a single-file backup on a thread, so that training waits only for a copy of the state.
+
+`BackupAndRestore(async_save=True)`: at the step boundary the chief copies the state (`snapshot`: every
+tensor copied to the CPU, into the buffers of the copy before: one more copy of the state in memory), then a thread writes the copy with `save_checkpoint`, atomically as ever (a
+temporary file, fsync, renames), while training goes on. At most one write is in flight: the next save,
+the end of training and a stop on a signal first wait for it, and an error of the write is raised there.
+A process killed during the write leaves the backups before it whole (the temporary never loads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def snapshot(state: Any, into: Any = None) -> Any:
+    """`state` with every tensor copied to the CPU (containers copied, other values kept): what the step boundary
+    held, whatever training does to the originals afterwards. `into`: an earlier snapshot whose tensors of the
+    same shape and dtype are written over instead of allocated again (a copy into memory already touched runs
+    several times faster than into fresh pages); nothing may still read it."""
+    if isinstance(state, torch.Tensor):
+        if (
+            isinstance(into, torch.Tensor)
+            and into.device.type == "cpu"
+            and into.shape == state.shape
+            and into.dtype == state.dtype
+        ):
+            return into.copy_(state.detach())
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        earlier = into if isinstance(into, dict) else {}
+        return {key: snapshot(value, earlier.get(key)) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        earlier_items = (
+            list(into) if isinstance(into, (list, tuple)) and len(into) == len(state) else [None] * len(state)
+        )
+        items = [snapshot(value, before) for value, before in zip(state, earlier_items)]
+        return items if isinstance(state, list) else tuple(items)
+    return state
+
+
+class BackgroundWrite:
+    """At most one write running on a thread; `wait` joins it and raises its error."""
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        self.timeout = timeout
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._what = ""
+
+    def start(self, write: Callable[[], object], what: str) -> None:
+        """Waits for the write before (raising its error), then runs `write` on a new thread."""
+        self.wait()
+        self._what = what
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # noqa: BLE001 - handed to the training thread at its next wait
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="stratagem-backup-write", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Returns once no write runs; raises the error of the one that just ended, if it failed."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(self.timeout)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"The background write of {self._what} did not finish in {self.timeout:.0f} s. Received: a write "
+                    "still running. Check the disk or file system of the backup directory (a hung network mount?)."
+                )
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
