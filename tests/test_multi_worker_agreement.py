@@ -4,40 +4,19 @@ processes on 127.0.0.1 under `stratagem launch`, and the fingerprint's rule on i
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import launch_json_workers
 
-from stratagem import environ
-from stratagem.cluster import launch
 from stratagem.errors import InputError
 from stratagem.strategies.multi_worker.agreement import SLOT, BatchAgreement, tensor_digest
 
-WORKER = str(Path(__file__).parent / "workers" / "mwms_disagree.py")
-
 
 def _launched(**settings) -> tuple[int, dict[int, dict]]:
-    env = dict(environ.current())
-    env.update({k: str(v) for k, v in settings.items()})
-    lines: list[str] = []
-    result = launch(
-        [sys.executable, WORKER],
-        workers=2,
-        env=env,
-        sink=lambda line: lines.append(line.text),
-        timeout=120,
-        grace_period=2,
-    )
-    outcomes = {}
-    for line in lines:
-        if line.startswith("{"):
-            outcome = json.loads(line)
-            outcomes[outcome["rank"]] = outcome
+    code, outcomes, lines = launch_json_workers("mwms_disagree.py", settings, timeout=120)
     assert sorted(outcomes) == [0, 1], "\n".join(lines[-40:])
-    return result.exit_code, outcomes
+    return code, outcomes
 
 
 def _summed(*agreements: BatchAgreement, step: int) -> list[float]:

@@ -4,38 +4,16 @@ alarm on clean steps; a slow worker is never called lost at the timeout (issue 2
 
 from __future__ import annotations
 
-import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import launch_json_workers
 
-from stratagem import environ
-from stratagem.cluster import launch
 from stratagem.strategies.multi_worker.stragglers import StragglerWatch
-
-WORKER = str(Path(__file__).parent / "workers" / "mwms_straggler.py")
 
 
 def _launched(**settings) -> tuple[int, dict[int, dict], list[str]]:
-    env = dict(environ.current())
-    env.update({k: str(v) for k, v in settings.items()})
-    lines: list[str] = []
-    result = launch(
-        [sys.executable, WORKER],
-        workers=2,
-        env=env,
-        sink=lambda line: lines.append(line.text),
-        timeout=150,
-        grace_period=2,
-    )
-    outcomes = {}
-    for line in lines:
-        if line.startswith("{"):
-            outcome = json.loads(line)
-            outcomes[outcome["rank"]] = outcome
-    return result.exit_code, outcomes, lines
+    return launch_json_workers("mwms_straggler.py", settings, timeout=150)
 
 
 def _synthetic(watch: StragglerWatch, steps: int, times) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import queue
@@ -46,25 +47,41 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def launch_workers(script: str, settings: dict[str, str], *, timeout: float, tail: int = 40) -> tuple[int, str]:
-    """Runs tests/workers/`script` as 2 workers under `stratagem launch` (loopback, free ports), with the test's
-    settings added to the environment; returns the job's exit code and its last `tail` lines of output, each
-    prefixed with its task, for the test's assertion message."""
+def _launch(script: str, settings: dict[str, str], timeout: float) -> tuple[int, list[Any]]:
+    """Runs tests/workers/`script` as 2 workers under `stratagem launch`; the exit code and every output line."""
     from stratagem import environ
     from stratagem.cluster import launch
 
     env = dict(environ.current())
     env.update(settings)
-    lines: list[str] = []
+    lines: list[Any] = []
     result = launch(
-        [sys.executable, str(WORKERS / script)],
-        workers=2,
-        env=env,
-        sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
-        timeout=timeout,
-        grace_period=2,
+        [sys.executable, str(WORKERS / script)], workers=2, env=env, sink=lines.append, timeout=timeout, grace_period=2
     )
-    return result.exit_code, "\n".join(lines[-tail:])
+    return result.exit_code, lines
+
+
+def launch_workers(script: str, settings: dict[str, str], *, timeout: float, tail: int = 40) -> tuple[int, str]:
+    """Runs tests/workers/`script` as 2 workers under `stratagem launch` (loopback, free ports), with the test's
+    settings added to the environment; returns the job's exit code and its last `tail` lines of output, each
+    prefixed with its task, for the test's assertion message."""
+    exit_code, lines = _launch(script, settings, timeout)
+    return exit_code, "\n".join(f"[{line.task}] {line.text}" for line in lines[-tail:])
+
+
+def launch_json_workers(
+    script: str, settings: dict[str, Any], *, timeout: float
+) -> tuple[int, dict[int, dict], list[str]]:
+    """As `launch_workers`; each worker prints one JSON object with its "rank": returns the exit code, those
+    objects by rank, and every line of output."""
+    exit_code, lines = _launch(script, {k: str(v) for k, v in settings.items()}, timeout)
+    texts = [line.text for line in lines]
+    outcomes = {}
+    for text in texts:
+        if text.startswith("{"):
+            outcome = json.loads(text)
+            outcomes[outcome["rank"]] = outcome
+    return exit_code, outcomes, texts
 
 
 @dataclass(frozen=True)

@@ -255,15 +255,13 @@ class CentralUpdate(ReplicaBuilder):
             elif any(self._aliased[r] for r in range(len(replicas)) if r != self._anchor):
                 # A later model without an optimizer, on replicas that read the central parameters in place (decided
                 # by the first model, which has one): an update by hand would land once per replica.
-                self._watches.append(
-                    InPlaceWatch(
-                        [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor],
-                        consequence="This model was distributed without an optimizer after a model with one, so its "
-                        "replicas read the central parameters in place; a change made in the step applied once per "
-                        "replica, on the same memory.",
-                        fix="Distribute the model you update by hand first, or build the strategy with "
-                        "share_parameters=False so that every replica keeps a copy.",
-                    )
+                self._watch(
+                    replicas,
+                    consequence="This model was distributed without an optimizer after a model with one, so its "
+                    "replicas read the central parameters in place; a change made in the step applied once per "
+                    "replica, on the same memory.",
+                    fix="Distribute the model you update by hand first, or build the strategy with "
+                    "share_parameters=False so that every replica keeps a copy.",
                 )
             return Built(replicas, distributed, None, [])
         central_optimizer = CentralOptimizer(optimizer, held, self, self.host)
@@ -271,18 +269,21 @@ class CentralUpdate(ReplicaBuilder):
         if len(replicas) > 1:
             # With an optimizer the update happens once, on the central copy; a change made by hand in the step to a
             # replica's parameters lands N times on shared memory, or on a compute copy overwritten at the next step.
-            self._watches.append(
-                InPlaceWatch(
-                    [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor],
-                    consequence="Under CentralStorageStrategy the optimizer updates the central parameters once; a "
-                    "change made in the step applies once per replica where replicas read the central parameters in "
-                    "place, and is overwritten at the next step where they compute on a copy.",
-                    fix="Update the parameters only through the optimizer, or distribute the model without an "
-                    "optimizer and update it by hand (each replica then updates its own copy, and the central copy "
-                    "takes one).",
-                )
+            self._watch(
+                replicas,
+                consequence="Under CentralStorageStrategy the optimizer updates the central parameters once; a "
+                "change made in the step applies once per replica where replicas read the central parameters in "
+                "place, and is overwritten at the next step where they compute on a copy.",
+                fix="Update the parameters only through the optimizer, or distribute the model without an "
+                "optimizer and update it by hand (each replica then updates its own copy, and the central copy "
+                "takes one).",
             )
         return Built(replicas, distributed, central_optimizer, [optimizer])
+
+    def _watch(self, replicas: list[nn.Module], consequence: str, fix: str) -> None:
+        """Refuses, at the end of a step, an in-place change of a parameter of a replica other than the anchor."""
+        others = [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor]
+        self._watches.append(InPlaceWatch(others, consequence=consequence, fix=fix))
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: room for the central state (parameters, gradients, optimizer state)
