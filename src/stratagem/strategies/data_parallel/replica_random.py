@@ -123,17 +123,17 @@ def draws_in_forward(model: nn.Module) -> bool:
 class ReplicaRandomPart(StepPart):
     """The step part that gives each CPU replica but the first its own generator (see the module docstring).
 
-    The mode costs one Python call per operator, so it stays on only where something draws: always for a
-    model with dropout or RReLU; otherwise for the first step, which counts the draws, and then only once
-    torch's own generator is seen to have moved during a step (logged: that step drew in thread order)."""
+    The mode costs one Python call per operator (and a profiler sees each operator twice under it), so it is on
+    only where something draws: from the first step for a model with dropout or RReLU; otherwise from the step
+    after one in which torch's own generator is seen to have moved (logged: that step drew in thread order).
+    A model that draws nothing runs its steps exactly as without stratagem's modes (tests/test_placement_log.py)."""
 
     def __init__(self, devices: Sequence[torch.device], first_global_replica: Callable[[], int]) -> None:
         self._devices = list(devices)
         self._first_global_replica = first_global_replica
         self._modes: list[ReplicaRandom | None] = [None] * len(self._devices)
-        self._on = True
+        self._on = False
         self._always = False
-        self._steps = 0
         self._before: torch.Tensor | None = None
 
     def prepare(self, built: Built, replica_params: list[list[nn.Parameter]]) -> None:
@@ -146,7 +146,7 @@ class ReplicaRandomPart(StepPart):
             for r, device in enumerate(self._devices)
         ]
         self._always = draws_in_forward(built.replicas[0])
-        self._on, self._steps = True, 0
+        self._on = self._always
 
     def begin_step(self, state: RunState) -> None:
         if not self._on and self._active:
@@ -155,10 +155,7 @@ class ReplicaRandomPart(StepPart):
     def end_run(self, state: RunState) -> None:
         if not self._active:
             return
-        self._steps += 1
-        if self._on and not self._always and self._steps == 1:
-            self._on = any(mode is not None and mode.draws for mode in self._modes)
-        elif not self._on and self._before is not None and not torch.equal(self._before, torch.random.get_rng_state()):
+        if not self._on and self._before is not None and not torch.equal(self._before, torch.random.get_rng_state()):
             self._on = True
             logger.warning(
                 "Step %d drew random numbers from torch's CPU generator on several CPU replicas, in the order their "
@@ -188,8 +185,8 @@ class ReplicaRandomPart(StepPart):
                     "the CPU replicas are threads sharing torch's one CPU generator, so each replica but the first "
                     "draws from its own, seeded with the base seed + replica x 0x9E3779B97F4A7C15 at distribute() "
                     "(replica 0 keeps torch's): dropout repeats from run to run; call torch.manual_seed before "
-                    "distribute(). On from the first step for a model with dropout or RReLU; else only once a step "
-                    "is seen to draw"
+                    "distribute(). On from the first step for a model with dropout or RReLU; else from the step "
+                    "after one seen to draw"
                 ),
             )
         ]
