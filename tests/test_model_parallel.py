@@ -137,7 +137,7 @@ def test_placement_of_named_modules_matches_one_device():
     )
     model, opt, _ = train_with(strategy, net, torch.optim.Adam(net.parameters(), lr=0.01), batches)
 
-    assert model is net
+    assert model.module is net  # the placed model itself, as DDP's `.module`
     assert_same_state(reference, model, torch.float64)
     assert_same_optimizer_state(ref_opt, opt, torch.float64)
     # The model itself goes on the first device named; a module goes with its longest placed prefix.

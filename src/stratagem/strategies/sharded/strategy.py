@@ -54,6 +54,7 @@ from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
+from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
@@ -116,6 +117,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._mp = (param_dtype, reduce_dtype)
         self._comm: WeightedReduceScatter | None = None
         self._cut: UnitCut | None = None
+        self._sharded: Any = None  # the FSDP2 module behind the model handed back
         self._plan: MemoryPlan | None = None
         self._counts: float | None = None
         self._accumulated: list[float] = []
@@ -169,6 +171,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """A sharded copy of `model` (the user's own module is left as it is) and `optimizer` over its shards.
 
+        The model handed back calls, lists and saves the sharded copy, which is its `.module` (as under DDP).
+
         Refused: an optimizer that needs whole tensors (LBFGS), one that already holds state, parameters on a
         device the process group cannot reach (CUDA tensors on Gloo). The whole model as one unit is allowed
         with a warning that its peak is the unsharded model.
@@ -199,11 +203,13 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._batch_norm.attach([sharded])
         self._check_shards(sharded)
         self._original = OriginalModel(model.named_parameters())
-        self._model = sharded
+        self._sharded = sharded
+        # Behind a wrapper whose `.module` is the sharded copy, as DDP's and FSDP1's (wrapped_model.py).
+        self._model = WrappedModel(sharded, "ShardedModel")
         if optimizer is None:
-            return sharded
+            return self._model
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
-        return sharded, clone_optimizer(optimizer, mapping, with_state=False)
+        return self._model, clone_optimizer(optimizer, mapping, with_state=False)
 
     def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
         """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
@@ -287,7 +293,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
-        model = self._model
+        model = self._sharded
         if model is None:
             raise InputError("no_sync() needs a distributed model. Received: none yet. Call distribute() first.")
         model.set_requires_gradient_sync(False)
@@ -418,5 +424,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
         A strategy built again in the same processes meets at another address."""
         self._batch_norm.remove()
         self._model = None
+        self._sharded = None
         self._comm = None
         self._group.close(release=False)
