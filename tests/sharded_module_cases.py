@@ -1,0 +1,88 @@
+"""What the ranks of tests/test_sharded_module.py run: a DDP-style script's uses of the model ShardedStrategy hands
+back (`model.module`, FSDP2's own methods, `clip_grad_norm_`, state dicts for torch.distributed.checkpoint)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from sharded_cases import batches, full, loss_fn, mlp
+from torch import nn
+
+
+def module_case(rank: int, ports: list[int]) -> dict[str, Any]:
+    """ShardedStrategy over len(ports) workers: what `.module` is, and training written as for DDP (with
+    `model.module` in it) against one device in float64."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    import stratagem as sg
+
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
+    strategy = sg.ShardedStrategy(cluster=cluster, timeout=60)
+    out: dict[str, Any] = {}
+    try:
+        data = batches(torch.float64)
+        reference = mlp(torch.float64)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        user_model = copy.deepcopy(reference)
+        model, opt = strategy.distribute(user_model, torch.optim.SGD(user_model.parameters(), lr=0.1, momentum=0.9))
+        out["module is FSDP2's"] = isinstance(model.module, FSDPModule) and not isinstance(user_model, FSDPModule)
+        out["distributed_model is the model"] = strategy.distributed_model is model
+        out["same parameters"] = [id(p) for p in model.parameters()] == [id(p) for p in model.module.parameters()]
+        out["keys"] = (list(model.state_dict()), list(model.module.state_dict()), list(reference.state_dict()))
+        out["repr"] = repr(model).split("(")[0]
+        # torch.distributed.checkpoint reads the model handed back as it reads the FSDP2 module itself.
+        wrapped_state, _ = get_state_dict(model, opt)
+        module_state, _ = get_state_dict(model.module, opt)
+        out["dcp keys"] = (sorted(wrapped_state), sorted(module_state))
+        out["dcp same tensors"] = all(
+            torch.equal(wrapped_state[k].to_local(), module_state[k].to_local()) for k in module_state
+        )
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.module.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        for x, y in data:
+            ref_loss = loss_fn(reference, x, y)
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for x, y in strategy.distribute_dataset(data):
+            strategy.run(step, args=(x, y))
+        out["worst"] = max(
+            float((full(p).detach() - q.detach()).abs().max() / q.detach().abs().max())
+            for p, q in zip(model.module.parameters(), reference.parameters())
+        )
+        model.eval()
+        out["eval reaches the module"] = (model.training, model.module.training)
+        model.train()
+        # FSDP2's own method through the model handed back, as a script written for FSDP2 calls it.
+        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(True)
+        whole = {k: full(v).detach() for k, v in model.module.state_dict().items()}
+        out["whole state against one device"] = max(
+            float((whole[k] - v).abs().max() / v.abs().max()) for k, v in reference_state().items()
+        )
+    finally:
+        strategy.close()
+    return out
+
+
+def reference_state() -> dict[str, torch.Tensor]:
+    """The MLP trained as in `module_case`, on one device."""
+    reference: nn.Module = mlp(torch.float64)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(torch.float64):
+        loss_fn(reference, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in reference.state_dict().items()}
