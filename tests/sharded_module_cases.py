@@ -86,3 +86,58 @@ def reference_state() -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in reference.state_dict().items()}
+
+
+def several_models_case(rank: int, ports: list[int]) -> dict[str, Any]:
+    """Two models and two optimizers in one step (tests/several_models_cases.py's DCGAN-style iteration, BatchNorm
+    in both, a short last batch), and a student against a frozen teacher, under ShardedStrategy in float64: the
+    worst relative error of every parameter and buffer against one device."""
+    import several_models_cases as cases
+
+    import stratagem as sg
+
+    cluster = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
+    strategy = sg.ShardedStrategy(cluster=cluster, timeout=60)
+    out: dict[str, Any] = {}
+    try:
+        user_g, d, opt_g, opt_d = cases.build_gan()
+        g, opt_g = strategy.distribute(user_g, opt_g)
+        d, opt_d = strategy.distribute(d, opt_d)
+        for what, again in (("again", user_g), ("sharded", g.module)):
+            try:
+                strategy.distribute(again)
+            except sg.InputError as error:
+                out[f"{what} refused"] = str(error)
+        teacher, student, opt_s = cases.build_distillation()
+        teacher = strategy.distribute(teacher)
+        student, opt_s = strategy.distribute(student, opt_s)
+        gan_step = cases.gan_step(g, d, opt_g, opt_d)
+        distillation_step = cases.distillation_step(teacher, student, opt_s)
+        for real, noise in strategy.distribute_dataset(cases.gan_batches()):
+            strategy.run(gan_step, args=(real, noise))
+            strategy.run(distillation_step, args=(real, noise))
+        ref_g, ref_d, _, _ = cases.reference_gan()
+        _, ref_student = cases.reference_distillation()
+        for name, got, want in (
+            ("generator", g, ref_g),
+            ("discriminator", d, ref_d),
+            ("student", student, ref_student),
+        ):
+            out[name] = _worst(got.state_dict(), want.state_dict())
+        out["explain"] = str(strategy.explain())
+    finally:
+        strategy.close()
+    return out
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest |got - want| over max |want| of any floating tensor (counters compared exactly)."""
+    assert list(got) == list(want), (list(got), list(want))
+    worst = 0.0
+    for key, expected in want.items():
+        value = full(got[key]).detach()
+        if not expected.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(value, expected) else float("inf"))
+            continue
+        worst = max(worst, float((value - expected).abs().max() / expected.abs().max().clamp_min(1e-300)))
+    return worst
