@@ -108,6 +108,9 @@ def several_models_case(rank: int, ports: list[int]) -> dict[str, Any]:
                 strategy.distribute(again)
             except sg.InputError as error:
                 out[f"{what} refused"] = str(error)
+        # EMA copies of the generator, distributed like any model (not trained: no optimizer), updated after each step.
+        ema = strategy.distribute(cases.averaged(user_g))
+        hand = strategy.distribute(copy.deepcopy(user_g))
         teacher, student, opt_s = cases.build_distillation()
         teacher = strategy.distribute(teacher)
         student, opt_s = strategy.distribute(student, opt_s)
@@ -115,8 +118,12 @@ def several_models_case(rank: int, ports: list[int]) -> dict[str, Any]:
         distillation_step = cases.distillation_step(teacher, student, opt_s)
         for real, noise in strategy.distribute_dataset(cases.gan_batches()):
             strategy.run(gan_step, args=(real, noise))
+            ema.update_parameters(g)  # AveragedModel's own method, through the model handed back
+            cases.lerp_ema_(hand, g)
             strategy.run(distillation_step, args=(real, noise))
-        ref_g, ref_d, _, _ = cases.reference_gan()
+        ref_g, ref_d, ref_ema, ref_hand = cases.reference_gan()
+        out["ema"] = _worst(ema.state_dict(), ref_ema.state_dict())
+        out["hand-written ema"] = _worst(hand.state_dict(), ref_hand.state_dict())
         _, ref_student = cases.reference_distillation()
         for name, got, want in (
             ("generator", g, ref_g),

@@ -35,14 +35,14 @@ def test_module_is_the_sharded_model_and_training_stays_exact(num_workers):
 
 
 @pytest.mark.timeout(300)
-def test_a_gan_step_and_a_frozen_teacher_train_as_one_device_at_two_workers():
+def test_a_gan_step_its_ema_and_a_frozen_teacher_train_as_one_device_at_two_workers():
     ports = [free_port() for _ in range(2)]
     outcomes = run_ranks(sharded_module_cases.several_models_case, [0, 1], args=(ports,), timeout=280)
     for outcome in outcomes.values():
         assert outcome.error is None, outcome.error
     for rank, outcome in outcomes.items():
         got = outcome.value
-        for name in ("generator", "discriminator", "student"):
+        for name in ("generator", "discriminator", "student", "ema", "hand-written ema"):
             assert got[name] <= 1e-12, (rank, name, got[name])
         assert "shares parameters with a model this strategy already distributed" in got["again refused"]
         assert "this one is already sharded by FSDP2" in got["sharded refused"]
