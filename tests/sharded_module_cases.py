@@ -116,6 +116,17 @@ def several_models_case(rank: int, ports: list[int]) -> dict[str, Any]:
         student, opt_s = strategy.distribute(student, opt_s)
         gan_step = cases.gan_step(g, d, opt_g, opt_d)
         distillation_step = cases.distillation_step(teacher, student, opt_s)
+        inside: list[str] = []
+
+        def distribute_inside(real: torch.Tensor, _noise: torch.Tensor) -> torch.Tensor:
+            try:
+                strategy.distribute(nn.Linear(2, 2))
+            except sg.InputError as error:
+                inside.append(str(error))
+            return real.sum()
+
+        strategy.run(distribute_inside, args=cases.gan_batches()[0])
+        out["inside refused"] = inside
         for real, noise in strategy.distribute_dataset(cases.gan_batches()):
             strategy.run(gan_step, args=(real, noise))
             ema.update_parameters(g)  # AveragedModel's own method, through the model handed back

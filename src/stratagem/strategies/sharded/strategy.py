@@ -179,8 +179,11 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
         The model handed back calls, lists and saves the sharded copy, which is its `.module` (as under DDP).
 
+        Several models (a GAN's two) are distributed one call each, before the loop, each sharded on its own.
+
         Refused: an optimizer that needs whole tensors (LBFGS), one that already holds state, parameters on a
-        device the process group cannot reach (CUDA tensors on Gloo). The whole model as one unit is allowed
+        device the process group cannot reach (CUDA tensors on Gloo), a model whose parameters were distributed
+        before, and a call inside `run`. The whole model as one unit is allowed
         with a warning that its peak is the unsharded model.
         """
         self._check_distribute_args(model, optimizer, None)
@@ -209,9 +212,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
         if self._comms:
             comm.weight = self._comms[0].weight
-        self._batch_norm.attach([sharded])
         self._check_shards(sharded)
         # Recorded only now: a refused model leaves the strategy as it was.
+        self._batch_norm.attach([sharded])
         self._comms.append(comm)
         self._cut = self._cut if self._cuts else cut
         self._cuts.append(cut)
