@@ -61,6 +61,41 @@ def test_pipeline_matches_one_device(num_stages, num_micro_batches, opt_name, dt
     assert_same_optimizer_state(ref_opt, opt, dtype)
 
 
+def test_module_is_the_pipeline_with_the_sequentials_layers_and_a_ddp_style_step_matches_one_device():
+    """A step written for DDP (`model.module` in it) runs unchanged: `.module` is what runs the stages, with the
+    nn.Sequential's own layers and names, as DDP's `.module` is the model it wraps (issue 27, item 1)."""
+    reference, ref_opt, shape = build("mlp", "adam", torch.float64)
+    net, opt, _ = build("mlp", "adam", torch.float64)
+    batches = make_batches(shape, torch.float64)
+    train_reference(reference, ref_opt, batches)
+
+    strategy = strategy_of(2, num_micro_batches=3)
+    model, opt = strategy.distribute(net, opt)
+    assert strategy.distributed_model is model and model.module is not net
+    assert list(model.module.state_dict()) == list(model.state_dict()) == list(reference.state_dict())
+    assert dict(model.module.named_children()) == dict(net.named_children())  # the same layer objects
+    assert [id(p) for p in model.parameters()] == [id(p) for p in net.parameters()]
+    assert repr(model).startswith("ModelParallelModel(module=PipelineModel(")
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    for x, y in strategy.distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+    strategy.close()
+    assert_same_state(reference, model.module, torch.float64)
+    assert_same_optimizer_state(ref_opt, opt, torch.float64)
+    model.eval()
+    assert not model.training and not model.module.training and not net[0].training
+    with pytest.raises(sg.InputError, match=r"cannot be moved with \.to\(\)"):
+        model.to(torch.float32)
+
+
 @pytest.mark.parametrize("num_stages", [1, 3])
 def test_conv_pipeline_matches_one_device(num_stages):
     """One stage with micro-batches is plain gradient accumulation; three stages cut the conv net."""
@@ -137,7 +172,7 @@ def test_placement_of_named_modules_matches_one_device():
     )
     model, opt, _ = train_with(strategy, net, torch.optim.Adam(net.parameters(), lr=0.01), batches)
 
-    assert model is net
+    assert model.module is net  # the placed model itself, as DDP's `.module`
     assert_same_state(reference, model, torch.float64)
     assert_same_optimizer_state(ref_opt, opt, torch.float64)
     # The model itself goes on the first device named; a module goes with its longest placed prefix.

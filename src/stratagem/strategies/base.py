@@ -361,7 +361,7 @@ class Strategy(abc.ABC):
                 f"This strategy already holds a distributed model; {type(self).__name__} distributes one model. "
                 f"Received: a second distribute() of a {type(model).__name__}. Make one nn.Module that holds both "
                 "models and distribute it once, or use a data-parallel strategy (OneDevice, Mirrored, "
-                "CentralStorage, MultiWorkerMirrored), which distributes every model of a step."
+                "CentralStorage, MultiWorkerMirrored, Sharded), which distributes every model of a step."
             )
         if optimizer is not None:
             check_optimizer_matches(model, optimizer)

@@ -332,7 +332,8 @@ class BatchNormSync:
             self._barrier.wait(replica, what, step, call="the model (and backward())", last=last)
             result = results[count % 2]
         if timed:
-            self._timing.record(replica, step, start, time.perf_counter_ns())
+            # By local index: one replica per process (ShardedStrategy) is replica 0 here, whatever its rank.
+            self._timing.record(0 if self._num_local == 1 else replica, step, start, time.perf_counter_ns())
         return result
 
     def sum_across_workers(self, total: torch.Tensor, what: str, step: int) -> None:

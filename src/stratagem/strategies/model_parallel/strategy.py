@@ -40,6 +40,7 @@ from stratagem.timeouts import check_seconds
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
+from stratagem.strategies.wrapped_model import WrappedModel
 from stratagem.strategies.model_parallel.pipeline import Pipeline, PipelineModel, ScheduleEvent
 from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
 from stratagem.values import select_replica
@@ -351,7 +352,8 @@ class ModelParallelStrategy(Strategy):
         """Moves each part of `model` to its device; returns `(model, optimizer)` (the model alone without one).
 
         With `stages=` the model returned runs the pipeline and has the same `state_dict()` keys as
-        the `nn.Sequential` given; with `placement=` it is the model given, with its placed modules moved.
+        the `nn.Sequential` given; with `placement=` it runs the model given, with its placed modules moved.
+        Either is the returned model's `.module` (as under DDP); calls, parameters and state go to it.
         """
         self._check_distribute_args(model, optimizer, self._model)
         decisions: list[PlacementDecision] = []
@@ -376,8 +378,9 @@ class ModelParallelStrategy(Strategy):
             distributed = model
         if optimizer is not None and optimizer.state and any(d.physical.type != "cpu" for d in self._stage_devices):
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to its parameter
-        self._model = distributed
-        return distributed if optimizer is None else (distributed, optimizer)
+        # Behind a wrapper whose `.module` is the pipeline or the placed model, as DDP's (wrapped_model.py).
+        self._model = WrappedModel(distributed, "ModelParallelModel")
+        return self._model if optimizer is None else (self._model, optimizer)
 
     def _stage_info(
         self,

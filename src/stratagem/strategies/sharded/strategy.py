@@ -17,6 +17,7 @@ import contextlib
 import copy
 import json
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
+from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
@@ -109,15 +111,21 @@ class ShardedStrategy(Strategy, LossWeightHost):
         env = environ.current()
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
         self._device_decision: PlacementDecision | None = None
-        self._original: OriginalModel | None = None
+        self._originals: list[OriginalModel] = []  # checked at the next step, then dropped
         if device is None:
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
         self._mp = (param_dtype, reduce_dtype)
-        self._comm: WeightedReduceScatter | None = None
-        self._cut: UnitCut | None = None
-        self._plan: MemoryPlan | None = None
+        # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
+        self._comms: list[WeightedReduceScatter] = []
+        self._cut: UnitCut | None = None  # the first model's (or the one memory_plan(model) planned)
+        self._cuts: list[UnitCut] = []
+        self._plans: list[MemoryPlan] = []
+        self._shardeds: list[Any] = []
+        # The parameters of the user's models distributed so far, by id (weakly: a dropped model's ids get reused).
+        self._held: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._running = False
         self._counts: float | None = None
         self._accumulated: list[float] = []
         self._syncing = True
@@ -133,7 +141,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             barrier=ReplicaBarrier([self._group.cluster.task_name], timeout),
             num_local=1,
             num_replicas_in_sync=self._group.world_size,
-            weight=lambda replica: None if self._comm is None else self._comm.weight,
+            weight=lambda replica: self._comms[0].weight if self._comms else None,
             step=lambda: self._steps,
             cross_worker_sum=self._batch_norm_sum,
         )
@@ -174,41 +182,82 @@ class ShardedStrategy(Strategy, LossWeightHost):
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """A sharded copy of `model` (the user's own module is left as it is) and `optimizer` over its shards.
 
+        The model handed back calls, lists and saves the sharded copy, which is its `.module` (as under DDP).
+
+        Several models (a GAN's two) are distributed one call each, before the loop, each sharded on its own.
+
         Refused: an optimizer that needs whole tensors (LBFGS), one that already holds state, parameters on a
-        device the process group cannot reach (CUDA tensors on Gloo). The whole model as one unit is allowed
+        device the process group cannot reach (CUDA tensors on Gloo), a model whose parameters were distributed
+        before, and a call inside `run`. The whole model as one unit is allowed
         with a warning that its peak is the unsharded model.
         """
-        self._check_distribute_args(model, optimizer, self._model)
+        self._check_distribute_args(model, optimizer, None)
+        self._check_another_model(model)
         check_optimizer(optimizer)
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
         # BatchNorm layers of the copy become global-statistics ones (a copy again, sharing the first's tensors).
         sharded = self._batch_norm.convert(copy.deepcopy(model).to(self._device))
-        self._cut = cut_model(sharded, self._policy)
-        message = self._cut.warning()
+        cut = cut_model(sharded, self._policy)
+        message = cut.warning()
         if message is not None:
             warnings.warn(message, stacklevel=2)
         originals = dict(model.named_parameters())
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
-        self._plan = self._memory_plan(list(model.parameters()), optimizer)
+        plan = self._memory_plan(list(model.parameters()), optimizer, cut)
         param_dtype, reduce_dtype = self._mp
         apply_cut(
             sharded,
-            self._cut,
+            cut,
             mesh=self._group.device_mesh(),
             reshard_after_forward=self._stage == 3,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         )
-        self._comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
-        self._batch_norm.attach([sharded])
+        comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
+        if self._comms:
+            comm.weight = self._comms[0].weight
         self._check_shards(sharded)
-        self._original = OriginalModel(model.named_parameters())
-        self._model = sharded
+        # Recorded only now: a refused model leaves the strategy as it was.
+        self._batch_norm.attach([sharded])
+        self._comms.append(comm)
+        self._cut = self._cut if self._cuts else cut
+        self._cuts.append(cut)
+        self._plans.append(plan)
+        self._shardeds.append(sharded)
+        self._originals.append(OriginalModel(model.named_parameters()))
+        self._held.update((id(p), weakref.ref(p)) for p in model.parameters())
+        # Behind a wrapper whose `.module` is the sharded copy, as DDP's and FSDP1's (wrapped_model.py).
+        wrapped = WrappedModel(sharded, "ShardedModel")
+        self._model = self._model if self._model is not None else wrapped
         if optimizer is None:
-            return sharded
+            return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
-        return sharded, clone_optimizer(optimizer, mapping, with_state=False)
+        return wrapped, clone_optimizer(optimizer, mapping, with_state=False)
+
+    def _check_another_model(self, model: nn.Module) -> None:
+        """Several models may be distributed (a GAN's two), each once, before or between steps, never inside one."""
+        if self._running:
+            raise InputError(
+                "distribute() ran inside strategy.run(): every worker must shard a model at the same point, before "
+                f"its first step. Received: distribute() of a {type(model).__name__} inside the step function. "
+                "Distribute every model before the loop."
+            )
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise InputError(
+                "distribute() needs the plain model: this one is already sharded by FSDP2. Received: a "
+                f"{type(model).__name__} holding FSDP2 modules (a distributed model's `.module`?). Pass the model "
+                "as built, once."
+            )
+        shared = [name for name, p in model.named_parameters() if p is _alive(self._held.get(id(p)))]
+        if shared:
+            raise InputError(
+                "A model shares parameters with a model this strategy already distributed, whose sharded copy would "
+                f"then train them apart. Received: a {type(model).__name__} whose parameters {shared[:3]} were "
+                "distributed before. Distribute each model once, or one module that holds both."
+            )
 
     def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
         """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
@@ -216,17 +265,18 @@ class ShardedStrategy(Strategy, LossWeightHost):
         After `distribute`: the plan made then. Before it: the plan for `model` and `optimizer` as they would be
         distributed (the default cut, or this strategy's `units`)."""
         if model is None:
-            if self._plan is None:
+            if not self._plans:
                 raise InputError(
                     "memory_plan() needs the model until distribute() has run. Received: no model. "
                     "Call strategy.memory_plan(model, optimizer), or distribute first."
                 )
-            return self._plan
+            return self._plans[0]
         self._cut = self._cut or cut_model(model, self._policy)
-        return self._memory_plan(list(model.parameters()), optimizer)
+        return self._memory_plan(list(model.parameters()), optimizer, self._cut)
 
-    def _memory_plan(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> MemoryPlan:
-        assert self._cut is not None, "cut before planning"
+    def _memory_plan(
+        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
+    ) -> MemoryPlan:
         param_dtype, reduce_dtype = self._mp
         return plan_memory(
             params,
@@ -234,8 +284,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
             rank=self._group.rank,
             world_size=self._group.world_size,
             stage=self._stage,
-            largest_unit_bytes=self._cut.largest_unit_bytes,
-            num_units=len(self._cut.units),
+            largest_unit_bytes=cut.largest_unit_bytes,
+            num_units=len(cut.units),
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
             reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
         )
@@ -246,24 +296,27 @@ class ShardedStrategy(Strategy, LossWeightHost):
         args = tuple(args)
         sizes = batch_sizes(args, kwargs, 1)
         weight = replica_weights(sizes, global_size(args, kwargs), 1, self.num_replicas_in_sync)[0]
-        if self._original is not None:  # once, at the first step: the user's own model left as distribute saw it
-            changed, self._original = self._original.changed(), None
+        if self._originals:  # once, at the first step: the user's own models left as distribute saw them
+            changed = [name for original in self._originals for name in original.changed()]
+            self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
         ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self, host=self)
         previous = enter_replica(ctx)
+        self._running = True
         try:
             result = fn(*local_args, **local_kwargs)
         finally:
+            self._running = False
             enter_replica(previous)
             self._steps += 1
         stacked = stack_replicas([result], sizes, global_size(args, kwargs))
         return tag_results(stacked, None if self._counts is None else [self._counts])
 
     def _set_weight(self, weight: float) -> None:
-        if self._comm is None:
+        if not self._comms:
             return
         if not self._syncing:
             self._accumulated.append(weight)
@@ -276,14 +329,15 @@ class ShardedStrategy(Strategy, LossWeightHost):
                     "synchronising step, so the micro-batches must be split alike. Received: this rank's shares "
                     f"{different + [weight]}. Give every micro-batch the same global size, or step without no_sync()."
                 )
-        self._comm.weight = weight
+        for comm in self._comms:
+            comm.weight = weight
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this rank's weight becomes count / (sum of every rank's count)."""
         total = self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64))
         self._counts = count
-        if self._comm is not None:
-            self._comm.weight = count / float(total) if float(total) > 0 else 0.0
+        for comm in self._comms:
+            comm.weight = count / float(total) if float(total) > 0 else 0.0
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context whose backward passes accumulate this rank's unsharded gradients without reduce-scattering;
@@ -292,15 +346,17 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
-        model = self._model
-        if model is None:
+        models = list(self._shardeds)
+        if not models:
             raise InputError("no_sync() needs a distributed model. Received: none yet. Call distribute() first.")
-        model.set_requires_gradient_sync(False)
+        for model in models:
+            model.set_requires_gradient_sync(False)
         self._syncing = False
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            for model in models:
+                model.set_requires_gradient_sync(True)
             self._syncing = True
 
     # ---- across workers ---------------------------------------------------------------------------
@@ -393,8 +449,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
                 "forward to backward (reshard_after_forward=False): one all-gather per step, peak = whole model",
             )
         )
-        if self._cut is not None:
-            decisions.append(self._cut.decision())
+        decisions.extend(cut.decision() for cut in self._cuts)
         decisions.append(
             PlacementDecision(
                 subject="gradient combination",
@@ -406,11 +461,12 @@ class ShardedStrategy(Strategy, LossWeightHost):
             decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
         details: dict[str, Any] = dict(self._batch_norm.describe())
-        if self._plan is not None:
-            details["memory plan"] = str(self._plan)
-            against = self._plan.against_replica()
+        for i, plan in enumerate(self._plans):
+            which = "" if i == 0 else f" (model {i + 1})"
+            details[f"memory plan{which}"] = str(plan)
+            against = plan.against_replica()
             if against is not None:
-                details["memory against a replica"] = against
+                details[f"memory against a replica{which}"] = against
         replicas = [ReplicaPlacement(self._group.rank, str(self._device), str(self._device))]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
@@ -423,5 +479,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
         A strategy built again in the same processes meets at another address."""
         self._batch_norm.remove()
         self._model = None
-        self._comm = None
+        self._shardeds = []
+        self._comms = []
         self._group.close(release=False)
+
+
+def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if ref is None else ref()

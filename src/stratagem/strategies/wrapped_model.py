@@ -1,0 +1,114 @@
+"""The model that `ShardedStrategy.distribute` and `ModelParallelStrategy.distribute` hand back.
+
+The strategy builds one module that runs the computation (FSDP2's sharded copy, the user's model with its
+placed modules, or the pipeline of an `nn.Sequential`) and hands it back behind `WrappedModel`, so that a
+script written for DDP or FSDP reaches it as `model.module`, as it does under every data-parallel strategy
+(`data_parallel.distributed.DistributedModel`). Every other use goes to that module: calling it runs its own
+hooks (FSDP2's gathers, the placement's moves), `parameters()` and `state_dict()` are its own with the same
+names, and an attribute the wrapper does not have (`set_requires_gradient_sync`, a submodule, a user's
+method) is the module's. Nothing is set on the module.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any, SupportsIndex
+
+import torch
+from torch import nn
+
+
+class WrappedModel(nn.Module):
+    """One module, reached as `.module`, to which every call and attribute goes.
+
+    Example:
+        >>> model, optimizer = strategy.distribute(Net(), torch.optim.AdamW(...))
+        >>> model(x)                     # the sharded (or placed) module's forward, with its hooks
+        >>> model.module                 # that module, as DDP's and FSDP1's `.module`
+        >>> model.state_dict().keys()    # the module's own names (no "module." prefix)
+    """
+
+    def __init__(self, module: nn.Module, kind: str) -> None:
+        super().__init__()
+        # Not registered as a sub-module: names stay the module's own (state_dict, named_parameters, checkpoints).
+        object.__setattr__(self, "_wrapped", module)
+        object.__setattr__(self, "_kind", kind)
+        object.__setattr__(self, "training", module.training)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module that runs the computation (the sharded copy, the placed model or the pipeline)."""
+        return self._wrapped
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self._wrapped.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self._wrapped.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self._wrapped.buffers(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._wrapped.named_buffers(*args, **kwargs)
+
+    def children(self) -> Iterator[nn.Module]:
+        return self._wrapped.children()
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        return self._wrapped.named_children()
+
+    def modules(self, *args: Any, **kwargs: Any) -> Iterator[nn.Module]:
+        return self._wrapped.modules(*args, **kwargs)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        return self._wrapped.named_modules(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # every overload
+        return self._wrapped.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self._wrapped.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def train(self, mode: bool = True) -> WrappedModel:
+        self._wrapped.train(mode)
+        object.__setattr__(self, "training", mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._wrapped.zero_grad(set_to_none)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> WrappedModel:  # type: ignore[override]
+        # The module and every submodule, as on one device (nn.Module.apply would call fn on this wrapper).
+        self._wrapped.apply(fn)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> WrappedModel:
+        # .to(), .double(), .cuda(): whatever the module itself does with them (a pipeline refuses a move).
+        self._wrapped._apply(fn, recurse)
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> WrappedModel:  # type: ignore[override]
+        self._wrapped.to(*args, **kwargs)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_wrapped", "_kind"):
+            raise AttributeError(name)
+        return getattr(self._wrapped, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        # Looked up on the class, so __getattr__ never sees it: `model[0]` of an nn.Sequential works as on one device.
+        return self._wrapped[index]  # type: ignore[index]
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give the module, as under the
+        # data-parallel strategies (DistributedModel), rebuilt through a callable of the standard library.
+        return operator.itemgetter(0), ([self._wrapped],)
+
+    def __repr__(self) -> str:
+        return f"{self._kind}(module={self._wrapped!r})"
