@@ -113,10 +113,19 @@ class BatchAgreement:
 
     `enabled=False` (the strategy's `check_batches=False`): the slot is sent empty and nothing is compared
     here; a worker that checks then names this one, since every worker must be built alike.
+    `strategy`: the class named in the error's fix (where `check_batches=False` is passed).
     """
 
-    def __init__(self, *, rank: int, task_names: Sequence[str], enabled: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        task_names: Sequence[str],
+        enabled: bool = True,
+        strategy: str = "MultiWorkerMirroredStrategy",
+    ) -> None:
         self.rank = rank
+        self.strategy = strategy
         self.task_names = list(task_names)
         self.world_size = len(self.task_names)
         self.enabled = enabled
@@ -188,7 +197,7 @@ class BatchAgreement:
             "Every worker must be handed the same global batches in the same order: seed every worker's loader "
             "alike and draw the same random numbers on every worker (code that runs on the chief only, such as "
             "an evaluation with a shuffled loader, shifts its random stream). Pass check_batches=False to "
-            "MultiWorkerMirroredStrategy (on every worker) to turn this check off."
+            f"{self.strategy} (on every worker) to turn this check off."
         )
 
     def _difference(self, chief: list[float], theirs: list[float]) -> str:

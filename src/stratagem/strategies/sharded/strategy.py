@@ -42,6 +42,7 @@ from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaC
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
+from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import (
     OriginalModel,
@@ -75,6 +76,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
         timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
         param_dtype, reduce_dtype: FSDP2's `MixedPrecisionPolicy` (e.g. torch.bfloat16 for both).
+        check_batches: True (default): at each step the workers compare a fingerprint of the step and of the global
+            batch they were handed, and all stop with an `InputError` naming the step, the workers and the first
+            input that differs (agreement.py). False: nothing compared (pass it on every worker alike).
 
     Example:
         >>> strategy = sg.ShardedStrategy(stage=3)               # under `stratagem launch --workers 2`
@@ -105,8 +109,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
         timeout: float = 300.0,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        check_batches: bool = True,
     ) -> None:
         self._stage = check_stage(stage)
+        check_batches = check_batches_flag(check_batches)
         self._policy = units
         env = environ.current()
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
@@ -116,6 +122,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
+        self._agreement = StepAgreement(self._group, enabled=check_batches)
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
         self._comms: list[WeightedReduceScatter] = []
@@ -300,6 +307,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             changed = [name for original in self._originals for name in original.changed()]
             self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
+        self._agreement.check(self._steps + 1)  # before any update is made from a batch the workers disagree on
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
@@ -430,7 +438,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         return self._batches().step_inputs(inputs, self._steps)
 
     def _batches(self) -> WorkerBatches:
-        return WorkerBatches(self._group, self.num_replicas_in_sync)
+        return WorkerBatches(self._group, self.num_replicas_in_sync, self._agreement.batch)
 
     # ---- reports and the end ------------------------------------------------------------------------
     def explain(self) -> Explanation:

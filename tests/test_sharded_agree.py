@@ -1,0 +1,64 @@
+"""ShardedStrategy's workers handed different batches are stopped naming the step, the workers and the input
+(issue 27, item 6, as under MultiWorkerMirroredStrategy); its barrier, `distribute_dataset(batch_dim=1)` and
+`shard="off"`/`"file"` (issue 27). Two real processes on 127.0.0.1 (sharded_agree_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import sharded_agree_cases
+from helpers import free_port, run_ranks
+
+import stratagem as sg
+
+
+def test_check_batches_must_be_a_bool():
+    with pytest.raises(sg.InputError, match=r"check_batches must be True or False. Received: check_batches='yes'"):
+        sg.ShardedStrategy(check_batches="yes")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.sharded
+@pytest.mark.timeout(300)
+def test_equal_batches_train_as_one_device_and_a_worker_handed_another_is_stopped():
+    ports = [free_port(), free_port()]
+    outcomes = run_ranks(sharded_agree_cases.agreement_case, [0, 1], args=(ports,), timeout=280)
+    for outcome in outcomes.values():
+        assert outcome.error is None, outcome.error
+    for rank, outcome in outcomes.items():
+        got = outcome.value
+        assert got["equal steps"] == 3 and got["equal worst"] <= 1e-12, (rank, got)
+        # (seq, batch) inputs cut along dimension 1: 7 and 6 of 13, then 4 and 4 of 8, trained as one device.
+        assert got["batch_dim shapes"] == ([(4, 7, 6), (4, 4, 6)] if rank == 0 else [(4, 6, 6), (4, 4, 6)])
+        assert got["batch_dim steps"] == 2 and got["batch_dim worst"] <= 1e-12, (rank, got)
+        assert got["off steps"] == 2 and got["off worst"] <= 1e-12, (rank, got)
+        assert got["file"].startswith("ShardedStrategy reads files through the data-parallel cut"), got["file"]
+        assert "Received: shard='file'" in got["file"]
+        assert got["barriers"] < 30, got["barriers"]
+        # 3 + 2 + 2 steps before: the second batch of the last pass is step 9; both workers stop there, before it.
+        assert "disagree steps" not in got, got
+        assert got["disagree"].startswith(
+            "The workers disagree at step 9: worker:1 (rank 1) does not hold what the chief (worker:0, rank 0) "
+            "holds; the first input that differs is tensor 0 of the batch (shape (13, 6), torch.float64)."
+        ), got["disagree"]
+        assert "Pass check_batches=False to ShardedStrategy (on every worker)" in got["disagree"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.sharded
+@pytest.mark.timeout(300)
+def test_the_check_can_be_turned_off_and_a_worker_missing_the_barrier_is_named():
+    ports = [free_port(), free_port()]
+    timeout = 15.0
+    outcomes = run_ranks(
+        sharded_agree_cases.check_off_then_missing_barrier_case, [0, 1], args=(ports, timeout), timeout=200
+    )
+    for outcome in outcomes.values():
+        assert outcome.error is None, outcome.error
+        assert outcome.value["steps"] == 2, outcome.value
+    chief = outcomes[0].value
+    assert chief["error"] is not None and chief["error"].startswith(
+        "worker:0 (rank 0): the barrier of step 1 timed out after waiting for the other workers;"
+    ), chief["error"]
+    assert "worker:1 (rank 1)" in chief["error"]
+    assert timeout <= chief["waited"] < timeout + 30, chief["waited"]
