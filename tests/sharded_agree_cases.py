@@ -3,6 +3,9 @@ barrier, and `distribute_dataset` with `batch_dim=1` and `shard="off"`/`"file"`,
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import time
 from typing import Any
 
@@ -63,11 +66,40 @@ def agreement_case(rank: int, ports: list[int]) -> dict[str, Any]:
     try:
         data = batches(torch.float64, [13, 13, 9])
         model, out["equal steps"] = _train(strategy, strategy.distribute_dataset(data))
-        out["equal worst"] = _worst(model, _one_device(data))
+        reference = _one_device(data)
+        out["equal worst"] = _worst(model, reference)
+        out["copies refused"] = []
+        for copy_model in (
+            lambda: torch.save(model, io.BytesIO()),
+            lambda: pickle.dumps(model),
+            lambda: copy.deepcopy(model),
+        ):
+            try:
+                copy_model()
+                out["copies refused"].append("copied")
+            except sg.InputError as error:
+                out["copies refused"].append(str(error))
+        # The fix the error gives: the whole state gathered on every rank, saved on the chief.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        buffer = io.BytesIO()
+        torch.save(whole, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)
+        out["saved whole worst"] = max(
+            float((loaded[k] - v).abs().max() / v.abs().max()) for k, v in reference.state_dict().items()
+        )
 
         # (seq, batch, features): the batch along dimension 1, cut there; one device sees the whole tensors.
         g = torch.Generator().manual_seed(2)
-        seq = [(torch.randn(4, n, 6, generator=g, dtype=torch.float64), torch.randn(4, n, 3, generator=g, dtype=torch.float64)) for n in (13, 8)]
+        seq = [
+            (
+                torch.randn(4, n, 6, generator=g, dtype=torch.float64),
+                torch.randn(4, n, 3, generator=g, dtype=torch.float64),
+            )
+            for n in (13, 8)
+        ]
         out["batch_dim shapes"] = []
         model, out["batch_dim steps"] = _train(
             strategy, strategy.distribute_dataset(seq, batch_dim=1), out["batch_dim shapes"]

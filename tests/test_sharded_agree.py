@@ -28,6 +28,12 @@ def test_equal_batches_train_as_one_device_and_a_worker_handed_another_is_stoppe
     for rank, outcome in outcomes.items():
         got = outcome.value
         assert got["equal steps"] == 3 and got["equal worst"] <= 1e-12, (rank, got)
+        # torch.save, pickle and copy.deepcopy of the model: refused up front, naming why and the fix (issue 27).
+        assert len(got["copies refused"]) == 3
+        for message in got["copies refused"]:
+            assert message.startswith("A ShardedStrategy model cannot be saved whole, pickled or deep-copied"), message
+            assert "(1/2, FSDP2's DTensors)" in message and "full_state_dict=True" in message, message
+        assert got["saved whole worst"] <= 1e-12, got["saved whole worst"]
         # (seq, batch) inputs cut along dimension 1: 7 and 6 of 13, then 4 and 4 of 8, trained as one device.
         assert got["batch_dim shapes"] == ([(4, 7, 6), (4, 4, 6)] if rank == 0 else [(4, 6, 6), (4, 4, 6)])
         assert got["batch_dim steps"] == 2 and got["batch_dim worst"] <= 1e-12, (rank, got)

@@ -6,17 +6,21 @@ script written for DDP or FSDP reaches it as `model.module`, as it does under ev
 (`data_parallel.distributed.DistributedModel`). Every other use goes to that module: calling it runs its own
 hooks (FSDP2's gathers, the placement's moves), `parameters()` and `state_dict()` are its own with the same
 names, and an attribute the wrapper does not have (`set_requires_gradient_sync`, a submodule, a user's
-method) is the module's. Nothing is set on the module.
+method) is the module's. Nothing is set on the module. `torch.save(model)`, pickling and `copy.deepcopy` give the
+module, or, where the strategy says why a copy would not be the model (`copy_refused`), an `InputError` saying so.
 """
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
+
+from stratagem.errors import InputError
 
 
 class WrappedModel(nn.Module):
@@ -29,11 +33,12 @@ class WrappedModel(nn.Module):
         >>> model.state_dict().keys()    # the module's own names (no "module." prefix)
     """
 
-    def __init__(self, module: nn.Module, kind: str) -> None:
+    def __init__(self, module: nn.Module, kind: str, *, copy_refused: str | None = None) -> None:
         super().__init__()
         # Not registered as a sub-module: names stay the module's own (state_dict, named_parameters, checkpoints).
         object.__setattr__(self, "_wrapped", module)
         object.__setattr__(self, "_kind", kind)
+        object.__setattr__(self, "_copy_refused", copy_refused)
         object.__setattr__(self, "training", module.training)
 
     @property
@@ -97,7 +102,7 @@ class WrappedModel(nn.Module):
         return self
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("_wrapped", "_kind"):
+        if name in ("_wrapped", "_kind", "_copy_refused"):
             raise AttributeError(name)
         return getattr(self._wrapped, name)
 
@@ -107,8 +112,17 @@ class WrappedModel(nn.Module):
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give the module, as under the
-        # data-parallel strategies (DistributedModel), rebuilt through a callable of the standard library.
+        # data-parallel strategies (DistributedModel), rebuilt through a callable of the standard library;
+        # refused up front where the module's copy would not be the model (ShardedStrategy's shards).
+        if self._copy_refused is not None:
+            raise InputError(self._copy_refused)
         return operator.itemgetter(0), ([self._wrapped],)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # Defined here, or __getattr__ would hand copy.deepcopy the module's own (FSDP2's raw AssertionError).
+        if self._copy_refused is not None:
+            raise InputError(self._copy_refused)
+        return copy.deepcopy(self._wrapped, memo)
 
     def __repr__(self) -> str:
         return f"{self._kind}(module={self._wrapped!r})"

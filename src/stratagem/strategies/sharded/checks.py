@@ -27,6 +27,19 @@ def check_stage(stage: object) -> int:
     return int(stage)  # type: ignore[call-overload]
 
 
+def copy_refusal(world_size: int) -> str:
+    """The error of `torch.save(model)`, pickling or `copy.deepcopy(model)` of the model `distribute` handed back,
+    whose pickle would hold this rank's shards only (FSDP2 refuses it with an error that names neither)."""
+    return (
+        "A ShardedStrategy model cannot be saved whole, pickled or deep-copied: each rank holds only its shard of every "
+        f"parameter (1/{world_size}, FSDP2's DTensors), so a copy made on one rank is not the model. Received: "
+        "torch.save, pickle or copy.deepcopy of the ShardedModel that distribute() handed back. To save it whole, call "
+        "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+        "full_state_dict=True)) on every rank and torch.save the result on the chief; or export a backup with "
+        "`stratagem checkpoint export`. For a copy to train (an EMA), distribute a copy of the model as built."
+    )
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     """Refuses an optimizer that needs whole tensors, or one that has already stepped (its state is not sharded)."""
     if optimizer is None:

@@ -51,6 +51,7 @@ from stratagem.strategies.sharded.checks import (
     check_shards,
     check_optimizer,
     check_stage,
+    copy_refusal,
     shard_records,
 )
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
@@ -235,7 +236,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._originals.append(OriginalModel(model.named_parameters()))
         self._held.update((id(p), weakref.ref(p)) for p in model.parameters())
         # Behind a wrapper whose `.module` is the sharded copy, as DDP's and FSDP1's (wrapped_model.py).
-        wrapped = WrappedModel(sharded, "ShardedModel")
+        wrapped = WrappedModel(sharded, "ShardedModel", copy_refused=copy_refusal(self._group.world_size))
         self._model = self._model if self._model is not None else wrapped
         if optimizer is None:
             return wrapped
