@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import sharded_agree_cases
 from helpers import free_port, run_ranks
@@ -68,3 +69,23 @@ def test_the_check_can_be_turned_off_and_a_worker_missing_the_barrier_is_named()
     ), chief["error"]
     assert "worker:1 (rank 1)" in chief["error"]
     assert timeout <= chief["waited"] < timeout + 30, chief["waited"]
+
+
+def test_a_wrapped_model_without_a_refusal_still_copies_and_pickles_as_its_module():
+    import copy
+    import pickle
+
+    from torch import nn
+
+    from stratagem.strategies.wrapped_model import WrappedModel
+
+    inner = nn.Linear(3, 2)
+    wrapped = WrappedModel(inner, "ModelParallelModel")
+    for copied in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
+        assert type(copied) is nn.Linear and copied is not inner
+        assert torch.equal(copied.weight, inner.weight)
+    refused = WrappedModel(inner, "ShardedModel", copy_refused="no copies here. Received: a test. Fix: none.")
+    with pytest.raises(sg.InputError, match="no copies here"):
+        copy.deepcopy(refused)
+    with pytest.raises(sg.InputError, match="no copies here"):
+        pickle.dumps(refused)
