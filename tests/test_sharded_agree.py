@@ -89,3 +89,14 @@ def test_a_wrapped_model_without_a_refusal_still_copies_and_pickles_as_its_modul
         copy.deepcopy(refused)
     with pytest.raises(sg.InputError, match="no copies here"):
         pickle.dumps(refused)
+
+
+def test_a_step_whose_inputs_never_went_through_the_strategy_agrees_on_the_step_alone():
+    # Before: a run() with the batch handed straight to it (no distribute_dataset) failed unpacking the empty note.
+    from stratagem.strategies.multi_worker.agreement import BatchAgreement
+
+    names = ["worker:0", "worker:1"]
+    chief, other = (BatchAgreement(rank=r, task_names=names, strategy="ShardedStrategy") for r in (0, 1))
+    chief.check((chief.slots(2, torch.float32) + other.slots(2, torch.float32)).tolist(), 2)  # no error
+    with pytest.raises(sg.InputError, match=r"different steps. Received: step 1 there, step 2 on the chief.*ShardedS"):
+        chief.check((chief.slots(2, torch.float32) + other.slots(1, torch.float32)).tolist(), 2)

@@ -129,7 +129,7 @@ class BatchAgreement:
         self.task_names = list(task_names)
         self.world_size = len(self.task_names)
         self.enabled = enabled
-        self._noted: tuple[int, int, list[int], list[str]] = (_NOTHING, 0, [], [])
+        self._noted: tuple[int, int, list[int], list[str]] = (_NOTHING, 0, [0], [])  # no tensors counted
 
     @property
     def size(self) -> int:
