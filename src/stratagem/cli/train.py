@@ -271,6 +271,10 @@ class BackupSettings(Callback):
         return {name: getattr(self.config, name) for name in self.CHECKED}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: `check_state_dict` has compared the settings before anything was restored."""
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Refuses a backup made with other settings, before fit's own checks of it (the data seed is --seed)."""
         changed = [name for name in self.CHECKED if state.get(name) != getattr(self.config, name)]
         if changed:
             saved = " ".join(f"--{name} {state.get(name)}" for name in changed)

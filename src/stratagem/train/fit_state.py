@@ -201,6 +201,12 @@ class TrainingContext:
                 f"Received: callbacks={[type(c).__name__ for c in self.callbacks]}. Pass the same stateful "
                 "callbacks (e.g. LearningRateScheduler) as the interrupted run, or remove the backup."
             )
+        for key, callback in stateful.items():
+            check = getattr(
+                callback, "check_state_dict", None
+            )  # optional: refuses a backup before anything is restored
+            if callable(check):
+                check(saved[key])
         if state["data"] is not None and is_resumable(self.data):
             saved_seed, seed = state["data"].get("seed"), self.data.state_dict().get("seed")
             if saved_seed is not None and seed is not None and saved_seed != seed and not allow_new_data_seed:
