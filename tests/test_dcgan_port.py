@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cases import TOL
-from test_ports import IN_PROCESS, PORTS, ROOT, changed_lines, run_in_process
+from test_ports import run_original, IN_PROCESS, PORTS, ROOT, changed_lines, run_in_process
 
 # 45 examples in batches of 16: a short last batch of 13, cut 7 and 6 over two replicas.
 ARGS = ["--niter", "2", "--double", "--examples", "45", "--batchSize", "16"]
@@ -24,15 +24,7 @@ def test_dcgan_port_changes_at_most_15_lines() -> None:
 @pytest.fixture(scope="module")
 def original(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("original")
-    done = subprocess.run(
-        [sys.executable, str(PORTS / "dcgan_original.py"), *ARGS, "--outf", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_original("dcgan_original.py", [*ARGS, "--outf", str(out)])
     return {"state": torch.load(out / "dcgan.pth"), "log": done.stdout.splitlines()}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ports import PORTS, ROOT, changed_lines, run_in_process
+from test_ports import run_original, PORTS, ROOT, changed_lines, run_in_process
 
 ARGS = ["--double", "--epochs", "2"]
 LOSSES = re.compile(r"(?:valid|test) loss ([0-9.]+)")
@@ -28,15 +28,7 @@ def losses(out: str) -> list[float]:
 @pytest.fixture(scope="module")
 def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
     saved = tmp_path_factory.mktemp("lstm") / "original.pt"
-    done = subprocess.run(
-        [sys.executable, str(PORTS / "lstm_original.py"), *ARGS, "--save", str(saved)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_original("lstm_original.py", [*ARGS, "--save", str(saved)])
     return losses(done.stdout), torch.load(saved)
 
 

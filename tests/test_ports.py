@@ -45,6 +45,15 @@ def test_each_port_changes_few_lines(name: str) -> None:
 
 
 # ---- the ports learn ---------------------------------------------------------------------------
+def run_original(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs examples/ports/`script` (an unported original) in its own process; its exit code is checked."""
+    done = subprocess.run(
+        [sys.executable, str(PORTS / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=200, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def run_in_process(
     script: Path,
     args: list[str],
@@ -57,6 +66,7 @@ def run_in_process(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [str(script), *args])
+    capsys.readouterr()  # only what the script prints comes back
     namespace = runpy.run_path(str(script), run_name="__main__")
     strategy = namespace.get("strategy")
     if strategy is not None and hasattr(strategy, "close"):

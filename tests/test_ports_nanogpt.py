@@ -8,14 +8,13 @@ micro-batches per update, clips after `GradScaler.unscale_` and writes a cosine 
 from __future__ import annotations
 
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_ports import changed_lines
+from test_ports import changed_lines, run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PORTS = ROOT / "examples" / "ports"
@@ -37,23 +36,6 @@ def restore_dtype():
     torch.set_default_dtype(dtype)
 
 
-def run_script(
-    script: Path,
-    args: list[str],
-    env: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> str:
-    for name in ("STRATAGEM_STRATEGY", "STRATAGEM_DEVICES", "TF_CONFIG", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", [str(script), *args])
-    capsys.readouterr()
-    runpy.run_path(str(script), run_name="__main__")
-    return capsys.readouterr().out
-
-
 def test_the_nanogpt_port_changes_at_most_20_lines() -> None:
     assert 0 < changed_lines("nanogpt") <= 20
 
@@ -69,14 +51,14 @@ IN_PROCESS = {
 def test_the_port_prints_the_originals_numbers_and_resumes_alike(
     mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_dtype: None
 ) -> None:
-    original = run_script(
+    original = run_in_process(
         PORTS / "nanogpt_original.py", [*ARGS, "--out-dir", str(tmp_path / "o")], {}, monkeypatch, capsys
     )
     port_dir = ["--out-dir", str(tmp_path / "p")]
-    port = run_script(PORTS / "nanogpt_port.py", [*ARGS, *port_dir], IN_PROCESS[mode], monkeypatch, capsys)
+    port = run_in_process(PORTS / "nanogpt_port.py", [*ARGS, *port_dir], IN_PROCESS[mode], monkeypatch, capsys)
     assert numbers(port) == pytest.approx(numbers(original), rel=1e-10, abs=1e-12)
     # Resumed from the port's own checkpoint (the best validation loss, at step 3), the run ends where it did.
-    resumed = run_script(
+    resumed = run_in_process(
         PORTS / "nanogpt_port.py", [*ARGS, *port_dir, "--resume"], IN_PROCESS[mode], monkeypatch, capsys
     )
     assert "step 3:" in resumed and "iter 2:" not in resumed  # it started from the checkpoint
@@ -88,7 +70,7 @@ def test_the_port_prints_the_originals_numbers_and_resumes_alike(
 def test_the_port_under_launch_with_two_workers_prints_the_originals_numbers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_dtype: None
 ) -> None:
-    original = run_script(
+    original = run_in_process(
         PORTS / "nanogpt_original.py", [*ARGS, "--out-dir", str(tmp_path / "o")], {}, monkeypatch, capsys
     )
     command = [sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--timeout", "420"]

@@ -191,10 +191,10 @@ class Watchdog:
             error = roll_call_error
         if cause is not None and error.__cause__ is None:
             error.__cause__ = cause
+        logger.error("%s", error)  # logged before the host can raise it, so the log always explains the error
         with self._changed:
             self._error = error
             self._pending.clear()
-        logger.error("%s", error)
         try:
             self._abort()
         except Exception as abort_error:  # noqa: BLE001 - the error above is what the host raises
