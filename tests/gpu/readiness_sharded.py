@@ -31,7 +31,6 @@ CAP_BYTES = 4 * 2**30
 
 
 def sharded(ctx: Any) -> dict[str, Any]:
-    # A pair of processes per case, so that one case's GPU memory never counts in the next one's.
     gpu = not ctx.dry_run
     return {name: ctx.case(name, lambda name=name: _launch(name, gpu)) for name in ("speed", "capacity")}
 
