@@ -480,17 +480,14 @@ class ShardedStrategy(Strategy, LossWeightHost):
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
     def close(self) -> None:
-        """Frees the process group (see `WorkerGroup.close`); a second call does nothing.
-
-        The rendezvous store is not handed back (`release=False`): FSDP2's module state keeps the process group,
-        and with it the chief's store, alive as long as the sharded model lives, which is usually until the
-        script ends, so the hand-back would only keep the other workers waiting for their whole timeout.
-        A strategy built again in the same processes meets at another address."""
+        """Frees the process group and hands the rendezvous store back (see `WorkerGroup.close`), so that a
+        strategy built again in the same processes meets at the same address, however long the sharded model
+        (whose FSDP2 state keeps the process group) lives; a second call does nothing."""
         self._batch_norm.remove()
         self._model = None
         self._shardeds = []
         self._comms = []
-        self._group.close(release=False)
+        self._group.close()
 
 
 def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
