@@ -65,16 +65,22 @@ class BackgroundWrite:
         self._thread = threading.Thread(target=run, name="stratagem-backup-write", daemon=True)
         self._thread.start()
 
+    @property
+    def idle(self) -> bool:
+        """No write runs (none started, or the last one ended)."""
+        return self._thread is None or not self._thread.is_alive()
+
     def wait(self) -> None:
         """Returns once no write runs; raises the error of the one that just ended, if it failed."""
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is not None:
             thread.join(self.timeout)
-            if thread.is_alive():
+            if thread.is_alive():  # kept: `idle` stays False, and the next wait joins it again
                 raise TimeoutError(
                     f"The background write of {self._what} did not finish in {self.timeout:.0f} s. Received: a write "
                     "still running. Check the disk or file system of the backup directory (a hung network mount?)."
                 )
+        self._thread = None
         error, self._error = self._error, None
         if error is not None:
             raise error
