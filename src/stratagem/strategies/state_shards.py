@@ -48,7 +48,7 @@ class StateShards(Protocol):
         ...
 
     def close(self) -> None:
-        """Frees what `save_async` kept (its buffers and process group), once no write runs; does nothing else."""
+        """Frees the buffers `save_async` kept, once no write runs (`BackupAndRestore` calls it when training ends)."""
         ...
 
     def load(

@@ -73,6 +73,7 @@ class ShardedStateShards:
             # own collectives run on the default group: on a group of their own, neither waits in the other's
             # queue, and no two threads ever issue collectives on one group.
             self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._group.timeout))
+        if self._stager is None:
             # No pinned or shared memory (CPU copies), copied on this thread: the stager keeps each buffer for
             # the same tensor of the next save, so later saves write over memory already touched.
             self._stager = DefaultStager(StagingOptions(False, False, False, False))
@@ -99,14 +100,13 @@ class ShardedStateShards:
         return write
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        group, self._checkpoint_group = self._checkpoint_group, None
+        # The buffers go; the group stays for this strategy's next fit, and ends with its other groups
+        # (WorkerGroup.close). Not freed here, right after the last write: a Gloo thread may still be releasing
+        # that write's finished collective, which takes the GIL, while the group's destructor, run with the GIL
+        # held, waits for that thread (the hang described in stratagem.bench.multi_process.free_ddp_models).
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
 
     @staticmethod
     def _hash_mine(directory: Path, rank: int) -> list[ShardFile]:
