@@ -305,7 +305,7 @@ class BackupAndRestore(Callback):
             self.stop_signals.uninstall()
         if self._writes is not None:
             try:
-                self._writes.wait()  # no write may outlive the claim, nor the process group its collectives use
+                self._writes.wait()  # no write may outlive the claim, nor the buffers it reads
             except Exception as error:  # noqa: BLE001 - training already failed or ended; this one is logged
                 logger.warning("The last background backup write failed: %s", error)
             if self._shards is not None and self._writes.idle:
