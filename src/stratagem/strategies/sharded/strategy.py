@@ -124,6 +124,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
         self._agreement = StepAgreement(self._group, enabled=check_batches)
+        self._state_shards = ShardedStateShards(self._group)
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
         self._comms: list[WeightedReduceScatter] = []
@@ -178,7 +179,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     def state_shards(self) -> ShardedStateShards:
         """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
-        return ShardedStateShards(self._group)
+        return self._state_shards  # one for the strategy's life: its asynchronous saves' process group is made once
 
     @property
     def stage(self) -> int:
