@@ -24,17 +24,14 @@ import torch
 from torch import nn
 
 
-def _flat(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None], tail: int) -> torch.Tensor:
-    """A zero-filled buffer for `params`' gradients then `tail` numbers, with `grads` (None: zeros) copied in."""
+def _flat(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None], tail: torch.Tensor) -> torch.Tensor:
+    """`params`' gradients (None: zeros) then `tail`, in one buffer (one concatenation, as torch's flatten)."""
     first = params[0]
-    flat = torch.zeros(sum(p.numel() for p in params) + tail, dtype=first.dtype, device=first.device)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = p.numel()
-        if g is not None:
-            flat[offset : offset + n].view_as(p).copy_(g)
-        offset += n
-    return flat
+    zeros = torch.zeros(
+        max((p.numel() for p, g in zip(params, grads) if g is None), default=0), dtype=first.dtype, device=first.device
+    )
+    pieces = [zeros[: p.numel()] if g is None else g.reshape(-1) for p, g in zip(params, grads)]
+    return torch.cat([*pieces, tail.to(dtype=first.dtype, device=first.device)])
 
 
 def _views(params: Sequence[nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -65,15 +62,13 @@ def sum_gradients_across_workers(
         return (*declared, [], [])
     mine = set(reached)
     total, num_declared = declared
-    num_extra = 0 if extra is None else extra.numel()
     n = len(params)
     # Counts ride in the gradients' dtype; float32 keeps integers exact up to 2**24.
-    flat = _flat(params, [p.grad if i in mine else None for i, p in enumerate(params)], n + 2 + num_extra)
-    counts = flat[flat.numel() - n - 2 - num_extra :]
-    counts[:n] = torch.tensor([i in mine for i in range(n)], dtype=flat.dtype)
-    counts[n : n + 2] = torch.tensor([total, num_declared], dtype=flat.dtype)
+    numbers_out = torch.tensor([*(i in mine for i in range(n)), total, num_declared], dtype=torch.float64)
     if extra is not None:
-        counts[n + 2 :] = extra.to(dtype=flat.dtype, device=flat.device)
+        numbers_out = torch.cat([numbers_out, extra.to(dtype=torch.float64, device="cpu")])
+    flat = _flat(params, [p.grad if i in mine else None for i, p in enumerate(params)], numbers_out)
+    counts = flat[flat.numel() - numbers_out.numel() :]
     cw.all_reduce_([flat], what="gradient all-reduce", step=step)
     # A host read, so under NCCL a host sync each step: which parameters end with grad None must be known on
     # the host. cw.check() after it: a value read from a collective the watchdog aborted is never used.
@@ -86,7 +81,7 @@ def sum_gradients_across_workers(
     if some:
         late = [params[i] for i in some]
         own = [None if i in mine or params[i].grad is None else params[i].grad for i in some]
-        correction = _flat(late, own, 0)
+        correction = _flat(late, own, torch.zeros(0))
         if weight == 0:
             correction.zero_()  # an empty slice's gradient may be NaN: never multiplied
         elif weight != 1.0:
