@@ -129,3 +129,116 @@ def reference_distillation(sizes=GAN_SIZES):
     for x, noise in gan_batches(sizes):
         step(x, noise)
     return teacher, student
+
+
+# ---- passes that reach different parameters ---------------------------------------------------------------------
+# Each backward pass combines only the parameters it reached: a gradient an earlier pass combined is left bit for bit
+# (the generator's below), whatever the later pass's weights; a parameter some replicas' passes reach and others' do
+# not (an expert only some slices route examples to) still combines with what every replica holds.
+
+
+def token_gan_batches(sizes=GAN_SIZES) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(real, noise, tokens): each example's token count (1 to 5), which weighs its discriminator loss."""
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (real, noise, torch.randint(1, 6, (real.shape[0],), generator=gen).double())
+        for real, noise in gan_batches(sizes)
+    ]
+
+
+def token_gan_step(g, d, opt_g, opt_d, declare=None):
+    """A GAN iteration of two backward passes: the generator's loss through the discriminator first (mean over
+    examples; the generator's gradient is kept until its step at the end), then the discriminator's, a mean over
+    tokens whose count `declare` (sg.set_loss_weight under a strategy, None on one device) declares. Returns how much
+    the discriminator's pass changed the generator's gradient (it does not reach the generator: 0)."""
+
+    def step(real: torch.Tensor, noise: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(real.shape[0], 1, dtype=real.dtype)
+        zeros = torch.zeros(real.shape[0], 1, dtype=real.dtype)
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        fake = g(noise)
+        F.binary_cross_entropy(d(fake), ones).backward()
+        d.zero_grad()  # the discriminator's gradient of the generator's loss is dropped
+        kept = [p.grad.clone() for p in g.parameters()]
+        per_example = F.binary_cross_entropy(d(real), ones, reduction="none") + F.binary_cross_entropy(
+            d(fake.detach()), zeros, reduction="none"
+        )
+        if declare is not None:
+            declare(tokens.sum())
+        err_d = (per_example.squeeze(1) * tokens).sum() / tokens.sum()
+        err_d.backward()
+        change = max(float((p.grad - k).abs().max()) for p, k in zip(g.parameters(), kept))
+        opt_d.step()
+        opt_g.step()
+        return torch.tensor(change, dtype=torch.float64)
+
+    return step
+
+
+def reference_token_gan(sizes=GAN_SIZES):
+    g, d, opt_g, opt_d = build_gan()
+    step = token_gan_step(g, d, opt_g, opt_d)
+    for batch in token_gan_batches(sizes):
+        step(*batch)
+    return g, d
+
+
+ROUTED_SIZES = [6, 7, 2, 5]
+"""Global batches; one smaller than 3 replicas (an empty slice)."""
+
+
+class Routed(nn.Module):
+    """A shared layer and two heads; the second ("expert") only for the examples whose first feature exceeds 0.6, and
+    not called at all on a slice without one, so its parameters are reached on some replicas only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(FEATURES, 4)
+        self.head = nn.Linear(4, 1)
+        self.expert = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(x))
+        out = self.head(h)
+        routed = x[:, 0] > 0.6
+        if bool(routed.any()):
+            out = out.index_add(0, routed.nonzero().squeeze(1), self.expert(h[routed]))
+        return out
+
+
+def build_routed() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(13)
+    net = Routed().double()
+    return net, torch.optim.Adam(net.parameters(), lr=0.05)
+
+
+def routed_batches(sizes=ROUTED_SIZES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(9)
+    return [
+        (torch.rand((n, FEATURES), generator=gen, dtype=torch.float64) * 2 - 1, torch.randn((n, 1), generator=gen))
+        for n in sizes
+    ]
+
+
+def routed_step(net, optimizer):
+    """A weight penalty's backward pass first (it reaches every parameter on every replica), then the data loss's,
+    which reaches the expert only where the slice routes an example to it."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        (1e-2 * sum(p.pow(2).sum() for p in net.parameters())).backward()
+        loss = F.mse_loss(net(x), y.to(x.dtype))
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def reference_routed(sizes=ROUTED_SIZES):
+    net, optimizer = build_routed()
+    step = routed_step(net, optimizer)
+    for batch in routed_batches(sizes):
+        step(*batch)
+    return net

@@ -452,7 +452,7 @@ def test_the_worker_sum_counts_read_on_the_host_are_checked_before_use():
     params = [torch.nn.Parameter(torch.ones(2))]
     params[0].grad = torch.ones(2)
     with pytest.raises(CollectiveTimeoutError, match=r"step 4 timed out"):
-        sum_gradients_across_workers(AbortedWorld(), [params], (0.0, 0), step=4)
+        sum_gradients_across_workers(AbortedWorld(), [params], [0], 1.0, (0.0, 0), step=4)
     assert torch.equal(params[0].grad, torch.ones(2))  # left as it was, not handed a garbage sum
 
 

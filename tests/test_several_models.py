@@ -17,12 +17,19 @@ from several_models_cases import (
     averaged,
     build_distillation,
     build_gan,
+    build_routed,
     distillation_step,
     gan_batches,
     gan_step,
     lerp_ema_,
     reference_distillation,
     reference_gan,
+    reference_routed,
+    reference_token_gan,
+    routed_batches,
+    routed_step,
+    token_gan_batches,
+    token_gan_step,
 )
 
 STRATEGIES = {
@@ -88,6 +95,68 @@ def test_a_student_trained_against_a_frozen_teacher_equals_one_device(name):
             strategy.run(step, args=(x, noise))
         assert_same_state(want_student, student, torch.float64)
         assert_same_state(want_teacher, teacher, torch.float64)  # the teacher's running statistics untouched
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["mirrored-2", "mirrored-3", "mirrored-3-copies", "central-2", "central-3"])
+def test_a_pass_weighted_by_declared_tokens_leaves_the_generators_kept_gradient_bit_for_bit(name):
+    # Before each pass combined only what it reached, the discriminator's pass recombined the generator's gradient
+    # with the token weights and divided it by their total: equal up to rounding (1e-17 here), not bit for bit.
+    want_g, want_d = reference_token_gan()
+    strategy = STRATEGIES[name]()
+    try:
+        plain_g, plain_d, plain_opt_g, plain_opt_d = build_gan()
+        g, opt_g = strategy.distribute(plain_g, plain_opt_g)
+        d, opt_d = strategy.distribute(plain_d, plain_opt_d)
+        step = token_gan_step(g, d, opt_g, opt_d, declare=sg.set_loss_weight)
+        changes = [strategy.run(step, args=batch) for batch in strategy.distribute_dataset(token_gan_batches())]
+        assert [float(c) for change in changes for c in change.values] == [0.0] * len(changes) * len(g.replicas)
+        assert_same_state(want_g, g, torch.float64)
+        assert_same_state(want_d, d, torch.float64)
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["mirrored-2", "mirrored-3", "mirrored-3-copies", "central-2", "central-3"])
+def test_a_pass_that_reaches_a_parameter_on_some_replicas_only_equals_one_device(name):
+    want = reference_routed()
+    strategy = STRATEGIES[name]()
+    try:
+        net, opt = strategy.distribute(*build_routed())
+        step = routed_step(net, opt)
+        for x, y in strategy.distribute_dataset(routed_batches()):
+            strategy.run(step, args=(x, y))
+        assert_same_state(want, net, torch.float64)
+    finally:
+        strategy.close()
+
+
+@pytest.mark.parametrize("name", ["mirrored-2", "mirrored-3", "central-3"])
+def test_a_pass_whose_loss_weights_add_up_to_zero_leaves_what_it_did_not_reach(name):
+    # Without a token anywhere the pass divides by nothing; before, it multiplied the first model's gradient,
+    # which it never reached, by the weights 0 and left it at zero.
+    torch.manual_seed(4)
+    first, second = nn.Linear(3, 2).double(), nn.Linear(3, 1).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    first(x).pow(2).mean().backward()
+    want = first.weight.grad.clone()
+    first.zero_grad()
+    strategy = STRATEGIES[name]()
+    try:
+        a, b = strategy.distribute(first), strategy.distribute(second)
+
+        def step(x):
+            a(x).pow(2).mean().backward()
+            sg.set_loss_weight(0)  # nothing to average over: the loss is 0
+            (b(x).sum() * 0).backward()
+
+        for batch in strategy.distribute_dataset([(x,)]):
+            strategy.run(step, args=batch)
+        for replica in a.replicas:
+            torch.testing.assert_close(replica.weight.grad, want, **TOL[torch.float64])
     finally:
         strategy.close()
 

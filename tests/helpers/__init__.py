@@ -47,8 +47,9 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def _launch(script: str, settings: dict[str, str], timeout: float) -> tuple[int, list[Any]]:
-    """Runs tests/workers/`script` as 2 workers under `stratagem launch`; the exit code and every output line."""
+def _launch(script: str, settings: dict[str, str], timeout: float, workers: int = 2) -> tuple[int, list[Any]]:
+    """Runs tests/workers/`script` as `workers` workers under `stratagem launch`; the exit code and every output
+    line."""
     from stratagem import environ
     from stratagem.cluster import launch
 
@@ -56,16 +57,23 @@ def _launch(script: str, settings: dict[str, str], timeout: float) -> tuple[int,
     env.update(settings)
     lines: list[Any] = []
     result = launch(
-        [sys.executable, str(WORKERS / script)], workers=2, env=env, sink=lines.append, timeout=timeout, grace_period=2
+        [sys.executable, str(WORKERS / script)],
+        workers=workers,
+        env=env,
+        sink=lines.append,
+        timeout=timeout,
+        grace_period=2,
     )
     return result.exit_code, lines
 
 
-def launch_workers(script: str, settings: dict[str, str], *, timeout: float, tail: int = 40) -> tuple[int, str]:
-    """Runs tests/workers/`script` as 2 workers under `stratagem launch` (loopback, free ports), with the test's
-    settings added to the environment; returns the job's exit code and its last `tail` lines of output, each
+def launch_workers(
+    script: str, settings: dict[str, str], *, timeout: float, tail: int = 40, workers: int = 2
+) -> tuple[int, str]:
+    """Runs tests/workers/`script` as `workers` workers under `stratagem launch` (loopback, free ports), with the
+    test's settings added to the environment; returns the job's exit code and its last `tail` lines of output, each
     prefixed with its task, for the test's assertion message."""
-    exit_code, lines = _launch(script, settings, timeout)
+    exit_code, lines = _launch(script, settings, timeout, workers)
     return exit_code, "\n".join(f"[{line.task}] {line.text}" for line in lines[-tail:])
 
 

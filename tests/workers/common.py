@@ -27,21 +27,28 @@ def sizes(name: str) -> list[int]:
     return [int(n) for n in setting(name).split(",")]
 
 
-def multi_worker(local: int, timeout: float, *, logical: bool = True) -> sg.MultiWorkerMirroredStrategy:
+def multi_worker(
+    local: int, timeout: float, *, logical: bool = True, options: Mapping[str, Any] | None = None
+) -> sg.MultiWorkerMirroredStrategy:
     """A strategy over this worker's first `local` CPU devices; `logical`: from a registry that splits the CPU
-    into max(local, 2) logical devices (else the default registry). One torch thread: two workers share a core."""
+    into max(local, 2) logical devices (else the default registry); `options`: further keyword arguments of the
+    strategy. One torch thread: two workers share a core."""
     torch.set_num_threads(1)
     registry = None
     if logical:
         registry = DeviceRegistry()
         registry.set_logical_device_configuration("cpu", max(local, 2))
-    return sg.MultiWorkerMirroredStrategy([f"cpu:{i}" for i in range(local)], timeout=timeout, registry=registry)
+    return sg.MultiWorkerMirroredStrategy(
+        [f"cpu:{i}" for i in range(local)], timeout=timeout, registry=registry, **(options or {})
+    )
 
 
 @contextlib.contextmanager
-def strategy_for(local: int, timeout: float, *, logical: bool = True) -> Iterator[sg.MultiWorkerMirroredStrategy]:
+def strategy_for(
+    local: int, timeout: float, *, logical: bool = True, options: Mapping[str, Any] | None = None
+) -> Iterator[sg.MultiWorkerMirroredStrategy]:
     """multi_worker(...), closed when the block ends (also when it raises)."""
-    strategy = multi_worker(local, timeout, logical=logical)
+    strategy = multi_worker(local, timeout, logical=logical, options=options)
     try:
         yield strategy
     finally:
@@ -54,15 +61,19 @@ def save_per_rank(result: Any, strategy: sg.MultiWorkerMirroredStrategy, name: s
 
 
 def chief_saves_each_case(
-    cases: Mapping[Hashable, int], train: Callable[[sg.MultiWorkerMirroredStrategy, Any], Any], *, timeout: float = 60
+    cases: Mapping[Hashable, int],
+    train: Callable[[sg.MultiWorkerMirroredStrategy, Any], Any],
+    *,
+    timeout: float = 60,
+    options: Mapping[str, Any] | None = None,
 ) -> int:
     """Trains every case under a new strategy with the case's number of local replicas (`cases` maps a case to
-    it), the previous one closed first, so each is built again at the same cluster address. The chief saves
-    {case: train(strategy, case)} to MW_OUT; every rank says it is done."""
+    it) and `options`, the previous one closed first, so each is built again at the same cluster address. The
+    chief saves {case: train(strategy, case)} to MW_OUT; every rank says it is done."""
     results = {}
     rank = None
     for case, local in cases.items():
-        with strategy_for(local, timeout) as strategy:
+        with strategy_for(local, timeout, options=options) as strategy:
             rank = strategy.cluster.rank
             results[case] = train(strategy, case)
     if rank == 0:

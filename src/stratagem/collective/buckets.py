@@ -191,7 +191,9 @@ class GradientBuckets:
                 self._used[i] = self.params[i].grad is not None
                 bucket = self.buckets[self.bucket_of[i]]
                 if bucket.direct:
-                    self.params[i].grad = torch.zeros_like(self.params[i])
+                    if self.params[i].grad is None:
+                        self.params[i].grad = torch.zeros_like(self.params[i])
+                    # else: the gradient it holds is weighted and summed in place, as a fused one is copied in
                 else:
                     self._copy_in(bucket, i)
                 bucket.pending -= 1

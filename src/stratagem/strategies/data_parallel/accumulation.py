@@ -1,11 +1,12 @@
 """Gradient accumulation without a combination per micro-batch: `strategy.no_sync()`.
 
 Several backward passes before one `optimizer.step()` accumulate gradients in `.grad`, as on one
-device. Without `no_sync()` every backward pass combines the replicas' gradients (each replica's
-whole `.grad`, accumulated part included, weighted by its share of the batch; the shares add up to
-one, so what was combined before stays as it was and the new gradient joins it). Inside
+device. Without `no_sync()` every backward pass combines the replicas' gradients it reached (each
+replica's whole `.grad`, accumulated part included, weighted by its share of the batch; the shares add
+up to one, so what was combined before stays as it was and the new gradient joins it). Inside
 `no_sync()` backward only accumulates each replica's own gradient, and the combination of the next
-synchronised backward pass takes in everything accumulated since.
+synchronised backward pass takes in everything accumulated since, every gradient present, reached by
+that pass or not (`LocalCombination.take_in_accumulated`).
 
 A replica's share of the global batch may differ from one micro-batch to the next (uneven splits,
 a short last batch), so what a replica accumulates locally must carry each micro-batch's own

@@ -5,9 +5,18 @@ Mirrored and MultiWorker, the central device's reduction for CentralStorage); `L
 is the state of the meeting the replica set runs with it.
 
 When a replica's backward pass ends, this process's replicas meet and each combines its share of
-every gradient (`LocalReducer.combine_`), each replica's gradient weighted by its share of the
-global batch; a parameter some replicas gave no gradient gets zeros there first, so every replica
-holds the same set of gradients afterwards.
+every gradient that pass reached (`LocalReducer.combine_`), each replica's gradient weighted by its
+share of the global batch; a parameter some replicas gave no gradient gets zeros there first, so every
+replica holds the same set of gradients afterwards.
+
+Only the parameters the pass reached on some replica (their post-accumulate hooks marked them,
+`reached`) are combined: one that kept a gradient from an earlier pass of the step (a GAN's generator
+while the discriminator's pass runs) already holds the combined value on every replica. Combining it
+again would only cost time while the weights add up to one, and would change it where they do not: a
+pass whose declared loss weights (`sg.set_loss_weight`) add up to 0 multiplies it by 0 and divides by
+nothing. The exception is the first pass of a run that takes in gradients accumulated under
+`no_sync()` (`take_in_accumulated`): those are each replica's own, reached or not, so every gradient
+is combined, as before.
 
 Work stealing (in-memory reduction only): a replica that finishes its backward pass first combines,
 while it waits, shares of the parameters whose gradients every replica already has. `ready[r][i]` /
@@ -66,6 +75,11 @@ class LocalCombination:
         self.claimed: list[list[int]] = []
         self.full: list[int] = []  # gradients every replica has produced in the current pass, to claim from
         self.slots: list[Any] = [None] * num_replicas
+        self.reached: list[list[int]] = []  # reached[r][i]: the last pass (per run) whose backward reached it on r
+        self.whole_passes = 0  # passes of this run that combine every gradient (accumulated under no_sync())
+        self.keep: list[int] = []
+        """The gradients the last meeting combined (positions in each replica's list), chosen by its last arrival."""
+        self.late = False
 
     def attach(self, replica_params: list[list[nn.Parameter]], steal: bool, min_elements: int) -> None:
         """Once the replicas exist: which gradients a waiting replica may combine early."""
@@ -83,10 +97,17 @@ class LocalCombination:
         self.passes = [0] * self._num_replicas
         self.ready = [[0] * num_params for _ in range(self._num_replicas)]
         self.claimed = [[0] * self._num_replicas for _ in range(num_params)]
+        self.reached = [[0] * num_params for _ in range(self._num_replicas)]
         self.full = []
+        self.whole_passes = 0
+
+    def take_in_accumulated(self) -> None:
+        """This run's first pass combines every gradient: the replicas hold their own, accumulated under no_sync()."""
+        self.whole_passes = 1
 
     def grad_ready(self, replica: int, index: int) -> None:
-        """Gradient `index` of `replica` is in: a replica waiting may combine it now."""
+        """Gradient `index` of `replica` is in: this pass combines it, and a replica waiting may combine it now."""
+        self.reached[replica][index] = self.passes[replica] + 1  # written by this replica's backward only
         if self.stealing and self.stealable[index]:
             self._barrier.notify(lambda: self._mark_ready(replica, index))
 
@@ -104,26 +125,26 @@ class LocalCombination:
         reducer: LocalReducer,
         weights: list[float],
         step: int,
+        chosen: Callable[[list[int]], None] | None = None,
     ) -> Any:
         """`replica`'s part of the meeting at the end of backward; returns the combined gradient lists
-        (one per replica) that the sum across workers continues from."""
+        (one per replica) that the sum across workers continues from. `chosen` is told, once, before any replica
+        leaves the meeting, which gradients it combines (positions in each replica's list)."""
         grads = [p.grad for p in replica_params[replica]]
         self.slots[replica] = grads
-        weight = weights[replica]
+        current = self.passes[replica] + 1
         if reducer.prescale:
-            present = [g for g in grads if g is not None]
-            if weight == 0:
-                torch._foreach_zero_(present)  # an empty slice's gradient may be NaN: it must not be scaled
-            elif weight != 1.0:
-                torch._foreach_mul_(present, weight)
-        self.passes[replica] += 1
-        current = self.passes[replica]
+            mine = self.reached[replica]
+            self._scale_([g for i, g in enumerate(grads) if g is not None and mine[i] == current], weights[replica])
+        self.passes[replica] = current
         steal = (lambda: self._claim(replica, current, replica_params, reducer, weights)) if self.stealing else None
-        self._barrier.wait(replica, "end of backward", step, steal=steal)
+        self._barrier.wait(replica, "end of backward", step, steal=steal, last=lambda: self._choose(current, chosen))
         slots = self.slots
-        keep: Sequence[int] = range(len(grads))
-        if any(g is None for slot in slots for g in slot):
-            keep = self._fill_missing_grads(replica, replica_params, slots, step)
+        keep = self.keep
+        if self.late:
+            self._fill_late(
+                replica, replica_params, keep, current, weights[replica] if reducer.prescale else None, step
+            )
         lists = [[slot[i] for i in keep] for slot in slots] if len(keep) != len(grads) else slots
         if self.stealing and lists[0]:
             # The claims are final: they were made before the last replica arrived at the barrier.
@@ -133,6 +154,14 @@ class LocalCombination:
             reducer.combine_(replica, lists, weights)
         self._barrier.wait(replica, "gradient combination", step)
         return lists
+
+    @staticmethod
+    def _scale_(grads: list[torch.Tensor], weight: float) -> None:
+        """A prescaling reducer's input: this replica's gradients times its weight."""
+        if weight == 0:
+            torch._foreach_zero_(grads)  # an empty slice's gradient may be NaN: it must not be scaled
+        elif weight != 1.0:
+            torch._foreach_mul_(grads, weight)
 
     def _claim(
         self,
@@ -159,16 +188,42 @@ class LocalCombination:
             self.full.pop()  # every share claimed, from an earlier pass, or combined whole after the meeting
         return None
 
-    def _fill_missing_grads(
-        self, replica: int, replica_params: list[list[nn.Parameter]], slots: list[list[Any]], step: int
-    ) -> list[int]:
-        """A parameter some replicas gave no gradient: zeros there; one no replica touched stays None."""
-        keep = [i for i in range(len(slots[0])) if any(slot[i] is not None for slot in slots)]
-        mine = slots[replica]
+    def _choose(self, current: int, chosen: Callable[[list[int]], None] | None) -> None:
+        """Run by the last replica to arrive at the meeting of pass `current`: which gradients it combines (those
+        the pass reached on some replica; every one present where the pass takes in no_sync() accumulations), and
+        whether some replica holds one of them that its own pass did not reach (`late`)."""
+        if current <= self.whole_passes:
+            slots = self.slots
+            self.keep = [i for i in range(len(slots[0])) if any(slot[i] is not None for slot in slots)]
+        else:
+            self.keep = [i for i, passes in enumerate(zip(*self.reached)) if current in passes]
+        self.late = any(self.reached[r][i] != current for r in range(self._num_replicas) for i in self.keep)
+        if chosen is not None:
+            chosen(self.keep)
+
+    def _fill_late(
+        self,
+        replica: int,
+        replica_params: list[list[nn.Parameter]],
+        keep: Sequence[int],
+        current: int,
+        weight: float | None,
+        step: int,
+    ) -> None:
+        """The gradients this pass combines that it did not reach on `replica` (reached on other replicas only,
+        or taken in from no_sync()): zeros where there is none, so every replica combines it, and times the
+        replica's `weight` for a prescaling reducer (None: the reducer weighs)."""
+        mine = self.slots[replica]
+        scale = []
         for i in keep:
+            if self.reached[replica][i] == current:
+                continue
             if mine[i] is None:
                 param = replica_params[replica][i]
                 param.grad = torch.zeros_like(param)
                 mine[i] = param.grad
+            elif weight is not None:
+                scale.append(mine[i])
+        if weight is not None and scale:
+            self._scale_(scale, weight)
         self._barrier.wait(replica, "filling of missing gradients", step)
-        return keep

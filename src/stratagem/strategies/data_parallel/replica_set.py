@@ -119,6 +119,8 @@ class ReplicaSet(ReplicaHost):
                 len(self.devices),
                 may_steal=build.steal,
                 steal_min=lambda: STEAL_MIN_ELEMENTS,  # read at distribute: a test lowers it
+                # Gradients accumulated under no_sync() are each replica's own: the next pass combines them all.
+                accumulated=lambda: build.accumulates and self._accumulation.pending,
             )
             if combine is not None
             else None
@@ -213,8 +215,8 @@ class ReplicaSet(ReplicaHost):
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
         """Replicas of `model` (and `optimizer`); called again for every further model of the same steps (a GAN's
         generator and discriminator, a teacher, an EMA copy). Every model's trainable parameters are appended to
-        each replica's list, so the parts combine the gradients of all of them at the end of each backward pass,
-        whichever models that pass reached."""
+        each replica's list; at the end of each backward pass the parts combine the gradients that pass reached,
+        whichever models they belong to."""
         check_optimizer_supported(optimizer, self.num_replicas_in_sync, type(self._strategy).__name__)
         self._check_another_model(model)
         # The replicas are made from a converted copy (BatchNorm layers of the global batch; parameters and

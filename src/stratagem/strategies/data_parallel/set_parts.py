@@ -76,8 +76,10 @@ class LocalCombinationPart(StepPart):
         *,
         may_steal: bool,
         steal_min: Callable[[], int],
+        accumulated: Callable[[], bool],
     ) -> None:
         self.combine = combine
+        self._accumulated = accumulated
         self.combination = LocalCombination(barrier, num_replicas)
         self._may_steal = may_steal
         self._steal_min = steal_min
@@ -94,6 +96,8 @@ class LocalCombinationPart(StepPart):
     def begin_step(self, state: RunState) -> None:
         self.combination.begin_run()
         self.combination.reset(self._params)
+        if self._accumulated():
+            self.combination.take_in_accumulated()
         # Not while a placement log records: each replica logs its own work.
         self.combination.stealing = self.combination.steal and capture_placement() is None
 
@@ -101,7 +105,12 @@ class LocalCombinationPart(StepPart):
         self.combination.grad_ready(replica, index)  # a replica waiting may combine this one now
 
     def end_of_backward(self, replica: int, state: RunState) -> None:
-        self.combination.combine(replica, self._params, self.combine.reducer, state.weights, state.step)
+        def chosen(keep: list[int]) -> None:
+            # Once, at the meeting, while every replica waits there; the sum across workers may widen `combined`.
+            state.combined = keep
+            state.met_counts = None if state.counts is None else list(state.counts)
+
+        self.combination.combine(replica, self._params, self.combine.reducer, state.weights, state.step, chosen)
 
     def decisions(self) -> list[PlacementDecision]:
         return self.combine.decisions()
@@ -206,13 +215,16 @@ class LossWeights(StepPart):
     def end_of_backward(self, replica: int, state: RunState) -> None:
         total = self._total(state)
         if total is not None:
-            loss_weight.divide_gradients_(self._params[replica], total)
+            params = self._params[replica]
+            if state.combined is not None:  # not a gradient this pass left as an earlier one combined it
+                params = [params[i] for i in state.combined]
+            loss_weight.divide_gradients_(params, total)
 
     def _total(self, state: RunState) -> float | None:
         """The count the combined gradients are divided by (None: weighted by examples, nothing to divide)."""
         if self._across is not None:
             return self._across.loss_weight_total(state, self._num_in_sync)
-        total, declared = loss_weight.local_total(state.counts)
+        total, declared = loss_weight.local_total(state.met_counts)
         return loss_weight.check_total(total, declared, self._num_local, state.step)
 
     def details(self) -> dict[str, str]:

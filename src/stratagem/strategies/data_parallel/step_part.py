@@ -37,6 +37,12 @@ class RunState:
     """Each local replica's slice size in this step (None: not known from the inputs)."""
     counts: list[float | None] | None = None
     """Loss weights declared with sg.set_loss_weight in this step (None: weighting by examples)."""
+    combined: list[int] | None = None
+    """Positions (in each replica's parameter list) of the gradients the last backward pass combined, the ones it
+    reached (None: every gradient present). Set by the combining parts; the loss weights divide these only."""
+    met_counts: list[float | None] | None = None
+    """`counts` as the local replicas' last meeting saw them: a replica that leaves the meeting first may declare the
+    next pass's weight before the others divide by this pass's total."""
 
 
 @dataclass(frozen=True)

@@ -223,9 +223,17 @@ class AcrossWorkers:
         if replica == 0:
             declared = loss_weight.local_total(state.counts)
             start = time.perf_counter()
-            total, count, summed = sum_gradients_across_workers(
-                self.cw, replica_params, declared, state.step, extra=self._extra(state.step, torch.float64)
+            reached = state.combined if state.combined is not None else range(len(replica_params[0]))
+            total, count, summed, combined = sum_gradients_across_workers(
+                self.cw,
+                replica_params,
+                reached,
+                sum(state.weights),
+                declared,
+                state.step,
+                extra=self._extra(state.step, torch.float64),
             )
+            state.combined = combined  # read by every local replica after the meeting that follows
             self.times.communication_(time.perf_counter() - start)
             self.times.summed()
             self._weights = (total, count)
