@@ -5,6 +5,7 @@ replicas, on the reference 3-BatchNorm CNN (batch 64 of 3x32x32) or a ResNet-18 
     .venv/bin/python benchmarks/batch_norm.py                               # CNN, Mirrored x2, 5 blocks of 20 steps
     .venv/bin/python benchmarks/batch_norm.py --model resnet18 --steps 4 --blocks 8 --breakdown
     .venv/bin/python benchmarks/batch_norm.py --strategy multi_worker --model resnet18 --steps 4 --blocks 6
+    .venv/bin/python benchmarks/batch_norm.py --model resnet18 --function-cost --against /tmp/before.py
 
 Mirrored x2: the two settings run in one process, in alternating blocks (per-replica first in odd
 blocks), so a disturbance from other work on a shared machine hits both; prints each side's median
@@ -12,6 +13,17 @@ ms/step and the median of the per-block ratios global / per-replica. --breakdown
 global side's blocks, each replica's time inside the BatchNorm meetings (arrival to return: waiting
 for the slower replica and the sum). It also prints the process's CPU time per step of each side: the
 work exactness adds, apart from waiting.
+
+--against FILE (Mirrored x2): both sides use batch_norm="global", one with this tree's GlobalBatchNormFunction,
+the other (printed as per_replica) with the one defined in FILE, e.g. an earlier commit's
+`git show <commit>:src/stratagem/strategies/data_parallel/batch_norm_function.py > /tmp/before.py`: before
+and after in the same process, alternating blocks.
+
+--function-cost: the autograd function alone over the model's BatchNorm shapes (half the batch each), on two
+threads that meet at the strategy's ReplicaBarrier as two replicas do, against plain training-mode
+`F.batch_norm` on the same threads without meetings, and against FILE's function with --against: the CPU
+time of both threads per pass (forward and backward of every layer; alternating repeats) and the number of
+operations torch dispatches per replica and layer (deterministic, unlike times on a shared machine).
 
 MultiWorkerMirrored x2 (2 processes, one replica each): one process holds one MultiWorkerMirroredStrategy,
 so the two settings cannot share processes. Each run holds the strategy (one setting) and a
@@ -25,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -161,10 +174,31 @@ def mirrored_side(model_name: str, mode: str, data: list) -> tuple:
     return strategy, step, batches
 
 
+def load_function(path: str) -> type:
+    """The `GlobalBatchNormFunction` defined in the file at `path` (another version of batch_norm_function.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("batch_norm_function_against", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--against: cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.GlobalBatchNormFunction
+
+
 def mirrored(args: argparse.Namespace) -> None:
+    from stratagem.strategies.data_parallel import batch_norm as bn_module
+
     clock = MeetingClock() if args.breakdown else None
     data = make_data()
-    sides = {mode: mirrored_side(args.model, mode, data) for mode in ("global", "per_replica")}
+    functions = {"global": bn_module.GlobalBatchNormFunction}
+    if args.against:  # both sides exact, the "per_replica" side with the other function
+        functions["per_replica"] = load_function(args.against)
+        print(f"--against: the side printed as per_replica is batch_norm='global' with {args.against}'s function")
+    sides = {
+        mode: mirrored_side(args.model, "global" if args.against else mode, data) for mode in ("global", "per_replica")
+    }
     print(sides["global"][0].explain().details.get("BatchNorm meetings", ""))
     times: dict[str, list[float]] = {mode: [] for mode in sides}
     cpu: dict[str, list[float]] = {mode: [] for mode in sides}
@@ -172,6 +206,7 @@ def mirrored(args: argparse.Namespace) -> None:
     for b in range(args.blocks):
         for mode in ["global", "per_replica"] if b % 2 == 0 else ["per_replica", "global"]:
             strategy, step, batches = sides[mode]
+            bn_module.GlobalBatchNormFunction = functions.get(mode, functions["global"])  # type: ignore[misc]
             if clock is not None:
                 clock.on, clock.ns = mode == "global", {}
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -192,9 +227,11 @@ def mirrored(args: argparse.Namespace) -> None:
         f"(range {min(ratios):.3f}-{max(ratios):.3f})"
     )
     cpu_ratios = [g / p for g, p in zip(cpu["global"], cpu["per_replica"])]
-    print(f"CPU time of the process (both replica threads) per step, global / per_replica: median "
-          f"{statistics.median(cpu_ratios):.3f} (range {min(cpu_ratios):.3f}-{max(cpu_ratios):.3f}; "
-          f"{statistics.median(cpu['global']) * 1000:.1f} and {statistics.median(cpu['per_replica']) * 1000:.1f} ms)")
+    print(
+        f"CPU time of the process (both replica threads) per step, global / per_replica: median "
+        f"{statistics.median(cpu_ratios):.3f} (range {min(cpu_ratios):.3f}-{max(cpu_ratios):.3f}; "
+        f"{statistics.median(cpu['global']) * 1000:.1f} and {statistics.median(cpu['per_replica']) * 1000:.1f} ms)"
+    )
     if in_meetings:
         totals = [sum(m.values()) for m in in_meetings]
         shares = [m / t for m, t in zip(totals, times["global"])]
@@ -206,6 +243,135 @@ def mirrored(args: argparse.Namespace) -> None:
         )
     for strategy, _, _ in sides.values():
         strategy.close()
+
+
+# ---- the autograd function alone, on two threads meeting at the ReplicaBarrier -----------------------------
+class TwoReplicaMeeting:
+    """What `GlobalBatchNormFunction` asks of `BatchNormSync`, for two replica threads of one process: the same
+    two-slot meeting at a `ReplicaBarrier`, weights of 1, no workers."""
+
+    def __init__(self) -> None:
+        from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
+
+        self.barrier = ReplicaBarrier(["replica 0", "replica 1"], 120.0)
+        self.slots: list[list] = [[None, None], [None, None]]
+        self.results: list = [None, None]
+        self.count = [0, 0]
+
+    def meet(self, replica, contribution, what, combine):  # type: ignore[no-untyped-def]
+        count = self.count[replica]
+        self.count[replica] = count + 1
+        slots, results = self.slots[count % 2], self.results
+
+        def last() -> None:
+            results[count % 2] = combine(list(slots), 0)
+
+        slots[replica] = contribution
+        self.barrier.wait(replica, what, 0, last=last)
+        return results[count % 2]
+
+    def sum_across_workers(self, total, what, step) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def layer_name(self, layer: int) -> str:
+        return f"layer {layer}"
+
+    def weight_of(self, replica: int) -> float:
+        return 1.0
+
+    def step_number(self) -> int:
+        return 0
+
+
+def batch_norm_inputs(model_name: str, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """(x, weight, bias, dy) for each BatchNorm layer of the model, at its input's shape for half the batch."""
+    model = MODELS[model_name]()
+    shapes: list[tuple[int, ...]] = []
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    with torch.no_grad():
+        model(torch.randn(32, 3, 32, 32))
+    for hook in hooks:
+        hook.remove()
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(*shape, generator=g).requires_grad_(),
+            torch.rand(shape[1], generator=g).add_(0.5).requires_grad_(),
+            torch.randn(shape[1], generator=g).requires_grad_(),
+            torch.randn(*shape, generator=g),
+        )
+        for shape in shapes
+    ]
+
+
+def function_cost(args: argparse.Namespace) -> None:
+    import threading
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from stratagem.strategies.data_parallel.batch_norm_function import Call, GlobalBatchNormFunction
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    functions: dict[str, type | None] = {"plain F.batch_norm": None, "this tree": GlobalBatchNormFunction}
+    if args.against:
+        functions[args.against] = load_function(args.against)
+    inputs = [batch_norm_inputs(args.model, seed) for seed in (0, 1)]
+    layers = len(inputs[0])
+
+    def replica(function, sync, r, passes, cpu, ops) -> None:  # type: ignore[no-untyped-def]
+        torch.set_num_threads(1)
+        counter = Count() if ops is not None else None
+        start = time.thread_time()
+        for _ in range(passes):
+            for x, w, b, dy in inputs[r]:
+                running_mean, running_var = torch.zeros(x.shape[1]), torch.ones(x.shape[1])
+                if counter is not None:
+                    counter.__enter__()
+                if function is None:
+                    y = F.batch_norm(x, running_mean, running_var, w, b, True, 0.1, 1e-5)
+                else:
+                    y = function.apply(x, w, b, Call(sync, 0, r, False, 1e-5), running_mean, running_var, 0.1)
+                y.backward(dy)
+                if counter is not None:
+                    counter.__exit__(None, None, None)
+        cpu[r] = (time.thread_time() - start) / passes
+        if counter is not None:
+            ops[r] = counter.ops
+
+    def run(function, passes: int, count: bool) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+        sync = TwoReplicaMeeting()
+        cpu, ops = [0.0, 0.0], ([0, 0] if count else None)
+        threads = [threading.Thread(target=replica, args=(function, sync, r, passes, cpu, ops)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(cpu), (sum(ops) / 2 / layers if ops is not None else 0.0)
+
+    counts = {name: run(function, 1, True)[1] for name, function in functions.items()}
+    cpu: dict[str, list[float]] = {name: [] for name in functions}
+    for repeat in range(args.blocks):
+        order = list(functions.items())
+        for name, function in order if repeat % 2 == 0 else reversed(order):
+            cpu[name].append(run(function, args.steps, False)[0])
+    for name, values in cpu.items():
+        print(
+            f"{args.model}, {layers} BatchNorm layers, {name}: CPU of both threads per pass (forward and backward "
+            f"of every layer) median {statistics.median(values) * 1000:.1f} ms (range {min(values) * 1000:.1f}-"
+            f"{max(values) * 1000:.1f}); {counts[name]:.1f} dispatched operations per replica and layer"
+        )
 
 
 # ---- MultiWorkerMirrored x2, two processes ---------------------------------------------------------------
@@ -299,8 +465,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
     parser.add_argument("--rounds", type=int, default=2, help="multi_worker: runs of each setting, alternating")
     parser.add_argument("--breakdown", action="store_true", help="mirrored: time inside the BatchNorm meetings")
+    parser.add_argument("--against", help="mirrored: the GlobalBatchNormFunction of this file on the other side")
+    parser.add_argument("--function-cost", action="store_true", help="the autograd function alone, two threads")
     args = parser.parse_args()
-    (mirrored if args.strategy == "mirrored" else multi_worker)(args)
+    if args.function_cost:
+        function_cost(args)
+    else:
+        (mirrored if args.strategy == "mirrored" else multi_worker)(args)
 
 
 if __name__ == "__main__":

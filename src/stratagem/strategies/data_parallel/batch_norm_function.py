@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from stratagem.errors import InputError
 
@@ -58,41 +57,55 @@ class ForwardStatistics:
 
     mean: torch.Tensor  # in the statistics' dtype
     var: torch.Tensor  # biased, in the statistics' dtype
-    running_mean: torch.Tensor  # the global mean, in float64 (cast to each buffer's dtype)
-    running_var: torch.Tensor  # the unbiased global variance, in float64
+    invstd: torch.Tensor  # 1 / sqrt(var + eps), in the statistics' dtype (the backward's gain)
+    running_mean: torch.Tensor | None  # the global mean, in the running buffers' dtype (None: no buffers)
+    running_var: torch.Tensor | None  # the unbiased global variance, in the running buffers' dtype
     size: float  # values per channel over the global batch
 
 
 def _sum_forward(contributions: Sequence[Any], channels: int, device: torch.device) -> torch.Tensor:
-    """[sum, sum of squares, count] per channel over the contributions, in float64 and replica order; each
-    contribution is None (no example) or (count, stacked mean and biased variance): the sums built from a
-    stable mean and variance keep the float32 case well conditioned."""
+    """[sum, sum of squares, count] per channel over the contributions, in float64; each contribution is None
+    (no example) or (count, stacked mean and biased variance): the sums built from a stable mean and variance
+    keep the float32 case well conditioned. One stack, one cast and one matrix product for all replicas, in
+    replica order (a loop over the replicas cost a dozen small operations each)."""
     total = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-    for contribution in contributions:
-        if contribution is None:
-            continue
-        count, stats = contribution
-        mean_var = stats.to(device=device, dtype=torch.float64)
-        mean = mean_var[0]
-        total[:channels].add_(mean, alpha=count)
-        total[channels : 2 * channels].add_(torch.addcmul(mean_var[1], mean, mean), alpha=count)
-        total[-1] += count
+    present = [c for c in contributions if c is not None]
+    if present:
+        stats = torch.stack([c[1].to(device) for c in present]).to(torch.float64)  # (replicas, 2, C)
+        stats[:, 1].addcmul_(stats[:, 0], stats[:, 0])  # var + mean^2: the mean of the squares
+        counts = torch.tensor([[float(c[0]) for c in present]], dtype=torch.float64, device=device)
+        torch.mm(counts, stats.view(len(present), 2 * channels), out=total[: 2 * channels].view(1, -1))
+        total[-1] = sum(c[0] for c in present)
     return total
 
 
-def _forward_statistics(total: torch.Tensor, channels: int, stats_dtype: torch.dtype, where: str) -> ForwardStatistics:
+def _forward_statistics(
+    total: torch.Tensor,
+    channels: int,
+    stats_dtype: torch.dtype,
+    running_dtype: torch.dtype | None,
+    eps: float,
+    where: str,
+) -> ForwardStatistics:
     size = float(total[-1])
     if size <= 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {int(size)} over the global batch in {where}."
         )
-    mean64 = total[:channels] / size
-    var64 = (total[channels : 2 * channels] / size - mean64 * mean64).clamp_(min=0)
+    mean_var = total[: 2 * channels].view(2, channels) / size  # [mean, mean of the squares] in float64
+    mean64, var64 = mean_var[0], mean_var[1]
+    var64.addcmul_(mean64, mean64, value=-1).clamp_(min=0)
+    stats = mean_var.to(stats_dtype)
     return ForwardStatistics(
-        mean=mean64.to(stats_dtype),
-        var=var64.to(stats_dtype),
-        running_mean=mean64,
-        running_var=var64 * (size / (size - 1)),
+        mean=stats[0],
+        var=stats[1],
+        invstd=torch.rsqrt(stats[1] + eps),
+        running_mean=None
+        if running_dtype is None
+        else stats[0]
+        if running_dtype == stats_dtype
+        else mean64.to(running_dtype),
+        running_var=None if running_dtype is None else (var64 * (size / (size - 1))).to(running_dtype),
         size=size,
     )
 
@@ -100,11 +113,15 @@ def _forward_statistics(total: torch.Tensor, channels: int, stats_dtype: torch.d
 class GlobalBatchNormFunction(torch.autograd.Function):
     """Batch normalisation with statistics summed over every replica (see the module docstring).
 
-    The element-wise passes are torch's own fused kernels: the local mean and variance from
-    `batch_norm_update_stats`, the output from eval-mode `batch_norm` given the global mean and
-    variance, the local sums of the backward pass from eval-mode `native_batch_norm_backward`
-    (which then skips the input gradient), and the input gradient from one more eval-mode
-    `batch_norm` of the input plus `dy` scaled; a written-out version took five times as long.
+    The element-wise passes are torch's own fused kernels, as many as plain training BatchNorm takes: the
+    local mean and variance from `batch_norm_update_stats` and the output from eval-mode `native_batch_norm`
+    given the global mean and variance (plain BatchNorm's training kernel does the same two passes); the local
+    sums of the backward pass from eval-mode `native_batch_norm_backward` (which then skips the input gradient),
+    and the input gradient from one more eval-mode `native_batch_norm` of the input plus `dy` scaled (torch's
+    one-pass `batch_norm_backward_elemt` has no CPU kernel). Everything per channel (casts, the global
+    statistics, the backward's coefficients) is computed once per meeting for all replicas, by the last to
+    arrive: on small layers the cost is the number of small operations, which the replica threads run one
+    after the other under Python's global lock.
     """
 
     @staticmethod
@@ -122,11 +139,13 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         sync = call.sync
         contribution: Any = None
         if not call.standing_in:  # a stand-in example counts as no example
-            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # biased variance
-            contribution = (x.numel() // channels, torch.stack([mean, var]))
+            mean_var = torch.batch_norm_update_stats(x, None, None, 0.0)  # biased variance
+            contribution = (x.numel() // channels, torch.stack(mean_var))
         # Under autocast the input may be bfloat16 while the parameters stay float32: torch's kernels then take
         # statistics of the parameters' dtype.
         stats_dtype = weight.dtype if weight is not None else x.dtype
+        tracked = running_mean is not None and running_var is not None
+        running_dtype = running_mean.dtype if running_mean is not None and tracked else None
         name = sync.layer_name(call.layer)
         what = f"BatchNorm statistics of '{name}' (forward)"
 
@@ -134,24 +153,25 @@ class GlobalBatchNormFunction(torch.autograd.Function):
             total = _sum_forward(contributions, channels, x.device)
             sync.sum_across_workers(total, what, step)
             where = f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})"
-            return _forward_statistics(total, channels, stats_dtype, where)
+            return _forward_statistics(total, channels, stats_dtype, running_dtype, call.eps, where)
 
         stats: ForwardStatistics = sync.meet(call.replica, contribution, what, combine)
         if running_mean is not None and running_var is not None:
-            running_mean.mul_(1 - factor).add_(stats.running_mean.to(running_mean), alpha=factor)
-            running_var.mul_(1 - factor).add_(stats.running_var.to(running_var), alpha=factor)
+            if stats.running_mean is not None and stats.running_var is not None:  # set whenever the buffers were passed
+                running_mean.lerp_(stats.running_mean.to(running_mean), factor)  # (no copy on the meeting's device)
+                running_var.lerp_(stats.running_var.to(running_var), factor)
         mean, var = stats.mean.to(x.device), stats.var.to(x.device)
-        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, call.eps)
-        ctx.save_for_backward(x, weight, mean, var)
-        ctx.call = call
-        ctx.size = stats.size
+        y = torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, call.eps)[0]
+        ctx.save_for_backward(x, weight)
+        ctx.call, ctx.stats, ctx.mean_var = call, stats, (mean, var)  # read-only, shared by the replicas on one device
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, weight, mean, var = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         call: Call = ctx.call
-        channels = x.shape[1]
+        stats: ForwardStatistics = ctx.stats
+        mean, var = ctx.mean_var
         dy = dy.contiguous()
         # Local sums: sum dy, and sum dy * x_hat (x_hat normalised with the global statistics).
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
@@ -169,33 +189,64 @@ class GlobalBatchNormFunction(torch.autograd.Function):
                 refuse_zero_weight(call, x)
             share = combination or 0.0
             idle = call.standing_in or share == 0
-            contribution = None if idle else (share, torch.stack([sum_dy, sum_dy_xhat]))
+            contribution = None if idle else BackwardShare(share, sum_dy, sum_dy_xhat)
             what = f"BatchNorm statistics of '{sync.layer_name(call.layer)}' (backward)"
-            size, stats_dtype, device = ctx.size, mean.dtype, x.device
+            channels, size, device, dtype = x.shape[1], stats.size, x.device, mean.dtype
 
-            def combine(contributions: Sequence[Any], step: int) -> torch.Tensor:
-                # [sum dy, sum dy * x_hat] weighted by each replica's share of the global batch.
-                total = torch.zeros(2, channels, dtype=torch.float64, device=device)
-                for c in contributions:
-                    if c is not None:
-                        total.add_(c[1].to(device=device, dtype=torch.float64), alpha=c[0])
-                sync.sum_across_workers(total.view(-1), what, step)
-                return total
+            def combine(contributions: Sequence[BackwardShare | None], step: int) -> None:
+                present = [c for c in contributions if c is not None]
+                _combine_backward(present, channels, size, device, dtype, what, step, sync)
 
-            total = sync.meet(call.replica, contribution, what, combine)
-            if idle:
+            sync.meet(call.replica, contribution, what, combine)
+            if contribution is None:
                 grad_x = torch.zeros_like(x)  # a weight-zero replica's gradient is never read
             else:
                 # The global loss's gradient divided by this replica's weight, which the combination multiplies back:
                 # dx = w/sigma * (dy - a - x_hat * c), a and c the global weighted means of dy and dy * x_hat.
-                a_c = (total / (share * size)).to(device=device, dtype=stats_dtype)
-                gain = torch.rsqrt(var + call.eps)
+                gain = stats.invstd.to(device)
                 if weight is not None:
                     gain = gain * weight
-                scale_shift = a_c.mul_(gain).neg_()
-                grad_x = F.batch_norm(x, mean, var, scale_shift[1], scale_shift[0], False, 0.0, call.eps)
-                grad_x.addcmul_(dy, gain.reshape(1, -1, *([1] * (x.dim() - 2))))
+                shift, scale = gain * contribution.coefficients.to(device)  # -(w/sigma * a), -(w/sigma * c)
+                grad_x = torch.native_batch_norm(x, scale, shift, mean, var, False, 0.0, call.eps)[0]
+                grad_x.addcmul_(dy, gain.view(1, -1, *([1] * (x.dim() - 2))))
         return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+@dataclass
+class BackwardShare:
+    """One replica's contribution to a backward meeting, and what the meeting hands back to it."""
+
+    share: float  # its combination weight
+    sum_dy: torch.Tensor
+    sum_dy_xhat: torch.Tensor
+    coefficients: Any = None  # set by the meeting: -(a, c) over this replica's share, shape (2, channels)
+
+
+def _combine_backward(
+    present: list[BackwardShare],
+    channels: int,
+    size: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    what: str,
+    step: int,
+    sync: StatisticsMeeting,
+) -> None:
+    """[sum dy, sum dy * x_hat] weighted by each replica's share of the global batch, in float64 and replica order,
+    summed across workers; then each present replica's -(a, c) in the statistics' dtype, in one batch of
+    operations for all of them."""
+    total = torch.zeros(1, 2 * channels, dtype=torch.float64, device=device)
+    if present:
+        sums = [t.to(device) for c in present for t in (c.sum_dy, c.sum_dy_xhat)]
+        stacked = torch.stack(sums).to(torch.float64).view(len(present), 2 * channels)
+        shares = torch.tensor([[c.share for c in present]], dtype=torch.float64, device=device)
+        torch.mm(shares, stacked, out=total)
+    sync.sum_across_workers(total.view(-1), what, step)
+    if present:
+        # Divided by the global count and by each replica's own share (its gradient is later multiplied by it).
+        coefficients = (total.view(1, 2, channels) / shares.view(-1, 1, 1).mul(-size)).to(dtype)
+        for c, row in zip(present, coefficients.unbind(0)):
+            c.coefficients = row
 
 
 def refuse_zero_weight(call: Call, x: torch.Tensor) -> None:
