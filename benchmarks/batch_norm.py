@@ -430,7 +430,8 @@ def _rank(rank: int, model_name: str, mode: str, port: int, blocks: int, steps: 
                 "meetings": strategy.explain().details.get("BatchNorm meetings", ""),
             }
         )
-    del ddp, sides
+    sides.clear()
+    ddp = None  # DDP (and its reducer) gone before the group closes
     strategy.close()
 
 
