@@ -175,19 +175,27 @@ class SharedMemoryGroup:
         source = tensor.detach().reshape(-1).view(torch.uint8)
         out = output.detach().view(-1).view(torch.uint8).view(self.world_size, source.numel())
         slots = self._bytes[self._slots : self._results].view(self.world_size, self.capacity)
+        # FSDP2 copies a rank's shards into its own block of the output first (`all_gather_copy_in`): then that
+        # block is already in place, and only the other ranks' blocks are copied out.
+        others = [q for q in range(self.world_size) if q != self.rank or out[q].data_ptr() != source.data_ptr()]
         for start in range(0, max(source.numel(), 1), self.capacity):
             n = min(self.capacity, source.numel() - start)
             self._seq += 1
             slots[self.rank, :n].copy_(source[start : start + n])
             self._publish(_ARRIVED, self._seq)
             self._wait_all(_ARRIVED, self._seq, what, step)
-            out[:, start : start + n].copy_(slots[:, :n])
+            for q in others:
+                out[q, start : start + n].copy_(slots[q, :n])
             self._publish(_SUMMED, self._seq)  # read: the slots may be written again
             self._wait_all(_SUMMED, self._seq, what, step)
 
-    def reduce_scatter_(self, output: torch.Tensor, tensor: torch.Tensor, *, what: str, step: int) -> None:
+    def reduce_scatter_(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, what: str, step: int, scale: float = 1.0
+    ) -> None:
         """Sets ``output`` to this rank's block of the sum of every rank's ``tensor`` (``world_size`` blocks of
-        ``output.numel()`` elements), summed in rank order as ``all_reduce_`` sums, with the same dtypes.
+        ``output.numel()`` elements), summed in rank order as ``all_reduce_`` sums, with the same dtypes; with
+        ``scale``, of every rank's ``tensor * scale`` (multiplied on the way into the slot: one pass, the same bits
+        as ``tensor.mul_(scale)`` first).
 
         FSDP2's reduce-scatter of a unit's gradients: each chunk holds the same stretch of every block, so a rank
         sums only its own block's stretch, straight from the slots into ``output``; no result area, no copy back.
@@ -201,7 +209,11 @@ class SharedMemoryGroup:
         for start in range(0, max(size, 1), per_chunk):
             n = min(per_chunk, size - start)
             self._seq += 1
-            slots[self.rank][: self.world_size * n].view(self.world_size, n).copy_(blocks[:, start : start + n])
+            mine_in = slots[self.rank][: self.world_size * n].view(self.world_size, n)
+            if scale == 1.0:
+                mine_in.copy_(blocks[:, start : start + n])
+            else:
+                torch.mul(blocks[:, start : start + n], scale, out=mine_in)
             self._publish(_ARRIVED, self._seq)
             self._wait_all(_ARRIVED, self._seq, what, step)
             mine = [slot[self.rank * n : (self.rank + 1) * n] for slot in slots]
