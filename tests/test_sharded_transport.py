@@ -75,3 +75,15 @@ def test_shared_memory_true_is_refused_where_the_workers_cannot_share_memory_and
     off = _CrossWorker("turned off (shared_memory=False)", False)
     assert connect_transport(_Group("gloo", off), torch.device("cpu"), False).reason == off.answer[0]
     assert off.wanted == [False]
+
+
+def test_shared_memory_true_with_one_worker_is_refused_and_frees_the_process_group():
+    import torch.distributed as dist
+
+    import stratagem as sg
+
+    with pytest.raises(
+        sg.InputError, match=r"shared_memory=True, but the workers cannot share memory. Received: one worker"
+    ):
+        sg.ShardedStrategy(shared_memory=True, timeout=30)
+    assert not dist.is_initialized()

@@ -97,6 +97,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     # Parts, in the order they are applied (torchtitan's parallelize_llama order: cut, shard, then the rest):
     #   group      cluster.worker_group: the plan checked, then the process group and its DeviceMesh
+    #   transport  transport.connect_transport: one host's shared memory for the units' collectives, else the group
     #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
     #   batch norm data_parallel.batch_norm: BatchNorm layers converted to global statistics, summed across workers
     #   units      units.cut_model: each block a unit by default, or the user's policy; the root last
@@ -131,7 +132,11 @@ class ShardedStrategy(Strategy, LossWeightHost):
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
-        self._transport = connect_transport(self._group, self._device, shared_memory)
+        try:  # the collectives' path: this host's shared memory, else the process group (transport.py)
+            self._transport = connect_transport(self._group, self._device, shared_memory)
+        except BaseException:
+            self._group.close(release=False)  # refused (shared_memory=True where it cannot be): nothing left open
+            raise
         self._agreement = StepAgreement(self._group, enabled=check_batches)
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
