@@ -13,6 +13,8 @@ from torch import nn
 SIZES = [7, 6, 5]
 LR = 0.3
 WAYS = ("data_add", "no_grad_sub", "foreach")
+IN_PLACE_WAYS = ("no_grad_sub", "add_", "foreach")
+"""The ways that change the parameter objects themselves (not through `p.data`)."""
 
 
 def make_model() -> nn.Module:
@@ -37,6 +39,10 @@ def update(model: nn.Module, way: str) -> None:
         with torch.no_grad():
             for p in params:
                 p -= LR * p.grad
+    elif way == "add_":
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad, alpha=-LR)
     else:
         with torch.no_grad():
             torch._foreach_add_(params, [p.grad for p in params], alpha=-LR)

@@ -493,6 +493,7 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("diagnose/placement.py", "_local_scalar_dense"): "torch operators",
     ("diagnose/soft_placement.py", "_schema"): "torch operators",
     ("strategies/data_parallel/replica_random.py", "_schema"): "torch operators",
+    ("strategies/data_parallel/hand_updates.py", "_schema"): "torch operators",
     # The sub-command each cli module sets with argparse's set_defaults(_run=...), read by the entry point.
     ("cli/main.py", "_run"): "argparse namespace",
 }

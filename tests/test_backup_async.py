@@ -101,3 +101,24 @@ def test_a_backup_of_another_data_seed_is_refused_with_both_seeds_unless_allowed
     )
     assert "allow_new_data_seed=True" in str(refused.value)
     assert run(SHUFFLE_SEED + 1, allow_new_data_seed=True).restored_from == {"epoch": 1, "step": 6}
+
+
+def test_a_snapshot_copies_every_byte_of_large_tensors_and_of_views_into_the_buffers_before():
+    # 40 MiB: three pieces of the threaded byte copy; a transposed view, a conjugate view and bfloat16 besides.
+    big = torch.randn(10 * 2**20)
+    complex_values = torch.randn(6, dtype=torch.complex64)
+    live = {
+        "big": big,
+        "t": torch.randn(5, 7).t(),
+        "conj": complex_values.conj(),
+        "bf16": torch.randn(33).bfloat16(),
+        "p": torch.nn.Parameter(torch.randn(4)),
+    }
+    first = snapshot(live)
+    for value in (big, live["t"], live["bf16"], live["p"].data):
+        value.mul_(-2).add_(1)
+    second = snapshot(live, first)
+    assert second["big"] is first["big"] and second["t"] is first["t"] and second["conj"] is first["conj"]
+    for key, value in live.items():
+        assert torch.equal(second[key], value.detach().resolve_conj()), key
+    assert torch.equal(second["conj"], complex_values.conj().resolve_conj())

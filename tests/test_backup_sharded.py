@@ -29,8 +29,9 @@ SAVES = {"one_device": 1, "mirrored": 1, "multi_worker": 2, "sharded": 2}
 RESUMES = [("one_device", 1), ("multi_worker", 3), ("sharded", 3), ("sharded", 1)]
 
 
-def run(kind: str, workers: int, backup: Path, out: Path, log: Path, **settings: object) -> str:
-    """Runs the worker (under the launcher for a multi-process strategy); returns its output, failing on an error."""
+def run(kind: str, workers: int, backup: Path, out: Path, log: Path, check: bool = True, **settings: object) -> str:
+    """Runs the worker (under the launcher for a multi-process strategy); returns its output, failing on an error
+    (unless `check` is False)."""
     env = dict(environ.current())
     env.update({"RM_STRATEGY": kind, "RM_BACKUP": str(backup), "RM_OUT": str(out), "RM_LOG": str(log)})
     env.update({k: str(v) for k, v in settings.items()})
@@ -49,7 +50,7 @@ def run(kind: str, workers: int, backup: Path, out: Path, log: Path, **settings:
         grace_period=2,
         sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
     )
-    assert result.exit_code == 0, result.explain() + "\n" + "\n".join(lines[-40:])
+    assert (result.exit_code == 0) == check, result.explain() + "\n" + "\n".join(lines[-40:])
     return "\n".join(lines)
 
 
@@ -147,3 +148,37 @@ def test_in_float32_a_sharded_backup_of_two_workers_resumes_at_three_within_1e_6
     expected = reference(torch.float32)
     worst = max(float((result["state"][name] - value).abs().max()) for name, value in expected.items())
     assert worst <= 1e-6, worst
+
+
+@pytest.mark.timeout(300)
+def test_an_asynchronous_sharded_backup_resumes_like_an_uninterrupted_run(tmp_path, expected):
+    run("sharded", 2, tmp_path / "backup", tmp_path / "first.pt", tmp_path / "log", RM_STOP_AFTER=7, RM_ASYNC=1)
+    # Waited for at the end of training: the backup of step 6 is in place, whole, and the one of step 3 kept.
+    assert json.loads((tmp_path / "backup" / "backup.dcp" / "manifest.json").read_text())["step"] == 6
+    assert json.loads((tmp_path / "backup" / "backup.previous.dcp" / "manifest.json").read_text())["step"] == 3
+    run("sharded", 2, tmp_path / "backup", tmp_path / "out.pt", tmp_path / "log2", RM_ASYNC=1)
+    result = torch.load(tmp_path / "out.pt")
+    assert result["restored_from"] == {"epoch": 1, "step": 6}
+    worst = max(float((result["state"][name] - value).abs().max()) for name, value in expected.items())
+    assert worst <= 1e-9, worst
+
+
+@pytest.mark.timeout(300)
+def test_a_chief_killed_during_the_background_write_leaves_the_backup_before_for_the_resume(tmp_path, expected):
+    output = run(
+        "sharded", 2, tmp_path / "backup", tmp_path / "first.pt", tmp_path / "log", check=False,
+        RM_STOP_AFTER=7, RM_ASYNC=1, RM_KILL_AT=6,
+    )  # fmt: skip
+    assert "killed while writing the backup of step 6" in output
+    # Training went on while the backup of step 6 was written: the chief trained step 7 before it was killed.
+    chief_steps = [json.loads(line)["step"] for p in (tmp_path / "log").glob("*rank0.jsonl") for line in p.open()]
+    assert chief_steps == [1, 2, 3, 4, 5, 6, 7], chief_steps
+    left = sorted(p.name for p in (tmp_path / "backup").iterdir() if p.name.startswith(".stratagem-partial"))
+    assert len(left) == 1 and (tmp_path / "backup" / left[0] / "state.pt").is_file()  # all but the manifest
+    assert json.loads((tmp_path / "backup" / "backup.dcp" / "manifest.json").read_text())["step"] == 3
+    run("sharded", 2, tmp_path / "backup", tmp_path / "out.pt", tmp_path / "log2", RM_ASYNC=1)
+    result = torch.load(tmp_path / "out.pt")
+    assert result["restored_from"] == {"epoch": 0, "step": 3}
+    worst = max(float((result["state"][name] - value).abs().max()) for name, value in expected.items())
+    assert worst <= 1e-9, worst
+    assert not any(p.name.startswith(".stratagem-partial") for p in (tmp_path / "backup").iterdir())

@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import free_port, run_ranks
+from workers.close_and_again import can_listen
 
 from stratagem.cluster import Cluster, init_process_group, parse_tf_config, single_process
+from stratagem.cluster.rendezvous import join_process_group
 from stratagem.errors import ClusterError, CollectiveTimeoutError, RendezvousError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
@@ -233,3 +235,44 @@ def test_the_rendezvous_warns_at_a_quarter_of_the_timeout_naming_who_has_not_arr
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         f"worker:1 (rank 1) has waited 0 s of 2 s for the chief (rank 0, worker:0) at 127.0.0.1:{port}; not reached yet"
     ]
+
+
+def test_the_chief_serves_its_store_apart_from_the_client_its_process_group_holds():
+    # FSDP2's module state keeps the process group after close(): it must not keep the chief's port.
+    met = join_process_group(single_process(), "gloo", timeout=10)  # port 0: the server picks one
+    kept = dist.group.WORLD
+    try:
+        assert isinstance(met.server, dist.TCPStore) and met.store is not met.server
+        met.store.set("written by", "the client")
+        assert met.server.get("written by") == b"the client"  # one store, two ends
+        tensor = torch.tensor([2.0])
+        dist.all_reduce(tensor)
+        assert tensor.item() == 2.0
+    finally:
+        dist.destroy_process_group()
+    port = met.server.port
+    assert not can_listen("127.0.0.1", port)
+    del met
+    assert kept is not None and can_listen("127.0.0.1", port)
+
+
+def test_init_process_group_hands_back_the_chiefs_server_itself():
+    store = init_process_group(single_process(), "gloo", timeout=10)
+    try:
+        assert isinstance(store, dist.TCPStore) and not can_listen("127.0.0.1", store.port)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_chief_meeting_again_while_it_still_holds_its_store_is_told_so():
+    port = free_port()
+    cluster = parse_tf_config({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}})
+    store = init_process_group(cluster, "gloo", timeout=10)  # kept, as an unclosed strategy keeps it
+    dist.destroy_process_group()
+    with pytest.raises(
+        ClusterError,
+        match=rf"Task worker:0 \(rank 0, address 127\.0\.0\.1:{port}\) of the job meeting at 127\.0\.0\.1:{port} is "
+        r"still held by this very process: .* Close the earlier strategy \(strategy\.close\(\)\)",
+    ):
+        init_process_group(cluster, "gloo", timeout=5)
+    del store

@@ -92,7 +92,7 @@ def test_the_gpu_is_set_before_the_nccl_group_forms_and_given_as_device_id(monke
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(
         worker_group,
-        "init_process_group",
+        "join_process_group",
         lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(
             ("init", backend, device_id)
         ),
@@ -107,7 +107,7 @@ def test_cpu_replicas_leave_the_cuda_device_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(
         worker_group,
-        "init_process_group",
+        "join_process_group",
         lambda cluster, backend, timeout, *, token, device_id, agent_store=None, group_timeout=None: calls.append(
             ("init", backend, device_id)
         ),
@@ -122,7 +122,7 @@ def test_the_nccl_group_waits_longer_than_stratagem_so_the_named_error_comes_fir
     seen = {}
     monkeypatch.setattr(
         worker_group,
-        "init_process_group",
+        "join_process_group",
         lambda cluster, backend, timeout, **options: seen.update(timeout=timeout, **options),
     )
     start_process_group(single_process(), [torch.device("cpu")], backend, 60.0, token=None)

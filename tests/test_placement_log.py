@@ -81,7 +81,10 @@ def test_mirrored_replica_threads_are_logged_and_nothing_is_entered_without_a_lo
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
     try:
         train = _trainer(strategy)
-        # No log: no dispatch mode on any replica thread (the unlogged path pays nothing).
+        # The first step runs under the check that refuses a hand-written update of the shared parameters before
+        # it runs (strategies/data_parallel/hand_updates.py); no log: no other dispatch mode.
+        assert sorted(train([8])) == [("MainThread", 1), ("stratagem-replica-1", 1)]
+        # From the second step, no dispatch mode on any replica thread (the unlogged path pays nothing).
         assert sorted(train([8])) == [("MainThread", 0), ("stratagem-replica-1", 0)]
         assert capture_placement() is None
         with sg.log_placement() as log:

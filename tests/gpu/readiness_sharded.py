@@ -31,8 +31,6 @@ CAP_BYTES = 4 * 2**30
 
 
 def sharded(ctx: Any) -> dict[str, Any]:
-    # A pair of processes per case: a closed ShardedStrategy keeps its rendezvous store (see its close()), so a
-    # second one in the same processes could not meet at the same address.
     gpu = not ctx.dry_run
     return {name: ctx.case(name, lambda name=name: _launch(name, gpu)) for name in ("speed", "capacity")}
 

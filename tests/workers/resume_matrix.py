@@ -9,13 +9,18 @@ RM_OUT          where the chief saves the final parameters (whole tensors) and w
 RM_STOP_AFTER   stop training after that step (the backups written before it stay)
 RM_LOG          a directory: each rank writes the example indices of each step it trained on
 RM_DTYPE        float64 (default) or float32
+RM_ASYNC        1: BackupAndRestore(async_save=True)
+RM_KILL_AT      a step: the chief's writer thread of that step's sharded backup waits until the chief logged the
+                step after it (training went on), then kills its process (SIGKILL) before writing the manifest
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,6 +82,28 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else tensor).detach().clone()
 
 
+def kill_before_manifest(step: int, log_path: str) -> None:
+    """The chief's writer thread, about to write the manifest of `step`'s sharded backup (every rank's shards and
+    the state are on disk), waits until this process logged step `step + 1`, then kills the process."""
+    from stratagem.train import sharded_backup
+
+    write_manifest = sharded_backup.write_manifest
+
+    def killing(directory, manifest):
+        if manifest["step"] == step:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with open(log_path) as f:
+                    if any(json.loads(line)["step"] == step + 1 for line in f):
+                        break
+                time.sleep(0.05)
+            print(f"killed while writing the backup of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_manifest(directory, manifest)
+
+    sharded_backup.write_manifest = killing
+
+
 def main() -> int:
     torch.set_num_threads(1)
     env = os.environ
@@ -94,8 +121,12 @@ def main() -> int:
         strategy = sg.ShardedStrategy(timeout=60)
     rank = strategy.input_pipeline()[1]
     model, optimizer = build_model(dtype)
-    backup = sg.callbacks.BackupAndRestore(env["RM_BACKUP"], save_freq=SAVE_FREQ, delete_checkpoint=False)
+    backup = sg.callbacks.BackupAndRestore(
+        env["RM_BACKUP"], save_freq=SAVE_FREQ, delete_checkpoint=False, async_save=env.get("RM_ASYNC") == "1"
+    )
     log = IndexLog(os.path.join(env["RM_LOG"], f"{kind}-{os.getpid()}-rank{rank}.jsonl"))
+    if env.get("RM_KILL_AT") and rank == 0:
+        kill_before_manifest(int(env["RM_KILL_AT"]), log.path)
     callbacks = [backup, log]
     if env.get("RM_STOP_AFTER"):
         callbacks.append(StopAfter(int(env["RM_STOP_AFTER"])))

@@ -15,6 +15,10 @@ The meeting (connecting to the store, claiming, arriving, waiting for the others
 a helper thread that the caller waits for at most the timeout: torch's TCPStore can wait far
 longer inside (its handshake with a port that accepts but never answers waits until the peer
 closes), and the user's timeout is the promise.
+
+The chief serves the store and, for a worker group (`join_process_group`), joins it as a client like
+every other rank: the process group holds only clients, so the port closes when the group's owner drops
+the server, even while torch's modules (FSDP2, DTensor) keep the process group alive.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -64,7 +69,26 @@ def _token_digest(token: str | None) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:16] if token else "-"
 
 
-def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str | None = None) -> dist.Store:
+@dataclass(frozen=True, eq=False)
+class Rendezvous:
+    """What a rank takes away from the meeting (`join_process_group`).
+
+    ``store`` is what every rank reads and writes, and what the process group holds: on every rank, the
+    chief's included, a client of the chief's store. ``server`` is, on the chief, the store that listens at
+    the cluster's address (None on the other ranks and under torchrun's agent, whose store it is).
+
+    They are apart because torch's modules keep the process group, and with it its store, alive as long as
+    they live (FSDP2's module state, a DTensor's mesh): a server in the group's hands would hold the chief's
+    port until the user's model is gone. Dropping ``server`` closes the port however long the group lives.
+    """
+
+    store: dist.Store
+    server: dist.TCPStore | None = None
+
+
+def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str | None, apart: bool) -> Rendezvous:
+    """Connects to the chief's store (the chief serves it first); ``apart``: the chief then joins its own store
+    as a client, like every other rank (see `Rendezvous`)."""
     where = f"{cluster.master_addr}:{cluster.master_port}"
     try:
         if agent_store is not None:
@@ -74,8 +98,8 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str |
             client = dist.TCPStore(
                 cluster.master_addr, cluster.master_port, cluster.world_size, is_master=False, timeout=timeout
             )
-            return dist.PrefixStore(agent_store, client)
-        return dist.TCPStore(
+            return Rendezvous(dist.PrefixStore(agent_store, client))
+        store = dist.TCPStore(
             cluster.master_addr,
             cluster.master_port,
             cluster.world_size,
@@ -94,6 +118,18 @@ def _connect(cluster: Cluster, rank: int, timeout: timedelta, agent_store: str |
                 "Choose a free port for the chief (another process may hold this one)."
             ) from exc
         raise _unreachable(cluster, rank, timeout) from exc
+    if rank != 0 or not apart:
+        return Rendezvous(store, store if rank == 0 else None)
+    try:
+        # The server's own port: a cluster of one process may give port 0 (any free port).
+        client = dist.TCPStore(cluster.master_addr, store.port, is_master=False, timeout=timeout)
+    except dist.DistNetworkError as exc:
+        raise ClusterError(
+            f"The chief ({cluster.task_name}) listens at {where} but cannot connect to its own store there: "
+            f"{str(exc).splitlines()[0]} Received: master_addr={cluster.master_addr!r}. Give the chief an "
+            "address that reaches this machine from itself too (its host name or IP address)."
+        ) from exc
+    return Rendezvous(client, store)
 
 
 def _claim(store: dist.Store, cluster: Cluster, rank: int) -> None:
@@ -144,6 +180,13 @@ def _duplicate(cluster: Cluster, rank: int, holder: str) -> ClusterError:
     where = f"{cluster.master_addr}:{cluster.master_port}"
     listed = cluster.addresses.get(cluster.task_type, ())
     address = f", address {listed[cluster.task_index]}" if cluster.task_index < len(listed) else ""
+    if holder == _claimant(os.getpid()):
+        return ClusterError(
+            f"Task {cluster.task_name} (rank {rank}{address}) of the job meeting at {where} is still held by this "
+            "very process: an earlier rendezvous here kept the chief's store. Received: a second claim of "
+            f"{cluster.task_name} from the same process. Close the earlier strategy (strategy.close()) before "
+            "building another at this address, or give the new one another address."
+        )
     return ClusterError(
         f"Task {cluster.task_name} (rank {rank}{address}) of the job meeting at {where} is already held by "
         "another process "
@@ -337,6 +380,33 @@ def init_process_group(
             >>> store = init_process_group(cluster, "gloo", timeout=60)   # doctest: +SKIP
             >>> torch.distributed.all_reduce(torch.ones(1))               # doctest: +SKIP
     """
+    return join_process_group(
+        cluster,
+        backend,
+        timeout,
+        token=token,
+        device_id=device_id,
+        agent_store=agent_store,
+        group_timeout=group_timeout,
+        apart=False,
+    ).store
+
+
+def join_process_group(
+    cluster: Cluster,
+    backend: str = "gloo",
+    timeout: float | timedelta = 300.0,
+    *,
+    token: str | None = None,
+    device_id: torch.device | None = None,
+    agent_store: str | None = None,
+    group_timeout: float | timedelta | None = None,
+    apart: bool = True,
+) -> Rendezvous:
+    """As `init_process_group`, but returns the chief's server apart from the store the process group holds
+    (``apart``, see `Rendezvous`): the caller owns the server and frees the port by dropping it, while torch's
+    modules may keep the group. With ``apart=False`` the chief's server is that store, as
+    `init_process_group` hands it back."""
     rank = cluster.rank
     if rank is None:
         raise ClusterError(
@@ -360,8 +430,9 @@ def init_process_group(
     start = time.monotonic()
     deadline = start + wait.total_seconds()
 
-    def steps(meeting: _Meeting) -> dist.Store:
-        store = _connect(cluster, rank, wait, agent_store)
+    def steps(meeting: _Meeting) -> Rendezvous:
+        met = _connect(cluster, rank, wait, agent_store, apart)
+        store = met.store
         meeting.phase = "claiming its task"
         try:
             _claim(store, cluster, rank)
@@ -382,16 +453,16 @@ def init_process_group(
         _wait_for_all(store, cluster, rank, wait, deadline, start + wait.total_seconds() * STALL_FRACTION)
         meeting.phase = "checking the cluster tokens"
         _check_tokens(store, cluster, rank, timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        return store
+        return met
 
-    store = _bounded_meeting(cluster, rank, wait, steps, start)
+    met: Rendezvous = _bounded_meeting(cluster, rank, wait, steps, start)
     import_group_defaults()
     options: dict[str, Any] = {} if device_id is None else {"device_id": device_id}
     group_wait = wait if group_timeout is None else _as_timedelta(group_timeout, "group_timeout")
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=cluster.world_size, timeout=group_wait, **options
+        backend, store=met.store, rank=rank, world_size=cluster.world_size, timeout=group_wait, **options
     )
-    return store
+    return met
 
 
 _agent_meetings = itertools.count()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from stratagem import environ
 from stratagem.cluster.release import release_store
-from stratagem.cluster.rendezvous import agent_store_prefix, init_process_group
+from stratagem.cluster.rendezvous import Rendezvous, agent_store_prefix, join_process_group
 from stratagem.cluster.resolve import resolve_cluster
 from stratagem.cluster.spec import Cluster
 from stratagem.collective.cross_worker import ROLL_CALL_SECONDS, CrossWorker
@@ -144,8 +144,9 @@ def start_process_group(
     *,
     token: str | None,
     agent_store: str | None = None,
-) -> Any:
-    """Binds this process to its first GPU, then forms the process group with that device; returns the store.
+) -> Rendezvous:
+    """Binds this process to its first GPU, then forms the process group with that device; returns the store
+    and, on the chief, its server apart (`Rendezvous`).
 
     The current CUDA device must be set before the process group exists: NCCL's communicator and the
     object collectives (all_gather_object) use `torch.cuda.current_device()`, which is cuda:0 in every
@@ -160,7 +161,7 @@ def start_process_group(
         torch.cuda.set_device(index)
         if backend == "nccl":
             device_id = torch.device("cuda", index)
-    return init_process_group(
+    return join_process_group(
         cluster,
         backend,
         timeout,
@@ -199,7 +200,7 @@ class WorkerGroup:
         *,
         backend: str,
         backend_reason: str,
-        store: Any,
+        rendezvous: Rendezvous,
         store_owned: bool,
         cross_worker: CrossWorker,
     ) -> None:
@@ -209,7 +210,10 @@ class WorkerGroup:
         self.backend = backend
         self.cross_worker = cross_worker
         self._backend_reason = backend_reason
-        self._store = store
+        self._store: Any = rendezvous.store
+        # The chief's listening store, held here only: the process group (which FSDP2 and DTensor keep alive)
+        # holds a client, so close() frees the port by dropping this.
+        self._server = rendezvous.server
         # torchrun's agent owns its store, so nobody's leaving can free it: close() must not wait for that.
         self._store_owned = store_owned
         self._mesh: DeviceMesh | None = None
@@ -231,11 +235,11 @@ class WorkerGroup:
             # Gloo otherwise binds the address the host name resolves to; a local cluster stays on loopback.
             environ.set_default("GLOO_SOCKET_IFNAME", "lo")
         agent_store = agent_store_prefix(cluster, env)
-        store = start_process_group(
+        met = start_process_group(
             cluster, devices, backend, plan.timeout, token=env.get("STRATAGEM_CLUSTER_TOKEN"), agent_store=agent_store
         )
         cross_worker = CrossWorker(
-            store,
+            met.store,
             rank=plan.rank,
             task_names=plan.task_names,
             timeout=plan.timeout,
@@ -246,7 +250,7 @@ class WorkerGroup:
             devices,
             backend=backend,
             backend_reason=why,
-            store=store,
+            rendezvous=met,
             store_owned=agent_store is None,
             cross_worker=cross_worker,
         )
@@ -356,12 +360,14 @@ class WorkerGroup:
             dist.destroy_process_group()
         store, self._store, cw.store = self._store, None, None
         # Closing while an exception propagates (a `finally:` after a worker died): the others may never say
-        # they are done, so the handshake would only hold this one up for `timeout`; the store just goes.
+        # they are done, so the handshake would only hold this one up for `timeout`; the server just goes.
         if release and store is not None and sys.exc_info()[0] is None:
             release_store(
                 store, rank=self.rank, task_names=self.task_names, timeout=self.timeout, owned=self._store_owned
             )
-        del store  # the chief's store stops listening with its last reference
+        # The chief's server stops listening with its last reference, this one: the process group, which torch's
+        # modules may keep, holds only a client, which never writes again.
+        self._server = None
 
     @property
     def closed(self) -> bool:

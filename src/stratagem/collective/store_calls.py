@@ -74,8 +74,8 @@ class StoreCalls:
                 self._queue.put(_STOP)
         if thread is not None:
             thread.join(timeout=1.0)
-        # The chief's store stops listening with its last reference: a strategy built again at the same
-        # address after close() must find the port free.
+        # A client of the chief's store, whose connection ends with its last reference (the listening store
+        # belongs to the worker group, which frees the port at close()).
         self.store = None
 
     def _error(self, what: str, received: str, seconds: float) -> CollectiveTimeoutError:

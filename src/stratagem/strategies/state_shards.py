@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +37,18 @@ class StateShards(Protocol):
     def save(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ShardFile]:
         """Every rank writes its shards of the model and optimizer tensors into `directory` (a collective:
         every rank calls it with the same directory); returns the files every rank wrote, on every rank."""
+        ...
+
+    def save_async(
+        self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> Callable[[], list[ShardFile]]:
+        """Copies this rank's shards (on the calling thread, at the step boundary; a collective: every rank calls
+        it after the same step) and returns the write: a function, for one writer thread per rank, that writes
+        the copy into `directory` and returns what `save` returns. The next call comes after that write ended."""
+        ...
+
+    def close(self) -> None:
+        """Frees the buffers `save_async` kept, once no write runs (`BackupAndRestore` calls it when training ends)."""
         ...
 
     def load(

@@ -33,7 +33,13 @@ from stratagem.train.checkpoint import (
 )
 from stratagem.train.preemption import StopSignals
 from stratagem.train.progress_bar import ProgressBar, format_epoch_line
-from stratagem.train.sharded_backup import read_backup, remove_stale_directories, save_sharded, weights_loader
+from stratagem.train.sharded_backup import (
+    read_backup,
+    remove_stale_directories,
+    save_sharded,
+    save_sharded_async,
+    weights_loader,
+)
 from stratagem.train.callback import Callback
 
 # The callbacks that live in modules of their own, here too so that sg.callbacks lists every callback.
@@ -81,8 +87,9 @@ class BackupAndRestore(Callback):
     Under a strategy whose state is sharded (`ShardedStrategy`), every rank writes its own shards into
     ``backup.dcp/`` with a manifest of sha256 digests written last (`stratagem.train.sharded_backup`); a
     backup of either form resumes under any strategy and number of workers. ``async_save=True``: the
-    chief copies the state at the step boundary and writes a single-file backup on a thread
-    (`stratagem.train.backup_writer`), keeping one more copy of the state in memory.
+    state is copied at the step boundary and written on a thread while training goes on, keeping one
+    more copy of it in memory: by the chief, a single-file backup (`stratagem.train.backup_writer`);
+    under a sharded strategy, each rank its own shards (`stratagem.train.sharded_backup`).
 
     Example:
         >>> backup = sg.callbacks.BackupAndRestore("/shared/run1/backup", save_freq="epoch")
@@ -135,7 +142,7 @@ class BackupAndRestore(Callback):
         self._copy: Any = None
         self.allow_new_data_seed = allow_new_data_seed
         """Resume a backup taken with another data seed (with the backup's seed) instead of refusing it."""
-        """async_save: the chief writes each single-file backup on a thread from a copy taken at the step boundary."""
+        """async_save: each backup is written on a thread from a copy taken at the step boundary."""
         self.stop_signals = StopSignals(float(grace_period)) if stop_on_signals else None
         """While training, SIGTERM and SIGINT stop at the next step boundary with a backup (None: left alone)."""
         self.claim: DirectoryClaim | None = None
@@ -174,12 +181,6 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, context: TrainingContext) -> None:
         self._shards = context.strategy.state_shards()
-        if self._shards is not None and self._writes is not None:
-            logger.warning(
-                "async_save=True writes single-file backups on a thread; under %s every rank writes its shards "
-                "synchronously at each save.",
-                type(context.strategy).__name__,
-            )
         self._damaged_sharded = False
         self._saved_step = None
         if context.is_chief:
@@ -304,9 +305,11 @@ class BackupAndRestore(Callback):
             self.stop_signals.uninstall()
         if self._writes is not None:
             try:
-                self._writes.wait()  # no write may outlive the claim
+                self._writes.wait()  # no write may outlive the claim, nor the buffers it reads
             except Exception as error:  # noqa: BLE001 - training already failed or ended; this one is logged
                 logger.warning("The last background backup write failed: %s", error)
+            if self._shards is not None and self._writes.idle:
+                self._shards.close()
         if self.claim is not None:
             self.claim.release()
             self.claim = None
@@ -355,16 +358,20 @@ class BackupAndRestore(Callback):
             os.replace(self.sharded_path, corrupt)
             logger.warning("The damaged sharded backup was moved to %s; delete it once inspected.", corrupt)
         self._damaged_sharded = False
-        save_sharded(
-            self.sharded_path,
-            shards,
-            context.model,
-            context.optimizer,
-            context.state_dict(weights=False) if context.is_chief else {},
-            step=context.step,
-            is_chief=context.is_chief,
-            previous=self.sharded_previous_path if self.keep_previous else None,
-        )
+        where: dict[str, Any] = {
+            "step": context.step,
+            "is_chief": context.is_chief,
+            "previous": self.sharded_previous_path if self.keep_previous else None,
+        }
+        if self._writes is None:
+            state = context.state_dict(weights=False) if context.is_chief else {}
+            save_sharded(self.sharded_path, shards, context.model, context.optimizer, state, **where)
+        else:
+            self._writes.wait()  # the stager's buffers are free again (and the write's error raised here)
+            # The step boundary's values: the chief's state copied (containers too), the shards by save_async.
+            state = snapshot(context.state_dict(weights=False)) if context.is_chief else {}
+            write = save_sharded_async(self.sharded_path, shards, context.model, context.optimizer, state, **where)
+            self._writes.start(write, str(self.sharded_path))
         self._saved_step = context.step
 
     def save_on_stop(self, context: TrainingContext) -> None:

@@ -15,7 +15,10 @@ Every rank writes into ``.stratagem-partial.backup.dcp.<step, 16 hex digits>.tmp
 digests are in, the chief writes ``state.pt``, then the manifest (a temporary renamed over it), then
 renames the newest directory to ``backup.previous.dcp`` and the new one to ``backup.dcp``. A directory
 without its manifest is never renamed into place, so a crash during any write leaves the backups before
-it as they were. Before the first step every file is read and compared with its digest: a flipped byte
+it as they were. With ``async_save=True`` (`save_sharded_async`) training waits only while every rank copies
+its shards; each rank's writer thread writes them, the ranks' writer threads agree on the digests on a process
+group of their own, and the chief's writes the state and the manifest, then renames, all while training goes on.
+Before the first step every file is read and compared with its digest: a flipped byte
 in a shard, the metadata or the state is refused, naming the file and the rank that wrote it, and the
 previous backup is used.
 
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from stratagem.strategies.state_shards import StateShards
+    from stratagem.strategies.state_shards import ShardFile, StateShards
     from stratagem.train.fit_state import TrainingContext
 
 FORMAT = "stratagem-sharded-checkpoint"
@@ -80,7 +83,33 @@ def save_sharded(
     ``param_groups``); `previous`: where the checkpoint `final` held is kept (None: it is removed).
     """
     partial = partial_directory(final, step)
-    files = shards.save(partial, model, optimizer)
+    finish_sharded(partial, final, shards.save(partial, model, optimizer), state, is_chief=is_chief, previous=previous)
+
+
+def save_sharded_async(
+    final: Path,
+    shards: StateShards,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    *,
+    step: int,
+    is_chief: bool,
+    previous: Path | None,
+) -> Callable[[], None]:
+    """`save_sharded` in two parts: this rank's shards copied now (every rank after the same step), and the
+    function that does the rest (for a writer thread): the write, the digests every rank learns, and on the chief
+    `state` (which must not change meanwhile: a copy), the manifest and the renames, once every rank's files are in."""
+    partial = partial_directory(final, step)
+    write = shards.save_async(partial, model, optimizer)
+    return lambda: finish_sharded(partial, final, write(), state, is_chief=is_chief, previous=previous)
+
+
+def finish_sharded(
+    partial: Path, final: Path, files: list[ShardFile], state: dict[str, Any], *, is_chief: bool, previous: Path | None
+) -> None:
+    """After every rank's shards are in `partial` (`files`): the chief writes `state` and the manifest, last, and
+    moves `partial` into place as `final`; the other ranks have nothing left to do."""
     if not is_chief:
         return
     try:

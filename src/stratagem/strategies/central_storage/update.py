@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from stratagem.errors import DeviceError, InputError, MemoryEstimateError
 from stratagem.strategies.central_storage.parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
 from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
-from stratagem.strategies.data_parallel.hand_updates import InPlaceWatch
+from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard, InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.replica_copy import copy_replica
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
@@ -74,7 +74,7 @@ class CentralUpdate(ReplicaBuilder):
         self._applier = self._anchor if self._anchor is not None else 0  # whose thread applies the update
         self._by_hand: list[int] = []  # replicas given a copy because no optimizer was given (see build)
         self._by_hand_copies: list[CentralCopy] = []  # the models updated by hand on every replica's own copy
-        self._watches: list[InPlaceWatch] = []
+        self._hand_updates = HandUpdateGuard()
         self.copies: list[CentralCopy] = []  # one per distributed model, in the order of distribute
         self._recorded = [storage, self._copies_decision(), self._update_decision()]
         self._host: ReplicaHost | None = None
@@ -258,7 +258,7 @@ class CentralUpdate(ReplicaBuilder):
                 self._watch(
                     replicas,
                     consequence="This model was distributed without an optimizer after a model with one, so its "
-                    "replicas read the central parameters in place; a change made in the step applied once per "
+                    "replicas read the central parameters in place; a change made in the step applies once per "
                     "replica, on the same memory.",
                     fix="Distribute the model you update by hand first, or build the strategy with "
                     "share_parameters=False so that every replica keeps a copy.",
@@ -281,9 +281,10 @@ class CentralUpdate(ReplicaBuilder):
         return Built(replicas, distributed, central_optimizer, [optimizer])
 
     def _watch(self, replicas: list[nn.Module], consequence: str, fix: str) -> None:
-        """Refuses, at the end of a step, an in-place change of a parameter of a replica other than the anchor."""
-        others = [(r, replica) for r, replica in enumerate(replicas) if r != self._anchor]
-        self._watches.append(InPlaceWatch(others, consequence=consequence, fix=fix))
+        """Refuses an in-place change of a replica's parameter made in the step (hand_updates.py). The anchor's are
+        the central parameters, which the update writes in place: only the check before a change sees them."""
+        others = [r for r in range(len(replicas)) if r != self._anchor]
+        self._hand_updates.add(InPlaceWatch(list(enumerate(replicas)), consequence, fix, counted=others))
 
     def _check_memory(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Before anything is copied: room for the central state (parameters, gradients, optimizer state)
@@ -331,8 +332,7 @@ class CentralUpdate(ReplicaBuilder):
         self.refresh_replicas()
         for optimizer in self._optimizers:
             optimizer.begin_run()  # hyper-parameters change only through a handed-over scheduler now
-        for watch in self._watches:
-            watch.begin_step()  # after the refresh, which writes the compute copies in place
+        self._hand_updates.begin_step()  # after the refresh, which writes the compute copies in place
 
     def end_run(self, state: RunState) -> None:
         """The central copy keeps the buffers of replica 0 (e.g. batch-norm statistics), as Mirrored reports
@@ -349,8 +349,10 @@ class CentralUpdate(ReplicaBuilder):
                     torch._foreach_copy_(list[torch.Tensor](held.central_params), list(mine))
         for optimizer in self._optimizers:
             optimizer.end_run()
-        for watch in self._watches:
-            watch.end_step()
+        self._hand_updates.end_step()
+
+    def around_replica(self, replica: int) -> ContextManager[Any]:
+        return self._hand_updates.around(replica)
 
     def refresh_replicas(self) -> None:
         """Hands every replica the current central parameters (those it does not read in place) and buffers."""
@@ -389,16 +391,18 @@ class CentralUpdate(ReplicaBuilder):
             self.host.meet(replica, "optimizer step")
         result = None
         if replica == self._applier:
-            if in_step:  # outside a step (one replica) the central gradients are the user's own
-                self._stage_gradients(held)
-            result = optimizer.step()
-            if in_step:
-                # The step may go on using the model (a GAN's generator loss through the discriminator just
-                # updated): the compute copies take the new values before any replica reads them again.
-                self._copy_parameters(held)
+            with self._hand_updates.strategy_update(replica):
+                if in_step:  # outside a step (one replica) the central gradients are the user's own
+                    self._stage_gradients(held)
+                result = optimizer.step()
+                if in_step:
+                    # The step may go on using the model (a GAN's generator loss through the discriminator just
+                    # updated): the compute copies take the new values before any replica reads them again.
+                    self._copy_parameters(held)
         if together:
             # Nobody reads the parameters (or steps again) before the update is complete.
             self.host.meet(replica, "end of the optimizer step")
+        self._hand_updates.stepped(replica)
         return result
 
     def _copy_parameters(self, held: CentralCopy) -> None:
@@ -410,8 +414,7 @@ class CentralUpdate(ReplicaBuilder):
                     targets = list(replica.parameters())
                     torch._foreach_copy_(list[torch.Tensor](targets), list(held.central.parameters()))
                     written += targets
-        for watch in self._watches:
-            watch.written(written)
+        self._hand_updates.written(written)
 
     def _stage_gradients(self, held: CentralCopy) -> None:
         """Without an anchor the central parameters have no gradients of their own: copy the applier's

@@ -27,11 +27,11 @@ from typing import Any, ContextManager
 
 import torch
 from torch import nn
-from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.strategies.data_parallel.cuda_numerics import replica_seed
+from stratagem.strategies.data_parallel.hand_updates import run_keeping_versions
 from stratagem.strategies.data_parallel.step_part import Built, RunState, StepPart
 
 logger = logging.getLogger(__name__)
@@ -64,18 +64,6 @@ def _target(func: Any) -> tuple[Any, str] | None:
     return found
 
 
-_writes_list: dict[Any, bool] = {}
-
-
-def _writes_first_list(func: Any) -> bool:
-    """Whether `func` writes into its first argument, a list of tensors (`_foreach_add_` and the like)."""
-    if func not in _writes_list:
-        arguments = func._schema.arguments
-        info = arguments[0].alias_info if arguments else None
-        _writes_list[func] = info is not None and info.is_write and str(arguments[0].type).startswith("List[")
-    return _writes_list[func]
-
-
 def _on_cpu(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -103,13 +91,7 @@ class ReplicaRandom(TorchDispatchMode):
                 return op(*args, **{**kwargs, name: self.generator})
             if args[position] is None:
                 return op(*args[:position], self.generator, *args[position + 1 :], **kwargs)
-        out = func(*args, **kwargs)
-        if args and isinstance(args[0], (list, tuple)) and _writes_first_list(func):
-            # Under a dispatch mode torch leaves the version counters of a foreach operator's in-place list
-            # unchanged (a plain `add_` still moves its own): move them as outside the mode, since autograd's check
-            # of saved tensors and the hand-written-update watch (hand_updates.py) both read them.
-            increment_version(args[0])
-        return out
+        return run_keeping_versions(func, args, kwargs)
 
 
 _DRAWING_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

@@ -306,6 +306,7 @@ class ReplicaSet(ReplicaHost):
                     torch.set_grad_enabled(grad_enabled),
                     run_inputs.device_guard(self.devices[replica]),
                     self._random.random(replica),
+                    self.build.around_replica(replica),  # above the random stream: sees each operator first
                 ):
                     return fn(*select_replica(args, replica), **select_replica(kwargs, replica))
             except BaseException as error:

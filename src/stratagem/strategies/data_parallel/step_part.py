@@ -12,8 +12,9 @@ where autograd put it.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 from torch import nn
@@ -103,3 +104,8 @@ class ReplicaBuilder(StepPart):
     @abc.abstractmethod
     def build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Built:
         """The replicas, and the model and optimizer `distribute` returns."""
+
+    def around_replica(self, replica: int) -> ContextManager[Any]:
+        """Where replica `replica`'s step runs, on its thread (several replicas): as it is, or under the check
+        that refuses a hand-written update of shared parameters before it runs (hand_updates.py)."""
+        return contextlib.nullcontext()

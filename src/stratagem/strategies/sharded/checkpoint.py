@@ -3,7 +3,10 @@
 `ShardedStateShards` is what `ShardedStrategy.state_shards()` hands `BackupAndRestore`. Saving takes the
 model's and optimizer's sharded state with ``get_state_dict`` (DTensors: each rank's local shards, nothing
 gathered), writes it with ``dcp.save`` (one ``__<rank>_<n>.distcp`` file per rank, ``.metadata`` from rank
-0), then each rank hashes the files it wrote and every rank learns every rank's digests. Loading reads
+0), then each rank hashes the files it wrote and every rank learns every rank's digests. `save_async` copies
+this rank's shards into CPU buffers kept from one save to the next (DCP's `DefaultStager`) and returns the
+rest, the write, the hashing and the digests, for a writer thread, which meets the other ranks' writer
+threads on a Gloo group of its own (made at the first such save). Loading reads
 the shards this rank needs at whatever number of ranks the checkpoint was written with (DCP reshards), or
 cuts whole tensors of a single-file backup into this rank's shards (``set_state_dict(full_state_dict=True)``).
 
@@ -16,7 +19,8 @@ can read a sharded checkpoint into a plain ``optimizer.load_state_dict`` without
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +40,8 @@ class ShardedStateShards:
     def __init__(self, group: WorkerGroup) -> None:
         self._group = group
         self._saves = 0
+        self._checkpoint_group: Any = None
+        self._stager: Any = None
 
     def save(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ShardFile]:
         import torch.distributed.checkpoint as dcp
@@ -44,12 +50,7 @@ class ShardedStateShards:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         names = parameter_names(model, optimizer)
         dcp.save({"model": model_state, "optimizer": by_position(optimizer_state, names)}, checkpoint_id=directory)
-        rank = self._group.rank
-        mine = [
-            hash_file(directory / name, rank)
-            for name in sorted(p.name for p in directory.iterdir())
-            if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")
-        ]
+        mine = self._hash_mine(directory, self._group.rank)
         self._saves += 1
         payloads = self._group.cross_worker.all_gather_bytes(
             json.dumps([vars(f) for f in mine]).encode(),
@@ -58,6 +59,62 @@ class ShardedStateShards:
             device=self._group.collective_device,
         )
         return [ShardFile(**entry) for payload in payloads for entry in json.loads(payload)]
+
+    def save_async(
+        self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> Callable[[], list[ShardFile]]:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self._checkpoint_group is None:
+            # Every rank makes it at its first asynchronous save (all ranks save after the same step). The
+            # writes' collectives (DCP's plan and results, the digests) run on a writer thread while training's
+            # own collectives run on the default group: on a group of their own, neither waits in the other's
+            # queue, and no two threads ever issue collectives on one group.
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._group.timeout))
+        if self._stager is None:
+            # No pinned or shared memory (CPU copies), copied on this thread: the stager keeps each buffer for
+            # the same tensor of the next save, so later saves write over memory already touched.
+            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        names = parameter_names(model, optimizer)
+        staged = self._stager.stage({"model": model_state, "optimizer": by_position(optimizer_state, names)})
+        group, rank = self._checkpoint_group, self._group.rank
+
+        def write() -> list[ShardFile]:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(staged, checkpoint_id=directory, process_group=group)
+            try:
+                mine: Any = [vars(f) for f in self._hash_mine(directory, rank)]
+            except OSError as error:  # every rank learns it, instead of waiting for the digests until the timeout
+                mine = f"rank {rank} could not read back its files: {error}"
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            failed = [entry for entry in gathered if isinstance(entry, str)]
+            if failed:
+                raise OSError(f"The sharded checkpoint {str(directory)!r} was not written whole: {'; '.join(failed)}.")
+            return [ShardFile(**entry) for files in gathered for entry in files]
+
+        return write
+
+    def close(self) -> None:
+        # The buffers go; the group stays for this strategy's next fit, and ends with its other groups
+        # (WorkerGroup.close). Not freed here, right after the last write: a Gloo thread may still be releasing
+        # that write's finished collective, which takes the GIL, while the group's destructor, run with the GIL
+        # held, waits for that thread (the hang described in stratagem.bench.multi_process.free_ddp_models).
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    @staticmethod
+    def _hash_mine(directory: Path, rank: int) -> list[ShardFile]:
+        return [
+            hash_file(directory / name, rank)
+            for name in sorted(p.name for p in directory.iterdir())
+            if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")
+        ]
 
     def load(
         self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, param_groups: list[dict[str, Any]]

@@ -138,6 +138,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             self._group.close(release=False)  # refused (shared_memory=True where it cannot be): nothing left open
             raise
         self._agreement = StepAgreement(self._group, enabled=check_batches)
+        self._state_shards = ShardedStateShards(self._group)
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
         self._comms: list[WeightedReduceScatter] = []
@@ -192,7 +193,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     def state_shards(self) -> ShardedStateShards:
         """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
-        return ShardedStateShards(self._group)
+        return self._state_shards  # one for the strategy's life: its asynchronous saves' process group is made once
 
     @property
     def stage(self) -> int:
@@ -479,17 +480,14 @@ class ShardedStrategy(Strategy, LossWeightHost):
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
     def close(self) -> None:
-        """Frees the process group (see `WorkerGroup.close`); a second call does nothing.
-
-        The rendezvous store is not handed back (`release=False`): FSDP2's module state keeps the process group,
-        and with it the chief's store, alive as long as the sharded model lives, which is usually until the
-        script ends, so the hand-back would only keep the other workers waiting for their whole timeout.
-        A strategy built again in the same processes meets at another address."""
+        """Frees the process group and hands the rendezvous store back (see `WorkerGroup.close`), so that a
+        strategy built again in the same processes meets at the same address, however long the sharded model
+        (whose FSDP2 state keeps the process group) lives; a second call does nothing."""
         self._batch_norm.remove()
         self._model = None
         self._shardeds = []
         self._comms = []
-        self._group.close(release=False)
+        self._group.close()
 
 
 def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
