@@ -322,3 +322,44 @@ def test_rank_zero_killed_while_rank_one_is_slow_to_map_leaves_no_file(tmp_path,
         rank_zero.kill()
         rank_zero.wait()
     assert os.listdir(directory) == []
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    world=st.integers(2, 3),
+    numel=st.integers(0, 300),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]),
+    capacity=st.sampled_from([64, 256, 4096]),
+    seed=st.integers(0, 2**16),
+)
+def test_all_gather_and_reduce_scatter_hand_each_rank_its_blocks_bit_for_bit(world, numel, dtype, capacity, seed):
+    # FSDP2's two collectives over the shared file (strategies/sharded/transport.py), in chunks when slots are small.
+    generator = torch.Generator().manual_seed(seed)
+    shards = [(torch.randn(numel, generator=generator) * 100).to(dtype) for _ in range(world)]
+    grads = [(torch.randn(world * numel, generator=generator) * 100).to(dtype) for _ in range(world)]
+    weights = [1.0, 0.375, 0.2][:world] if dtype.is_floating_point else [1.0] * world  # n_r / N of uneven splits
+
+    def body(rank, group, reason, fell_back):
+        assert group is not None, reason
+        gathered = torch.full((world * numel,), -1).to(dtype)
+        group.all_gather_into_(gathered, shards[rank], what="all-gather", step=0)
+        block = torch.full((numel,), -1).to(dtype)
+        group.reduce_scatter_(block, grads[rank], what="reduce-scatter", step=0)
+        # FSDP2's own layout: the shard copied into this rank's block of the output, then gathered in place.
+        in_place = torch.full((world * numel,), -1).to(dtype)
+        in_place[rank * numel : (rank + 1) * numel] = shards[rank]
+        group.all_gather_into_(in_place, in_place[rank * numel : (rank + 1) * numel], what="all-gather", step=0)
+        scaled = torch.full((numel,), -1).to(dtype)
+        group.reduce_scatter_(scaled, grads[rank], what="reduce-scatter", step=0, scale=weights[rank])
+        total = torch.zeros(1, dtype=torch.float64)
+        group.all_reduce_(total, what="sum", step=0)  # the collectives share one count of steps
+        return gathered, block, in_place, scaled
+
+    results = run_ranks(world, body, capacity=capacity)
+    whole = rank_order_sum(grads)
+    weighted = rank_order_sum([g.mul(w) for g, w in zip(grads, weights)])  # as WeightedReduceScatter's mul_ then sum
+    for rank, (gathered, block, in_place, scaled) in enumerate(results):
+        assert torch.equal(gathered, torch.cat(shards))
+        assert torch.equal(block, whole[rank * numel : (rank + 1) * numel])
+        assert torch.equal(in_place, torch.cat(shards))
+        assert torch.equal(scaled, weighted[rank * numel : (rank + 1) * numel])

@@ -110,6 +110,12 @@ def test_multi_worker_mirrored_refuses_shared_memory_true_with_the_switch_off_be
         sg.MultiWorkerMirroredStrategy()
 
 
+def test_the_sharded_strategy_refuses_shared_memory_true_with_the_switch_off_before_any_work(monkeypatch):
+    monkeypatch.setenv("STRATAGEM_SHARED_MEMORY", "0")
+    with pytest.raises(sg.InputError, match="shared_memory=True asks for shared memory, but STRATAGEM_SHARED_MEMORY=0"):
+        sg.ShardedStrategy(shared_memory=True)
+
+
 def test_the_parameter_server_strategy_refuses_shared_memory_true_with_the_switch_off():
     with pytest.raises(
         sg.InputError, match="shared_memory=True asks for shared memory, but STRATAGEM_SHARED_MEMORY=off"

@@ -6,7 +6,8 @@ message; processes of one host can hand each other CPU tensors through one mappe
 Two transports do, over shared pieces:
 
 - ``sums``: the sums of MultiWorkerMirrored workers that all run on this host (used by
-  ``collective.cross_worker`` in place of Gloo's all-reduce for CPU tensors);
+  ``collective.cross_worker`` in place of Gloo's all-reduce for CPU tensors), and over the same
+  file the all-gathers and reduce-scatters of ShardedStrategy's units (``strategies.sharded.transport``);
 - ``parameter_server``: pulls and pushes between a worker and a parameter server on one host (used
   by ``strategies.parameter_server`` in place of gRPC messages);
 - ``files``: the files in ``/dev/shm`` (space reserved, mode 0600, a random name that carries the

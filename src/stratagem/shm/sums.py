@@ -27,6 +27,11 @@ process group), for each chunk of at most ``capacity`` bytes:
 4. ``summed[me] = s``; wait until ``summed[q] >= s`` for every q;
 5. copy ``result`` back into the chunk.
 
+ShardedStrategy's all-gather (``all_gather_into_``) and reduce-scatter (``reduce_scatter_``) take
+the same steps and counters: the all-gather copies every slot out at step 3 and has no result;
+the reduce-scatter's chunk holds the same stretch of each rank's block, and at step 3 each rank
+sums its own block's stretch from every slot, in rank order, straight into its output.
+
 Why no rank overwrites what another still reads: a rank writes its slot for collective ``s + 1``
 only after step 4 of ``s``, when every rank has finished reading the slots (step 3). A rank writes
 the result of ``s + 1`` only after every rank arrived at ``s + 1``, that is after each finished
@@ -135,11 +140,7 @@ class SharedMemoryGroup:
 
     def all_reduce_(self, tensor: torch.Tensor, *, what: str, step: int) -> None:
         """Sums ``tensor`` (contiguous, on the CPU, of a dtype in ``DTYPES``) across the ranks, in place."""
-        if self._broken is not None:
-            raise ReplicaError(
-                f"The shared-memory group is unusable after an earlier failure ({self._broken}). "
-                "Received: another collective. Restart the job."
-            )
+        self._check_usable()
         flat = tensor.detach().view(-1)
         per_chunk = self.capacity // flat.element_size()
         for start in range(0, max(flat.numel(), 1), per_chunk):
@@ -163,6 +164,72 @@ class SharedMemoryGroup:
         self._publish(_SUMMED, seq)
         self._wait_all(_SUMMED, seq, what, step)
         chunk.copy_(result)
+
+    def all_gather_into_(self, output: torch.Tensor, tensor: torch.Tensor, *, what: str, step: int) -> None:
+        """Fills ``output`` (``world_size * tensor.numel()`` elements) with every rank's ``tensor``, in rank order.
+
+        FSDP2's all-gather of a unit's shards (``strategies/sharded/transport.py``): each chunk is copied into
+        this rank's slot and, once every rank arrived, all the slots into ``output``; moved as bytes, any dtype.
+        """
+        self._check_usable()
+        source = tensor.detach().reshape(-1).view(torch.uint8)
+        out = output.detach().view(-1).view(torch.uint8).view(self.world_size, source.numel())
+        slots = self._bytes[self._slots : self._results].view(self.world_size, self.capacity)
+        # FSDP2 copies a rank's shards into its own block of the output first (`all_gather_copy_in`): then that
+        # block is already in place, and only the other ranks' blocks are copied out.
+        others = [q for q in range(self.world_size) if q != self.rank or out[q].data_ptr() != source.data_ptr()]
+        for start in range(0, max(source.numel(), 1), self.capacity):
+            n = min(self.capacity, source.numel() - start)
+            self._seq += 1
+            slots[self.rank, :n].copy_(source[start : start + n])
+            self._publish(_ARRIVED, self._seq)
+            self._wait_all(_ARRIVED, self._seq, what, step)
+            for q in others:
+                out[q, start : start + n].copy_(slots[q, :n])
+            self._publish(_SUMMED, self._seq)  # read: the slots may be written again
+            self._wait_all(_SUMMED, self._seq, what, step)
+
+    def reduce_scatter_(
+        self, output: torch.Tensor, tensor: torch.Tensor, *, what: str, step: int, scale: float = 1.0
+    ) -> None:
+        """Sets ``output`` to this rank's block of the sum of every rank's ``tensor`` (``world_size`` blocks of
+        ``output.numel()`` elements), summed in rank order as ``all_reduce_`` sums, with the same dtypes; with
+        ``scale``, of every rank's ``tensor * scale`` (multiplied on the way into the slot: one pass, the same bits
+        as ``tensor.mul_(scale)`` first).
+
+        FSDP2's reduce-scatter of a unit's gradients: each chunk holds the same stretch of every block, so a rank
+        sums only its own block's stretch, straight from the slots into ``output``; no result area, no copy back.
+        """
+        self._check_usable()
+        size = output.numel()
+        blocks = tensor.detach().view(self.world_size, size)
+        out = output.detach().view(-1)
+        per_chunk = max(self.capacity // (self.world_size * tensor.element_size()), 1)
+        slots, _ = self._areas(tensor.dtype)
+        for start in range(0, max(size, 1), per_chunk):
+            n = min(per_chunk, size - start)
+            self._seq += 1
+            mine_in = slots[self.rank][: self.world_size * n].view(self.world_size, n)
+            if scale == 1.0:
+                mine_in.copy_(blocks[:, start : start + n])
+            else:
+                torch.mul(blocks[:, start : start + n], scale, out=mine_in)
+            self._publish(_ARRIVED, self._seq)
+            self._wait_all(_ARRIVED, self._seq, what, step)
+            mine = [slot[self.rank * n : (self.rank + 1) * n] for slot in slots]
+            target = out[start : start + n]
+            torch.add(mine[0], mine[1], out=target)
+            for piece in mine[2:]:
+                target.add_(piece)
+            self._publish(_SUMMED, self._seq)
+            self._wait_all(_SUMMED, self._seq, what, step)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise ReplicaError(
+                f"The shared-memory group is unusable after an earlier failure ({self._broken}). "
+                "Received: another collective. Restart the job."
+            )
 
     def _areas(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Every slot and the result area as 1-D tensors of ``dtype`` (made once per dtype)."""

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 
 STAGES = (2, 3)
@@ -25,6 +26,19 @@ def check_stage(stage: object) -> int:
             "per unit for forward and again for backward) or stage=2 (kept gathered from forward to backward)."
         )
     return int(stage)  # type: ignore[call-overload]
+
+
+def stage_decision(stage: int) -> PlacementDecision:
+    """What `explain()` says of the stage."""
+    return PlacementDecision(
+        subject="sharding stage",
+        choice=f"stage {stage}",
+        reason="parameters, gradients and optimizer state sharded; each unit gathered for forward and "
+        "again for backward (ZeRO-3)"
+        if stage == 3
+        else "parameters, gradients and optimizer state sharded at rest; gathered parameters kept from "
+        "forward to backward (reshard_after_forward=False): one all-gather per step, peak = whole model",
+    )
 
 
 def copy_refusal(world_size: int) -> str:

@@ -31,6 +31,7 @@ from stratagem.data import worker_shards
 from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.shm import eligibility
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
@@ -53,11 +54,13 @@ from stratagem.strategies.sharded.checks import (
     check_stage,
     copy_refusal,
     shard_records,
+    stage_decision,
 )
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
-from stratagem.strategies.sharded.weighting import weigh_gradients
+from stratagem.strategies.sharded.transport import connect_transport
+from stratagem.strategies.sharded.weighting import COMBINATION, weigh_gradients
 from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
@@ -77,6 +80,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
         timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
         param_dtype, reduce_dtype: FSDP2's `MixedPrecisionPolicy` (e.g. torch.bfloat16 for both).
+        shared_memory: all-gather and reduce-scatter through shared memory when every worker runs on this host
+            (None, the default: whenever they can; False: always through the process group; True: an error unless
+            they can); `explain()` says which, and why (transport.py).
         check_batches: True (default): at each step the workers compare a fingerprint of the step and of the global
             batch they were handed, and all stop with an `InputError` naming the step, the workers and the first
             input that differs (agreement.py). False: nothing compared (pass it on every worker alike).
@@ -91,6 +97,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     # Parts, in the order they are applied (torchtitan's parallelize_llama order: cut, shard, then the rest):
     #   group      cluster.worker_group: the plan checked, then the process group and its DeviceMesh
+    #   transport  transport.connect_transport: one host's shared memory for the units' collectives, else the group
     #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
     #   batch norm data_parallel.batch_norm: BatchNorm layers converted to global statistics, summed across workers
     #   units      units.cut_model: each block a unit by default, or the user's policy; the root last
@@ -110,12 +117,14 @@ class ShardedStrategy(Strategy, LossWeightHost):
         timeout: float = 300.0,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        shared_memory: bool | None = None,
         check_batches: bool = True,
     ) -> None:
         self._stage = check_stage(stage)
         check_batches = check_batches_flag(check_batches)
         self._policy = units
         env = environ.current()
+        eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
         self._device_decision: PlacementDecision | None = None
         self._originals: list[OriginalModel] = []  # checked at the next step, then dropped
@@ -123,6 +132,11 @@ class ShardedStrategy(Strategy, LossWeightHost):
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._group = WorkerGroup.start(plan, [self._device], env=env)
+        try:  # the collectives' path: this host's shared memory, else the process group (transport.py)
+            self._transport = connect_transport(self._group, self._device, shared_memory)
+        except BaseException:
+            self._group.close(release=False)  # refused (shared_memory=True where it cannot be): nothing left open
+            raise
         self._agreement = StepAgreement(self._group, enabled=check_batches)
         self._state_shards = ShardedStateShards(self._group)
         self._mp = (param_dtype, reduce_dtype)
@@ -223,7 +237,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
             reshard_after_forward=self._stage == 3,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         )
-        comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
+        units = [m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")]
+        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps)
         if self._comms:
             comm.weight = self._comms[0].weight
         self._check_shards(sharded)
@@ -448,25 +463,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         decisions = list(self._group.decisions())
         if self._device_decision is not None:
             decisions.append(self._device_decision)
-        decisions.append(
-            PlacementDecision(
-                subject="sharding stage",
-                choice=f"stage {self._stage}",
-                reason="parameters, gradients and optimizer state sharded; each unit gathered for forward and "
-                "again for backward (ZeRO-3)"
-                if self._stage == 3
-                else "parameters, gradients and optimizer state sharded at rest; gathered parameters kept from "
-                "forward to backward (reshard_after_forward=False): one all-gather per step, peak = whole model",
-            )
-        )
+        decisions.append(stage_decision(self._stage))
         decisions.extend(cut.decision() for cut in self._cuts)
-        decisions.append(
-            PlacementDecision(
-                subject="gradient combination",
-                choice="reduce-scatter of SUM, each rank pre-scaled by its share of the global batch",
-                reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
-            )
-        )
+        decisions.extend([COMBINATION, self._transport])
         if self._batch_norm.describe():
             decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())

@@ -20,22 +20,43 @@ about which unit runs when.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
 
+from stratagem.diagnose import PlacementDecision
+
 if TYPE_CHECKING:
+    from stratagem.shm.sums import SharedMemoryGroup
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 
+COMBINATION = PlacementDecision(
+    subject="gradient combination",
+    choice="reduce-scatter of SUM, each rank pre-scaled by its share of the global batch",
+    reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
+)
+"""What `explain()` says of the weighting."""
 
-def weigh_gradients(modules: Sequence[nn.Module]) -> WeightedReduceScatter:
-    """Makes every sharded module of the model reduce with a weighted SUM; returns the comm whose weight `run` sets."""
-    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter  # imports FSDP: see its module
 
-    comm = WeightedReduceScatter()
+def weigh_gradients(
+    modules: Sequence[nn.Module], shared: SharedMemoryGroup | None = None, step: Callable[[], int] = lambda: 0
+) -> WeightedReduceScatter:
+    """Makes every sharded module of the model reduce with a weighted SUM; returns the comm whose weight `run` sets.
+
+    With `shared` (every worker on this host: transport.py) both of a unit's collectives go through shared memory;
+    `step` numbers the step in their errors."""
+    from stratagem.strategies.sharded.reduce_scatter import (  # imports FSDP: see its module
+        SharedMemoryAllGather,
+        WeightedReduceScatter,
+    )
+
+    comm = WeightedReduceScatter(shared, step)
+    gather = None if shared is None else SharedMemoryAllGather(shared, step)
     for module in modules:
         module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         module.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         module.set_custom_reduce_scatter(comm)  # type: ignore[operator]
+        if gather is not None:
+            module.set_custom_all_gather(gather)  # type: ignore[operator]
     return comm

@@ -1,0 +1,89 @@
+"""ShardedStrategy's all-gathers and reduce-scatters through one host's shared memory (the default), and through
+Gloo when shared memory is turned off: both exact against one device, and explain() says which was taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sharded_transport_cases
+from helpers import free_port, run_ranks
+from stratagem.shm import sums
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.sharded]
+
+
+@pytest.mark.skipif(sums.eligible() is not None, reason="shared-memory sums need Linux on x86-64")
+@pytest.mark.timeout(240)
+def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_off():
+    ports = [(free_port(), free_port()) for _ in sharded_transport_cases.CASES]
+    outcomes = run_ranks(sharded_transport_cases.transport_cases, [0, 1], args=(ports,), timeout=220)
+    for outcome in outcomes.values():
+        assert outcome.error is None, outcome.error
+    for rank, outcome in outcomes.items():
+        got = outcome.value
+        shared = got["stage 2 shared memory"]
+        assert shared["worst"] <= 1e-9, (rank, shared["worst"])
+        assert "all-gather and reduce-scatter: shared memory" in shared["explain"], shared["explain"]
+        # Five steps of three units: not one all-gather or reduce-scatter went through Gloo.
+        assert shared["calls"] == {"all_gather_single": 0, "reduce_scatter_single": 0}, shared
+        fallback = got["stage 2 gloo"]
+        assert fallback["worst"] <= 1e-9, (rank, fallback["worst"])
+        explained = fallback["explain"]
+        assert "all-gather and reduce-scatter: the process group (gloo) - turned off (shared_memory=False)" in explained
+        # Stage 2: one all-gather and one reduce-scatter per unit and step (3 Linear units; the root holds no
+        # parameter of its own), 5 steps.
+        assert fallback["calls"] == {"all_gather_single": 15, "reduce_scatter_single": 15}, fallback
+
+
+class _CrossWorker:
+    """Stands in for `CrossWorker.connect_shared_memory`: the meeting's answer, without processes."""
+
+    def __init__(self, why: str, fell_back: bool) -> None:
+        self.answer = (why, fell_back)
+        self.shared = None
+        self.wanted: list[bool] = []
+
+    def connect_shared_memory(self, *, wanted: bool, why_not: str | None = None) -> tuple[str, bool]:
+        self.wanted.append(wanted)
+        return self.answer
+
+
+class _Group:
+    def __init__(self, backend: str, cross_worker: _CrossWorker | None = None) -> None:
+        self.backend = backend
+        self.cross_worker = cross_worker
+        self.is_chief = True
+
+
+def test_shared_memory_true_is_refused_where_the_workers_cannot_share_memory_and_the_fallback_is_said(caplog):
+    from stratagem.errors import InputError
+    from stratagem.strategies.sharded.transport import connect_transport
+
+    with pytest.raises(InputError, match=r"shared_memory=True moves CPU tensors, .* Received: device=cuda:0"):
+        connect_transport(_Group("nccl"), torch.device("cuda:0"), True)
+    assert connect_transport(_Group("nccl"), torch.device("cuda:0"), None).choice == "the process group (nccl)"
+    two_hosts = _CrossWorker("the workers run on 2 hosts", False)
+    with pytest.raises(InputError, match=r"cannot share memory. Received: the workers run on 2 hosts. Leave"):
+        connect_transport(_Group("gloo", two_hosts), torch.device("cpu"), True)
+    decision = connect_transport(_Group("gloo", two_hosts), torch.device("cpu"), None)
+    assert (decision.choice, decision.reason) == ("the process group (gloo)", "the workers run on 2 hosts")
+    assert not caplog.records  # several hosts: nothing the user could do
+    full = _CrossWorker("/dev/shm has 1 MiB free", True)
+    connect_transport(_Group("gloo", full), torch.device("cpu"), None)
+    assert "through Gloo's loopback TCP, which is slower than shared memory: /dev/shm has 1 MiB free" in caplog.text
+    off = _CrossWorker("turned off (shared_memory=False)", False)
+    assert connect_transport(_Group("gloo", off), torch.device("cpu"), False).reason == off.answer[0]
+    assert off.wanted == [False]
+
+
+def test_shared_memory_true_with_one_worker_is_refused_and_frees_the_process_group():
+    import torch.distributed as dist
+
+    import stratagem as sg
+
+    with pytest.raises(
+        sg.InputError, match=r"shared_memory=True, but the workers cannot share memory. Received: one worker"
+    ):
+        sg.ShardedStrategy(shared_memory=True, timeout=30)
+    assert not dist.is_initialized()
