@@ -7,7 +7,7 @@ sharded, not when `import stratagem` runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ class WeightedReduceScatter(ReduceScatter):
     def __init__(self) -> None:
         self.weight = 1.0
         """This rank's weight in the current backward: n_r / N, or c_r / sum c for declared loss weights."""
+        self.before_sum: Callable[[], None] | None = None
+        """Called before each reduce-scatter is started: the strategy's batch check, waited for before any gradient
+        of the step is summed (`agreement.StepAgreement.finish`, which does nothing once it is done)."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -32,6 +35,8 @@ class WeightedReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> dist.Work | None:
+        if self.before_sum is not None:
+            self.before_sum()
         if self.weight != 1.0:
             input_tensor.mul_(self.weight)  # FSDP's flat copy of the gradients, not the user's tensors
         return dist.reduce_scatter_tensor(

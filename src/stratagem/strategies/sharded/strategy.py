@@ -44,8 +44,10 @@ from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
 from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
+from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.checks import (
     OriginalModel,
+    check_another_model,
     check_device,
     check_original_unchanged,
     check_shards,
@@ -176,6 +178,16 @@ class ShardedStrategy(Strategy, LossWeightHost):
         """False: each process holds 1/N of the state, which a backup of the chief's would not hold."""
         return False
 
+    @property
+    def check_batches(self) -> bool:
+        """Whether the workers compare each step's number and global batch (the `check_batches` argument).
+        Set it on every worker alike, between steps."""
+        return self._agreement.enabled
+
+    @check_batches.setter
+    def check_batches(self, value: bool) -> None:
+        self._agreement.enabled = value
+
     def state_shards(self) -> ShardedStateShards:
         """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
         return ShardedStateShards(self._group)
@@ -200,7 +212,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         with a warning that its peak is the unsharded model.
         """
         self._check_distribute_args(model, optimizer, None)
-        self._check_another_model(model)
+        check_another_model(model, running=self._running, held=self._held)
         check_optimizer(optimizer)
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -225,6 +237,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
         if self._comms:
             comm.weight = self._comms[0].weight
+        comm.before_sum = self._agreement.finish  # no gradient of a step is summed before its batch check
         self._check_shards(sharded)
         # Recorded only now: a refused model leaves the strategy as it was.
         self._batch_norm.attach([sharded])
@@ -242,30 +255,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
             return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
         return wrapped, clone_optimizer(optimizer, mapping, with_state=False)
-
-    def _check_another_model(self, model: nn.Module) -> None:
-        """Several models may be distributed (a GAN's two), each once, before or between steps, never inside one."""
-        if self._running:
-            raise InputError(
-                "distribute() ran inside strategy.run(): every worker must shard a model at the same point, before "
-                f"its first step. Received: distribute() of a {type(model).__name__} inside the step function. "
-                "Distribute every model before the loop."
-            )
-        from torch.distributed.fsdp import FSDPModule
-
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            raise InputError(
-                "distribute() needs the plain model: this one is already sharded by FSDP2. Received: a "
-                f"{type(model).__name__} holding FSDP2 modules (a distributed model's `.module`?). Pass the model "
-                "as built, once."
-            )
-        shared = [name for name, p in model.named_parameters() if p is _alive(self._held.get(id(p)))]
-        if shared:
-            raise InputError(
-                "A model shares parameters with a model this strategy already distributed, whose sharded copy would "
-                f"then train them apart. Received: a {type(model).__name__} whose parameters {shared[:3]} were "
-                "distributed before. Distribute each model once, or one module that holds both."
-            )
 
     def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
         """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
@@ -308,7 +297,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
             changed = [name for original in self._originals for name in original.changed()]
             self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
-        self._agreement.check(self._steps + 1)  # before any update is made from a batch the workers disagree on
+        # Started here, waited for at the step's first reduce-scatter (or its end): forward runs while it travels.
+        self._agreement.start(self._steps + 1)
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
@@ -317,10 +307,14 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._running = True
         try:
             result = fn(*local_args, **local_kwargs)
+        except BaseException:
+            self._agreement.finish_after_error()
+            raise
         finally:
             self._running = False
             enter_replica(previous)
             self._steps += 1
+        self._agreement.finish()  # a step without a reduce-scatter (no_sync, evaluation) is checked here
         stacked = stack_replicas([result], sizes, global_size(args, kwargs))
         return tag_results(stacked, None if self._counts is None else [self._counts])
 
@@ -447,25 +441,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
         decisions = list(self._group.decisions())
         if self._device_decision is not None:
             decisions.append(self._device_decision)
-        decisions.append(
-            PlacementDecision(
-                subject="sharding stage",
-                choice=f"stage {self._stage}",
-                reason="parameters, gradients and optimizer state sharded; each unit gathered for forward and "
-                "again for backward (ZeRO-3)"
-                if self._stage == 3
-                else "parameters, gradients and optimizer state sharded at rest; gathered parameters kept from "
-                "forward to backward (reshard_after_forward=False): one all-gather per step, peak = whole model",
-            )
-        )
+        before, after = sharded_decisions(self._stage, check_batches=self._agreement.enabled)
+        decisions.extend(before)
         decisions.extend(cut.decision() for cut in self._cuts)
-        decisions.append(
-            PlacementDecision(
-                subject="gradient combination",
-                choice="reduce-scatter of SUM, each rank pre-scaled by its share of the global batch",
-                reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
-            )
-        )
+        decisions.extend(after)
         if self._batch_norm.describe():
             decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
@@ -491,7 +470,3 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._shardeds = []
         self._comms = []
         self._group.close(release=False)
-
-
-def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
-    return None if ref is None else ref()
