@@ -147,3 +147,35 @@ def test_check_batches_refuses_a_value_that_is_not_a_bool_between_steps():
     assert agreement.enabled is False and agreement.batch.enabled is False
     with pytest.raises(sg.InputError, match=r"check_batches must be True or False. Received: check_batches=1. Pass"):
         agreement.enabled = 1  # type: ignore[assignment]
+
+
+def test_the_fingerprint_rides_a_bfloat16_reduce_scatter_exactly_beside_the_weighted_gradients(tmp_path):
+    # One rank (a FileStore, no port): the layout and the dtypes; two ranks are the multi-process tests above.
+    import torch.distributed as dist
+
+    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
+
+    class Rider:
+        def __init__(self) -> None:
+            self.sent = torch.tensor([1.0, 255.0, 0.0, 128.0, 7.0], dtype=torch.bfloat16)
+            self.summed: list[torch.Tensor] = []
+
+        def ride(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+            return self.sent.to(dtype) if not self.summed else None  # the first reduce-scatter of the step only
+
+        def landed(self, summed: torch.Tensor) -> None:
+            self.summed.append(summed.clone())
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        comm, rider = WeightedReduceScatter(), Rider()
+        comm.rider = rider  # type: ignore[assignment]
+        comm.weight = 0.5
+        for _ in range(2):
+            grads = torch.arange(6, dtype=torch.bfloat16) * 3
+            out = torch.empty(6, dtype=torch.bfloat16)
+            assert comm(out, grads.clone(), dist.group.WORLD, dist.ReduceOp.SUM) is None
+            assert torch.equal(out, grads * 0.5), out
+    finally:
+        dist.destroy_process_group()
+    assert len(rider.summed) == 1 and torch.equal(rider.summed[0], rider.sent), rider.summed

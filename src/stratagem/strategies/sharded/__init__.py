@@ -5,8 +5,7 @@
 - `memory.py`: the bytes each rank holds, by category, before the first step;
 - `checks.py`: what is refused before anything is built (LBFGS, CUDA on Gloo, a stepped optimizer), and a rank
   whose shards differ from the plan (one all-gather of shapes and dtypes before the first step);
-- `agreement.py`: the workers' batch check (`check_batches`), started with each step, compared before its first
-  gradient reduce-scatter;
+- `agreement.py`: the workers' batch check (`check_batches`), riding each step's first gradient reduce-scatter;
 - `decisions.py`: what `explain()` says of the stage, the gradient combination and the batch check.
 """
 

@@ -1,29 +1,30 @@
 """Workers of a sharded job hold the same step and the same global batch, or the job stops before training on it.
 
 The fingerprint is MultiWorkerMirroredStrategy's (`multi_worker.agreement.BatchAgreement`: the step, the global
-batch size and a hash of each input, noted as `WorkerBatches` cuts the batch). There it rides the last gradient
-all-reduce; here gradients go through FSDP2's reduce-scatters, so the fingerprints travel in one small all-reduce
-of their own (`SLOT` bytes per worker, through the worker group's bounded collectives). It is started at the
-beginning of each `run` and not waited for there: the step function's forward (and the backward of the last unit)
-runs while it travels. The result is waited for and compared before the first gradient reduce-scatter of the step
-(`WeightedReduceScatter.before_sum`), so before any sum, and so any update, is made from the batch, and at the end
-of `run` for a step without one (a no_sync() micro-batch, an evaluation). A worker handed another batch is still
-stopped before any update is made from it; the wait costs nothing once the sum has landed.
+batch size and a hash of each input, noted as `WorkerBatches` cuts the batch), and, as there, it rides a sum the
+step makes anyway: FSDP2's first gradient reduce-scatter of the step (`WeightedReduceScatter`, which puts every
+worker's slots beside each rank's chunk, so each rank's part of the sum ends with every worker's fingerprint).
+It is compared as soon as that sum lands, before the next unit is reduced and before the optimizer step: a worker
+handed another batch is stopped before any update is made from it, naming the step, the workers and the first
+input that differs. A step with no reduce-scatter (an evaluation, a no_sync() micro-batch) sends its fingerprint in
+a small all-reduce of its own (`SLOT` numbers per worker, through the worker group's bounded collectives) when the
+step function returns.
 
-Every collective of this group runs in the order it was started, on every worker alike: the check's all-reduce is
-started at the same point of every `run` on every worker, before FSDP2's first all-gather of the step, whatever
-each worker's `check_batches` (see `StepAgreement.start`).
+Why not an all-reduce of its own at every step: on the MLP benchmark it cost 3.3% of a step (a round trip before
+the step function); started without waiting and waited for before the first reduce-scatter it still woke Gloo's
+thread in the middle of forward, which on a loaded machine cost as much. Riding adds no collective; it costs a copy
+of the first reduced unit's gradients (docs/sharded.md gives the measured figures).
 
     >>> agreement = StepAgreement(group, enabled=True)
     >>> batches = WorkerBatches(group, n, agreement.batch)   # notes each batch's fingerprint
-    >>> agreement.start(step=1)                              # the all-reduce of every worker's fingerprint
-    >>> agreement.finish()                                   # raises InputError naming the step, workers, input
+    >>> agreement.start(step=1)                              # this step's fingerprint is due
+    >>> comm.rider = agreement                               # rides the step's first reduce-scatter, compared there
+    >>> agreement.finish()                                   # else sent alone; InputError naming who differs
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,25 +42,20 @@ def check_batches_flag(value: object) -> bool:
     return value
 
 
-@dataclass
-class _Pending:
-    """A started check: the slots being summed, the all-reduce's handles, its step, whether it compares."""
-
-    slots: torch.Tensor
-    works: list[Any]
-    step: int
-    enabled: bool
-
-
 class StepAgreement:
-    """This worker's `BatchAgreement` and the all-reduce that compares every worker's fingerprint once per step."""
+    """This worker's `BatchAgreement` and the comparison of every worker's fingerprint once per step.
+
+    The fingerprint is sent with the check off too (the slot empty, nothing compared here): every worker makes the
+    same collectives of the same sizes whatever each was given, so a worker whose check is off while others' is on
+    is named by them, where a collective made by some workers only would be paired with another one (FSDP2's next
+    all-gather) on the others."""
 
     def __init__(self, group: WorkerGroup, *, enabled: bool) -> None:
         self._group = group
         self.batch = BatchAgreement(
             rank=group.rank, task_names=group.task_names, enabled=enabled, strategy="ShardedStrategy"
         )
-        self._pending: _Pending | None = None
+        self._due: tuple[int, bool] | None = None  # the step whose fingerprint is still to be sent, and its flag
 
     @property
     def enabled(self) -> bool:
@@ -71,37 +67,36 @@ class StepAgreement:
         self.batch.enabled = check_batches_flag(value)
 
     def start(self, step: int) -> None:
-        """Starts the all-reduce of every worker's fingerprint of `step` (each in its own slot, exact in float32).
+        """`step`'s fingerprint is due: it rides the step's first reduce-scatter, or `finish` sends it alone."""
+        self._due = (step, self.batch.enabled)
 
-        Started with the check off too (the slot sent empty, nothing compared here): every worker makes the same
-        collectives in the same order whatever each was given, so a worker whose check is off while others' is on
-        is named by them, where a collective made by some workers only would be paired with another one (FSDP2's
-        next all-gather) on the others. A check still pending (a step whose end was never reached) is finished
-        first, so two are never in flight."""
-        self.finish()
-        slots = self.batch.slots(step, torch.float32, self._group.collective_device)
-        works = self._group.cross_worker.all_reduce_async([slots], what="batch agreement", step=step)
-        self._pending = _Pending(slots, works, step, self.batch.enabled)
+    def ride(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Every worker's slots, this worker's filled (exact in any floating-point dtype), for the reduce-scatter
+        that asks: the first of the step; None for the others and outside a step."""
+        if self._due is None:
+            return None
+        return self.batch.slots(self._due[0], dtype, device)
+
+    def landed(self, summed: torch.Tensor) -> None:
+        """Compares the summed slots with the chief's: raises `InputError` naming the step, the workers and the first
+        input that differs, on every worker alike."""
+        assert self._due is not None  # ride() was asked first
+        (step, enabled), self._due = self._due, None
+        values = summed.tolist()  # a host read: on the device path it waits for the sum (then check())
+        self._group.cross_worker.check()
+        if enabled:
+            self.batch.check(values, step)
 
     def finish(self) -> None:
-        """Waits (within the group's timeout) for the started all-reduce, then compares every worker's fingerprint
-        with the chief's: raises `InputError` naming the step, the workers and the first input that differs, on
-        every worker alike. Nothing when no check is pending, so it may be called at every reduce-scatter."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """When the step function returns: a fingerprint that rode no reduce-scatter (a step without one on any
+        worker, as every worker runs the same step) is summed alone, within the group's timeout, and compared."""
+        if self._due is None:
             return
-        cw = self._group.cross_worker
-        cw.wait(pending.works, what="batch agreement", step=pending.step)
-        summed = pending.slots.tolist()  # a host read: on the device path it waits for the sum (then check())
-        cw.check()
-        if pending.enabled:
-            self.batch.check(summed, pending.step)
+        step = self._due[0]
+        slots = self.batch.slots(step, torch.float32, self._group.collective_device)
+        self._group.cross_worker.all_reduce_([slots], what="batch agreement", step=step)
+        self.landed(slots)
 
-    def finish_after_error(self) -> None:
-        """After the step function raised: compares if the sum has already landed (a disagreement may be why it
-        raised, and is then the error to report), else drops it without waiting, since a worker that is gone
-        would make that wait last the whole timeout again."""
-        pending = self._pending
-        if pending is not None and all(w.is_completed() for w in pending.works):
-            self.finish()
-        self._pending = None
+    def drop(self) -> None:
+        """After the step function raised: the fingerprint is not sent (the job stops with that error)."""
+        self._due = None

@@ -27,10 +27,10 @@ def sharded_decisions(stage: int, *, check_batches: bool) -> tuple[list[Placemen
         PlacementDecision(
             subject="batch check",
             choice="on (check_batches=True)" if check_batches else "off (check_batches=False)",
-            reason="each worker's fingerprint of the step and its global batch, summed in an all-reduce started "
-            "with the step and compared before its first gradient reduce-scatter"
+            reason="each worker's fingerprint of the step and its global batch rides the step's first gradient "
+            "reduce-scatter and is compared when it lands, before any update (alone when the step has none)"
             if check_batches
-            else "the fingerprints' all-reduce is still made, empty, so a worker with the check on names this one",
+            else "the fingerprints are still sent, empty, so a worker with the check on names this one",
         ),
     ]
     return before, after

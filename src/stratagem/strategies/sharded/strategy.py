@@ -237,7 +237,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         comm = weigh_gradients([m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")])
         if self._comms:
             comm.weight = self._comms[0].weight
-        comm.before_sum = self._agreement.finish  # no gradient of a step is summed before its batch check
+        comm.rider = self._agreement  # the batch check rides the step's first reduce-scatter (agreement.py)
         self._check_shards(sharded)
         # Recorded only now: a refused model leaves the strategy as it was.
         self._batch_norm.attach([sharded])
@@ -297,8 +297,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             changed = [name for original in self._originals for name in original.changed()]
             self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
-        # Started here, waited for at the step's first reduce-scatter (or its end): forward runs while it travels.
-        self._agreement.start(self._steps + 1)
+        self._agreement.start(self._steps + 1)  # compared when the step's first gradient sum lands, before updates
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
@@ -308,13 +307,13 @@ class ShardedStrategy(Strategy, LossWeightHost):
         try:
             result = fn(*local_args, **local_kwargs)
         except BaseException:
-            self._agreement.finish_after_error()
+            self._agreement.drop()
             raise
         finally:
             self._running = False
             enter_replica(previous)
             self._steps += 1
-        self._agreement.finish()  # a step without a reduce-scatter (no_sync, evaluation) is checked here
+        self._agreement.finish()  # a step without a reduce-scatter (evaluation, no_sync) is checked here
         stacked = stack_replicas([result], sizes, global_size(args, kwargs))
         return tag_results(stacked, None if self._counts is None else [self._counts])
 
