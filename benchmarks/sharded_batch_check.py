@@ -18,7 +18,7 @@ per-round ratios of block times against "none" (on a loaded machine they scatter
 own work per step (the fingerprint, its slots, the comparison) and the reduce-scatters' time per step with and
 without the check, whose difference is the riding's cost.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/sharded_batch_check.py --blocks 20
+    PYTHONPATH=src .venv/bin/python benchmarks/sharded_batch_check.py --blocks 10
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ import statistics
 import time
 
 KINDS = ("shipped", "none", "alone")
-PARTS = ("fingerprint", "slots", "compare", "reduce-scatters")
+PARTS = ("fingerprint", "slots", "compare", "copies", "reduce-scatters", "collectives")
 
 
 def _instrument(kind: list[str], spent: dict[str, float]) -> None:
     """Wraps the check's parts (before any strategy is built, so the strategy's hooks hold the wrappers): each
     adds its time on the training thread to `spent`; the check's are skipped when `kind[0]` is "none"."""
+    import torch.distributed as dist
+
     from stratagem.strategies.multi_worker.agreement import BatchAgreement
     from stratagem.strategies.sharded.agreement import StepAgreement
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
@@ -50,11 +52,12 @@ def _instrument(kind: list[str], spent: dict[str, float]) -> None:
         def wrapper(*args, **kwargs):
             if skip and kind[0] == "none":
                 return None
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - t0
+                spent[name + " cpu"] += time.thread_time() - c0
 
         return wrapper
 
@@ -68,6 +71,22 @@ def _instrument(kind: list[str], spent: dict[str, float]) -> None:
     StepAgreement.ride = timed("slots", ride)
     StepAgreement.landed = timed("compare", landed)
     WeightedReduceScatter.__call__ = timed("reduce-scatters", WeightedReduceScatter.__call__, skip=False)
+    dist.reduce_scatter_tensor = timed("collectives", dist.reduce_scatter_tensor, skip=False)
+    ride_fn = WeightedReduceScatter._ride
+
+    def ride_copies(self, *args):
+        # The riding's own work: its time less the reduce-scatter it makes and the comparison it calls.
+        t0, others = time.perf_counter(), spent["collectives"] + spent["compare"]
+        c0, others_cpu = time.thread_time(), spent["collectives cpu"] + spent["compare cpu"]
+        try:
+            return ride_fn(self, *args)
+        finally:
+            spent["copies"] += time.perf_counter() - t0 - (spent["collectives"] + spent["compare"] - others)
+            spent["copies cpu"] += (
+                time.thread_time() - c0 - (spent["collectives cpu"] + spent["compare cpu"] - others_cpu)
+            )
+
+    WeightedReduceScatter._ride = ride_copies
 
 
 def _rank(rank: int, port: int, blocks: int, warmup: int, queue) -> None:
@@ -75,7 +94,7 @@ def _rank(rank: int, port: int, blocks: int, warmup: int, queue) -> None:
     import torch.distributed as dist
 
     kind = ["shipped"]
-    spent = dict.fromkeys(PARTS, 0.0)
+    spent = dict.fromkeys(PARTS + tuple(p + " cpu" for p in PARTS), 0.0)
     _instrument(kind, spent)
 
     import stratagem as sg
@@ -105,21 +124,25 @@ def _rank(rank: int, port: int, blocks: int, warmup: int, queue) -> None:
     for _ in range(max(1, warmup // n)):
         block()
     step_s: dict[str, list[float]] = {k: [] for k in KINDS}
-    parts: dict[str, dict[str, list[float]]] = {k: {p: [] for p in PARTS} for k in KINDS}
+    parts: dict[str, dict[str, list[float]]] = {k: {p: [] for p in spent} for k in KINDS}
+    step_cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     for b in range(blocks):
         for k in KINDS[b % 3 :] + KINDS[: b % 3]:
             kind[0] = k
             before = dict(spent)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             block()
+            step_cpu[k].append((time.thread_time() - c0) / n)
             dist.barrier()  # the slowest rank's time
             step_s[k].append((time.perf_counter() - t0) / n)
             for name in spent:
                 parts[k][name].append((spent[name] - before[name]) / n)
     kind[0] = "shipped"
     gathered = [None, None]
-    dist.all_gather_object(gathered, parts)  # this rank's training-thread times; the report takes the larger
+    dist.all_gather_object(
+        gathered, (parts, step_cpu)
+    )  # this rank's training-thread times; the report takes the larger
     if rank == 0:
         queue.put({"step_s": step_s, "parts": gathered})
     strategy.close()
@@ -152,20 +175,25 @@ def main() -> int:
         )
 
     def slower(kind: str, name: str) -> list[float]:
-        return max((rank_parts[kind][name] for rank_parts in r["parts"]), key=statistics.median)
+        return max((rank_parts[kind][name] for rank_parts, _ in r["parts"]), key=statistics.median)
 
-    own = 0.0
-    for name in ("fingerprint", "slots", "compare"):
-        own += statistics.median(slower("shipped", name))
-        print(f"the check's {name} on the training thread (the slower rank): {_us(slower('shipped', name))} a step")
-    print(f"together {own * 1e6:.0f} us a step, {own / medians['none']:.2%} of the median step without the check")
+    for clock in ("", " cpu"):
+        own = 0.0
+        for name in ("fingerprint", "slots", "compare", "copies"):
+            own += statistics.median(slower("shipped", name + clock))
+            print(f"the check's {name}{clock} (the slower rank): {_us(slower('shipped', name + clock))} a step")
+        if clock:
+            step_cpu = max((cpu["none"] for _, cpu in r["parts"]), key=statistics.median)
+            print(
+                f"together {own * 1e6:.0f} us of the training thread's CPU a step, {own / statistics.median(step_cpu):.2%} "
+                f"of its CPU time in a step without the check (median {statistics.median(step_cpu) * 1e3:.1f} ms)"
+            )
+        else:
+            print(
+                f"together {own * 1e6:.0f} us a step, {own / medians['none']:.2%} of the median step without the check"
+            )
     shipped_rs, none_rs = slower("shipped", "reduce-scatters"), slower("none", "reduce-scatters")
-    riding = statistics.median(shipped_rs) - statistics.median(none_rs)
     print(f"reduce-scatters a step (the slower rank), shipped: {_us(shipped_rs)}; none: {_us(none_rs)}")
-    print(
-        f"the check's own work and the riding together: {(own + riding) * 1e6:.0f} us a step, "
-        f"{(own + riding) / medians['none']:.2%} of the median step without the check"
-    )
     return 0
 
 

@@ -10,10 +10,11 @@ input that differs. A step with no reduce-scatter (an evaluation, a no_sync() mi
 a small all-reduce of its own (`SLOT` numbers per worker, through the worker group's bounded collectives) when the
 step function returns.
 
-Why not an all-reduce of its own at every step: on the MLP benchmark it cost 3.3% of a step (a round trip before
-the step function); started without waiting and waited for before the first reduce-scatter it still woke Gloo's
-thread in the middle of forward, which on a loaded machine cost as much. Riding adds no collective; it costs a copy
-of the first reduced unit's gradients (docs/sharded.md gives the measured figures).
+Why not an all-reduce of its own at every step: waited for at the start of `run` it cost 3.3% of a stage-3 MLP
+step (a round trip before the step function); started there without waiting (Gloo's async_op) and waited for
+before the first reduce-scatter, merely starting it took a median 3.4-3.9 ms of the training thread on the loaded
+2-vCPU machine (Gloo's thread, woken in the middle of forward, competes for the same cores). Riding adds no
+collective and no thread; it costs a copy of the first reduced unit's gradients (docs/sharded.md, measured).
 
     >>> agreement = StepAgreement(group, enabled=True)
     >>> batches = WorkerBatches(group, n, agreement.batch)   # notes each batch's fingerprint

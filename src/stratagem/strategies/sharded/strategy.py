@@ -44,7 +44,6 @@ from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
 from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
-from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.checks import (
     OriginalModel,
     check_another_model,
@@ -56,6 +55,7 @@ from stratagem.strategies.sharded.checks import (
     copy_refusal,
     shard_records,
 )
+from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
@@ -297,13 +297,13 @@ class ShardedStrategy(Strategy, LossWeightHost):
             changed = [name for original in self._originals for name in original.changed()]
             self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
-        self._agreement.start(self._steps + 1)  # compared when the step's first gradient sum lands, before updates
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
         ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self, host=self)
         previous = enter_replica(ctx)
         self._running = True
+        self._agreement.start(self._steps + 1)  # compared when the step's first gradient sum lands, before updates
         try:
             result = fn(*local_args, **local_kwargs)
         except BaseException:
