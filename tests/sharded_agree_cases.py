@@ -159,3 +159,72 @@ def check_off_then_missing_barrier_case(rank: int, ports: list[int], timeout: fl
     finally:
         strategy.close()
     return out
+
+
+def check_batches_setter_case(rank: int, ports: list[int], timeout: float) -> dict[str, Any]:
+    """`strategy.check_batches` set between steps: off on every worker (other batches train), on again (an
+    evaluation step on other batches is stopped at its end; a training step before its first reduce-scatter, its
+    shards unchanged), then off on rank 1 only with a new model: rank 0 names rank 1. The batches that differ are
+    rank 1's, its x plus 1."""
+    import stratagem as sg
+
+    strategy = sg.ShardedStrategy(cluster=_cluster(rank, ports), timeout=timeout)
+    out: dict[str, Any] = {"refused": None}
+    try:
+        try:
+            strategy.check_batches = "off"  # type: ignore[assignment]
+        except sg.InputError as error:
+            out["refused"] = str(error)
+        user_model = mlp(torch.float64)
+        model, opt = strategy.distribute(user_model, torch.optim.SGD(user_model.parameters(), lr=0.1))
+        events: list[str] = []
+
+        def train(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss_fn(model, x, y).backward()
+            events.append("backward")
+            opt.step()
+            events.append("update")
+            opt.zero_grad()
+
+        def evaluate(x: torch.Tensor, y: torch.Tensor) -> None:
+            with torch.no_grad():
+                loss_fn(model, x, y)
+            events.append("evaluated")
+
+        def differing(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            data = batches(torch.float64, [13] * n)
+            return [(x + 1.0, y) for x, y in data] if rank == 1 else data
+
+        def shards() -> list[torch.Tensor]:
+            return [p.to_local().detach().clone() for p in model.module.parameters()]
+
+        def steps(fn: Any, data: list[Any]) -> str | None:
+            try:
+                for x, y in strategy.distribute_dataset(data):
+                    strategy.run(fn, args=(x, y))
+            except sg.InputError as error:
+                return str(error)
+            return None
+
+        out["on at first"] = strategy.check_batches
+        strategy.check_batches = False
+        out["off"] = steps(train, differing(2)), list(events)
+        strategy.check_batches = True
+        events.clear()
+        out["evaluation"] = steps(evaluate, differing(1)), list(events)
+        events.clear()
+        before = shards()
+        out["training"] = steps(train, differing(1)), list(events)
+        out["shards unchanged"] = all(torch.equal(a, b) for a, b in zip(before, shards()))
+
+        # A new model (the one above stopped inside its backward); rank 1 turns the check off, rank 0 does not.
+        user_model = mlp(torch.float64)
+        model, opt = strategy.distribute(user_model, torch.optim.SGD(user_model.parameters(), lr=0.1))
+        strategy.check_batches = rank == 0
+        try:
+            out["mixed"] = steps(train, batches(torch.float64, [13]))
+        except Exception as error:  # noqa: BLE001 - rank 1 is left in a collective rank 0 never makes
+            out["mixed"] = f"{type(error).__name__}: {error}"
+        return out
+    finally:
+        strategy.close()

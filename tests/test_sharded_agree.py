@@ -100,3 +100,82 @@ def test_a_step_whose_inputs_never_went_through_the_strategy_agrees_on_the_step_
     chief.check((chief.slots(2, torch.float32) + other.slots(2, torch.float32)).tolist(), 2)  # no error
     with pytest.raises(sg.InputError, match=r"different steps. Received: step 1 there, step 2 on the chief.*ShardedS"):
         chief.check((chief.slots(2, torch.float32) + other.slots(1, torch.float32)).tolist(), 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.sharded
+@pytest.mark.timeout(300)
+def test_check_batches_set_between_steps_stops_before_any_update_and_names_a_worker_with_it_off():
+    ports = [free_port(), free_port()]
+    outcomes = run_ranks(sharded_agree_cases.check_batches_setter_case, [0, 1], args=(ports, 20.0), timeout=280)
+    for outcome in outcomes.values():
+        assert outcome.error is None, outcome.error
+    for rank, outcome in outcomes.items():
+        got = outcome.value
+        assert got["refused"] == "check_batches must be True or False. Received: check_batches='off'. Pass a bool."
+        assert got["on at first"] is True
+        # Off on every worker: rank 1's other batches train without a word.
+        assert got["off"] == (None, ["backward", "update"] * 2), (rank, got["off"])
+        # On again: an evaluation (no reduce-scatter) is stopped when its step function returns ...
+        message, events = got["evaluation"]
+        assert events == ["evaluated"], (rank, events)
+        assert message is not None and message.startswith(
+            "The workers disagree at step 3: worker:1 (rank 1) does not hold what the chief (worker:0, rank 0) "
+            "holds; the first input that differs is tensor 0 of the batch (shape (13, 6), torch.float64)."
+        ), message
+        # ... and a training step inside its backward, before the first gradient is summed: nothing updated.
+        message, events = got["training"]
+        assert events == [], (rank, events)
+        assert message is not None and message.startswith("The workers disagree at step 4: worker:1 (rank 1)"), message
+        assert got["shards unchanged"] is True
+    # Off on rank 1 only: the chief names it; rank 1, which compares nothing, is left in the next collective.
+    named = outcomes[0].value["mixed"]
+    assert named.startswith(
+        "The workers disagree at step 5: worker:1 (rank 1) does not hold what the chief (worker:0, rank 0) holds; "
+        "check_batches=False on that worker only. Received: the check on some workers and not on others."
+    ), named
+    assert outcomes[1].value["mixed"] is not None, outcomes[1].value["mixed"]
+
+
+def test_check_batches_refuses_a_value_that_is_not_a_bool_between_steps():
+    from types import SimpleNamespace
+
+    from stratagem.strategies.sharded.agreement import StepAgreement
+
+    agreement = StepAgreement(SimpleNamespace(rank=0, task_names=("worker:0",)), enabled=True)  # type: ignore[arg-type]
+    agreement.enabled = False
+    assert agreement.enabled is False and agreement.batch.enabled is False
+    with pytest.raises(sg.InputError, match=r"check_batches must be True or False. Received: check_batches=1. Pass"):
+        agreement.enabled = 1  # type: ignore[assignment]
+
+
+def test_the_fingerprint_rides_a_bfloat16_reduce_scatter_exactly_beside_the_weighted_gradients(tmp_path):
+    # One rank (a FileStore, no port): the layout and the dtypes; two ranks are the multi-process tests above.
+    import torch.distributed as dist
+
+    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
+
+    class Rider:
+        def __init__(self) -> None:
+            self.sent = torch.tensor([1.0, 255.0, 0.0, 128.0, 7.0], dtype=torch.bfloat16)
+            self.summed: list[torch.Tensor] = []
+
+        def ride(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+            return self.sent.to(dtype) if not self.summed else None  # the first reduce-scatter of the step only
+
+        def landed(self, summed: torch.Tensor) -> None:
+            self.summed.append(summed.clone())
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        comm, rider = WeightedReduceScatter(), Rider()
+        comm.rider = rider  # type: ignore[assignment]
+        comm.weight = 0.5
+        for _ in range(2):
+            grads = torch.arange(6, dtype=torch.bfloat16) * 3
+            out = torch.empty(6, dtype=torch.bfloat16)
+            assert comm(out, grads.clone(), dist.group.WORLD, dist.ReduceOp.SUM) is None
+            assert torch.equal(out, grads * 0.5), out
+    finally:
+        dist.destroy_process_group()
+    assert len(rider.summed) == 1 and torch.equal(rider.summed[0], rider.sent), rider.summed

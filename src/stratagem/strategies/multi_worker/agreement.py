@@ -70,7 +70,7 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
         t = t.view(_ELEMENT_INT[t.element_size()])
     rows = t.reshape(t.shape[0], -1) if t.dim() > 0 else t.reshape(1, 1)
     stride = max(1, -(-rows.shape[1] // SAMPLES_PER_EXAMPLE))
-    return rows[:, ::stride].to(torch.int64).sum(1)
+    return rows[:, ::stride].sum(1, dtype=torch.int64)  # each value widened as it is summed: no int64 copy
 
 
 def _digest(tensor: torch.Tensor, weighted: int, plain: int) -> int:

@@ -4,7 +4,9 @@
 - `weighting.py`: gradients reduce-scattered as a SUM pre-scaled by each rank's share (exact on any split);
 - `memory.py`: the bytes each rank holds, by category, before the first step;
 - `checks.py`: what is refused before anything is built (LBFGS, CUDA on Gloo, a stepped optimizer), and a rank
-  whose shards differ from the plan (one all-gather of shapes and dtypes before the first step).
+  whose shards differ from the plan (one all-gather of shapes and dtypes before the first step);
+- `agreement.py`: the workers' batch check (`check_batches`), riding each step's first gradient reduce-scatter;
+- `decisions.py`: what `explain()` says of the stage, the gradient combination and the batch check.
 """
 
 from stratagem.strategies.sharded.strategy import ShardedStrategy

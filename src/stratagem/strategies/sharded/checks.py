@@ -4,11 +4,11 @@ stepped optimizer, CUDA on Gloo), and once sharded, before the first step: a ran
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+from torch import nn
 
-from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 
 STAGES = (2, 3)
@@ -26,19 +26,6 @@ def check_stage(stage: object) -> int:
             "per unit for forward and again for backward) or stage=2 (kept gathered from forward to backward)."
         )
     return int(stage)  # type: ignore[call-overload]
-
-
-def stage_decision(stage: int) -> PlacementDecision:
-    """What `explain()` says of the stage."""
-    return PlacementDecision(
-        subject="sharding stage",
-        choice=f"stage {stage}",
-        reason="parameters, gradients and optimizer state sharded; each unit gathered for forward and "
-        "again for backward (ZeRO-3)"
-        if stage == 3
-        else "parameters, gradients and optimizer state sharded at rest; gathered parameters kept from "
-        "forward to backward (reshard_after_forward=False): one all-gather per step, peak = whole model",
-    )
 
 
 def copy_refusal(world_size: int) -> str:
@@ -169,3 +156,32 @@ def check_original_unchanged(changed: Sequence[Sequence[str]], task_names: Seque
             "distribute(), or write to the returned model (torch.distributed.checkpoint.state_dict."
             "set_model_state_dict for a whole state dict)."
         )
+
+
+def check_another_model(model: nn.Module, *, running: bool, held: Mapping[int, weakref.ref[torch.Tensor]]) -> None:
+    """Several models may be distributed (a GAN's two), each once, before or between steps, never inside one."""
+    if running:
+        raise InputError(
+            "distribute() ran inside strategy.run(): every worker must shard a model at the same point, before "
+            f"its first step. Received: distribute() of a {type(model).__name__} inside the step function. "
+            "Distribute every model before the loop."
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise InputError(
+            "distribute() needs the plain model: this one is already sharded by FSDP2. Received: a "
+            f"{type(model).__name__} holding FSDP2 modules (a distributed model's `.module`?). Pass the model "
+            "as built, once."
+        )
+    shared = [name for name, p in model.named_parameters() if p is _alive(held.get(id(p)))]
+    if shared:
+        raise InputError(
+            "A model shares parameters with a model this strategy already distributed, whose sharded copy would "
+            f"then train them apart. Received: a {type(model).__name__} whose parameters {shared[:3]} were "
+            "distributed before. Distribute each model once, or one module that holds both."
+        )
+
+
+def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if ref is None else ref()

@@ -17,6 +17,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 if TYPE_CHECKING:
     from stratagem.shm.sums import SharedMemoryGroup
+    from stratagem.strategies.sharded.agreement import StepAgreement
 
 
 class WeightedReduceScatter(ReduceScatter):
@@ -30,6 +31,8 @@ class WeightedReduceScatter(ReduceScatter):
         """This rank's weight in the current backward: n_r / N, or c_r / sum c for declared loss weights."""
         self.shared = shared
         self.step = step
+        self.rider: StepAgreement | None = None
+        """The strategy's batch check, whose numbers ride the first reduce-scatter of each step (`_ride`)."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -42,16 +45,49 @@ class WeightedReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> dist.Work | None:
+        extra = None if self.rider is None or async_op else self.rider.ride(input_tensor.dtype, input_tensor.device)
         shared = self.shared
-        if shared is not None and shared.supports(input_tensor) and shared.supports(output_tensor):
+        if shared is not None and not (shared.supports(input_tensor) and shared.supports(output_tensor)):
+            shared = None
+        if shared is not None and extra is None:
             what = "reduce-scatter of gradients"  # weighted on their way into the shared file: one pass less
             shared.reduce_scatter_(output_tensor, input_tensor, what=what, step=self.step(), scale=self.weight)
             return None  # done: FSDP2 waits only on a returned handle
         if self.weight != 1.0:
             input_tensor.mul_(self.weight)  # FSDP's flat copy of the gradients, not the user's tensors
+        if extra is not None:
+            self._ride(output_tensor, input_tensor, group, extra, shared)
+            return None
         return dist.reduce_scatter_single(
             output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
+
+    def _ride(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        extra: torch.Tensor,
+        shared: SharedMemoryGroup | None,
+    ) -> None:
+        """The reduce-scatter with `extra` (every rank's slots, this rank's filled) beside each rank's chunk, so that
+        every rank's part of the sum ends with every rank's slots summed: one collective where a separate all-reduce
+        would add a round trip. FSDP2 lays its input out as one row per rank with no room between them, so the rows
+        are copied into a wider buffer (this unit's gradients once, the first unit reduced in the step only). The
+        gradients are weighted by now, the slots not; through `shared` where it takes them, else the group."""
+        assert self.rider is not None  # the caller checked
+        shard = output_tensor.numel()
+        world = input_tensor.numel() // shard
+        wide = torch.empty(world, shard + extra.numel(), dtype=input_tensor.dtype, device=input_tensor.device)
+        wide[:, :shard].copy_(input_tensor.view(world, shard))
+        wide[:, shard:].copy_(extra.expand(world, -1))
+        out = torch.empty(shard + extra.numel(), dtype=output_tensor.dtype, device=output_tensor.device)
+        if shared is not None:
+            shared.reduce_scatter_(out, wide.view(-1), what="reduce-scatter of gradients", step=self.step())
+        else:
+            dist.reduce_scatter_single(out, wide.view(-1), op=dist.ReduceOp.SUM, group=group)
+        output_tensor.copy_(out[:shard])
+        self.rider.landed(out[shard:])
 
 
 class SharedMemoryAllGather(AllGather):

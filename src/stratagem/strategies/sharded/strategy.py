@@ -47,6 +47,7 @@ from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import (
     OriginalModel,
+    check_another_model,
     check_device,
     check_original_unchanged,
     check_shards,
@@ -54,13 +55,13 @@ from stratagem.strategies.sharded.checks import (
     check_stage,
     copy_refusal,
     shard_records,
-    stage_decision,
 )
+from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.transport import connect_transport
-from stratagem.strategies.sharded.weighting import COMBINATION, weigh_gradients
+from stratagem.strategies.sharded.weighting import weigh_gradients
 from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
@@ -191,6 +192,16 @@ class ShardedStrategy(Strategy, LossWeightHost):
         """False: each process holds 1/N of the state, which a backup of the chief's would not hold."""
         return False
 
+    @property
+    def check_batches(self) -> bool:
+        """Whether the workers compare each step's number and global batch (the `check_batches` argument).
+        Set it on every worker alike, between steps."""
+        return self._agreement.enabled
+
+    @check_batches.setter
+    def check_batches(self, value: bool) -> None:
+        self._agreement.enabled = value
+
     def state_shards(self) -> ShardedStateShards:
         """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
         return self._state_shards  # one for the strategy's life: its asynchronous saves' process group is made once
@@ -215,7 +226,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         with a warning that its peak is the unsharded model.
         """
         self._check_distribute_args(model, optimizer, None)
-        self._check_another_model(model)
+        check_another_model(model, running=self._running, held=self._held)
         check_optimizer(optimizer)
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -241,6 +252,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps)
         if self._comms:
             comm.weight = self._comms[0].weight
+        comm.rider = self._agreement  # the batch check rides the step's first reduce-scatter (agreement.py)
         self._check_shards(sharded)
         # Recorded only now: a refused model leaves the strategy as it was.
         self._batch_norm.attach([sharded])
@@ -258,30 +270,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
             return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
         return wrapped, clone_optimizer(optimizer, mapping, with_state=False)
-
-    def _check_another_model(self, model: nn.Module) -> None:
-        """Several models may be distributed (a GAN's two), each once, before or between steps, never inside one."""
-        if self._running:
-            raise InputError(
-                "distribute() ran inside strategy.run(): every worker must shard a model at the same point, before "
-                f"its first step. Received: distribute() of a {type(model).__name__} inside the step function. "
-                "Distribute every model before the loop."
-            )
-        from torch.distributed.fsdp import FSDPModule
-
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            raise InputError(
-                "distribute() needs the plain model: this one is already sharded by FSDP2. Received: a "
-                f"{type(model).__name__} holding FSDP2 modules (a distributed model's `.module`?). Pass the model "
-                "as built, once."
-            )
-        shared = [name for name, p in model.named_parameters() if p is _alive(self._held.get(id(p)))]
-        if shared:
-            raise InputError(
-                "A model shares parameters with a model this strategy already distributed, whose sharded copy would "
-                f"then train them apart. Received: a {type(model).__name__} whose parameters {shared[:3]} were "
-                "distributed before. Distribute each model once, or one module that holds both."
-            )
 
     def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
         """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
@@ -324,19 +312,23 @@ class ShardedStrategy(Strategy, LossWeightHost):
             changed = [name for original in self._originals for name in original.changed()]
             self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
-        self._agreement.check(self._steps + 1)  # before any update is made from a batch the workers disagree on
         self._set_weight(weight)
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
         ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self, host=self)
         previous = enter_replica(ctx)
         self._running = True
+        self._agreement.start(self._steps + 1)  # compared when the step's first gradient sum lands, before updates
         try:
             result = fn(*local_args, **local_kwargs)
+        except BaseException:
+            self._agreement.drop()
+            raise
         finally:
             self._running = False
             enter_replica(previous)
             self._steps += 1
+        self._agreement.finish()  # a step without a reduce-scatter (evaluation, no_sync) is checked here
         stacked = stack_replicas([result], sizes, global_size(args, kwargs))
         return tag_results(stacked, None if self._counts is None else [self._counts])
 
@@ -463,9 +455,11 @@ class ShardedStrategy(Strategy, LossWeightHost):
         decisions = list(self._group.decisions())
         if self._device_decision is not None:
             decisions.append(self._device_decision)
-        decisions.append(stage_decision(self._stage))
+        before, after = sharded_decisions(self._stage, check_batches=self._agreement.enabled)
+        decisions.extend(before)
         decisions.extend(cut.decision() for cut in self._cuts)
-        decisions.extend([COMBINATION, self._transport])
+        decisions.extend(after)
+        decisions.append(self._transport)
         if self._batch_norm.describe():
             decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
@@ -488,7 +482,3 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._shardeds = []
         self._comms = []
         self._group.close()
-
-
-def _alive(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
-    return None if ref is None else ref()

@@ -25,18 +25,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from stratagem.diagnose import PlacementDecision
-
 if TYPE_CHECKING:
     from stratagem.shm.sums import SharedMemoryGroup
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
-
-COMBINATION = PlacementDecision(
-    subject="gradient combination",
-    choice="reduce-scatter of SUM, each rank pre-scaled by its share of the global batch",
-    reason="FSDP2's AVG is the mean of per-rank means, off for uneven splits; Gloo has no PREMUL_SUM",
-)
-"""What `explain()` says of the weighting."""
 
 
 def weigh_gradients(
