@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "real-models-result "
+MODEL_NAMES = ("resnet18", "gpt2", "bert")  # the keys of stratagem.bench.real_models.MODELS
 CONFIGS = ("plain", "one_device", "mirrored", "central_storage", "mwms", "ddp", "accelerate")
 LABELS = {
     "plain": "plain PyTorch",
@@ -292,14 +293,14 @@ def main() -> int:
         return 0
     if args.quick:
         args.warmup, args.steps, args.repeats = 1, 1, 1
+    configs = [c.strip() for c in args.configs.split(",")]
+    models = [m.strip() for m in args.models.split(",")]
+    unknown = [c for c in configs if c not in CONFIGS] + [m for m in models if m not in MODEL_NAMES]
+    if unknown:  # checked before torch is imported: a mistyped name is refused at once
+        parser.error(f"unknown configuration or model: {unknown}. Configurations: {CONFIGS}; models: {MODEL_NAMES}")
     from stratagem.bench import real_models as rm
     from stratagem.cluster import allocator
 
-    configs = [c.strip() for c in args.configs.split(",")]
-    models = [m.strip() for m in args.models.split(",")]
-    unknown = [c for c in configs if c not in CONFIGS] + [m for m in models if m not in rm.MODELS]
-    if unknown:
-        parser.error(f"unknown configuration or model: {unknown}. Configurations: {CONFIGS}; models: {list(rm.MODELS)}")
     if "accelerate" in configs and importlib.util.find_spec("accelerate") is None:
         print("accelerate not installed: its column is left out (pip install accelerate)", file=sys.stderr)
         configs.remove("accelerate")

@@ -21,11 +21,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # about 30 s on a quiet 2-core machine; minutes when other jobs share it
 def test_the_quick_mode_runs_every_kind_of_launch_and_the_losses_agree(tmp_path):
     out = tmp_path / "real.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    configs = ["plain", "mirrored", "mwms", "ddp"]
+    configs = ["plain", "mwms", "ddp"]  # Mirrored's loop: the in-process test below
     proc = subprocess.run(
         [
             sys.executable,
@@ -41,22 +41,21 @@ def test_the_quick_mode_runs_every_kind_of_launch_and_the_losses_agree(tmp_path)
         capture_output=True,
         text=True,
         env=env,
-        timeout=280,
+        timeout=560,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (results,) = json.loads(out.read_text())["rounds"]["gpt2"]
     losses = {config: results[config]["ranks"][0]["final_loss"] for config in configs}
     for config, loss in losses.items():
         assert loss == pytest.approx(losses["plain"], rel=1e-5), losses
-    assert [len(results[c]["ranks"]) for c in configs] == [1, 1, 2, 2]  # every process reported its peak RSS
+    assert [len(results[c]["ranks"]) for c in configs] == [1, 2, 2]  # every process reported its peak RSS
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| gpt2 |")]
     assert [row.split(" | ")[1] for row in rows] == [
         "plain PyTorch",
-        "Mirrored x2",
         "MultiWorkerMirrored x2",
         "DDP x2 (torchrun)",
     ]
-    assert "Mirrored x2 / plain PyTorch >= 0.95" in proc.stdout
+    assert "MultiWorkerMirrored x2 / DDP x2 (torchrun) >= 1.0" in proc.stdout
 
 
 def test_an_unknown_configuration_is_refused_with_the_choices():
@@ -65,14 +64,14 @@ def test_an_unknown_configuration_is_refused_with_the_choices():
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(SRC)},
-        timeout=60,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "unknown configuration or model: ['horovod']" in proc.stderr
     assert "mwms" in proc.stderr
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_mirrored_gives_plain_pytorchs_final_loss_on_the_resnet_with_batch_norm():
     spec = rm.MODELS_QUICK["resnet18"]
     plain = rm.run_plain(spec, warmup=1, steps=2)
