@@ -1,7 +1,8 @@
 """The model zoo of the real-model tests: models as users build them, their batches, their training
 loops, and the plain one-device loop each strategy is compared with.
 
-Every model is built from a configuration, so nothing is downloaded:
+Every model is built from a configuration, so nothing is downloaded (the builders and the step function are
+`stratagem.bench.zoo`'s, shared with benchmarks/real_models.py, which runs the same models at real sizes):
 
 - a tiny Hugging Face GPT-2 (tied input and output embeddings, dict batches with `labels`, the model
   computing `outputs.loss`), AdamW with transformers' `get_linear_schedule_with_warmup`;
@@ -24,14 +25,16 @@ the ResNet without BatchNorm (identity instead), BERT's batches as plain dicts. 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from stratagem.bench.zoo import ResNet18, adamw_groups, bert, gpt2, loss_of, make_step
+
+__all__ = ["ResNet18", "loss_of", "make_step"]  # re-exported: the tests reach them as zoo.<name>
 
 NUM_CLASSES = 10
 BATCH_SIZES = [7, 5, 4]  # 2 replicas: 4+3, 3+2, 2+2; 3 replicas: 3+2+2, 2+2+1, 2+1+1
@@ -48,93 +51,13 @@ TOL = {
 }
 
 
-def _quiet_transformers() -> None:
-    # A config with a tiny vocabulary triggers warnings about GPT-2's default special-token ids.
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-# ---- ResNet-18 --------------------------------------------------------------------------------------
-class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm, added to the (projected) input."""
-
-    def __init__(self, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = norm(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = norm(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        identity = x if self.downsample is None else self.downsample(x)
-        return F.relu(out + identity)
-
-
-class ResNet18(nn.Module):
-    """torchvision's resnet18 layout at `width` channels in the first stage."""
-
-    def __init__(self, width: int = 8, num_classes: int = NUM_CLASSES, batch_norm: bool = True) -> None:
-        super().__init__()
-        norm: Callable[[int], nn.Module] = nn.BatchNorm2d if batch_norm else (lambda c: nn.Identity())
-        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
-        self.bn1 = norm(width)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
-        widths = [width, 2 * width, 4 * width, 8 * width]
-        stages, cin = [], width
-        for stage, cout in enumerate(widths):
-            stride = 1 if stage == 0 else 2
-            stages.append(nn.Sequential(BasicBlock(cin, cout, stride, norm), BasicBlock(cout, cout, 1, norm)))
-            cin = cout
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.fc = nn.Linear(cin, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-
-
-# ---- Hugging Face models ----------------------------------------------------------------------------
+# ---- models (built by stratagem.bench.zoo, shared with benchmarks/real_models.py) -------------------
 def tiny_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    _quiet_transformers()
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
+    return gpt2(vocab=VOCAB, positions=16, width=32, layers=2, heads=2)
 
 
 def tiny_bert() -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    _quiet_transformers()
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-        pad_token_id=0,
-    )
-    return BertForSequenceClassification(config)
+    return bert(vocab=VOCAB, positions=16, width=32, layers=2, heads=2, intermediate=64, num_labels=3)
 
 
 # ---- batches ----------------------------------------------------------------------------------------
@@ -187,13 +110,6 @@ class Setup:
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None
 
 
-def _adamw_groups(model: nn.Module) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if name.endswith("bias") or "LayerNorm" in name else decay).append(p)
-    return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _warmup(optimizer: torch.optim.Optimizer) -> Any:
     from transformers import get_linear_schedule_with_warmup
 
@@ -221,33 +137,7 @@ def build(name: str, simple: bool = False) -> Setup:
         )
     if name == "gpt2":
         return Setup(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01), _warmup)
-    return Setup(model, lambda m: torch.optim.AdamW(_adamw_groups(m), lr=3e-3), _warmup)
-
-
-def loss_of(name: str, model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss as each model's users compute it: HF models return it, the ResNet takes cross-entropy."""
-    if name == "resnet18":
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-    return model(**batch).loss
-
-
-def make_step(
-    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> Callable[[Any], torch.Tensor]:
-    """The one-device training step, written once, run unchanged by every strategy."""
-
-    def step(batch: Any) -> torch.Tensor:
-        loss = loss_of(name, model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return step
+    return Setup(model, lambda m: torch.optim.AdamW(adamw_groups(m), lr=3e-3), _warmup)
 
 
 def train_reference(name: str, simple: bool = False, batches: list[Any] | None = None) -> tuple[nn.Module, list[float]]:
