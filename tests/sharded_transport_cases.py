@@ -18,7 +18,7 @@ CASES = (("stage 2 shared memory", 2, {}), ("stage 2 gloo", 2, {"shared_memory":
 
 def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
     """Per case: the worst relative error against one device (float64, AdamW, 13 examples split 7/6), what
-    explain() says of the transport, and how many all-gathers and reduce-scatters went through the process group."""
+    explain() says of the transport, the memory plan's transport bytes, and how many all-gathers and reduce-scatters went through the process group."""
     import stratagem as sg
 
     calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
@@ -50,7 +50,12 @@ def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
                 float((full(p).detach() - q.detach()).abs().max() / q.detach().abs().max())
                 for p, q in zip(model.parameters(), reference.parameters())
             )
-            out[case] = {"worst": worst, "explain": str(strategy.explain()), "calls": dict(calls)}
+            out[case] = {
+                "worst": worst,
+                "explain": str(strategy.explain()),
+                "calls": dict(calls),
+                "plan_transport": strategy.memory_plan().transport,
+            }
         finally:
             strategy.close()
     return out

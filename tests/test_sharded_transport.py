@@ -27,6 +27,8 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         assert "all-gather and reduce-scatter: shared memory" in shared["explain"], shared["explain"]
         # Five steps of three units: not one all-gather or reduce-scatter went through Gloo.
         assert shared["calls"] == {"all_gather_single": 0, "reduce_scatter_single": 0}, shared
+        # The memory plan counts the shared file every rank maps: 2 slots and the result area of 4 MiB each.
+        assert shared["plan_transport"] == 3 * (4 << 20), shared["plan_transport"]
         fallback = got["stage 2 gloo"]
         assert fallback["worst"] <= 1e-9, (rank, fallback["worst"])
         explained = fallback["explain"]
@@ -34,6 +36,7 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         # Stage 2: one all-gather and one reduce-scatter per unit and step (3 Linear units; the root holds no
         # parameter of its own), 5 steps.
         assert fallback["calls"] == {"all_gather_single": 15, "reduce_scatter_single": 15}, fallback
+        assert fallback["plan_transport"] == 0, fallback["plan_transport"]
 
 
 class _CrossWorker:

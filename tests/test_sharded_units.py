@@ -145,6 +145,19 @@ def test_the_plan_of_adamw_over_two_ranks_by_hand():
     )
     stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
     assert stage2.gathered_peak == 55 * 4 + 2 * 55 * 4 and stage2.optimizer_state == 0
+    # The shared-memory file of the units' collectives counts in the total, not in the state at rest.
+    shm = plan_memory(
+        list(model.parameters()),
+        torch.optim.AdamW(model.parameters()),
+        rank=1,
+        world_size=2,
+        stage=3,
+        largest_unit_bytes=55 * 4,
+        transport_bytes=3 * 1024,
+    )
+    assert shm.total == plan.total + 3 * 1024
+    assert "the state at rest (360 B)" in (shm.against_replica() or "")
+    assert str(shm).endswith("shared-memory transport 3.0 KiB") and "transport" not in str(plan)
 
 
 def test_a_whole_model_unit_prefetches_nothing_so_its_peak_is_the_model_and_its_gradients():

@@ -13,7 +13,9 @@ rows on rank r:
   reduce-scatter (the gradients are freed only after that copy): 2 U + U_grad + U_rs, U the largest unit
   in the compute dtype, U_rs the same unit in the reduce dtype (U + U_grad + U_rs when the whole model
   is one unit); stage 2 keeps every unit gathered from forward to backward: the whole model M plus
-  U_grad + U_rs.
+  U_grad + U_rs;
+- transport: the shared-memory file the units' collectives go through on one host (`transport.py`), which
+  every rank maps and reads whole: (N + 1) slots of its chunk size; 0 through the process group.
 
 Against plain data parallelism (a whole copy of parameters, gradients and state per rank: (2 + k) M
 with fp32 AdamW's k = 2 giving DeepSpeed's 16 bytes per parameter), the state at rest falls by N.
@@ -71,20 +73,22 @@ class MemoryPlan:
     """Bytes of the whole model's parameters: what every rank would hold without sharding."""
     replicated: int | None = None
     """What a rank of plain data parallelism holds: the whole parameters, gradients and optimizer state."""
+    transport: int = 0
+    """The shared-memory file this rank maps for the units' all-gathers and reduce-scatters (0: the process group)."""
 
     @property
     def total(self) -> int | None:
         """Everything above added up (activations not included); None when the optimizer state is unknown."""
         if self.optimizer_state is None:
             return None
-        return self.parameters + self.gradients + self.optimizer_state + self.gathered_peak
+        return self.parameters + self.gradients + self.optimizer_state + self.gathered_peak + self.transport
 
     def against_replica(self) -> str | None:
         """Why memory dropped by what it did against a whole copy per rank (None: not known)."""
         total = self.total
         if total is None or not self.replicated:
             return None
-        at_rest = total - self.gathered_peak
+        at_rest = total - self.gathered_peak - self.transport
         return (
             f"{show_bytes(total)} per rank against a whole copy's {show_bytes(self.replicated)} "
             f"({total / self.replicated:.2f}x): the state at rest ({show_bytes(at_rest)}) is sharded "
@@ -105,6 +109,7 @@ class MemoryPlan:
             f"rank {self.rank}/{self.world_size}, stage {self.stage}: parameters {show_bytes(self.parameters)}, "
             f"gradients {show_bytes(self.gradients)}, optimizer state {state}, gathered at peak {show_bytes(self.gathered_peak)} "
             f"(unsharded model {show_bytes(self.unsharded_model)})"
+            + (f", shared-memory transport {show_bytes(self.transport)}" if self.transport else "")
         )
 
 
@@ -133,13 +138,14 @@ def plan_memory(
     num_units: int = 1,
     compute_element_size: int | None = None,
     reduce_element_size: int | None = None,
+    transport_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan for the model's ORIGINAL (unsharded) parameters `params` and the user's `optimizer`.
 
     `largest_unit_bytes`: the largest unit's parameters in their own dtype; `num_units`: the units besides the
     root (0: the whole model is one unit, nothing is prefetched); `compute_element_size` and
     `reduce_element_size`: the bytes of one element of the mixed-precision parameter and reduce dtypes,
-    when set.
+    when set; `transport_bytes`: the shared-memory file the units' collectives go through, when they do.
     """
     params = list(params)
     mine = {id(p): shard_bytes(p.shape, p.element_size(), world_size, rank) for p in params}
@@ -165,6 +171,7 @@ def plan_memory(
         gathered_peak=gathered,
         unsharded_model=whole,
         replicated=_replicated_bytes(params, optimizer, whole),
+        transport=transport_bytes,
     )
 
 

@@ -290,6 +290,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
     ) -> MemoryPlan:
         param_dtype, reduce_dtype = self._mp
+        shared = self._group.cross_worker.shared  # the units' collectives' file, when connected (transport.py)
         return plan_memory(
             params,
             optimizer,
@@ -300,6 +301,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             num_units=len(cut.units),
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
             reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
+            transport_bytes=0 if shared is None else (shared.world_size + 1) * shared.capacity,
         )
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
