@@ -363,3 +363,15 @@ def test_all_gather_and_reduce_scatter_hand_each_rank_its_blocks_bit_for_bit(wor
         assert torch.equal(block, whole[rank * numel : (rank + 1) * numel])
         assert torch.equal(in_place, torch.cat(shards))
         assert torch.equal(scaled, weighted[rank * numel : (rank + 1) * numel])
+
+
+def test_a_collective_after_close_is_refused_saying_the_group_was_closed():
+    # A sharded model used after strategy.close() calls its units' all-gather on the closed group.
+    def body(rank, group, reason, fell_back):
+        assert group is not None, reason
+        group.close()
+        with pytest.raises(ReplicaError, match=r"was closed \(strategy.close\(\)\)"):
+            group.all_gather_into_(torch.zeros(4), torch.zeros(2), what="all-gather", step=1)
+        return True
+
+    assert run_ranks(2, body) == [True, True]

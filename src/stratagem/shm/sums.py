@@ -225,6 +225,12 @@ class SharedMemoryGroup:
             self._wait_all(_SUMMED, self._seq, what, step)
 
     def _check_usable(self) -> None:
+        if self._bytes is None:  # close() ran: a sharded model used after its strategy was closed reaches here
+            raise ReplicaError(
+                "The shared-memory group of this strategy was closed (strategy.close()). Received: another "
+                "collective (a sharded model's forward or backward after close). Train and evaluate the model "
+                "before close(), or make a new strategy and distribute the model again."
+            )
         if self._broken is not None:
             raise ReplicaError(
                 f"The shared-memory group is unusable after an earlier failure ({self._broken}). "
