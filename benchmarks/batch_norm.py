@@ -271,7 +271,7 @@ class TwoReplicaMeeting:
         return results[count % 2]
 
     def sum_across_workers(self, total, what, step) -> None:  # type: ignore[no-untyped-def]
-        pass
+        pass  # one process: there are no other workers to sum with
 
     def layer_name(self, layer: int) -> str:
         return f"layer {layer}"

@@ -23,7 +23,7 @@ class TwoWorkers:
         tensors[0].add_(self.others.pop(0))
 
     def check(self) -> None:
-        pass
+        pass  # a stand-in: no collective of its own to check
 
 
 def test_only_what_some_worker_reached_is_written_back_and_one_reached_elsewhere_adds_what_this_worker_holds():
