@@ -48,6 +48,20 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
 
+def clipped_step(model: nn.Module, opt: Any) -> Any:
+    """The step every sharded MLP case runs: the loss, backward, the gradient norm clipped to 0.5, the update."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
 def train_one_device(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -217,14 +231,7 @@ def _mlp_case(strategy: Any, stage: int) -> dict[str, Any]:
     user_model = mlp(torch.float32)
     model, opt = strategy.distribute(user_model, OPTIMIZERS["adamw"](user_model.parameters()))
     plan = strategy.memory_plan()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step = clipped_step(model, opt)
 
     for x, y in strategy.distribute_dataset(data):
         strategy.reduce("mean", strategy.run(step, args=(x, y)))

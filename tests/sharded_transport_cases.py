@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sharded_cases import OPTIMIZERS, batches, cluster_of, full, loss_fn, mlp, train_one_device
+from sharded_cases import OPTIMIZERS, batches, clipped_step, cluster_of, full, mlp, train_one_device
 
 # Stage 3 through shared memory is the default of tests/test_sharded_strategy.py and test_sharded_numerics.py.
 # Stage 3 through shared memory is the default in tests/test_sharded_strategy.py and test_sharded_numerics.py.
@@ -35,15 +35,7 @@ def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
         try:
             user_model = mlp(torch.float64)
             model, opt = strategy.distribute(user_model, OPTIMIZERS["adamw"](user_model.parameters()))
-
-            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                loss = loss_fn(model, x, y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-                opt.step()
-                opt.zero_grad()
-                return loss.detach()
-
+            step = clipped_step(model, opt)
             for x, y in strategy.distribute_dataset(data):
                 strategy.run(step, args=(x, y))
             worst = max(
