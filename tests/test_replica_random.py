@@ -82,7 +82,9 @@ def test_two_runs_with_one_seed_are_bit_identical(name: str) -> None:
 def test_each_replica_draws_its_own_stream_and_replica_0_draws_torchs() -> None:
     strategy = STRATEGIES["mirrored-2"]()
     try:
-        model = nn.Linear(2, 2)
+        # A model with dropout: the per-replica streams are on from the first step. (A model that draws nothing
+        # runs its first step without them, so its replicas would draw from torch's generator in thread order.)
+        model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
         torch.manual_seed(11)
         strategy.distribute(model)
         masks = strategy.experimental_local_results(
