@@ -73,3 +73,60 @@ def test_an_error_in_the_combination_fails_every_replica_of_the_meeting() -> Non
     with pytest.raises(Exception) as later:
         barrier.wait(0, "meeting", 1)
     assert later.value.__cause__ is direct[0]
+
+
+class _CountingCondition(threading.Condition):
+    """The barrier's condition, counting the times a waiting replica is woken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.woken = 0
+
+    def notify_all(self) -> None:
+        if self._waiters:  # type: ignore[attr-defined]
+            self.woken += 1
+        super().notify_all()
+
+
+def _wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = threading.Event()
+    for _ in range(int(timeout / 0.005)):
+        if condition():
+            return
+        deadline.wait(0.005)
+    raise AssertionError("the other replica never got there")
+
+
+def test_a_gradient_ready_notice_wakes_a_replica_waiting_to_steal_and_leaves_a_batch_norm_wait_asleep() -> None:
+    # At a BatchNorm meeting in the middle of backward a replica waits without work to steal: the other replica's
+    # gradient hooks (notify) must not wake it, which would take a core and the global lock from the replica it
+    # waits for. At the end of backward a waiting replica steals work, and each notice must wake it.
+    barrier = ReplicaBarrier(["cpu:0", "cpu:1"], timeout=10)
+    counting = _CountingCondition()
+    barrier._cond = counting  # the test's own instrument of the barrier's lock
+    updates: list[int] = []
+    waiting = threading.Thread(target=barrier.wait, args=(0, "BatchNorm statistics of 'bn' (backward)", 1))
+    waiting.start()
+    _wait_until(lambda: barrier._arrived == {0})
+    for i in range(5):
+        barrier.notify(lambda i=i: updates.append(i))
+    assert updates == [0, 1, 2, 3, 4]  # the updates ran
+    assert counting.woken == 0
+    barrier.wait(1, "BatchNorm statistics of 'bn' (backward)", 1)  # the meeting completes: one wake-up
+    waiting.join(10)
+    assert counting.woken == 1
+
+    looked: list[int] = []
+
+    def steal():
+        looked.append(len(looked))
+        return None
+
+    stealing = threading.Thread(target=barrier.wait, args=(0, "end of backward", 1, steal))
+    stealing.start()
+    _wait_until(lambda: len(looked) == 1)
+    barrier.notify(lambda: None)
+    _wait_until(lambda: len(looked) == 2)  # woken, it looked for work again
+    barrier.wait(1, "end of backward", 1)
+    stealing.join(10)
+    assert not stealing.is_alive() and not waiting.is_alive()

@@ -72,6 +72,7 @@ class ReplicaBarrier:
         self._generation = 0
         self._what = ""
         self._error: BaseException | None = None
+        self._stealers = 0  # replicas waiting here with a `steal` callback (at the end of backward)
 
     def reset(self) -> None:
         with self._cond:
@@ -93,11 +94,15 @@ class ReplicaBarrier:
 
     def notify(self, update: Callable[[], None] | None = None) -> None:
         """Runs `update` under the barrier's lock (the one `steal` callbacks run under), then wakes the
-        replicas waiting here, so that a `steal` callback can look again for work."""
+        replicas waiting here with a `steal` callback, so that it can look again for work. A replica waiting
+        without one (at a BatchNorm meeting in the middle of backward) is left asleep: woken, it would only
+        find its meeting unfinished, after taking a core and Python's global lock from the replicas it waits
+        for."""
         with self._cond:
             if update is not None:
                 update()
-            self._cond.notify_all()
+            if self._stealers:
+                self._cond.notify_all()
 
     def wait(
         self,
@@ -161,48 +166,68 @@ class ReplicaBarrier:
                 self._cond.notify_all()
                 return
             deadline = time.monotonic() + self._timeout
-            while generation == self._generation:
-                if self._error is not None:
-                    raise _Aborted() from self._error
-                gone = sorted(self._finished - self._arrived)
-                if gone:
-                    # The meeting points of an update are reached through optimizer.step(), the others through backward().
-                    if call is None:
-                        call = (
-                            "optimizer.step()"
-                            if "optimizer step" in what
-                            else "scheduler.step()"
-                            if "scheduler step" in what
-                            else "backward()"
-                        )
-                    error = ReplicaError(
-                        f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
-                        f"{self._describe(gone)} returned from the step function without getting there. Every "
-                        f"replica must call {call} the same number of times in each step, even on an empty slice."
+            if steal is not None:
+                self._stealers += 1
+            try:
+                self._wait(generation, replica, what, step, steal, call, deadline)
+            finally:
+                if steal is not None:
+                    self._stealers -= 1
+
+    def _wait(
+        self,
+        generation: int,
+        replica: int,
+        what: str,
+        step: int,
+        steal: Callable[[], Callable[[], None] | None] | None,
+        call: str | None,
+        deadline: float,
+    ) -> None:
+        """The wait of `wait` for a replica that is not the last to arrive, with the barrier's lock held."""
+        n = len(self._names)
+        while generation == self._generation:
+            if self._error is not None:
+                raise _Aborted() from self._error
+            gone = sorted(self._finished - self._arrived)
+            if gone:
+                # The meeting points of an update are reached through optimizer.step(), the others through backward().
+                if call is None:
+                    call = (
+                        "optimizer.step()"
+                        if "optimizer step" in what
+                        else "scheduler.step()"
+                        if "scheduler step" in what
+                        else "backward()"
                     )
-                    self._error = error
-                    self._cond.notify_all()
-                    raise error
-                job = steal() if steal is not None else None
-                if job is not None:
-                    self._cond.release()  # the job runs while the others may arrive
-                    try:
-                        job()
-                    finally:
-                        self._cond.acquire()
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(range(n)) - self._arrived)
-                    error = CollectiveTimeoutError(
-                        f"Timed out after {self._timeout:g} s at the {what} of step {step}: replica {replica} "
-                        f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
-                        "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
-                    )
-                    self._error = error
-                    self._cond.notify_all()
-                    raise error
-                self._cond.wait(remaining)
+                error = ReplicaError(
+                    f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
+                    f"{self._describe(gone)} returned from the step function without getting there. Every "
+                    f"replica must call {call} the same number of times in each step, even on an empty slice."
+                )
+                self._error = error
+                self._cond.notify_all()
+                raise error
+            job = steal() if steal is not None else None
+            if job is not None:
+                self._cond.release()  # the job runs while the others may arrive
+                try:
+                    job()
+                finally:
+                    self._cond.acquire()
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(n)) - self._arrived)
+                timed_out = CollectiveTimeoutError(
+                    f"Timed out after {self._timeout:g} s at the {what} of step {step}: replica {replica} "
+                    f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
+                    "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
+                )
+                self._error = timed_out
+                self._cond.notify_all()
+                raise timed_out
+            self._cond.wait(remaining)
 
     def _describe(self, replicas: Sequence[int]) -> str:
         names = ", ".join(f"replica {r} ({self._names[r]})" for r in replicas)
