@@ -184,6 +184,44 @@ def test_parameters_and_optimizer_state_exist_once_and_the_update_runs_once_per_
         torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], **TOL[torch.float64])
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_the_central_update_takes_every_waiting_replicas_threads_and_hands_them_back(share):
+    # While replica 0 applies the update the other replicas wait at the optimizer step, so on the CPU the update
+    # runs with every CPU replica's intra-op threads (plain PyTorch's step has the process's); each replica computes
+    # with its own share before and after it.
+    caller = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        model, user_opt, shape = build("mlp", "sgd_momentum", torch.float64)
+        in_update: list[int] = []
+        user_opt.register_step_pre_hook(lambda *_: in_update.append(torch.get_num_threads()))
+        strategy = central(2, share_parameters=share)
+        dist_model, dist_opt = strategy.distribute(model, user_opt)
+        computing: list[tuple[int, int]] = []
+        for m in dist_model.replicas:
+            m.register_forward_pre_hook(
+                lambda module, args: computing.append(
+                    (sg.current_replica_context().replica_id_in_sync_group, torch.get_num_threads())
+                )
+            )
+
+        def step(x, y):
+            F.cross_entropy(dist_model(x), y).backward()
+            dist_opt.step()
+            dist_opt.zero_grad()
+            dist_model(x)  # after the update, on the same replica thread
+
+        for x, y in strategy.distribute_dataset(make_batches(shape, torch.float64)[:2]):
+            strategy.run(step, args=(x, y))
+        decision = strategy.explain().decision("optimizer update")
+        strategy.close()
+    finally:
+        torch.set_num_threads(caller)
+    assert in_update == [4, 4]
+    assert sorted(set(computing)) == [(0, 2), (1, 2)] and len(computing) == 8
+    assert "with 4 intra-op threads" in decision.reason
+
+
 def test_replicas_with_their_own_copy_receive_the_central_parameters_every_step():
     model, opt, shape = build("mlp", "sgd_momentum", torch.float64)
     strategy = central(2, share_parameters=False)

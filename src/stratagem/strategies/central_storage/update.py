@@ -11,8 +11,9 @@ gradients on the central device and hands the sum back to every replica.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -72,6 +73,14 @@ class CentralUpdate(ReplicaBuilder):
         # The anchor's model IS the central copy, so its gradients are the central gradients (no staging).
         self._anchor = next((r for r, a in enumerate(self._aliased) if a), None)
         self._applier = self._anchor if self._anchor is not None else 0  # whose thread applies the update
+        # The update runs while every other replica waits at the optimizer step's meeting: on a CPU central device it
+        # takes the intra-op threads of every CPU replica (they would otherwise sit idle), as plain PyTorch's step does.
+        cpu_replicas = sum(1 for d in self._devices if d.type == "cpu")
+        self._update_threads = (
+            placement.threads * cpu_replicas
+            if self.central_device.type == "cpu" and placement.threads is not None and cpu_replicas > 1
+            else None
+        )
         self._by_hand: list[int] = []  # replicas given a copy because no optimizer was given (see build)
         self._by_hand_copies: list[CentralCopy] = []  # the models updated by hand on every replica's own copy
         self._hand_updates = HandUpdateGuard()
@@ -195,7 +204,12 @@ class CentralUpdate(ReplicaBuilder):
             choice=f"once per step, on {central}",
             reason=f"every replica calls optimizer.step(); once all have, replica {self._applier} "
             f"({self._names[self._applier]}) applies the optimizer given to distribute() to the central parameters, "
-            f"so its state exists once, on {central}",
+            f"so its state exists once, on {central}"
+            + (
+                f", with {self._update_threads} intra-op threads (every CPU replica's, idle while it waits)"
+                if self._update_threads is not None
+                else ""
+            ),
         )
 
     def _describe(self, replicas: Sequence[int]) -> str:
@@ -391,7 +405,7 @@ class CentralUpdate(ReplicaBuilder):
             self.host.meet(replica, "optimizer step")
         result = None
         if replica == self._applier:
-            with self._hand_updates.strategy_update(replica):
+            with self._hand_updates.strategy_update(replica), self._all_threads(in_step):
                 if in_step:  # outside a step (one replica) the central gradients are the user's own
                     self._stage_gradients(held)
                 result = optimizer.step()
@@ -404,6 +418,19 @@ class CentralUpdate(ReplicaBuilder):
             self.host.meet(replica, "end of the optimizer step")
         self._hand_updates.stepped(replica)
         return result
+
+    @contextlib.contextmanager
+    def _all_threads(self, in_step: bool) -> Iterator[None]:
+        """Inside a step, the applier's thread uses every CPU replica's intra-op threads (the others are waiting)."""
+        if not in_step or self._update_threads is None:
+            yield
+            return
+        mine = torch.get_num_threads()
+        torch.set_num_threads(self._update_threads)  # this thread's own setting: the replica threads keep theirs
+        try:
+            yield
+        finally:
+            torch.set_num_threads(mine)
 
     def _copy_parameters(self, held: CentralCopy) -> None:
         """The central parameters of `held` copied into every replica's compute copy that does not read them in place."""
