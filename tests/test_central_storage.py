@@ -27,6 +27,7 @@ from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
+from stratagem.cluster import allocator
 from stratagem.devices import DeviceRegistry, LogicalDeviceConfiguration, PhysicalDevice
 from stratagem.errors import DeviceError, MemoryEstimateError
 
@@ -292,6 +293,24 @@ def test_explain_on_logical_cpus_says_where_parameters_live_why_and_how_gradient
     # 6*16+16 + 16*16+16 + 16*4+4 = 452 values in the MLP's six tensors
     assert "6 tensors, 452 values, trained once on cpu" in str(strategy.explain())
     strategy.close()
+
+
+@pytest.mark.skipif(allocator.GLIBC is None or not allocator.READS_TUNABLES, reason="glibc's malloc tunables")
+@pytest.mark.parametrize(
+    "make", [central, lambda n: sg.MirroredStrategy([f"cpu:{i}" for i in range(n)], registry=cpu_registry(3))]
+)
+def test_explain_says_how_freed_host_memory_is_treated_where_cpu_replicas_share_a_process(monkeypatch, make):
+    monkeypatch.setattr(allocator, "_applied_here", False)  # a `stratagem train` earlier in this process set it
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    memory = make(2).explain().decision("freed host memory")
+    assert memory is not None and memory.choice == "returned to the system"
+    assert f"start Python with GLIBC_TUNABLES={allocator.KEEP_TUNABLES}" in memory.reason
+    monkeypatch.setenv("GLIBC_TUNABLES", allocator.KEEP_TUNABLES)
+    kept = make(2).explain().decision("freed host memory")
+    assert kept is not None and kept.choice == "kept for reuse"
+    assert make(1).explain().decision("freed host memory") is None  # one replica: no other replica waits on its faults
 
 
 def test_one_gpu_holds_parameters_and_computes():

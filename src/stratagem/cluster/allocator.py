@@ -37,6 +37,8 @@ on 64-bit hosts); larger ones are still mapped and unmapped one by one."""
 
 _TUNABLES = (f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}", f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}")
 _OURS = ":".join(_TUNABLES)
+KEEP_TUNABLES = _OURS
+"""The GLIBC_TUNABLES value that keeps freed memory for reuse (what ``stratagem launch`` gives its tasks)."""
 # The settings of when freed memory goes back to the system, as tunables and in glibc's older spelling
 # (still read by glibc 2.36); a user who set one of them has chosen.
 _RELEASE_TUNABLES = (

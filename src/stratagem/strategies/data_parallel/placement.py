@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from stratagem import devices as sg_devices
-from stratagem import diagnose
+from stratagem import diagnose, environ
+from stratagem.cluster import allocator
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
 from stratagem.strategies.data_parallel.shared_parameters import why_not_shareable
@@ -44,10 +45,27 @@ class ReplicaDevices:
         return [d.name for d in self.logical]
 
     def decisions(self) -> list[PlacementDecision]:
-        return list(self.recorded)
+        recorded = list(self.recorded)
+        if sum(1 for d in self.devices if d.type == "cpu") > 1:
+            recorded.append(host_memory_decision())
+        return recorded
 
     def details(self) -> dict[str, str]:
         return {}
+
+
+def host_memory_decision() -> PlacementDecision:
+    """How this process treats freed host memory (read when asked: the setting is the process's), for CPU replicas
+    that are threads of one process: each step's page faults then wait on the process's one memory map, and a
+    replica held there makes the others wait at the next meeting (a BatchNorm layer's, the end of backward)."""
+    choice, why = allocator.describe(environ.current())
+    if choice == "returned to the system":
+        why += (
+            "; with several CPU replicas in one process the page faults of each step wait on each other, and a "
+            f"replica held there makes the others wait at the next meeting: start Python with "
+            f"GLIBC_TUNABLES={allocator.KEEP_TUNABLES} (a user's process is left as it is)"
+        )
+    return PlacementDecision(subject="freed host memory", choice=choice, reason=why)
 
 
 def place_replicas(
