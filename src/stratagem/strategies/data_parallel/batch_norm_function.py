@@ -19,7 +19,6 @@ the host that would make each replica's stream wait at every layer.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -290,8 +289,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
             idle = call.standing_in or share == 0
             contribution = None
             if not idle:
-                weight_row = None if weight is None else _rows64([weight.detach()])
-                contribution = BackwardShare(share, _rows64([sum_dy, sum_dy_xhat]), weight_row, x.dim())
+                contribution = BackwardShare(share, _rows64([sum_dy, sum_dy_xhat]), weight, x.dim())
             what = f"BatchNorm statistics of '{sync.layer_name(call.layer)}' (backward)"
             channels, device, dtype = x.shape[1], x.device, mean.dtype
 
@@ -319,7 +317,7 @@ class BackwardShare:
 
     share: float  # its combination weight
     sums: Array  # [sum dy, sum dy * x_hat] in float64, (2, channels)
-    weight: Array | None  # the layer's weight on this replica in float64, (1, channels)
+    weight: torch.Tensor | None  # the layer's weight on this replica
     dims: int  # of the input, for the gain's shape
     result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
     """Set by the meeting, in the statistics' dtype: w/sigma shaped to multiply dy, and -(w/sigma)*(a, c) over
@@ -346,15 +344,15 @@ def _combine_backward(
     sync.sum_across_workers(tensor, what, step)
     if not present:
         return
-    gains = _array_on(stats.invstd, device)  # (channels,), or (replicas, channels) with a weight
-    if present[0].weight is not None:
-        gains = gains * _stack([c.weight for c in present if c.weight is not None], device).reshape(-1, channels)
-    gains = gains.reshape(-1, channels)
-    block = total.reshape(1, 2, channels) / (shares.reshape(-1, 1, 1) * -stats.size)  # -(a, c) / share
-    block = block * gains.reshape(-1, 1, channels)
-    gain_shape = (-1, channels) + (1,) * (present[0].dims - 2)
-    gain_rows = _tensor(gains.reshape(gain_shape), dtype).unbind(0)  # each (channels, 1, ...): multiplies dy
-    for c, shift_scale, gain in zip(present, _tensor(block, dtype).unbind(0), itertools.cycle(gain_rows)):
+    # w/sigma from the first present replica's weight: every replica holds the same values (a change to one replica's
+    # alone is refused, see hand_updates.py), so one gain serves all of them, on each replica's device.
+    gains = _array_on(stats.invstd, device)
+    weight = present[0].weight
+    if weight is not None:
+        gains = gains * _rows64([weight.detach() if weight.device == device else weight.detach().to(device)])[0]
+    block = total.reshape(1, 2, channels) / (shares.reshape(-1, 1, 1) * -stats.size) * gains  # -(w/sigma)(a, c)/share
+    gain = _tensor(gains.reshape((channels,) + (1,) * (present[0].dims - 2)), dtype)  # shaped to multiply dy
+    for c, shift_scale in zip(present, _tensor(block, dtype).unbind(0)):
         shift, scale = shift_scale.unbind(0)
         c.result = (gain, shift, scale)
 
