@@ -375,28 +375,3 @@ def test_a_collective_after_close_is_refused_saying_the_group_was_closed():
         return True
 
     assert run_ranks(2, body) == [True, True]
-
-
-@pytest.mark.parametrize("cores, spin", [(64, shared_memory.MEETING_SPIN_SECONDS), (1, shared_memory.SPIN_SECONDS)])
-def test_a_meeting_sum_polls_longer_only_where_every_rank_has_a_core_and_sums_like_any_other(monkeypatch, cores, spin):
-    # BatchNorm's sums in the middle of a step: a rank that arrives first polls instead of sleeping, but only where
-    # the host's cores cover every rank's threads; on a crowded host it would take a core from a rank still computing.
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    world = 2
-
-    def body(rank, group, reason, fell_back):
-        assert group is not None, reason
-        out = []
-        for k in range(20):
-            if rank == k % 2:
-                time.sleep(1e-4 * (k % 5))  # each rank arrives first in turn
-            tensor = torch.full((9,), float(rank + 1) * (k + 1), dtype=torch.float64)
-            group.all_reduce_(tensor, what="BatchNorm statistics", step=k, meeting=True)
-            out.append(tensor)
-        return group.meeting_spin(), out
-
-    results = run_ranks(world, body)
-    for rank in range(world):
-        chosen, sums = results[rank]
-        assert chosen == spin
-        assert all(torch.equal(s, torch.full((9,), 3.0 * (k + 1), dtype=torch.float64)) for k, s in enumerate(sums))

@@ -185,14 +185,11 @@ class CrossWorker:
         return out
 
     # ---- collectives ------------------------------------------------------------------------
-    def all_reduce_async(
-        self, tensors: Sequence[torch.Tensor], *, what: str, step: int, meeting: bool = False
-    ) -> list[Any]:
+    def all_reduce_async(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> list[Any]:
         """Starts a SUM all-reduce of each tensor, in order; returns the work handles to `wait` for.
 
         A tensor the shared-memory group takes (`self.shared`: every worker on this host, a CPU tensor)
-        is summed there and then, so it has no handle; the others start on the process group. `meeting`: a
-        small sum in the middle of a step (BatchNorm statistics), where shared memory polls longer.
+        is summed there and then, so it has no handle; the others start on the process group.
         """
         self.check()
         works = []
@@ -200,16 +197,16 @@ class CrossWorker:
             if self.shared is not None and self.shared.supports(tensor):
                 self._waiting += 1
                 try:
-                    self.shared.all_reduce_(tensor, what=what, step=step, meeting=meeting)
+                    self.shared.all_reduce_(tensor, what=what, step=step)
                 finally:
                     self._waiting -= 1
             else:
                 works.append(self._start(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True))
         return works
 
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int, meeting: bool = False) -> None:
-        """SUM all-reduce in place, waiting at most `timeout` (`meeting`: see `all_reduce_async`)."""
-        self.wait(self.all_reduce_async(tensors, what=what, step=step, meeting=meeting), what=what, step=step)
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> None:
+        """SUM all-reduce in place, waiting at most `timeout`."""
+        self.wait(self.all_reduce_async(tensors, what=what, step=step), what=what, step=step)
 
     def all_gather_bytes(
         self, payload: bytes, *, what: str, step: int, device: torch.device | None = None

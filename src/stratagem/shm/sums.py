@@ -79,12 +79,6 @@ DEFAULT_CAPACITY = 4 << 20
 SPIN_SECONDS = 50e-6
 """How long a waiting rank polls before it sleeps: long enough to catch a peer that is microseconds
 behind, short enough not to take a core from a peer still computing."""
-MEETING_SPIN_SECONDS = 2e-3
-"""How long a waiting rank polls at a meeting in the middle of a step (``all_reduce_(meeting=True)``: a
-BatchNorm layer's statistics, forty times a ResNet-18 step), where the ranks arrive within a layer's time of
-each other and a rank that went to sleep would cost the step its wake-up (tens of microseconds on a virtual
-machine) twice, once to arrive and once to sum. Only where every rank's threads have a core of their own
-(``meeting_spin``): elsewhere the poll would take a core from a rank still computing."""
 CHECK_SECONDS = 0.05
 """How often a sleeping rank wakes to check that the ranks it waits for are alive, and the clock."""
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
@@ -139,42 +133,27 @@ class SharedMemoryGroup:
         self._typed: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._seq = 0
         self._broken: str | None = None
-        self._meeting_spin: float | None = None
 
     # ---- the collective -----------------------------------------------------------------------
     def supports(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.dtype in DTYPES and tensor.is_contiguous()
 
-    def all_reduce_(self, tensor: torch.Tensor, *, what: str, step: int, meeting: bool = False) -> None:
-        """Sums ``tensor`` (contiguous, on the CPU, of a dtype in ``DTYPES``) across the ranks, in place.
-        ``meeting``: a small sum in the middle of a step, where a waiting rank polls longer (``meeting_spin``)."""
+    def all_reduce_(self, tensor: torch.Tensor, *, what: str, step: int) -> None:
+        """Sums ``tensor`` (contiguous, on the CPU, of a dtype in ``DTYPES``) across the ranks, in place."""
         self._check_usable()
         flat = tensor.detach().view(-1)
         per_chunk = self.capacity // flat.element_size()
-        spin = self.meeting_spin() if meeting else SPIN_SECONDS
         for start in range(0, max(flat.numel(), 1), per_chunk):
-            self._reduce_chunk(flat[start : start + per_chunk], what, step, spin)
+            self._reduce_chunk(flat[start : start + per_chunk], what, step)
 
-    def meeting_spin(self) -> float:
-        """``MEETING_SPIN_SECONDS`` where this host's cores cover every rank's intra-op threads, else ``SPIN_SECONDS``
-        (decided at the first meeting, when the strategy has set its threads)."""
-        if self._meeting_spin is None:
-            try:
-                cores = len(os.sched_getaffinity(0))
-            except AttributeError:  # not Linux
-                cores = os.cpu_count() or 1
-            fits = self.world_size * torch.get_num_threads() <= cores
-            self._meeting_spin = MEETING_SPIN_SECONDS if fits else SPIN_SECONDS
-        return self._meeting_spin
-
-    def _reduce_chunk(self, chunk: torch.Tensor, what: str, step: int, spin: float = SPIN_SECONDS) -> None:
+    def _reduce_chunk(self, chunk: torch.Tensor, what: str, step: int) -> None:
         n = chunk.numel()
         self._seq += 1
         seq = self._seq
         slots, result_area = self._areas(chunk.dtype)
         slots[self.rank][:n].copy_(chunk)
         self._publish(_ARRIVED, seq)
-        self._wait_all(_ARRIVED, seq, what, step, spin)
+        self._wait_all(_ARRIVED, seq, what, step)
         result = result_area[:n]
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
         if hi > lo:
@@ -183,7 +162,7 @@ class SharedMemoryGroup:
             for slot in slots[2:]:
                 out.add_(slot[lo:hi])
         self._publish(_SUMMED, seq)
-        self._wait_all(_SUMMED, seq, what, step, spin)
+        self._wait_all(_SUMMED, seq, what, step)
         chunk.copy_(result)
 
     def all_gather_into_(self, output: torch.Tensor, tensor: torch.Tensor, *, what: str, step: int) -> None:
@@ -279,7 +258,7 @@ class SharedMemoryGroup:
     def _publish(self, kind: int, seq: int) -> None:
         self._counters.publish(self._index(self.rank, kind), seq)
 
-    def _wait_all(self, kind: int, seq: int, what: str, step: int, spin: float = SPIN_SECONDS) -> None:
+    def _wait_all(self, kind: int, seq: int, what: str, step: int) -> None:
         start = None
         words = self._counters.words
         for q in range(self.world_size):
@@ -288,9 +267,9 @@ class SharedMemoryGroup:
                 continue
             if start is None:
                 start = time.monotonic()
-            self._wait_one(q, index, seq, what, step, start, spin)
+            self._wait_one(q, index, seq, what, step, start)
 
-    def _wait_one(self, q: int, index: int, seq: int, what: str, step: int, start: float, spin: float) -> None:
+    def _wait_one(self, q: int, index: int, seq: int, what: str, step: int, start: float) -> None:
         warned = False
 
         def check() -> None:  # after each sleep that did not see rank q arrive
@@ -310,7 +289,7 @@ class SharedMemoryGroup:
                 self._on_stall(what, step, start)
                 warned = True
 
-        self._counters.wait(index, seq, spin=spin, check_every=CHECK_SECONDS, check=check)
+        self._counters.wait(index, seq, spin=SPIN_SECONDS, check_every=CHECK_SECONDS, check=check)
 
     def close(self) -> None:
         """Unmaps the file (already unlinked: nothing is left in /dev/shm)."""

@@ -249,7 +249,7 @@ class AcrossWorkers:
         return loss_weight.check_total(total, declared, num_replicas_in_sync, state.step)
 
     def batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> Any:
-        return self.cw.all_reduce_([tensor], what=what, step=step, meeting=True)
+        return self.cw.all_reduce_([tensor], what=what, step=step)
 
     # ---- explain ------------------------------------------------------------------------------
     def decisions(self) -> list[PlacementDecision]:

@@ -397,7 +397,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         check_shards([json.loads(p) for p in payloads], cw.task_names)
 
     def _batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> None:
-        self._group.cross_worker.all_reduce_([tensor], what=what, step=step, meeting=True)
+        self._group.cross_worker.all_reduce_([tensor], what=what, step=step)
 
     def _gather_across_workers(self, items: list[Any]) -> list[Any]:
         self._gathers += 1
