@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from stratagem import environ
+from stratagem.cluster.attempt import StopRequest
 from stratagem.cluster.launch import LAUNCHABLE_STRATEGIES, launch
 from stratagem.cluster.processes import OutputLine
 from stratagem.errors import StratagemError
@@ -101,9 +102,8 @@ def _print_line(line: OutputLine) -> None:
     print(f"[{line.task}] {line.text}", file=stream, flush=True)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    print("stratagem launch: received SIGTERM; stopping every task", file=sys.stderr, flush=True)
-    sys.exit(128 + signum)
+# A scheduler's SIGTERM and a Ctrl-C stop the launch the same way (exit code 128 + the signal's number).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,9 +130,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    # Tasks run in their own sessions, so a scheduler's SIGTERM reaches only this process: turn it
-    # into SystemExit, which unwinds through launch() and stops every task on the way out.
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Tasks run in their own sessions, so a scheduler's SIGTERM (or a Ctrl-C) reaches only this process. The
+    # handler only asks launch() to stop (see StopRequest: raising there could leave a task started and never
+    # stopped); launch() then stops every task and returns. A signal this process ignores stays ignored.
+    stop = StopRequest()
+    previous = {
+        signum: signal.signal(signum, stop.request)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) != signal.SIG_IGN
+    }
     try:
         result = launch(
             _command(args),
@@ -146,12 +152,24 @@ def run(args: argparse.Namespace) -> int:
             grace_period=args.grace_period,
             keep_freed_memory=not args.default_allocator,
             strategy=args.strategy,
+            stop=stop,
         )
     except StratagemError as exc:
         print(f"stratagem launch: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stop.signum is not None and result.failed_task is None and result.exit_code == 128 + stop.signum:
+        if stop.signum == signal.SIGINT:
+            print("stratagem launch: interrupted (Ctrl-C); stopped.", file=sys.stderr)  # as every command says it
+        else:
+            print(
+                f"stratagem launch: received {signal.Signals(stop.signum).name}; stopped every task "
+                f"(exit code {result.exit_code})",
+                file=sys.stderr,
+            )
+        return result.exit_code
     if result.ok:
         if result.restarts or result.recoveries:
             print(f"stratagem launch: {result.explain()}", file=sys.stderr)

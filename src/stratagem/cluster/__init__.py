@@ -14,10 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from stratagem.cluster.attempt import Recovery, StopRequest, TaskFailure
 from stratagem.cluster.launch import (
     LaunchResult,
-    Recovery,
-    TaskFailure,
     free_ports,
     launch,
     launched_by_stratagem,
@@ -49,6 +48,7 @@ __all__ = [
     "LaunchResult",
     "OutputLine",
     "Recovery",
+    "StopRequest",
     "TaskFailure",
     "describe_exit",
     "expand_nodelist",

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import secrets
 import socket
 import sys
@@ -43,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratagem.cluster import allocator
-from stratagem.cluster.processes import OutputLine, Sink, TaskGroup, describe_exit
+from stratagem.cluster.attempt import Recovery, StopRequest, TaskFailure, run_attempt
+from stratagem.cluster.processes import Sink, TaskGroup
 from stratagem.errors import ClusterError
 from stratagem.timeouts import check_optional_seconds, check_seconds
 
@@ -76,41 +76,6 @@ _INHERITED_CLUSTER_VARIABLES = (
     "TF_CONFIG",
     "STRATAGEM_DEVICES_PER_WORKER",
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskFailure:
-    """How one attempt ended badly."""
-
-    attempt: int
-    """0 for the first start, 1 after the first restart..."""
-    task: str | None
-    """The task that failed first; ``None`` when the run timed out."""
-    returncode: int | None
-    """Its return code (negative: killed by that signal); ``None`` on timeout."""
-    reason: str
-    """In words: ``exit code 3``, ``killed by SIGKILL (...)``, ``timed out after 30 s ...``."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recovery:
-    """A worker of a parameter-server job that died without stopping the job."""
-
-    attempt: int
-    task: str
-    returncode: int
-    reason: str
-    """How it ended, in words (``killed by SIGKILL (...)``)."""
-    action: str
-    """``restarted`` (started again alone, at its address) or ``left out`` (the job went on without it)."""
-
-    def explain(self) -> str:
-        if self.action == "restarted":
-            return f"{self.task} {self.reason}; restarted it alone, at its address, while the job went on"
-        return (
-            f"{self.task} {self.reason}; the job goes on without it (no restarts left, see max_restarts; "
-            "the coordinator runs its steps on the other workers)"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,90 +259,6 @@ def _exit_code(returncode: int) -> int:
     return returncode if returncode > 0 else 128 - returncode if returncode < 0 else 1
 
 
-LAUNCH_TASK = "launch"
-"""The task name of the launcher's own lines on the sink."""
-
-
-def _run_attempt(
-    group: TaskGroup,
-    *,
-    workers: int,
-    deadline: float | None,
-    timeout: float | None,
-    attempt: int,
-    ps: int = 0,
-    worker_restarts: int = 0,
-    grace_period: float = 0.0,
-    sink: Sink | None = None,
-    recoveries: list[Recovery] | None = None,
-) -> TaskFailure | None:
-    """Wait for the workers to finish; the first failure (or the deadline) ends the attempt. With parameter
-    servers, a worker other than the chief that dies is restarted alone or left out instead (``recoveries``)."""
-    pending = {f"worker:{i}" for i in range(workers)}
-    restarted: dict[str, int] = {}
-    while pending:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            task, returncode = group.exits.get(timeout=remaining)
-        except queue.Empty:
-            running = ", ".join(group.running())
-            return TaskFailure(
-                attempt=attempt,
-                task=None,
-                returncode=None,
-                reason=f"timed out after {timeout:g} s; still running: {running}",
-            )
-        if task.startswith("ps:"):
-            # A parameter server serves until the workers finish; leaving early strands them.
-            reason = describe_exit(returncode)
-            if returncode == 0:
-                reason += ", but a parameter server must serve until the workers finish"
-            return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=reason)
-        if ps and task == "worker:0" and returncode == 0:
-            # The chief is the job: it has ended it (told every task to exit). A worker restarted late may not
-            # have heard; it gets the grace period to exit by itself, then is stopped with the servers.
-            _let_finish(group, pending - {task}, grace_period)
-            return None
-        if returncode != 0 and ps and task != "worker:0" and "worker:0" in pending:
-            recovery = _recover(group, task, returncode, attempt, restarted, worker_restarts)
-            if recoveries is not None:
-                recoveries.append(recovery)
-            logger.info("%s", recovery.explain())  # the sink says it to the user
-            if sink is not None:
-                sink(OutputLine(LAUNCH_TASK, "stderr", recovery.explain()))
-            if recovery.action == "left out":
-                pending.discard(task)
-            continue
-        if returncode != 0:
-            return TaskFailure(attempt=attempt, task=task, returncode=returncode, reason=describe_exit(returncode))
-        pending.discard(task)
-    return None
-
-
-def _let_finish(group: TaskGroup, workers: set[str], seconds: float) -> None:
-    """Waits at most ``seconds`` for ``workers`` to exit (how they exit no longer matters: the job is done)."""
-    deadline = time.monotonic() + seconds
-    while workers and time.monotonic() < deadline:
-        try:
-            task, _ = group.exits.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return
-        workers.discard(task)
-
-
-def _recover(
-    group: TaskGroup, task: str, returncode: int, attempt: int, restarted: dict[str, int], worker_restarts: int
-) -> Recovery:
-    """A worker of a parameter-server job died while the chief runs: start it again alone, or leave it out."""
-    reason = describe_exit(returncode)
-    group.stop([task], grace_period=0.0)  # whatever it started in its session goes with it
-    if restarted.get(task, 0) < worker_restarts:
-        restarted[task] = restarted.get(task, 0) + 1
-        group.start(task)
-        return Recovery(attempt=attempt, task=task, returncode=returncode, reason=reason, action="restarted")
-    return Recovery(attempt=attempt, task=task, returncode=returncode, reason=reason, action="left out")
-
-
 def launch(
     argv: Sequence[str],
     *,
@@ -391,6 +272,7 @@ def launch(
     grace_period: float = 5.0,
     keep_freed_memory: bool = True,
     strategy: str | None = None,
+    stop: StopRequest | None = None,
 ) -> LaunchResult:
     """Run ``argv`` as a local cluster of ``workers`` (and ``ps``) processes until they finish.
 
@@ -398,7 +280,9 @@ def launch(
     line a task writes goes to ``sink`` as an ``OutputLine`` as soon as it is written.
     ``timeout`` bounds the whole run, restarts included. ``keep_freed_memory=False`` leaves glibc's
     malloc thresholds at their defaults (see ``task_environments``). ``strategy`` is exported as
-    ``STRATAGEM_STRATEGY``, the name `sg.strategy_from_env()` builds in each task.
+    ``STRATAGEM_STRATEGY``, the name `sg.strategy_from_env()` builds in each task. ``stop``: a `StopRequest`
+    installed as a signal handler; once it is requested, every task is stopped (SIGTERM, then SIGKILL after
+    ``grace_period``) and the result's exit code is 128 + the signal's number.
 
     Example:
         >>> result = launch([sys.executable, "train.py"], workers=2, env=environ.current(),
@@ -412,6 +296,10 @@ def launch(
     failures: list[TaskFailure] = []
     recoveries: list[Recovery] = []
     for attempt in range(max_restarts + 1):
+        stopped = None if stop is None else stop.failure(attempt)
+        if stopped is not None:  # asked before this attempt started: nothing to start, or to stop
+            failures.append(stopped)
+            break
         envs = task_environments(
             env,
             workers=workers,
@@ -426,7 +314,7 @@ def launch(
         logger.info("attempt %d: starting %s", attempt, ", ".join(envs))
         group = TaskGroup(argv, envs, sink, grace_period=grace_period)
         try:
-            failure = _run_attempt(
+            failure = run_attempt(
                 group,
                 workers=workers,
                 deadline=deadline,
@@ -437,9 +325,10 @@ def launch(
                 grace_period=grace_period,
                 sink=sink,
                 recoveries=recoveries,
+                stop=stop,
             )
         finally:
-            # Reached on success (stops the parameter servers), on failure, and on Ctrl-C.
+            # Reached on success (stops the parameter servers), on failure, on a stop request, and on Ctrl-C.
             group.stop(grace_period=grace_period)
             group.drain_output(OUTPUT_DRAIN_SECONDS)
         if failure is None:
