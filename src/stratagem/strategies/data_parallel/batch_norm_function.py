@@ -4,17 +4,11 @@ the replicas' contributions are combined with (batch_norm.py holds the layers an
 Each training call meets the other replicas once in forward and once in backward. A replica brings only
 what its own slice gives (its mean and biased variance, or its two backward sums, in the input's dtype);
 the last replica to arrive at the meeting combines every contribution once, in replica order and in
-float64, sums across workers when there are several, and derives everything per channel that any replica
-then uses (the global mean and variance in the statistics' dtype, the running-statistics targets, and in
-backward each replica's gain, shift and scale). The others wake to a finished result.
-
-What a meeting costs is mostly time on the critical path of every replica: the others wait while the last
-one combines, so the combination is a handful of array operations. On the CPU they run in numpy: there a
-small torch operation costs about 1 us of dispatch and gives up Python's global lock, which the other replica
-thread, returning from a kernel, then takes, so every small torch call between two replica threads costs a
-lock hand-over (measured: a 64-element `torch.add` took 1.0 us alone and 1.7 us beside a thread running
-convolutions). Elsewhere (GPUs) the same arithmetic runs in torch on the combining device, without a copy to
-the host that would make each replica's stream wait at every layer.
+float64, sums across workers when there are several, and derives what every replica then uses (the global
+mean and variance in the statistics' dtype, the running-statistics updates, the backward's per-replica
+coefficients). The others wake to a finished result: nothing is computed twice, and the little work
+around a meeting, which two replica threads would otherwise do one after the other under Python's global
+lock, is done once.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from stratagem.errors import InputError
@@ -31,8 +24,6 @@ from stratagem.errors import InputError
 Combine = Callable[[Sequence[Any], int], Any]
 """Run once per meeting, by the last replica to arrive: (every replica's contribution in replica order,
 step) -> the result every replica gets."""
-
-_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default  # the overload itself: no lookup per call
 
 
 class StatisticsMeeting(Protocol):
@@ -60,122 +51,36 @@ class Call:
     eps: float
 
 
-# ---- arrays of per-channel values: numpy on the CPU, torch elsewhere -------------------------------------
-Array = Any  # np.ndarray or torch.Tensor, both float64: the arithmetic below is written for either
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
-
-
-def _host(device: torch.device) -> bool:
-    """Whether the meeting's arithmetic runs in numpy (the combining replica's tensors are in host memory)."""
-    return device.type == "cpu"
-
-
-def _rows64(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Array:
-    """Per-channel vectors of one replica as the rows of one float64 array, made by that replica before it
-    arrives at a meeting (so the one who combines only stacks them): numpy for host memory."""
-    rows = torch.stack(tensors).to(torch.float64)
-    return rows.numpy() if _host(rows.device) else rows
-
-
-def _stack(arrays: Sequence[Array], device: torch.device) -> Array:
-    """Every present replica's rows, stacked on the combining device: (replicas, rows, channels)."""
-    if _host(device):
-        return np.stack([a if isinstance(a, np.ndarray) else _numpy(a) for a in arrays])
-    return torch.stack([_array_on(a, device) for a in arrays])
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return (t.float() if t.dtype not in _NUMPY_DTYPES else t).numpy()
-
-
-def _vector(values: Sequence[float], device: torch.device) -> Array:
-    if _host(device):
-        return np.array(values, dtype=np.float64)
-    return torch.tensor(values, dtype=torch.float64, device=device)
-
-
-def _zeros(size: int, device: torch.device) -> tuple[Array, torch.Tensor]:
-    """A float64 vector of zeros as an array, and as a tensor sharing its memory (for the sum across workers)."""
-    if _host(device):
-        array = np.zeros(size, dtype=np.float64)
-        return array, torch.from_numpy(array)
-    tensor = torch.zeros(size, dtype=torch.float64, device=device)
-    return tensor, tensor
-
-
-def _tensor(array: Array, dtype: torch.dtype) -> torch.Tensor:
-    """A float64 array as a tensor of `dtype` (on the array's device)."""
-    if isinstance(array, np.ndarray):
-        target = _NUMPY_DTYPES.get(dtype, np.float32)
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=target))
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
-    return array.to(dtype)
-
-
-def _array_on(array: Array, device: torch.device) -> Array:
-    """A float64 array of another meeting (the forward's, combined by another replica) on this one's `device`."""
-    if isinstance(array, np.ndarray):
-        return array if _host(device) else torch.from_numpy(array).to(device)
-    return _numpy(array) if _host(device) else array.to(device)
-
-
-def _concat(first: Array, second: Array) -> Array:
-    return np.concatenate((first, second)) if isinstance(first, np.ndarray) else torch.cat((first, second))
-
-
-def _sqrt(array: Array) -> Array:
-    return np.sqrt(array) if isinstance(array, np.ndarray) else torch.sqrt(array)
-
-
-def _clamp_(array: Array) -> None:
-    if isinstance(array, np.ndarray):
-        np.maximum(array, 0.0, out=array)
-    else:
-        array.clamp_(min=0)
-
-
-# ---- forward -----------------------------------------------------------------------------------------
-@dataclass
-class ForwardShare:
-    """One replica's contribution to a forward meeting: its values per channel, and their mean and biased
-    variance (a stable mean and variance keep the float32 case well conditioned)."""
-
-    count: int
-    stats: Array  # [mean, biased variance] in float64, (2, channels)
-
-
 @dataclass
 class ForwardStatistics:
     """What every replica normalises with, computed once per meeting."""
 
     mean: torch.Tensor  # in the statistics' dtype
     var: torch.Tensor  # biased, in the statistics' dtype
-    invstd: Array  # 1 / sqrt(var + eps) in float64 (the backward's gain)
+    invstd: torch.Tensor  # 1 / sqrt(var + eps), in the statistics' dtype (the backward's gain)
     running_mean: torch.Tensor | None  # the global mean, in the running buffers' dtype (None: no buffers)
     running_var: torch.Tensor | None  # the unbiased global variance, in the running buffers' dtype
     size: float  # values per channel over the global batch
 
 
-def _sum_forward(present: Sequence[ForwardShare], channels: int, device: torch.device) -> tuple[Array, torch.Tensor]:
-    """[sum, sum of squares, count] per channel over the contributions, in float64 and replica order: as an
-    array, and as a tensor sharing its memory."""
-    total, tensor = _zeros(2 * channels + 1, device)
+def _sum_forward(contributions: Sequence[Any], channels: int, device: torch.device) -> torch.Tensor:
+    """[sum, sum of squares, count] per channel over the contributions, in float64; each contribution is None
+    (no example) or (count, stacked mean and biased variance): the sums built from a stable mean and variance
+    keep the float32 case well conditioned. One stack, one cast and one matrix product for all replicas, in
+    replica order (a loop over the replicas cost a dozen small operations each)."""
+    total = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    present = [c for c in contributions if c is not None]
     if present:
-        counts = _vector([float(c.count) for c in present], device)
-        stats = _stack([c.stats for c in present], device)  # (replicas, 2, channels)
-        means = stats[:, 0]
-        stats[:, 1] += means * means  # var + mean^2: the mean of the squares
-        total[: 2 * channels] = counts @ stats.reshape(len(present), 2 * channels)
-        total[-1] = counts.sum()
-    return total, tensor
+        stats = torch.stack([c[1].to(device) for c in present]).to(torch.float64)  # (replicas, 2, C)
+        stats[:, 1].addcmul_(stats[:, 0], stats[:, 0])  # var + mean^2: the mean of the squares
+        counts = torch.tensor([[float(c[0]) for c in present]], dtype=torch.float64, device=device)
+        torch.mm(counts, stats.view(len(present), 2 * channels), out=total[: 2 * channels].view(1, -1))
+        total[-1] = sum(c[0] for c in present)
+    return total
 
 
 def _forward_statistics(
-    total: Array,
+    total: torch.Tensor,
     channels: int,
     stats_dtype: torch.dtype,
     running_dtype: torch.dtype | None,
@@ -187,26 +92,22 @@ def _forward_statistics(
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {int(size)} over the global batch in {where}."
         )
-    moments = total[: 2 * channels].reshape(2, channels) / size  # [mean, mean of the squares]
-    mean64, var64 = moments[0], moments[1]
-    var64 -= mean64 * mean64
-    _clamp_(var64)
-    invstd = 1.0 / _sqrt(var64 + eps)
-    if running_dtype is None:
-        mean, var = _tensor(moments, stats_dtype).unbind(0)
-        return ForwardStatistics(mean, var, invstd, None, None, size)
-    unbiased = var64 * (size / (size - 1))
-    if running_dtype == stats_dtype:  # one conversion for the three
-        mean, var, running_var = _tensor(_concat(moments, unbiased.reshape(1, channels)), stats_dtype).unbind(0)
-        return ForwardStatistics(mean, var, invstd, mean, running_var, size)
-    mean, var = _tensor(moments, stats_dtype).unbind(0)
-    running = _tensor(_concat(mean64.reshape(1, channels), unbiased.reshape(1, channels)), running_dtype)
-    return ForwardStatistics(mean, var, invstd, running[0], running[1], size)
-
-
-def _on(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`tensor` on `like`'s device (the meeting combines on the last arrival's device)."""
-    return tensor if tensor.device == like.device else tensor.to(like.device)
+    mean_var = total[: 2 * channels].view(2, channels) / size  # [mean, mean of the squares] in float64
+    mean64, var64 = mean_var[0], mean_var[1]
+    var64.addcmul_(mean64, mean64, value=-1).clamp_(min=0)
+    stats = mean_var.to(stats_dtype)
+    return ForwardStatistics(
+        mean=stats[0],
+        var=stats[1],
+        invstd=torch.rsqrt(stats[1] + eps),
+        running_mean=None
+        if running_dtype is None
+        else stats[0]
+        if running_dtype == stats_dtype
+        else mean64.to(running_dtype),
+        running_var=None if running_dtype is None else (var64 * (size / (size - 1))).to(running_dtype),
+        size=size,
+    )
 
 
 class GlobalBatchNormFunction(torch.autograd.Function):
@@ -217,9 +118,10 @@ class GlobalBatchNormFunction(torch.autograd.Function):
     given the global mean and variance (plain BatchNorm's training kernel does the same two passes); the local
     sums of the backward pass from eval-mode `native_batch_norm_backward` (which then skips the input gradient),
     and the input gradient from one more eval-mode `native_batch_norm` of the input plus `dy` scaled (torch's
-    one-pass `batch_norm_backward_elemt` has no CPU kernel). Everything per channel is computed once per
-    meeting for all replicas, by the last to arrive: a replica itself runs only those kernels, two `lerp_`s
-    of its running statistics, and the meetings.
+    one-pass `batch_norm_backward_elemt` has no CPU kernel). Everything per channel (casts, the global
+    statistics, the backward's coefficients) is computed once per meeting for all replicas, by the last to
+    arrive: on small layers the cost is the number of small operations, which the replica threads run one
+    after the other under Python's global lock.
     """
 
     @staticmethod
@@ -235,10 +137,10 @@ class GlobalBatchNormFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         channels = x.shape[1]
         sync = call.sync
-        contribution: ForwardShare | None = None
+        contribution: Any = None
         if not call.standing_in:  # a stand-in example counts as no example
             mean_var = torch.batch_norm_update_stats(x, None, None, 0.0)  # biased variance
-            contribution = ForwardShare(x.numel() // channels, _rows64(mean_var))
+            contribution = (x.numel() // channels, torch.stack(mean_var))
         # Under autocast the input may be bfloat16 while the parameters stay float32: torch's kernels then take
         # statistics of the parameters' dtype.
         stats_dtype = weight.dtype if weight is not None else x.dtype
@@ -247,18 +149,18 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         name = sync.layer_name(call.layer)
         what = f"BatchNorm statistics of '{name}' (forward)"
 
-        def combine(contributions: Sequence[ForwardShare | None], step: int) -> ForwardStatistics:
-            total, tensor = _sum_forward([c for c in contributions if c is not None], channels, x.device)
-            sync.sum_across_workers(tensor, what, step)
+        def combine(contributions: Sequence[Any], step: int) -> ForwardStatistics:
+            total = _sum_forward(contributions, channels, x.device)
+            sync.sum_across_workers(total, what, step)
             where = f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})"
             return _forward_statistics(total, channels, stats_dtype, running_dtype, call.eps, where)
 
         stats: ForwardStatistics = sync.meet(call.replica, contribution, what, combine)
         if running_mean is not None and running_var is not None:
             if stats.running_mean is not None and stats.running_var is not None:  # set whenever the buffers were passed
-                targets = [_on(stats.running_mean, running_mean), _on(stats.running_var, running_var)]
-                torch._foreach_lerp_([running_mean, running_var], targets, factor)
-        mean, var = _on(stats.mean, x), _on(stats.var, x)
+                running_mean.lerp_(stats.running_mean.to(running_mean), factor)  # (no copy on the meeting's device)
+                running_var.lerp_(stats.running_var.to(running_var), factor)
+        mean, var = stats.mean.to(x.device), stats.var.to(x.device)
         y = torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, call.eps)[0]
         ctx.save_for_backward(x, weight)
         ctx.call, ctx.stats, ctx.mean_var = call, stats, (mean, var)  # read-only, shared by the replicas on one device
@@ -272,7 +174,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         mean, var = ctx.mean_var
         dy = dy.contiguous()
         # Local sums: sum dy, and sum dy * x_hat (x_hat normalised with the global statistics).
-        _, sum_dy_xhat, sum_dy = _BATCH_NORM_BACKWARD(
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
             dy, x, weight, mean, var, None, None, False, call.eps, [False, True, True]
         )
         grad_weight = grad_bias = grad_x = None
@@ -287,47 +189,43 @@ class GlobalBatchNormFunction(torch.autograd.Function):
                 refuse_zero_weight(call, x)
             share = combination or 0.0
             idle = call.standing_in or share == 0
-            contribution = None
-            if not idle:
-                contribution = BackwardShare(share, _rows64([sum_dy, sum_dy_xhat]), weight, x.dim())
+            contribution = None if idle else BackwardShare(share, sum_dy, sum_dy_xhat)
             what = f"BatchNorm statistics of '{sync.layer_name(call.layer)}' (backward)"
-            channels, device, dtype = x.shape[1], x.device, mean.dtype
+            channels, size, device, dtype = x.shape[1], stats.size, x.device, mean.dtype
 
             def combine(contributions: Sequence[BackwardShare | None], step: int) -> None:
                 present = [c for c in contributions if c is not None]
-                _combine_backward(present, channels, stats, device, dtype, what, step, sync)
+                _combine_backward(present, channels, size, device, dtype, what, step, sync)
 
             sync.meet(call.replica, contribution, what, combine)
             if contribution is None:
                 grad_x = torch.zeros_like(x)  # a weight-zero replica's gradient is never read
             else:
                 # The global loss's gradient divided by this replica's weight, which the combination multiplies back:
-                # dx = w/sigma * (dy - a - x_hat * c), a and c the global weighted means of dy and dy * x_hat: an
-                # eval-mode normalisation of x with weight -w/sigma*c and bias -w/sigma*a, plus dy * w/sigma.
-                gain, shift, scale = (_on(t, x) for t in contribution.result)
+                # dx = w/sigma * (dy - a - x_hat * c), a and c the global weighted means of dy and dy * x_hat.
+                gain = stats.invstd.to(device)
+                if weight is not None:
+                    gain = gain * weight
+                shift, scale = gain * contribution.coefficients.to(device)  # -(w/sigma * a), -(w/sigma * c)
                 grad_x = torch.native_batch_norm(x, scale, shift, mean, var, False, 0.0, call.eps)[0]
-                grad_x.addcmul_(dy, gain)
+                grad_x.addcmul_(dy, gain.view(1, -1, *([1] * (x.dim() - 2))))
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-# ---- backward ----------------------------------------------------------------------------------------
 @dataclass
 class BackwardShare:
     """One replica's contribution to a backward meeting, and what the meeting hands back to it."""
 
     share: float  # its combination weight
-    sums: Array  # [sum dy, sum dy * x_hat] in float64, (2, channels)
-    weight: torch.Tensor | None  # the layer's weight on this replica
-    dims: int  # of the input, for the gain's shape
-    result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = ()  # type: ignore[assignment]
-    """Set by the meeting, in the statistics' dtype: w/sigma shaped to multiply dy, and -(w/sigma)*(a, c) over
-    this replica's share."""
+    sum_dy: torch.Tensor
+    sum_dy_xhat: torch.Tensor
+    coefficients: Any = None  # set by the meeting: -(a, c) over this replica's share, shape (2, channels)
 
 
 def _combine_backward(
     present: list[BackwardShare],
     channels: int,
-    stats: ForwardStatistics,
+    size: float,
     device: torch.device,
     dtype: torch.dtype,
     what: str,
@@ -335,26 +233,20 @@ def _combine_backward(
     sync: StatisticsMeeting,
 ) -> None:
     """[sum dy, sum dy * x_hat] weighted by each replica's share of the global batch, in float64 and replica order,
-    summed across workers; then, for every present replica at once, its gain w/sigma and the coefficients of its
-    input gradient, -(w/sigma) * (a, c) / share."""
-    total, tensor = _zeros(2 * channels, device)
+    summed across workers; then each present replica's -(a, c) in the statistics' dtype, in one batch of
+    operations for all of them."""
+    total = torch.zeros(1, 2 * channels, dtype=torch.float64, device=device)
     if present:
-        shares = _vector([c.share for c in present], device)
-        total[:] = shares @ _stack([c.sums for c in present], device).reshape(len(present), 2 * channels)
-    sync.sum_across_workers(tensor, what, step)
-    if not present:
-        return
-    # w/sigma from the first present replica's weight: every replica holds the same values (a change to one replica's
-    # alone is refused, see hand_updates.py), so one gain serves all of them, on each replica's device.
-    gains = _array_on(stats.invstd, device)
-    weight = present[0].weight
-    if weight is not None:
-        gains = gains * _rows64([weight.detach() if weight.device == device else weight.detach().to(device)])[0]
-    block = total.reshape(1, 2, channels) / (shares.reshape(-1, 1, 1) * -stats.size) * gains  # -(w/sigma)(a, c)/share
-    gain = _tensor(gains.reshape((channels,) + (1,) * (present[0].dims - 2)), dtype)  # shaped to multiply dy
-    for c, shift_scale in zip(present, _tensor(block, dtype).unbind(0)):
-        shift, scale = shift_scale.unbind(0)
-        c.result = (gain, shift, scale)
+        sums = [t.to(device) for c in present for t in (c.sum_dy, c.sum_dy_xhat)]
+        stacked = torch.stack(sums).to(torch.float64).view(len(present), 2 * channels)
+        shares = torch.tensor([[c.share for c in present]], dtype=torch.float64, device=device)
+        torch.mm(shares, stacked, out=total)
+    sync.sum_across_workers(total.view(-1), what, step)
+    if present:
+        # Divided by the global count and by each replica's own share (its gradient is later multiplied by it).
+        coefficients = (total.view(1, 2, channels) / shares.view(-1, 1, 1).mul(-size)).to(dtype)
+        for c, row in zip(present, coefficients.unbind(0)):
+            c.coefficients = row
 
 
 def refuse_zero_weight(call: Call, x: torch.Tensor) -> None:
