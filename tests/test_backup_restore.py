@@ -323,3 +323,22 @@ def test_a_backup_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(sg.InputError, match=r"backup_dir must be a directory. Received: .*which is a file"):
         sg.callbacks.BackupAndRestore(tmp_path / "f")
+
+
+def test_a_backup_dir_another_rank_renames_while_this_one_checks_it_is_not_taken_for_a_file(tmp_path, monkeypatch):
+    # Ranks make the callback at the same time; another rank's save may rename the directory at any moment. A
+    # directory that disappears between two looks is no file: the setting is accepted (the first save makes it).
+    target = tmp_path / "backups"
+    target.mkdir()
+    plain_is_dir, plain_exists = Path.is_dir, Path.exists
+
+    def exists_then_gone(path: Path, *args, **kwargs) -> bool:
+        found = plain_exists(path, *args, **kwargs)
+        if path == target and found:
+            target.rename(tmp_path / "moved")  # the other rank's rename, right after this rank looked
+        return found
+
+    monkeypatch.setattr(Path, "exists", exists_then_gone)
+    monkeypatch.setattr(Path, "is_dir", lambda path, *a, **k: plain_is_dir(path, *a, **k))
+    callback = sg.callbacks.BackupAndRestore(target)
+    assert callback.backup_dir == target

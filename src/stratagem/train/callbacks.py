@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,7 +128,11 @@ class BackupAndRestore(Callback):
                 "Use e.g. save_freq=100."
             )
         self.backup_dir = Path(backup_dir)
-        if self.backup_dir.exists() and not self.backup_dir.is_dir():
+        try:  # one look: another rank may create or rename the directory between two
+            mode: int | None = os.stat(self.backup_dir).st_mode
+        except OSError:
+            mode = None  # absent (made at the first save), or not readable yet: the save says what is wrong
+        if mode is not None and not stat.S_ISDIR(mode):
             raise InputError(
                 f"backup_dir must be a directory. Received: backup_dir={str(backup_dir)!r}, which is a file. "
                 "Choose a directory path."
