@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(MODEL_NAMES))
     parser.add_argument("--blocks", type=int, default=8, help="blocks per configuration, alternating")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block (after one untimed step)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 blocks of 1 step: checks the harness")
     args = parser.parse_args()
     models = [m.strip() for m in args.models.split(",")]
     if any(m not in MODEL_NAMES for m in models):
@@ -85,10 +86,12 @@ def main() -> int:
 
     from stratagem.bench import real_models as rm
 
+    if args.quick:
+        args.blocks, args.steps = 2, 1
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} intra-op threads, load {os.getloadavg()[0]:.1f}", flush=True)
     for model in models:
-        spec = rm.MODELS[model]
+        spec = (rm.MODELS_QUICK if args.quick else rm.MODELS)[model]
         batches = rm.make_batches(spec, 4)
         built = {name: build() for name, build in configurations(spec, batches).items()}
         times: dict[str, list[float]] = {name: [] for name in built}

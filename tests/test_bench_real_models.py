@@ -94,3 +94,21 @@ def test_each_rank_takes_its_contiguous_half_of_a_global_batch():
     assert halves[1]["labels"].tolist() == batch["labels"][2:].tolist()
     x, y = rm.rank_slice(rm.make_batches(rm.MODELS_QUICK["resnet18"], 1)[0], 1, 2)
     assert (x.shape[0], y.shape[0]) == (2, 2)
+
+
+@pytest.mark.timeout(300)
+def test_the_in_process_benchmark_times_every_configuration_against_plain_pytorch():
+    script = SCRIPT.parent / "in_process.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--models", "resnet18"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if "/ plain samples/s" in line}
+    assert sorted(rows) == sorted(["plain", "one_device", "mirrored", "central_storage", "mirrored_per_replica_bn"])
+    assert "1.000 (1.000-1.000)" in rows["plain"]
+    assert "Mirrored x2 exact / per-replica BatchNorm, step time:" in proc.stdout
