@@ -137,9 +137,7 @@ class ReplicaBarrier:
                     "kept as an attribute (a lambda or a function from outside the model) that calls the "
                     "original's submodule. Define a method on the module instead, which each copy binds to itself."
                 )
-                self._error = twice
-                self._cond.notify_all()
-                raise twice
+                raise self._fail(twice)
             if not self._arrived:
                 self._what = what
             elif what != self._what:
@@ -149,9 +147,7 @@ class ReplicaBarrier:
                     f"{self._describe(sorted(self._arrived))} wait(s) at the {self._what}. Every replica must run the "
                     "same model calls and backward() passes in each step, whatever its slice."
                 )
-                self._error = error
-                self._cond.notify_all()
-                raise error
+                raise self._fail(error)
             self._arrived.add(replica)
             if len(self._arrived) == n:
                 if last is not None:
@@ -205,9 +201,7 @@ class ReplicaBarrier:
                     f"{self._describe(gone)} returned from the step function without getting there. Every "
                     f"replica must call {call} the same number of times in each step, even on an empty slice."
                 )
-                self._error = error
-                self._cond.notify_all()
-                raise error
+                raise self._fail(error)
             job = steal() if steal is not None else None
             if job is not None:
                 self._cond.release()  # the job runs while the others may arrive
@@ -224,10 +218,14 @@ class ReplicaBarrier:
                     f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
                     "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
                 )
-                self._error = timed_out
-                self._cond.notify_all()
-                raise timed_out
+                raise self._fail(timed_out)
             self._cond.wait(remaining)
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """With the lock held: the meeting fails with `error` for every replica (woken to see it); returned to raise."""
+        self._error = error
+        self._cond.notify_all()
+        return error
 
     def _describe(self, replicas: Sequence[int]) -> str:
         names = ", ".join(f"replica {r} ({self._names[r]})" for r in replicas)
