@@ -121,14 +121,14 @@ def test_shards_are_ceil_sized_chunks_of_the_first_dimension():
 
 def test_the_plan_of_adamw_over_two_ranks_by_hand():
     model = nn.Linear(10, 5)  # weight 5x10 -> rows 3 and 2; bias 5 -> 3 and 2
-    plan = plan_memory(
-        list(model.parameters()),
-        torch.optim.AdamW(model.parameters()),
-        rank=1,
-        world_size=2,
-        stage=3,
-        largest_unit_bytes=55 * 4,
-    )
+
+    def adamw_plan(**extra):
+        params = list(model.parameters())
+        return plan_memory(
+            params, torch.optim.AdamW(params), rank=1, world_size=2, stage=3, largest_unit_bytes=55 * 4, **extra
+        )
+
+    plan = adamw_plan()
     assert plan.parameters == (2 * 10 + 2) * 4
     assert plan.gradients == plan.parameters
     assert plan.optimizer_state == 2 * (2 * 10 + 2) * 4 + 2 * 4  # exp_avg, exp_avg_sq, two step counters
@@ -146,15 +146,7 @@ def test_the_plan_of_adamw_over_two_ranks_by_hand():
     stage2 = plan_memory(list(model.parameters()), None, rank=0, world_size=2, stage=2, largest_unit_bytes=55 * 4)
     assert stage2.gathered_peak == 55 * 4 + 2 * 55 * 4 and stage2.optimizer_state == 0
     # The shared-memory file of the units' collectives counts in the total, not in the state at rest.
-    shm = plan_memory(
-        list(model.parameters()),
-        torch.optim.AdamW(model.parameters()),
-        rank=1,
-        world_size=2,
-        stage=3,
-        largest_unit_bytes=55 * 4,
-        transport_bytes=3 * 1024,
-    )
+    shm = adamw_plan(transport_bytes=3 * 1024)
     assert shm.total == plan.total + 3 * 1024
     assert "the state at rest (360 B)" in (shm.against_replica() or "")
     assert str(shm).endswith("shared-memory transport 3.0 KiB") and "transport" not in str(plan)
