@@ -6,6 +6,7 @@ replicas, on the reference 3-BatchNorm CNN (batch 64 of 3x32x32) or a ResNet-18 
     .venv/bin/python benchmarks/batch_norm.py --model resnet18 --steps 4 --blocks 8 --breakdown
     .venv/bin/python benchmarks/batch_norm.py --strategy multi_worker --model resnet18 --steps 4 --blocks 6
     .venv/bin/python benchmarks/batch_norm.py --model resnet18 --function-cost --against /tmp/before.py
+    .venv/bin/python benchmarks/batch_norm.py --model resnet18 --arrivals --steps 12
 
 Mirrored x2: the two settings run in one process, in alternating blocks (per-replica first in odd
 blocks), so a disturbance from other work on a shared machine hits both; prints each side's median
@@ -24,6 +25,10 @@ threads that meet at the strategy's ReplicaBarrier as two replicas do, against p
 `F.batch_norm` on the same threads without meetings, and against FILE's function with --against: the CPU
 time of both threads per pass (forward and backward of every layer; alternating repeats) and the number of
 operations torch dispatches per replica and layer (deterministic, unlike times on a shared machine).
+
+--arrivals (Mirrored x2, exact BatchNorm only): when each replica reaches each meeting over --steps steps, the
+meetings where they are furthest apart, and each replica thread's minor page faults per step; a meeting one
+replica reaches late in every step points at work only that replica does before it.
 
 MultiWorkerMirrored x2 (2 processes, one replica each): one process holds one MultiWorkerMirroredStrategy,
 so the two settings cannot share processes. Each run holds the strategy (one setting) and a
@@ -152,6 +157,82 @@ class MeetingClock:
     def slowest(self) -> dict[str, int]:
         """The parts of the replica that spent the longest inside meetings."""
         return max(self.ns.values(), key=lambda parts: sum(parts.values()))
+
+
+class ArrivalLog:
+    """Records, while `on`, when each replica arrives at each BatchNorm meeting of a step and which OS thread runs
+    it (the benchmark's own instrumentation, wrapped around BatchNormSync.meet)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from stratagem.strategies.data_parallel.batch_norm import BatchNormSync
+
+        self.on = False
+        self.arrivals: dict[tuple[int, int], int] = {}  # (replica, meeting) -> ns
+        self.names: dict[int, str] = {}  # meeting -> what
+        self.threads: dict[int, int] = {}  # replica -> native thread id
+        original = BatchNormSync.meet
+        log = self
+
+        def meet(sync, replica, contribution, what, combine):  # type: ignore[no-untyped-def]
+            if log.on:
+                meeting = sync._exchanges[replica]
+                log.arrivals[(replica, meeting)] = time.perf_counter_ns()
+                log.names[meeting] = what
+                log.threads[replica] = threading.get_native_id()
+            return original(sync, replica, contribution, what, combine)
+
+        BatchNormSync.meet = meet  # type: ignore[method-assign]
+
+
+def minor_faults(tid: int) -> int:
+    """The minor page faults of one thread of this process so far (Linux)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def arrivals(args: argparse.Namespace) -> None:
+    """--arrivals: how far apart the two replicas reach each meeting, per meeting over `steps` steps, and each
+    replica thread's page faults per step: a meeting where one replica is late in every step points at work
+    only that replica does before it."""
+    log = ArrivalLog()
+    strategy, step, batches = mirrored_side(args.model, "global", make_data())
+    for i in range(3):
+        strategy.run(step, args=batches[i % len(batches)])
+    lags: dict[int, list[float]] = {}
+    per_step: list[float] = []
+    faults_before: dict[int, int] = {}
+    for i in range(args.steps):
+        log.on, log.arrivals = True, {}
+        if i == 1:  # the threads are known after a step
+            faults_before = {r: minor_faults(tid) for r, tid in log.threads.items()}
+        strategy.run(step, args=batches[i % len(batches)])
+        log.on = False
+        meetings = sorted({m for _, m in log.arrivals})
+        step_lags = [(log.arrivals[(1, m)] - log.arrivals[(0, m)]) / 1e6 for m in meetings]
+        for m, lag in zip(meetings, step_lags):
+            lags.setdefault(m, []).append(lag)
+        per_step.append(sum(abs(lag) for lag in step_lags))
+    faults = {r: (minor_faults(tid) - faults_before[r]) / (args.steps - 1) for r, tid in log.threads.items()}
+    print(
+        f"{args.model}, Mirrored x2, batch_norm='global', {args.steps} steps: the replicas reach the {len(lags)} "
+        f"meetings a median {statistics.median(per_step):.1f} ms/step apart in all (sum of the differences; "
+        f"steps: {', '.join(f'{v:.1f}' for v in per_step)})"
+    )
+    print(
+        "minor page faults per step: "
+        + ", ".join(f"replica {r} {faults[r]:.0f}" for r in sorted(faults))
+        + " (replica 0 runs on the caller's thread)"
+    )
+    worst = sorted(lags, key=lambda m: -abs(statistics.median(lags[m])))[:5]
+    print("the meetings with the largest median difference (replica 1 arrival - replica 0 arrival, ms):")
+    for m in worst:
+        print(
+            f"  meeting {m} ({log.names[m]}): median {statistics.median(lags[m]):+.2f} "
+            f"(steps: {', '.join(f'{v:+.1f}' for v in lags[m])})"
+        )
+    strategy.close()
 
 
 def mirrored_side(model_name: str, mode: str, data: list) -> tuple:
@@ -468,9 +549,12 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="mirrored: time inside the BatchNorm meetings")
     parser.add_argument("--against", help="mirrored: the GlobalBatchNormFunction of this file on the other side")
     parser.add_argument("--function-cost", action="store_true", help="the autograd function alone, two threads")
+    parser.add_argument("--arrivals", action="store_true", help="mirrored: when each replica reaches each meeting")
     args = parser.parse_args()
     if args.function_cost:
         function_cost(args)
+    elif args.arrivals:
+        arrivals(args)
     else:
         (mirrored if args.strategy == "mirrored" else multi_worker)(args)
 
