@@ -141,6 +141,15 @@ def _sum_parts(parts: Sequence[np.ndarray], size: int) -> np.ndarray:
     return total
 
 
+def _meeting_sum(
+    present: Sequence[ForwardShare] | Sequence[BackwardShare], size: int, in_torch: Callable[[], torch.Tensor]
+) -> np.ndarray | torch.Tensor:
+    """What the last replica to arrive adds: the present replicas' NumPy parts when every one brought them (all
+    on a CPU in float32 or float64), else `in_torch()`, the same sums in torch."""
+    parts = [c.part for c in present if c.part is not None]
+    return _sum_parts(parts, size) if len(parts) == len(present) else in_torch()
+
+
 def _sum_forward(present: Sequence[ForwardShare], channels: int, device: torch.device) -> torch.Tensor:
     """`_forward_part`'s sums over the present replicas in torch, where one of them is not on a CPU or not in
     float32 or float64 (a GPU, bfloat16): the same arithmetic, on `device`."""
@@ -294,13 +303,8 @@ class GlobalBatchNormFunction(torch.autograd.Function):
 
         def combine(contributions: Sequence[ForwardShare | None], step: int) -> ForwardStatistics:
             present = [c for c in contributions if c is not None]
-            parts = [c.part for c in present if c.part is not None]
-            if len(parts) == len(present) and x.device.type == "cpu":
-                total: Any = _sum_parts(parts, 2 * channels + 1)
-                sync.sum_across_workers(torch.from_numpy(total), what, step)
-            else:
-                total = _sum_forward(present, channels, x.device)
-                sync.sum_across_workers(total, what, step)
+            total = _meeting_sum(present, 2 * channels + 1, lambda: _sum_forward(present, channels, x.device))
+            sync.sum_across_workers(torch.as_tensor(total), what, step)
             _check_size(
                 float(total[-1]),
                 f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})",
@@ -353,13 +357,8 @@ class GlobalBatchNormFunction(torch.autograd.Function):
 
             def combine(contributions: Sequence[BackwardShare | None], step: int) -> np.ndarray | torch.Tensor:
                 present = [c for c in contributions if c is not None]
-                parts = [c.part for c in present if c.part is not None]
-                if len(parts) == len(present) and device.type == "cpu":
-                    summed = _sum_parts(parts, 2 * channels)
-                    sync.sum_across_workers(torch.from_numpy(summed), what, step)
-                    return summed
-                total = _sum_backward(present, channels, device)
-                sync.sum_across_workers(total, what, step)
+                total = _meeting_sum(present, 2 * channels, lambda: _sum_backward(present, channels, device))
+                sync.sum_across_workers(torch.as_tensor(total), what, step)  # in place, NumPy's memory too
                 return total
 
             total = sync.meet(call.replica, contribution, what, combine)
