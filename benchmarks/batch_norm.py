@@ -7,6 +7,7 @@ replicas, on the reference 3-BatchNorm CNN (batch 64 of 3x32x32) or a ResNet-18 
     .venv/bin/python benchmarks/batch_norm.py --strategy multi_worker --model resnet18 --steps 4 --blocks 6
     .venv/bin/python benchmarks/batch_norm.py --model resnet18 --function-cost --against /tmp/before.py
     .venv/bin/python benchmarks/batch_norm.py --model resnet18 --arrivals --steps 12
+    .venv/bin/python benchmarks/batch_norm.py --model resnet18 --python-meetings --steps 5 --blocks 8
 
 Mirrored x2: the two settings run in one process, in alternating blocks (per-replica first in odd
 blocks), so a disturbance from other work on a shared machine hits both; prints each side's median
@@ -19,6 +20,10 @@ work exactness adds, apart from waiting.
 the other (printed as per_replica) with the one defined in FILE, e.g. an earlier commit's
 `git show <commit>:src/stratagem/strategies/data_parallel/batch_norm_function.py > /tmp/before.py`: before
 and after in the same process, alternating blocks.
+
+--python-meetings (Mirrored x2): both sides use batch_norm="global", one with the native meetings (C++,
+batch_norm_native.py: the default on a CPU), the other (printed as per_replica) with the Python meetings and
+this tree's GlobalBatchNormFunction: what the native meetings save, in the same process.
 
 --function-cost: the autograd function alone over the model's BatchNorm shapes (half the batch each), on two
 threads that meet at the strategy's ReplicaBarrier as two replicas do, against plain training-mode
@@ -277,9 +282,15 @@ def mirrored(args: argparse.Namespace) -> None:
     if args.against:  # both sides exact, the "per_replica" side with the other function
         functions["per_replica"] = load_function(args.against)
         print(f"--against: the side printed as per_replica is batch_norm='global' with {args.against}'s function")
+    both_exact = bool(args.against or args.python_meetings)
     sides = {
-        mode: mirrored_side(args.model, "global" if args.against else mode, data) for mode in ("global", "per_replica")
+        mode: mirrored_side(args.model, "global" if both_exact else mode, data) for mode in ("global", "per_replica")
     }
+    if args.python_meetings:
+        sides["per_replica"][0]._replicas._batch_norm.sync._native = None  # this side meets in Python
+        print("--python-meetings: the side printed as per_replica is batch_norm='global' with the Python meetings")
+    native = sides["global"][0]._replicas._batch_norm.sync._native
+    print(f"the global side's meetings run {'in C++' if native is not None else 'in Python'}")
     print(sides["global"][0].explain().details.get("BatchNorm meetings", ""))
     times: dict[str, list[float]] = {mode: [] for mode in sides}
     cpu: dict[str, list[float]] = {mode: [] for mode in sides}
@@ -550,6 +561,9 @@ def main() -> None:
     parser.add_argument("--against", help="mirrored: the GlobalBatchNormFunction of this file on the other side")
     parser.add_argument("--function-cost", action="store_true", help="the autograd function alone, two threads")
     parser.add_argument("--arrivals", action="store_true", help="mirrored: when each replica reaches each meeting")
+    parser.add_argument(
+        "--python-meetings", action="store_true", help="mirrored: the native meetings against the Python ones"
+    )
     args = parser.parse_args()
     if args.function_cost:
         function_cost(args)

@@ -1,6 +1,7 @@
 """The per-channel arithmetic of exact BatchNorm: on a CPU in float32 and float64 it runs in NumPy, elsewhere
 (a GPU, bfloat16 statistics) in torch; both give the same statistics and coefficients, and training through
-either equals one device."""
+either equals one device. These are the Python meetings: the native ones (batch_norm_native.py, whose results
+tests/test_batch_norm_native.py checks against these) are turned off here."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from hypothesis import strategies as st
 from test_batch_norm import assert_states_equal, batches, build, mirrored, train_distributed, train_reference
 
 from stratagem.strategies.data_parallel import batch_norm_function as bnf
+from stratagem.strategies.data_parallel import batch_norm_native
 
 DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.fixture(autouse=True)
+def python_meetings(monkeypatch):
+    monkeypatch.setattr(batch_norm_native, "extension", lambda: (None, "the test runs the Python meetings"))
 
 
 @st.composite
@@ -38,7 +45,8 @@ def forward_shares(draw):
 
 def assert_statistics_equal(got: bnf.ForwardStatistics, want: bnf.ForwardStatistics) -> None:
     """Equal up to the rounding of float64 sums added in another order: a few units in the last place, which the
-    variance (the mean of the squares less the squared mean) sees relative to the mean of the squares."""
+    variance (the mean of the squares less the squared mean) sees relative to the mean of the squares, and the mean
+    relative to its root."""
     assert got.size == want.size
     squares = (want.mean.double() ** 2 + want.var.double()).max()
     for field in ("mean", "var", "invstd", "running_mean", "running_var"):
@@ -54,7 +62,9 @@ def assert_statistics_equal(got: bnf.ForwardStatistics, want: bnf.ForwardStatist
             spread = float((squares / (want.var.double() + 1e-5)).max())
             torch.testing.assert_close(a, b, rtol=4 * eps + 4 * eps * spread, atol=0, msg=field)
         else:
-            torch.testing.assert_close(a, b, rtol=4 * eps, atol=0, msg=field)
+            # The mean's sum cancels where the replicas' means differ in sign: its rounding is relative to the sum of
+            # their magnitudes, which the root of the mean of the squares bounds.
+            torch.testing.assert_close(a, b, rtol=4 * eps, atol=4 * eps * float(squares) ** 0.5, msg=field)
 
 
 @settings(max_examples=60, deadline=None)
@@ -67,7 +77,10 @@ def test_numpy_and_torch_give_the_same_forward_statistics(case, running_dtype):
         s.part = bnf._forward_part(s)
     summed = bnf._sum_parts([s.part for s in present], 2 * channels + 1)
     total = bnf._sum_forward(present, channels, torch.device("cpu"))
-    torch.testing.assert_close(torch.from_numpy(summed), total, rtol=1e-15, atol=0)
+    # torch may fuse count * mean into the addition (one rounding fewer): equal to a few units in the last place of
+    # the summands' magnitudes, which is what a sum that cancels keeps of them.
+    magnitude = torch.from_numpy(sum(np.abs(s.part) for s in present))
+    assert bool(((torch.from_numpy(summed) - total).abs() <= 4 * torch.finfo(torch.float64).eps * magnitude).all())
     assert summed[-1] == size
     if size <= 1:
         return

@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.strategies.data_parallel import batch_norm_native
 from stratagem.strategies.data_parallel.batch_norm_function import Call, Combine, GlobalBatchNormFunction
 from stratagem.strategies.data_parallel.empty_slices import standing_in
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
@@ -224,6 +225,8 @@ class BatchNormSync:
         self._channels: list[int] = []
         self._link = _SyncLink()
         self._timing = _MeetingTimes(num_local)
+        self._native: batch_norm_native.NativeMeetings | None = None  # set by the first `attach` that can
+        self._native_reason = "the replicas have not been made yet"
         self.begin_step()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -241,6 +244,26 @@ class BatchNormSync:
         self._channels += [m.num_features for _, m in layers]
         if self._num_in_sync > 1:
             self._link.sync = self
+            if self.mode == "global" and layers and self._native is None:
+                self._choose_native(replicas)
+
+    def _choose_native(self, replicas: Sequence[nn.Module]) -> None:
+        """Whether the layers' meetings run in C++ (batch_norm_native.py): every replica's tensors on a CPU, so that
+        every replica takes the same kind of meeting at each layer, and the extension built."""
+        elsewhere = {str(t.device) for r in replicas for t in [*r.parameters(), *r.buffers()] if t.device.type != "cpu"}
+        if elsewhere:
+            self._native_reason = f"as replicas hold tensors on {', '.join(sorted(elsewhere))}"
+            return
+        module, reason = batch_norm_native.extension()
+        if module is None:
+            self._native_reason = f"as {reason}"
+            return
+        self._native = batch_norm_native.NativeMeetings(module, self, self._barrier, self._num_local)
+
+    @property
+    def sums_across_workers(self) -> bool:
+        """Whether the last replica to arrive at a meeting also sums across workers."""
+        return self._cross_worker_sum is not None
 
     def remove(self) -> None:
         """Unlinks the converted layers (the strategy is closed): they run as their plain class does."""
@@ -251,7 +274,16 @@ class BatchNormSync:
         self._exchanges = [0] * self._num_local
         self._slots: list[list[Any]] = [[None] * self._num_local, [None] * self._num_local]
         self._results: list[Any] = [None, None]
+        self._collect_native_times()  # the previous step's, before the clock starts again
         self._timing.begin_step()
+        if self._native is not None:
+            self._native.begin_step(self._step(), timed=self._timing.step is None)
+
+    def _collect_native_times(self) -> None:
+        if self._native is not None and self._timing.step is None:
+            times = self._native.times()
+            if times is not None:
+                self._timing.absorb(*times)
 
     # ---- explain ------------------------------------------------------------------------------
     def describe(self) -> dict[str, str]:
@@ -272,9 +304,11 @@ class BatchNormSync:
             "BatchNorm layers": (
                 f"{len(self._names)} layer(s), each training call sums [sum, sum of squares, count] per channel in "
                 f"forward and [sum dy, sum dy*x_hat] in backward over every replica: one meeting of the local "
-                f"replicas each way{across}; {total} bytes per step ({costs})"
+                f"replicas each way{across}; {total} bytes per step ({costs}); the meetings run "
+                f"{batch_norm_native.describe(self._native, self._native_reason)}"
             )
         }
+        self._collect_native_times()
         measured = self._timing.describe()
         if measured is not None:
             described["BatchNorm meetings"] = measured
@@ -297,6 +331,10 @@ class BatchNormSync:
             per_replica_check(module, input, replica, self.layer_name(layer))
             return plain(module, input)
         factor = _update_factor(module)
+        if self._native is not None and batch_norm_native.takes(module, input):
+            # By local index, as `meet` counts them: one replica a process (ShardedStrategy) is 0, whatever its rank.
+            local = replica if self._num_local > 1 else 0
+            return self._native.forward(layer, module, input, local, standing_in(), factor)
         call = Call(self, layer, replica, standing_in(), module.eps)
         return GlobalBatchNormFunction.apply(
             input,
@@ -348,6 +386,11 @@ class BatchNormSync:
         """The combination weight of local `replica` in the running step."""
         return self._weight(replica)
 
+    def weight_declared(self, replica: int) -> None:
+        """Local `replica` declared a loss weight (`sg.set_loss_weight`): the native meetings ask for it again."""
+        if self._native is not None:
+            self._native.meeting.forget_weight(replica)
+
     def step_number(self) -> int:
         return self._step()
 
@@ -374,6 +417,13 @@ class _MeetingTimes:
         if replica == 0:
             self.meetings += 1
         self.last_end = max(self.last_end, end)
+
+    def absorb(self, step: int, meetings: int, spent: Sequence[int], last_end: int) -> None:
+        """Adds what the native meetings measured in `step` (the same clock as `time.perf_counter_ns`)."""
+        self.step = step
+        self.meetings += meetings
+        self.spent = [a + b for a, b in zip(self.spent, spent)]
+        self.last_end = max(self.last_end, last_end)
 
     def describe(self) -> str | None:
         if self.step is None:

@@ -112,7 +112,7 @@ def _borrow(t: torch.Tensor) -> np.ndarray:
     return np.from_dlpack(t.detach())
 
 
-def _check_size(size: float, where: str) -> None:
+def check_size(size: float, where: str) -> None:
     if size <= 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got {int(size)} over the global batch in {where}."
@@ -305,7 +305,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
             present = [c for c in contributions if c is not None]
             total = _meeting_sum(present, 2 * channels + 1, lambda: _sum_forward(present, channels, x.device))
             sync.sum_across_workers(torch.as_tensor(total), what, step)
-            _check_size(
+            check_size(
                 float(total[-1]),
                 f"BatchNorm layer '{name}' (input of shape {tuple(x.shape)} on replica {call.replica})",
             )
@@ -346,7 +346,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
             sync = call.sync
             combination = sync.weight_of(call.replica)
             if combination == 0 and not call.standing_in:
-                refuse_zero_weight(call, x)
+                refuse_zero_weight(sync, call.layer, call.replica, x.shape[0])
             share = combination or 0.0
             contribution = None
             if not (call.standing_in or share == 0):
@@ -373,15 +373,15 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-def refuse_zero_weight(call: Call, x: torch.Tensor) -> None:
-    """A loss weight of 0 declared on a slice with examples: through the global statistics those examples move the
-    other replicas' losses, a gradient that the combination, multiplying this replica's by 0, would drop."""
-    name = call.sync.layer_name(call.layer)
+def refuse_zero_weight(sync: StatisticsMeeting, layer: int, replica: int, batch: int) -> None:
+    """A loss weight of 0 declared on a slice of `batch` examples: through the global statistics those examples move
+    the other replicas' losses, a gradient that the combination, multiplying this replica's by 0, would drop."""
+    name = sync.layer_name(layer)
     raise InputError(
         f"BatchNorm layer '{name}' normalises with the statistics of the whole global batch, so the examples of "
-        f"replica {call.replica} move every replica's loss, but in step {call.sync.step_number()} replica "
-        f"{call.replica} declared a loss weight of 0 with sg.set_loss_weight(), which would drop the gradient they "
-        f"get through those statistics. Received: sg.set_loss_weight(0) on a slice of {x.shape[0]} example(s) with "
+        f"replica {replica} move every replica's loss, but in step {sync.step_number()} replica "
+        f"{replica} declared a loss weight of 0 with sg.set_loss_weight(), which would drop the gradient they "
+        f"get through those statistics. Received: sg.set_loss_weight(0) on a slice of {batch} example(s) with "
         "batch_norm='global'. Make each replica's loss its share of the global one (its sum over tokens divided "
         "by the global count, times num_replicas_in_sync) and declare sg.set_loss_weight(1) on every replica, or "
         "use batch_norm='per_replica'."

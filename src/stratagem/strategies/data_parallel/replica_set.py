@@ -210,6 +210,7 @@ class ReplicaSet(ReplicaHost):
         state = self.run_state
         if state is not None:
             self._loss_weights.declare(state, replica, count)
+            self._batch_norm.sync.weight_declared(replica)
 
     # ---- distribute ---------------------------------------------------------------------------
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:

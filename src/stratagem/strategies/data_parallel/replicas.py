@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,25 +129,12 @@ class ReplicaBarrier:
             generation = self._generation
             if replica in self._arrived:
                 # The same replica twice in one meeting: another replica's thread ran this replica's modules.
-                missing = sorted(set(range(n)) - self._arrived)
-                twice = ReplicaError(
-                    f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step} a second time "
-                    f"while {self._describe(missing)} never did: another replica ran replica {replica}'s "
-                    "parameters. Received: replica copies that share a submodule, typically through a function "
-                    "kept as an attribute (a lambda or a function from outside the model) that calls the "
-                    "original's submodule. Define a method on the module instead, which each copy binds to itself."
-                )
-                raise self._fail(twice)
+                raise self._fail(self._twice(replica, what, step, self._arrived))
             if not self._arrived:
                 self._what = what
             elif what != self._what:
                 # Two different meetings would otherwise be taken for one (a replica ran another path).
-                error: ReplicaError | CollectiveTimeoutError = ReplicaError(
-                    f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step}, but "
-                    f"{self._describe(sorted(self._arrived))} wait(s) at the {self._what}. Every replica must run the "
-                    "same model calls and backward() passes in each step, whatever its slice."
-                )
-                raise self._fail(error)
+                raise self._fail(self._elsewhere(replica, what, step, sorted(self._arrived), self._what))
             self._arrived.add(replica)
             if len(self._arrived) == n:
                 if last is not None:
@@ -181,27 +168,12 @@ class ReplicaBarrier:
         deadline: float,
     ) -> None:
         """The wait of `wait` for a replica that is not the last to arrive, with the barrier's lock held."""
-        n = len(self._names)
         while generation == self._generation:
             if self._error is not None:
                 raise _Aborted() from self._error
             gone = sorted(self._finished - self._arrived)
             if gone:
-                # The meeting points of an update are reached through optimizer.step(), the others through backward().
-                if call is None:
-                    call = (
-                        "optimizer.step()"
-                        if "optimizer step" in what
-                        else "scheduler.step()"
-                        if "scheduler step" in what
-                        else "backward()"
-                    )
-                error = ReplicaError(
-                    f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
-                    f"{self._describe(gone)} returned from the step function without getting there. Every "
-                    f"replica must call {call} the same number of times in each step, even on an empty slice."
-                )
-                raise self._fail(error)
+                raise self._fail(self._gone(replica, what, step, gone, call))
             job = steal() if steal is not None else None
             if job is not None:
                 self._cond.release()  # the job runs while the others may arrive
@@ -212,14 +184,85 @@ class ReplicaBarrier:
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(n)) - self._arrived)
-                timed_out = CollectiveTimeoutError(
-                    f"Timed out after {self._timeout:g} s at the {what} of step {step}: replica {replica} "
-                    f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
-                    "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
-                )
-                raise self._fail(timed_out)
+                raise self._fail(self._timed_out(replica, what, step, self._arrived))
             self._cond.wait(remaining)
+
+    def check_elsewhere(
+        self,
+        replica: int,
+        what: str,
+        step: int,
+        arrived: Sequence[int],
+        *,
+        their_what: str | None = None,
+        twice: bool = False,
+        failed: bool = False,
+        waited: float = 0.0,
+    ) -> None:
+        """For a meeting held outside this barrier (exact BatchNorm's native meeting, batch_norm_native.py), where
+        `replica` waits at `what` with `arrived` there: raises what this barrier's own wait would, when anything
+        is wrong (a replica failed, arrived twice, waits at another meeting here or there (`their_what`), returned
+        without arriving, or `waited` reached the timeout); returns when nothing is. `failed`: the meeting
+        itself saw another replica fail there, which always raises."""
+        with self._cond:
+            if self._error is not None:
+                raise _Aborted() from self._error
+            if twice:
+                raise self._fail(self._twice(replica, what, step, arrived))
+            if their_what is not None and their_what != what:
+                raise self._fail(self._elsewhere(replica, what, step, [r for r in arrived if r != replica], their_what))
+            if self._arrived:
+                raise self._fail(self._elsewhere(replica, what, step, sorted(self._arrived), self._what))
+            gone = sorted(self._finished - set(arrived))
+            if gone:
+                raise self._fail(self._gone(replica, what, step, gone, "the model (and backward())"))
+            if waited >= self._timeout:
+                raise self._fail(self._timed_out(replica, what, step, arrived))
+            if failed:
+                others = self._describe([r for r in range(len(self._names)) if r != replica])
+                raise self._fail(ReplicaError(f"The {what} of step {step} failed on {others}; see its error."))
+
+    # ---- the errors of a meeting --------------------------------------------------------------------------
+    def _twice(self, replica: int, what: str, step: int, arrived: Collection[int]) -> ReplicaError:
+        missing = sorted(set(range(len(self._names))) - set(arrived))
+        return ReplicaError(
+            f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step} a second time "
+            f"while {self._describe(missing)} never did: another replica ran replica {replica}'s "
+            "parameters. Received: replica copies that share a submodule, typically through a function "
+            "kept as an attribute (a lambda or a function from outside the model) that calls the "
+            "original's submodule. Define a method on the module instead, which each copy binds to itself."
+        )
+
+    def _elsewhere(self, replica: int, what: str, step: int, others: Sequence[int], their_what: str) -> ReplicaError:
+        return ReplicaError(
+            f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step}, but "
+            f"{self._describe(others)} wait(s) at the {their_what}. Every replica must run the "
+            "same model calls and backward() passes in each step, whatever its slice."
+        )
+
+    def _gone(self, replica: int, what: str, step: int, gone: Sequence[int], call: str | None) -> ReplicaError:
+        # The meeting points of an update are reached through optimizer.step(), the others through backward().
+        if call is None:
+            call = (
+                "optimizer.step()"
+                if "optimizer step" in what
+                else "scheduler.step()"
+                if "scheduler step" in what
+                else "backward()"
+            )
+        return ReplicaError(
+            f"Replica {replica} ({self._names[replica]}) is waiting at the {what} of step {step}, but "
+            f"{self._describe(gone)} returned from the step function without getting there. Every "
+            f"replica must call {call} the same number of times in each step, even on an empty slice."
+        )
+
+    def _timed_out(self, replica: int, what: str, step: int, arrived: Collection[int]) -> CollectiveTimeoutError:
+        missing = sorted(set(range(len(self._names))) - set(arrived))
+        return CollectiveTimeoutError(
+            f"Timed out after {self._timeout:g} s at the {what} of step {step}: replica {replica} "
+            f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
+            "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
+        )
 
     def _fail(self, error: BaseException) -> BaseException:
         """With the lock held: the meeting fails with `error` for every replica (woken to see it); returned to raise."""

@@ -357,6 +357,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._counts = count
         for comm in self._comms:
             comm.weight = count / float(total) if float(total) > 0 else 0.0
+        self._batch_norm.weight_declared(0)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context whose backward passes accumulate this rank's unsharded gradients without reduce-scattering;

@@ -1,0 +1,276 @@
+"""Exact BatchNorm's layer calls and meetings in C++ (batch_norm_native.cpp), where the replicas are threads
+of one process on a CPU.
+
+Why: with the meetings in Python, two replica threads in lockstep at every BatchNorm layer take turns under
+Python's global lock at each meeting (they reach Python at the same moments after it), and each layer call
+runs about 190 us of Python (the autograd function, its forward and backward, the per-channel arithmetic).
+On ResNet-18 under Mirrored x2 on this project's 2-core machine that made exact BatchNorm 1.22-1.30x the
+step of per-replica statistics; with the layer call in C++ (one call that releases the lock for its whole
+length, and a backward that never takes it) it is within a few percent (benchmarks/batch_norm.py, reports in
+benchmarks/reports/). The arithmetic is the Python path's, operation for operation, so the two give the
+same bits (`tests/test_batch_norm_native.py`).
+
+The file is compiled once per machine with torch's own extension builder (a C++ compiler and ninja: the
+`ninja` package is a dependency), on first use, into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by
+default ~/.cache/torch_extensions), about 30 s on 2 cores; a process that finds it built loads it in a fraction
+of a second. Where it cannot be built, or with STRATAGEM_NATIVE_BATCH_NORM=0, the layers run the Python
+meetings, which train the same model: `explain()` says which ran and why, and a build that failed is logged
+once with its reason.
+
+What stays in Python is what is rare: the errors of a meeting that goes wrong (the same checks and messages
+as `ReplicaBarrier`'s, asked when a wait passes a poll interval or a replica arrives where it should not), a
+replica's combination weight (once a step), and the sums across workers (MultiWorkerMirroredStrategy), which
+the last replica to arrive hands to Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from stratagem.strategies.data_parallel.batch_norm_function import check_size, refuse_zero_weight
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
+
+if TYPE_CHECKING:
+    from stratagem.strategies.data_parallel.batch_norm import BatchNormSync
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("batch_norm_native.cpp")
+SWITCH = "STRATAGEM_NATIVE_BATCH_NORM"
+"""Set to 0 to run exact BatchNorm's meetings in Python (the same results, slower between CPU threads)."""
+FLAGS = ("-O2", "-ffp-contract=off")  # no fused multiply-adds: the same roundings as NumPy's
+BUILD_WAIT = 900.0  # seconds to wait for another process building the same extension
+POLL = 0.1  # seconds a native wait runs before Python looks for a replica that failed or went elsewhere
+
+
+@functools.cache
+def extension() -> tuple[ModuleType | None, str]:
+    """(the built extension, "") or (None, why it is not used). Built or loaded once per process."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None, f"{SWITCH}=0 is set"
+    try:
+        return _build(), ""
+    except Exception as exc:  # no compiler, no ninja, a failed build: the Python meetings, said once
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = f"its build failed ({type(exc).__name__}: {first[:300]})"
+        logger.warning(
+            "stratagem: exact BatchNorm runs its meetings in Python, slower between CPU replica threads of one "
+            "process: %s. It needs a C++ compiler and ninja (pip install ninja); STRATAGEM_NATIVE_BATCH_NORM=0 "
+            "chooses the Python meetings without trying.",
+            reason,
+        )
+        return None, reason
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(
+        b"\0".join([source, torch.__version__.encode(), sys.version.encode(), " ".join(FLAGS).encode()])
+    ).hexdigest()[:16]
+    name = f"stratagem_batch_norm_{digest}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    built = (directory / f"{name}.so").exists()
+    if not built:
+        logger.warning("stratagem: building exact BatchNorm's native meeting (once per machine, about 30 s)")
+    start = time.monotonic()
+    with _exclusive(directory / "stratagem.lock"), _ninja_on_path():
+        # torch's own lock file is left behind by a build that was killed, and would make every later build
+        # wait for ever; with ours held (the kernel drops it with its process) nobody else is building.
+        (directory / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(directory), verbose=False
+        )
+    if not built:
+        logger.warning("stratagem: built exact BatchNorm's native meeting in %.0f s", time.monotonic() - start)
+    return module
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Holds an advisory lock on `path` (one build at a time across processes), waiting at most BUILD_WAIT."""
+    import fcntl  # POSIX: elsewhere the ImportError makes the build fail, and the meetings run in Python
+
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + BUILD_WAIT
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held {path} for more than {BUILD_WAIT:g} s while building the extension"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's builder runs `ninja` from PATH: where only the `ninja` package has it, its folder is put on PATH
+    for the length of the build (the process's environment is restored after)."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        yield  # torch's own error then says that ninja is missing
+        return
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, previous])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
+
+
+def takes(module: nn.Module, input: torch.Tensor) -> bool:
+    """Whether the native call does this layer's work: a dense CPU tensor of float32 or float64, with the layer's
+    parameters and buffers (where it has them) plain tensors of the same dtype, contiguous."""
+    if input.layout != torch.strided or input.device.type != "cpu" or input.dim() < 2:
+        return False
+    if input.dtype not in (torch.float32, torch.float64):
+        return False
+    for t in (input, module.weight, module.bias, module.running_mean, module.running_var):
+        if t is None:
+            continue
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type != "cpu" or t.dtype != input.dtype:
+            return False
+        if t is not input and not t.is_contiguous():
+            return False
+    return True
+
+
+class NativeMeetings:
+    """One `BatchNormSync`'s native meeting and the Python it calls for what is rare."""
+
+    def __init__(self, module: ModuleType, sync: BatchNormSync, barrier: ReplicaBarrier, num_local: int) -> None:
+        self._module = module
+        hooks = _Hooks(weakref.ref(sync), barrier)
+        self.meeting = module.Meeting(num_local, POLL, hooks, sync.sums_across_workers)
+        self._timing_step: int | None = None
+
+    def begin_step(self, step: int, timed: bool) -> None:
+        self.meeting.reset(timed)
+        self._timing_step = step if timed else None
+
+    def times(self) -> tuple[int, int, list[int], int] | None:
+        """(step, meetings, ns each local replica spent in them, the end of the last) of the timed step, if any."""
+        if self._timing_step is None:
+            return None
+        meetings, spent, last_end = self.meeting.times()
+        return (self._timing_step, meetings, spent, last_end) if meetings else None
+
+    def forward(
+        self, layer: int, module: nn.Module, input: torch.Tensor, local: int, standing_in: bool, factor: float
+    ) -> torch.Tensor:
+        """The layer's output; `local`: the replica's index among this process's replicas."""
+        training = module.training
+        out: torch.Tensor = self._module.global_batch_norm(
+            self.meeting,
+            input,
+            module.weight,
+            module.bias,
+            module.running_mean if training else None,
+            module.running_var if training else None,
+            local,
+            2 * layer,
+            standing_in,
+            factor,
+            module.eps,
+        )
+        return out
+
+
+class _Hooks:
+    """What the native meeting asks of Python. Holds its `BatchNormSync` weakly: the meeting is the sync's."""
+
+    def __init__(self, sync: weakref.ref[BatchNormSync], barrier: ReplicaBarrier) -> None:
+        self._sync = sync
+        self._barrier = barrier
+
+    def _get(self) -> BatchNormSync:
+        sync = self._sync()
+        if sync is None:
+            raise RuntimeError(
+                "The strategy of this BatchNorm layer is gone: its graph was kept past the strategy. Call backward() "
+                "inside strategy.run()."
+            )
+        return sync
+
+    def what(self, tag: int) -> str:
+        layer, backward = divmod(tag, 2)
+        return f"BatchNorm statistics of '{self._get().layer_name(layer)}' ({'backward' if backward else 'forward'})"
+
+    def check(
+        self, replica: int, tag: int, other: int, arrived: list[int], twice: bool, failed: bool, waited: float
+    ) -> None:
+        sync = self._get()
+        what = self.what(tag)
+        self._barrier.check_elsewhere(
+            replica,
+            what,
+            sync.step_number(),
+            arrived,
+            their_what=self.what(other) if other != tag else None,
+            twice=twice,
+            failed=failed,
+            waited=waited,
+        )
+
+    def share(self, local: int, tag: int, has_examples: bool, batch: int) -> float:
+        sync = self._get()
+        replica = _replica_id(local)
+        combination = sync.weight_of(replica)
+        if combination == 0 and has_examples:
+            refuse_zero_weight(sync, tag // 2, replica, batch)
+        return combination or 0.0
+
+    def too_small(self, local: int, tag: int, size: float, shape: tuple[int, ...]) -> None:
+        name = self._get().layer_name(tag // 2)
+        check_size(size, f"BatchNorm layer '{name}' (input of shape {shape} on replica {_replica_id(local)})")
+
+    def across(self, total: torch.Tensor, tag: int) -> None:
+        sync = self._get()
+        try:
+            sync.sum_across_workers(total, self.what(tag), sync.step_number())
+        except BaseException as error:
+            self._barrier.abort(error)  # the local replicas waiting for this sum fail with its cause
+            raise
+
+
+def _replica_id(local: int) -> int:
+    """The replica id in the sync group of the replica running this hook (its thread's context; a hook runs on the
+    replica's own thread): the meeting counts replicas by local index, which for one replica a process is 0."""
+    ctx = current_replica_context()
+    return ctx.replica_id_in_sync_group if ctx is not None else local
+
+
+def describe(native: NativeMeetings | None, reason: str) -> str:
+    """Where the meetings run, for `explain()`."""
+    if native is not None:
+        return "in C++ (batch_norm_native.cpp): each layer call releases Python's global lock for its whole length"
+    return f"in Python, {reason}: the same results, slower between CPU replica threads of one process"
