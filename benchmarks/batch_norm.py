@@ -164,6 +164,39 @@ class MeetingClock:
         return max(self.ns.values(), key=lambda parts: sum(parts.values()))
 
 
+class NativeClock:
+    """The native meetings' own times (batch_norm_native.cpp records, in the steps it is told to time, each local
+    replica's time from arrival to return: waiting for the last replica, the sum, the wake-up), every step while
+    `on`, summed per replica until `take`."""
+
+    def __init__(self) -> None:
+        from stratagem.strategies.data_parallel.batch_norm_native import NativeMeetings
+
+        self.on = False
+        self.ns: list[int] = []
+        original = NativeMeetings.begin_step
+        clock = self
+
+        def begin_step(native, step, timed):  # type: ignore[no-untyped-def]
+            if not clock.on:
+                return original(native, step, timed)
+            clock.collect(native)
+            native.meeting.reset(True)
+
+        NativeMeetings.begin_step = begin_step  # type: ignore[method-assign]
+
+    def collect(self, native) -> None:  # type: ignore[no-untyped-def]
+        _, spent, _ = native.meeting.times()
+        self.ns = [a + b for a, b in zip(self.ns, spent)] if self.ns else list(spent)
+
+    def take(self, native) -> int:  # type: ignore[no-untyped-def]
+        """The slower replica's ns inside the meetings since the last `take` (the running step's included)."""
+        self.collect(native)
+        native.meeting.reset(True)
+        slowest, self.ns = max(self.ns, default=0), []
+        return slowest
+
+
 class ArrivalLog:
     """Records, while `on`, when each replica arrives at each BatchNorm meeting of a step and which OS thread runs
     it (the benchmark's own instrumentation, wrapped around BatchNormSync.meet)."""
@@ -277,6 +310,8 @@ def mirrored(args: argparse.Namespace) -> None:
     from stratagem.strategies.data_parallel import batch_norm as bn_module
 
     clock = MeetingClock() if args.breakdown else None
+    native_clock = NativeClock() if args.breakdown else None
+    native_ns: list[float] = []
     data = make_data()
     functions = {"global": bn_module.GlobalBatchNormFunction}
     if args.against:  # both sides exact, the "per_replica" side with the other function
@@ -301,12 +336,20 @@ def mirrored(args: argparse.Namespace) -> None:
             bn_module.GlobalBatchNormFunction = functions.get(mode, functions["global"])  # type: ignore[misc]
             if clock is not None:
                 clock.on, clock.ns = mode == "global", {}
+            native = strategy._replicas._batch_norm.sync._native
+            timed_natively = native_clock is not None and mode == "global" and native is not None
+            if timed_natively:
+                native_clock.on = True
+                native_clock.take(native)  # from zero
             start, start_cpu = time.perf_counter(), time.process_time()
             for i in range(args.steps):
                 strategy.run(step, args=batches[i % len(batches)])
             times[mode].append((time.perf_counter() - start) / args.steps)
             cpu[mode].append((time.process_time() - start_cpu) / args.steps)
-            if clock is not None and mode == "global":
+            if timed_natively:
+                native_ns.append(native_clock.take(native) / 1e9 / args.steps)
+                native_clock.on = False
+            elif clock is not None and mode == "global" and clock.ns:
                 in_meetings.append({k: v / 1e9 / args.steps for k, v in clock.slowest().items()})
     for mode, values in times.items():
         print(
@@ -332,6 +375,13 @@ def mirrored(args: argparse.Namespace) -> None:
             f"global: the slower replica spent a median {statistics.median(totals) * 1000:.1f} ms/step inside "
             f"the BatchNorm meetings ({parts} ms/step), {statistics.median(shares):.1%} of the step "
             f"(blocks: {', '.join(f'{s:.1%}' for s in shares)})"
+        )
+    if native_ns:
+        shares = [m / t for m, t in zip(native_ns, times["global"])]
+        print(
+            f"global: the slower replica spent a median {statistics.median(native_ns) * 1000:.1f} ms/step inside the "
+            f"native BatchNorm meetings (arrival to return: waiting for the last replica, the sum, the wake-up), "
+            f"{statistics.median(shares):.1%} of the step (blocks: {', '.join(f'{s:.1%}' for s in shares)})"
         )
     for strategy, _, _ in sides.values():
         strategy.close()

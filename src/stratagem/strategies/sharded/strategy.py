@@ -315,6 +315,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             self._originals = []
             check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
         self._set_weight(weight)
+        self._batch_norm.begin_step()  # the meetings count from zero; the native ones ask for this step's weight
         local_args, local_kwargs = select_replica((args, kwargs), 0)
         self._counts = None
         ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self, host=self)
