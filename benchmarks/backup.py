@@ -116,7 +116,9 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dir is not None and not Path(args.dir).is_dir():
-        parser.error(f"--dir must be an existing directory. Received: --dir {args.dir}. Create it first, or leave it out.")
+        parser.error(
+            f"--dir must be an existing directory. Received: --dir {args.dir}. Create it first, or leave it out."
+        )
     if args.worker:
         sharded_worker(args.rounds, Path(args.dir))
         return 0

@@ -43,8 +43,10 @@ def interleaved(workload_name: str, blocks: int, warmup: int, block_steps: int =
     plain = workload.build_model()
     plain_step = make_train_step(plain, workload.build_optimizer(plain))
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=_registry(2))
-    sides = {"plain": lambda i: plain_step(*batches[i % len(batches)]),
-             "mirrored x2": strategy_steps(strategy, workload)}
+    sides = {
+        "plain": lambda i: plain_step(*batches[i % len(batches)]),
+        "mirrored x2": strategy_steps(strategy, workload),
+    }
     for run in sides.values():
         for i in range(warmup):
             run(i)
@@ -59,14 +61,22 @@ def interleaved(workload_name: str, blocks: int, warmup: int, block_steps: int =
                 sides[name](i)
             seconds[name].append(time.perf_counter() - t0)
         busy1, wall1 = _busy_seconds(), time.perf_counter()
-        others.append(None if busy0 is None or busy1 is None
-                      else ((busy1[0] - busy0[0]) - (busy1[1] - busy0[1])) / ((wall1 - wall0) * (os.cpu_count() or 1)))
+        others.append(
+            None
+            if busy0 is None or busy1 is None
+            else ((busy1[0] - busy0[0]) - (busy1[1] - busy0[1])) / ((wall1 - wall0) * (os.cpu_count() or 1))
+        )
     strategy.close()
     ratios = [p / m for p, m in zip(seconds["plain"], seconds["mirrored x2"])]
-    return {"workload": workload_name, "threads_plain": torch.get_num_threads(),
-            "ms_per_step": {n: 1e3 * sum(t) / (blocks * block_steps) for n, t in seconds.items()},
-            "ratio_median": statistics.median(ratios), "ratio_total": sum(seconds["plain"]) / sum(seconds["mirrored x2"]),
-            "ratios": ratios, "other_load": others}
+    return {
+        "workload": workload_name,
+        "threads_plain": torch.get_num_threads(),
+        "ms_per_step": {n: 1e3 * sum(t) / (blocks * block_steps) for n, t in seconds.items()},
+        "ratio_median": statistics.median(ratios),
+        "ratio_total": sum(seconds["plain"]) / sum(seconds["mirrored x2"]),
+        "ratios": ratios,
+        "other_load": others,
+    }
 
 
 def _busy_seconds() -> tuple[float, float] | None:
@@ -85,22 +95,35 @@ def _busy_seconds() -> tuple[float, float] | None:
 
 def main() -> int:
     parser = suite_parser(__doc__, Path("bench-results/core.json"))
-    parser.add_argument("--interleaved", type=int, metavar="BLOCKS", default=0,
-                        help="plain vs Mirrored x2 in one process, BLOCKS alternating blocks of 20 steps")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        metavar="BLOCKS",
+        default=0,
+        help="plain vs Mirrored x2 in one process, BLOCKS alternating blocks of 20 steps",
+    )
     args = parser.parse_args()
     if args.interleaved:
         results = [interleaved(w, args.interleaved, args.warmup) for w in args.workloads.split(",")]
         for r in results:
             quiet = sum(1 for o in r["other_load"] if o is not None and o < 0.1)
-            print(f"{r['workload']}: plain {r['ms_per_step']['plain']:.2f} ms/step, mirrored x2 "
-                  f"{r['ms_per_step']['mirrored x2']:.2f} ms/step; ratio median {r['ratio_median']:.3f} "
-                  f"(total {r['ratio_total']:.3f}) over {len(r['ratios'])} blocks, {quiet} of them with other "
-                  "processes under 10% of the cores")
+            print(
+                f"{r['workload']}: plain {r['ms_per_step']['plain']:.2f} ms/step, mirrored x2 "
+                f"{r['ms_per_step']['mirrored x2']:.2f} ms/step; ratio median {r['ratio_median']:.3f} "
+                f"(total {r['ratio_total']:.3f}) over {len(r['ratios'])} blocks, {quiet} of them with other "
+                "processes under 10% of the cores"
+            )
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
         return 0
-    rows = run_suite(CONFIGS, args.workloads.split(","), rounds=args.rounds, warmup=args.warmup, steps=args.steps,
-                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = run_suite(
+        CONFIGS,
+        args.workloads.split(","),
+        rounds=args.rounds,
+        warmup=args.warmup,
+        steps=args.steps,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     print(render_markdown(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=2))

@@ -32,8 +32,10 @@ LAUNCHERS = {
         "main(['--nproc-per-node', '2', '--master-port', '0', {script!r}])\nrc = 0\n"
     ),
 }
-WRAPPER = "import json, resource, sys\n{body}print(json.dumps({{'rc': rc, 'maxrss_kib': " \
+WRAPPER = (
+    "import json, resource, sys\n{body}print(json.dumps({{'rc': rc, 'maxrss_kib': "
     "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}), file=sys.stderr)\n"
+)
 
 
 def launch_once(name: str, script: Path, marks: Path) -> dict:
@@ -75,8 +77,10 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
     ours, theirs = results["stratagem launch"], results["torchrun"]
     diff = [o["started_s"] - t["started_s"] for o, t in zip(ours, theirs)]
-    print(f"\nstratagem launch - torchrun, all tasks started: median {statistics.median(diff):+.2f} s "
-          f"over {args.repeats} pairs (range {min(diff):+.2f} to {max(diff):+.2f})")
+    print(
+        f"\nstratagem launch - torchrun, all tasks started: median {statistics.median(diff):+.2f} s "
+        f"over {args.repeats} pairs (range {min(diff):+.2f} to {max(diff):+.2f})"
+    )
 
 
 if __name__ == "__main__":

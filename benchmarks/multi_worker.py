@@ -39,15 +39,17 @@ from stratagem.cluster import allocator
 
 def run(argv: list[str], extra_env: dict[str, str] | None = None) -> dict:
     env = {**os.environ, **(extra_env or {})}
-    proc = subprocess.run([sys.executable, "-m", *argv], check=False, capture_output=True, text=True, timeout=900,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv], check=False, capture_output=True, text=True, timeout=900, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
-def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, warmup: int, shared_memory: bool | None,
-                      queue) -> None:
+def _interleaved_rank(
+    rank: int, workload_name: str, port: int, blocks: int, warmup: int, shared_memory: bool | None, queue
+) -> None:
     """One rank of --interleaved: a MWMS model and a DDP model over the same process group, blocks alternating."""
     import torch
     import torch.distributed as dist
@@ -65,7 +67,7 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
             run(i)
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(blocks):
-        for name in (list(sides) if block % 2 == 0 else list(sides)[::-1]):
+        for name in list(sides) if block % 2 == 0 else list(sides)[::-1]:
             dist.barrier()
             t0 = time.perf_counter()
             for i in range(block * 20, (block + 1) * 20):
@@ -74,9 +76,14 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
             seconds[name].append(time.perf_counter() - t0)
     if rank == 0:
         ratios = [d / m for d, m in zip(seconds["ddp"], seconds["mwms"])]
-        queue.put({"workload": workload_name,
-                   "samples_per_s": {n: blocks * 20 * workload.global_batch / sum(t) for n, t in seconds.items()},
-                   "ratio_median": statistics.median(ratios), "ratios": ratios})
+        queue.put(
+            {
+                "workload": workload_name,
+                "samples_per_s": {n: blocks * 20 * workload.global_batch / sum(t) for n, t in seconds.items()},
+                "ratio_median": statistics.median(ratios),
+                "ratios": ratios,
+            }
+        )
     del sides, run
     free_ddp_models()  # before the process group goes: see free_ddp_models
     strategy.close()
@@ -84,14 +91,25 @@ def _interleaved_rank(rank: int, workload_name: str, port: int, blocks: int, war
 
 def main() -> int:
     parser = suite_parser(__doc__, Path("bench-results/multi_worker.json"))
-    parser.add_argument("--interleaved", type=int, metavar="BLOCKS", default=0,
-                        help="DDP vs MWMS in the same two processes, BLOCKS alternating blocks of 20 steps")
-    parser.add_argument("--also-gloo", action="store_true",
-                        help="also run MWMS with shared_memory=False (gradients over Gloo) in each round; with "
-                             "--interleaved, run MWMS with shared_memory=False instead")
-    parser.add_argument("--default-allocator", action="store_true",
-                        help="start MWMS's processes without the allocator setting `stratagem launch` gives its tasks "
-                             "(and run no control)")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        metavar="BLOCKS",
+        default=0,
+        help="DDP vs MWMS in the same two processes, BLOCKS alternating blocks of 20 steps",
+    )
+    parser.add_argument(
+        "--also-gloo",
+        action="store_true",
+        help="also run MWMS with shared_memory=False (gradients over Gloo) in each round; with "
+        "--interleaved, run MWMS with shared_memory=False instead",
+    )
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="start MWMS's processes without the allocator setting `stratagem launch` gives its tasks "
+        "(and run no control)",
+    )
     args = parser.parse_args()
     launch_env = {} if args.default_allocator else allocator.keep_freed_memory_env(os.environ)
     if args.interleaved:
@@ -99,21 +117,28 @@ def main() -> int:
 
         os.environ.update(launch_env)  # both sides share the two processes, so both run with it
 
-        results = [spawn_ranks(_interleaved_rank, 2, w, "PORT", args.interleaved, args.warmup,
-                               False if args.also_gloo else None)
-                   for w in args.workloads.split(",")]
+        results = [
+            spawn_ranks(
+                _interleaved_rank, 2, w, "PORT", args.interleaved, args.warmup, False if args.also_gloo else None
+            )
+            for w in args.workloads.split(",")
+        ]
         for r in results:
-            print(f"{r['workload']}: DDP {r['samples_per_s']['ddp']:.0f} samples/s, MWMS {r['samples_per_s']['mwms']:.0f} "
-                  f"samples/s; MWMS / DDP median {r['ratio_median']:.3f} over {len(r['ratios'])} blocks")
+            print(
+                f"{r['workload']}: DDP {r['samples_per_s']['ddp']:.0f} samples/s, MWMS {r['samples_per_s']['mwms']:.0f} "
+                f"samples/s; MWMS / DDP median {r['ratio_median']:.3f} over {len(r['ratios'])} blocks"
+            )
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
         return 0
     out: dict = {"training": {}, "allreduce": None}
     control = bool(launch_env)
-    lines = ["| workload | DDP samples/s (median) | MWMS samples/s (median) | MWMS / DDP (median) | per round |"
-             + (" control: MWMS / DDP with MWMS's allocator setting (median) | per round |" if control else "")
-             + (" MWMS over Gloo / DDP (median) | per round |" if args.also_gloo else ""),
-             "|---|---|---|---|---|" + ("---|---|" if control else "") + ("---|---|" if args.also_gloo else "")]
+    lines = [
+        "| workload | DDP samples/s (median) | MWMS samples/s (median) | MWMS / DDP (median) | per round |"
+        + (" control: MWMS / DDP with MWMS's allocator setting (median) | per round |" if control else "")
+        + (" MWMS over Gloo / DDP (median) | per round |" if args.also_gloo else ""),
+        "|---|---|---|---|---|" + ("---|---|" if control else "") + ("---|---|" if args.also_gloo else ""),
+    ]
 
     def cells(ratios: list[float]) -> str:
         return f" {statistics.median(ratios):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} |"
@@ -124,10 +149,14 @@ def main() -> int:
         for r in range(args.rounds):
             before = run(["stratagem.bench.multi_process", "ddp", *common])["samples_per_s"]
             ours = run(["stratagem.bench.multi_process", "mwms", *common], launch_env)["samples_per_s"]
-            over_gloo = run(["stratagem.bench.multi_process", "mwms-gloo", *common], launch_env)["samples_per_s"] \
-                if args.also_gloo else None
-            ddp_kept = run(["stratagem.bench.multi_process", "ddp", *common], launch_env)["samples_per_s"] \
-                if control else None
+            over_gloo = (
+                run(["stratagem.bench.multi_process", "mwms-gloo", *common], launch_env)["samples_per_s"]
+                if args.also_gloo
+                else None
+            )
+            ddp_kept = (
+                run(["stratagem.bench.multi_process", "ddp", *common], launch_env)["samples_per_s"] if control else None
+            )
             after = run(["stratagem.bench.multi_process", "ddp", *common])["samples_per_s"]
             ddp += [before, after]
             mwms.append(ours)
@@ -138,25 +167,49 @@ def main() -> int:
             if over_gloo is not None:
                 gloo.append(over_gloo)
                 gloo_ratios.append(over_gloo / ((before + after) / 2))
-            print(f"{workload} round {r + 1}: DDP {before:.0f}/{after:.0f}, MWMS {ours:.0f} samples/s"
-                  + (f", DDP with MWMS's allocator setting {ddp_kept:.0f}" if ddp_kept is not None else "")
-                  + (f", MWMS over Gloo {over_gloo:.0f}" if over_gloo is not None else ""), file=sys.stderr)
-        out["training"][workload] = {"ddp": ddp, "mwms": mwms, "ratios": ratios, "mwms_env": launch_env,
-                                     "ddp_with_mwms_env": kept, "control_ratios": kept_ratios,
-                                     "mwms_gloo": gloo, "mwms_gloo_ratios": gloo_ratios}
-        lines.append(f"| {workload} | {statistics.median(ddp):.0f} | {statistics.median(mwms):.0f} |" + cells(ratios)
-                     + (cells(kept_ratios) if kept_ratios else "") + (cells(gloo_ratios) if gloo_ratios else ""))
+            print(
+                f"{workload} round {r + 1}: DDP {before:.0f}/{after:.0f}, MWMS {ours:.0f} samples/s"
+                + (f", DDP with MWMS's allocator setting {ddp_kept:.0f}" if ddp_kept is not None else "")
+                + (f", MWMS over Gloo {over_gloo:.0f}" if over_gloo is not None else ""),
+                file=sys.stderr,
+            )
+        out["training"][workload] = {
+            "ddp": ddp,
+            "mwms": mwms,
+            "ratios": ratios,
+            "mwms_env": launch_env,
+            "ddp_with_mwms_env": kept,
+            "control_ratios": kept_ratios,
+            "mwms_gloo": gloo,
+            "mwms_gloo_ratios": gloo_ratios,
+        }
+        lines.append(
+            f"| {workload} | {statistics.median(ddp):.0f} | {statistics.median(mwms):.0f} |"
+            + cells(ratios)
+            + (cells(kept_ratios) if kept_ratios else "")
+            + (cells(gloo_ratios) if gloo_ratios else "")
+        )
     allreduce = run(["stratagem.bench.allreduce"])
     out["allreduce"] = allreduce
     a, b = allreduce["a_64MiB"], allreduce["b_500x4KiB"]
-    lines += ["", ("| all-reduce (2 processes) | raw Gloo | bucketed path over Gloo | ratio | bucketed path over shared "
-                   "memory (MWMS's on one host) | ratio |"), "|---|---|---|---|---|---|",
-              (f"| (a) one 64 MiB tensor | {a['raw_s'] * 1e3:.1f} ms | {a['bucketed_s'] * 1e3:.1f} ms | "
-               f"{a['bucketed_vs_raw']:.3f}x raw throughput | {a['shared_memory_s'] * 1e3:.1f} ms | "
-               f"{a['shared_memory_vs_raw']:.3f}x raw throughput |"),
-              (f"| (b) 500 tensors of 4 KiB | {b['per_tensor_s'] * 1e3:.1f} ms (one all_reduce each) | "
-               f"{b['bucketed_s'] * 1e3:.1f} ms | {b['speedup_vs_per_tensor']:.1f}x faster | "
-               f"{b['shared_memory_s'] * 1e3:.1f} ms | {b['shared_memory_speedup_vs_per_tensor']:.1f}x faster |")]
+    lines += [
+        "",
+        (
+            "| all-reduce (2 processes) | raw Gloo | bucketed path over Gloo | ratio | bucketed path over shared "
+            "memory (MWMS's on one host) | ratio |"
+        ),
+        "|---|---|---|---|---|---|",
+        (
+            f"| (a) one 64 MiB tensor | {a['raw_s'] * 1e3:.1f} ms | {a['bucketed_s'] * 1e3:.1f} ms | "
+            f"{a['bucketed_vs_raw']:.3f}x raw throughput | {a['shared_memory_s'] * 1e3:.1f} ms | "
+            f"{a['shared_memory_vs_raw']:.3f}x raw throughput |"
+        ),
+        (
+            f"| (b) 500 tensors of 4 KiB | {b['per_tensor_s'] * 1e3:.1f} ms (one all_reduce each) | "
+            f"{b['bucketed_s'] * 1e3:.1f} ms | {b['speedup_vs_per_tensor']:.1f}x faster | "
+            f"{b['shared_memory_s'] * 1e3:.1f} ms | {b['shared_memory_speedup_vs_per_tensor']:.1f}x faster |"
+        ),
+    ]
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))

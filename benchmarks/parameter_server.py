@@ -65,12 +65,19 @@ def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
         kept[:] = [requests] if isinstance(requests, bytes) else list(requests)
         return b""
 
-    echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {
-        "Echo": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests),
-        "Sink": grpc.stream_unary_rpc_method_handler(sink),
-        "Sink1": grpc.unary_unary_rpc_method_handler(sink),
-        "Source": grpc.unary_stream_rpc_method_handler(lambda request, context: iter(kept)),
-    })])
+    echo.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "bench.Echo",
+                {
+                    "Echo": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests),
+                    "Sink": grpc.stream_unary_rpc_method_handler(sink),
+                    "Sink1": grpc.unary_unary_rpc_method_handler(sink),
+                    "Source": grpc.unary_stream_rpc_method_handler(lambda request, context: iter(kept)),
+                },
+            )
+        ]
+    )
     port = echo.add_insecure_port("127.0.0.1:0")
     echo.start()
     ready.put((ps.address, f"127.0.0.1:{port}"))
@@ -110,8 +117,9 @@ def transport(repeats: int) -> dict:
             shards = place([(n, p, 0) for n, p in params.items()], 1, None)
             variables = ShardedVariables(shards, [ps_address], security=Security(token=TOKEN), rpc_timeout=120)
             variables.create(params, torch.optim.SGD(list(params.values()), lr=1e-6))
-            over_grpc = ShardedVariables(shards, [ps_address], security=Security(token=TOKEN), rpc_timeout=120,
-                                         shared_memory=False)
+            over_grpc = ShardedVariables(
+                shards, [ps_address], security=Security(token=TOKEN), rpc_timeout=120, shared_memory=False
+            )
             grads = {n: torch.randn_like(p) * 1e-3 for n, p in params.items()}
             local = {n: torch.empty_like(p) for n, p in params.items()}
             variables.arrange(local)  # as a worker keeps its copy of the model: one buffer per bucket
@@ -139,24 +147,38 @@ def transport(repeats: int) -> dict:
                 assert sum(len(piece) for piece in source(b"", timeout=120)) == payload_bytes  # what the sink took
 
             ps_times, grpc_times, echo_times, bare_times = _alternating_seconds(
-                round_trip, grpc_trip, echo_trip, bare_trip, repeats=repeats)
-            ps_s, grpc_s, echo_s, bare_s = (statistics.median(t) for t in (ps_times, grpc_times, echo_times, bare_times))
+                round_trip, grpc_trip, echo_trip, bare_trip, repeats=repeats
+            )
+            ps_s, grpc_s, echo_s, bare_s = (
+                statistics.median(t) for t in (ps_times, grpc_times, echo_times, bare_times)
+            )
             # The ratio of each set of neighbouring rounds, then the median: noise on a shared machine
             # comes in bursts, which this keeps from landing on one side only.
             ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(ps_times, echo_times)]
             grpc_ratios = [(2 * model_bytes / p) / (2 * payload_bytes / e) for p, e in zip(grpc_times, echo_times)]
             bare_ratios = [e / b for e, b in zip(echo_times, bare_times)]
-            out[name] = {"model_bytes": model_bytes, "ps_s": ps_s, "grpc_s": grpc_s, "echo_s": echo_s,
-                         "bare_s": bare_s, "ps_bytes_per_s": 2 * model_bytes / ps_s,
-                         "grpc_bytes_per_s": 2 * model_bytes / grpc_s, "echo_bytes_per_s": 2 * payload_bytes / echo_s,
-                         "transfers": variables.transfers["ps:0"],
-                         "ratio": statistics.median(ratios), "pair_ratios": ratios,
-                         "grpc_ratio": statistics.median(grpc_ratios), "grpc_pair_ratios": grpc_ratios,
-                         "bare_ratio": statistics.median(bare_ratios)}
-            print(f"{name}: pull+push {ps_s * 1e3:.1f} ms ({variables.transfers['ps:0'].split(':')[0]}), over gRPC "
-                  f"{grpc_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, bare source+sink {bare_s * 1e3:.1f} ms; ratio "
-                  f"{out[name]['ratio']:.3f}, over gRPC {out[name]['grpc_ratio']:.3f} (bare {out[name]['bare_ratio']:.3f})",
-                  file=sys.stderr)
+            out[name] = {
+                "model_bytes": model_bytes,
+                "ps_s": ps_s,
+                "grpc_s": grpc_s,
+                "echo_s": echo_s,
+                "bare_s": bare_s,
+                "ps_bytes_per_s": 2 * model_bytes / ps_s,
+                "grpc_bytes_per_s": 2 * model_bytes / grpc_s,
+                "echo_bytes_per_s": 2 * payload_bytes / echo_s,
+                "transfers": variables.transfers["ps:0"],
+                "ratio": statistics.median(ratios),
+                "pair_ratios": ratios,
+                "grpc_ratio": statistics.median(grpc_ratios),
+                "grpc_pair_ratios": grpc_ratios,
+                "bare_ratio": statistics.median(bare_ratios),
+            }
+            print(
+                f"{name}: pull+push {ps_s * 1e3:.1f} ms ({variables.transfers['ps:0'].split(':')[0]}), over gRPC "
+                f"{grpc_s * 1e3:.1f} ms, echo {echo_s * 1e3:.1f} ms, bare source+sink {bare_s * 1e3:.1f} ms; ratio "
+                f"{out[name]['ratio']:.3f}, over gRPC {out[name]['grpc_ratio']:.3f} (bare {out[name]['bare_ratio']:.3f})",
+                file=sys.stderr,
+            )
             variables.close()
             over_grpc.close()
         channel.close()
@@ -182,8 +204,9 @@ def _train_task() -> None:
     workload = WORKLOADS["mlp"]
     warmup, steps = int(os.environ["BENCH_PS_WARMUP"]), int(os.environ["BENCH_PS_STEPS"])
     net = workload.build_model()
-    strategy = sg.ParameterServerStrategy(ps_exit_delay=5.0,
-                                          shared_memory=None if os.environ["BENCH_PS_SHARED"] == "1" else False)
+    strategy = sg.ParameterServerStrategy(
+        ps_exit_delay=5.0, shared_memory=None if os.environ["BENCH_PS_SHARED"] == "1" else False
+    )
     _model, _optimizer = strategy.distribute(net, workload.build_optimizer(net))
     coordinator = sg.ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(mlp_batches))
@@ -194,9 +217,15 @@ def _train_task() -> None:
     losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(steps)]
     coordinator.join()
     elapsed = time.perf_counter() - start
-    Path(os.environ["BENCH_PS_OUT"]).write_text(json.dumps({
-        "workers": strategy.num_workers, "samples_per_s": steps * workload.global_batch / elapsed,
-        "last_loss": float(losses[-1].fetch())}))
+    Path(os.environ["BENCH_PS_OUT"]).write_text(
+        json.dumps(
+            {
+                "workers": strategy.num_workers,
+                "samples_per_s": steps * workload.global_batch / elapsed,
+                "last_loss": float(losses[-1].fetch()),
+            }
+        )
+    )
     strategy.shutdown()
 
 
@@ -250,11 +279,22 @@ def training(workers: int, warmup: int, steps: int, shared_memory: bool = True) 
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = dict(environ.current(), BENCH_PS_OUT=str(out), BENCH_PS_WARMUP=str(warmup), BENCH_PS_STEPS=str(steps),
-                   BENCH_PS_SHARED="1" if shared_memory else "0")
+        env = dict(
+            environ.current(),
+            BENCH_PS_OUT=str(out),
+            BENCH_PS_WARMUP=str(warmup),
+            BENCH_PS_STEPS=str(steps),
+            BENCH_PS_SHARED="1" if shared_memory else "0",
+        )
         lines: list[str] = []
-        result = launch([sys.executable, __file__, "--train-task"], workers=workers, ps=1, env=env,
-                        sink=lambda line: lines.append(f"[{line.task}] {line.text}"), timeout=900)
+        result = launch(
+            [sys.executable, __file__, "--train-task"],
+            workers=workers,
+            ps=1,
+            env=env,
+            sink=lambda line: lines.append(f"[{line.task}] {line.text}"),
+            timeout=900,
+        )
         if not result.ok:
             raise RuntimeError(result.explain() + "\n" + "\n".join(lines[-30:]))
         return json.loads(out.read_text())
@@ -262,8 +302,11 @@ def training(workers: int, warmup: int, steps: int, shared_memory: bool = True) 
 
 def train_rounds(args: argparse.Namespace) -> dict:
     """Each round: plain PyTorch (2 threads, then 1), then every parameter-server configuration."""
-    configs = [(f"parameter server, {w} worker(s), 1 ps, {'shared memory' if shm else 'gRPC'}", w, shm)
-               for w in (1, 2) for shm in (True, False)]
+    configs = [
+        (f"parameter server, {w} worker(s), 1 ps, {'shared memory' if shm else 'gRPC'}", w, shm)
+        for w in (1, 2)
+        for shm in (True, False)
+    ]
     names = [f"plain PyTorch, one process, {torch.get_num_threads()} threads", "plain PyTorch, one process, 1 thread"]
     out: dict = {name: {"samples_per_s": [], "ratios": []} for name in [*names, *(c[0] for c in configs)]}
     for _ in range(args.rounds):
@@ -291,21 +334,32 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=Path("bench-results/parameter_server.json"))
     args = parser.parse_args()
     results: dict = {"transport": transport(args.repeats)}
-    lines = [("| model | pull+push, same host (shared memory) | ratio (goal >= 0.8) | pull+push over gRPC "
-              "(shared_memory=False) | ratio | bare gRPC echo | bare source+sink / echo |"),
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| model | pull+push, same host (shared memory) | ratio (goal >= 0.8) | pull+push over gRPC "
+            "(shared_memory=False) | ratio | bare gRPC echo | bare source+sink / echo |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results["transport"].items():
-        lines.append(f"| {name} | {r['ps_bytes_per_s'] / 2**20:.0f} MiB/s ({r['ps_s'] * 1e3:.1f} ms) | "
-                     f"{r['ratio']:.3f} | {r['grpc_bytes_per_s'] / 2**20:.0f} MiB/s ({r['grpc_s'] * 1e3:.1f} ms) | "
-                     f"{r['grpc_ratio']:.3f} | {r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | "
-                     f"{r['bare_ratio']:.3f} ({r['bare_s'] * 1e3:.1f} ms) |")
+        lines.append(
+            f"| {name} | {r['ps_bytes_per_s'] / 2**20:.0f} MiB/s ({r['ps_s'] * 1e3:.1f} ms) | "
+            f"{r['ratio']:.3f} | {r['grpc_bytes_per_s'] / 2**20:.0f} MiB/s ({r['grpc_s'] * 1e3:.1f} ms) | "
+            f"{r['grpc_ratio']:.3f} | {r['echo_bytes_per_s'] / 2**20:.0f} MiB/s ({r['echo_s'] * 1e3:.1f} ms) | "
+            f"{r['bare_ratio']:.3f} ({r['bare_s'] * 1e3:.1f} ms) |"
+        )
     if not args.skip_training:
         results["training"] = train_rounds(args)
-        lines += ["", ("| MLP training (median of rounds) | samples/s | vs plain PyTorch (default threads), "
-                       "each round |"), "|---|---|---|"]
+        lines += [
+            "",
+            ("| MLP training (median of rounds) | samples/s | vs plain PyTorch (default threads), each round |"),
+            "|---|---|---|",
+        ]
         for name, r in results["training"].items():
-            lines.append(f"| {name} | {statistics.median(r['samples_per_s']):.0f} | "
-                         f"{statistics.median(r['ratios']):.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) |")
+            lines.append(
+                f"| {name} | {statistics.median(r['samples_per_s']):.0f} | "
+                f"{statistics.median(r['ratios']):.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) |"
+            )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print("\n".join(lines))

@@ -6,12 +6,15 @@ are the default on a CPU.)"""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_batch_norm import batches, build, mirrored
 from torch import nn
 
@@ -186,3 +189,33 @@ def test_layers_it_cannot_take_go_to_the_python_meetings():
     assert not batch_norm_native.takes(bn, x.to(torch.bfloat16))
     assert not batch_norm_native.takes(bn.double(), x)  # parameters of another dtype (autocast)
     assert not batch_norm_native.takes(nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).to_sparse())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.integers(1, 19),
+    st.sampled_from([(), (1,), (7,), (3, 5), (2, 2, 3)]),
+    st.sampled_from([torch.float32, torch.float64]),
+    st.integers(0, 2**16),
+)
+def test_the_one_pass_input_gradient_has_the_two_passes_bits(batch, channels, spatial, dtype, seed):
+    module = batch_norm_native.extension()[0]
+    if not module.fused_input_gradient:
+        pytest.skip("torch runs no AVX2 or AVX-512 kernels here: the input gradient takes ATen's two passes")
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, channels, *spatial)
+    x, dy = (torch.randn(shape, generator=g, dtype=dtype) * 3 for _ in range(2))
+    mean = torch.randn(channels, generator=g, dtype=dtype)
+    var = torch.rand(channels, generator=g, dtype=dtype) * 4
+    gain, shift, scale = (torch.randn(channels, generator=g, dtype=dtype) for _ in range(3))
+    want = torch.native_batch_norm(x, scale, shift, mean, var, False, 0.0, 1e-5)[0]
+    want.addcmul_(dy, gain.view(1, channels, *[1] * len(spatial)))
+    got = module.input_gradient(x, dy, mean, var, 1e-5, gain, shift, scale)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_replicas_watch_for_the_last_arrival_only_where_each_has_a_core():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert batch_norm_native.spin(1) == batch_norm_native.SPIN > 0
+    assert batch_norm_native.spin(cores + 1) == 0.0

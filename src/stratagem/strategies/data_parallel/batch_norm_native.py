@@ -53,9 +53,14 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("batch_norm_native.cpp")
 SWITCH = "STRATAGEM_NATIVE_BATCH_NORM"
 """Set to 0 to run exact BatchNorm's meetings in Python (the same results, slower between CPU threads)."""
-FLAGS = ("-O2", "-ffp-contract=off")  # no fused multiply-adds: the same roundings as NumPy's
+# No contraction of a * b + c into a fused multiply-add the source does not ask for (the same roundings as NumPy's).
+# Where torch runs its AVX2 or AVX-512 kernels (which fuse them), the input gradient takes one pass instead of two
+# with the same roundings (batch_norm_native.cpp, `input_gradient`), its std::fma one instruction.
+FUSED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+FLAGS = ("-O3", "-ffp-contract=off", *(("-mfma", "-DSTRATAGEM_FUSED_INPUT_GRADIENT") if FUSED else ()))
 BUILD_WAIT = 900.0  # seconds to wait for another process building the same extension
 POLL = 0.1  # seconds a native wait runs before Python looks for a replica that failed or went elsewhere
+SPIN = 100e-6  # seconds a replica that arrived early watches for the last one before it sleeps (see `spin`)
 
 
 @functools.cache
@@ -147,6 +152,15 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = previous
 
 
+def spin(num_local: int) -> float:
+    """How long a replica that arrives early at a meeting watches for the last one on its own core before sleeping:
+    SPIN while every replica thread has a core of this process's (the watching core would otherwise idle, and a
+    wake-up from sleep costs tens of microseconds a meeting), none where replicas share cores (watching would take
+    the core from the replica it waits for)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN if num_local <= cores else 0.0
+
+
 def takes(module: nn.Module, input: torch.Tensor) -> bool:
     """Whether the native call does this layer's work: a dense CPU tensor of float32 or float64, with the layer's
     parameters and buffers (where it has them) plain tensors of the same dtype, contiguous."""
@@ -170,7 +184,7 @@ class NativeMeetings:
     def __init__(self, module: ModuleType, sync: BatchNormSync, barrier: ReplicaBarrier, num_local: int) -> None:
         self._module = module
         hooks = _Hooks(weakref.ref(sync), barrier)
-        self.meeting = module.Meeting(num_local, POLL, hooks, sync.sums_across_workers)
+        self.meeting = module.Meeting(num_local, POLL, spin(num_local), hooks, sync.sums_across_workers)
         self._timing_step: int | None = None
 
     def begin_step(self, step: int, timed: bool) -> None:
