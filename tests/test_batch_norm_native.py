@@ -97,11 +97,17 @@ def test_the_native_meetings_give_the_python_meetings_bits(monkeypatch, n, dtype
         assert torch.equal(native[key], value), key
 
 
-def test_a_replica_that_fails_in_forward_is_reported_not_the_one_waiting_for_it():
+def two_replicas(timeout):
+    """Mirrored x2 on the MLP with BatchNorm, distributed, and one global batch of 6 cut for it."""
     model, opt, shape = build("mlp")
-    strategy = mirrored(2, timeout=30)
+    strategy = mirrored(2, timeout=timeout)
     model, opt = strategy.distribute(model, opt)
     ((x, y),) = strategy.distribute_dataset(batches(shape, sizes=[6]))
+    return strategy, model, x, y
+
+
+def test_a_replica_that_fails_in_forward_is_reported_not_the_one_waiting_for_it():
+    strategy, model, x, y = two_replicas(timeout=30)
 
     def step(x, y):
         if sg.current_replica_context().replica_id_in_sync_group == 1:
@@ -118,10 +124,7 @@ def test_a_replica_that_fails_in_forward_is_reported_not_the_one_waiting_for_it(
 def test_a_replica_at_another_meeting_of_the_step_is_named_at_once():
     # Replica 1 skips the model and waits at the end of backward's gradient meeting (a Python meeting) while replica
     # 0 waits at the first BatchNorm layer's (a native one): the error names both, well before the timeout.
-    model, opt, shape = build("mlp")
-    strategy = mirrored(2, timeout=60)
-    model, opt = strategy.distribute(model, opt)
-    ((x, y),) = strategy.distribute_dataset(batches(shape, sizes=[6]))
+    strategy, model, x, y = two_replicas(timeout=60)
     extra = nn.Linear(6, 1).double()
     other, _ = strategy.distribute(extra, torch.optim.SGD(extra.parameters(), lr=0.1))
 

@@ -223,11 +223,13 @@ class ReplicaBarrier:
                 raise self._fail(ReplicaError(f"The {what} of step {step} failed on {others}; see its error."))
 
     # ---- the errors of a meeting --------------------------------------------------------------------------
+    def _missing(self, arrived: Collection[int]) -> list[int]:
+        return sorted(set(range(len(self._names))) - set(arrived))
+
     def _twice(self, replica: int, what: str, step: int, arrived: Collection[int]) -> ReplicaError:
-        missing = sorted(set(range(len(self._names))) - set(arrived))
         return ReplicaError(
             f"Replica {replica} ({self._names[replica]}) reached the {what} of step {step} a second time "
-            f"while {self._describe(missing)} never did: another replica ran replica {replica}'s "
+            f"while {self._describe(self._missing(arrived))} never did: another replica ran replica {replica}'s "
             "parameters. Received: replica copies that share a submodule, typically through a function "
             "kept as an attribute (a lambda or a function from outside the model) that calls the "
             "original's submodule. Define a method on the module instead, which each copy binds to itself."
@@ -257,10 +259,9 @@ class ReplicaBarrier:
         )
 
     def _timed_out(self, replica: int, what: str, step: int, arrived: Collection[int]) -> CollectiveTimeoutError:
-        missing = sorted(set(range(len(self._names))) - set(arrived))
         return CollectiveTimeoutError(
             f"Timed out after {self._timeout:g} s at the {what} of step {step}: replica {replica} "
-            f"({self._names[replica]}) was waiting for {self._describe(missing)}. A replica is stuck or "
+            f"({self._names[replica]}) was waiting for {self._describe(self._missing(arrived))}. A replica is stuck or "
             "much slower than the others; raise `timeout=` on the strategy if this step is legitimately slow."
         )
 
