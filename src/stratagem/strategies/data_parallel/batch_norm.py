@@ -389,7 +389,7 @@ class BatchNormSync:
     def weight_declared(self, replica: int) -> None:
         """Local `replica` declared a loss weight (`sg.set_loss_weight`): the native meetings ask for it again."""
         if self._native is not None:
-            self._native.meeting.forget_weight(replica)
+            self._native.meeting.forget_weight(replica if self._num_local > 1 else 0)  # by local index, as `meet`
 
     def step_number(self) -> int:
         return self._step()

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
-#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -84,6 +83,7 @@ class Meeting : public torch::CustomClassHolder {
 
   // `replica` declared a loss weight: its next backward meeting asks Python again.
   void forget_weight(int64_t replica) {
+    TORCH_CHECK(0 <= replica && replica < n_, "stratagem: local replica ", replica, " of ", n_);
     std::lock_guard<std::mutex> lock(mu_);
     weight_known_[replica] = 0;
   }
