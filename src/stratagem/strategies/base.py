@@ -146,6 +146,19 @@ class Strategy(abc.ABC):
         holds something overrides it, so here there is nothing to release."""
 
     # ---- shared vocabulary --------------------------------------------------------------------
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """TensorFlow's `strategy.scope()`: build the model inside it, so that one script runs under every strategy.
+
+        Here the model is built as usual (every replica is made from the whole model). `ShardedStrategy` overrides
+        it: a model built inside is never whole in one process, its shards filled with one device's values.
+
+        Example:
+            >>> with strategy.scope():
+            ...     model = Net()
+            >>> model, optimizer = strategy.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        """
+        return contextlib.nullcontext()
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context in which backward passes only accumulate gradients (see `MirroredStrategy.no_sync`).
 

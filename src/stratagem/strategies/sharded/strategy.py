@@ -59,6 +59,7 @@ from stratagem.strategies.sharded.checks import (
 from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
 from stratagem.strategies.sharded.placement import local_device
+from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.transport import connect_transport
 from stratagem.strategies.sharded.weighting import weigh_gradients
@@ -149,6 +150,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._shardeds: list[Any] = []
         # The parameters of the user's models distributed so far, by id (weakly: a dropped model's ids get reused).
         self._held: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._built: dict[int, BuiltModel] = {}  # models made inside scope(), sharded there, by id, until distributed
         self._running = False
         self._counts: float | None = None
         self._accumulated: list[float] = []
@@ -225,6 +227,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         before, and a call inside `run`. The whole model as one unit is allowed
         with a warning that its peak is the unsharded model.
         """
+        built = self._built.pop(id(model), None)
+        if built is not None and built.model() is model:  # made inside scope(): sharded there already (scope.py)
+            return self._distribute_built(model, optimizer, built)
         self._check_distribute_args(model, optimizer, None)
         check_another_model(model, running=self._running, held=self._held)
         check_optimizer(optimizer)
@@ -270,6 +275,55 @@ class ShardedStrategy(Strategy, LossWeightHost):
             return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
         return wrapped, clone_optimizer(optimizer, mapping, with_state=False)
+
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """TensorFlow's `strategy.scope()`: a model constructed inside is never whole in this process. It is built
+        on meta, then cut, sharded in place and filled one parameter at a time, each value the one the same
+        constructor gives on one device with the same seed (scope.py).
+
+        Example:
+            >>> with strategy.scope():
+            ...     model = GPT2LMHeadModel(config)          # this rank's shards only, one device's values
+            >>> model, optimizer = strategy.distribute(model, torch.optim.AdamW(model.parameters()))
+        """
+        return sharded_scope(self._shard_in_place, self._device, self._built)
+
+    def _shard_in_place(self, model: nn.Module) -> UnitCut:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        cut = cut_model(model, self._policy)
+        message = cut.warning()
+        if message is not None:
+            warnings.warn(message, stacklevel=4)
+        param_dtype, reduce_dtype = self._mp
+        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        mesh = self._group.device_mesh()
+        apply_cut(model, cut, mesh=mesh, reshard_after_forward=self._stage == 3, mp_policy=mp_policy)
+        return cut
+
+    def _distribute_built(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, built: BuiltModel) -> Any:
+        """`distribute` of a model built inside `scope()`: its units, weighting and checks, not its sharding."""
+        check_optimizer(optimizer)
+        if optimizer is not None:  # made inside the scope, it holds the parameters as construction made them
+            optimizer = clone_optimizer(optimizer, {**built.mapping, **{id(p): p for p in model.parameters()}})
+        self._check_distribute_args(model, optimizer, None)
+        plan = self._memory_plan(list(model.parameters()), optimizer, built.cut)
+        units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps)
+        if self._comms:
+            comm.weight = self._comms[0].weight
+        comm.rider = self._agreement
+        self._check_shards(model)
+        self._batch_norm.attach([model])
+        self._comms.append(comm)
+        self._cut = self._cut if self._cuts else built.cut
+        self._cuts.append(built.cut)
+        self._plans.append(plan)
+        self._shardeds.append(model)
+        self._held.update((id(p), weakref.ref(p)) for p in model.parameters())
+        wrapped = WrappedModel(model, "ShardedModel", copy_refused=copy_refusal(self._group.world_size))
+        self._model = self._model if self._model is not None else wrapped
+        return wrapped if optimizer is None else (wrapped, optimizer)
 
     def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
         """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
