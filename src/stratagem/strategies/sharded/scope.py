@@ -67,7 +67,7 @@ def sharded_scope(
 def _materialize(
     model: nn.Module, record: InitRecord, shard: Callable[[nn.Module], UnitCut], device: torch.device
 ) -> BuiltModel:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     layers = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if layers:
@@ -88,9 +88,8 @@ def _materialize(
             if meta is None:
                 continue
             whole = record.materialize(meta, f"'{name}'").to(device)
-            if isinstance(tensor, DTensor):  # this rank's rows, cut as the shard was (no collective)
-                mine = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
-                tensor.to_local().copy_(mine.to_local())
+            if isinstance(tensor, DTensor):
+                _copy_rows_(tensor, whole)
             else:
                 tensor.copy_(whole)
             del whole  # the one whole tensor held at a time
@@ -137,7 +136,7 @@ class _ShardedDraws(TorchDispatchMode):
     whole, from the CPU generator as one device makes it, and this rank's rows kept."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         kwargs = dict(kwargs or {})
         target = args[0] if args else None
@@ -156,9 +155,23 @@ class _ShardedDraws(TorchDispatchMode):
             )
         whole = torch.empty(target.shape, dtype=target.dtype, device="cpu")
         func(whole, *args[1:], **kwargs)  # the generator advances as one device's draw of the whole tensor
-        mine = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
-        target.to_local().copy_(mine.to_local())
+        _copy_rows_(target, whole.to(target.device))
         return target
+
+
+def _copy_rows_(shard: Any, whole: torch.Tensor) -> None:
+    """Copies into this rank's shard (a DTensor) its rows of `whole`, cut as `fully_shard` cut them: `torch.chunk`
+    along the shard dimension of a 1-D mesh. No collective, and no copy of the whole tensor."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    local, mesh, placements = shard.to_local(), shard.device_mesh, shard.placements
+    if mesh.ndim != 1 or not isinstance(placements[0], Shard):  # another layout: DTensor's own cut (a copy)
+        local.copy_(distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local())
+        return
+    dim = placements[0].dim
+    rows = -(-whole.size(dim) // mesh.size())
+    start = min(mesh.get_local_rank() * rows, whole.size(dim))
+    local.copy_(whole.narrow(dim, start, local.size(dim)))
 
 
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
