@@ -32,9 +32,9 @@ def normal_matrices(module: nn.Module) -> None:
             nn.init.normal_(p, mean=0.0, std=0.02)
 
 
-def built(make: Any, seed: int, strategy: Any = None, apply: Any = None) -> tuple[nn.Module, torch.Tensor]:
-    """`make()` after `torch.manual_seed(seed)`, inside `strategy.scope()` when given, then `apply` inside it; and
-    the generator's next draw after the scope."""
+def built(make: Any, seed: int, strategy: Any = None, apply: Any = None) -> tuple[nn.Module, Any, torch.Tensor]:
+    """`make()` after `torch.manual_seed(seed)`, inside `strategy.scope()` when given, then `apply` and an SGD
+    optimizer made inside it (as TensorFlow's scope holds them); and the generator's next draw after the scope."""
     import contextlib
 
     torch.manual_seed(seed)
@@ -42,7 +42,8 @@ def built(make: Any, seed: int, strategy: Any = None, apply: Any = None) -> tupl
         model = make()
         if apply is not None:
             model.apply(apply)
-    return model, torch.rand(3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer, torch.rand(3)
 
 
 def differing(model: nn.Module, reference: nn.Module) -> list[str]:
@@ -59,16 +60,16 @@ def scope_cases(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     strategy = sg.ShardedStrategy(cluster=cluster_of(rank, ports), timeout=60)
     try:
-        reference, next_draw = built(sequential, 7, apply=gpt2_init)
-        model, after = built(sequential, 7, strategy, apply=gpt2_init)
+        reference, ref_opt, next_draw = built(sequential, 7, apply=gpt2_init)
+        model, opt, after = built(sequential, 7, strategy, apply=gpt2_init)
         out["sequential differing"] = differing(model, reference)
         out["sequential sharded"] = [type(p).__name__ for p in model.parameters()]
         out["sequential local rows"] = [p.to_local().shape[0] for p in model.parameters()]
         out["draw after the scope"] = torch.equal(after, next_draw)
-        out["sequential trained"] = _train(strategy, model, reference)
+        out["sequential trained"] = _train(strategy, (model, opt), (reference, ref_opt))
 
-        reference, next_draw = built(lambda: tiny_gpt2().to(torch.float64), 0)
-        gpt, after = built(lambda: tiny_gpt2().to(torch.float64), 0, strategy)
+        reference, _, next_draw = built(lambda: tiny_gpt2().to(torch.float64), 0)
+        gpt, _, after = built(lambda: tiny_gpt2().to(torch.float64), 0, strategy)
         out["gpt2 differing"] = differing(gpt, reference)
         out["gpt2 tied"] = gpt.lm_head.weight is gpt.transformer.wte.weight
         out["gpt2 draw after the scope"] = torch.equal(after, next_draw)
@@ -95,19 +96,20 @@ def scope_cases(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     return out
 
 
-def _train(strategy: Any, model: nn.Module, reference: nn.Module) -> float:
-    """Two SGD steps on global batches of 13 against one device: the largest relative difference."""
+def _train(strategy: Any, built: tuple[nn.Module, Any], one_device: tuple[nn.Module, Any]) -> float:
+    """Two SGD steps on global batches of 13 against one device (the optimizer made inside the scope, over the
+    parameters as construction made them): the largest relative difference."""
+    reference, ref_opt = one_device
     g = torch.Generator().manual_seed(1)
     data = [
         (torch.randint(0, 13, (GLOBAL_BATCH,), generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g).double())
         for _ in range(2)
     ]
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for x, y in data:
         nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    model, opt = strategy.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, opt = strategy.distribute(*built)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.mse_loss(model(x), y)
