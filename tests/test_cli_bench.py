@@ -138,6 +138,19 @@ def test_plan_on_a_machine_with_gpus_measures_both_kinds():
     assert {r.status for r in rows if r.strategy != "one_device" or r.replicas == 1} == {"pending"}
 
 
+def test_sharded_runs_two_replicas_as_two_processes_of_one_device_each():
+    # Before (issue 38): the record's max_devices=1, a cap on each worker's devices, was read as a cap on replicas,
+    # so `stratagem bench` never measured sharded x2 ("sharded runs at most 1 replica(s)").
+    machine = BenchMachine(cpu_devices=2, gpu_devices=2, gloo=True, nccl=True)
+    rows = plan_rows(ScalingConfig(workloads=("mlp",), strategies=("sharded", "one_device")), machine)
+    table = {(r.kind, r.strategy, r.replicas): r for r in rows}
+    for kind, devices in (("cpu", ["cpu:0", "cpu:0"]), ("gpu", ["cuda:0", "cuda:1"])):
+        assert table[(kind, "sharded", 2)].status == "pending", table[(kind, "sharded", 2)].reason
+        assert table[(kind, "sharded", 2)].devices == devices
+    assert table[("cpu", "one_device", 2)].reason == "one_device runs at most 1 replica(s)"  # a cap of its own
+    assert BenchStrategy.from_record(STRATEGIES["sharded"]).max_replicas is None
+
+
 def test_plan_says_why_a_configuration_cannot_run_here():
     machine = BenchMachine(cpu_devices=2, gpu_devices=4, gloo=True, nccl=False)
     rows = plan_rows(ScalingConfig(workloads=("cnn",), strategies=("mirrored", "multi_worker"), replicas=(4,)), machine)

@@ -105,7 +105,9 @@ class BenchStrategy:
     one_process_per_replica: bool = False
     """Each replica is its own process (collectives through torch.distributed) instead of a thread."""
     max_replicas: int | None = None
-    """A fixed limit of the strategy itself (OneDeviceStrategy: 1); None for as many as the devices."""
+    """A fixed limit of the strategy itself (OneDeviceStrategy: 1); None for as many as the devices. A strategy of
+    one process per replica has none: its record's `max_devices` caps each worker's devices, and the benchmark
+    gives each of its processes one device whatever the number of replicas."""
 
     @classmethod
     def from_record(cls, record: StrategyRecord) -> BenchStrategy:
@@ -119,7 +121,8 @@ class BenchStrategy:
             name=record.name,
             build=record.bench_build,
             one_process_per_replica=record.one_process_per_worker,
-            max_replicas=record.max_devices,
+            # ShardedStrategy's max_devices=1 is per worker: sharded x2 is two processes of one device each.
+            max_replicas=None if record.one_process_per_worker else record.max_devices,
         )
 
     def unavailable_reason(self, kind: str, replicas: int, machine: BenchMachine) -> str | None:
