@@ -119,6 +119,44 @@ def test_a_silent_server_is_found_hung_after_the_timeout_and_back_at_its_next_an
 
 
 @pytest.mark.timeout(30)
+def test_a_verdict_waits_for_an_answer_from_now_on_or_for_the_heartbeats_own_limit():
+    answering = threading.Event()
+    answering.set()
+
+    def ping(op, meta, tensors):
+        if not answering.is_set():
+            time.sleep(1.5)  # no answer within the ping's deadline, as from a stopped process
+        return "pong", None, {}
+
+    server = Server("stratagem.test", {"Ping": ping}, security=SECURITY)
+    beat = Heartbeat(
+        Client(server.address, "stratagem.test", security=SECURITY, task="worker:4"), interval=0.2, timeout=1.0
+    )
+    beat.start()
+    try:
+        assert beat.wait_answer(0, 5)
+        asked = time.monotonic()
+        assert beat.verdict() is True  # it answers: at its next ping
+        assert time.monotonic() - asked < 0.9
+        answering.clear()
+        time.sleep(0.4)  # silent, but not yet for heartbeat_timeout: its last answer says nothing about now
+        assert not beat.hung
+        asked = time.monotonic()
+        assert beat.verdict() is False  # given once the silence reaches heartbeat_timeout
+        assert beat.hung and beat.silent_for() >= 1.0 and time.monotonic() - asked < 1.0 + 2 * 0.2 + 0.5
+        assert beat.verdict() is False  # hung already: at once
+        answers = beat.answers()
+        answering.set()
+        assert beat.wait_answer(answers, 5) and not beat.hung
+        beat.stop()
+        asked = time.monotonic()
+        assert beat.verdict() is False and time.monotonic() - asked < 0.5  # stopped: no answer will come
+    finally:
+        beat.stop()
+        server.stop()
+
+
+@pytest.mark.timeout(30)
 def test_a_function_slower_than_closure_timeout_on_an_answering_worker_fails_naming_it(strategy):
     coordinator = ClusterCoordinator(strategy, closure_timeout=0.5, heartbeat_interval=0.2, heartbeat_timeout=5)
     value = coordinator.schedule(_sleep, args=(2.0,))

@@ -163,3 +163,45 @@ def test_every_worker_hung_fails_join_naming_them_within_the_timeouts(tmp_path):
         _detection_s(result, "worker:0", stopped_at)
     finally:
         job.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("heartbeat_timeout", "closure_timeout", "freeze_after"),
+    [
+        # The call to the frozen worker runs out (3 s) before its heartbeat has been silent for its limit (4 s).
+        pytest.param(4.0, 3.0, 0.2, id="closure_timeout-shorter-than-heartbeat_timeout"),
+        # closure_timeout (4 s) is the longer one, but the worker froze 3.5 s into its step: at the closure
+        # deadline its heartbeat has been silent for about a second, short of its 3 s limit.
+        pytest.param(3.0, 4.0, 3.5, id="closure_timeout-longer-than-heartbeat_timeout"),
+    ],
+)
+def test_a_worker_frozen_mid_step_is_lost_not_stuck_whatever_the_closure_timeout(
+    tmp_path, heartbeat_timeout, closure_timeout, freeze_after
+):
+    """A worker that stopped answering its heartbeat is lost, even when its function's closure_timeout runs out first:
+    its step runs on the other worker and join() ends with every result, never "ran longer than closure_timeout"."""
+    steps = 12
+    job = Job(
+        tmp_path,
+        workers=2,
+        PS_TEST_STEPS=str(steps),
+        PS_TEST_STEP_SLEEP="0.1",
+        PS_TEST_RECOVERY="2",
+        PS_TEST_HEARTBEAT=f"{HEARTBEAT_INTERVAL},{heartbeat_timeout}",
+        PS_TEST_CLOSURE=str(closure_timeout),
+        PS_TEST_FREEZE=f"worker:1,2,{freeze_after}",  # it stops itself (SIGSTOP) that far into its 2nd step
+    )
+    try:
+        stopped_at = job.wait_for("[worker:1] worker:1 stops itself (SIGSTOP)", 120)
+        assert job.processes["chief:0"].wait(90) == 0, job.tail()
+        result = json.loads(job.out.read_text())
+        assert len(result["losses"]) == steps, result  # every function ran, at least once
+        assert [(f["task"], f["kind"]) for f in result["faults"]] == [("worker:1", "hung")], result["faults"]
+        fault = result["faults"][0]
+        assert fault["silent_s"] >= heartbeat_timeout and fault["at"] >= stopped_at, fault  # the heartbeat's verdict
+        log = job.tail()
+        assert "worker:1 hung (no heartbeat answer for" in log and "goes back to the queue" in log, log
+        assert "ran longer than closure_timeout" not in log, log
+    finally:
+        job.close()  # SIGKILL ends the stopped worker too

@@ -2,14 +2,18 @@
 
 Settings come from the environment: PS_TEST_STEPS (functions to schedule), PS_TEST_STEP_SLEEP (seconds each
 step sleeps, so a test can stop a worker mid-step), PS_TEST_HEARTBEAT ("interval,timeout" in seconds, or
-"default" for the coordinator's defaults), PS_TEST_RECOVERY (worker_recovery_timeout) and PS_TEST_OUT: the
-chief writes there, as JSON, its losses (or the error join() raised) and the coordinator's faults.
+"default" for the coordinator's defaults), PS_TEST_RECOVERY (worker_recovery_timeout), PS_TEST_CLOSURE
+(closure_timeout), PS_TEST_FREEZE ("worker:1,3,2.5": that worker stops itself with SIGSTOP 2.5 s into its 3rd
+step, so the point of the freeze, and the heartbeat's silence at the closure deadline, does not depend on
+when a test's signal lands) and PS_TEST_OUT: the chief writes there, as JSON, its losses (or the error join()
+raised) and the coordinator's faults.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -24,7 +28,11 @@ OUT = os.environ.get("PS_TEST_OUT")
 STEP_SLEEP = float(os.environ.get("PS_TEST_STEP_SLEEP", "0.2"))
 HEARTBEAT = os.environ.get("PS_TEST_HEARTBEAT", "0.5,3")
 RECOVERY = float(os.environ.get("PS_TEST_RECOVERY", "60"))
+CLOSURE = os.environ.get("PS_TEST_CLOSURE")
+FREEZE = os.environ.get("PS_TEST_FREEZE")
 TASK = json.loads(os.environ["TF_CONFIG"])["task"]
+NAME = f"{TASK['type']}:{TASK['index']}"
+steps_here = 0
 
 
 def make_dataset():
@@ -42,19 +50,29 @@ beats = {}
 if HEARTBEAT != "default":
     interval, timeout = (float(v) for v in HEARTBEAT.split(","))
     beats = {"heartbeat_interval": interval, "heartbeat_timeout": timeout}
+if CLOSURE:
+    beats["closure_timeout"] = float(CLOSURE)
 coordinator = sg.ClusterCoordinator(strategy, worker_recovery_timeout=RECOVERY, **beats)
 iterator = iter(coordinator.create_per_worker_dataset(make_dataset))
 
 
 def train_step(iterator):
+    global steps_here
     x, y = next(iterator)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    print(f"step started on {TASK['type']}:{TASK['index']}", flush=True)
+    steps_here += 1
+    print(f"step started on {NAME}", flush=True)
+    if FREEZE:
+        task, step, after = FREEZE.split(",")
+        if task == NAME and steps_here == int(step):
+            time.sleep(float(after))
+            print(f"{NAME} stops itself (SIGSTOP) {after} s into its step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(STEP_SLEEP)
-    print(f"step done on {TASK['type']}:{TASK['index']}", flush=True)
+    print(f"step done on {NAME}", flush=True)
     return loss
 
 

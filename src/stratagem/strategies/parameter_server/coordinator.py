@@ -33,7 +33,9 @@ before it was lost, or resumes after it); the worker's thread then waits up to
 ``worker_recovery_timeout`` for it to answer again (a restarted task on the same address, a stopped one
 continued) and takes it back; a worker that does not come back is dropped, and if no worker is left
 the coordinator fails naming them. A function that runs longer than ``closure_timeout`` on a worker
-that still answers its heartbeat fails the job (the function itself is stuck, not its worker). A
+that still answers its heartbeat fails the job (the function itself is stuck, not its worker); when the
+call runs out, the coordinator waits for the heartbeat's next answer or its finding the worker hung
+(``Heartbeat.verdict``), so a worker stopped mid-call is lost, whichever timeout is shorter. A
 parameter server that cannot be reached is an error naming it (``ps:0``), raised at once: the job is
 then restarted and resumes from its last checkpoint (``strategy.save`` / ``strategy.restore``).
 
@@ -452,9 +454,11 @@ class ClusterCoordinator:
                 "Run", "run", meta, encoder.tensors, timeout=self.closure_timeout, cancellation=beat.cancellation
             )
         except CollectiveTimeoutError as exc:
-            if beat.hung:  # closure_timeout shorter than heartbeat_timeout: the worker, not the function
-                raise _Hung() from None
-            raise self._too_long(closure, client, beat, exc) from None
+            # The heartbeat's last answer may predate a freeze that also explains the timeout (SIGSTOP mid-call,
+            # before heartbeat_timeout of silence): only an answer from now on shows that the function is stuck.
+            if beat.verdict():
+                raise self._too_long(closure, client, beat, exc) from None
+            raise _Hung() from None
 
     def _lose(self, client: Client) -> None:
         with self._cv:
@@ -484,4 +488,4 @@ class ClusterCoordinator:
 
 
 class _Hung(Exception):
-    """A worker found hung by its heartbeat before its function was sent."""
+    """A worker found hung by its heartbeat before its function was sent, or after its call ran out of time."""

@@ -6,7 +6,10 @@ connection open, so a call to it gets no answer and no error. One thread per wor
 of its own every ``interval`` seconds; when no ping has been answered for ``timeout`` seconds the worker
 counts as hung: the calls in flight to it are cut (``Cancellation``), which the coordinator
 treats as the worker's loss (its function goes back to the queue). Pings go on while it is lost, so a
-worker that answers again (SIGCONT, the network back) is seen at its next ping.
+worker that answers again (SIGCONT, the network back) is seen at its next ping. When a call to the worker
+runs out of time first (``closure_timeout``), ``verdict`` says which it was: the worker answers a ping
+(the function is slow or stuck) or stays silent until it counts as hung (the worker is lost); an answer
+from before the call ran out proves nothing about the worker now.
 
     >>> beat = Heartbeat(client, interval=2.0, timeout=10.0)   # doctest: +SKIP
     >>> beat.start(); ...; beat.stop()                          # doctest: +SKIP
@@ -108,6 +111,7 @@ class Heartbeat:
         self._last_answer = time.monotonic()  # the grace of a worker that has not started yet
         self._answered = 0  # pings answered so far
         self._hung_since: float | None = None
+        self._hangs = 0  # times found hung so far
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{self.task}", daemon=True)
 
@@ -144,6 +148,26 @@ class Heartbeat:
                     return False
                 self._cv.wait(remaining)
             return self._answered > after
+
+    def verdict(self) -> bool:
+        """Whether the worker still answers, asked when a call to it ran out of time: True at its next answer to a
+        ping, False as soon as it counts as hung (already, or once ``timeout`` s of silence have passed, as a
+        worker stopped mid-call does), or when neither came within ``timeout + 2 * interval`` s (by then it has
+        been silent too long to count as answering) or the heartbeat is stopped."""
+        # The heartbeat finds a silent worker hung within ``timeout`` of silence plus one ping's interval; the
+        # second interval is room for a loaded machine.
+        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        with self._cv:
+            answered, hangs = self._answered, self._hangs
+            while True:
+                if self._hung_since is not None or self._hangs > hangs:
+                    return False
+                if self._answered > answered:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped:
+                    return False
+                self._cv.wait(remaining)
 
     def _loop(self) -> None:
         try:
@@ -184,6 +208,8 @@ class Heartbeat:
             return
         with self._cv:
             self._hung_since = time.monotonic()
+            self._hangs += 1
+            self._cv.notify_all()  # a verdict() waits for this
         logger.warning(
             "%s hung: no answer to its heartbeat for %.1f s (heartbeat_timeout=%g s; %s); its calls in flight are cut",
             self.task,
