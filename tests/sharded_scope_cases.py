@@ -82,6 +82,11 @@ def scope_cases(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
             gpt.apply(normal_matrices)
         out["gpt2 again differing"] = differing(gpt, reference)
 
+        half = torch.full((), 0.5, dtype=torch.float64)
+        with pytest_refusal() as refused:
+            with strategy.scope():
+                gpt.transformer.wte.weight.data.bernoulli_(half)
+        out["refused sharded draw"] = refused.message
         with pytest_refusal() as refused:
             with strategy.scope():
                 layer = nn.Linear(4, 4)

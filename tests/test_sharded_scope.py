@@ -31,6 +31,7 @@ def test_a_model_built_inside_the_scope_is_sharded_with_one_devices_values_bit_f
         assert got["gpt2 tied"]
         assert got["gpt2 again differing"] == [], (rank, got["gpt2 again differing"])
         assert "a value cannot be read from one. Received: .item()" in got["refused item"]
+        assert "aten.bernoulli_.Tensor on a sharded parameter draws with tensors" in got["refused sharded draw"]
         assert "Received: BatchNorm layers ['1']" in got["refused batch norm"]
 
 
