@@ -4,6 +4,7 @@ processes on 127.0.0.1 under `stratagem launch`, and the fingerprint's rule on i
 
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -123,3 +124,24 @@ def test_equal_batches_train_and_the_check_can_be_turned_off():
     assert code == 0 and [o["steps"] for o in outcomes.values()] == [6, 6], outcomes
     code, outcomes = _launched(AG_MODE="batches", AG_SHIFT_RANK=1, AG_CHECK=0)
     assert code == 0 and [o["steps"] for o in outcomes.values()] == [6, 6], outcomes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_workers_whose_data_sets_were_built_from_other_seeds_are_stopped_and_equal_seeds_train():
+    # Before (issue 38): a DataLoader cut at the index level was checked by its sampler's indices only, which agree
+    # when each worker builds another data set, so each worker trained on other data without a word.
+    code, outcomes = _launched(AG_MODE="loader", AG_SHIFT_RANK=1)
+    assert code != 0
+    for outcome in outcomes.values():
+        assert outcome.get("error") == "InputError", outcome
+        assert re.match(
+            r"The workers disagree at step 1: worker:1 \(rank 1\) does not hold what the chief \(worker:0, rank 0\) "
+            r"holds; their data sets differ: the global batch's first example \(index \d+\), which every worker reads "
+            r"for this check, has other values there\. Received: a different hash of its values\. .*Every worker must "
+            r"build the same data set: seed the random numbers that make it",
+            outcome["message"],
+        ), outcome
+    code, outcomes = _launched(AG_MODE="loader")
+    assert code == 0 and [o["steps"] for o in outcomes.values()] == [6, 6], outcomes
+    assert outcomes[0]["losses"] == outcomes[1]["losses"]

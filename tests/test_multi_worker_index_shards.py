@@ -50,10 +50,18 @@ def _train_plain(model, optimizer, batches):
     return losses
 
 
+PER_PASS = 4
+"""Global batches in a pass over the 27 examples."""
+
+
 def _halves(batches):
-    """What each of 2 workers (1 replica each) should read: the first ceil(n/2) indices of each batch, then the rest."""
+    """What each of 2 workers (1 replica each) should read: the first ceil(n/2) indices of each batch, then the rest;
+    and first, at each pass's start, the first example of its first batch (the batch check's read, data/probe.py)."""
     first, second = [], []
-    for _, _, index in batches:
+    for position, (_, _, index) in enumerate(batches):
+        if position % PER_PASS == 0:
+            first.append(int(index[0]))
+            second.append(int(index[0]))
         cut = (len(index) + 1) // 2
         first += index[:cut].tolist()
         second += index[cut:].tolist()
@@ -90,12 +98,13 @@ def test_each_worker_reads_only_its_part_and_training_equals_one_device(tmp_path
     x, y = data()
     val_loss = float(F.mse_loss(model(x[:10]), y[:10]).detach())
 
-    # Each worker asked its data set for its part only, in the order of the global batches: half of them.
+    # Each worker asked its data set for its part only, in the order of the global batches: half of them, and
+    # one example a pass that every worker reads for the batch check.
     for phase, batches in (("loop_asked", loop), ("fit_asked", fitted), ("accumulate_asked", accumulated)):
         expected = _halves(batches)
         for rank in (0, 1):
             assert saved[rank][phase] == expected[rank], phase
-        assert len(saved[0][phase]) + len(saved[1][phase]) == len(batches) // 4 * 27
+        assert len(saved[0][phase]) + len(saved[1][phase]) == len(batches) // PER_PASS * (27 + 2)
     for rank in (0, 1):
         for phase, expected_state in (
             ("after_loop", after_loop),

@@ -9,7 +9,10 @@ batches (the same sampler, seeded alike), so the parts are the ones slicing each
 would keep, in the same order.
 
 Each part travels as a `WorkerPart`, which carries the step's GLOBAL batch size: the replicas'
-weights are their share of the global batch, which a worker no longer sees whole.
+weights are their share of the global batch, which a worker no longer sees whole, and what the
+workers' batch check compares: a hash of the global batch's indices and, at some batches, of the
+values of its first example, which every worker reads for it (`probe.py`): equal indices alone do not
+mean equal data sets.
 
 Inputs that do not name a batch's examples before building it (an IterableDataset, a generator,
 a list of batches) cannot be cut before reading; `why_not_shardable` says why, and the strategy
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from stratagem.data import distributed_sampler
+from stratagem.data import distributed_sampler, probe
 from stratagem.data.resume import ShuffledBatches
 from stratagem.data.split import split_sizes
 from stratagem.values import map_structure
@@ -52,6 +55,9 @@ class WorkerPart:
     indices_digest: int | None = None
     """A hash of the global batch's example indices (`indices_digest`), by which the workers check that they
     cut the same global batch; None where the source does not say."""
+    checked_example: tuple[Any, int] | None = None
+    """(index, `probe.example_digest`) of the global batch's first example, which every worker reads so that the
+    workers compare the values of their data sets too; None at the batches that carry none (`probe.due`)."""
 
 
 @dataclass(frozen=True)
@@ -148,17 +154,20 @@ def _empty_part(batch: Any) -> Any:
 class _PartSampler:
     """The loader's batch sampler, each batch cut to this worker's indices; notes each global size, in order."""
 
-    def __init__(self, batch_sampler: Any, worker: WorkerRange) -> None:
+    def __init__(self, batch_sampler: Any, worker: WorkerRange, dataset: Any) -> None:
         self.batch_sampler = batch_sampler
         self.worker = worker
-        self.pending: collections.deque[tuple[int, bool, int]] = collections.deque()
+        self.dataset = dataset
+        self.pending: collections.deque[tuple[int, bool, int, tuple[Any, int] | None]] = collections.deque()
 
     def __iter__(self) -> Iterator[list[int]]:
-        for indices in self.batch_sampler:
+        for position, indices in enumerate(self.batch_sampler):
             indices = list(indices)
             lo, hi = self.worker.bounds(len(indices))
             mine = indices[lo:hi]
-            self.pending.append((len(indices), bool(mine), indices_digest(indices)))
+            # Read here, as the sampler is drawn (in this process, whatever the loader's num_workers).
+            checked = (indices[0], probe.example_digest(self.dataset, indices[0])) if probe.due(position) else None
+            self.pending.append((len(indices), bool(mine), indices_digest(indices), checked))
             # An empty part still needs a batch of the loader's structure: one example, dropped afterwards.
             yield mine if mine else indices[:1]
 
@@ -175,7 +184,7 @@ class WorkerLoader:
 
     def __init__(self, loader: DataLoader, worker: WorkerRange) -> None:
         self.original = loader
-        self._parts = _PartSampler(loader.batch_sampler, worker)
+        self._parts = _PartSampler(loader.batch_sampler, worker, loader.dataset)
         extra: dict[str, Any] = {}
         if loader.num_workers > 0:
             extra["prefetch_factor"] = loader.prefetch_factor
@@ -213,8 +222,8 @@ class WorkerLoader:
         pending = self._parts.pending
         pending.clear()  # what an abandoned iteration had prefetched; cleared before the new one prefetches
         for batch in self._loader:
-            global_size, kept, digest = pending.popleft()
-            yield WorkerPart(batch if kept else _empty_part(batch), global_size, digest)
+            global_size, kept, digest, checked = pending.popleft()
+            yield WorkerPart(batch if kept else _empty_part(batch), global_size, digest, checked)
 
 
 class WorkerShuffledBatches:
@@ -259,13 +268,26 @@ class WorkerShuffledBatches:
         self.source.load_state_dict(state)
 
     def __iter__(self) -> Iterator[WorkerPart]:
-        for indices in self.source.batch_indices():
+        for position, indices in enumerate(self.source.batch_indices()):
             lo, hi = self._worker.bounds(len(indices))
             digest = indices_digest(indices)
+            checked = None
+            if probe.due(position):
+                checked = (int(indices[0]), probe.example_digest(_Batches(self.source), indices[:1]))
             if hi > lo:
-                yield WorkerPart(self.source.batch_of(indices[lo:hi]), len(indices), digest)
+                yield WorkerPart(self.source.batch_of(indices[lo:hi]), len(indices), digest, checked)
             else:
-                yield WorkerPart(_empty_part(self.source.batch_of(indices[:1])), len(indices), digest)
+                yield WorkerPart(_empty_part(self.source.batch_of(indices[:1])), len(indices), digest, checked)
 
     def __repr__(self) -> str:
         return f"WorkerShuffledBatches({self.source!r}, {self._worker})"
+
+
+class _Batches:
+    """`source.batch_of` read as a data set is (`probe.example_digest` indexes it)."""
+
+    def __init__(self, source: ShuffledBatches) -> None:
+        self.source = source
+
+    def __getitem__(self, indices: Any) -> Any:
+        return self.source.batch_of(indices)

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -43,7 +43,7 @@ def as_pairs(batches: Iterable[Any]) -> Iterator[Any]:
     """Each batch as ``(inputs, targets)``: a pair as it is, any other batch as ``(batch, None)``."""
     for batch in batches:
         if isinstance(batch, WorkerPart):  # a worker's part of a global batch (data/worker_shards.py)
-            yield WorkerPart(_as_pair(batch.batch), batch.global_size, batch.indices_digest)
+            yield replace(batch, batch=_as_pair(batch.batch))
         elif isinstance(batch, WorkerBatch):  # a worker's own batch (data/distributed_sampler.py)
             yield WorkerBatch(_as_pair(batch.batch))
         else:

@@ -12,8 +12,10 @@ same step, naming the step, the workers and the first input that differs.
 A fingerprint is bytes (each number 0-255, exact in every floating-point dtype, float16 and bfloat16
 included, and a sum of one byte and zeros is exact): a flag, the training step, the global batch
 size, how the batch was held (the global batch itself, or this worker's part cut at the index level,
-whose sampler's indices are hashed instead, or a part the worker read by itself, which has nothing to
-compare but the step), the number of inputs and a 24-bit hash of each of the first `MAX_INPUTS`. A
+whose sampler's indices are hashed instead, with, at the first batch of a pass and every
+`data.probe.PROBE_EVERY` after it, the values of the global batch's first example, which every worker
+reads for the check, since equal indices into data sets built differently are not the same batch; or
+a part the worker read by itself, which has nothing to compare but the step), the number of inputs and a 24-bit hash of each of the first `MAX_INPUTS`. A
 tensor's hash sums the raw bits of up to 64 values of each example in int64, then weights each example
 by its position: exact integer arithmetic, so the same data gives the same hash whatever the number of
 threads, and other examples or another order differ. (Examples that differ only in values between the
@@ -49,6 +51,7 @@ _MODES = {
     _INDICES: "its part of the global batch, cut at the index level",
     _OWN: "a part of its own (shard='off' or 'file', or a DistributedSampler)",
 }
+_DATA_SET_DIFFERS = "their data sets differ"
 _ELEMENT_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -146,14 +149,22 @@ class BatchAgreement:
         described = [f"tensor {n} of the batch (shape {tuple(t.shape)}, {t.dtype})" for n, (_, t) in enumerate(leaves)]
         self._noted = (_GLOBAL, global_size, [len(leaves), *digests], described)
 
-    def note_indices(self, digest: int | None, global_size: int) -> None:
-        """This worker's part of a global batch cut at the index level: the digest of the global batch's indices."""
+    def note_indices(self, digest: int | None, global_size: int, example: tuple[Any, int] | None = None) -> None:
+        """This worker's part of a global batch cut at the index level: the digest of the global batch's indices,
+        and `example`, (index, digest of its values) of the example every worker read for the check, or None."""
         if not self.enabled:
             return
         if digest is None:
             self._noted = (_OWN, global_size, [0], [])
-        else:
-            self._noted = (_INDICES, global_size, [1, digest], ["the global batch's example indices (its sampler)"])
+            return
+        described = [
+            "the global batch's example indices (its sampler)",
+            # Always noted, so that a batch without an example's digest (0) compares as one with it.
+            "the global batch's first example"
+            + ("" if example is None else f" (index {example[0]!r})")
+            + ", which every worker reads for this check",
+        ]
+        self._noted = (_INDICES, global_size, [2, digest, 0 if example is None else example[1]], described)
 
     def note_own_part(self) -> None:
         """A part this worker read by itself: only the step can be compared."""
@@ -191,13 +202,23 @@ class BatchAgreement:
         first = differing[0]
         what = self._difference(chief, slots[first])
         workers = ", ".join(f"{names[r]} (rank {r})" for r in differing)
+        if what.startswith(_DATA_SET_DIFFERS):
+            fix = (
+                "Training on it would silently train each worker on other data. Every worker must build the same "
+                "data set: seed the random numbers that make it (torch.manual_seed before building it) and list "
+                "its files in a fixed order (sorted)."
+            )
+        else:
+            fix = (
+                "Training on it would silently mix different batches. Every worker must be handed the same global "
+                "batches in the same order: seed every worker's loader alike and draw the same random numbers on "
+                "every worker (code that runs on the chief only, such as an evaluation with a shuffled loader, "
+                "shifts its random stream)."
+            )
         raise InputError(
             f"The workers disagree at step {step}: {workers} {'does' if len(differing) == 1 else 'do'} not hold what "
-            f"the chief ({names[0]}, rank 0) holds; {what}. Training on it would silently mix different batches. "
-            "Every worker must be handed the same global batches in the same order: seed every worker's loader "
-            "alike and draw the same random numbers on every worker (code that runs on the chief only, such as "
-            "an evaluation with a shuffled loader, shifts its random stream). Pass check_batches=False to "
-            f"{self.strategy} (on every worker) to turn this check off."
+            f"the chief ({names[0]}, rank 0) holds; {what}. {fix} Pass check_batches=False to {self.strategy} (on "
+            "every worker) to turn this check off."
         )
 
     def _difference(self, chief: list[float], theirs: list[float]) -> str:
@@ -222,5 +243,7 @@ class BatchAgreement:
             lo = _HEAD + 3 * n
             if chief[lo : lo + 3] != theirs[lo : lo + 3]:
                 label = described[n] if n < len(described) else f"tensor {n} of the batch"
+                if int(chief[9]) == 2 and n == 1 and int(chief[8]) == _INDICES:
+                    return f"{_DATA_SET_DIFFERS}: {label}, has other values there. Received: a different hash of its values"
                 return f"the first input that differs is {label}. Received: a different hash of its values there"
         return "their fingerprints differ. Received: different numbers in the fingerprint's tail"

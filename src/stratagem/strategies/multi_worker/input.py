@@ -119,7 +119,7 @@ class WorkerBatches:
     def _note(self, batch: Any, global_size: int, own: bool) -> None:
         assert self.agreement is not None  # the caller checked
         if isinstance(batch, WorkerPart):
-            self.agreement.note_indices(batch.indices_digest, global_size)
+            self.agreement.note_indices(batch.indices_digest, global_size, batch.checked_example)
         elif own or isinstance(batch, WorkerBatch):
             self.agreement.note_own_part()
         else:
