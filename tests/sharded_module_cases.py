@@ -101,6 +101,8 @@ def several_models_case(rank: int, ports: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         user_g, d, opt_g, opt_d = cases.build_gan()
+        # EMA copies of the generator, copied before it is sharded in place (as under FSDP2).
+        ema_source, hand_source = cases.averaged(user_g), copy.deepcopy(user_g)
         g, opt_g = strategy.distribute(user_g, opt_g)
         d, opt_d = strategy.distribute(d, opt_d)
         for what, again in (("again", user_g), ("sharded", g.module)):
@@ -109,8 +111,8 @@ def several_models_case(rank: int, ports: list[int]) -> dict[str, Any]:
             except sg.InputError as error:
                 out[f"{what} refused"] = str(error)
         # EMA copies of the generator, distributed like any model (not trained: no optimizer), updated after each step.
-        ema = strategy.distribute(cases.averaged(user_g))
-        hand = strategy.distribute(copy.deepcopy(user_g))
+        ema = strategy.distribute(ema_source)
+        hand = strategy.distribute(hand_source)
         teacher, student, opt_s = cases.build_distillation()
         teacher = strategy.distribute(teacher)
         student, opt_s = strategy.distribute(student, opt_s)

@@ -43,3 +43,8 @@ def test_batch_norm_bf16_and_gpt2_train_as_one_device():
             "worker:1 (rank 1): '0.weight' has a shard of (8, 6) float64 (whole (17, 6)), the plan (8, 6) float32"
             in refused
         )
+        # No whole copy left behind: the user's module is the sharded one, and none of its whole tensors lives on.
+        in_place = got["sharded in place"]
+        assert in_place["same module"] is True
+        assert in_place["whole parameters alive"] == 0, in_place
+        assert in_place["local rows"] == [(rows + 1) // 2 if rank == 0 else rows // 2 for rows in in_place["whole rows"]]

@@ -52,6 +52,13 @@ _LEGACY_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
+MAP_LARGE_THRESHOLD = 64 << 10
+"""Under ShardedStrategy, blocks of 64 KiB and more are mapped on their own and unmapped when freed
+(``map_large_blocks_here``): sharding frees and allocates whole units, shards and gradients of different
+sizes, and glibc's heap keeps every freed block for a later one that fits, so with the launcher's
+thresholds a rank's resident set grew to twice what its tensors held (benchmarks/reports/
+2026-12-07-cpu-2vcpu-sharded-memory.md); mapped blocks make the resident set follow the live tensors."""
+
 _TUNABLES_SINCE = (2, 26)  # the first glibc that reads GLIBC_TUNABLES
 
 _applied_here = False
@@ -111,6 +118,48 @@ def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
     # mallopt returns 1 on success.
     _applied_here = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     return _applied_here
+
+
+def _setting_besides_launchers(env: Mapping[str, str]) -> str | None:
+    """`user_setting`, not counting the tunables ``stratagem launch`` itself gave this process."""
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t not in _TUNABLES]
+    return user_setting({**env, "GLIBC_TUNABLES": ":".join(tunables)})
+
+
+def map_large_blocks_here(env: Mapping[str, str]) -> tuple[bool, str]:
+    """Maps blocks of ``MAP_LARGE_THRESHOLD`` and more on their own in this process (``mallopt(M_MMAP_THRESHOLD)``),
+    so that a freed tensor leaves the resident set at once; for a strategy whose point is memory (ShardedStrategy).
+    Not without glibc, not over a setting the user made (``env``: this process's environment; the launcher's own
+    thresholds do not count). Returns (applied, why) for ``explain()`` and the memory plan."""
+    if GLIBC is None:
+        return False, "not glibc: the C library's own policy, not planned"
+    made = _setting_besides_launchers(env)
+    if made is not None:
+        return False, f"the user's setting ({made}) kept"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False, "mallopt(3) not found"
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, MAP_LARGE_THRESHOLD) != 1:
+        return False, "mallopt(M_MMAP_THRESHOLD) refused"
+    return (
+        True,
+        f"blocks of {MAP_LARGE_THRESHOLD >> 10} KiB and more mapped alone and unmapped when freed (M_MMAP_THRESHOLD)",
+    )
+
+
+def trim_here() -> None:
+    """Hands the heap's free pages back to the system (glibc's ``malloc_trim(0)``); nothing elsewhere."""
+    if GLIBC is None:
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)
 
 
 def describe(env: Mapping[str, str], *, glibc: tuple[int, int] | None = GLIBC) -> tuple[str, str]:

@@ -170,13 +170,14 @@ def _convert_layer(layer: _BatchNorm, link: _SyncLink, index: int) -> _BatchNorm
     return new
 
 
-def convert(model: nn.Module, link: _SyncLink, first: int = 0) -> nn.Module:
+def convert(model: nn.Module, link: _SyncLink, first: int = 0, *, in_place: bool = False) -> nn.Module:
     """`model` when it has no BatchNorm layer; else a copy of it (every parameter and buffer shared with it, the
-    modules new) whose BatchNorm layers are converted ones linked to `link`, numbered from `first`."""
+    modules new; `in_place`: `model` itself) whose BatchNorm layers are converted ones linked to `link`, numbered
+    from `first`."""
     if not batch_norm_layers(model):
         return model
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    copy_ = copy.deepcopy(model, shared)
+    copy_ = model if in_place else copy.deepcopy(model, shared)
     layers = batch_norm_layers(copy_)
     if layers[0][0] == "":  # the model is one BatchNorm layer
         return _convert_layer(layers[0][1], link, first)
@@ -230,12 +231,13 @@ class BatchNormSync:
         self.begin_step()
 
     # ---- set-up -------------------------------------------------------------------------------
-    def convert(self, model: nn.Module) -> nn.Module:
+    def convert(self, model: nn.Module, *, in_place: bool = False) -> nn.Module:
         """What the replicas are made from: with several replicas in sync, `convert(model)` (a copy sharing the
-        user's parameters and buffers, its BatchNorm layers converted); otherwise `model` itself."""
+        user's parameters and buffers, its BatchNorm layers converted; `in_place`: `model`'s own layers swapped);
+        otherwise `model` itself."""
         if self._num_in_sync == 1:
             return model
-        return convert(model, self._link, len(self._names))
+        return convert(model, self._link, len(self._names), in_place=in_place)
 
     def attach(self, replicas: Sequence[nn.Module]) -> None:
         """Links the converted layers of the replicas to this part; their names and widths follow earlier models'."""

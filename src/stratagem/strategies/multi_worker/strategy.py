@@ -19,7 +19,7 @@ import atexit
 import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,7 @@ from stratagem.data import worker_shards
 from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
 from stratagem.data.files import FileDataset
 from stratagem.data.split import split_sizes
+from stratagem.diagnose.memory_limit import read_memory_limit
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
 from stratagem.strategies.batches import check_iterable
@@ -45,6 +46,9 @@ from stratagem.strategies.multi_worker.agreement import BatchAgreement
 from stratagem.strategies.multi_worker.stragglers import StepTimes, Straggler, StragglerWatch
 from stratagem.strategies.multi_worker.devices import default_local_devices
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
+
+if TYPE_CHECKING:
+    from stratagem.strategies.memory_fit import Alternative, ReplicatedMemoryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +158,48 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         self._across.connect_shared_memory(shared_memory)
         self._gathers = 0
         self._barriers = 0
+
+    def distribute(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """As `ReplicatedStrategy.distribute`, after its memory plan is held against this process's limit: a whole
+        copy of the training state that cannot fit is refused, naming a ShardedStrategy configuration that fits."""
+        self._check_limit(model, optimizer)
+        return super().distribute(model, optimizer)
+
+    def memory_plan(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> ReplicatedMemoryPlan:
+        """Bytes per process: the user's model, its replica, gradients, optimizer state and temporaries, and the
+        shared-memory file of the sums (memory_fit.py)."""
+        from stratagem.strategies.memory_fit import replicated_plan  # imports the sharded strategy's plan
+
+        shared = self._group.cross_worker.shared
+        buffers = 0 if shared is None else (shared.world_size + 1) * shared.capacity
+        return replicated_plan(list(model.parameters()), optimizer, buffers=buffers)
+
+    def _check_limit(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from stratagem.strategies.memory_fit import check_plan_fits, sharded_alternatives
+        from stratagem.strategies.sharded.units import cut_model
+
+        plan = self.memory_plan(model, optimizer)
+        shared = self._group.cross_worker.shared
+        cut = None
+
+        def alternatives() -> list[Alternative]:
+            nonlocal cut
+            cut = cut or cut_model(model, None)
+            return sharded_alternatives(
+                list(model.parameters()), optimizer, world_size=self._plan.world_size, stage=None,
+                largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.units),
+                transport_per_worker=0 if shared is None else shared.capacity,
+            )  # fmt: skip
+
+        check_plan_fits(
+            plan.total,
+            read_memory_limit(self._local_devices[0] if self._local_devices else None),
+            strategy=f"MultiWorkerMirroredStrategy on {self._plan.world_size} workers",
+            held=plan.user_model,  # built already: the limit counts it as used
+            alternatives=alternatives,
+        )
 
     @property
     def cluster(self) -> Cluster:

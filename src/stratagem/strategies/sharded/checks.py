@@ -121,43 +121,6 @@ def check_shards(records: Sequence[Sequence[ShardRecord]], task_names: Sequence[
         )
 
 
-class OriginalModel:
-    """The model the user passed to `distribute`, as it was then: a weak reference and a checksum per parameter
-    (weak, so that a user who drops the model frees it). The strategy trains its sharded copy, so a change made to
-    the original afterwards (a `load_state_dict` to resume, say) would be silently ignored; `changed` finds it."""
-
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._parameters = [(name, weakref.ref(p), _checksum(p)) for name, p in named_parameters]
-
-    def changed(self) -> list[str]:
-        """The names of the parameters that still exist and no longer hold what they held at `distribute`."""
-        out = []
-        for name, ref, before in self._parameters:
-            p = ref()
-            if p is not None and _checksum(p) != before:
-                out.append(name)
-        return out
-
-
-def _checksum(p: torch.Tensor) -> tuple[float, float]:
-    with torch.no_grad():  # float64 sums computed without a float64 copy of the parameter
-        return float(torch.sum(p, dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64))
-
-
-def check_original_unchanged(changed: Sequence[Sequence[str]], task_names: Sequence[str]) -> None:
-    """Refuses, on every rank, a first step after the user changed the model given to distribute() on any rank
-    (`changed`: each rank's `OriginalModel.changed()`, gathered)."""
-    ranks = [f"{task_names[r]} (rank {r}): {', '.join(names[:3])}" for r, names in enumerate(changed) if names]
-    if ranks:
-        raise InputError(
-            "The parameters of the model passed to distribute() changed after it (a load_state_dict, an in-place "
-            "write), but ShardedStrategy trains the sharded copy distribute() returned, so the change would be "
-            f"ignored. Received: changed parameters on {'; '.join(ranks)}. Load or change the model before "
-            "distribute(), or write to the returned model (torch.distributed.checkpoint.state_dict."
-            "set_model_state_dict for a whole state dict)."
-        )
-
-
 def check_another_model(model: nn.Module, *, running: bool, held: Mapping[int, weakref.ref[torch.Tensor]]) -> None:
     """Several models may be distributed (a GAN's two), each once, before or between steps, never inside one."""
     if running:

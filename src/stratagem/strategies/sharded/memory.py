@@ -45,6 +45,8 @@ _STATE_TENSORS: dict[str, Any] = {
     "RMSprop": lambda g: 1 + (1 if g.get("momentum", 0) else 0) + (1 if g.get("centered") else 0),
 }
 # Optimizers that keep a step counter per parameter, a 0-dim float32 tensor.
+# Optimizers whose per-parameter step allocates a denominator (sqrt of the second moment) beside the state.
+_DENOMINATOR = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"}
 _STEP_TENSOR = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Adagrad", "RMSprop"}
 
 
@@ -75,20 +77,44 @@ class MemoryPlan:
     """What a rank of plain data parallelism holds: the whole parameters, gradients and optimizer state."""
     transport: int = 0
     """The shared-memory file this rank maps for the units' all-gathers and reduce-scatters (0: the process group)."""
+    optimizer_temporaries: int = 0
+    """What the optimizer's step allocates for a moment: torch's per-parameter Adam(W) and RMSprop build a
+    denominator of this rank's largest shard (two tensors of it at once); 0 for SGD."""
+    distribute_peak: int = 0
+    """The peak while `distribute` shards the model in place: the whole model as the user built it, and the
+    shards (padded to FSDP2's equal chunks) made from it before its whole tensors are freed."""
+    allocator: str = ""
+    """What the plan assumes of the host allocator (the resident set follows the live tensors, or not)."""
+
+    @property
+    def training_peak(self) -> int | None:
+        """The peak of a training step: the parameter and optimizer state shards, the transport, and the larger of
+        the gradient shards beside the gathered working set (stage 3) or the gathered working set alone (stage 2),
+        and the gradient shards beside the optimizer's temporaries (activations not included); None when the
+        optimizer state is unknown."""
+        if self.optimizer_state is None:
+            return None
+        at_rest = self.parameters + self.optimizer_state + self.transport
+        if self.stage == 3:  # the last unit's backward: every gradient shard but its own, and the working set
+            return at_rest + self.gradients + max(self.gathered_peak, self.optimizer_temporaries)
+        # Stage 2: the whole model is gathered when backward starts, before any gradient shard exists; the
+        # gathered units are freed as their gradient shards arrive, and the optimizer step comes after both.
+        return at_rest + max(self.gathered_peak, self.gradients + self.optimizer_temporaries)
 
     @property
     def total(self) -> int | None:
-        """Everything above added up (activations not included); None when the optimizer state is unknown."""
-        if self.optimizer_state is None:
-            return None
-        return self.parameters + self.gradients + self.optimizer_state + self.gathered_peak + self.transport
+        """The peak resident set this rank reaches over its resident set before the model was built, in bytes:
+        the larger of `distribute_peak` and `training_peak` (activations not included); None when the optimizer
+        state is unknown. Holds under the allocator that `allocator` names."""
+        training = self.training_peak
+        return None if training is None else max(training, self.distribute_peak)
 
     def against_replica(self) -> str | None:
         """Why memory dropped by what it did against a whole copy per rank (None: not known)."""
         total = self.total
         if total is None or not self.replicated:
             return None
-        at_rest = total - self.gathered_peak - self.transport
+        at_rest = self.parameters + self.gradients + (self.optimizer_state or 0)
         return (
             f"{show_bytes(total)} per rank against a whole copy's {show_bytes(self.replicated)} "
             f"({total / self.replicated:.2f}x): the state at rest ({show_bytes(at_rest)}) is sharded "
@@ -110,6 +136,14 @@ class MemoryPlan:
             f"gradients {show_bytes(self.gradients)}, optimizer state {state}, gathered at peak {show_bytes(self.gathered_peak)} "
             f"(unsharded model {show_bytes(self.unsharded_model)})"
             + (f", shared-memory transport {show_bytes(self.transport)}" if self.transport else "")
+            + (
+                f", optimizer temporaries {show_bytes(self.optimizer_temporaries)}"
+                if self.optimizer_temporaries
+                else ""
+            )
+            + (f"; peak {show_bytes(self.total)}" if self.total is not None else "")
+            + (f" (in distribute {show_bytes(self.distribute_peak)})" if self.distribute_peak else "")
+            + (f"; allocator: {self.allocator}" if self.allocator else "")
         )
 
 
@@ -139,6 +173,7 @@ def plan_memory(
     compute_element_size: int | None = None,
     reduce_element_size: int | None = None,
     transport_bytes: int = 0,
+    allocator: str = "",
 ) -> MemoryPlan:
     """The plan for the model's ORIGINAL (unsharded) parameters `params` and the user's `optimizer`.
 
@@ -161,6 +196,8 @@ def plan_memory(
     # With no unit below the root there is nothing to prefetch: the model and its unsharded gradients.
     held = (2 * unit if num_units else unit) if stage == 3 else int(whole * scale)
     gathered = held + unit + reduce_input
+    # FSDP2 pads every shard to the first rank's chunk (ceil(rows / N) rows).
+    padded = sum(shard_bytes(p.shape, p.element_size(), world_size, 0) for p in params)
     return MemoryPlan(
         rank=rank,
         world_size=world_size,
@@ -172,7 +209,25 @@ def plan_memory(
         unsharded_model=whole,
         replicated=_replicated_bytes(params, optimizer, whole),
         transport=transport_bytes,
+        optimizer_temporaries=_optimizer_temporaries(optimizer, mine),
+        distribute_peak=whole + padded,
+        allocator=allocator,
     )
+
+
+def _optimizer_temporaries(optimizer: torch.optim.Optimizer | None, mine: dict[int, int]) -> int:
+    """Two tensors of the largest shard for the optimizers whose per-parameter step builds a denominator."""
+    if optimizer is None or type(optimizer).__name__ not in _DENOMINATOR:
+        return 0
+    return 2 * max((mine.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]), default=0)
+
+
+def release_freed_memory() -> None:
+    """After `distribute`: the heap's free pages (the whole tensors of a model built before the strategy set
+    its allocator, freed as their shards replaced them) go back to the system."""
+    from stratagem.cluster.allocator import trim_here
+
+    trim_here()
 
 
 def _replicated_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, whole: int) -> int | None:

@@ -14,7 +14,6 @@ all-gather per step instead of two, for a peak of the whole model's parameters (
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import warnings
 import weakref
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from stratagem import environ
-from stratagem.cluster import Cluster
+from stratagem.cluster import Cluster, allocator
 from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
 from stratagem.data import worker_shards
 from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
@@ -46,10 +45,8 @@ from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDa
 from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import (
-    OriginalModel,
     check_another_model,
     check_device,
-    check_original_unchanged,
     check_shards,
     check_optimizer,
     check_stage,
@@ -57,7 +54,9 @@ from stratagem.strategies.sharded.checks import (
     shard_records,
 )
 from stratagem.strategies.sharded.decisions import sharded_decisions
-from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory
+from stratagem.diagnose.memory_limit import read_memory_limit
+from stratagem.strategies.memory_fit import check_plan_fits, sharded_alternatives
+from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory, release_freed_memory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
@@ -127,9 +126,11 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._policy = units
         env = environ.current()
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
+        # Before the model is built: freed units, gradients and whole tensors then leave the resident set at once,
+        # which the memory plan assumes (allocator.map_large_blocks_here, memory.py).
+        self._allocator = allocator.map_large_blocks_here(env)
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
         self._device_decision: PlacementDecision | None = None
-        self._originals: list[OriginalModel] = []  # checked at the next step, then dropped
         if device is None:
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
@@ -216,9 +217,12 @@ class ShardedStrategy(Strategy, LossWeightHost):
         return self._group.world_size, self._group.rank
 
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """A sharded copy of `model` (the user's own module is left as it is) and `optimizer` over its shards.
+        """`model` sharded in place (as `fully_shard` does: its parameters become this rank's shards, its whole
+        tensors are freed once nothing else holds them) and `optimizer` rebuilt over the shards.
 
-        The model handed back calls, lists and saves the sharded copy, which is its `.module` (as under DDP).
+        The model handed back calls, lists and saves the sharded module, which is its `.module` (as under DDP).
+        The optimizer passed in still holds the whole parameters until it is dropped (`model, optimizer =
+        strategy.distribute(net, optimizer)` drops it). A plan over this process's memory limit is refused here.
 
         Several models (a GAN's two) are distributed one call each, before the loop, each sharded on its own.
 
@@ -236,8 +240,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
-        # BatchNorm layers of the copy become global-statistics ones (a copy again, sharing the first's tensors).
-        sharded = self._batch_norm.convert(copy.deepcopy(model).to(self._device))
+        # Sharded in place, as fully_shard does: a copy would hold the whole model a second time, at the peak of
+        # distribute and for as long as the user keeps the module (issue 39). BatchNorm layers are swapped in place.
+        sharded = self._batch_norm.convert(model.to(self._device), in_place=True)
         cut = cut_model(sharded, self._policy)
         message = cut.warning()
         if message is not None:
@@ -245,6 +250,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
         originals = dict(model.named_parameters())
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
         plan = self._memory_plan(list(model.parameters()), optimizer, cut)
+        # Before anything is sharded: a plan over this process's memory limit is refused here, not by the kernel.
+        self._check_limit(plan, list(model.parameters()), optimizer, cut)
         param_dtype, reduce_dtype = self._mp
         apply_cut(
             sharded,
@@ -266,15 +273,19 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._cuts.append(cut)
         self._plans.append(plan)
         self._shardeds.append(sharded)
-        self._originals.append(OriginalModel(model.named_parameters()))
-        self._held.update((id(p), weakref.ref(p)) for p in model.parameters())
-        # Behind a wrapper whose `.module` is the sharded copy, as DDP's and FSDP1's (wrapped_model.py).
+        self._held.update((id(p), weakref.ref(p)) for p in originals.values())
+        # Behind a wrapper whose `.module` is the sharded module, as DDP's and FSDP1's (wrapped_model.py).
         wrapped = WrappedModel(sharded, "ShardedModel", copy_refused=copy_refusal(self._group.world_size))
         self._model = self._model if self._model is not None else wrapped
         if optimizer is None:
+            del originals
+            release_freed_memory()
             return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
-        return wrapped, clone_optimizer(optimizer, mapping, with_state=False)
+        clone = clone_optimizer(optimizer, mapping, with_state=False)
+        del originals, mapping  # the whole tensors: freed now unless the user's optimizer still holds them
+        release_freed_memory()
+        return wrapped, clone
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """TensorFlow's `strategy.scope()`: a model constructed inside is never whole in this process. It is built
@@ -356,7 +367,25 @@ class ShardedStrategy(Strategy, LossWeightHost):
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
             reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
             transport_bytes=0 if shared is None else (shared.world_size + 1) * shared.capacity,
+            allocator=self._allocator[1] if self._allocator[0] else f"not planned for: {self._allocator[1]}",
         )
+
+    def _check_limit(
+        self, plan: MemoryPlan, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
+    ) -> None:
+        """Refuses a plan over this process's memory limit before anything is sharded (strategies/memory_fit.py)."""
+        shared = self._group.cross_worker.shared
+        check_plan_fits(
+            plan.total,
+            read_memory_limit(self._device),
+            strategy=f"ShardedStrategy(stage={self._stage}) on {self._group.world_size} workers",
+            held=plan.unsharded_model,  # the user's model is built: the limit counts it as used already
+            alternatives=lambda: sharded_alternatives(
+                params, optimizer, world_size=self._group.world_size, stage=self._stage,
+                largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.units),
+                transport_per_worker=0 if shared is None else shared.capacity,
+            ),
+        )  # fmt: skip
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Runs `fn` on this worker's slice; its backward reduce-scatters gradients weighted by the slice's share."""
@@ -364,10 +393,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
         args = tuple(args)
         sizes = batch_sizes(args, kwargs, 1)
         weight = replica_weights(sizes, global_size(args, kwargs), 1, self.num_replicas_in_sync)[0]
-        if self._originals:  # once, at the first step: the user's own models left as distribute saw them
-            changed = [name for original in self._originals for name in original.changed()]
-            self._originals = []
-            check_original_unchanged(self._gather_across_workers([changed]), self._group.cross_worker.task_names)
         self._set_weight(weight)
         self._batch_norm.begin_step()  # the meetings count from zero; the native ones ask for this step's weight
         local_args, local_kwargs = select_replica((args, kwargs), 0)
