@@ -277,7 +277,7 @@ class CentralUpdate(ReplicaBuilder):
                     fix="Distribute the model you update by hand first, or build the strategy with "
                     "share_parameters=False so that every replica keeps a copy.",
                 )
-            return Built(replicas, distributed, None, [])
+            return Built(replicas, distributed, None, [], primary=central)
         central_optimizer = CentralOptimizer(optimizer, held, self, self.host)
         self._optimizers.append(central_optimizer)
         if len(replicas) > 1:
@@ -292,7 +292,7 @@ class CentralUpdate(ReplicaBuilder):
                 "optimizer and update it by hand (each replica then updates its own copy, and the central copy "
                 "takes one).",
             )
-        return Built(replicas, distributed, central_optimizer, [optimizer])
+        return Built(replicas, distributed, central_optimizer, [optimizer], primary=central)
 
     def _watch(self, replicas: list[nn.Module], consequence: str, fix: str) -> None:
         """Refuses an in-place change of a replica's parameter made in the step (hand_updates.py). The anchor's are

@@ -8,16 +8,15 @@ thread is running, outside it replica 0. So a training step written for one devi
 from __future__ import annotations
 
 import copy
-import operator
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies.data_parallel import lr_schedulers, outside_changes
 from stratagem.strategies.data_parallel.host import ReplicaHost, ReplicaMeeting
 from stratagem.strategies.data_parallel.replicas import current_replica_context
 
@@ -125,6 +124,51 @@ class DistributedModel(nn.Module):
             f"Received: .to({', '.join(map(repr, args))}). Choose devices with the strategy's `devices=` instead."
         )
 
+    # ---- changes made outside a run: to the module, which every other replica follows (outside_changes.py) ----
+    def __setattr__(self, name: str, value: Any) -> None:
+        # On one device `model.use_aux = False` reaches the forward; set on this wrapper it would reach none.
+        module = self.module
+        outside_changes.refuse_new_parameters(module, name, value)
+        setattr(module, name, value)
+        if name == "training":
+            object.__setattr__(self, "training", value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.module, name)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        self.module.register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        module = self.module
+        outside_changes.refuse_new_parameters(module, name, param)
+        module.register_parameter(name, param)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        outside_changes.refuse_new_parameters(self.module, name, module)
+        self.module.add_module(name, module)
+
+    def register_module(self, name: str, module: nn.Module | None) -> None:
+        self.add_module(name, module)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> DistributedModel:  # type: ignore[override]
+        # The module and its submodules, as on one device (nn.Module.apply would also call fn on this wrapper);
+        # the values it writes reach the other replicas before the next step.
+        self.module.apply(fn)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DistributedModel:
+        # .double(), .half(), .cuda(), .cpu(): a no-op where every tensor already is what fn makes of it.
+        tensors = [t for t in (*self.module.parameters(), *self.module.buffers())]
+        if all(_unchanged_by(fn, t) for t in tensors):
+            return self
+        raise InputError(
+            "A distributed model keeps the dtype and devices it was distributed with: its replicas, optimizer and "
+            "gradient combination were built for them. Received: a conversion (.double(), .half(), .cuda(), ...) "
+            "that changes the parameters or buffers after distribute(). Convert the model before "
+            "strategy.distribute(), and choose devices with the strategy's `devices=`."
+        )
+
     def __getattr__(self, name: str) -> Any:
         if name in ("_replicas", "_host"):
             raise AttributeError(name)
@@ -134,12 +178,21 @@ class DistributedModel(nn.Module):
         # Looked up on the class, so __getattr__ never sees it: `model[0]` of an nn.Sequential works as on one device.
         return self.module[index]  # type: ignore[index]
 
+    # ---- pickling: the plain module's own pickle ----------------------------------------------------------
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        # The module's class, as `isinstance(model, GPT2LMHeadModel)` expects on one device, and what pickle writes:
+        # pickle emits NEWOBJ for the module's own reduction only where `obj.__class__` is that class, so the pickle
+        # of a distributed model is the plain module's own pickle (its globals only: `torch.load(weights_only=True)`
+        # with the user's allow-list loads it). `type(model)` stays DistributedModel.
+        if "_replicas" not in self.__dict__:
+            return type(self)  # inside nn.Module.__init__, before the replicas are set
+        return type(self.module)
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give what they give on one device: the
-        # plain model (replica 0's copy outside a run, which holds every replica's values), never the replicas'
-        # threads and locks. Rebuilt as itemgetter(0)([module]), a callable of the standard library, so loading
-        # it needs nothing of stratagem (pickle refuses the module's own __newobj__ reduction for another class).
-        return operator.itemgetter(0), ([self.module],)
+        # plain model (the module, which outside a run holds every replica's values), never the replicas' threads.
+        return self.module.__reduce_ex__(protocol)
 
     def __repr__(self) -> str:
         return f"DistributedModel(num_replicas={len(self._replicas)}, module={self._replicas[0]!r})"
@@ -383,6 +436,14 @@ def replicate_optimizer(
     """A copy of `optimizer` (same class, hyper-parameters and state, its own state tensors) over `params`,
     the replica's parameters in the order of `source_params`."""
     return clone_optimizer(optimizer, {id(src): dst for src, dst in zip(source_params, params)})
+
+
+def _unchanged_by(fn: Any, tensor: torch.Tensor) -> bool:
+    """Whether `fn` (a conversion nn.Module._apply would apply) leaves `tensor` as it is."""
+    try:
+        return fn(tensor) is tensor
+    except (RuntimeError, AssertionError, TypeError):  # e.g. .cuda() on a CPU-only build: it would change it
+        return False
 
 
 def check_optimizer_supported(optimizer: torch.optim.Optimizer | None, num_replicas: int, strategy: str) -> None:

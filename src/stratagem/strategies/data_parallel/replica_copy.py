@@ -17,6 +17,7 @@ import copy
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from stratagem.errors import ReplicaError
@@ -42,6 +43,48 @@ def copy_replica(model: nn.Module) -> nn.Module:
             if new is not value:
                 vars(module)[attribute] = new
     return clone
+
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.BuiltinFunctionType)
+
+
+def copy_value(value: Any, source: nn.Module, target: nn.Module, where: str) -> Any:
+    """`value`, newly set on `source` (or one of its submodules) after the replicas were made, as `target`, a
+    replica of `source`, must hold it: the same object where it is immutable; else a copy through the same
+    rules as `copy_replica`, in which `source`'s modules, parameters and buffers are `target`'s own, tensors
+    are on `target`'s device, and functions that close over `source`'s submodules are rebuilt onto `target`'s.
+
+    Raises `ReplicaError` naming `where` for a value that cannot be copied.
+    """
+    if isinstance(value, _ATOMS) or (isinstance(value, tuple) and all(isinstance(v, _ATOMS) for v in value)):
+        return value
+    memo: dict[int, Any] = {}
+    names: dict[int, str] = {}
+    for name, module in source.named_modules():
+        mine = target.get_submodule(name) if name else target
+        memo[id(module)] = mine
+        names[id(module)] = name
+        for table in ("_parameters", "_buffers"):
+            for key, tensor in vars(module)[table].items():
+                if tensor is not None:
+                    memo[id(tensor)] = vars(mine)[table][key]
+    if id(value) in memo:
+        return memo[id(value)]
+    device = next((t.device for t in (*target.parameters(), *target.buffers())), None)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device or value.device, copy=True)
+    known = set(memo)
+    memo[id(memo)] = [value]  # keeps what the memo refers to alive, as deepcopy does with its own entries
+    try:
+        clone = copy.deepcopy(value, memo)
+    except Exception as error:  # noqa: BLE001  # any failure of the value's own copy protocol is the user's to see
+        raise ReplicaError(
+            f"The attribute `{where}` was set on the distributed model after strategy.distribute(), and every "
+            f"replica needs its own copy of it, but it cannot be copied: {type(error).__name__}: {error}. "
+            f"Received: a {type(value).__name__}. Set it before distribute(), or make it copyable (copy.deepcopy)."
+        ) from error
+    made = {id(v) for k, v in memo.items() if k not in known and k != id(memo)}
+    return _Remap(memo, names, made).value(clone, where, 0)
 
 
 def _check_hidden_modules(model: nn.Module, names: dict[int, str]) -> None:

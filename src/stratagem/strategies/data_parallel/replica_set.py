@@ -38,6 +38,7 @@ from stratagem.strategies.data_parallel.empty_slices import EmptySlices
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
+from stratagem.strategies.data_parallel.outside_changes import OutsideChanges
 from stratagem.strategies.data_parallel.replica_random import ReplicaRandomPart
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
 from stratagem.strategies.data_parallel.replicas import current_replica_context, enter_replica
@@ -108,6 +109,7 @@ class ReplicaSet(ReplicaHost):
         self.step = 0
         self._warned_profiler = False
         self._warned_whole: set[str] = set()  # the arguments run_inputs.warn_whole_tensors warned about
+        self._outside = OutsideChanges()
         self._empty_slices = EmptySlices(self.num_replicas_in_sync)
         self._accumulation = LocalAccumulation()
         self._random = ReplicaRandomPart(self.devices, lambda: build.first_global_replica)
@@ -233,6 +235,7 @@ class ReplicaSet(ReplicaHost):
         self._distributed_ids.update(id(p) for r in (model, *replicas) for p in r.parameters())
         for part in self.step_parts:
             part.prepare(built, self._replica_params)
+        self._outside.watch(built.primary if built.primary is not None else replicas[0], replicas)
         if self._backward_parts or self._grad_parts:
             for r, params in enumerate(added):
                 for i, p in enumerate(params, start=first):
@@ -274,6 +277,8 @@ class ReplicaSet(ReplicaHost):
         run_inputs.warn_whole_tensors(args, kwargs, num_replicas, self._warned_whole)
         batch_sizes = run_inputs.batch_sizes(args, kwargs, num_replicas)
         global_size = run_inputs.global_size(args, kwargs)
+        # Before the parts start the step (central storage refreshes its copies' buffers in that order).
+        self._outside.replay()
         self.step += 1
         weights = run_inputs.replica_weights(batch_sizes, global_size, num_replicas, self.num_replicas_in_sync)
         self.run_state = state = RunState(self.step, weights, batch_sizes)
@@ -289,6 +294,7 @@ class ReplicaSet(ReplicaHost):
             self.run_state = None
             for part in self.step_parts:
                 part.end_run(state)
+            self._outside.after_run()  # what the step did is every replica's own; what comes next is a script's
         if num_replicas == 1 and self.num_replicas_in_sync == 1:
             return results[0]
         return loss_weight.tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)

@@ -56,6 +56,9 @@ class Built:
     """The optimizer `distribute` returns (None without one)."""
     plain_optimizers: list[torch.optim.Optimizer]
     """The torch optimizers that update the replicas (accumulation checks their steps)."""
+    primary: nn.Module | None = None
+    """The module the returned model is outside a run, which the other replicas follow between steps
+    (`outside_changes.py`); None: replica 0."""
 
 
 class StepPart(abc.ABC):  # noqa: B024  # every member has a default: a part overrides what it acts on
