@@ -239,7 +239,8 @@ def _mlp_case(strategy: Any, stage: int) -> dict[str, Any]:
         float((full(p).detach() - q.detach()).abs().max() / q.detach().abs().max())
         for p, q in zip(model.parameters(), reference.parameters())
     )
-    out[f"stage {stage} user model untouched"] = type(user_model) is nn.Sequential and not any(
+    # Sharded in place, as fully_shard does: the user's module is the one trained, every parameter a shard.
+    out[f"stage {stage} user model sharded in place"] = model.module is user_model and all(
         hasattr(p, "full_tensor") for p in user_model.parameters()
     )
     out[f"stage {stage} plan"] = (plan.parameters, plan.gathered_peak)

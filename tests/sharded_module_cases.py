@@ -28,7 +28,7 @@ def module_case(rank: int, ports: list[int]) -> dict[str, Any]:
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
         user_model = copy.deepcopy(reference)
         model, opt = strategy.distribute(user_model, torch.optim.SGD(user_model.parameters(), lr=0.1, momentum=0.9))
-        out["module is FSDP2's"] = isinstance(model.module, FSDPModule) and not isinstance(user_model, FSDPModule)
+        out["module is FSDP2's"] = isinstance(model.module, FSDPModule) and model.module is user_model  # in place
         out["distributed_model is the model"] = strategy.distributed_model is model
         out["same parameters"] = [id(p) for p in model.parameters()] == [id(p) for p in model.module.parameters()]
         out["keys"] = (list(model.state_dict()), list(model.module.state_dict()), list(reference.state_dict()))

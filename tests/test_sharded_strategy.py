@@ -21,7 +21,7 @@ def test_the_sharded_strategy_trains_as_one_device_and_says_what_it_holds():
         got = outcome.value
         for stage in (3, 2):
             assert got[f"stage {stage} mlp"] <= 1e-5, (rank, stage, got[f"stage {stage} mlp"])
-            assert got[f"stage {stage} user model untouched"]
+            assert got[f"stage {stage} user model sharded in place"]
             assert "LBFGS needs every parameter whole" in got[f"stage {stage} LBFGS"]
             explained = got[f"stage {stage} explain"]
             assert f"sharding stage: stage {stage}" in explained
