@@ -114,3 +114,65 @@ def train_with(strategy, dataset=None) -> tuple[nn.Module, torch.Tensor]:
             frozen = model.body[0].weight.detach().clone()
         strategy.run(step, args=(x, y))
     return model, frozen
+
+
+def _cluster(rank: int, ports: tuple[int, int]) -> dict:
+    return {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def workers_case(rank: int, ports: list[int]) -> bytes:
+    """On each of two worker processes: the script under MultiWorkerMirrored with one and with two local replicas,
+    then under ShardedStrategy; each strategy at its own pair of ports (a closed store's port may linger)."""
+    import io
+
+    import stratagem as sg
+    from stratagem.devices import DeviceRegistry
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    for local, pair in ((1, ports[0:2]), (2, ports[2:4])):
+        registry = DeviceRegistry()
+        registry.set_logical_device_configuration("cpu", 2)
+        devices = [f"cpu:{i}" for i in range(local)]
+        strategy = sg.MultiWorkerMirroredStrategy(devices, cluster=_cluster(rank, pair), timeout=60, registry=registry)
+        try:
+            model, frozen = train_with(strategy)
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            with torch.serialization.safe_globals(MODEL_CLASSES):
+                loaded = torch.load(buffer, weights_only=True)
+            out[f"mwms-{local}"] = {
+                "replicas": [{k: v.clone() for k, v in r.state_dict().items()} for r in model.replicas],
+                "flags": [(r.use_aux, hasattr(r.head, "scale")) for r in model.replicas],
+                "frozen": frozen,
+                "requires_grad": [[p.requires_grad for p in r.body[0].parameters()] for r in model.replicas],
+                "loaded": (type(loaded).__name__, {k: v.clone() for k, v in loaded.state_dict().items()}),
+            }
+        finally:
+            strategy.close()
+    strategy = sg.ShardedStrategy(cluster=_cluster(rank, ports[4:6]), timeout=60)
+    try:
+        model, frozen = train_with(strategy)
+        out["sharded"] = {
+            "state": {k: _full(v).detach().clone() for k, v in model.state_dict().items()},
+            "flags": [(model.module.use_aux, hasattr(model.module.head, "scale"))],
+            "frozen": _full(frozen),
+            "requires_grad": [[p.requires_grad for p in model.module.body[0].parameters()]],
+        }
+        try:
+            torch.save(model, io.BytesIO())
+            out["sharded pickle"] = "saved"
+        except sg.InputError as error:
+            out["sharded pickle"] = str(error)
+    finally:
+        strategy.close()
+    # Bytes, not tensors: the queue back to the test would share tensors through file descriptors of a process that
+    # has ended by then.
+    payload = io.BytesIO()
+    torch.save(out, payload)
+    return payload.getvalue()

@@ -219,3 +219,102 @@ def test_an_attribute_holding_a_function_of_a_submodule_calls_each_replicas_own(
         assert model.replicas[1].project is not model.replicas[0].project
     finally:
         strategy.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_changes_between_steps_reach_every_worker_and_replica_under_the_multi_process_strategies(reference):
+    import outside_change_cases
+    from helpers import free_port, run_ranks
+
+    expected, frozen_expected = reference
+    ports = [free_port() for _ in range(6)]
+    outcomes = run_ranks(outside_change_cases.workers_case, [0, 1], args=(ports,), timeout=280)
+    errors = {rank: outcome.error for rank, outcome in outcomes.items() if outcome.error is not None}
+    assert not errors, errors
+    last_flag = (STEPS - 1) % 2 == 0
+    for rank, outcome in outcomes.items():
+        for case, got in torch.load(io.BytesIO(outcome.value)).items():
+            if case == "sharded pickle":
+                assert "cannot be saved whole" in got, got  # each rank holds shards: refused, with the fix
+                continue
+            states = got["replicas"] if "replicas" in got else [got["state"]]
+            assert got["flags"] == [(last_flag, False)] * len(states), (rank, case)
+            assert got["requires_grad"] == [[False, False]] * len(states), (rank, case)
+            torch.testing.assert_close(got["frozen"], frozen_expected, **TOL[DTYPE])
+            for state in states:
+                torch.testing.assert_close(state["body.0.weight"], got["frozen"], rtol=0, atol=0)  # frozen: unmoved
+                assert state.keys() == expected.state_dict().keys(), (rank, case)
+                for key, value in expected.state_dict().items():
+                    torch.testing.assert_close(state[key], value, **TOL[DTYPE], msg=lambda m, k=key: f"{case} {k}: {m}")
+            if "loaded" in got:
+                name, loaded = got["loaded"]
+                assert name == "FlagNet"
+                for key, value in expected.state_dict().items():
+                    torch.testing.assert_close(loaded[key], value, **TOL[DTYPE])
+
+
+def test_changes_between_steps_reach_the_placed_modules_under_model_parallel(reference):
+    from conftest import cpu_registry
+
+    expected, frozen_expected = reference
+    strategy = sg.ModelParallelStrategy(
+        placement={"body": "cpu:0", "head": "cpu:1", "aux": "cpu:2"}, registry=cpu_registry(3)
+    )
+    try:
+        model, frozen = train_with(strategy, dataset=batches())
+        torch.testing.assert_close(frozen, frozen_expected, **TOL[DTYPE])
+        assert model.module.use_aux is ((STEPS - 1) % 2 == 0) and "use_aux" not in vars(model)
+        assert not model.body[0].weight.requires_grad
+        for key, value in expected.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[key], value, **TOL[DTYPE], msg=lambda m, k=key: f"{k}: {m}")
+        with pytest.raises(sg.InputError, match=r"placed module by module cannot be saved whole.*state_dict\(\)"):
+            torch.save(model, io.BytesIO())
+    finally:
+        strategy.close()
+
+
+def test_a_pipelines_pickle_is_the_users_sequential():
+    from conftest import cpu_registry
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
+    strategy = sg.ModelParallelStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2))
+    try:
+        model = strategy.distribute(net)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        with torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.Tanh]):
+            loaded = torch.load(buffer, weights_only=True)
+        assert type(loaded) is nn.Sequential
+        x = torch.randn(3, 6, dtype=DTYPE)
+        torch.testing.assert_close(loaded(x), net(x), rtol=0, atol=0)
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_change_on_the_parameter_server_coordinator_is_refused_and_one_inside_a_function_reaches_its_worker():
+    from stratagem.strategies.parameter_server import ClusterCoordinator, InProcessCluster, ParameterServerStrategy
+
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ParameterServerStrategy(cluster)
+        model, optimizer = strategy.distribute(*build())
+        for change, text in [
+            (lambda: setattr(model, "use_aux", False), r"model\.use_aux = \.\.\."),
+            (lambda: model.requires_grad_(False), r"model\.requires_grad_\(False\)"),
+            (lambda: model.apply(lambda m: None), r"model\.apply\(fn\)"),
+            (lambda: delattr(model, "use_aux"), r"del model\.use_aux"),
+        ]:
+            with pytest.raises(sg.InputError, match=rf"reach no worker.*Received: {text} on the coordinator"):
+                change()
+        assert model.module.use_aux is True
+        coordinator = ClusterCoordinator(strategy)
+
+        def flag_off() -> bool:
+            model.use_aux = False  # this worker's replica
+            return model.use_aux
+
+        assert coordinator.fetch(coordinator.schedule(flag_off)) is False
+        strategy.shutdown()

@@ -12,15 +12,16 @@ module, or, where the strategy says why a copy would not be the model (`copy_ref
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import operator
 from collections.abc import Callable, Iterator
-from typing import Any, SupportsIndex
+from typing import Any, ContextManager, SupportsIndex
 
 import torch
 from torch import nn
 
 from stratagem.errors import InputError
+from stratagem.strategies.data_parallel.outside_changes import refuse_new_parameters
 
 
 class WrappedModel(nn.Module):
@@ -33,12 +34,26 @@ class WrappedModel(nn.Module):
         >>> model.state_dict().keys()    # the module's own names (no "module." prefix)
     """
 
-    def __init__(self, module: nn.Module, kind: str, *, copy_refused: str | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        kind: str,
+        *,
+        copy_refused: str | None = None,
+        plain: nn.Module | None = None,
+        apply_in: Callable[[], ContextManager[Any]] | None = None,
+    ) -> None:
         super().__init__()
         # Not registered as a sub-module: names stay the module's own (state_dict, named_parameters, checkpoints).
         object.__setattr__(self, "_wrapped", module)
         object.__setattr__(self, "_kind", kind)
         object.__setattr__(self, "_copy_refused", copy_refused)
+        # What a pickle or copy of the model is: the user's own module (a pipeline's nn.Sequential), by default the
+        # module that runs.
+        object.__setattr__(self, "_plain", module if plain is None else plain)
+        # Where `apply(fn)` runs: ShardedStrategy's scope(), in which a random init draws each parameter whole as one
+        # device would (on the shards alone each rank would draw from its own generator).
+        object.__setattr__(self, "_apply_in", apply_in if apply_in is not None else contextlib.nullcontext)
         object.__setattr__(self, "training", module.training)
 
     @property
@@ -89,7 +104,8 @@ class WrappedModel(nn.Module):
 
     def apply(self, fn: Callable[[nn.Module], None]) -> WrappedModel:  # type: ignore[override]
         # The module and every submodule, as on one device (nn.Module.apply would call fn on this wrapper).
-        self._wrapped.apply(fn)
+        with self._apply_in():
+            self._wrapped.apply(fn)
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> WrappedModel:
@@ -101,8 +117,32 @@ class WrappedModel(nn.Module):
         self._wrapped.to(*args, **kwargs)
         return self
 
+    # Changes made outside the step go to the module, as on one device (`model.use_aux = False` reaches its forward).
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_new_parameters(self._wrapped, name, value)
+        setattr(self._wrapped, name, value)
+        if name == "training":
+            object.__setattr__(self, "training", value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._wrapped, name)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        self._wrapped.register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        refuse_new_parameters(self._wrapped, name, param)
+        self._wrapped.register_parameter(name, param)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        refuse_new_parameters(self._wrapped, name, module)
+        self._wrapped.add_module(name, module)
+
+    def register_module(self, name: str, module: nn.Module | None) -> None:
+        self.add_module(name, module)
+
     def __getattr__(self, name: str) -> Any:
-        if name in ("_wrapped", "_kind", "_copy_refused"):
+        if name in ("_wrapped", "_kind", "_copy_refused", "_plain", "_apply_in"):
             raise AttributeError(name)
         return getattr(self._wrapped, name)
 
@@ -110,19 +150,27 @@ class WrappedModel(nn.Module):
         # Looked up on the class, so __getattr__ never sees it: `model[0]` of an nn.Sequential works as on one device.
         return self._wrapped[index]  # type: ignore[index]
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        # The user's module's class, as under the data-parallel strategies (DistributedModel.__class__): pickle
+        # writes the plain module's own NEWOBJ reduction only where `obj.__class__` is its class.
+        if "_plain" not in self.__dict__:
+            return type(self)
+        return type(self._plain)
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
-        # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give the module, as under the
-        # data-parallel strategies (DistributedModel), rebuilt through a callable of the standard library;
-        # refused up front where the module's copy would not be the model (ShardedStrategy's shards).
+        # torch.save(model), pickle.dumps(model) and copy.deepcopy(model) give the plain module's own pickle, as under
+        # the data-parallel strategies; refused up front where a copy would not be the model (ShardedStrategy's
+        # shards, placed modules whose hooks move tensors between devices).
         if self._copy_refused is not None:
             raise InputError(self._copy_refused)
-        return operator.itemgetter(0), ([self._wrapped],)
+        return self._plain.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # Defined here, or __getattr__ would hand copy.deepcopy the module's own (FSDP2's raw AssertionError).
         if self._copy_refused is not None:
             raise InputError(self._copy_refused)
-        return copy.deepcopy(self._wrapped, memo)
+        return copy.deepcopy(self._plain, memo)
 
     def __repr__(self) -> str:
         return f"{self._kind}(module={self._wrapped!r})"

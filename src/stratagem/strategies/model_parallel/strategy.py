@@ -78,6 +78,15 @@ class StageInfo:
         return f"{where}: modules {names}; {self.num_parameters:,} parameters{memory}"
 
 
+_PLACED_COPY_REFUSED = (
+    "A model placed module by module cannot be saved whole, pickled or deep-copied: its placed modules carry the "
+    "hooks that move tensors between their devices, which a plain pickle of the model would not hold (and "
+    "torch.load(weights_only=True) refuses). Received: torch.save, pickle or copy.deepcopy of the ModelParallelModel "
+    "that distribute() handed back, built with placement=. Save model.state_dict() and load it into a model built "
+    "as before, or build the strategy with stages= (a pipeline), whose model pickles as your nn.Sequential."
+)
+
+
 class ModelParallelStrategy(Strategy):
     """Splits one model across devices; optionally pipelines micro-batches through the stages (GPipe).
 
@@ -378,8 +387,11 @@ class ModelParallelStrategy(Strategy):
             distributed = model
         if optimizer is not None and optimizer.state and any(d.physical.type != "cpu" for d in self._stage_devices):
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state next to its parameter
-        # Behind a wrapper whose `.module` is the pipeline or the placed model, as DDP's (wrapped_model.py).
-        self._model = WrappedModel(distributed, "ModelParallelModel")
+        # Behind a wrapper whose `.module` is the pipeline or the placed model, as DDP's (wrapped_model.py). Its pickle
+        # is the user's nn.Sequential (the pipeline runs its layers); a placed model's modules carry the hooks that
+        # move tensors between devices, functions of stratagem that no plain pickle holds.
+        refused = None if self._placement is None else _PLACED_COPY_REFUSED
+        self._model = WrappedModel(distributed, "ModelParallelModel", plain=model, copy_refused=refused)
         return self._model if optimizer is None else (self._model, optimizer)
 
     def _stage_info(

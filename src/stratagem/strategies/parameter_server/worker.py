@@ -64,6 +64,54 @@ class ParameterServerModel(nn.Module):
         self._ps_addresses = ps_addresses
         self._variables = variables
         self._rpc_timeout = rpc_timeout
+        object.__setattr__(self, "_ready", True)
+
+    # A change of the model outside the step: on a worker (inside a scheduled function) its replica's; on the
+    # coordinator refused, since the workers' replicas are copies in other processes that it never reaches.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_ready") or name == "training":
+            # nn.Module's own, while __init__ builds this wrapper; `train()`/`eval()` as before (fit's loop sets the
+            # mode of each scheduled function through it).
+            super().__setattr__(name, value)
+            return
+        setattr(self._changed_module(f"model.{name} = ..."), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._changed_module(f"del model.{name}"), name)
+
+    def __getattr__(self, name: str) -> Any:
+        # An attribute of the model (`model.use_aux`, `model.head`) read as on one device: this worker's replica's
+        # inside a scheduled function, the coordinator's copy outside.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "_ready" not in self.__dict__:
+                raise
+        runtime = current_worker()
+        return getattr(self.module if runtime is None else runtime.replica(self, pull=False), name)
+
+    def requires_grad_(self, requires_grad: bool = True) -> ParameterServerModel:
+        self._changed_module(f"model.requires_grad_({requires_grad})").requires_grad_(requires_grad)
+        return self
+
+    def apply(self, fn: Any) -> ParameterServerModel:  # type: ignore[override]
+        self._changed_module("model.apply(fn)").apply(fn)
+        return self
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        self._changed_module(f"model.register_buffer({name!r}, ...)").register_buffer(name, tensor, persistent)
+
+    def _changed_module(self, what: str) -> nn.Module:
+        runtime = current_worker()
+        if runtime is not None:
+            return runtime.replica(self, pull=False)
+        raise InputError(
+            "Under ParameterServerStrategy the model runs as a replica on each worker, a copy in another process, so "
+            "a change made to it on the coordinator after distribute() would reach no worker and they would train "
+            f"another model than the one this process holds. Received: {what} on the coordinator, outside a "
+            "scheduled function. Make the change before strategy.distribute(), or inside the function given to "
+            "coordinator.schedule (where it changes that worker's replica)."
+        )
 
     def _target(self) -> nn.Module:
         runtime = current_worker()

@@ -275,7 +275,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._shardeds.append(sharded)
         self._held.update((id(p), weakref.ref(p)) for p in originals.values())
         # Behind a wrapper whose `.module` is the sharded module, as DDP's and FSDP1's (wrapped_model.py).
-        wrapped = WrappedModel(sharded, "ShardedModel", copy_refused=copy_refusal(self._group.world_size))
+        wrapped = WrappedModel(
+            sharded, "ShardedModel", copy_refused=copy_refusal(self._group.world_size), apply_in=self.scope
+        )
         self._model = self._model if self._model is not None else wrapped
         if optimizer is None:
             del originals
@@ -332,7 +334,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._plans.append(plan)
         self._shardeds.append(model)
         self._held.update((id(p), weakref.ref(p)) for p in model.parameters())
-        wrapped = WrappedModel(model, "ShardedModel", copy_refused=copy_refusal(self._group.world_size))
+        wrapped = WrappedModel(
+            model, "ShardedModel", copy_refused=copy_refusal(self._group.world_size), apply_in=self.scope
+        )
         self._model = self._model if self._model is not None else wrapped
         return wrapped if optimizer is None else (wrapped, optimizer)
 
