@@ -11,12 +11,14 @@ import stratagem as sg
 
 strategy = sg.OneDeviceStrategy("cuda:0" if torch.cuda.is_available() else "cpu")
 net = make_net()
-model, optimizer = strategy.distribute(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+# The optimizer and the clipping of every other example (examples/mirrored.py...), so the runs compare one to one.
+model, optimizer = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
 
 
 def train_step(x, y):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
     return loss

@@ -23,6 +23,8 @@ installed="$(cat "$stamp" 2>/dev/null || true)"
 if [ "$installed" = "$inputs dev" ] || [ "$installed" = "$inputs $profile" ]; then
     exit 0
 fi
+# pip runs quietly (-q) for a minute or more on a first set-up: say what is happening, on stderr (stdout is the job's).
+echo "scripts/venv.sh: installing stratagem's '$profile' set into $venv (torch, once: a minute or more)..." >&2
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
@@ -30,3 +32,4 @@ fi
 "$venv/bin/python" -m pip install -q -r "$root/requirements-dev.txt" >&2
 "$venv/bin/python" -m pip install -q -e "$root[$profile]" >&2
 echo "$inputs $profile" > "$stamp"
+echo "scripts/venv.sh: installed; $venv/bin/stratagem is ready." >&2

@@ -38,8 +38,9 @@ def test_inspect_and_verify_report_each_backup_and_a_flipped_byte_fails_verify(t
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True and report["owner"] is None and report["temporaries"] == []
     newest, previous = report["files"]
-    assert (newest["name"], newest["step"], newest["epoch"], newest["step_in_epoch"]) == ("backup.pt", 6, 1, 2)
-    assert (previous["name"], previous["step"], previous["epoch"]) == ("backup.previous.pt", 3, 0)
+    # Epochs counted from 1 in the JSON as in the text: step 6 is 2 batches into epoch 2.
+    assert (newest["name"], newest["step"], newest["epoch"], newest["step_in_epoch"]) == ("backup.pt", 6, 2, 2)
+    assert (previous["name"], previous["step"], previous["epoch"]) == ("backup.previous.pt", 3, 1)
     assert newest["strategy"] == "MirroredStrategy"
     assert (newest["num_replicas_in_sync"], newest["num_processes"]) == (2, 1)
     model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
@@ -89,3 +90,31 @@ def test_export_writes_the_plain_model_of_the_newest_backup_as_torch_and_safeten
     assert all(torch.equal(exported[name], newest[name]) for name in newest)
     assert main(["checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "m.pt")]) == 2
     assert "No backup directory or checkpoint file at" in capsys.readouterr().err
+
+
+def test_verify_of_a_damaged_zip_directory_says_the_directory_is_damaged(tmp_path, capsys):
+    directory, _ = _backups(tmp_path)
+    raw = bytearray((directory / "backup.pt").read_bytes())
+    # The high byte of the first directory entry's flags: no CRC32 covers the zip directory, so every member's bytes
+    # still match their checksums, and torch's reader refuses the archive (it reads the flags as encryption).
+    raw[raw.index(b"PK\x01\x02") + 9] ^= 0xFF
+    (directory / "backup.pt").write_bytes(bytes(raw))
+    assert main(["checkpoint", "verify", str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert "backup.pt" in out and "its zip directory or a member's header is damaged" in out
+    assert "checksums hold but" not in out
+
+
+def test_export_says_when_a_damaged_newest_backup_makes_it_export_an_older_one(tmp_path, capsys):
+    directory, _ = _backups(tmp_path)
+    raw = bytearray((directory / "backup.pt").read_bytes())
+    raw[raw.index(b"data/0") + 200] ^= 0x01
+    (directory / "backup.pt").write_bytes(bytes(raw))
+    assert main(["checkpoint", "export", str(directory), str(tmp_path / "model.pt")]) == 0
+    captured = capsys.readouterr()
+    assert (
+        f"stratagem checkpoint export: warning: {directory / 'backup.pt'} is damaged and was passed over; exporting "
+        f"{directory / 'backup.previous.pt'} (step 3, epoch 1), an older backup than the newest written."
+        in captured.err
+    )
+    assert f"wrote the model of {directory / 'backup.previous.pt'} (step 3, epoch 1)" in captured.out

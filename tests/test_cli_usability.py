@@ -3,6 +3,8 @@ files the system refuses, resumed runs that say so, and a tidy Ctrl-C."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -200,3 +202,97 @@ def test_doctor_facts_that_are_missing_or_not_json(capsys, tmp_path):
 def test_launch_no_python_with_a_missing_executable(capsys, tmp_path):
     code, err = err_of(capsys, "launch", "--workers", "1", "--no-python", str(tmp_path / "nope"))
     assert code == 2 and "no such executable. Received: --no-python" in err and "Traceback" not in err
+
+
+def test_help_texts_name_every_action_and_what_workers_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "inspect, verify or export" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "--help"])
+    assert "export" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    workers = " ".join(capsys.readouterr().out.split()).split("--workers WORKERS")[-1].split("--ps", 1)[0]
+    assert "multi_worker, sharded or parameter_server" in workers
+
+
+def test_refusals_of_train_flags_are_in_the_flags_typed(capsys, monkeypatch):
+    monkeypatch.setattr(train_cli, "train_digits", lambda *a, **k: pytest.fail("trained after a refusal"))
+    code, err = err_of(capsys, "train", "--strategy", "one_device", "--devices", "cpu:0,cpu:1")
+    assert code == 2
+    assert "--strategy one_device runs on exactly one device. Received: --devices cpu:0,cpu:1." in err
+    assert "devices=[" not in err
+    code, err = err_of(capsys, "train", "--strategy", "one_device", "--devices", "cpu:0", "--precision", "fp16")
+    assert code == 2
+    assert "Received: --precision fp16 with replicas on cpu. Use --precision bf16 on the CPU" in err
+    assert "precision=" not in err
+
+
+def test_a_resumed_run_with_another_batch_size_is_refused_in_flags():
+    config = job.TrainConfig(batch_size=32)
+    backup = train_cli.BackupAndRestore("/nonexistent/backup")
+    settings = train_cli.BackupSettings(config, backup, json_output=False)
+    with pytest.raises(train_cli.InputError, match=r"was made with --batch-size 64,.* Received: --batch-size 32\."):
+        settings.check_state_dict({"lr": config.lr, "seed": config.seed, "batch_size": 64})
+    settings.check_state_dict({"lr": config.lr, "seed": config.seed})  # a backup from before batch_size was kept
+
+
+def test_the_explanation_train_prints_gives_the_real_reason_for_the_devices():
+    from stratagem.strategies.by_name import build_strategy, explain_built
+
+    strategy, decision = build_strategy("one_device")
+    try:
+        devices = explain_built(strategy, decision).decision("devices")
+    finally:
+        strategy.close()
+    assert devices is not None and devices.reason == decision.reason and "devices=" not in devices.reason
+    assert "So the CPU.)" not in decision.reason
+
+
+def test_an_asynchronous_job_is_not_said_to_have_replicas_in_sync():
+    from stratagem.diagnose import PlacementDecision
+    from stratagem.strategies.explain import Explanation
+
+    updates = PlacementDecision(subject="updates", choice="asynchronous", reason="each ps applies them on arrival")
+    text = str(Explanation("ParameterServerStrategy", 1, [], [updates]))
+    assert text.splitlines()[0] == "ParameterServerStrategy: asynchronous updates, no replicas in sync"
+
+
+def test_the_batch_norm_line_is_only_for_a_model_with_batch_norm():
+    from conftest import cpu_registry
+    from torch import nn
+
+    import stratagem as sg
+
+    for model, shown in ((nn.Linear(3, 2), False), (nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)), True)):
+        # per_replica: the same line, without building the native meetings of global statistics (slow, once).
+        strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], registry=cpu_registry(2), batch_norm="per_replica")
+        try:
+            assert strategy.explain().decision("BatchNorm statistics") is not None  # any layer the model may have
+            strategy.distribute(model)
+            assert (strategy.explain().decision("BatchNorm statistics") is not None) == shown
+        finally:
+            strategy.close()
+
+
+def test_bench_without_matplotlib_says_so_before_measuring(capsys, monkeypatch, tmp_path):
+    from stratagem.cli import bench as bench_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(bench_cli, "run_scaling", lambda *a, **k: pytest.fail("measured before saying so"))
+    code, err = err_of(capsys, "bench", "--quick", "--out", str(tmp_path), "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and "--plot needs matplotlib" in err and "pip install 'stratagem[bench]'" in err
+    args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(["--quick"])
+    assert bench_cli._check_plotting(args) is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no stratagem-bench.png will be drawn" in err and "stratagem[bench]" in err
+
+
+def test_export_to_safetensors_without_the_package_says_which_extra_before_reading(capsys, monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name, *a))
+    code, err = err_of(capsys, "checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "m.safetensors"))
+    assert code == 2  # the missing package is said first: the backup path is not even looked at
+    assert "needs the safetensors package" in err and "pip install 'stratagem[train]'" in err

@@ -98,6 +98,7 @@ def test_each_decision_is_reported_once_by_the_part_that_made_it(make):
         assert len(subjects) == len(set(subjects)), subjects
         assert "devices" in subjects
         if strategy.num_replicas_in_sync > 1:
-            assert {"gradient combination", "BatchNorm statistics", "parameter storage"} <= set(subjects)
+            assert {"gradient combination", "parameter storage"} <= set(subjects)
+            assert "BatchNorm statistics" not in subjects  # a model without BatchNorm has nothing to decide there
     finally:
         strategy.close()

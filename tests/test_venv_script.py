@@ -77,3 +77,10 @@ def test_the_readme_commands_ask_for_their_sets() -> None:
     assert 'scripts/venv.sh" dev' in (ROOT / "scripts" / "test").read_text()
     train_extra = (ROOT / "pyproject.toml").read_text().split("train = [", 1)[1].split("]", 1)[0]
     assert "transformers" not in train_extra and "mypy" not in train_extra
+
+
+def test_an_install_says_what_it_is_doing_and_a_ready_venv_says_nothing(checkout: Path) -> None:
+    result = venv(checkout, "train")
+    assert "scripts/venv.sh: installing stratagem's 'train' set" in result.stderr
+    assert "scripts/venv.sh: installed" in result.stderr
+    assert venv(checkout, "train").stderr == ""  # nothing to install: the job's own output alone

@@ -108,11 +108,30 @@ def load_verified(path: str | os.PathLike[str], map_location: Any = "cpu") -> An
                 "stratagem.train.save_checkpoint (tensors, numbers, strings, lists, dicts), or point at another file."
             ) from None
         first_line = str(error).splitlines()[0] if str(error) else ""
+        if not _written_by_torch(path):
+            raise _damaged(
+                path,
+                f"it is a zip archive, but not one torch.save wrote (no data.pkl member; {type(error).__name__}: "
+                f"{_cut(first_line)})",
+                "a zip archive of other files",
+            ) from None
+        # Every member's bytes match their CRC32, so the damage is where no checksum reaches: the zip's directory
+        # or a member's header (names, sizes, offsets), which torch's reader follows and Python's tolerates.
         raise _damaged(
             path,
-            f"torch cannot read it ({type(error).__name__}: {_cut(first_line)})",
-            "an archive whose checksums hold but whose contents torch.load rejects",
+            "its zip directory or a member's header is damaged (the parts of the archive no checksum covers: names, "
+            f"sizes, offsets), so torch cannot read it ({type(error).__name__}: {_cut(first_line)})",
+            "an archive whose members' bytes match their CRC32 but whose directory or headers are damaged",
         ) from None
+
+
+def _written_by_torch(path: Path) -> bool:
+    """Whether the archive's directory lists the member every torch.save archive has (``<name>/data.pkl``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except Exception:  # noqa: BLE001 - read once already; whatever fails now, the directory is not torch's
+        return False
 
 
 def _damaged(path: Path, reason: str, received: str) -> CorruptCheckpointError:

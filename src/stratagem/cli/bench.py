@@ -19,6 +19,7 @@ that should run failed or timed out, 2 for bad options.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -128,10 +129,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+PLOT_EXTRA = "pip install 'stratagem[bench]' (or pip install matplotlib)"
+"""How to get matplotlib, which draws the plot (not in the main job's set, `scripts/venv.sh train`)."""
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         json_path, plot_path = _output_paths(args)
+        can_plot = _check_plotting(args)
     except StratagemError as error:
         print(f"stratagem bench: {error}", file=sys.stderr)
         return 2
@@ -150,13 +156,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the measuring processes share the terminal's Ctrl-C and stop with it
         print("stratagem bench: interrupted; nothing written.", file=sys.stderr)
         return 130
-    # Import here: matplotlib takes a while to load and only this command needs it.
-    from stratagem.bench.plot import write_plot
-
-    result = {**report.to_dict(), "files": {"json": str(json_path), "plot": str(plot_path)}}
+    files = {"json": str(json_path), "plot": str(plot_path) if can_plot else None}
+    result = {**report.to_dict(), "files": files}
     try:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
-        write_plot(report, plot_path)
+        if can_plot:
+            # Import here: matplotlib takes a while to load and only this command needs it.
+            from stratagem.bench.plot import write_plot
+
+            write_plot(report, plot_path)
     except OSError as error:  # the disk filled, or the directory went away during the measurement
         print(f"stratagem bench: could not write the results: {error}", file=sys.stderr)
         return 1
@@ -172,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(Text(f"{name}: {DEFINITIONS[name]}", style="dim"))
         for warning in report.warnings:
             console.print(Text(f"Warning: {warning}", style="bold yellow"))
-        console.print(f"wrote {json_path} and {plot_path} ({report.elapsed_s:.0f} s)")
+        written = f"{json_path} and {plot_path}" if can_plot else f"{json_path} (no plot: matplotlib is not installed)"
+        console.print(f"wrote {written} ({report.elapsed_s:.0f} s)")
     if report.failed:
         print(
             f"stratagem bench: {len(report.failed)} configuration(s) failed: "
@@ -198,6 +207,25 @@ def _config(args: argparse.Namespace) -> ScalingConfig:
         if value is not None
     }
     return ScalingConfig.quick(**given) if args.quick else ScalingConfig(**given)
+
+
+def _check_plotting(args: argparse.Namespace) -> bool:
+    """Whether the plot can be drawn (matplotlib is installed), said before the measurement: without it the table and
+    the JSON are still written, unless --plot asked for the plot by name."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    if args.plot is not None:
+        raise InputError(
+            f"--plot needs matplotlib, which is not installed. Received: --plot {args.plot}. Install it with "
+            f"{PLOT_EXTRA}, or leave --plot out for the table and the JSON alone."
+        )
+    print(
+        f"stratagem bench: matplotlib is not installed, so no {PLOT_NAME} will be drawn (the table and the JSON are); "
+        f"for the plot: {PLOT_EXTRA}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
 
 
 def _output_paths(args: argparse.Namespace) -> tuple[Path, Path]:

@@ -11,10 +11,12 @@ Usage:
 sharded backup (``backup.dcp/``) with the sha256 its manifest lists (the same checks a resumed run
 makes before it uses a backup); a backup moved aside as damaged (``backup.corrupt.pt``,
 ``backup.corrupt.dcp``) is listed but does not fail it. ``inspect`` lists a sharded backup's files by
-the rank that wrote them. Exit codes: 0 whole, 1 damaged (or no
+the rank that wrote them. Epochs are counted from 1 in the text and in ``--json`` alike: the epoch
+a resumed run goes on in, as its progress bar counts it. Exit codes: 0 whole, 1 damaged (or no
 backup at all), 2 a bad argument. ``export`` writes the newest whole backup's model (a sharded one read
-as whole tensors, in this process), with the keys of the model you built, to one file: safetensors when its name ends in ``.safetensors``, else
-``torch.save`` of the state_dict.
+as whole tensors, in this process), with the keys of the model you built, to one file: safetensors when its
+name ends in ``.safetensors``, else ``torch.save`` of the state_dict; when a newer backup is damaged, it says
+so and which older one it exported.
 """
 
 from __future__ import annotations
@@ -24,19 +26,23 @@ import json
 import sys
 
 from stratagem.errors import InputError
-from stratagem.train.backup_report import BackupReport, export_model, inspect_backups
+from stratagem.train.backup_report import BACKUP_FILES, SHARDED_BACKUPS, BackupReport, export_model, inspect_backups
+
+NEWEST_BACKUPS = (BACKUP_FILES[0], SHARDED_BACKUPS[0])
+"""The names of the newest backup of a directory (whole, sharded): one passed over makes an export of an older step."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "checkpoint",
-        help="inspect or verify the backups of BackupAndRestore",
-        description="Inspect the backups in a BackupAndRestore directory (or one checkpoint file), or verify every "
-        "checksum in them (exit code 0 when every file is whole, 1 otherwise).",
+        help="inspect, verify or export the backups of BackupAndRestore",
+        description="Inspect the backups in a BackupAndRestore directory (or one checkpoint file), verify every "
+        "checksum in them (exit code 0 when every file is whole, 1 otherwise), or export the newest whole backup's "
+        "model to one torch or safetensors file.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, help_text in (
-        ("inspect", "step, epoch, strategy, world size, sizes and files of each backup"),
+        ("inspect", "step, epoch (counted from 1), strategy, world size, sizes and files of each backup"),
         ("verify", "check every checksum of every backup file; exit code 0 or 1"),
     ):
         action = actions.add_parser(name, help=help_text, description=help_text)
@@ -75,11 +81,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     try:
-        used = export_model(args.path, args.output)
+        export = export_model(args.path, args.output)
     except InputError as error:
         print(f"stratagem checkpoint export: error: {error}", file=sys.stderr)
         return 2
-    when = "" if used.step is None else f" (step {used.step}, epoch {(used.epoch or 0) + 1})"
+    used = export.used
+    when = "" if used.step is None else f" (step {used.step}, epoch {used.epoch})"
+    for skipped in export.skipped:
+        older = ", an older backup than the newest written" if skipped.name in NEWEST_BACKUPS else ""
+        print(
+            f"stratagem checkpoint export: warning: {skipped.path} is damaged and was passed over; exporting "
+            f"{used.path}{when}{older}. {skipped.error}",
+            file=sys.stderr,
+        )
     print(f"wrote the model of {used.path}{when} to {args.output}")
     return 0
 
@@ -94,7 +108,7 @@ def _lines(report: BackupReport, action: str) -> list[str]:
             what = f"{len(entry.shards)} files, every sha256 holds" if entry.shards else "every checksum holds"
             lines.append(f"  {entry.name}  {_size(entry.bytes)}  ok ({what})")
             continue
-        epoch = "?" if entry.epoch is None else entry.epoch + 1
+        epoch = "?" if entry.epoch is None else entry.epoch
         world = (
             f"{entry.strategy or '?'}, {entry.num_replicas_in_sync} replica(s) in {entry.num_processes} process(es)"
             if entry.num_replicas_in_sync is not None

@@ -10,14 +10,16 @@ Worker 0 is the chief. Every output line is prefixed with its task (``[worker:1]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from stratagem import environ
 from stratagem.cluster.attempt import StopRequest
-from stratagem.cluster.launch import LAUNCHABLE_STRATEGIES, launch
+from stratagem.cluster.launch import LAUNCHABLE_STRATEGIES, LaunchResult, launch
 from stratagem.cluster.processes import OutputLine
 from stratagem.errors import StratagemError
 
@@ -106,6 +108,34 @@ def _print_line(line: OutputLine) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """A `StopRequest` installed as the handler of SIGTERM and SIGINT while the block runs; pass it to `launch`.
+
+    Tasks run in their own sessions, so a scheduler's SIGTERM (or a Ctrl-C) reaches only the launching process. The
+    handler only asks launch() to stop (see StopRequest: raising there could leave a task started and never
+    stopped); launch() then stops every task (SIGTERM, so a task under BackupAndRestore backs up) and returns. A
+    signal this process ignores stays ignored. Every command that starts tasks (`stratagem launch`, `stratagem
+    train --workers N`) goes through here.
+    """
+    stop = StopRequest()
+    previous = {
+        signum: signal.signal(signum, stop.request)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) != signal.SIG_IGN
+    }
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stopped_by_signal(stop: StopRequest, result: LaunchResult) -> bool:
+    """Whether the launch ended because `stop` was requested (and not by a task's own failure before it)."""
+    return stop.signum is not None and result.failed_task is None and result.exit_code == 128 + stop.signum
+
+
 def run(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         print(
@@ -130,37 +160,26 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    # Tasks run in their own sessions, so a scheduler's SIGTERM (or a Ctrl-C) reaches only this process. The
-    # handler only asks launch() to stop (see StopRequest: raising there could leave a task started and never
-    # stopped); launch() then stops every task and returns. A signal this process ignores stays ignored.
-    stop = StopRequest()
-    previous = {
-        signum: signal.signal(signum, stop.request)
-        for signum in STOP_SIGNALS
-        if signal.getsignal(signum) != signal.SIG_IGN
-    }
     try:
-        result = launch(
-            _command(args),
-            workers=args.workers,
-            env=environ.current(),
-            sink=_print_line,
-            ps=args.ps,
-            devices_per_worker=args.devices_per_worker,
-            max_restarts=args.max_restarts,
-            timeout=args.timeout,
-            grace_period=args.grace_period,
-            keep_freed_memory=not args.default_allocator,
-            strategy=args.strategy,
-            stop=stop,
-        )
+        with stop_on_signals() as stop:
+            result = launch(
+                _command(args),
+                workers=args.workers,
+                env=environ.current(),
+                sink=_print_line,
+                ps=args.ps,
+                devices_per_worker=args.devices_per_worker,
+                max_restarts=args.max_restarts,
+                timeout=args.timeout,
+                grace_period=args.grace_period,
+                keep_freed_memory=not args.default_allocator,
+                strategy=args.strategy,
+                stop=stop,
+            )
     except StratagemError as exc:
         print(f"stratagem launch: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if stop.signum is not None and result.failed_task is None and result.exit_code == 128 + stop.signum:
+    if stop.signum is not None and stopped_by_signal(stop, result):
         if stop.signum == signal.SIGINT:
             print("stratagem launch: interrupted (Ctrl-C); stopped.", file=sys.stderr)  # as every command says it
         else:

@@ -6,7 +6,12 @@ trains on two logical CPU replicas, so the gradient combination really runs.
 
 Exit code: 0 when training finished, 2 for bad input (unknown device, bad option, an unwritable
 --backup-dir; all checked before any work), 1 when training itself failed (a replica raised, a
-wait timed out, scikit-learn is missing, a file could not be written), 130 on Ctrl-C.
+wait timed out, scikit-learn is missing, a file could not be written), 143 on SIGTERM and 130 on
+Ctrl-C (with --backup-dir: after a backup of the last step, which a rerun resumes from).
+
+A job of several processes (--workers N, or --strategy parameter_server) runs under the local
+launcher of ``stratagem launch``: a SIGTERM or Ctrl-C to this command is passed to every task, which
+backs up and stops after the same step, and this command then says where the backup is.
 
 With --json, standard output holds one JSON document, the chief's, whatever the strategy; under
 the launcher the other tasks' lines go to standard error, prefixed with their task.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from typing import Any
 
@@ -32,18 +38,24 @@ from rich.console import Console
 from rich.text import Text
 
 from stratagem import environ
-from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
-from stratagem.diagnose import log_placement
+from stratagem.cluster import LaunchResult, OutputLine, StopRequest, allocator, launched_by_stratagem, relaunch
+from stratagem.diagnose import PlacementDecision, log_placement
 from stratagem.cli.checks import check_device_flags, check_writable_directory
+from stratagem.cli.launch import stop_on_signals, stopped_by_signal
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
-from stratagem.errors import InputError, StratagemError
-from stratagem.strategies.data_parallel.amp import PRECISIONS, check_precision
-from stratagem.strategies.by_name import build_strategy
+from stratagem.errors import InputError, Preempted, StratagemError
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.data_parallel.amp import PRECISIONS
+from stratagem.strategies.by_name import build_strategy, explain_built
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.records import STRATEGIES
 from stratagem.train import BackupAndRestore, Callback, ProgressBar
 
 _DEFAULTS = TrainConfig()
+
+TASK_GRACE_PERIOD_S = 30.0
+"""What the tasks of a job this command started get between SIGTERM and SIGKILL: more than the 25 s within
+which BackupAndRestore stops at a step boundary and backs up, so a stop is never cut short by the launcher."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -92,8 +104,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--workers",
         type=_count("2"),
         default=1,
-        help="with --strategy multi_worker: worker processes to start on this machine with "
-        "`stratagem launch` (default: 1, or the cluster this process already belongs to)",
+        help="with --strategy multi_worker, sharded or parameter_server: worker processes to start on this "
+        "machine, as `stratagem launch` starts them (default: 1, or the cluster this process already belongs to)",
     )
     parser.add_argument(
         "--ps",
@@ -143,15 +155,20 @@ def run(args: argparse.Namespace) -> int:
     if (parameter_server or (record.one_process_per_worker and args.workers > 1)) and not launched_by_stratagem(env):
         # Start one process per task running this same command; each becomes a task of the strategy's cluster.
         sink = _json_sink if args.json else _prefixed_sink
-        result = relaunch(
-            args.argv,
-            workers=args.workers,
-            env=env,
-            sink=sink,
-            ps=(args.ps or 1) if parameter_server else 0,
-            keep_freed_memory=not args.default_allocator,
-        )
-        if not result.ok:
+        with stop_on_signals() as stop:
+            result = relaunch(
+                args.argv,
+                workers=args.workers,
+                env=env,
+                sink=sink,
+                ps=(args.ps or 1) if parameter_server else 0,
+                keep_freed_memory=not args.default_allocator,
+                grace_period=TASK_GRACE_PERIOD_S,
+                stop=stop,
+            )
+        if stopped_by_signal(stop, result):
+            print(f"stratagem train: {_stopped(stop, result, args.backup_dir)}", file=sys.stderr)
+        elif not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
         return result.exit_code
     if not args.default_allocator:
@@ -172,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             callbacks += [backup, BackupSettings(config, backup, json_output=args.json)]
         strategy, decision = build_strategy(config.strategy, config.devices)
         try:
-            check_precision(config.precision, [d.type for d in strategy.local_devices])  # before any work
+            _check_precision_flag(config.precision, [d.type for d in strategy.local_devices])  # before any work
         except StratagemError:
             strategy.close()
             raise
@@ -195,13 +212,17 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         console.print(Text(f"devices: {decision.choice} ({decision.reason})"))
-        console.print(Text(str(strategy.explain())))
+        # Once fit has distributed the model: the placement of its layers (BatchNorm or none) is known then.
+        callbacks.insert(0, ShowPlacement(console, strategy, decision))
     # The progress bar is drawn only on a terminal; the per-epoch lines go to pipes too (not with --json).
     callbacks.append(ProgressBar(console, show_bar=not args.json and console.is_terminal, print_lines=not args.json))
     log = log_placement() if args.log_placement else None
     try:
         with log if log is not None else contextlib.nullcontext():
             report = train_digits(config, strategy, decision, callbacks=callbacks)
+    except Preempted as stopped:
+        # Not a failure: fit has backed up and said so (its warning names the step and the file), once.
+        return stopped.code if isinstance(stopped.code, int) else 1
     except (StratagemError, ImportError, OSError) as error:
         print(f"stratagem train: training failed: {error}", file=sys.stderr)
         return 1
@@ -240,6 +261,11 @@ def _check_before_work(args: argparse.Namespace) -> None:
             f"Add --strategy {with_ps[0]}, or leave --ps out."
         )
     if args.devices:
+        if record.max_devices == 1 and len(args.devices) != 1:
+            raise InputError(
+                f"--strategy {args.strategy} runs on exactly one device. Received: --devices {','.join(args.devices)}. "
+                "Name one device (e.g. --devices cpu:0), or use --strategy mirrored for several."
+            )
         check_device_flags(args.devices)
     if args.backup_dir:
         if record.parameter_servers:
@@ -253,14 +279,57 @@ def _check_before_work(args: argparse.Namespace) -> None:
         check_writable_directory(args.backup_dir, "--backup-dir")
 
 
+def _check_precision_flag(precision: str, device_types: list[str]) -> None:
+    """`check_precision`'s refusal of fp16 off the GPU, in the flags the user typed."""
+    if precision == "fp16" and any(kind != "cuda" for kind in device_types):
+        raise InputError(
+            "--precision fp16 needs loss scaling (torch.amp.GradScaler), which stratagem supports on CUDA GPUs only, "
+            "and float16 autocast on the CPU is slow and unsafe without it. Received: --precision fp16 with replicas "
+            f"on {', '.join(sorted(set(device_types)))}. Use --precision bf16 on the CPU (no loss scaling needed), "
+            "or run on GPUs."
+        )
+
+
+def _stopped(stop: StopRequest, result: LaunchResult, backup_dir: str | None) -> str:
+    """What this command says when a signal stopped the job it launched: which signal, and where the backup is."""
+    signum = stop.signum or signal.SIGTERM
+    how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"received {signal.Signals(signum).name}"
+    said = f"{how}; stopped every task (exit code {result.exit_code})."
+    if not backup_dir:
+        return f"{said} No --backup-dir was given, so nothing was backed up: a rerun starts afresh."
+    from stratagem.train.backup_report import newest_whole_backup
+
+    newest = newest_whole_backup(backup_dir)
+    if newest is None:
+        return f"{said} No whole backup is in {backup_dir} (the stop came before the first one): a rerun starts afresh."
+    where = "" if newest.step is None else f" (step {newest.step}, epoch {newest.epoch})"
+    return f"{said} The backup is {newest.path}{where}: rerun the same command to resume from it."
+
+
+class ShowPlacement(Callback):
+    """Prints where the strategy runs and why, once fit has distributed the model (so the explanation is of this
+    model: a BatchNorm line only for a model with BatchNorm layers)."""
+
+    def __init__(self, console: Console, strategy: Strategy, decision: PlacementDecision) -> None:
+        self.console = console
+        self.strategy = strategy
+        self.decision = decision
+
+    def on_train_begin(self, context: Any) -> None:
+        if context.is_chief:
+            self.console.print(Text(str(explain_built(self.strategy, self.decision))))
+
+
 class BackupSettings(Callback):
     """Keeps the run's settings in its backup; a resumed run refuses other settings and says what it resumed.
 
     The backup restores the optimizer (its learning rate included), the random states and the data
-    order, so a rerun with another --lr or --seed would silently train as the first run did.
+    order, so a rerun with another --lr, --seed or --batch-size would silently train as the first run did
+    (or be refused by the data's own check, in the library's words).
     """
 
-    CHECKED = ("lr", "seed")
+    CHECKED = {"lr": "--lr", "seed": "--seed", "batch_size": "--batch-size"}
+    """The settings compared, with their flags."""
 
     def __init__(self, config: TrainConfig, backup: BackupAndRestore, *, json_output: bool) -> None:
         self.config = config
@@ -270,15 +339,19 @@ class BackupSettings(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {name: getattr(self.config, name) for name in self.CHECKED}
 
+    def _flags(self, names: list[str], values: dict[str, Any]) -> str:
+        return " ".join(f"{self.CHECKED[name]} {values[name]}" for name in names)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to restore: `check_state_dict` has compared the settings before anything was restored."""
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Refuses a backup made with other settings, before fit's own checks of it (the data seed is --seed)."""
-        changed = [name for name in self.CHECKED if state.get(name) != getattr(self.config, name)]
+        # A setting missing from the backup (one written before it was kept) is left to fit's own checks.
+        changed = [name for name in self.CHECKED if name in state and state[name] != getattr(self.config, name)]
         if changed:
-            saved = " ".join(f"--{name} {state.get(name)}" for name in changed)
-            asked = " ".join(f"--{name} {getattr(self.config, name)}" for name in changed)
+            saved = self._flags(changed, state)
+            asked = self._flags(changed, self.state_dict())
             raise InputError(
                 f"The backup in {self.backup.backup_dir} was made with {saved}, which a resumed run keeps (the "
                 f"optimizer, the random states and the data order come from the backup). Received: {asked}. Rerun with "
@@ -289,10 +362,11 @@ class BackupSettings(Callback):
         restored = self.backup.restored_from
         if restored is None or not context.is_chief:
             return
-        settings = ", ".join(f"--{name} {getattr(self.config, name)}" for name in self.CHECKED)
+        settings = ", ".join(f"{flag} {getattr(self.config, name)}" for name, flag in self.CHECKED.items())
         # Shown without -v: a resumed run must not look like a fresh one. With --json, stdout is the JSON alone.
+        # The file really read: backup.previous.pt when the newest backup was damaged.
         print(
-            f"stratagem train: Resumed from {self.backup.path}: epoch {restored['epoch'] + 1} of "
+            f"stratagem train: Resumed from {self.backup.restored_path or self.backup.path}: epoch {restored['epoch'] + 1} of "
             f"{self.config.epochs}, after step {restored['step']}. From the backup: the model, the optimizer "
             f"state, the random states, the data order and the history of the epochs done ({settings}).",
             file=sys.stderr if self.json_output else sys.stdout,
@@ -331,10 +405,15 @@ def _print_summary(console: Console, report: TrainReport) -> None:
             f"test accuracy {test['accuracy']:.2%} ({correct}/{test.num_examples}), loss {test['loss']:.4f}: ", verdict
         )
     )
+    resumed = (
+        f", this run's alone: the {report.num_resumed_examples} trained before the resume are left out"
+        if report.num_resumed_examples
+        else ""
+    )
     console.print(
         Text(
             f"throughput: {report.samples_per_s:,.0f} samples/s ({report.num_train_examples} training "
-            f"examples in {report.train_time_s:.1f} s); whole run {report.elapsed_s:.1f} s"
+            f"examples in {report.train_time_s:.1f} s{resumed}); whole run {report.elapsed_s:.1f} s"
         )
     )
     if report.explanation["strategy"] == "ParameterServerStrategy":

@@ -29,9 +29,10 @@ from stratagem.demo.digits import build_digits_model, load_digits_data, make_loa
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies import ModelParallelStrategy, ParameterServerStrategy, Strategy
-from stratagem.strategies.by_name import STRATEGY_NAMES
+from stratagem.strategies.by_name import STRATEGY_NAMES, explain_built
 from stratagem.train.callback import Callback
 from stratagem.train.fit import EpochLog, fit
+from stratagem.train.fit_state import TrainingContext
 from stratagem.train.loop import Evaluation, evaluate
 
 TARGET_ACCURACY = 0.95
@@ -93,10 +94,14 @@ class TrainReport:
     history: list[EpochLog]
     test: Evaluation
     train_time_s: float
-    """Wall time of the training steps alone (no evaluation, no set-up)."""
+    """Wall time of this run's training steps alone (no evaluation, no set-up; after a resume, none of the run
+    that wrote the backup)."""
     elapsed_s: float
-    """Wall time of the whole run: data, model, training and evaluation."""
+    """Wall time of this whole run: data, model, training and evaluation."""
     num_train_examples: int
+    """Examples this run trained on (after a resume, not those the run that wrote the backup trained on)."""
+    num_resumed_examples: int = 0
+    """Examples trained on before the resume, which `history` counts and the throughput leaves out (0: a fresh run)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -123,6 +128,7 @@ class TrainReport:
             "target_accuracy": TARGET_ACCURACY,
             "reached_target": self.reached_target,
             "num_train_examples": self.num_train_examples,
+            "num_resumed_examples": self.num_resumed_examples,
             "train_time_s": self.train_time_s,
             "samples_per_s": self.samples_per_s,
             "elapsed_s": self.elapsed_s,
@@ -142,6 +148,7 @@ def train_digits(
     net = build_digits_model(config.seed)
     # The order of each epoch depends only on (seed, epoch): the same run repeats exactly, and resumes exactly.
     train = ShuffledBatches((data.train_x, data.train_y), config.batch_size, seed=config.seed)
+    before = _BeforeThisRun()
     history = fit(
         strategy,
         net,
@@ -150,12 +157,12 @@ def train_digits(
         train,
         epochs=config.epochs,
         metrics=["accuracy"],
-        callbacks=callbacks,
+        callbacks=[*callbacks, before],
         precision=config.precision,
     )
     test_loader = make_loader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     test = evaluate(strategy, history.model, test_loader, F.cross_entropy, metrics=["accuracy"])
-    explanation = strategy.explain()
+    explanation = explain_built(strategy, device_decision)
     return TrainReport(
         config=config,
         devices=_devices_used(strategy, explanation),
@@ -163,10 +170,27 @@ def train_digits(
         explanation=explanation.to_dict(),
         history=history.epochs,
         test=test,
-        train_time_s=sum(e.elapsed_s for e in history.epochs),
+        train_time_s=sum(e.elapsed_s for e in history.epochs) - before.elapsed_s,
         elapsed_s=time.perf_counter() - start,
-        num_train_examples=sum(e.num_examples for e in history.epochs),
+        num_train_examples=sum(e.num_examples for e in history.epochs) - before.num_examples,
+        num_resumed_examples=before.num_examples,
     )
+
+
+class _BeforeThisRun(Callback):
+    """What a resumed run's history already holds when it begins (the epochs done, and the part of the epoch under
+    way), so that the report's throughput is this run's: examples and step time of the run that wrote the backup
+    are in `history` (the epoch logs go on from the backup's sums), not in this run's wall time."""
+
+    def __init__(self) -> None:
+        self.num_examples = 0
+        self.elapsed_s = 0.0
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        # Backups restore before any other callback begins, so this reads the restored state (zeros when fresh).
+        under_way = int(context.totals[1]) if context.totals.numel() > 1 else 0  # [loss sum, examples, ...]
+        self.num_examples = sum(e.num_examples for e in context.history) + under_way
+        self.elapsed_s = sum(e.elapsed_s for e in context.history) + context.epoch_elapsed_s
 
 
 def _devices_used(strategy: Strategy, explanation: Any) -> list[str]:

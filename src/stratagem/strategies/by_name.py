@@ -7,12 +7,14 @@ strategy over the same default devices as the digits demo of ``stratagem train -
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from stratagem.devices import DeviceRegistry, default_registry
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import DeviceError, InputError
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.explain import Explanation
 from stratagem.strategies.records import STRATEGIES
 
 STRATEGY_NAMES = STRATEGIES.names
@@ -52,3 +54,20 @@ def build_strategy(
     else:
         names, decision = record.default_devices(name, registry)
     return record.build(names, registry), decision
+
+
+def explain_built(strategy: Strategy, decision: PlacementDecision) -> Explanation:
+    """``strategy.explain()`` of a strategy `build_strategy` built, with its devices decision the one
+    `build_strategy` made: the strategy itself was handed its devices (``devices=``) and cannot know whether
+    ``--devices`` named them or the machine chose them.
+
+    Example:
+        >>> strategy, decision = build_strategy("mirrored")
+        >>> explain_built(strategy, decision).decision("devices").reason   # doctest: +SKIP
+        'no usable GPU: ... So 2 logical CPU replica(s) ...'
+    """
+    explanation = strategy.explain()
+    decisions = [
+        dataclasses.replace(d, reason=decision.reason) if d.subject == "devices" else d for d in explanation.decisions
+    ]
+    return dataclasses.replace(explanation, decisions=decisions)

@@ -35,7 +35,12 @@ class Explanation:
         return asdict(self)
 
     def __str__(self) -> str:
-        lines = [f"{self.strategy}: {self.num_replicas_in_sync} replica(s) in sync"]
+        updates = self.decision("updates")
+        if updates is not None and updates.choice == "asynchronous":
+            # A parameter-server job: no replicas step together (num_replicas_in_sync is 1, as in tf.distribute).
+            lines = [f"{self.strategy}: asynchronous updates, no replicas in sync"]
+        else:
+            lines = [f"{self.strategy}: {self.num_replicas_in_sync} replica(s) in sync"]
         for r in self.replicas:
             lines.append(f"  replica {r.replica}: {r.device} (runs on {r.physical})")
         for d in self.decisions:

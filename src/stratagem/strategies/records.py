@@ -130,7 +130,9 @@ def first_device(name: str, registry: DeviceRegistry) -> tuple[list[str], Placem
     if gpus:
         return gpus[:1], PlacementDecision(subject="devices", choice=gpus[0], reason="the first visible GPU")
     cpu = _cpus(registry)[0]
-    return [cpu], PlacementDecision(subject="devices", choice=cpu, reason=f"{_no_gpu()} So the CPU.")
+    return [cpu], PlacementDecision(
+        subject="devices", choice=cpu, reason=f"{_no_gpu()} So {cpu}, one replica. Choose another with --devices."
+    )
 
 
 def every_gpu_else_cpus(what: str) -> DefaultDevices:

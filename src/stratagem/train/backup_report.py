@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import warnings
@@ -61,7 +62,8 @@ class CheckpointFile:
     """Why it cannot be used (a checksum that differs, a file that is no checkpoint), or None."""
     step: int | None = None
     epoch: int | None = None
-    """0-based: the epoch the run resumes in."""
+    """The epoch the run resumes in, counted from 1 (as the progress bar, ``Resumed from ...: epoch N`` and the text
+    of ``stratagem checkpoint inspect`` count it); the backup itself stores it from 0."""
     step_in_epoch: int | None = None
     strategy: str | None = None
     num_replicas_in_sync: int | None = None
@@ -133,7 +135,7 @@ def _inspect_file(path: Path) -> CheckpointFile:
         bytes=size,
         ok=True,
         step=_int(state.get("step")),
-        epoch=_int(state.get("epoch")),
+        epoch=_counted_from_one(state.get("epoch")),
         step_in_epoch=_int(state.get("step_in_epoch")),
         strategy=state.get("strategy") if isinstance(state.get("strategy"), str) else None,
         num_replicas_in_sync=_int(state.get("num_replicas_in_sync")),
@@ -158,7 +160,7 @@ def _inspect_sharded(path: Path) -> CheckpointFile:
         bytes=size,
         ok=True,
         step=_int(manifest.get("step")),
-        epoch=_int(manifest.get("epoch")),
+        epoch=_counted_from_one(manifest.get("epoch")),
         step_in_epoch=_int(manifest.get("step_in_epoch")),
         strategy=manifest.get("strategy") if isinstance(manifest.get("strategy"), str) else None,
         num_replicas_in_sync=_int(state.get("num_replicas_in_sync")),
@@ -172,22 +174,69 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> CheckpointFile:
+def _counted_from_one(epoch: Any) -> int | None:
+    """A backup's 0-based epoch as people count it."""
+    value = _int(epoch)
+    return None if value is None else value + 1
+
+
+def newest_whole_backup(path: str | os.PathLike[str]) -> CheckpointFile | None:
+    """The whole backup of the latest step in the directory (or the file) `path`, as a resumed run would choose it;
+    None when there is none (no directory, no backup, or only damaged ones)."""
+    try:
+        report = inspect_backups(path)
+    except InputError:
+        return None
+    return _newest(report)
+
+
+def _newest(report: BackupReport) -> CheckpointFile | None:
+    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
+    return max(usable, key=lambda f: -1 if f.step is None else f.step) if usable else None  # the first of a tie
+
+
+@dataclass
+class Export:
+    """What `export_model` wrote: the backup it read, and the damaged ones it passed over."""
+
+    used: CheckpointFile
+    skipped: list[CheckpointFile] = field(default_factory=list)
+    """Backups that could not be read (their ``error`` says why); when one is newer than ``used``, the export is of
+    an older step than the newest backup written."""
+
+
+SAFETENSORS_EXTRA = "pip install 'stratagem[train]' (or pip install safetensors)"
+"""How to get the safetensors package, which `export_model` needs for a ``.safetensors`` target."""
+
+
+def check_safetensors() -> None:
+    """Refuses, before any work, an export to safetensors when the package is not installed."""
+    if importlib.util.find_spec("safetensors") is None:
+        raise InputError(
+            "Writing a .safetensors file needs the safetensors package, which is not installed. Received: an output "
+            f"name ending in .safetensors. Install it with {SAFETENSORS_EXTRA}, or name the output model.pt."
+        )
+
+
+def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> Export:
     """Writes the plain model of a backup (the newest whole one of a directory, or the file `source`) to `target`:
-    a ``torch.save`` state_dict, or safetensors when `target` ends in ``.safetensors``. Returns the backup used.
+    a ``torch.save`` state_dict, or safetensors when `target` ends in ``.safetensors``. Returns the backup used and
+    the damaged ones passed over (say so: an export of ``backup.previous.pt`` is of an older step).
 
     The keys are those of the model the user built (no replica or wrapper prefix):
     ``model.load_state_dict(torch.load(target))`` or ``safetensors.torch.load_file(target)`` loads it.
 
     Raises:
-        InputError: no whole backup at `source`; `target` is an existing directory.
+        InputError: no whole backup at `source`; `target` is an existing directory; safetensors is not installed.
     """
     target = Path(target)
     if target.suffix == ".dcp":
-        return export_sharded(Path(source), target)
+        return Export(export_sharded(Path(source), target))
+    if target.suffix == ".safetensors":
+        check_safetensors()
     report = inspect_backups(source)
-    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
-    if not usable:
+    newest = _newest(report)
+    if newest is None:
         raise InputError(
             f"No whole backup to export in {str(source)!r}. Received: "
             f"{[(f.name, f.error) for f in report.files] or 'no backup files'}. Run `stratagem checkpoint verify` "
@@ -198,7 +247,6 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
             f"The export target is a directory. Received: {str(target)!r}. Give a file name, e.g. model.pt or "
             "model.safetensors."
         )
-    newest = max(usable, key=lambda f: -1 if f.step is None else f.step)  # the first of a tie
     if Path(newest.path).is_dir():
         model = read_whole(Path(newest.path))[1]  # whole tensors, read in this process alone
     else:
@@ -211,7 +259,7 @@ def export_model(source: str | os.PathLike[str], target: str | os.PathLike[str])
         write_atomically(target, lambda handle: handle.write(payload))
     else:
         write_atomically(target, lambda handle: torch.save(state, handle))
-    return newest
+    return Export(newest, [f for f in report.files if not f.ok and f.name not in MOVED_ASIDE])
 
 
 def export_sharded(source: Path, target: Path) -> CheckpointFile:
@@ -235,7 +283,8 @@ def export_sharded(source: Path, target: Path) -> CheckpointFile:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process, on purpose
         dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
     files = [asdict(hash_file(p, 0)) for p in sorted(partial.iterdir())]
-    manifest = {"format": FORMAT, "version": VERSION, "kind": "model", "step": used.step, "epoch": used.epoch}
+    epoch = None if used.epoch is None else used.epoch - 1  # stored from 0, as a sharded backup stores it
+    manifest = {"format": FORMAT, "version": VERSION, "kind": "model", "step": used.step, "epoch": epoch}
     write_manifest(partial, {**manifest, "step_in_epoch": None, "strategy": None, "world_size": 1, "files": files})
     os.replace(partial, target)
     return used
@@ -249,14 +298,13 @@ def _plain_model(source: Path) -> tuple[dict[str, torch.Tensor], CheckpointFile]
             if tensors and len(tensors) == len(loaded):
                 return tensors, CheckpointFile(source.name, str(source), source.stat().st_size, ok=True)
     report = inspect_backups(source)
-    usable = [f for f in report.files if f.ok and f.name not in MOVED_ASIDE]
-    if not usable:
+    newest = _newest(report)
+    if newest is None:
         raise InputError(
             f"No model to export in {str(source)!r}: neither a state_dict of tensors nor a whole backup. Received: "
             f"{[(f.name, f.error) for f in report.files]}. Point at a model file (torch.save(model.state_dict())) "
             "or a backup directory."
         )
-    newest = max(usable, key=lambda f: -1 if f.step is None else f.step)
     if Path(newest.path).is_dir():
         return read_whole(Path(newest.path))[1], newest
     return load_checkpoint(newest.path)["model"], newest

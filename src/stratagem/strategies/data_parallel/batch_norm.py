@@ -228,6 +228,8 @@ class BatchNormSync:
         self._timing = _MeetingTimes(num_local)
         self._native: batch_norm_native.NativeMeetings | None = None  # set by the first `attach` that can
         self._native_reason = "the replicas have not been made yet"
+        self.attached = False
+        """Whether a model was distributed (its BatchNorm layers, if any, are known)."""
         self.begin_step()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -242,6 +244,7 @@ class BatchNormSync:
     def attach(self, replicas: Sequence[nn.Module]) -> None:
         """Links the converted layers of the replicas to this part; their names and widths follow earlier models'."""
         layers = batch_norm_layers(replicas[0])  # (lazy layers fail before this: torch's own error)
+        self.attached = True
         self._names += [name for name, _ in layers]
         self._channels += [m.num_features for _, m in layers]
         if self._num_in_sync > 1:
@@ -288,6 +291,11 @@ class BatchNormSync:
                 self._timing.absorb(*times)
 
     # ---- explain ------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """BatchNorm layers of the models distributed so far."""
+        return len(self._names)
+
     def describe(self) -> dict[str, str]:
         """What each BatchNorm layer costs per step (empty before `distribute` or without BatchNorm)."""
         if not self._names:

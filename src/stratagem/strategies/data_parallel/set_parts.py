@@ -278,7 +278,11 @@ class BatchNormPart(StepPart):
         self.sync.begin_step()
 
     def decisions(self) -> list[PlacementDecision]:
-        return [batch_norm_decision(self.mode)] if self._num_in_sync > 1 else []
+        # Before distribute the decision holds for any BatchNorm layer the model may have; once a model without
+        # one is distributed, there is nothing to decide.
+        if self._num_in_sync == 1 or (self.sync.attached and self.sync.num_layers == 0):
+            return []
+        return [batch_norm_decision(self.mode)]
 
     def details(self) -> dict[str, str]:
         return self.sync.describe() if self._num_in_sync > 1 else {}
