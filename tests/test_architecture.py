@@ -485,6 +485,16 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     # A parameter's version counter, advanced by torch's in-place operations on it: the one way to see a hand-written
     # update on parameters that replicas share without copying them (hand_updates.py); torch has no public name for it.
     ("strategies/data_parallel/hand_updates.py", "_version"): "torch tensors",
+    # nn.Module's own tables of parameters, buffers and children, and a tensor's version counter: the replicas
+    # follow what a script does to the model between steps by comparing shallow copies of these dicts in C, once
+    # a step (outside_changes.py); torch's public iterators build new objects at every call, ten times slower.
+    ("strategies/data_parallel/outside_changes.py", "_parameters"): "torch modules",
+    ("strategies/data_parallel/outside_changes.py", "_buffers"): "torch modules",
+    ("strategies/data_parallel/outside_changes.py", "_modules"): "torch modules",
+    ("strategies/data_parallel/outside_changes.py", "_non_persistent_buffers_set"): "torch modules",
+    ("strategies/data_parallel/outside_changes.py", "_version"): "torch tensors",
+    # A storage's identity (its C pointer), which a meta tensor's data_ptr does not give (deferred_init.py).
+    ("strategies/deferred_init.py", "_cdata"): "torch storages",
     # torch's operator overloads: their schema and the aten ops the placement log follows have no public name.
     ("diagnose/placement.py", "_schema"): "torch operators",
     ("diagnose/placement.py", "_to_copy"): "torch operators",
@@ -494,6 +504,11 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("diagnose/soft_placement.py", "_schema"): "torch operators",
     ("strategies/data_parallel/replica_random.py", "_schema"): "torch operators",
     ("strategies/data_parallel/hand_updates.py", "_schema"): "torch operators",
+    ("strategies/deferred_init.py", "_schema"): "torch operators",
+    ("strategies/sharded/scope.py", "_schema"): "torch operators",
+    # nn.Module's conversion of every tensor in place, the way torch's own `to_empty` allocates a meta model: the
+    # scope allocates this rank's shards only (scope.py).
+    ("strategies/sharded/scope.py", "_apply"): "torch modules",
     # The sub-command each cli module sets with argparse's set_defaults(_run=...), read by the entry point.
     ("cli/main.py", "_run"): "argparse namespace",
 }

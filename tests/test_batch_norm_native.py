@@ -1,13 +1,15 @@
 """Exact BatchNorm's native meetings (batch_norm_native.py): the same bits as the Python meetings on every kind
-of layer and step the Python ones handle, the same errors when a meeting goes wrong, and a visible fallback
-where the extension cannot be built. (test_batch_norm.py's equivalence tests run the native meetings too: they
-are the default on a CPU.)"""
+of layer and step the Python ones handle, the same errors when a meeting goes wrong, a build that happens only
+when asked (`stratagem native build`, never inside `distribute`), and a visible fallback where it is not built.
+(test_batch_norm.py's equivalence tests run the native meetings too where the machine has them built, as this
+file's first test makes sure.)"""
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -27,9 +29,38 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_extension_builds_where_there_is_a_compiler():
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    """`stratagem native build`, as a user runs it (once per machine: later runs find it in torch's cache)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "stratagem", "native", "build"], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    batch_norm_native.extension.cache_clear()
+    return done.stdout
+
+
+def test_native_build_builds_the_extension_and_distribute_loads_it(built):
+    assert "exact BatchNorm uses it from now on" in built
     module, reason = batch_norm_native.extension()
     assert module is not None, reason
+    status = subprocess.run([sys.executable, "-m", "stratagem", "native", "status"], capture_output=True, text=True)
+    assert status.stdout.startswith("exact BatchNorm on CPU replica threads: native meetings (")
+
+
+def test_distribute_never_builds_it_and_says_how_to(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    start = time.monotonic()
+    assert batch_norm_native.extension.__wrapped__() == (None, batch_norm_native.NOT_BUILT)
+    assert time.monotonic() - start < 5 and not (tmp_path / "cache").exists()  # looked, built nothing
+    monkeypatch.setattr(batch_norm_native, "extension", batch_norm_native.extension.__wrapped__)
+    model, opt, shape = build("conv")
+    strategy = mirrored(2)
+    strategy.distribute(model, opt)
+    assert "the meetings run in Python, as it is not built on this machine (an opt-in speed-up: `stratagem native " in (
+        str(strategy.explain())
+    )
+    strategy.close()
 
 
 def python_meetings(monkeypatch):
@@ -151,16 +182,39 @@ def test_explain_says_why_the_meetings_run_in_python(monkeypatch):
     strategy.close()
 
 
-def test_a_build_that_fails_is_logged_once_and_leaves_the_python_meetings(monkeypatch, tmp_path, caplog):
+def _ninja_on_path(monkeypatch):
+    import ninja
+
+    monkeypatch.setenv("PATH", os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")]))
+
+
+def test_a_build_that_fails_raises_and_leaves_the_python_meetings(monkeypatch, tmp_path):
     broken = tmp_path / "batch_norm_native.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(batch_norm_native, "SOURCE", broken)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger=batch_norm_native.__name__):
-        module, reason = batch_norm_native.extension.__wrapped__()
-    assert module is None and reason.startswith("its build failed (")
-    warnings = [r.getMessage() for r in caplog.records if "runs its meetings in Python" in r.getMessage()]
-    assert len(warnings) == 1 and "It needs a C++ compiler and ninja" in warnings[0]
+    _ninja_on_path(monkeypatch)
+    with pytest.raises(Exception, match="(?i)error"):
+        batch_norm_native.build()
+    assert batch_norm_native.extension.__wrapped__() == (None, batch_norm_native.NOT_BUILT)
+
+
+def test_a_build_without_ninja_on_path_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(sg.InputError, match=r"needs ninja on PATH.*pip install 'stratagem\[native\]'"):
+        batch_norm_native.build()
+
+
+def test_a_lock_file_a_stopped_build_left_is_named_not_waited_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    _ninja_on_path(monkeypatch)
+    where = batch_norm_native.location()
+    where.directory.mkdir(parents=True)
+    (where.directory / "lock").touch()
+    with pytest.raises(sg.InputError, match=r"left torch's lock file .*/lock.* Delete it and run"):
+        batch_norm_native.build()
+    assert (where.directory / "lock").exists()  # not ours to delete
 
 
 def test_the_switch_turns_the_native_meetings_off(monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 
 def current() -> Mapping[str, str]:
@@ -32,3 +33,21 @@ def shared_memory_setting(env: Mapping[str, str] | None = None) -> str | None:
     when it is unset or empty. ``stratagem.shm.eligibility`` says what the values mean."""
     value = (current() if env is None else env).get(SHARED_MEMORY, "").strip()
     return value or None
+
+
+NATIVE_BATCH_NORM = "STRATAGEM_NATIVE_BATCH_NORM"
+"""Set to 0 to run exact BatchNorm's meetings in Python even where the native ones are built (the same results,
+slower between CPU replica threads of one process)."""
+
+
+def native_batch_norm_setting(env: Mapping[str, str] | None = None) -> str | None:
+    """``STRATAGEM_NATIVE_BATCH_NORM`` as set in ``env`` (default: this process's environment), stripped, or None."""
+    value = (current() if env is None else env).get(NATIVE_BATCH_NORM, "").strip()
+    return value or None
+
+
+def torch_extensions_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where torch's extension builder keeps what it builds: ``TORCH_EXTENSIONS_DIR``, else ~/.cache/torch_extensions
+    (torch's own default)."""
+    value = (current() if env is None else env).get("TORCH_EXTENSIONS_DIR", "").strip()
+    return Path(value) if value else Path.home() / ".cache" / "torch_extensions"

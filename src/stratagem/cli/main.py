@@ -18,6 +18,7 @@ COMMANDS = [
     ("launch", "launch"),
     ("bench", "bench"),
     ("checkpoint", "checkpoint"),
+    ("native", "native"),
 ]
 
 

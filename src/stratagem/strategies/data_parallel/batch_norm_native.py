@@ -10,12 +10,12 @@ length, and a backward that never takes it) it is within a few percent (benchmar
 benchmarks/reports/). The arithmetic is the Python path's, operation for operation, so the two give the
 same bits (`tests/test_batch_norm_native.py`).
 
-The file is compiled once per machine with torch's own extension builder (a C++ compiler and ninja: the
-`ninja` package is a dependency), on first use, into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by
-default ~/.cache/torch_extensions), about 30 s on 2 cores; a process that finds it built loads it in a fraction
-of a second. Where it cannot be built, or with STRATAGEM_NATIVE_BATCH_NORM=0, the layers run the Python
-meetings, which train the same model: `explain()` says which ran and why, and a build that failed is logged
-once with its reason.
+It is an opt-in speed-up, built ahead of time and never inside `distribute`: `stratagem native build` compiles
+it once per machine with torch's own extension builder (a C++ compiler and ninja, from the `native` extra:
+`pip install 'stratagem[native]'`), about 30 s on 2 cores, into torch's extension cache (`TORCH_EXTENSIONS_DIR`,
+by default ~/.cache/torch_extensions). `distribute` only loads a library that is already built (a fraction of a
+second); where there is none, or with STRATAGEM_NATIVE_BATCH_NORM=0, the layers run the Python meetings, which
+train the same model. `explain()` and `stratagem doctor` say which path runs and how to get the other.
 
 What stays in Python is what is rare: the errors of a meeting that goes wrong (the same checks and messages
 as `ReplicaBarrier`'s, asked when a wait passes a poll interval or a replica arrives where it should not), a
@@ -28,13 +28,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -42,6 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from stratagem import environ
+from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.batch_norm_function import check_size, refuse_zero_weight
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
 
@@ -51,8 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("batch_norm_native.cpp")
-SWITCH = "STRATAGEM_NATIVE_BATCH_NORM"
-"""Set to 0 to run exact BatchNorm's meetings in Python (the same results, slower between CPU threads)."""
+SWITCH = environ.NATIVE_BATCH_NORM
 # No contraction of a * b + c into a fused multiply-add the source does not ask for (the same roundings as NumPy's).
 # Where torch runs its AVX2 or AVX-512 kernels (which fuse them), the input gradient takes one pass instead of two
 # with the same roundings (batch_norm_native.cpp, `input_gradient`), its std::fma one instruction.
@@ -63,56 +66,107 @@ POLL = 0.1  # seconds a native wait runs before Python looks for a replica that 
 SPIN = 1e-3  # seconds a replica that arrived early watches for the last one before it sleeps (see `spin`)
 
 
+NOT_BUILT = (
+    "it is not built on this machine (an opt-in speed-up: `stratagem native build` builds it once, with a C++ "
+    "compiler and `pip install 'stratagem[native]'`)"
+)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the extension of this source, torch, Python and flags is built: its name and folder."""
+
+    name: str
+    directory: Path
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+
+def location(env: Mapping[str, str] | None = None) -> Location:
+    """The extension's name (a digest of what it is built from) and folder in torch's extension cache."""
+    digest = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), " ".join(FLAGS).encode()])
+    ).hexdigest()[:16]
+    name = f"stratagem_batch_norm_{digest}"
+    return Location(name, environ.torch_extensions_dir(env) / name)
+
+
 @functools.cache
 def extension() -> tuple[ModuleType | None, str]:
-    """(the built extension, "") or (None, why it is not used). Built or loaded once per process."""
-    if os.environ.get(SWITCH, "1") == "0":
+    """(the built extension, "") or (None, why it is not used). Loaded once per process; never built here."""
+    env = environ.current()
+    if environ.native_batch_norm_setting(env) == "0":
         return None, f"{SWITCH}=0 is set"
+    where = location(env)
+    if not where.library.exists():
+        return None, NOT_BUILT
     try:
-        return _build(), ""
-    except Exception as exc:  # no compiler, no ninja, a failed build: the Python meetings, said once
+        return _load(where), ""
+    except Exception as exc:  # a library of another build that will not load: the Python meetings, said once
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = f"its build failed ({type(exc).__name__}: {first[:300]})"
+        reason = f"its library {where.library} does not load ({type(exc).__name__}: {first[:300]})"
         logger.warning(
-            "stratagem: exact BatchNorm runs its meetings in Python, slower between CPU replica threads of one "
-            "process: %s. It needs a C++ compiler and ninja (pip install ninja); STRATAGEM_NATIVE_BATCH_NORM=0 "
-            "chooses the Python meetings without trying.",
+            "stratagem: exact BatchNorm runs its meetings in Python: %s. Build it again with `stratagem native "
+            "build`, or set STRATAGEM_NATIVE_BATCH_NORM=0 to choose the Python meetings.",
             reason,
         )
         return None, reason
 
 
-def _build() -> ModuleType:
+def _load(where: Location) -> ModuleType:
+    """The built library imported as a module, as torch's extension loader imports one (no build tool needed)."""
+    spec = importlib.util.spec_from_file_location(where.name, where.library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module can be made of {where.library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(env: Mapping[str, str] | None = None) -> Path:
+    """Builds the extension into torch's extension cache (or finds it built) and returns its library's path.
+
+    The work of `stratagem native build`: it needs a C++ compiler and `ninja` on PATH (the `native` extra installs
+    ninja into the environment's bin folder). Raises `InputError` with the fix where either is missing, or where a
+    build that was stopped left torch's lock file behind (torch would wait on it for ever).
+    """
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(
-        b"\0".join([source, torch.__version__.encode(), sys.version.encode(), " ".join(FLAGS).encode()])
-    ).hexdigest()[:16]
-    name = f"stratagem_batch_norm_{digest}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    directory = root / name
-    directory.mkdir(parents=True, exist_ok=True)
-    built = (directory / f"{name}.so").exists()
-    if not built:
-        logger.warning("stratagem: building exact BatchNorm's native meeting (once per machine, about 30 s)")
-    start = time.monotonic()
-    with _exclusive(directory / "stratagem.lock"), _ninja_on_path():
-        # torch's own lock file is left behind by a build that was killed, and would make every later build
-        # wait for ever; with ours held (the kernel drops it with its process) nobody else is building.
-        (directory / "lock").unlink(missing_ok=True)
-        module = cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(directory), verbose=False
+    where = location(env)
+    if where.library.exists():
+        return where.library
+    if shutil.which("ninja") is None:
+        raise InputError(
+            "Building exact BatchNorm's native meeting needs ninja on PATH, which it is not. Received: PATH without "
+            "ninja. Install it with `pip install 'stratagem[native]'` and run the command from that environment "
+            "(activate it, or put its bin folder on PATH)."
         )
-    if not built:
-        logger.warning("stratagem: built exact BatchNorm's native meeting in %.0f s", time.monotonic() - start)
-    return module
+    where.directory.mkdir(parents=True, exist_ok=True)
+    with _exclusive(where.directory / "stratagem.lock"):
+        stale = where.directory / "lock"
+        if stale.exists():
+            # We hold our own lock, so nobody is building: torch's file is what a stopped build left behind.
+            raise InputError(
+                f"A build that was stopped left torch's lock file {stale}, on which torch's builder would wait for "
+                f"ever. Received: {stale} present while no build runs. Delete it and run `stratagem native build` "
+                "again."
+            )
+        cpp_extension.load(
+            name=where.name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(FLAGS),
+            build_directory=str(where.directory),
+            verbose=False,
+        )
+    return where.library
 
 
 @contextlib.contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
     """Holds an advisory lock on `path` (one build at a time across processes), waiting at most BUILD_WAIT."""
-    import fcntl  # POSIX: elsewhere the ImportError makes the build fail, and the meetings run in Python
+    import fcntl  # POSIX: elsewhere the ImportError says so
 
     with open(path, "a+") as handle:
         deadline = time.monotonic() + BUILD_WAIT
@@ -130,26 +184,6 @@ def _exclusive(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """torch's builder runs `ninja` from PATH: where only the `ninja` package has it, its folder is put on PATH
-    for the length of the build (the process's environment is restored after)."""
-    if shutil.which("ninja") is not None:
-        yield
-        return
-    try:
-        import ninja  # type: ignore[import-untyped]
-    except ImportError:
-        yield  # torch's own error then says that ninja is missing
-        return
-    previous = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, previous])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = previous
 
 
 def spin(num_local: int) -> float:
