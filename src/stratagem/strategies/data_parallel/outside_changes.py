@@ -165,7 +165,9 @@ class _Watched:
     def _counterparts(self, name: str) -> list[nn.Module]:
         return [f.get_submodule(name) if name else f for f in self.followers]
 
-    def _check_parameters(self, module: nn.Module, old: _ModuleState, name: str, actions: list[Callable[[], None]]) -> None:
+    def _check_parameters(
+        self, module: nn.Module, old: _ModuleState, name: str, actions: list[Callable[[], None]]
+    ) -> None:
         now = module._parameters
         for pname in _in_order(old.parameters, now):
             before = old.parameters.get(pname)
@@ -213,7 +215,9 @@ class _Watched:
 
         return copy
 
-    def _check_buffers(self, module: nn.Module, old: _ModuleState, name: str, actions: list[Callable[[], None]]) -> None:
+    def _check_buffers(
+        self, module: nn.Module, old: _ModuleState, name: str, actions: list[Callable[[], None]]
+    ) -> None:
         now = module._buffers
         persistent = frozenset(now) - module._non_persistent_buffers_set
         for bname in _in_order(old.buffers, now):
@@ -226,7 +230,9 @@ class _Watched:
             elif b is not None and before.written(b):
                 actions.append(_copy_buffer(self._counterparts(name), bname, b))
 
-    def _check_attributes(self, module: nn.Module, old: _ModuleState, name: str, actions: list[Callable[[], None]]) -> None:
+    def _check_attributes(
+        self, module: nn.Module, old: _ModuleState, name: str, actions: list[Callable[[], None]]
+    ) -> None:
         now = vars(module)
         for key in [k for k in old.attributes if k not in now]:
             actions.append(_delete(self._counterparts(name), key))
