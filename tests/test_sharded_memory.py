@@ -79,7 +79,9 @@ def test_a_plan_over_the_headroom_is_refused_naming_the_plan_the_limit_and_what_
         "(memory.limit_in_bytes)) with 600.00 MiB in use. Use ShardedStrategy(stage=3) on these workers (its plan: "
         "600.00 MiB per process), or raise the limit."
     )  # fmt: skip
-    with pytest.raises(sg.InputError, match=r"No stage or worker count tried fits: use more workers, or raise the limit"):
+    with pytest.raises(
+        sg.InputError, match=r"No stage or worker count tried fits: use more workers, or raise the limit"
+    ):
         check_plan_fits(900 * MIB, limit, strategy="S", alternatives=lambda: [])
     check_plan_fits(600 * MIB, limit, strategy="S", alternatives=lambda: [], held=200 * MIB)  # 400 MiB: fits
     check_plan_fits(900 * MIB, MemoryLimit(limit=None), strategy="S", alternatives=lambda: [])  # no limit

@@ -47,4 +47,6 @@ def test_batch_norm_bf16_and_gpt2_train_as_one_device():
         in_place = got["sharded in place"]
         assert in_place["same module"] is True
         assert in_place["whole parameters alive"] == 0, in_place
-        assert in_place["local rows"] == [(rows + 1) // 2 if rank == 0 else rows // 2 for rows in in_place["whole rows"]]
+        assert in_place["local rows"] == [
+            (rows + 1) // 2 if rank == 0 else rows // 2 for rows in in_place["whole rows"]
+        ]
