@@ -8,6 +8,7 @@ from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.sharded import ShardedStrategy
+from stratagem.strategies.tensor_parallel import DeviceMesh, LayoutMap
 from stratagem.strategies.parameter_server import (
     ClusterCoordinator,
     FixedShardsPartitioner,
@@ -20,9 +21,11 @@ from stratagem.strategies.data_parallel.replicas import ReplicaContext, current_
 __all__ = [
     "CentralStorageStrategy",
     "ClusterCoordinator",
+    "DeviceMesh",
     "DistributedDataset",
     "Explanation",
     "FixedShardsPartitioner",
+    "LayoutMap",
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "MirroredStrategy",

@@ -1,0 +1,17 @@
+"""Tensor parallelism on a layout map (Keras 3's `keras.distribution`), over torch's DTensor, in the order
+`strategy.py` applies the parts:
+
+- `mesh.py`: `DeviceMesh` and `LayoutMap`, and every check that needs no process group (the mesh against the
+  worker count, a layout's axes and length, tied parameters);
+- `styles.py`: which splits each module's forward honours (Linear, transformers' Conv1D, Embedding, attention
+  heads), refused by module name before anything is placed;
+- `apply.py`: `apply_tensor_parallel`: each parameter made a DTensor over the `model` axis, the forward run under
+  DTensor's implicit replication, the outputs handed back as whole tensors;
+- `data_axis.py`: the `data` axis of a 2-D mesh: each model group's gradients summed across it, weighted by
+  each group's share of the global batch;
+- `decisions.py`: what `explain()` says: each parameter's layout and the redistributions a step implies.
+"""
+
+from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, LayoutMap
+
+__all__ = ["DeviceMesh", "LayoutMap"]
