@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "stratagem"
 # "stratagem" is the package's own __init__ (the public API, `import stratagem as sg`).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "environ", "nest"),
-    ("values", "archive", "timeouts"),
+    ("values", "archive", "timeouts", "trace"),
     ("diagnose",),
     ("devices",),
     ("shm",),

@@ -51,3 +51,14 @@ def torch_extensions_dir(env: Mapping[str, str] | None = None) -> Path:
     (torch's own default)."""
     value = (current() if env is None else env).get("TORCH_EXTENSIONS_DIR", "").strip()
     return Path(value) if value else Path.home() / ".cache" / "torch_extensions"
+
+
+TRACE = "STRATAGEM_TRACE"
+"""A directory: every MultiWorkerMirroredStrategy of the process traces its steps there (`stratagem launch --trace`)."""
+
+
+def trace_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``STRATAGEM_TRACE`` as set in ``env`` (default: this process's environment), stripped, or None when it is
+    unset or empty."""
+    value = (current() if env is None else env).get(TRACE, "").strip()
+    return value or None

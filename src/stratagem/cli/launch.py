@@ -22,6 +22,7 @@ from stratagem.cluster.attempt import StopRequest
 from stratagem.cluster.launch import LAUNCHABLE_STRATEGIES, LaunchResult, launch
 from stratagem.cluster.processes import OutputLine
 from stratagem.errors import StratagemError
+from stratagem.trace.merge import merge
 
 # The launcher imports neither torch nor the strategies before it starts its tasks (their names come from
 # cluster/launch.py, which tests/test_launch_startup.py keeps equal to strategies/records.py's).
@@ -83,6 +84,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="leave glibc's malloc thresholds at their defaults; by default the tasks keep freed memory "
         "for reuse (GLIBC_TUNABLES), which spares a CPU training step thousands of page faults",
     )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace every step of every worker (exported as STRATAGEM_TRACE); each worker writes DIR/worker-<rank>.json "
+        "and the launcher merges them into DIR/trace.json.gz for Perfetto (see `stratagem trace summary DIR`)",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
     mode.add_argument("--no-python", action="store_true", help="SCRIPT is an executable, run without python")
@@ -136,6 +143,22 @@ def stopped_by_signal(stop: StopRequest, result: LaunchResult) -> bool:
     return stop.signum is not None and result.failed_task is None and result.exit_code == 128 + stop.signum
 
 
+def _environment(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(environ.current())
+    if args.trace:
+        env[environ.TRACE] = str(Path(args.trace).resolve())  # the tasks may start in another directory
+    return env
+
+
+def _merge_trace(directory: str) -> None:
+    try:
+        path = merge(directory)
+    except (StratagemError, OSError, ValueError) as error:  # no worker wrote its file (a failed run), or a torn one
+        print(f"stratagem launch: no trace merged from {directory}: {error}", file=sys.stderr)
+        return
+    print(f"stratagem launch: trace written to {path}; open it at https://ui.perfetto.dev", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not Path(args.script).is_file():
         print(
@@ -165,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             result = launch(
                 _command(args),
                 workers=args.workers,
-                env=environ.current(),
+                env=_environment(args),
                 sink=_print_line,
                 ps=args.ps,
                 devices_per_worker=args.devices_per_worker,
@@ -189,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return result.exit_code
+    if args.trace:
+        _merge_trace(args.trace)
     if result.ok:
         if result.restarts or result.recoveries:
             print(f"stratagem launch: {result.explain()}", file=sys.stderr)

@@ -18,6 +18,7 @@ COMMANDS = [
     ("launch", "launch"),
     ("bench", "bench"),
     ("checkpoint", "checkpoint"),
+    ("trace", "trace"),
     ("native", "native"),
 ]
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.collective.store_calls import StoreCalls
+from stratagem.collective.trace_hooks import CollectiveTrace
 from stratagem.collective.watchdog import Watchdog
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 
@@ -87,6 +88,8 @@ class CrossWorker:
         self._store_calls = StoreCalls(store, chief=self.task_names[0], caller=f"{self.task_name} (rank {rank})")
         self.watchdog: Watchdog | None = None
         """The device path's watchdog (None on the host path)."""
+        self.trace = CollectiveTrace()
+        """Where each collective and each wait is recorded while its recorder is on (`stratagem.trace`)."""
         if device_collectives:
             self.watchdog = Watchdog(
                 timeout=self.timeout,
@@ -185,23 +188,30 @@ class CrossWorker:
         return out
 
     # ---- collectives ------------------------------------------------------------------------
-    def all_reduce_async(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> list[Any]:
+    def all_reduce_async(
+        self, tensors: Sequence[torch.Tensor], *, what: str, step: int, bucket: int | None = None
+    ) -> list[Any]:
         """Starts a SUM all-reduce of each tensor, in order; returns the work handles to `wait` for.
 
         A tensor the shared-memory group takes (`self.shared`: every worker on this host, a CPU tensor)
-        is summed there and then, so it has no handle; the others start on the process group.
+        is summed there and then, so it has no handle; the others start on the process group. `bucket`:
+        the gradient bucket summed, for the trace.
         """
         self.check()
         works = []
         for tensor in tensors:
             if self.shared is not None and self.shared.supports(tensor):
+                seq = self.trace.enter("all_reduce", what, step, tensor, shared=True, bucket=bucket)
                 self._waiting += 1
                 try:
                     self.shared.all_reduce_(tensor, what=what, step=step)
                 finally:
                     self._waiting -= 1
+                self.trace.summed_here(seq, what)
             else:
+                seq = self.trace.enter("all_reduce", what, step, tensor, bucket=bucket)
                 works.append(self._start(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True))
+                self.trace.issued(seq, works[-1])
         return works
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, what: str, step: int) -> None:
@@ -217,11 +227,10 @@ class CrossWorker:
         lengths = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         lengths[self.rank] = len(payload)
         # Through the process group, never the shared-memory sums: those are for floating-point gradients.
-        self.wait(
-            [self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)],
-            what=f"{what} (sizes)",
-            step=step,
-        )
+        seq = self.trace.enter("all_reduce", f"{what} (sizes)", step, lengths)
+        work = self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)
+        self.trace.issued(seq, work)
+        self.wait([work], what=f"{what} (sizes)", step=step)
         sizes = [int(n) for n in lengths.tolist()]  # a host read: on the device path it waits for the GPU
         self.check()  # the sizes came from a collective that did not fail
         longest = max(sizes)
@@ -229,7 +238,10 @@ class CrossWorker:
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
-        self.wait([self._start(dist.all_gather, received, mine, async_op=True)], what=what, step=step)
+        seq = self.trace.enter("all_gather", what, step, mine)
+        work = self._start(dist.all_gather, received, mine, async_op=True)
+        self.trace.issued(seq, work)
+        self.wait([work], what=what, step=step)
         payloads = [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(received, sizes)]
         self.check()
         return payloads
@@ -303,11 +315,13 @@ class CrossWorker:
         if self.watchdog is not None:
             self._hand_to_watchdog(self.watchdog, works, what, step)
             return
+        start = self.trace.wait_started()
         self._waiting += 1
         try:
             self._wait_host(works, what, step)
         finally:
             self._waiting -= 1
+        self.trace.waited(start, works, what)
 
     def _wait_host(self, works: Sequence[Any], what: str, step: int) -> None:
         start = time.monotonic()

@@ -356,7 +356,8 @@ class DistributedOptimizer(ReplicatedOptimizer):
                 "optimizer.step() ran outside strategy.run(), so only replica 0 would be updated and the replicas "
                 "would drift apart. Call it in the function given to strategy.run()."
             )
-        return self._sync_hyperparameters(_replica_index(self._host)).step(closure)
+        optimizer = self._sync_hyperparameters(_replica_index(self._host))
+        return traced_step(self._host, lambda: optimizer.step(closure))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
@@ -469,3 +470,15 @@ def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) 
                     f"Received: a tensor of shape {tuple(p.shape)} in param_groups[{g}]. Build the optimizer from "
                     "model.parameters() of the same model object you distribute."
                 )
+
+
+def traced_step(host: ReplicaMeeting, step: Callable[[], Any]) -> Any:
+    """`step()`, recorded as the optimizer step of the running replica when its host traces."""
+    recorder = host.recorder
+    if recorder is None or not recorder.on:
+        return step()
+    start = recorder.now()
+    try:
+        return step()
+    finally:
+        recorder.span("optimizer", "optimizer step", start, recorder.now())

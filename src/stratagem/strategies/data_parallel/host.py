@@ -22,6 +22,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy
+    from stratagem.trace import Recorder
 
 
 class ReplicaMeeting(abc.ABC):
@@ -31,6 +32,11 @@ class ReplicaMeeting(abc.ABC):
     def current_replica(self) -> int | None:
         """The index of the local replica whose step runs on this thread; None outside `Strategy.run` (or
         inside another strategy's run)."""
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """The trace recorder of this process's steps (`stratagem.trace`), or None: nothing is traced."""
+        return None
 
     @abc.abstractmethod
     def meet(self, replica: int, what: str) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from stratagem import nest
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import loss_weight
@@ -53,6 +54,7 @@ from stratagem.strategies.data_parallel.set_parts import (
     WorkerSumAfterCombination,
 )
 from stratagem.strategies.data_parallel.step_part import ReplicaBuilder, RunState, StepPart
+from stratagem.trace import Recorder
 from stratagem.values import select_replica, stack_replicas
 
 if TYPE_CHECKING:
@@ -77,6 +79,8 @@ class ReplicaSet(ReplicaHost):
             strategy whose replicas do not combine their gradients here (their library does).
         batch_norm: "global" or "per_replica" (checked by the strategy).
         timeout: seconds a replica waits for the others.
+        recorder: where each step, forward, backward and optimizer step is recorded while it is on
+            (`stratagem.trace`); None: nowhere.
     """
 
     def __init__(
@@ -89,8 +93,12 @@ class ReplicaSet(ReplicaHost):
         across: AcrossWorkers | None = None,
         batch_norm: str,
         timeout: float,
+        recorder: Recorder | None = None,
     ) -> None:
         self._strategy = strategy
+        self._recorder = recorder
+        self._backward_start: list[int | None] = [None] * len(placement.devices)
+        self._trace_hooks: list[Any] = []  # the step hooks on a user's own optimizer handed back (one replica)
         self.placement = placement
         self.devices = placement.devices
         self.names = placement.names
@@ -205,8 +213,34 @@ class ReplicaSet(ReplicaHost):
         if state is not None:
             self.barrier.wait(replica, what, state.step)
 
+    @property
+    def recorder(self) -> Recorder | None:
+        return self._recorder
+
     def call_replica(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        return self._empty_slices.call(model, self.current_replica(), args, kwargs)
+        recorder = self._recorder
+        if recorder is None or not recorder.on:
+            return self._empty_slices.call(model, self.current_replica(), args, kwargs)
+        replica = self.current_replica()
+        start = recorder.now()
+        out = self._empty_slices.call(model, replica, args, kwargs)
+        recorder.span("forward", "forward", start, recorder.now())
+        if replica is not None and torch.is_grad_enabled():
+            self._mark_backward_start(out, replica, recorder)
+        return out
+
+    def _mark_backward_start(self, out: Any, replica: int, recorder: Recorder) -> None:
+        """Backward starts, for the trace, when the gradient of the model's first output that needs one is made
+        (the loss's own backward before it is short); it ends in `_on_backward_end`."""
+        first = next((t for t in nest.flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is None:
+            return
+
+        def started(_: torch.Tensor) -> None:
+            if self._backward_start[replica] is None:
+                self._backward_start[replica] = recorder.now()
+
+        first.register_hook(started)
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         state = self.run_state
@@ -242,12 +276,28 @@ class ReplicaSet(ReplicaHost):
                     p.register_post_accumulate_grad_hook(self._make_grad_hook(r, i))
         if len(replicas) > 1 and self._pool is None:
             self._pool = ReplicaPool(self.names, self._setup_replica_thread, self._timeout)
+        if self._recorder is not None and optimizer is not None and built.optimizer is optimizer:
+            self._trace_optimizer(optimizer, self._recorder)
         if self.model is None:
             self.model = built.model
         if self.optimizer is None:
             self.optimizer = built.optimizer
         self.optimizers.append(built.optimizer)
         return built.model if optimizer is None else (built.model, built.optimizer)
+
+    def _trace_optimizer(self, optimizer: torch.optim.Optimizer, recorder: Recorder) -> None:
+        """The user's own optimizer, handed back as it is (one private replica): its steps are traced through
+        torch's step hooks (the optimizers `distribute` makes trace their own)."""
+        started: list[int | None] = [None]
+
+        def pre(*_: Any) -> None:
+            started[0] = recorder.now() if recorder.on else None
+
+        def post(*_: Any) -> None:
+            if started[0] is not None and recorder.on:
+                recorder.span("optimizer", "optimizer step", started[0], recorder.now())
+
+        self._trace_hooks += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
     def _check_another_model(self, model: nn.Module) -> None:
         """Refuses a second `distribute` inside a step, or of a model that shares parameters with one already
@@ -282,6 +332,10 @@ class ReplicaSet(ReplicaHost):
         self.step += 1
         weights = run_inputs.replica_weights(batch_sizes, global_size, num_replicas, self.num_replicas_in_sync)
         self.run_state = state = RunState(self.step, weights, batch_sizes)
+        recorder = self._recorder if self._recorder is not None and self._recorder.on else None
+        if recorder is not None:
+            recorder.at_step(self.step)
+            started = recorder.now()
         self._queued = [False] * num_replicas
         for part in self.step_parts:
             part.begin_step(state)
@@ -295,6 +349,8 @@ class ReplicaSet(ReplicaHost):
             for part in self.step_parts:
                 part.end_run(state)
             self._outside.after_run()  # what the step did is every replica's own; what comes next is a script's
+            if recorder is not None:
+                recorder.span("step", f"step {state.step}", started, recorder.now())
         if num_replicas == 1 and self.num_replicas_in_sync == 1:
             return results[0]
         return loss_weight.tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)
@@ -388,6 +444,12 @@ class ReplicaSet(ReplicaHost):
             )
         for part in self._backward_parts:
             part.end_of_backward(replica, state)
+        recorder = self._recorder
+        start = self._backward_start[replica]
+        if recorder is not None and start is not None:
+            self._backward_start[replica] = None
+            if recorder.on:
+                recorder.span("backward", "backward", start, recorder.now())
 
     def _replica_weight(self, replica: int) -> float | None:
         state = self.run_state
@@ -406,6 +468,9 @@ class ReplicaSet(ReplicaHost):
         their plain class from then on)."""
         for part in self.step_parts:
             part.close()
+        for handle in self._trace_hooks:
+            handle.remove()
+        self._trace_hooks = []
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -27,6 +27,7 @@ from stratagem.strategies.data_parallel.distributed import (
     ReplicatedOptimizer,
     _copy_hyperparameters,
     clone_optimizer,
+    traced_step,
 )
 
 ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
@@ -140,7 +141,7 @@ class ShardedOptimizer(ReplicatedOptimizer):
         for shard, i, (lo, hi) in zip(shards, self._order, self._bounds[replica]):
             grad = params[i].grad
             shard.grad = None if grad is None else grad.reshape(-1)[lo:hi]
-        result = optimizer.step(closure)
+        result = traced_step(self._host, lambda: optimizer.step(closure))
         for shard in shards:
             shard.grad = None
         self._host.meet(replica, "optimizer step")  # nobody reads the parameters until every share is updated

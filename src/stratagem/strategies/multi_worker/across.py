@@ -69,6 +69,7 @@ class AcrossWorkers:
         self._buckets: GradientBuckets | None = None
         self.sums_whole_backward = False
         self._step = 0
+        self._bucket = 0  # the next bucket's index in this step, for the trace
         self._weights: tuple[float, int] = (0.0, 0)  # declared loss weights summed across workers, and how many
         self._recorded: list[PlacementDecision] = []
 
@@ -156,6 +157,7 @@ class AcrossWorkers:
     # ---- each step ----------------------------------------------------------------------------
     def begin_step(self, state: Any) -> None:
         self._step = state.step
+        self._bucket = 0
         self.cw.heartbeat(state.step)
         if self._buckets is not None:
             self._buckets.start(state.weights[0])
@@ -191,7 +193,8 @@ class AcrossWorkers:
 
     def _launch(self, flat: torch.Tensor) -> Any:
         start = time.perf_counter()  # through shared memory the sum is made here, waiting for the peers
-        works = self.cw.all_reduce_async([flat], what="gradient all-reduce", step=self._step)
+        works = self.cw.all_reduce_async([flat], what="gradient all-reduce", step=self._step, bucket=self._bucket)
+        self._bucket += 1
         self.times.communication_(time.perf_counter() - start)
         return works[0] if works else None
 
@@ -215,6 +218,7 @@ class AcrossWorkers:
     def after_backward(self, state: Any) -> None:
         """Ready for a second backward in the same step (after the gradients were divided, if they are)."""
         if self._buckets is not None:
+            self._bucket = 0
             self._buckets.start(state.weights[0], declared=state.counts is not None)
             self._fill_tail(state.step)
 

@@ -28,6 +28,7 @@ from stratagem.errors import InputError
 from stratagem.strategies.batches import stack_batch
 from stratagem.strategies.multi_worker.agreement import BatchAgreement
 from stratagem.strategies.multi_worker.stragglers import StepTimes
+from stratagem.trace import Recorder
 from stratagem.values import PerReplica, flatten, map_structure
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class WorkerBatches:
     `group`: the worker group (rank, local devices, collectives); `num_replicas_in_sync`: the replicas of
     every worker together, among which a global batch is split (sizes differing by at most one);
     `agreement`: notes each batch's fingerprint, compared across workers with the step's gradient sum;
-    `times`: counts the time spent fetching and cutting batches as the input phase of the step.
+    `times`: counts the time spent fetching and cutting batches as the input phase of the step;
+    `recorder`: records it as an input span while it is on (`stratagem.trace`).
     """
 
     def __init__(
@@ -69,11 +71,24 @@ class WorkerBatches:
         num_replicas_in_sync: int,
         agreement: BatchAgreement | None = None,
         times: StepTimes | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.group = group
         self.num_replicas_in_sync = num_replicas_in_sync
         self.agreement = agreement
         self.times = times
+        self.recorder = recorder
+
+    def input_started(self) -> int | None:
+        """The trace's time now, when it records (else None): the start of a step's input span."""
+        recorder = self.recorder
+        return recorder.now() if recorder is not None and recorder.on else None
+
+    def input_ended(self, started: int | None, step: int) -> None:
+        """The input span of the `step`-th batch (from 0) of this pass, started at `started`."""
+        recorder = self.recorder
+        if started is not None and recorder is not None and recorder.on:
+            recorder.span("input", f"input {step}", started, recorder.now(), args={"batch": step})
 
     def note_input_time(self, since: float, minus: float = 0.0) -> None:
         """Time from `since` (time.perf_counter) to now, less `minus` seconds of collectives, was spent on input."""
@@ -174,6 +189,7 @@ class MultiWorkerDataset:
         pending, agreement, works = self._fetch(iterator, 0)
         step = 0
         while True:
+            traced = self._batches.input_started()
             waited = time.perf_counter()
             cw.wait(works, what="end-of-data agreement", step=step)
             waited = time.perf_counter() - waited
@@ -200,6 +216,7 @@ class MultiWorkerDataset:
             pending, agreement, works = self._fetch(iterator, step + 1)
             part = self._distribute(current, total, step)
             self._batches.note_input_time(since, waited + self._agreeing)
+            self._batches.input_ended(traced, step)
             yield part
             step += 1
 
@@ -238,6 +255,7 @@ class MultiWorkerDataset:
         cw = self._group.cross_worker
         iterator = iter(self._dataset)
         for step in range(steps):
+            traced = self._batches.input_started()
             since = time.perf_counter()
             try:
                 batch = next(iterator)
@@ -254,6 +272,7 @@ class MultiWorkerDataset:
                 raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
             part = self._distribute(batch, size, step)
             self._batches.note_input_time(since)
+            self._batches.input_ended(traced, step)
             yield part
             self.steps = step + 1
         self.steps = steps

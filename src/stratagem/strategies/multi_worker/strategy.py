@@ -16,9 +16,11 @@ worker with `stratagem launch --workers N script.py`, torchrun, SLURM or a TF_CO
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +48,9 @@ from stratagem.strategies.multi_worker.agreement import BatchAgreement
 from stratagem.strategies.multi_worker.stragglers import StepTimes, Straggler, StragglerWatch
 from stratagem.strategies.multi_worker.devices import default_local_devices
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
+from stratagem.trace import Recorder
+from stratagem.trace.clocks import align
+from stratagem.trace.recorder import Clock
 
 if TYPE_CHECKING:
     from stratagem.strategies.memory_fit import Alternative, ReplicatedMemoryPlan
@@ -130,6 +135,10 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             devices_decision=local_decision,
         )
         self._group = group = WorkerGroup.start(plan, placement.devices, env=env)
+        # Off until a trace starts: every part checks `recorder.on` before it takes a time (stratagem.trace).
+        self._recorder = Recorder(rank=plan.rank, task=group.task_name, world_size=plan.world_size)
+        group.cross_worker.trace.recorder = self._recorder
+        self._traces = 0
         self._agreement = BatchAgreement(rank=plan.rank, task_names=group.task_names, enabled=check_batches)
         self._step_times = StepTimes()
         self._across = AcrossWorkers(
@@ -150,6 +159,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
             across=self._across,
             batch_norm=mode,
             timeout=plan.timeout,
+            recorder=self._recorder,
         )
         self._closed = False
         # Registered after the group's own: at exit this one runs first and stops the replica threads,
@@ -158,6 +168,54 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         self._across.connect_shared_memory(shared_memory)
         self._gathers = 0
         self._barriers = 0
+        self._trace_dir = environ.trace_dir(env)  # `stratagem launch --trace DIR`: the whole run, written at close
+        if self._trace_dir is not None:
+            self._start_trace(None)
+
+    # ---- trace ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def trace(self, directory: str | Path, *, clock: Clock | None = None) -> Iterator[Recorder]:
+        """Records the steps run inside the block on every worker: input, forward, backward, optimizer step,
+        each collective across workers and each wait for one. Every worker enters the block at the same
+        point (its clock is aligned with the chief's there, through the job's store) and writes
+        `directory`/worker-<rank>.json at its end; `stratagem trace merge DIR` and `stratagem trace summary
+        DIR` read them. `clock`: the nanosecond clock of the spans (default time.perf_counter_ns).
+
+        Example:
+            >>> with strategy.trace("traces/"):
+            ...     for x, y in strategy.distribute_dataset(loader):
+            ...         strategy.run(train_step, args=(x, y))
+        """
+        if self._recorder.on:
+            raise InputError(
+                f"A trace is recording already (to {self._trace_dir!r}). Received: strategy.trace({str(directory)!r}) "
+                "inside it. End the first trace, or unset STRATAGEM_TRACE (stratagem launch --trace) to trace "
+                "only this range."
+            )
+        self._start_trace(clock)
+        try:
+            yield self._recorder
+        finally:
+            self._recorder.stop()
+            self._recorder.write(directory)
+            self._recorder.clear()
+
+    def _start_trace(self, clock: Clock | None) -> None:
+        recorder = self._recorder
+        recorder.clear()
+        if clock is not None:
+            recorder.clock = clock
+        self._traces += 1
+        offset = align(
+            self._group.cross_worker.store,
+            rank=self._plan.rank,
+            world_size=self._plan.world_size,
+            clock=recorder.clock,
+            round_id=str(self._traces),
+            timeout=self._plan.timeout,
+        )
+        recorder.clock_offset = offset.to_dict()
+        recorder.start()
 
     def distribute(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """As `ReplicatedStrategy.distribute`, after its memory plan is held against this process's limit: a whole
@@ -300,7 +358,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         return MultiWorkerDataset(self._worker_batches(), dataset, shard, on_first_batch=self._observe_input_sharding)
 
     def _worker_batches(self) -> WorkerBatches:
-        return WorkerBatches(self._group, self.num_replicas_in_sync, self._agreement, self._step_times)
+        return WorkerBatches(self._group, self.num_replicas_in_sync, self._agreement, self._step_times, self._recorder)
 
     @property
     def stragglers(self) -> list[Straggler]:
@@ -349,6 +407,9 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy):
         if getattr(self, "_closed", True):
             return  # closed already (or never built)
         self._closed = True
+        if self._trace_dir is not None and self._recorder.on:
+            self._recorder.stop()
+            self._recorder.write(self._trace_dir)
         super().close()
         self._group.close(release=release)
 

@@ -1,0 +1,26 @@
+"""One timeline of every worker: what each step spent its time on, and who made the others wait.
+
+The package, in the order a trace is made and read:
+
+- `recorder.py`: `Recorder`, the cheap per-process recorder: spans (input, forward, backward, optimizer
+  step, waits, whole steps) and cross-worker collectives appended as tuples; nothing happens while it is off.
+  Each worker writes its own file (`worker-<rank>.json`).
+- `clocks.py`: each worker's clock offset to the chief's, measured by round-trip pings through the job's
+  store (the sample of least delay), with its error bound.
+- `merge.py`: the worker files, on the chief's clock, as one Chrome trace-event file that Perfetto and
+  chrome://tracing open: a process per worker, a track per thread and per transport, flow arrows joining
+  the k-th collective of every worker.
+- `timeline.py`: each worker's time, painted into non-overlapping labelled pieces.
+- `summary.py`: per step and worker, input, compute, waiting for peers, transfer and idle (they add up to
+  the step), and the late worker named by its arrival at the collectives (`late.py`), as a report with a
+  text and a JSON rendering, and a PNG of the breakdown.
+
+Turned on by `stratagem launch --trace DIR` (STRATAGEM_TRACE), or for a range of steps by
+`with strategy.trace(DIR):` on a MultiWorkerMirroredStrategy. Read with `stratagem trace summary DIR`.
+"""
+
+from __future__ import annotations
+
+from stratagem.trace.recorder import Recorder
+
+__all__ = ["Recorder"]

@@ -1,0 +1,131 @@
+"""The per-process recorder: spans and collectives appended as tuples, nothing done while it is off.
+
+Every caller checks `recorder.on` (one attribute read) before taking a time, so a recorder that is off
+costs nothing else. Times are nanoseconds of `clock` (default `time.perf_counter_ns`, the host's monotonic
+clock); `clocks.align` measures their offset to the chief's, and `write` puts both in this worker's file.
+
+    >>> rec = Recorder(rank=0, task="worker:0")
+    >>> rec.start()
+    >>> t = rec.now(); ...; rec.span("forward", "forward", t, rec.now(), step=3)
+    >>> rec.write("traces/")            # traces/worker-0.json
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FORMAT = "stratagem-trace/1"
+"""The `format` field of a worker's file."""
+
+Clock = Callable[[], int]
+
+_THREAD_NAMES = {"MainThread": "main"}
+
+
+def worker_file(directory: str | Path, rank: int) -> Path:
+    """Where worker `rank` writes its trace in `directory`."""
+    return Path(directory) / f"worker-{rank}.json"
+
+
+def _track_name(thread: threading.Thread) -> str:
+    name = thread.name
+    if name.startswith("stratagem-replica-"):
+        return "replica " + name.removeprefix("stratagem-replica-")
+    return _THREAD_NAMES.get(name, name)
+
+
+class Recorder:
+    """This process's spans and collectives (see the module docstring).
+
+    Args:
+        rank, task: this worker's rank and task name (the process's name in the merged trace).
+        world_size: how many workers the job has.
+        clock: nanoseconds of a monotonic clock; a test shifts it to check the alignment.
+    """
+
+    def __init__(self, *, rank: int, task: str, world_size: int = 1, clock: Clock = time.perf_counter_ns) -> None:
+        self.rank = rank
+        self.task = task
+        self.world_size = world_size
+        self.clock = clock
+        self.on = False
+        self.spans: list[tuple[str, str, int, int, str, int, dict[str, Any] | None]] = []
+        """(category, name, start ns, end ns, track, step, args)."""
+        self.collectives: list[list[Any]] = []
+        """[seq, op, what, step, bytes, bucket, transport, arrived ns, done ns or None]: seq is the index here, the
+        same on every worker, since every worker issues the same collectives in the same order."""
+        self.clock_offset: dict[str, Any] = {"offset_ns": 0, "error_ns": 0, "samples": 0}
+        self._tracks: dict[int, str] = {}
+        self.step = 0
+        """The step the spans are filed under (the strategy's `run` count)."""
+
+    def start(self, clock: Clock | None = None) -> None:
+        """Records from now on (`clock`: another clock than the one given at construction)."""
+        if clock is not None:
+            self.clock = clock
+        self.on = True
+
+    def stop(self) -> None:
+        self.on = False
+
+    def at_step(self, step: int) -> None:
+        """The spans recorded from now on belong to `step`."""
+        self.step = step
+
+    def now(self) -> int:
+        return self.clock()
+
+    def track(self) -> str:
+        """The calling thread's track: "main", "replica <i>", or the thread's own name."""
+        ident = threading.get_ident()
+        name = self._tracks.get(ident)
+        if name is None:
+            name = self._tracks[ident] = _track_name(threading.current_thread())
+        return name
+
+    def span(
+        self, category: str, name: str, start: int, end: int, *, track: str | None = None, args: dict | None = None
+    ) -> None:
+        """A span of the calling thread (or of `track`) from `start` to `end` (ns of `clock`)."""
+        self.spans.append((category, name, start, end, track or self.track(), self.step, args))
+
+    def collective(self, op: str, what: str, step: int, nbytes: int, transport: str, bucket: int | None = None) -> int:
+        """A cross-worker collective this worker enters now; returns its sequence number, for `done`."""
+        seq = len(self.collectives)
+        self.collectives.append([seq, op, what, step, nbytes, bucket, transport, self.clock(), None])
+        return seq
+
+    def done(self, seq: int, at: int | None = None) -> None:
+        """Collective `seq` has completed (now, or at `at`); the first report counts."""
+        record = self.collectives[seq]
+        if record[8] is None:
+            record[8] = self.clock() if at is None else at
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "rank": self.rank,
+            "task": self.task,
+            "world_size": self.world_size,
+            "clock": self.clock_offset,
+            "spans": [list(s) for s in self.spans],
+            "collectives": self.collectives,
+        }
+
+    def write(self, directory: str | Path) -> Path:
+        """Writes this worker's file in `directory` (made if missing); returns its path."""
+        path = worker_file(directory, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":")))
+        tmp.replace(path)
+        return path
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self.collectives.clear()

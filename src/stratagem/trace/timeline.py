@@ -1,0 +1,89 @@
+"""Each worker's time painted into non-overlapping labelled pieces, the label of highest priority winning.
+
+A wait for a collective is split at the moment the last worker arrived: before it the worker waited for a
+peer ("peers"), after it the data moved ("transfer"). Waits win over input, input over the compute phases
+(forward, backward, optimizer), those over the rest of a step ("compute": the loss, the user's own code);
+time in no span is idle. Since the pieces do not overlap, the labels of any interval add up to its length.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from stratagem.trace.merge import JobTrace, WorkerTrace
+
+LABELS = ("peers", "transfer", "input", "forward", "backward", "optimizer", "compute")
+"""By priority, highest first."""
+_PRIORITY = {label: i for i, label in enumerate(LABELS)}
+_CATEGORY = {"input": "input", "forward": "forward", "backward": "backward", "optimizer": "optimizer", "step": "compute"}
+
+
+@dataclass
+class Timeline:
+    """Sorted, non-overlapping pieces (start, end, label) of one worker; idle between them."""
+
+    starts: list[int]
+    pieces: list[tuple[int, int, str]]
+
+    def totals(self, start: int, end: int) -> dict[str, int]:
+        """Nanoseconds of each label (and "idle") within [start, end)."""
+        out = dict.fromkeys((*LABELS, "idle"), 0)
+        covered = 0
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(self.pieces) and self.pieces[i][0] < end:
+            a, b, label = self.pieces[i]
+            overlap = min(b, end) - max(a, start)
+            if overlap > 0:
+                out[label] += overlap
+                covered += overlap
+            i += 1
+        out["idle"] = max(0, end - start - covered)
+        return out
+
+
+def last_arrivals(job: JobTrace) -> dict[int, int]:
+    """For each collective's sequence number, when the last worker entered it (chief's clock, ns)."""
+    last: dict[int, int] = {}
+    for w in job.workers:
+        for c in w.collectives:
+            last[c.seq] = max(last.get(c.seq, c.arrived), c.arrived)
+    return last
+
+
+def paint(worker: WorkerTrace, last: dict[int, int]) -> Timeline:
+    """The worker's timeline (see the module docstring); `last` from `last_arrivals`."""
+    intervals: list[tuple[int, int, int]] = []  # (start, end, priority)
+    for s in worker.spans:
+        if s.category == "wait":
+            seqs = (s.args or {}).get("seqs", [])
+            arrived = max((last[q] for q in seqs if q in last), default=s.start)
+            split = min(max(arrived, s.start), s.end)
+            intervals.append((s.start, split, _PRIORITY["peers"]))
+            intervals.append((split, s.end, _PRIORITY["transfer"]))
+        elif s.category in _CATEGORY:
+            intervals.append((s.start, s.end, _PRIORITY[_CATEGORY[s.category]]))
+    intervals = [iv for iv in intervals if iv[1] > iv[0]]
+    points = sorted({t for a, b, _ in intervals for t in (a, b)})
+    # Sweep: at each elementary interval the highest-priority label open wins.
+    opens: dict[int, list[int]] = {}
+    closes: dict[int, list[int]] = {}
+    for a, b, p in intervals:
+        opens.setdefault(a, []).append(p)
+        closes.setdefault(b, []).append(p)
+    count = [0] * len(LABELS)
+    pieces: list[tuple[int, int, str]] = []
+    for t, nxt in zip(points, points[1:]):
+        for p in closes.get(t, ()):
+            count[p] -= 1
+        for p in opens.get(t, ()):
+            count[p] += 1
+        top = next((p for p, n in enumerate(count) if n > 0), None)
+        if top is None:
+            continue
+        label = LABELS[top]
+        if pieces and pieces[-1][2] == label and pieces[-1][1] == t:
+            pieces[-1] = (pieces[-1][0], nxt, label)
+        else:
+            pieces.append((t, nxt, label))
+    return Timeline([p[0] for p in pieces], pieces)
