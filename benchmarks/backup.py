@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from stratagem.train.backup_writer import BackgroundWrite, snapshot  # noqa: E402
+from stratagem.train.backup.writer import BackgroundWrite, snapshot  # noqa: E402
 from stratagem.train.checkpoint import save_checkpoint  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def state() -> dict:
 def sharded_worker(rounds: int, directory: Path) -> None:
     """One rank of ``--sharded``: prints one JSON line of its times (seconds) per round."""
     import stratagem as sg
-    from stratagem.train.sharded_backup import save_sharded, save_sharded_async
+    from stratagem.train.backup.sharded import save_sharded, save_sharded_async
 
     strategy = sg.ShardedStrategy()
     net = mlp()

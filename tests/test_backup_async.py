@@ -11,8 +11,8 @@ from conftest import cpu_registry
 from workers.fit_resume import BATCH_SIZE, SHUFFLE_SEED, build_model, data
 
 import stratagem as sg
-from stratagem.train import callbacks as callbacks_module
-from stratagem.train.backup_writer import snapshot
+from stratagem.train.backup import callback as callbacks_module
+from stratagem.train.backup.writer import snapshot
 from stratagem.train.checkpoint import load_checkpoint
 
 

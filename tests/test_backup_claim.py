@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import stratagem as sg
-from stratagem.train import backup_claim
-from stratagem.train.backup_claim import CLAIM_NAME, DirectoryClaim, read_claim
+from stratagem.train.backup import claim as backup_claim
+from stratagem.train.backup.claim import CLAIM_NAME, DirectoryClaim, read_claim
 
 
 def _no_locks(fd: int, operation: int) -> None:

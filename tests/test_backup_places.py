@@ -19,9 +19,9 @@ from workers.fit_resume import BATCH_SIZE, SHUFFLE_SEED, build_model, data
 
 import stratagem as sg
 from stratagem import environ
-from stratagem.train import backup_dir as backup_dir_module
+from stratagem.train.backup import directory as backup_dir_module
 from stratagem.train import checkpoint as checkpoint_module
-from stratagem.train.backup_dir import check_backup_directory
+from stratagem.train.backup.directory import check_backup_directory
 from stratagem.train.checkpoint import load_checkpoint, save_checkpoint
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -87,7 +87,7 @@ def _check_read_only(locked: Path) -> None:
         f"""
         import os, sys
         sys.path.insert(0, {SRC!r})
-        from stratagem.train.backup_dir import check_backup_directory
+        from stratagem.train.backup.directory import check_backup_directory
         if os.geteuid() == 0:  # after the imports: the interpreter's own files may be root's alone
             os.setgid(65534); os.setuid(65534)
         try:

@@ -19,7 +19,7 @@ from torch import nn
 import stratagem as sg
 from stratagem.strategies.sharded.checkpoint import by_name, by_position
 from stratagem.strategies.state_shards import ShardFile, hash_file
-from stratagem.train.sharded_backup import (
+from stratagem.train.backup.sharded import (
     MANIFEST,
     STATE,
     partial_directory,

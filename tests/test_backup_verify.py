@@ -83,7 +83,7 @@ def test_a_flipped_byte_in_a_tensor_is_refused_and_the_run_resumes_from_the_prev
     assert not torch.equal(before["model"][first], after["model"][first])
 
     resumed = sg.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1)
-    with caplog.at_level(logging.WARNING, logger="stratagem.train.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.train.backup.callback"):
         history = fit(resumed)
     assert resumed.restored_from == {"epoch": 0, "step": 1}
     assert resumed.restored_path == resumed.previous_path

@@ -85,7 +85,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 def kill_before_manifest(step: int, log_path: str) -> None:
     """The chief's writer thread, about to write the manifest of `step`'s sharded backup (every rank's shards and
     the state are on disk), waits until this process logged step `step + 1`, then kills the process."""
-    from stratagem.train import sharded_backup
+    from stratagem.train.backup import sharded as sharded_backup
 
     write_manifest = sharded_backup.write_manifest
 

@@ -26,7 +26,7 @@ import json
 import sys
 
 from stratagem.errors import InputError
-from stratagem.train.backup_report import BACKUP_FILES, SHARDED_BACKUPS, BackupReport, export_model, inspect_backups
+from stratagem.train.backup.report import BACKUP_FILES, SHARDED_BACKUPS, BackupReport, export_model, inspect_backups
 
 NEWEST_BACKUPS = (BACKUP_FILES[0], SHARDED_BACKUPS[0])
 """The names of the newest backup of a directory (whole, sharded): one passed over makes an export of an older step."""

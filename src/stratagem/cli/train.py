@@ -297,7 +297,7 @@ def _stopped(stop: StopRequest, result: LaunchResult, backup_dir: str | None) ->
     said = f"{how}; stopped every task (exit code {result.exit_code})."
     if not backup_dir:
         return f"{said} No --backup-dir was given, so nothing was backed up: a rerun starts afresh."
-    from stratagem.train.backup_report import newest_whole_backup
+    from stratagem.train.backup.report import newest_whole_backup
 
     newest = newest_whole_backup(backup_dir)
     if newest is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stratagem.train.fit import EpochLog, History, TrainingContext
+    from stratagem.train.fit_state import EpochLog, History, TrainingContext
 
 
 class Callback:

@@ -18,7 +18,6 @@ from torch import nn
 
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
-from stratagem.train.callback import Callback
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
 from stratagem.train.metrics import MetricSet
 
@@ -105,8 +104,9 @@ class TrainingContext:
     history: list[EpochLog] = field(default_factory=list)
     stop_training: bool = False
     """Set by a callback to stop after the current step."""
-    callbacks: list[Callback] = field(default_factory=list)
-    """The run's callbacks; those with ``state_dict``/``load_state_dict`` travel in backups."""
+    callbacks: list[Any] = field(default_factory=list)
+    """The run's callbacks (each a `stratagem.train.Callback`, checked by `fit`; not named here, since callback.py
+    names this module's types); those with ``state_dict``/``load_state_dict`` travel in backups."""
 
     @property
     def examples_per_epoch(self) -> int | None:

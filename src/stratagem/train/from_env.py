@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from stratagem import environ
 from stratagem.cluster import resolve_cluster
 from stratagem.errors import InputError
-from stratagem.strategies import MirroredStrategy, Strategy
+from stratagem.strategies import LayoutMap, MirroredStrategy, Strategy, TensorParallelStrategy
 from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
 from stratagem.strategies.records import STRATEGIES
 
@@ -32,12 +32,15 @@ logger = logging.getLogger(__name__)
 
 STRATEGY_VARIABLE = "STRATAGEM_STRATEGY"
 DEVICES_VARIABLE = "STRATAGEM_DEVICES"
+TENSOR_PARALLEL = "tensor_parallel"
 
 
-def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
+def strategy_from_env(env: Mapping[str, str] | None = None, *, layout_map: LayoutMap | None = None) -> Strategy:
     """The strategy this process's environment asks for (see the module docstring for the order).
 
-    ``env`` defaults to the process environment; tests pass their own.
+    ``env`` defaults to the process environment; tests pass their own. ``layout_map`` (a `sg.LayoutMap`) asks for
+    tensor parallelism: `TensorParallelStrategy(layout_map)` where ``STRATAGEM_STRATEGY`` is unset or
+    ``tensor_parallel``; any other strategy named with it is refused (combining them is not supported yet).
 
     Example:
         >>> strategy = sg.strategy_from_env()      # python train.py, stratagem launch, torchrun: same line
@@ -51,6 +54,8 @@ def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
     cluster = resolve_cluster(None, env=env)
     name = env.get(STRATEGY_VARIABLE, "").strip()
     devices = _devices(env)
+    if layout_map is not None:
+        return _tensor_parallel(name, layout_map, devices)
     if name:
         if name not in STRATEGY_NAMES:
             raise InputError(
@@ -78,6 +83,17 @@ def strategy_from_env(env: Mapping[str, str] | None = None) -> Strategy:
         return build_strategy(name, devices)[0]
     logger.info("strategy mirrored over the visible GPUs or the CPU: one process, no %s", STRATEGY_VARIABLE)
     return MirroredStrategy(devices)
+
+
+def _tensor_parallel(name: str, layout_map: LayoutMap, devices: list[str] | None) -> Strategy:
+    if name not in ("", TENSOR_PARALLEL):
+        raise InputError(
+            f"A layout map is applied by the tensor_parallel strategy; {name} with a layout map is not supported yet. "
+            f"Received: {STRATEGY_VARIABLE}={name!r} and layout_map=. Launch with --strategy tensor_parallel, or drop "
+            "the layout map."
+        )
+    logger.info("strategy %s, for the layout map", TENSOR_PARALLEL)
+    return TensorParallelStrategy(layout_map, device=None if devices is None else devices[0])
 
 
 def _devices(env: Mapping[str, str]) -> list[str] | None:

@@ -18,7 +18,7 @@ from stratagem.errors import InputError
 from stratagem.train.callback import Callback
 
 if TYPE_CHECKING:
-    from stratagem.train.fit import EpochLog, History, TrainingContext
+    from stratagem.train.fit_state import EpochLog, History, TrainingContext
 
 
 def _check_path(value: Any, name: str, example: str) -> Path:

@@ -33,7 +33,7 @@ from stratagem.train.callback import Callback
 from stratagem.train.early_stopping import monitored_value, resolve_mode
 
 if TYPE_CHECKING:
-    from stratagem.train.fit import EpochLog, TrainingContext
+    from stratagem.train.fit_state import EpochLog, TrainingContext
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-    from stratagem.train.fit import EpochLog, History, TrainingContext
+    from stratagem.train.fit_state import EpochLog, History, TrainingContext
 
 
 class ProgressBar(Callback):

@@ -13,7 +13,7 @@ cuts whole tensors of a single-file backup into this rank's shards (``set_state_
 The optimizer's tensors are stored by position (``optimizer.<i>.<name>``, i the parameter's place in
 ``optimizer.state_dict()``), as a single-file backup numbers them, so a process that holds whole tensors
 can read a sharded checkpoint into a plain ``optimizer.load_state_dict`` without this module (see
-`stratagem.train.sharded_backup`). Only tensors go into the DCP files; hyper-parameters travel beside them.
+`stratagem.train.backup.sharded`). Only tensors go into the DCP files; hyper-parameters travel beside them.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ import torch
 
 from stratagem.archive import load_verified
 from stratagem.errors import CorruptCheckpointError, InputError
-from stratagem.train.backup_claim import ClaimOwner, read_claim
+from stratagem.train.backup.claim import ClaimOwner, read_claim
 from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
 from stratagem.train.model_checkpoint import write_atomically
 from stratagem.strategies.state_shards import hash_file
-from stratagem.train.sharded_backup import (
+from stratagem.train.backup.sharded import (
     FORMAT,
     MANIFEST,
     STATE,
@@ -46,7 +46,7 @@ from stratagem.train.sharded_backup import (
 BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
 """The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""
 SHARDED_BACKUPS = ("backup.dcp", "backup.previous.dcp", "backup.corrupt.dcp")
-"""The directories it writes under a sharded strategy (`stratagem.train.sharded_backup`), in the same order."""
+"""The directories it writes under a sharded strategy (`stratagem.train.backup.sharded`), in the same order."""
 MOVED_ASIDE = ("backup.corrupt.pt", "backup.corrupt.dcp")
 
 
