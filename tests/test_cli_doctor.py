@@ -18,6 +18,7 @@ CHECK_NAMES = [
     "cuda_start",
     "cuda_visible_devices",
     "nvml_vs_torch",
+    "memory_limit",
     "nccl",
     "cudnn",
 ]
@@ -180,3 +181,53 @@ def test_main_dispatches_doctor_and_devices(capsys):
 
     assert main(["doctor", "--json", "--no-smoke-test"]) == json.loads(capsys.readouterr().out)["exit_code"]
     assert main(["devices", "--json"]) == 0
+
+
+def test_the_memory_limit_and_its_headroom_are_shown_from_the_facts(tmp_path, capsys):
+    limited = EnvironmentFacts(
+        torch_version="2.13.0+cpu",
+        memory_limit={"limit": 4 * GiB, "used": GiB, "headroom": 3 * GiB, "source": "cgroup v1 /job (memory.limit_in_bytes)"},
+    )  # fmt: skip
+    code, report = json_output(capsys, ["doctor", "--json", "--facts", write_facts(tmp_path, limited)])
+    (check,) = [c for c in report["checks"] if c["name"] == "memory_limit"]
+    assert check["verdict"] == "ok" and code == 0
+    assert check["reason"].startswith(
+        "Limit 4.00 GiB (cgroup v1 /job (memory.limit_in_bytes)), 1.00 GiB used: headroom 3.00 GiB."
+    )
+    assert report["facts"]["memory_limit"]["headroom"] == 3 * GiB
+    unlimited = EnvironmentFacts(
+        torch_version="2.13.0+cpu", memory_limit={"limit": None, "used": 0, "headroom": None, "source": "none found"}
+    )
+    code, report = json_output(capsys, ["doctor", "--json", "--facts", write_facts(tmp_path, unlimited)])
+    (check,) = [c for c in report["checks"] if c["name"] == "memory_limit"]
+    assert check["reason"].startswith("No memory limit on this process")
+    # Facts recorded before the limit was: no check, rather than a guess.
+    code, report = json_output(
+        capsys, ["doctor", "--json", "--facts", write_facts(tmp_path, EnvironmentFacts(torch_version="2.13.0+cpu"))]
+    )
+    assert "memory_limit" not in [c["name"] for c in report["checks"]]
+
+
+def test_the_doctor_reads_this_processs_real_rlimit(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    limit = 256 * GiB  # RLIMIT_AS, far above what `stratagem doctor` maps, so it runs
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = subprocess.run(
+        [sys.executable, "-m", "stratagem", "doctor", "--json", "--no-smoke-test"],
+        preexec_fn=limited, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    report = json.loads(out.stdout)
+    found = report["facts"]["memory_limit"]
+    # The tightest limit wins: a cgroup's, where one is tighter than 256 GiB of address space, else this one.
+    if found["source"].startswith("RLIMIT_AS"):
+        assert found["limit"] == limit and 0 < found["used"] < limit and found["headroom"] == limit - found["used"]
+    else:
+        assert found["headroom"] < limit - found["used"], found
+    (check,) = [c for c in report["checks"] if c["name"] == "memory_limit"]
+    assert check["reason"].startswith("Limit ")

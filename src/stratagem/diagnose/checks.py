@@ -305,6 +305,41 @@ def check_cudnn(facts: EnvironmentFacts) -> Check:
     )
 
 
+def check_memory_limit(facts: EnvironmentFacts) -> Check | None:
+    """The host memory limit on this process and its headroom, as the strategies read it before step 1 (None: the
+    facts do not hold it, as in a file written before it was recorded).
+
+    Example:
+        >>> facts = EnvironmentFacts(torch_version="2.13.0+cpu", memory_limit={"limit": None, "used": 0,
+        ...     "headroom": None, "source": "none found"})
+        >>> check_memory_limit(facts).reason.startswith("No memory limit on this process")
+        True
+    """
+    from stratagem.diagnose.memory import format_bytes
+
+    found = facts.memory_limit
+    if found is None:
+        return None
+    if found.get("limit") is None:
+        return Check(
+            name="memory_limit",
+            verdict="ok",
+            reason=(
+                "No memory limit on this process (cgroup, RLIMIT_AS, RLIMIT_DATA): the machine's memory is the "
+                "bound, and nothing checks a memory plan against it before training."
+            ),
+        )
+    return Check(
+        name="memory_limit",
+        verdict="ok",
+        reason=(
+            f"Limit {format_bytes(found['limit'])} ({found['source']}), {format_bytes(found['used'])} used: "
+            f"headroom {format_bytes(found['headroom'])}. ShardedStrategy and MultiWorkerMirroredStrategy refuse in "
+            "distribute() a memory plan over the headroom."
+        ),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class DoctorRequest:
     """What ``stratagem doctor`` was asked beyond the machine's facts."""
@@ -332,7 +367,9 @@ class DoctorCheck:
     """Its failure is a reason torch can use no GPU: `gpu_unavailable_reason` returns the first such failure."""
 
 
-def _on_facts(check: Callable[[EnvironmentFacts], Check]) -> Callable[[EnvironmentFacts, DoctorRequest], Check]:
+def _on_facts(
+    check: Callable[[EnvironmentFacts], Check | None],
+) -> Callable[[EnvironmentFacts, DoctorRequest], Check | None]:
     return lambda facts, request: check(facts)
 
 
@@ -351,6 +388,7 @@ CHECKS: tuple[DoctorCheck, ...] = (
     # What the user asked for, then what multi-GPU training needs.
     DoctorCheck(name="device_index", run=_device_index),
     DoctorCheck(name="memory", run=lambda facts, request: request.memory),
+    DoctorCheck(name="memory_limit", run=_on_facts(check_memory_limit)),
     DoctorCheck(name="nccl", run=_on_facts(check_nccl)),
     DoctorCheck(name="cudnn", run=_on_facts(check_cudnn)),
 )

@@ -85,6 +85,9 @@ class EnvironmentFacts:
     cpu_count: int = 1
     """CPU cores this process may run on."""
     gpus: list[GpuFacts] = dataclasses.field(default_factory=list)
+    memory_limit: dict[str, Any] | None = None
+    """The tightest host memory limit on this process (`stratagem.diagnose.memory_limit`: ``limit``, ``used``,
+    ``headroom`` in bytes, ``None`` for no limit, and its ``source``); None when not read (older facts files)."""
 
     @property
     def is_cuda_build(self) -> bool:
@@ -127,6 +130,7 @@ def collect_facts(env: Mapping[str, str]) -> EnvironmentFacts:
         cpu_count=cpu_count(),
     )
     _probe_driver(facts)
+    facts.memory_limit = _read_memory_limit()
     if facts.is_cuda_build:
         facts.torch_device_count, facts.cuda_init_error = cuda_start()
         facts.nccl_available, facts.nccl_version = _nccl()
@@ -137,6 +141,17 @@ def collect_facts(env: Mapping[str, str]) -> EnvironmentFacts:
             facts.cuda_init_error = facts.cuda_init_error or error
             facts.torch_device_count = len(facts.gpus)
     return facts
+
+
+def _read_memory_limit() -> dict[str, Any] | None:
+    """This process's host memory limit as data, or None where it could not be read (not Linux, a probe error)."""
+    from stratagem.diagnose.memory_limit import read_memory_limit
+
+    try:
+        return read_memory_limit().to_dict()
+    except (OSError, ValueError) as error:  # a cgroup file with something unexpected in it
+        logger.warning("could not read the memory limit: %s", error)
+        return None
 
 
 def cuda_start() -> tuple[int, str | None]:
