@@ -97,18 +97,15 @@ def from_torchrun(env: Mapping[str, str]) -> Cluster:
         )
     master_addr = _host("MASTER_ADDR", env["MASTER_ADDR"], "MASTER_ADDR")
     master_port = _port("MASTER_PORT", _int(env, "MASTER_PORT"))
-    return Cluster(
-        task_type="worker",
-        task_index=rank,
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        chief_address=f"{master_addr}:{master_port}",
-        master_addr=master_addr,
-        master_port=master_port,
-        source="torchrun",
-        evidence=tuple(f"{name}={env[name]}" for name in TORCHRUN_VARIABLES),
+    return _rank_worker(
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        master_addr,
+        master_port,
+        "torchrun",
+        tuple(f"{name}={env[name]}" for name in TORCHRUN_VARIABLES),
     )
 
 
@@ -170,6 +167,35 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
         master_addr = _host(name, first_host(env[name]), f"the first host of {name}")
         addr_reason = f"first host of {name}={env[name][:SHOWN]}"
     master_port, port_reason = slurm_master_port(env)
+    return _rank_worker(
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        master_addr,
+        master_port,
+        "SLURM",
+        (
+            f"SLURM_PROCID={rank}, SLURM_NTASKS={world_size}, SLURM_LOCALID={local_rank}",
+            f"tasks on this node from {local_reason}",
+            f"master host from {addr_reason}",
+            f"master port from {port_reason}",
+        ),
+    )
+
+
+def _rank_worker(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    master_addr: str,
+    master_port: int,
+    source: str,
+    evidence: tuple[str, ...],
+) -> Cluster:
+    """A worker of a job whose launcher numbers its processes (torchrun, SLURM): task index, rank and the chief's
+    address all follow from the rank and the master's address."""
     return Cluster(
         task_type="worker",
         task_index=rank,
@@ -180,13 +206,8 @@ def from_slurm(env: Mapping[str, str]) -> Cluster:
         chief_address=f"{master_addr}:{master_port}",
         master_addr=master_addr,
         master_port=master_port,
-        source="SLURM",
-        evidence=(
-            f"SLURM_PROCID={rank}, SLURM_NTASKS={world_size}, SLURM_LOCALID={local_rank}",
-            f"tasks on this node from {local_reason}",
-            f"master host from {addr_reason}",
-            f"master port from {port_reason}",
-        ),
+        source=source,
+        evidence=evidence,
     )
 
 
