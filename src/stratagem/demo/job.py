@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from stratagem.data.resume import ShuffledBatches
 from stratagem.demo.digits import build_digits_model, load_digits_data, make_loader
+from stratagem.demo.threads import threads_of_one_replica
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies import ModelParallelStrategy, ParameterServerStrategy, Strategy
@@ -149,17 +150,20 @@ def train_digits(
     # The order of each epoch depends only on (seed, epoch): the same run repeats exactly, and resumes exactly.
     train = ShuffledBatches((data.train_x, data.train_y), config.batch_size, seed=config.seed)
     before = _BeforeThisRun()
-    history = fit(
-        strategy,
-        net,
-        torch.optim.Adam(net.parameters(), lr=config.lr),
-        F.cross_entropy,
-        train,
-        epochs=config.epochs,
-        metrics=["accuracy"],
-        callbacks=[*callbacks, before],
-        precision=config.precision,
-    )
+    # Between steps this thread runs only tiny ops; with more intra-op threads than a replica has, each woke an
+    # OpenMP worker that then competed with the replicas for the cores (demo/threads.py, measured).
+    with threads_of_one_replica(strategy):
+        history = fit(
+            strategy,
+            net,
+            torch.optim.Adam(net.parameters(), lr=config.lr),
+            F.cross_entropy,
+            train,
+            epochs=config.epochs,
+            metrics=["accuracy"],
+            callbacks=[*callbacks, before],
+            precision=config.precision,
+        )
     test_loader = make_loader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     test = evaluate(strategy, history.model, test_loader, F.cross_entropy, metrics=["accuracy"])
     explanation = explain_built(strategy, device_decision)
