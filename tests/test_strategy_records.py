@@ -43,6 +43,7 @@ def test_every_command_line_choice_list_is_the_registrys_names() -> None:
         "model_parallel",
         "parameter_server",
         "sharded",
+        "tensor_parallel",
     )
     assert _choices("train", "--strategy") == names
     assert _choices("launch", "--strategy") == names

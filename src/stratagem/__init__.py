@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         ReplicaContext,
         ShardedStrategy,
         Strategy,
+        TensorParallelStrategy,
         current_replica_context,
     )
     from stratagem.strategies.data_parallel.loss_weight import set_loss_weight
@@ -92,6 +93,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ParameterServerStrategy": ("stratagem.strategies", "ParameterServerStrategy"),
     "ReplicaContext": ("stratagem.strategies", "ReplicaContext"),
     "ShardedStrategy": ("stratagem.strategies", "ShardedStrategy"),
+    "TensorParallelStrategy": ("stratagem.strategies", "TensorParallelStrategy"),
     "DeviceMesh": ("stratagem.strategies", "DeviceMesh"),
     "LayoutMap": ("stratagem.strategies", "LayoutMap"),
     "Strategy": ("stratagem.strategies", "Strategy"),
@@ -162,6 +164,7 @@ __all__ = [
     "RendezvousError",
     "ReplicaContext",
     "ShardedStrategy",
+    "TensorParallelStrategy",
     "DeviceMesh",
     "LayoutMap",
     "ReplicaError",

@@ -58,6 +58,7 @@ LAUNCHABLE_STRATEGIES: dict[str, bool] = {
     "model_parallel": False,
     "parameter_server": True,
     "sharded": True,
+    "tensor_parallel": True,
 }
 
 logger = logging.getLogger(__name__)

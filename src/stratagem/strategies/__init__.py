@@ -8,7 +8,7 @@ from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.sharded import ShardedStrategy
-from stratagem.strategies.tensor_parallel import DeviceMesh, LayoutMap
+from stratagem.strategies.tensor_parallel import DeviceMesh, LayoutMap, TensorParallelStrategy
 from stratagem.strategies.parameter_server import (
     ClusterCoordinator,
     FixedShardsPartitioner,
@@ -36,5 +36,6 @@ __all__ = [
     "ReplicaContext",
     "ShardedStrategy",
     "Strategy",
+    "TensorParallelStrategy",
     "current_replica_context",
 ]

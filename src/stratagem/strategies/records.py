@@ -30,6 +30,7 @@ from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.parameter_server.strategy import ParameterServerStrategy
 from stratagem.strategies.sharded.placement import default_devices as sharded_default_devices
 from stratagem.strategies.sharded.strategy import ShardedStrategy
+from stratagem.strategies.tensor_parallel.strategy import TensorParallelStrategy
 
 DefaultDevices = Callable[[str, DeviceRegistry], tuple[list[str], PlacementDecision]]
 """``(name, registry) -> (devices, decision)``: the devices a strategy runs on when none are named, and why."""
@@ -236,6 +237,15 @@ STRATEGIES = StrategyRegistry(
             bench_build=lambda devices, options: ShardedStrategy(
                 device=devices[0], cluster=options["cluster"], timeout=options["timeout"]
             ),
+        ),
+        StrategyRecord(
+            name="tensor_parallel",
+            strategy_class=TensorParallelStrategy,
+            default_devices=sharded_default_devices,  # one device per worker process, as sharded's
+            # By name alone every parameter is replicated: the layouts come from sg.strategy_from_env(layout_map=...).
+            build=lambda devices, registry: TensorParallelStrategy(device=devices[0]),
+            one_process_per_worker=True,
+            max_devices=1,
         ),
     ]
 )

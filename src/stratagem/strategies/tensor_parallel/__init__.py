@@ -13,5 +13,6 @@
 """
 
 from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, LayoutMap
+from stratagem.strategies.tensor_parallel.strategy import TensorParallelStrategy
 
-__all__ = ["DeviceMesh", "LayoutMap"]
+__all__ = ["DeviceMesh", "LayoutMap", "TensorParallelStrategy"]

@@ -1,0 +1,63 @@
+"""The `data` axis of a 2-D mesh: each model group's gradients summed across the data groups, weighted.
+
+Every worker of one model group trains on the same slice of the global batch; the data groups' slices differ in
+size by at most one. Inside `backward()` (an autograd callback queued by the first gradient, as the data-parallel
+strategies do, so clipping sees the combined gradient) each worker scales its local part of every gradient by its
+group's share of the global batch and all-reduces it (SUM) with the workers that hold the same part in the other
+data groups: the result is one device's gradient on the whole batch, whatever the split.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.errors import InputError
+
+
+class DataAxisSum:
+    """Weighted SUM of every gradient's local part across the `data` process group, at the end of each backward."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, weight: Callable[[], float]) -> None:
+        self._params = [p for p in params if p.requires_grad]
+        self._group = group
+        self._weight = weight
+        self._queued = False
+        # The gradient tensors summed already: one met again was accumulated into (ids would be reused once freed).
+        self._summed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._sum)
+
+    def _sum(self) -> None:
+        import torch.distributed as dist
+
+        self._queued = False
+        weight = self._weight()
+        with torch.no_grad():
+            for param in self._params:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad in self._summed:
+                    raise InputError(
+                        "A gradient was accumulated over two backward passes on a 2-D mesh, which the data axis would "
+                        "sum twice. Received: a second backward before zero_grad(). Call optimizer.zero_grad() "
+                        "(set_to_none=True) between steps; accumulation on the data axis is not supported yet."
+                    )
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                local.mul_(weight)
+                dist.all_reduce(local, group=self._group)
+                self._summed.add(grad)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,299 @@
+"""TensorParallelStrategy: each layer's weights split across workers by a layout map (Keras 3's LayoutMap).
+
+One process per worker (`stratagem launch --workers N --strategy tensor_parallel`, torchrun, SLURM, TF_CONFIG),
+the same training script as under every strategy. The layout map's mesh (one `model` axis over every worker by
+default) is checked against the worker count before any process group exists; the layouts against the model and
+its modules before any parameter is placed; then the parameters become DTensors and the forward runs over them
+(`apply.py`). On a 2-D mesh ``("data", "model")`` each model group trains on its slice of the global batch and
+the gradients are summed across the data axis, weighted by each slice's share (`data_axis.py`).
+
+Exact, as every stratagem strategy is: DTensor's redistributions are deterministic, so the workers of a model
+group hold the same bits of every replicated parameter, and the result equals one device's to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import environ
+from stratagem.cluster import Cluster
+from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
+from stratagem.data.split import batch_size_of, split_batch, split_sizes
+from stratagem.diagnose import PlacementDecision
+from stratagem.errors import InputError
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.batches import check_iterable, check_shard_policy
+from stratagem.strategies.data_parallel.distributed import clone_optimizer
+from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
+from stratagem.strategies.data_parallel.host import LossWeightHost
+from stratagem.strategies.data_parallel.loss_weight import tag_results
+from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.sharded.placement import local_device
+from stratagem.strategies.tensor_parallel.apply import TensorParallelModel, apply_tensor_parallel, replicated_plain_tensors
+from stratagem.strategies.tensor_parallel.data_axis import DataAxisSum
+from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
+from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, LayoutMap, ParameterLayout, default_mesh, resolve_layouts
+from stratagem.strategies.tensor_parallel.styles import check_splits
+from stratagem.values import PerReplica, select_replica, stack_replicas
+
+AXES = ("data", "model")
+"""The mesh axes this strategy knows: `model` splits layers, `data` replicates the model groups."""
+
+
+def check_mesh_axes(mesh: DeviceMesh) -> None:
+    """Refuses a mesh axis other than `data` and `model` (a third technique on the mesh is not supported yet)."""
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown or "model" not in mesh.axis_names:
+        raise InputError(
+            f"TensorParallelStrategy splits layers along a 'model' axis and replicates them along an optional 'data' "
+            f"axis; other axes are not supported yet. Received: shape={mesh.shape}, axis_names={mesh.axis_names}. "
+            "Name the axes ('model',) or ('data', 'model')."
+        )
+
+
+class TensorParallelStrategy(Strategy, LossWeightHost):
+    """Tensor parallelism on a layout map, over torch's DTensor, exact on any split of the global batch.
+
+    Args:
+        layout_map: the `sg.LayoutMap` that says which parameters are split along which mesh axis (None: every
+            parameter replicated). Its mesh (default: one `model` axis over every worker) must span the job.
+        device: this worker's device (default: the GPU of its local rank, else the CPU).
+        cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
+        timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
+
+    Example:
+        >>> layout_map = sg.LayoutMap(sg.DeviceMesh((2,), ("model",)))      # under stratagem launch --workers 2
+        >>> layout_map[r"mlp\\.c_fc\\.(weight|bias)"] = (None, "model")       # Conv1D (in, out): output features
+        >>> layout_map[r"mlp\\.c_proj\\.weight"] = ("model", None)           # input features: partial sums
+        >>> strategy = sg.TensorParallelStrategy(layout_map)
+        >>> model, optimizer = strategy.distribute(model, torch.optim.AdamW(model.parameters()))
+        >>> for batch in strategy.distribute_dataset(loader):
+        ...     strategy.run(train_step, args=(batch,))
+    """
+
+    # Parts, in the order they are applied (torchtitan's parallelize_* order: check, split, then replicate):
+    #   mesh       mesh.py: the layout map's mesh against the worker count, before any process group
+    #   group      cluster.worker_group: the process group, then torch's DeviceMesh of the same axes
+    #   layouts    mesh.resolve_layouts and styles.check_splits: each parameter's layout, refused by module name
+    #   split      apply.apply_tensor_parallel: parameters made DTensors on the `model` axis, the forward over them
+    #   optimizer  distributed.clone_optimizer: the user's optimizer over the DTensor parameters
+    #   data axis  data_axis.DataAxisSum: gradients summed across the `data` axis inside backward, weighted
+
+    def __init__(
+        self,
+        layout_map: LayoutMap | None = None,
+        *,
+        device: str | torch.device | None = None,
+        cluster: Cluster | Mapping[str, Any] | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if layout_map is not None and not isinstance(layout_map, LayoutMap):
+            raise InputError(
+                f"layout_map is a sg.LayoutMap. Received: {type(layout_map).__name__}. "
+                "Build one with sg.LayoutMap(sg.DeviceMesh(shape, axis_names)) and set its keys."
+            )
+        env = environ.current()
+        plan = plan_worker_group(cluster, timeout=timeout, env=env)
+        self._layout_map = layout_map if layout_map is not None else LayoutMap()
+        self._mesh = self._layout_map.mesh or default_mesh(plan.world_size)
+        check_mesh_axes(self._mesh)
+        self._mesh.check_workers(plan.world_size)  # before any process group: a wrong product fails here, alone
+        self._device_decision: PlacementDecision | None = None
+        if device is None:
+            device, self._device_decision = local_device(plan.cluster, env)
+        self._device = torch.device(device)
+        self._group = WorkerGroup.start(plan, [self._device], env=env)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        try:
+            self._torch_mesh = init_device_mesh(
+                self._group.collective_device.type, self._mesh.shape, mesh_dim_names=self._mesh.axis_names
+            )
+        except BaseException:
+            self._group.close(release=False)
+            raise
+        self._num_data = self._mesh.axis_size("data")
+        self._data_index = self._group.rank // self._mesh.axis_size("model")
+        self._data_group = self._torch_mesh["data"].get_group() if "data" in self._mesh.axis_names else None
+        self._layouts: list[ParameterLayout] = []
+        self._kinds: dict[str, str] = {}
+        self._sums: list[DataAxisSum] = []
+        self._weight = 1.0
+        self._counts: float | None = None
+        self._steps = 0
+
+    # ---- Strategy ---------------------------------------------------------------------------------
+    @property
+    def _local_devices(self) -> list[torch.device]:
+        return [self._device]
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The model's replicas: the size of the `data` axis (1 on a mesh of one `model` axis)."""
+        return self._num_data
+
+    @property
+    def cluster(self) -> Cluster:
+        return self._group.cluster
+
+    @property
+    def is_chief(self) -> bool:
+        return self._group.is_chief
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh the layouts are placed on (the layout map's, or one `model` axis over every worker)."""
+        return self._mesh
+
+    @property
+    def holds_whole_state(self) -> bool:
+        """False: a split parameter's whole value is on no one worker."""
+        return False
+
+    def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """`model`'s parameters replaced in place by DTensors of their layouts, and `optimizer` rebuilt over them.
+
+        Refused before anything is placed: a layout naming an axis not in the mesh, a layout whose length is not
+        its tensor's, tied parameters of different layouts, a split a module's forward cannot honour (styles.py).
+        """
+        if self._layouts:
+            raise InputError(
+                "TensorParallelStrategy distributes one model. Received: a second distribute(). "
+                "Build a strategy per model, or distribute the models as one module."
+            )
+        named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+        layouts = resolve_layouts(self._layout_map, self._mesh, named)
+        on_data = [layout for layout in layouts if "data" in layout.layout]
+        if on_data:
+            raise InputError(
+                f"Sharding {on_data[0].names[0]} along the 'data' axis (ZeRO-3 with tensor parallelism) is not "
+                f"supported yet. Received: {on_data[0].key!r} -> {on_data[0].layout}. Split it along 'model' only."
+            )
+        self._kinds = check_splits(model, layouts, self._mesh)
+        model.to(self._device)
+        made = apply_tensor_parallel(model, layouts, self._torch_mesh["model"])
+        self._layouts = layouts
+        if self._data_group is not None:
+            self._sums.append(DataAxisSum(list(model.parameters()), self._data_group, lambda: self._weight))
+        wrapped = TensorParallelModel(model, "TensorParallelModel")
+        self._model = wrapped
+        if optimizer is None:
+            return wrapped
+        return wrapped, clone_optimizer(optimizer, made)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Runs `fn` on this model group's slice; backward sums its gradients across the data axis, weighted."""
+        kwargs = dict(kwargs or {})
+        args = tuple(args)
+        sizes = batch_sizes(args, kwargs, 1)
+        total = global_size(args, kwargs)
+        self._weight = replica_weights(sizes, total, 1, self._num_data)[0]
+        local_args, local_kwargs = select_replica((args, kwargs), 0)
+        self._counts = None
+        ctx = ReplicaContext(self._data_index, self._num_data, self._device, self, host=self)
+        previous = enter_replica(ctx)
+        try:
+            # The whole step, not the forward alone: backward replays ops whose saved plain tensors (the labels of
+            # a loss) meet DTensor gradients, and DTensor takes them as replicated only while this is on.
+            with replicated_plain_tensors():
+                result = fn(*local_args, **local_kwargs)
+        finally:
+            enter_replica(previous)
+            self._steps += 1
+        stacked = stack_replicas([result], sizes, total)
+        return tag_results(stacked, None if self._counts is None else [self._counts])
+
+    def declare_loss_weight(self, replica: int, count: float) -> None:
+        """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
+        total = float(self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64)))
+        self._counts = float(count)
+        self._weight = float(count) / total if total > 0 else 0.0
+
+    # ---- across workers: the data axis ----------------------------------------------------------
+    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().clone().to(self._group.collective_device)
+        if self._data_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self._data_group)
+        return out
+
+    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
+        if self._data_group is None:
+            return items
+        import torch.distributed as dist
+
+        payloads: list[Any] = [None] * self._num_data
+        dist.all_gather_object(payloads, to_bytes(items), group=self._data_group)
+        out: list[Any] = []
+        for index, payload in enumerate(payloads):
+            out.extend(items if index == self._data_index else from_bytes(payload, f"data group {index}"))
+        return out
+
+    def barrier(self) -> None:
+        """Waits until every worker has called `barrier()`."""
+        device = self._group.collective_device
+        self._group.cross_worker.all_reduce_([torch.zeros(1, device=device)], what="barrier", step=self._steps)
+
+    # ---- input --------------------------------------------------------------------------------------
+    def distribute_dataset(  # type: ignore[override]
+        self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
+    ) -> Iterable[Any]:
+        """Every worker iterates the same GLOBAL batches; each model group trains on its contiguous slice of each
+        (sizes differing by at most one along the data axis), every worker of a group on the same slice."""
+        check_iterable(dataset, "distribute_dataset")
+        check_shard_policy(shard)
+        if batch_dim != 0:
+            raise InputError(
+                f"TensorParallelStrategy cuts batches along their first dimension. Received: batch_dim={batch_dim}. "
+                "Put the examples first; another batch dimension is not supported yet."
+            )
+        return _DataSlices(dataset, self._num_data, self._data_index, self._device)
+
+    # ---- reports and the end ------------------------------------------------------------------------
+    def explain(self) -> Explanation:
+        """The worker group, the mesh, each parameter's layout and the redistributions a step implies."""
+        decisions = list(self._group.decisions())
+        if self._device_decision is not None:
+            decisions.append(self._device_decision)
+        decisions.extend(layout_decisions(self._mesh, self._layouts))
+        details: dict[str, Any] = {"layouts": layout_table(self._layouts, self._kinds)} if self._layouts else {}
+        replicas = [ReplicaPlacement(self._data_index, str(self._device), str(self._device))]
+        return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
+
+    def close(self) -> None:
+        """Frees the process group and hands the rendezvous store back; a second call does nothing."""
+        for data_sum in self._sums:
+            data_sum.remove()
+        self._sums = []
+        self._model = None
+        self._group.close()
+
+
+class _DataSlices:
+    """Each GLOBAL batch of `dataset` as this model group's slice, a `PerReplica` of one that knows the global size."""
+
+    def __init__(self, dataset: Iterable[Any], num_data: int, data_index: int, device: torch.device) -> None:
+        self._dataset = dataset
+        self._num_data = num_data
+        self._data_index = data_index
+        self._device = device
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._dataset:
+            total = batch_size_of(batch)
+            sizes = split_sizes(total, self._num_data)
+            pieces = split_batch(batch, sizes, [self._device] * self._num_data)
+            yield _per_replica(pieces[self._data_index], sizes[self._data_index], total)
+
+
+def _per_replica(piece: Any, size: int, total: int) -> Any:
+    from stratagem.values import map_structure
+
+    return map_structure(lambda leaf: PerReplica((leaf,), (size,), total), piece)

@@ -1,0 +1,118 @@
+"""What the tensor-parallel tests' ranks run: a tiny GPT-2 (float64, vocabulary 2049, tied embeddings, -100
+labels) trained with AdamW and clipping under TensorParallelStrategy, against the same steps on one device."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+GLOBAL_BATCH = 13
+STEPS = 3
+VOCAB = 2049  # odd: the vocabulary split over 2 or 4 workers is uneven, and nothing is padded
+
+
+def gpt2(heads: int = 6, attention: str = "eager") -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=48, n_layer=2, n_head=heads, tie_word_embeddings=True,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation=attention,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config).to(torch.float64)
+
+
+def layout_map(mesh: Any) -> Any:
+    """Megatron's GPT-2 split in Keras's words: Conv1D weights are (in, out)."""
+    import stratagem as sg
+
+    layouts = sg.LayoutMap(mesh)
+    layouts[r"wte\.weight"] = ("model", None)  # the vocabulary, tied to lm_head
+    layouts[r"attn\.c_attn\.weight"] = (None, "model")  # q, k, v: output features (whole heads per worker)
+    layouts[r"attn\.c_attn\.bias"] = ("model",)
+    layouts[r"attn\.c_proj\.weight"] = ("model", None)  # input features: partial sums, all-reduced
+    layouts[r"mlp\.c_fc\.weight"] = (None, "model")
+    layouts[r"mlp\.c_fc\.bias"] = ("model",)
+    layouts[r"mlp\.c_proj\.weight"] = ("model", None)
+    return layouts
+
+
+def batches() -> list[dict[str, torch.Tensor]]:
+    """Global batches of 13 sequences whose labels end in -100 at varying lengths: slices hold different tokens."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(1, VOCAB, (GLOBAL_BATCH, 8), generator=g)
+        labels = ids.clone()
+        lengths = torch.randint(2, 9, (GLOBAL_BATCH,), generator=g)
+        labels[torch.arange(8)[None, :] >= lengths[:, None]] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def one_device(model: nn.Module) -> tuple[nn.Module, list[float], list[float]]:
+    reference = copy.deepcopy(model)
+    opt = optimizer(reference.parameters())
+    norms, losses = [], []
+    for batch in batches():
+        loss = reference(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return reference, norms, losses
+
+
+def cluster_of(rank: int, ports: list[int]) -> dict[str, Any]:
+    return {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
+
+
+def exactness(rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+    """Trains under TensorParallelStrategy on the mesh (shape, names); every parameter, clipped norm and loss against
+    one device, and what explain() says."""
+    import stratagem as sg
+    from stratagem.strategies.tensor_parallel.apply import whole_tensor
+
+    user_model = gpt2()
+    reference, ref_norms, ref_losses = one_device(user_model)
+    strategy = sg.TensorParallelStrategy(layout_map(sg.DeviceMesh(shape, names)), cluster=cluster_of(rank, ports), timeout=120)
+    try:
+        model, opt = strategy.distribute(user_model, optimizer(user_model.parameters()))
+        norms, losses = [], []
+
+        def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            output = model(**batch)
+            sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
+            output.loss.backward()
+            norms.append(float(whole_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))))
+            opt.step()
+            opt.zero_grad()
+            return output.loss.detach()
+
+        for batch in strategy.distribute_dataset(batches()):
+            losses.append(float(strategy.reduce("mean", strategy.run(step, args=(batch,)))))
+        expected = dict(reference.named_parameters())
+        worst = max(
+            float((whole_tensor(p).detach() - expected[name]).abs().max() / expected[name].abs().max())
+            for name, p in model.named_parameters()
+        )
+        local_shapes = {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if hasattr(p, "to_local")}
+        return {
+            "worst": worst,
+            "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+            "losses": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+            "wte local": local_shapes["transformer.wte.weight"],
+            "same model": model.module is user_model,
+            "explain": str(strategy.explain()),
+        }
+    finally:
+        strategy.close()
