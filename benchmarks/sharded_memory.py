@@ -9,7 +9,9 @@ Each configuration runs as `stratagem launch --workers N` starts it (the launche
 `--default-allocator` to leave glibc's), on a 50.3M-parameter MLP (12 x Linear(2048, 2048)) or a tiny GPT-2,
 AdamW, float32, global batch 64, 3 steps. The figure is VmHWM minus the RSS just before the model was built (after
 the strategy, its process group and FSDP2's code), the larger rank; `STRATAGEM_SHARED_MEMORY=0` (`--gloo`) sends
-the units' collectives through Gloo. Memory figures hold under CPU load; no time is reported.
+the units' collectives through Gloo. The sharded plan counts the step's activations, measured by
+`memory_plan(net, optimizer, example_inputs=...)` on fake tensors (`--no-activations`: without them). Memory figures
+hold under CPU load; no time is reported.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
 from typing import Any
 
@@ -91,17 +92,22 @@ def worker(args: argparse.Namespace) -> None:
     net = mlp() if args.model == "mlp" else gpt2()
     mark("the user's model built")
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    plan = strategy.memory_plan(net, optimizer) if hasattr(strategy, "memory_plan") else None
+    g = torch.Generator().manual_seed(1)
+    if args.model == "mlp":
+        data = [(torch.randn(64, 2048, generator=g), torch.randn(64, 2048, generator=g)) for _ in range(3)]
+        example: Any = data[0][0]
+    else:
+        data = [(i, i) for i in (torch.randint(0, 8192, (16, 128), generator=g) for _ in range(3))]
+        example = {"input_ids": data[0][0], "labels": data[0][1]}
+    if kind == "sharded" and not args.no_activations:  # one forward and backward on fake tensors, this rank's part
+        plan = strategy.memory_plan(net, optimizer, example_inputs=example)
+    else:
+        plan = strategy.memory_plan(net, optimizer) if hasattr(strategy, "memory_plan") else None
     model, optimizer = strategy.distribute(net, optimizer)
     mark("after distribute")
     del net
     gc.collect()
     mark("after del net")
-    g = torch.Generator().manual_seed(1)
-    if args.model == "mlp":
-        data = [(torch.randn(64, 2048, generator=g), torch.randn(64, 2048, generator=g)) for _ in range(3)]
-    else:
-        data = [(i, i) for i in (torch.randint(0, 8192, (16, 128), generator=g) for _ in range(3))]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if args.model == "mlp":
@@ -133,7 +139,9 @@ def worker(args: argparse.Namespace) -> None:
     strategy.close()
 
 
-def run_config(config: str, model: str, *, gloo: bool, default_allocator: bool, profile: bool) -> list[dict[str, Any]]:
+def run_config(
+    config: str, model: str, *, gloo: bool, default_allocator: bool, profile: bool, no_activations: bool = False
+) -> list[dict[str, Any]]:
     from stratagem import environ
     from stratagem.cluster import launch
 
@@ -143,6 +151,7 @@ def run_config(config: str, model: str, *, gloo: bool, default_allocator: bool, 
         env["STRATAGEM_SHARED_MEMORY"] = "0"
     command = [sys.executable, __file__, "--worker", "--configs", config, "--models", model]
     command += ["--profile"] if profile else []
+    command += ["--no-activations"] if no_activations else []
     lines: list[str] = []
     kwargs: dict[str, Any] = {"keep_freed_memory": False} if default_allocator else {}
     result = launch(command, workers=workers, env=env, sink=lambda line: lines.append(line.text), timeout=900, **kwargs)
@@ -160,6 +169,7 @@ def main() -> None:
     parser.add_argument("--gloo", action="store_true", help="STRATAGEM_SHARED_MEMORY=0: collectives through Gloo")
     parser.add_argument("--default-allocator", action="store_true", help="glibc's malloc thresholds left as they are")
     parser.add_argument("--profile", action="store_true", help="RSS, peak and live storage at points, per rank")
+    parser.add_argument("--no-activations", action="store_true", help="the sharded plan without example_inputs")
     parser.add_argument("--json", help="also write every rank's figures to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,14 +180,15 @@ def main() -> None:
     mib = 2**20
     everything = []
     print(
-        "| model | configuration | peak over baseline, per rank (MiB) | larger | / MultiWorkerMirrored | plan (MiB) | measured / plan |"
+        "| model | configuration | peak over baseline, per rank (MiB) | larger | / MultiWorkerMirrored | plan (MiB) | measured / plan (each rank / its plan) |"
     )
     print("|---|---|---|---|---|---|---|")
     for model in args.models:
         reference: dict[int, int] = {}
         for config in args.configs:
             rows = run_config(
-                config, model, gloo=args.gloo, default_allocator=args.default_allocator, profile=args.profile
+                config, model, gloo=args.gloo, default_allocator=args.default_allocator, profile=args.profile,
+                no_activations=args.no_activations,
             )
             if not rows:
                 continue
@@ -190,6 +201,9 @@ def main() -> None:
             plans = [r["plan_total"] for r in rows if r["plan_total"]]
             plan = max(plans) if plans else None
             ratio = f"{peak / plan:.2f}" if plan else ""
+            if plan and all(r["plan_total"] for r in rows):  # each rank against its own plan (its part of the batch)
+                own = [r["peak_over_baseline"] / r["plan_total"] for r in rows]
+                ratio += f" (ranks {min(own):.2f}-{max(own):.2f})"
             per_rank = ", ".join(f"{r['peak_over_baseline'] / mib:.0f}" for r in rows)
             print(f"| {model} | {config} | {per_rank} | {peak / mib:.0f} | {against} | "
                   f"{'' if plan is None else f'{plan / mib:.0f}'} | {ratio} |", flush=True)  # fmt: skip

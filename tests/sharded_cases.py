@@ -229,8 +229,14 @@ def _mlp_case(strategy: Any, stage: int) -> dict[str, Any]:
     reference = mlp(torch.float32)
     train_one_device(reference, OPTIMIZERS["adamw"](reference.parameters()), data, 0.5, 1)
     user_model = mlp(torch.float32)
-    model, opt = strategy.distribute(user_model, OPTIMIZERS["adamw"](user_model.parameters()))
+    user_opt = OPTIMIZERS["adamw"](user_model.parameters())
+    if stage == 3:
+        out.update(_activations_measured(strategy, user_model, user_opt, data[0][0]))
+    model, opt = strategy.distribute(user_model, user_opt)
+    del user_opt
     plan = strategy.memory_plan()
+    if stage == 3:
+        out.update(_activations_after_distribute(strategy, model, data[0][0]))
     step = clipped_step(model, opt)
 
     for x, y in strategy.distribute_dataset(data):
@@ -252,6 +258,37 @@ def _mlp_case(strategy: Any, stage: int) -> dict[str, Any]:
             callbacks = [sg.callbacks.BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False)]
             sg.fit(strategy, model, opt, torch.nn.functional.mse_loss, data, callbacks=callbacks)
             out["backups"] = sorted(os.listdir(backup_dir))
+    return out
+
+
+def _activations_measured(strategy: Any, net: nn.Module, opt: Any, x: torch.Tensor) -> dict[str, Any]:
+    """The plan's activations measured from a global batch of 13: this rank's part, rows 0-6 or 7-12."""
+    from stratagem.strategies.activation_memory import measure_activations
+
+    rank = strategy.cluster.task_index
+    plan = strategy.memory_plan(net, opt, example_inputs=x)
+    part = x[:7] if rank == 0 else x[7:]
+    out: dict[str, Any] = {
+        "activations": (plan.activations, measure_activations(net, part).peak, plan.activations_how),
+    }
+    with pytest_refusal() as refused:
+        strategy.memory_plan(net, opt, example_inputs=x, activations=1)
+    out["activations both"] = refused.message
+    return out
+
+
+def _activations_after_distribute(strategy: Any, model: Any, x: torch.Tensor) -> dict[str, Any]:
+    """distribute's plan keeps the measured activations; a sharded model is not measured; given bytes replace them."""
+    out: dict[str, Any] = {"activations kept": strategy.memory_plan().activations}
+    with pytest_refusal() as refused:
+        strategy.memory_plan(model.module, example_inputs=x)
+    out["activations sharded"] = refused.message
+    with pytest_refusal() as refused:
+        strategy.memory_plan(activations=-1)
+    out["activations negative"] = refused.message
+    given = strategy.memory_plan(activations=2**30)
+    at_rest = given.parameters + (given.optimizer_state or 0) + given.transport + given.gathered_with_activations
+    out["activations given"] = (given.activations, given.activations_how, given.total - at_rest)
     return out
 
 

@@ -35,5 +35,17 @@ def test_the_sharded_strategy_trains_as_one_device_and_says_what_it_holds():
         assert got["stage 3 plan"][0] == 4 * sum(r[rank] * w for r, w in zip(rows, widths))
         if rank == 0:  # each rank wrote its shards (into a directory of its own here); the chief's holds the backups
             assert [name for name in got["backups"] if name.endswith(".dcp")] == ["backup.dcp", "backup.previous.dcp"]
+        # Item 1: the step's activations, measured on fake tensors from this rank's part of the global batch.
+        planned, by_itself, how = got["activations"]
+        assert planned == by_itself > 0 and how.startswith("measured"), got["activations"]
+        assert (
+            "not both" in got["activations both"]
+            and "Received: example_inputs of type Tensor" in got["activations both"]
+        )
+        assert got["activations kept"] == planned
+        assert "measured on the model before it is sharded" in got["activations sharded"]
+        assert "Received: a model already sharded" in got["activations sharded"]
+        assert "Received: activations=-1" in got["activations negative"]
+        assert got["activations given"] == (2**30, "given", 2**30)
         assert got["gpt2"] <= 1e-5, (rank, got["gpt2"])
         assert got["gpt2 warnings"] == []

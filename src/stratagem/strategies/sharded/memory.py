@@ -16,10 +16,14 @@ rows on rank r:
   U_grad + U_rs;
 - transport: the shared-memory file the units' collectives go through on one host (`transport.py`), which
   every rank maps and reads whole: (N + 1) slots of its chunk size; 0 through the process group.
+- activations: what the step's own tensors take at their peak on this rank (given, or measured by one
+  forward and backward on fake tensors: `activation_memory.py`), 0 when neither; they peak as backward
+  starts, beside the parameters gathered then: the root's own at stage 3 (FSDP2 keeps the root gathered
+  from forward to backward), the whole model at stage 2. The units gathered later in backward meet
+  activations already partly freed, so the plan takes the larger of the two peaks, not their sum.
 
 Against plain data parallelism (a whole copy of parameters, gradients and state per rank: (2 + k) M
 with fp32 AdamW's k = 2 giving DeepSpeed's 16 bytes per parameter), the state at rest falls by N.
-Activations depend on the batch and are not planned here.
 """
 
 from __future__ import annotations
@@ -85,27 +89,36 @@ class MemoryPlan:
     shards (padded to FSDP2's equal chunks) made from it before its whole tensors are freed."""
     allocator: str = ""
     """What the plan assumes of the host allocator (the resident set follows the live tensors, or not)."""
+    activations: int = 0
+    """The step's activations on this rank at their peak (0: not counted; see `activations_how`)."""
+    activations_how: str = "not counted: pass example_inputs= or activations= to memory_plan"
+    """Where `activations` came from: given by the user, measured on fake tensors, or not counted."""
+    gathered_with_activations: int = 0
+    """The parameters gathered when the activations peak (backward's start): the root's own at stage 3, the
+    whole model at stage 2."""
 
     @property
     def training_peak(self) -> int | None:
         """The peak of a training step: the parameter and optimizer state shards, the transport, and the larger of
         the gradient shards beside the gathered working set (stage 3) or the gathered working set alone (stage 2),
-        and the gradient shards beside the optimizer's temporaries (activations not included); None when the
-        optimizer state is unknown."""
+        and the gradient shards beside the optimizer's temporaries; or, when larger, the state at rest beside the
+        activations and the parameters gathered with them; None when the optimizer state is unknown."""
         if self.optimizer_state is None:
             return None
         at_rest = self.parameters + self.optimizer_state + self.transport
+        # Backward's start: every activation alive, no gradient shard yet (zero_grad freed the last step's).
+        activations = at_rest + self.gathered_with_activations + self.activations if self.activations else 0
         if self.stage == 3:  # the last unit's backward: every gradient shard but its own, and the working set
-            return at_rest + self.gradients + max(self.gathered_peak, self.optimizer_temporaries)
+            return max(activations, at_rest + self.gradients + max(self.gathered_peak, self.optimizer_temporaries))
         # Stage 2: the whole model is gathered when backward starts, before any gradient shard exists; the
         # gathered units are freed as their gradient shards arrive, and the optimizer step comes after both.
-        return at_rest + max(self.gathered_peak, self.gradients + self.optimizer_temporaries)
+        return max(activations, at_rest + max(self.gathered_peak, self.gradients + self.optimizer_temporaries))
 
     @property
     def total(self) -> int | None:
         """The peak resident set this rank reaches over its resident set before the model was built, in bytes:
-        the larger of `distribute_peak` and `training_peak` (activations not included); None when the optimizer
-        state is unknown. Holds under the allocator that `allocator` names."""
+        the larger of `distribute_peak` and `training_peak`; None when the optimizer state is unknown. Holds under
+        the allocator that `allocator` names, with the activations that `activations_how` names."""
         training = self.training_peak
         return None if training is None else max(training, self.distribute_peak)
 
@@ -141,6 +154,11 @@ class MemoryPlan:
                 if self.optimizer_temporaries
                 else ""
             )
+            + (
+                f", activations {show_bytes(self.activations)} ({self.activations_how})"
+                if self.activations
+                else f", activations {self.activations_how}"
+            )
             + (f"; peak {show_bytes(self.total)}" if self.total is not None else "")
             + (f" (in distribute {show_bytes(self.distribute_peak)})" if self.distribute_peak else "")
             + (f"; allocator: {self.allocator}" if self.allocator else "")
@@ -174,13 +192,18 @@ def plan_memory(
     reduce_element_size: int | None = None,
     transport_bytes: int = 0,
     allocator: str = "",
+    root_bytes: int = 0,
+    activations: int = 0,
+    activations_how: str | None = None,
 ) -> MemoryPlan:
     """The plan for the model's ORIGINAL (unsharded) parameters `params` and the user's `optimizer`.
 
     `largest_unit_bytes`: the largest unit's parameters in their own dtype; `num_units`: the units besides the
     root (0: the whole model is one unit, nothing is prefetched); `compute_element_size` and
     `reduce_element_size`: the bytes of one element of the mixed-precision parameter and reduce dtypes,
-    when set; `transport_bytes`: the shared-memory file the units' collectives go through, when they do.
+    when set; `transport_bytes`: the shared-memory file the units' collectives go through, when they do;
+    `root_bytes`: the root's own parameters (those no unit holds); `activations`: the step's activations on this
+    rank at their peak, `activations_how` where that figure came from.
     """
     params = list(params)
     mine = {id(p): shard_bytes(p.shape, p.element_size(), world_size, rank) for p in params}
@@ -212,6 +235,9 @@ def plan_memory(
         optimizer_temporaries=_optimizer_temporaries(optimizer, mine),
         distribute_peak=whole + padded,
         allocator=allocator,
+        activations=activations,
+        gathered_with_activations=int((root_bytes if stage == 3 and num_units else whole) * scale),
+        **({"activations_how": activations_how} if activations_how else {}),
     )
 
 

@@ -14,6 +14,7 @@ all-gather per step instead of two, for a peak of the whole model's parameters (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import warnings
 import weakref
@@ -31,6 +32,8 @@ from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_bat
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
+from stratagem.data.split import batch_size_of, split_sizes
+from stratagem.strategies.activation_memory import ActivationEstimate, measure_activations
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
@@ -66,7 +69,7 @@ from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
-from stratagem.values import select_replica, stack_replicas
+from stratagem.values import flatten, map_structure, select_replica, stack_replicas
 
 
 class ShardedStrategy(Strategy, LossWeightHost):
@@ -148,6 +151,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._cut: UnitCut | None = None  # the first model's (or the one memory_plan(model) planned)
         self._cuts: list[UnitCut] = []
         self._plans: list[MemoryPlan] = []
+        self._activations: ActivationEstimate | None = None  # the step's, given or measured (memory_plan)
         self._shardeds: list[Any] = []
         # The parameters of the user's models distributed so far, by id (weakly: a dropped model's ids get reused).
         self._held: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -340,20 +344,73 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._model = self._model if self._model is not None else wrapped
         return wrapped if optimizer is None else (wrapped, optimizer)
 
-    def memory_plan(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> MemoryPlan:
-        """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak).
+    def memory_plan(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        example_inputs: Any = None,
+        activations: int | None = None,
+    ) -> MemoryPlan:
+        """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak,
+        activations), and `total`, the peak over the resident set before the model.
 
         After `distribute`: the plan made then. Before it: the plan for `model` and `optimizer` as they would be
-        distributed (the default cut, or this strategy's `units`)."""
+        distributed (the default cut, or this strategy's `units`). The step's activations count when given:
+        `example_inputs`, the model's inputs for one GLOBAL batch (a tensor, a tuple of positional arguments or
+        a dict of keyword arguments, cut to this rank's part as the step cuts them), measured by one forward and
+        backward on fake tensors before `distribute` (`activation_memory.py`); or `activations`, this rank's bytes,
+        given. Either is kept for the plans `distribute` makes, and so for its check against the memory limit.
+
+        Example:
+            >>> plan = strategy.memory_plan(net, optimizer, example_inputs={"input_ids": ids, "labels": ids})
+            >>> plan.total                                                   # bytes per rank   # doctest: +SKIP
+        """
+        if example_inputs is not None and activations is not None:
+            raise InputError(
+                "memory_plan takes example_inputs (measured) or activations (given), not both. "
+                f"Received: example_inputs of type {type(example_inputs).__name__} and activations={activations}."
+            )
+        if example_inputs is not None:
+            from torch.distributed.tensor import DTensor
+
+            if model is None or any(isinstance(p, DTensor) for p in model.parameters()):
+                raise InputError(
+                    "example_inputs are measured on the model before it is sharded. Received: "
+                    + ("no model" if model is None else "a model already sharded (by distribute or scope())")
+                    + ". Call strategy.memory_plan(model, optimizer, example_inputs=...) before distribute, or "
+                    "give this rank's bytes: memory_plan(activations=...)."
+                )
+            self._activations = measure_activations(model, self._replica_part(example_inputs))
+        elif activations is not None:
+            if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+                raise InputError(
+                    f"activations must be this rank's bytes, an int >= 0. Received: activations={activations!r}."
+                )
+            self._activations = ActivationEstimate(peak=activations, after_forward=activations, how="given")
         if model is None:
             if not self._plans:
                 raise InputError(
                     "memory_plan() needs the model until distribute() has run. Received: no model. "
                     "Call strategy.memory_plan(model, optimizer), or distribute first."
                 )
+            if self._activations is not None:
+                self._plans = [
+                    dataclasses.replace(p, activations=self._activations.peak, activations_how=self._activations.how)
+                    for p in self._plans
+                ]
             return self._plans[0]
         self._cut = self._cut or cut_model(model, self._policy)
         return self._memory_plan(list(model.parameters()), optimizer, self._cut)
+
+    def _replica_part(self, inputs: Any) -> Any:
+        """This rank's contiguous part of a global batch, as the step cuts it (views: no copy)."""
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs
+        sizes = split_sizes(batch_size_of(inputs), self.num_replicas_in_sync)
+        start = sum(sizes[: self._group.rank])
+        stop = start + sizes[self._group.rank]
+        return map_structure(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, inputs)
 
     def _memory_plan(
         self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
@@ -372,6 +429,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
             reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
             transport_bytes=0 if shared is None else (shared.world_size + 1) * shared.capacity,
             allocator=self._allocator[1] if self._allocator[0] else f"not planned for: {self._allocator[1]}",
+            root_bytes=cut.root_bytes,
+            activations=0 if self._activations is None else self._activations.peak,
+            activations_how=None if self._activations is None else self._activations.how,
         )
 
     def _check_limit(

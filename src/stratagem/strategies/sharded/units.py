@@ -40,6 +40,8 @@ class UnitCut:
     """Bytes of the largest gathered unit, the root's own parameters included."""
     model_bytes: int
     """Bytes of every parameter of the model."""
+    root_bytes: int = 0
+    """Bytes of the root's own parameters, those no unit holds (embeddings, tied heads)."""
     suggestion: str = "YourBlock"
     """A module class worth making a unit (named in the warning for a whole-model unit)."""
 
@@ -105,6 +107,7 @@ def cut_model(model: nn.Module, policy: UnitPolicy) -> UnitCut:
         how=how if units or policy is None else f"{how}: none",
         largest_unit_bytes=root_bytes + max(unit_bytes, default=0),
         model_bytes=sum(_bytes(p) for p in model.parameters()),
+        root_bytes=root_bytes,
         suggestion=_largest_child_class(model),
     )
 
