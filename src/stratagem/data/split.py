@@ -31,6 +31,19 @@ def split_sizes(num_examples: int, num_replicas: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(num_replicas)]
 
 
+def replica_part(batch: Any, num_replicas: int, replica: int) -> Any:
+    """Replica `replica`'s contiguous slice of a global `batch` (views of its tensors, no copy), as a step cuts it.
+
+    >>> replica_part(torch.arange(13), 2, 1)
+    tensor([ 7,  8,  9, 10, 11, 12])
+    """
+    if not any(isinstance(leaf, torch.Tensor) for _, leaf in flatten_with_paths(batch)):
+        return batch
+    sizes = split_sizes(batch_size_of(batch), num_replicas)
+    start = sum(sizes[:replica])
+    return map_structure(lambda t: t[start : start + sizes[replica]] if isinstance(t, torch.Tensor) else t, batch)
+
+
 def batch_size_of(batch: Any) -> int:
     """The first dimension shared by every tensor of a batch; raises `InputError` if they disagree.
 

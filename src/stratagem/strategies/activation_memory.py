@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,34 @@ def measure_activations(model: nn.Module, inputs: Any) -> ActivationEstimate:
             "(torch FakeTensorMode), each parameter gradient only until it is accumulated"
         ),
     )
+
+
+def plan_activations(
+    model: nn.Module | None, example_inputs: Any, activations: int | None, part: Callable[[Any], Any]
+) -> ActivationEstimate | None:
+    """What `memory_plan(model, example_inputs=..., activations=...)` was told of the step's activations: measured
+    on `part(example_inputs)` (this rank's part of the global batch), given, or None when neither was passed."""
+    from torch.distributed.tensor import DTensor
+
+    if example_inputs is not None and activations is not None:
+        raise InputError(
+            "memory_plan takes example_inputs (measured) or activations (given), not both. "
+            f"Received: example_inputs of type {type(example_inputs).__name__} and activations={activations}."
+        )
+    if example_inputs is not None:
+        if model is None or any(isinstance(p, DTensor) for p in model.parameters()):
+            raise InputError(
+                "example_inputs are measured on the model before it is sharded. Received: "
+                + ("no model" if model is None else "a model already sharded (by distribute or scope())")
+                + ". Call strategy.memory_plan(model, optimizer, example_inputs=...) before distribute, or "
+                "give this rank's bytes: memory_plan(activations=...)."
+            )
+        return measure_activations(model, part(example_inputs))
+    if activations is None:
+        return None
+    if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+        raise InputError(f"activations must be this rank's bytes, an int >= 0. Received: activations={activations!r}.")
+    return ActivationEstimate(peak=activations, after_forward=activations, how="given")
 
 
 def _drop_grad(p: torch.Tensor) -> None:

@@ -14,11 +14,11 @@ all-gather per step instead of two, for a peak of the whole model's parameters (
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +32,8 @@ from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_bat
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
-from stratagem.data.split import batch_size_of, split_sizes
-from stratagem.strategies.activation_memory import ActivationEstimate, measure_activations
+from stratagem.data.split import replica_part
+from stratagem.strategies.activation_memory import ActivationEstimate, plan_activations
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
@@ -69,7 +69,7 @@ from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
-from stratagem.values import flatten, map_structure, select_replica, stack_replicas
+from stratagem.values import select_replica, stack_replicas
 
 
 class ShardedStrategy(Strategy, LossWeightHost):
@@ -352,42 +352,18 @@ class ShardedStrategy(Strategy, LossWeightHost):
         example_inputs: Any = None,
         activations: int | None = None,
     ) -> MemoryPlan:
-        """Bytes this rank holds by category (parameters at rest, gradients, optimizer state, gathered peak,
-        activations), and `total`, the peak over the resident set before the model.
+        """Bytes this rank holds by category, and `total`, its peak over the resident set before the model.
 
         After `distribute`: the plan made then. Before it: the plan for `model` and `optimizer` as they would be
-        distributed (the default cut, or this strategy's `units`). The step's activations count when given:
-        `example_inputs`, the model's inputs for one GLOBAL batch (a tensor, a tuple of positional arguments or
-        a dict of keyword arguments, cut to this rank's part as the step cuts them), measured by one forward and
-        backward on fake tensors before `distribute` (`activation_memory.py`); or `activations`, this rank's bytes,
-        given. Either is kept for the plans `distribute` makes, and so for its check against the memory limit.
+        distributed. The step's activations count when given: `example_inputs`, the model's inputs for one GLOBAL
+        batch, measured on this rank's part before `distribute` (`activation_memory.py`), or `activations`, this
+        rank's bytes; either is kept for `distribute`'s plans and its check against the memory limit.
 
         Example:
             >>> plan = strategy.memory_plan(net, optimizer, example_inputs={"input_ids": ids, "labels": ids})
-            >>> plan.total                                                   # bytes per rank   # doctest: +SKIP
         """
-        if example_inputs is not None and activations is not None:
-            raise InputError(
-                "memory_plan takes example_inputs (measured) or activations (given), not both. "
-                f"Received: example_inputs of type {type(example_inputs).__name__} and activations={activations}."
-            )
-        if example_inputs is not None:
-            from torch.distributed.tensor import DTensor
-
-            if model is None or any(isinstance(p, DTensor) for p in model.parameters()):
-                raise InputError(
-                    "example_inputs are measured on the model before it is sharded. Received: "
-                    + ("no model" if model is None else "a model already sharded (by distribute or scope())")
-                    + ". Call strategy.memory_plan(model, optimizer, example_inputs=...) before distribute, or "
-                    "give this rank's bytes: memory_plan(activations=...)."
-                )
-            self._activations = measure_activations(model, self._replica_part(example_inputs))
-        elif activations is not None:
-            if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
-                raise InputError(
-                    f"activations must be this rank's bytes, an int >= 0. Received: activations={activations!r}."
-                )
-            self._activations = ActivationEstimate(peak=activations, after_forward=activations, how="given")
+        part = lambda batch: replica_part(batch, self.num_replicas_in_sync, self._group.rank)  # noqa: E731
+        self._activations = plan_activations(model, example_inputs, activations, part) or self._activations
         if model is None:
             if not self._plans:
                 raise InputError(
@@ -395,22 +371,11 @@ class ShardedStrategy(Strategy, LossWeightHost):
                     "Call strategy.memory_plan(model, optimizer), or distribute first."
                 )
             if self._activations is not None:
-                self._plans = [
-                    dataclasses.replace(p, activations=self._activations.peak, activations_how=self._activations.how)
-                    for p in self._plans
-                ]
+                how = self._activations.how
+                self._plans = [replace(p, activations=self._activations.peak, activations_how=how) for p in self._plans]
             return self._plans[0]
         self._cut = self._cut or cut_model(model, self._policy)
         return self._memory_plan(list(model.parameters()), optimizer, self._cut)
-
-    def _replica_part(self, inputs: Any) -> Any:
-        """This rank's contiguous part of a global batch, as the step cuts it (views: no copy)."""
-        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
-            return inputs
-        sizes = split_sizes(batch_size_of(inputs), self.num_replicas_in_sync)
-        start = sum(sizes[: self._group.rank])
-        stop = start + sizes[self._group.rank]
-        return map_structure(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, inputs)
 
     def _memory_plan(
         self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
