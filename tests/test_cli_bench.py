@@ -172,7 +172,7 @@ def test_a_replica_count_no_device_kind_has_is_refused_before_any_work():
         match=r"more replicas than this machine has devices \(2 logical CPU device\(s\), "
         r"0 GPU\(s\)\)\. Received: replicas=\(1, 3\)\. Use counts up to 2",
     ):
-        plan_rows(ScalingConfig(replicas=(1, 3)), BenchMachine(cpu_devices=2))
+        plan_rows(ScalingConfig(strategies=("mirrored",), replicas=(1, 3)), BenchMachine(cpu_devices=2))
 
 
 @pytest.mark.parametrize(
@@ -392,6 +392,7 @@ def test_bench_measures_writes_png_and_json_and_matches_plain_losses(capsys, tmp
     for key, row in rows.items():
         assert row["status"] == "ok", (key, row["reason"])
         assert row["samples_per_s"] > 0 and row["ratio_vs_plain"] > 0
+        assert row["peak_memory_bytes"] > 0, key  # beside samples/s for every strategy (issue 39, item 7)
         # Synchronous strategies train the same model on the same global batches: the loss of plain PyTorch.
         assert row["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5), key
         if key[0] != "plain":
@@ -400,3 +401,44 @@ def test_bench_measures_writes_png_and_json_and_matches_plain_losses(capsys, tmp
     png = (tmp_path / "stratagem-bench.png").read_bytes()
     assert "matplotlib" in png_text_chunks(png).get("Software", "").lower()
     assert len(png) > 10_000  # axes, lines and labels, not an empty canvas
+
+
+def test_worker_processes_on_the_cpu_are_measured_at_one_two_and_three_on_two_cores():
+    # Issue 39, item 7: memory per rank against worker count needs three points, also on a 2-core machine.
+    machine = BenchMachine(cpu_devices=2, gloo=True)
+    rows = plan_rows(ScalingConfig(workloads=("mlp",), strategies=("sharded", "multi_worker", "mirrored")), machine)
+    counts = {
+        name: [r.replicas for r in rows if r.strategy == name] for name in ("sharded", "multi_worker", "mirrored")
+    }
+    assert counts == {"sharded": [1, 2, 3], "multi_worker": [1, 2, 3], "mirrored": [1, 2]}
+    assert all(r.status == "pending" for r in rows), [(r.label, r.reason) for r in rows]
+    three = plan_rows(ScalingConfig(strategies=("sharded", "mirrored"), replicas=(3,)), machine)
+    reasons = {r.strategy: r.reason for r in three if r.workload == "mlp"}
+    assert reasons == {
+        "plain": None,
+        "sharded": None,
+        "mirrored": "this machine has 2 logical CPU device(s), fewer than 3 replicas",
+    }
+    with pytest.raises(
+        InputError, match=r"\(2 logical CPU device\(s\), 0 GPU\(s\); worker processes on the CPU: up to 3\)"
+    ):
+        plan_rows(ScalingConfig(strategies=("sharded",), replicas=(4,)), machine)
+
+
+@pytest.mark.timeout(240)
+def test_bench_measures_sharded_at_two_and_three_workers_with_memory_per_rank(capsys, tmp_path):
+    argv = ["bench", "--json", "--workloads", "mlp", "--strategies", "sharded,multi_worker", "--replicas", "2,3"]
+    code = main([*argv, "--warmup", "1", "--steps", "2", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    printed = json.loads(captured.out)
+    rows = {(r["strategy"], r["replicas"]): r for r in printed["results"] if r["device_kind"] == "cpu"}
+    assert set(rows) == {("plain", 1), ("sharded", 2), ("sharded", 3), ("multi_worker", 2), ("multi_worker", 3)}
+    for key, row in rows.items():
+        assert row["status"] == "ok", (key, row["reason"])
+        # The largest process's peak over what it held before the model: the model's state at least (the MLP's
+        # parameters, gradients and SGD state are sharded 2 or 3 ways, or whole).
+        assert row["peak_memory_bytes"] > 0 and row["samples_per_s"] > 0, key
+    assert "peak_memory_bytes" in printed["definitions"]
+    png = (tmp_path / "stratagem-bench.png").read_bytes()
+    assert len(png) > 10_000

@@ -9,6 +9,7 @@ and exits with status 1, so the parent can say what went wrong instead of only a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stratagem.bench.peak_memory import PeakMemory
 from stratagem.bench.registry import (
     BENCH_STRATEGIES,
     BenchStrategy,
@@ -70,7 +72,9 @@ def _measure(rank: int, request: MeasureRequest, ports: Sequence[int]) -> Measur
     workload = WORKLOADS[request.workload]
     if request.strategy is None:
         if request.kind == "cpu":
-            return measure_plain(workload, request.warmup, request.steps)
+            memory = PeakMemory.start("cpu")
+            result = measure_plain(workload, request.warmup, request.steps)
+            return dataclasses.replace(result, peak_memory_bytes=memory.peak())
         return _measure_plain_gpu(workload, request)
     spec = BENCH_STRATEGIES[request.strategy]
     if spec.one_process_per_replica:
@@ -80,6 +84,7 @@ def _measure(rank: int, request: MeasureRequest, ports: Sequence[int]) -> Measur
 
 def _measure_plain_gpu(workload: Workload, request: MeasureRequest) -> Measurement:
     device = torch.device("cuda:0")
+    memory = PeakMemory.start("gpu", "cuda:0")
     model = workload.build_model().to(device)
     optimizer = workload.build_optimizer(model)
     batches = [(x.to(device), y.to(device)) for x, y in workload.make_batches()]
@@ -87,7 +92,7 @@ def _measure_plain_gpu(workload: Workload, request: MeasureRequest) -> Measureme
     elapsed, loss = timed_steps(
         lambda i: train_step(*batches[i % len(batches)]), request.warmup, request.steps, barrier=_cuda_synchronizer(1)
     )
-    return _result(request, workload, elapsed, float(loss.detach()))
+    return _result(request, workload, elapsed, float(loss.detach()), memory.peak())
 
 
 def _measure_in_process(spec: BenchStrategy, workload: Workload, request: MeasureRequest) -> Measurement:
@@ -96,13 +101,17 @@ def _measure_in_process(spec: BenchStrategy, workload: Workload, request: Measur
         options["registry"] = _cpu_registry(request.replicas)
     strategy = spec.build(replica_devices(request.kind, request.replicas), options)
     try:
+        # Every replica's memory is this one process's (on GPUs, the largest device's).
+        devices = replica_devices(request.kind, request.replicas) if request.kind == "gpu" else ["cpu"]
+        memories = [PeakMemory.start(request.kind, device) for device in devices]
         step = strategy_steps(strategy, workload)
         barrier = _cuda_synchronizer(request.replicas) if request.kind == "gpu" else None
         elapsed, loss = timed_steps(step, request.warmup, request.steps, barrier=barrier)
         final_loss = float(strategy.reduce("mean", loss))
+        peaks = [peak for memory in memories if (peak := memory.peak()) is not None]
     finally:
         strategy.close()
-    return _result(request, workload, elapsed, final_loss)
+    return _result(request, workload, elapsed, final_loss, max(peaks) if peaks else None)
 
 
 def _measure_process_rank(
@@ -123,6 +132,7 @@ def _measure_process_rank(
         {"timeout": _wait_timeout(request), "cluster": cluster},
     )
     try:
+        memory = PeakMemory.start(request.kind, process_device(request.kind, rank))
         step = strategy_steps(strategy, workload)
         sync = _cuda_synchronizer(1, first=rank) if request.kind == "gpu" else None
 
@@ -134,9 +144,19 @@ def _measure_process_rank(
 
         elapsed, loss = timed_steps(step, request.warmup, request.steps, barrier=barrier)
         final_loss = float(strategy.reduce("mean", loss))
+        peak = _largest_across_ranks(memory.peak(), process_device(request.kind, rank))
     finally:
         strategy.close()
-    return _result(request, workload, elapsed, final_loss)
+    return _result(request, workload, elapsed, final_loss, peak)
+
+
+def _largest_across_ranks(peak: int | None, device: str) -> int | None:
+    """The largest rank's peak (-1 stands for a rank that could not read its own)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([-1 if peak is None else peak], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return None if int(value) < 0 else int(value)
 
 
 def _wait_timeout(request: MeasureRequest) -> float:
@@ -145,7 +165,9 @@ def _wait_timeout(request: MeasureRequest) -> float:
     return request.timeout_s / 2
 
 
-def _result(request: MeasureRequest, workload: Workload, elapsed: float, final_loss: float) -> Measurement:
+def _result(
+    request: MeasureRequest, workload: Workload, elapsed: float, final_loss: float, peak_memory: int | None
+) -> Measurement:
     return Measurement(
         request.label,
         workload.name,
@@ -155,6 +177,7 @@ def _result(request: MeasureRequest, workload: Workload, elapsed: float, final_l
         request.steps * workload.global_batch / elapsed,
         final_loss,
         torch.get_num_threads(),
+        peak_memory,
     )
 
 

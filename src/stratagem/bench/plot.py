@@ -1,7 +1,9 @@
-"""The PNG of a `stratagem bench` run: samples/s and scaling efficiency against replica count.
+"""The PNG of a `stratagem bench` run: samples/s, scaling efficiency and memory per rank against replica count.
 
 One column per workload. Top: samples/s of each strategy and device kind against its replica
-count, plain PyTorch as a dashed horizontal line. Bottom: scaling efficiency (1.0 = nothing lost).
+count, plain PyTorch as a dashed horizontal line. Middle: scaling efficiency (1.0 = nothing lost).
+Bottom: peak memory per rank (the largest worker process's, or GPU's) against the worker count, plain
+PyTorch dashed: a sharded rank's falls with N, a replica's does not.
 Configurations that were not measured are listed under the figure with their status.
 
 Example:
@@ -23,12 +25,12 @@ def write_plot(report: ScalingReport, path: str | Path) -> Path:
 
     workloads = list(dict.fromkeys(row.workload for row in report.rows))
     # A Figure on the Agg canvas, not pyplot: no window, no global backend switch in the caller's program.
-    figure = Figure(figsize=(6 * len(workloads), 8))
+    figure = Figure(figsize=(6 * len(workloads), 12))
     FigureCanvasAgg(figure)
-    axes = figure.subplots(2, len(workloads), squeeze=False)
+    axes = figure.subplots(3, len(workloads), squeeze=False)
     cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for column, workload in enumerate(workloads):
-        top, bottom = axes[0][column], axes[1][column]
+        top, bottom, memory = axes[0][column], axes[1][column], axes[2][column]
         rows = [row for row in report.rows if row.workload == workload]
         series = list(dict.fromkeys((row.strategy, row.kind) for row in rows if row.strategy != PLAIN))
         for index, (strategy, kind) in enumerate(series):
@@ -48,10 +50,19 @@ def write_plot(report: ScalingReport, path: str | Path) -> Path:
                 color=color,
                 label=label,
             )
+            held = [(r.replicas, r.peak_memory_bytes / 2**20) for r in measured if r.peak_memory_bytes is not None]
+            memory.plot([n for n, _ in held], [mib for _, mib in held], "o-", color=color, label=label)
         for row in rows:
             if row.strategy == PLAIN and row.samples_per_s is not None:
                 top.axhline(
                     row.samples_per_s,
+                    linestyle="--",
+                    color="black" if row.kind == "cpu" else "grey",
+                    label=f"plain PyTorch ({row.kind})",
+                )
+            if row.strategy == PLAIN and row.peak_memory_bytes is not None:
+                memory.axhline(
+                    row.peak_memory_bytes / 2**20,
                     linestyle="--",
                     color="black" if row.kind == "cpu" else "grey",
                     label=f"plain PyTorch ({row.kind})",
@@ -62,9 +73,14 @@ def write_plot(report: ScalingReport, path: str | Path) -> Path:
         bottom.set(
             title=f"{workload}: scaling efficiency", xlabel="replicas", ylabel="efficiency", xticks=replica_counts
         )
+        memory.set(
+            title=f"{workload}: peak memory per rank", xlabel="replicas (workers)", ylabel="MiB over the baseline",
+            xticks=replica_counts,
+        )  # fmt: skip
         top.set_ylim(bottom=0)
         bottom.set_ylim(bottom=0)
-        for axis in (top, bottom):
+        memory.set_ylim(bottom=0)
+        for axis in (top, bottom, memory):
             axis.grid(alpha=0.3)
             if axis.get_legend_handles_labels()[0]:
                 axis.legend(fontsize="small")
@@ -74,7 +90,7 @@ def write_plot(report: ScalingReport, path: str | Path) -> Path:
     if missing:
         figure.text(0.01, 0.005, "not measured: " + "; ".join(missing), fontsize="x-small", wrap=True, va="bottom")
     figure.suptitle(
-        "stratagem bench: throughput and scaling per strategy\n"
+        "stratagem bench: throughput, scaling and memory per rank per strategy\n"
         "efficiency = speedup over 1 replica / ideal speedup (N for GPUs, 1 for logical CPUs)",
         fontsize="medium",
     )

@@ -24,6 +24,9 @@ from stratagem.strategies import Strategy
 from stratagem.strategies.records import STRATEGIES, StrategyRecord
 
 DEVICE_KINDS = ("cpu", "gpu")
+MIN_CPU_WORKERS = 3
+"""Worker processes on the CPU share its cores, as threads do, and may number up to its logical devices or this
+many, whichever is more: memory per rank against worker count needs three points even on a 2-core machine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +133,8 @@ class BenchStrategy:
         if self.max_replicas is not None and replicas > self.max_replicas:
             return f"{self.name} runs at most {self.max_replicas} replica(s)"
         have = machine.max_replicas(kind)
+        if self.one_process_per_replica and kind == "cpu":  # each worker runs on cpu:0, sharing the cores
+            have = max(have, MIN_CPU_WORKERS)
         if replicas > have:
             unit = "logical CPU device(s)" if kind == "cpu" else "GPU(s)"
             return f"this machine has {have} {unit}, fewer than {replicas} replicas"

@@ -38,6 +38,7 @@ from stratagem.bench.measure import MeasureRequest, error_file, measure_rank
 from stratagem.bench.multi_process import spawn_ranks
 from stratagem.bench.registry import (
     BENCH_STRATEGIES,
+    MIN_CPU_WORKERS,
     BenchMachine,
     process_device,
     replica_devices,
@@ -58,6 +59,9 @@ DEFINITIONS = {
     "ideal_speedup": "how many times more hardware N replicas have than one: N for GPUs, 1 for logical CPU "
     "devices (they share the cores one replica already keeps busy)",
     "scaling_efficiency": "speedup / ideal_speedup (1.0: distribution loses nothing)",
+    "peak_memory_bytes": "the largest process's peak resident set over its resident set before the model was built "
+    "(VmHWM - VmRSS; an in-process strategy's replicas all count in its one process), on GPUs the largest "
+    "device's peak allocated memory; the largest over rounds",
 }
 
 
@@ -130,6 +134,7 @@ class ScalingRow:
     samples_per_s_runs: list[float] = field(default_factory=list)
     ratios_runs: list[float] = field(default_factory=list)
     final_loss: float | None = None
+    peak_memory_runs: list[int] = field(default_factory=list)
     speedup: float | None = None
     ideal_speedup: int | None = None
     scaling_efficiency: float | None = None
@@ -141,6 +146,11 @@ class ScalingRow:
     @property
     def ratio_vs_plain(self) -> float | None:
         return statistics.median(self.ratios_runs) if self.status == "ok" and self.ratios_runs else None
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """Peak memory of one process (or GPU) over its baseline: the largest over rounds."""
+        return max(self.peak_memory_runs) if self.status == "ok" and self.peak_memory_runs else None
 
     @property
     def label(self) -> str:
@@ -163,6 +173,8 @@ class ScalingRow:
             "ideal_speedup": self.ideal_speedup,
             "scaling_efficiency": self.scaling_efficiency,
             "final_loss": self.final_loss,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_runs": self.peak_memory_runs,
         }
 
 
@@ -239,16 +251,38 @@ def default_replica_counts(available: int) -> list[int]:
     return counts + [available] if available > 0 else []
 
 
+def replica_counts(config: ScalingConfig, machine: BenchMachine, kind: str, strategy: str) -> list[int]:
+    """The replica counts `strategy` is measured at on `kind`: the configured ones, else 1, 2, 4, ... up to the
+    devices of that kind, with 1, 2 and 3 workers for a strategy of processes on the CPU.
+
+    Example:
+        >>> replica_counts(ScalingConfig(), BenchMachine(cpu_devices=2), "cpu", "sharded")
+        [1, 2, 3]
+    """
+    if config.replicas:
+        return sorted(config.replicas)
+    counts = default_replica_counts(machine.max_replicas(kind))
+    if kind == "cpu" and BENCH_STRATEGIES[strategy].one_process_per_replica:
+        counts = sorted(set(counts) | set(range(1, MIN_CPU_WORKERS + 1)))
+    return counts
+
+
 def plan_rows(config: ScalingConfig, machine: BenchMachine) -> list[ScalingRow]:
     """Every row the run will report, in table order; those that cannot run here already say why.
 
-    Raises InputError, before anything runs, for a replica count no device kind of this machine has.
+    Raises InputError, before anything runs, for a replica count no device kind of this machine has (worker
+    processes on the CPU share its cores, as threads do, and are not bounded by its logical devices).
     """
     most = max(machine.max_replicas(kind) for kind in machine.device_kinds())
+    workers = any(BENCH_STRATEGIES[name].one_process_per_replica for name in config.strategies) and machine.gloo
+    if workers:
+        most = max(most, MIN_CPU_WORKERS)
     if config.replicas is not None and max(config.replicas) > most:
         raise InputError(
             f"replicas asks for more replicas than this machine has devices ({machine.cpu_devices} logical CPU "
-            f"device(s), {machine.gpu_devices} GPU(s)). Received: replicas={config.replicas!r}. "
+            f"device(s), {machine.gpu_devices} GPU(s)"
+            + (f"; worker processes on the CPU: up to {most}" if workers else "")
+            + f"). Received: replicas={config.replicas!r}. "
             f"Use counts up to {most}, or configure more logical CPU devices."
         )
     rows = []
@@ -256,10 +290,9 @@ def plan_rows(config: ScalingConfig, machine: BenchMachine) -> list[ScalingRow]:
         for kind in machine.device_kinds():
             plain_device = "cpu" if kind == "cpu" else "cuda:0"
             rows.append(ScalingRow(workload=workload, strategy=PLAIN, kind=kind, replicas=1, devices=[plain_device]))
-            counts = sorted(config.replicas) if config.replicas else default_replica_counts(machine.max_replicas(kind))
             for name in config.strategies:
                 spec = BENCH_STRATEGIES[name]
-                for n in counts:
+                for n in replica_counts(config, machine, kind, name):
                     devices = (
                         [process_device(kind, r) for r in range(n)]
                         if spec.one_process_per_replica
@@ -375,6 +408,8 @@ def _measure_row(row: ScalingRow, config: ScalingConfig, start_method: str) -> b
             return False
     row.samples_per_s_runs.append(result["samples_per_s"])
     row.final_loss = result["final_loss"]
+    if result.get("peak_memory_bytes") is not None:
+        row.peak_memory_runs.append(result["peak_memory_bytes"])
     return True
 
 

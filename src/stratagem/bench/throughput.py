@@ -34,6 +34,8 @@ class Measurement:
     samples_per_s: float
     final_loss: float
     threads: int
+    peak_memory_bytes: int | None = None
+    """The largest process's (or GPU's) peak memory over what it held before the model (`bench/peak_memory.py`)."""
 
 
 def make_train_step(

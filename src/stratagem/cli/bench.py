@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(_table(report))
         if report.machine.no_gpu_reason:
             console.print(Text(f"No GPU rows: {report.machine.no_gpu_reason}", style="yellow"))
-        for name in ("ratio_vs_plain", "scaling_efficiency", "ideal_speedup"):
+        for name in ("ratio_vs_plain", "scaling_efficiency", "ideal_speedup", "peak_memory_bytes"):
             console.print(Text(f"{name}: {DEFINITIONS[name]}", style="dim"))
         for warning in report.warnings:
             console.print(Text(f"Warning: {warning}", style="bold yellow"))
@@ -275,6 +275,7 @@ def _table(report: ScalingReport) -> Table:
         ("strategy", "left"),
         ("replicas", "right"),
         ("samples/s", "right"),
+        ("peak MiB", "right"),
         ("x plain", "right"),
         ("speedup", "right"),
         ("efficiency", "right"),
@@ -290,6 +291,7 @@ def _table(report: ScalingReport) -> Table:
             row.strategy,
             str(row.replicas),
             _number(row.samples_per_s, ",.0f"),
+            _number(None if row.peak_memory_bytes is None else row.peak_memory_bytes / 2**20, ",.0f"),
             _number(row.ratio_vs_plain, ".3f"),
             _number(row.speedup, ".2f"),
             _efficiency(row),
