@@ -1,5 +1,8 @@
 """What the tensor-parallel tests' ranks run: a tiny GPT-2 (float64, vocabulary 2049, tied embeddings, -100
-labels) trained with AdamW and clipping under TensorParallelStrategy, against the same steps on one device."""
+labels) trained with AdamW and clipping under TensorParallelStrategy, against the same steps on one device.
+
+The loss is computed here, in float64 (`lm_loss`), not by the model (`output.loss`): transformers' loss casts the
+logits to float32, which one device and a `data` axis round differently (see `lm_loss`)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GLOBAL_BATCH = 13
@@ -54,6 +58,15 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The next-token loss in the logits' dtype. transformers' `output.loss` casts float64 logits to float32
+    (`ForCausalLMLoss`: `logits.float()`), so its gradient carries float32 rounding: the mean over a data group's
+    slice rounds differently from the mean over the whole batch, 6e-8 to 8e-8 relative on every gradient, and
+    AdamW grows that to 3e-5 in three steps. A 1-D `model` mesh computes the whole batch's loss on every worker
+    and rounds as one device does, so only a `data` axis showed it; the strategy's weighted sum was exact."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
@@ -63,7 +76,7 @@ def one_device(model: nn.Module) -> tuple[nn.Module, list[float], list[float]]:
     opt = optimizer(reference.parameters())
     norms, losses = [], []
     for batch in batches():
-        loss = reference(**batch).loss
+        loss = lm_loss(reference(input_ids=batch["input_ids"]).logits, batch["labels"])
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
         opt.step()
@@ -84,19 +97,21 @@ def exactness(rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[
 
     user_model = gpt2()
     reference, ref_norms, ref_losses = one_device(user_model)
-    strategy = sg.TensorParallelStrategy(layout_map(sg.DeviceMesh(shape, names)), cluster=cluster_of(rank, ports), timeout=120)
+    strategy = sg.TensorParallelStrategy(
+        layout_map(sg.DeviceMesh(shape, names)), cluster=cluster_of(rank, ports), timeout=120
+    )
     try:
         model, opt = strategy.distribute(user_model, optimizer(user_model.parameters()))
         norms, losses = [], []
 
         def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            output = model(**batch)
+            loss = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
             sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
-            output.loss.backward()
+            loss.backward()
             norms.append(float(whole_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))))
             opt.step()
             opt.zero_grad()
-            return output.loss.detach()
+            return loss.detach()
 
         for batch in strategy.distribute_dataset(batches()):
             losses.append(float(strategy.reduce("mean", strategy.run(step, args=(batch,)))))
@@ -105,7 +120,9 @@ def exactness(rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[
             float((whole_tensor(p).detach() - expected[name]).abs().max() / expected[name].abs().max())
             for name, p in model.named_parameters()
         )
-        local_shapes = {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if hasattr(p, "to_local")}
+        local_shapes = {
+            name: tuple(p.to_local().shape) for name, p in model.named_parameters() if hasattr(p, "to_local")
+        }
         return {
             "worst": worst,
             "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
