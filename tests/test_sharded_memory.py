@@ -99,6 +99,22 @@ def test_the_alternatives_are_the_other_stage_then_more_workers_with_falling_pla
     assert [a.total for a in found[1:5]] == sorted((a.total for a in found[1:5]), reverse=True)
 
 
+def test_the_alternatives_carry_the_activations_divided_as_the_batch_is():
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 4 units of 16,640 B, no root parameters
+    params = list(model.parameters())
+    kw = dict(world_size=2, stage=3, largest_unit_bytes=65 * 64 * 4, num_units=4)
+    without = {a.strategy: a.total for a in sharded_alternatives(params, None, **kw)}
+    with_them = {a.strategy: a.total for a in sharded_alternatives(params, None, activations=6 * MIB, **kw)}
+    # Rank 0's parameter shards (32, 22 or 16 of each layer's 64 rows) beside the activations, which outweigh the
+    # gathered units here: at stage 2 on these 2 workers with the whole model gathered and all 6 MiB; at stage 3 on
+    # 3 workers a rank holds 2/3 of the examples it holds on 2, so 4 MiB, and on 4 workers 3 MiB.
+    shard = {2: 4 * (32 * 64 + 32) * 4, 3: 4 * (22 * 64 + 22) * 4, 4: 4 * (16 * 64 + 16) * 4}
+    assert with_them["ShardedStrategy(stage=2) on these workers"] == shard[2] + 4 * 65 * 64 * 4 + 6 * MIB
+    assert with_them["ShardedStrategy(stage=3) on 3 workers"] == shard[3] + 4 * MIB
+    assert with_them["ShardedStrategy(stage=3) on 4 workers"] == shard[4] + 3 * MIB
+    assert all(with_them[k] > without[k] for k in without)
+
+
 def test_a_whole_copy_plans_the_users_model_its_replica_gradients_and_adamw_state():
     model = nn.Linear(10, 5)  # 55 parameters, 220 B
     params = list(model.parameters())

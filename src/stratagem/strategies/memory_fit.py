@@ -71,16 +71,21 @@ def sharded_alternatives(
     largest_unit_bytes: int,
     num_units: int,
     transport_per_worker: int = 0,
+    root_bytes: int = 0,
+    activations: int = 0,
 ) -> list[Alternative]:
     """ShardedStrategy's plans, best first: stage 3 (and 2) at `world_size` (the ones other than `stage`), then
-    stage 3 at up to 8x the workers. `transport_per_worker`: the shared-memory slot per rank (+1 for the result)."""
+    stage 3 at up to 8x the workers. `transport_per_worker`: the shared-memory slot per rank (+1 for the result);
+    `activations`: this rank's at `world_size`, which n workers divide as they divide the global batch (a rank's
+    part holds about world_size / n of this one's examples)."""
     tried: list[Alternative] = []
     configurations = [(s, world_size) for s in (3, 2) if s != stage]
     configurations += [(3, n) for n in range(world_size + 1, 8 * world_size + 1)]
     for s, n in configurations:
         plan = plan_memory(
             params, optimizer, rank=0, world_size=n, stage=s, largest_unit_bytes=largest_unit_bytes,
-            num_units=num_units, transport_bytes=(n + 1) * transport_per_worker,
+            num_units=num_units, transport_bytes=(n + 1) * transport_per_worker, root_bytes=root_bytes,
+            activations=activations * world_size // n,
         )  # fmt: skip
         if plan.total is not None:
             where = f"on {n} workers" if n != world_size else "on these workers"

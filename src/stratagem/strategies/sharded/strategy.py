@@ -412,7 +412,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
             alternatives=lambda: sharded_alternatives(
                 params, optimizer, world_size=self._group.world_size, stage=self._stage,
                 largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.units),
-                transport_per_worker=0 if shared is None else shared.capacity,
+                transport_per_worker=0 if shared is None else shared.capacity, root_bytes=cut.root_bytes,
+                activations=plan.activations,
             ),
         )  # fmt: skip
 
