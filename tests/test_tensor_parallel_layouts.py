@@ -53,7 +53,9 @@ def test_a_malformed_mesh_is_refused_with_its_values(shape, names, message):
 
 def test_a_layout_naming_an_axis_not_in_the_mesh_is_refused():
     layout_map = sg.LayoutMap(sg.DeviceMesh((2,), ("model",)))
-    with pytest.raises(sg.InputError, match=r"names axis 'data', which the mesh does not have.*Use one of \('model',\)"):
+    with pytest.raises(
+        sg.InputError, match=r"names axis 'data', which the mesh does not have.*Use one of \('model',\)"
+    ):
         layout_map["fc.weight"] = ("data", None)
     # Without a mesh, checked when the strategy resolves it against its own (the default: one 'model' axis).
     unbound = sg.LayoutMap()

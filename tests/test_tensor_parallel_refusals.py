@@ -49,7 +49,10 @@ def test_an_embedding_that_renormalises_its_rows_is_refused():
 
 
 def test_a_mesh_that_is_not_the_worker_count_is_refused_before_any_process_group():
-    cluster = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}, "task": {"type": "worker", "index": 0}}
+    cluster = {
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]},
+        "task": {"type": "worker", "index": 0},
+    }
     layouts = sg.LayoutMap(sg.DeviceMesh((2, 2), ("data", "model")))
     with pytest.raises(sg.InputError, match=r"spans 4 workers but the job has 3"):
         sg.TensorParallelStrategy(layouts, cluster=cluster)

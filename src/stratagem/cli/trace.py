@@ -1,8 +1,8 @@
 """``stratagem trace``: read the trace a job wrote (`stratagem launch --trace DIR`, `strategy.trace(DIR)`).
 
-    stratagem trace summary traces/            # per step and worker: input, compute, waits, transfer, idle
-    stratagem trace summary traces/ --json     # the same report as JSON
-    stratagem trace merge traces/              # traces/trace.json.gz, for Perfetto or chrome://tracing
+stratagem trace summary traces/            # per step and worker: input, compute, waits, transfer, idle
+stratagem trace summary traces/ --json     # the same report as JSON
+stratagem trace merge traces/              # traces/trace.json.gz, for Perfetto or chrome://tracing
 """
 
 from __future__ import annotations

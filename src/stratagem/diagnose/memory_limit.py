@@ -122,7 +122,7 @@ def read_memory_limit(device: object = None) -> MemoryLimit:
     """This process's tightest memory limit now; on a CUDA `device`, its free memory (device memory, not host)."""
     import torch
 
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = torch.device(device) if device is not None else torch.device("cpu")  # type: ignore[call-overload]
     if device.type == "cuda":
         return memory_limit(gpu_free=torch.cuda.mem_get_info(device))
     status = _read("/proc/self/status") or ""

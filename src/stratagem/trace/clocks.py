@@ -37,7 +37,14 @@ class ClockOffset:
 
 
 def align(
-    store: Any, *, rank: int, world_size: int, clock: Clock, round_id: str, samples: int = SAMPLES, timeout: float = 60.0
+    store: Any,
+    *,
+    rank: int,
+    world_size: int,
+    clock: Clock,
+    round_id: str,
+    samples: int = SAMPLES,
+    timeout: float = 60.0,
 ) -> ClockOffset:
     """Measures this worker's clock offset to the chief's (rank 0) through `store` (set/get/wait of a
     torch.distributed store); every rank calls it with the same `round_id`. The chief's own offset is 0."""

@@ -71,7 +71,7 @@ def late_steps(
     tasks = {w.rank: w.task for w in job.workers}
     seqs = sorted(set.intersection(*(set(c) for c in by_rank.values())))
     per_step: dict[int, dict[int, float]] = {}  # step -> rank -> ns the others waited for it
-    excess: dict[int, dict[int, collections.Counter[str]]] = {}
+    excess: dict[int, dict[int, dict[str, float]]] = {}
     step_of = {r: sorted((end, step, start) for step, (start, end) in windows[r].items()) for r in by_rank}
     for seq in seqs:
         arrivals = sorted((by_rank[r][seq].arrived, r) for r in by_rank)
@@ -79,17 +79,18 @@ def late_steps(
         step = next((s for end, s, start in step_of[late] if start < arrived <= end), None)
         if step is None or step not in windows[late]:
             continue
-        per_step.setdefault(step, collections.Counter())[late] += arrived - second
+        waits = per_step.setdefault(step, {})
+        waits[late] = waits.get(late, 0.0) + (arrived - second)
         phases: dict[int, dict[str, int]] = {}
         for r in by_rank:
             prev = by_rank[r].get(seq - 1)
             since = prev.done if prev is not None and prev.done is not None else windows[r].get(step, (0, 0))[0]
             since = min(since, by_rank[r][seq].arrived)
             phases[r] = timelines[r].totals(since, by_rank[r][seq].arrived)
-        mine = excess.setdefault(step, {}).setdefault(late, collections.Counter())
+        mine = excess.setdefault(step, {}).setdefault(late, {})
         for phase in PHASES:
             others = statistics.median(phases[r][phase] for r in by_rank if r != late)
-            mine[phase] += phases[late][phase] - others
+            mine[phase] = mine.get(phase, 0.0) + phases[late][phase] - others
     out = []
     for step in steps:
         waited = per_step.get(step)

@@ -116,7 +116,9 @@ def chrome_trace(job: JobTrace) -> dict[str, Any]:
         def tid_of(track: str, pid: int = pid, tids: dict[str, int] = tids) -> int:
             if track not in tids:
                 tids[track] = len(tids) + 1
-                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[track], "args": {"name": track}})
+                events.append(
+                    {"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[track], "args": {"name": track}}
+                )
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tids[track], "args": {"sort_index": tids[track]}})  # fmt: skip
             return tids[track]
 

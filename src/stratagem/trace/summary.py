@@ -117,7 +117,13 @@ class TraceSummary:
 
         tasks = list(dict.fromkeys(r.task for r in self.rows))
         fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 2.6 * len(tasks)), sharex=True, squeeze=False)
-        colors = {"input": "#4c9be8", "compute": "#59a14f", "peers": "#e15759", "transfer": "#f28e2b", "idle": "#bab0ac"}
+        colors = {
+            "input": "#4c9be8",
+            "compute": "#59a14f",
+            "peers": "#e15759",
+            "transfer": "#f28e2b",
+            "idle": "#bab0ac",
+        }
         for ax, task in zip(axes[:, 0], tasks):
             mine = [r for r in self.rows if r.task == task]
             steps = [r.step for r in mine]

@@ -16,7 +16,13 @@ from stratagem.trace.merge import JobTrace, WorkerTrace
 LABELS = ("peers", "transfer", "input", "forward", "backward", "optimizer", "compute")
 """By priority, highest first."""
 _PRIORITY = {label: i for i, label in enumerate(LABELS)}
-_CATEGORY = {"input": "input", "forward": "forward", "backward": "backward", "optimizer": "optimizer", "step": "compute"}
+_CATEGORY = {
+    "input": "input",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "step": "compute",
+}
 
 
 @dataclass

@@ -39,8 +39,9 @@ class DeviceMesh:
     """
 
     def __init__(self, shape: Sequence[int], axis_names: Sequence[str]) -> None:
-        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-        axis_names = tuple(axis_names) if isinstance(axis_names, (tuple, list)) else (axis_names,)
+        # A bare number or name stands for a one-axis mesh, as in Keras.
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)  # type: ignore[assignment]
+        axis_names = tuple(axis_names) if isinstance(axis_names, (tuple, list)) else (axis_names,)  # type: ignore[assignment]
         if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
             raise InputError(
                 f"A mesh's shape is one positive whole number per axis. Received: shape={shape!r}, "
@@ -56,8 +57,8 @@ class DeviceMesh:
                 f"A mesh's axis names must differ from each other. Received: shape={shape!r}, "
                 f"axis_names={axis_names!r}. Rename the repeated axis."
             )
-        self.shape: tuple[int, ...] = shape
-        self.axis_names: tuple[str, ...] = axis_names
+        self.shape: tuple[int, ...] = tuple(shape)
+        self.axis_names: tuple[str, ...] = tuple(axis_names)
 
     @property
     def size(self) -> int:

@@ -35,10 +35,20 @@ from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_re
 from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.sharded.placement import local_device
-from stratagem.strategies.tensor_parallel.apply import TensorParallelModel, apply_tensor_parallel, replicated_plain_tensors
+from stratagem.strategies.tensor_parallel.apply import (
+    TensorParallelModel,
+    apply_tensor_parallel,
+    replicated_plain_tensors,
+)
 from stratagem.strategies.tensor_parallel.data_axis import DataAxisSum
 from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
-from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, LayoutMap, ParameterLayout, default_mesh, resolve_layouts
+from stratagem.strategies.tensor_parallel.mesh import (
+    DeviceMesh,
+    LayoutMap,
+    ParameterLayout,
+    default_mesh,
+    resolve_layouts,
+)
 from stratagem.strategies.tensor_parallel.styles import check_splits
 from stratagem.values import PerReplica, select_replica, stack_replicas
 

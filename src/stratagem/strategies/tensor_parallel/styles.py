@@ -61,7 +61,11 @@ def check_splits(model: nn.Module, layouts: Iterable[ParameterLayout], mesh: Dev
                     "Replicate it (a key that does not match it), or split the Linear, Conv1D or Embedding layers."
                 )
             if kind == "Embedding" and (module.max_norm is not None or module.sparse):
-                why = "renormalises its rows in place (max_norm)" if module.max_norm is not None else "has sparse gradients"
+                why = (
+                    "renormalises its rows in place (max_norm)"
+                    if module.max_norm is not None
+                    else "has sparse gradients"
+                )
                 raise InputError(
                     f"The Embedding {owner} {why}, which a split table cannot honour. Received: {layout.key!r} -> "
                     f"{layout.layout}. Replicate it, or build it with max_norm=None and sparse=False."
