@@ -169,7 +169,7 @@ def test_fit_refuses_fp16_on_the_cpu_and_unknown_precisions():
 def test_stratagem_train_refuses_fp16_on_the_cpu_before_training(capsys):
     assert main(["train", "--precision", "fp16", "--epochs", "1"]) == 2
     captured = capsys.readouterr()
-    assert "precision='fp16' needs loss scaling" in captured.err and "precision='bf16'" in captured.err
+    assert "--precision fp16 needs loss scaling" in captured.err and "--precision bf16" in captured.err
     assert "Traceback" not in captured.err
 
 

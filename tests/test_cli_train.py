@@ -269,7 +269,7 @@ def test_a_backup_dir_that_is_a_file_exits_2(capsys, tmp_path):
 def test_workers_without_multi_worker_is_refused(capsys):
     assert main(["train", "--workers", "2"]) == 2
     assert (
-        "--workers 2 needs --strategy multi_worker, parameter_server or sharded. Received: --strategy mirrored"
+        "--workers 2 needs --strategy multi_worker, parameter_server, sharded or tensor_parallel. Received: --strategy mirrored"
         in capsys.readouterr().err
     )
 

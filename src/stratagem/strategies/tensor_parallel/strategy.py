@@ -219,6 +219,16 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         stacked = stack_replicas([result], sizes, total)
         return tag_results(stacked, None if self._counts is None else [self._counts])
 
+    def prepare_fit_steps(self, steps: Mapping[str, Any], model: Any) -> None:
+        # fit's loop calls backward where DTensor cannot see that plain tensors are replicated (outside `run`), and
+        # conv layers fail there with torch's bare AssertionError: refused before the first step instead.
+        raise InputError(
+            "sg.fit and `stratagem train` do not drive TensorParallelStrategy yet: a step's backward must run inside "
+            "strategy.run, where plain tensors count as replicated across the mesh, and fit's loop does not keep it "
+            "there. Received: fit with TensorParallelStrategy. Write the loop with strategy.run (docs/tensor_parallel.md"
+            " shows one), or train with ShardedStrategy or MultiWorkerMirroredStrategy under fit."
+        )
+
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
         total = float(self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64)))
