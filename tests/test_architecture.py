@@ -281,7 +281,11 @@ def test_a_private_read_or_a_lookup_by_name_of_a_strategy_is_reported(tmp_path: 
 
 
 # The classes a strategy may subclass: the base, and the data-parallel strategies' delegation to their ReplicaSet.
-STRATEGY_BASES = {"Strategy": "strategies/base.py", "ReplicatedStrategy": "strategies/data_parallel/replicated.py"}
+STRATEGY_BASES = {
+    "Strategy": "strategies/base.py",
+    "ReplicatedStrategy": "strategies/data_parallel/replicated.py",
+    "WorkerGroupStrategy": "strategies/worker_group_strategy.py",
+}
 DECLARED_INTERFACES = {"LossWeightHost"}
 """Declared protocols a strategy may implement beside its base (strategies/data_parallel/host.py): they add
 members for the parts that call it, and take nothing from another strategy."""

@@ -18,7 +18,6 @@ import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,13 +31,10 @@ from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_bat
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
-from stratagem.data.split import replica_part
-from stratagem.strategies.activation_memory import ActivationEstimate, plan_activations
-from stratagem.strategies.base import Strategy
+from stratagem.strategies.worker_group_strategy import WorkerGroupStrategy
 from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
-from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
 from stratagem.strategies.data_parallel.loss_weight import tag_results
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, enter_replica
@@ -57,9 +53,8 @@ from stratagem.strategies.sharded.checks import (
     shard_records,
 )
 from stratagem.strategies.sharded.decisions import sharded_decisions
-from stratagem.diagnose.memory_limit import read_memory_limit
-from stratagem.strategies.memory_fit import check_plan_fits, sharded_alternatives
-from stratagem.strategies.sharded.memory import MemoryPlan, plan_memory, release_freed_memory
+from stratagem.strategies.sharded.memory import MemoryPlan, release_freed_memory
+from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
@@ -72,7 +67,7 @@ if TYPE_CHECKING:
 from stratagem.values import select_replica, stack_replicas
 
 
-class ShardedStrategy(Strategy, LossWeightHost):
+class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
     """Sharded data parallelism on FSDP2, exact on any split of the global batch.
 
     Args:
@@ -148,10 +143,10 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
         self._comms: list[WeightedReduceScatter] = []
-        self._cut: UnitCut | None = None  # the first model's (or the one memory_plan(model) planned)
         self._cuts: list[UnitCut] = []
-        self._plans: list[MemoryPlan] = []
-        self._activations: ActivationEstimate | None = None  # the step's, given or measured (memory_plan)
+        self._memory = RankMemory(
+            self._group, stage=self._stage, device=self._device, policy=units, mp=self._mp, allocator=self._allocator
+        )
         self._shardeds: list[Any] = []
         # The parameters of the user's models distributed so far, by id (weakly: a dropped model's ids get reused).
         self._held: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -161,8 +156,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._accumulated: list[float] = []
         self._syncing = True
         self._input_sharding = InputSharding()
-        self._gathers = 0
-        self._barriers = 0
         self._steps = 0
         # BatchNorm over the global batch: the data-parallel strategies' layers, one replica per process, their
         # statistics summed through the worker group's bounded collectives as MultiWorkerMirroredStrategy does.
@@ -179,20 +172,8 @@ class ShardedStrategy(Strategy, LossWeightHost):
 
     # ---- Strategy ---------------------------------------------------------------------------------
     @property
-    def _local_devices(self) -> list[torch.device]:
-        return [self._device]
-
-    @property
     def num_replicas_in_sync(self) -> int:
         return self._group.world_size
-
-    @property
-    def cluster(self) -> Cluster:
-        return self._group.cluster
-
-    @property
-    def is_chief(self) -> bool:
-        return self._group.is_chief
 
     @property
     def holds_whole_state(self) -> bool:
@@ -216,9 +197,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
     @property
     def stage(self) -> int:
         return self._stage
-
-    def input_pipeline(self) -> tuple[int, int]:
-        return self._group.world_size, self._group.rank
 
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """`model` sharded in place (as `fully_shard` does: its parameters become this rank's shards, its whole
@@ -253,9 +231,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
             warnings.warn(message, stacklevel=2)
         originals = dict(model.named_parameters())
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
-        plan = self._memory_plan(list(model.parameters()), optimizer, cut)
+        plan = self._memory.plan(list(model.parameters()), optimizer, cut)
         # Before anything is sharded: a plan over this process's memory limit is refused here, not by the kernel.
-        self._check_limit(plan, list(model.parameters()), optimizer, cut)
+        self._memory.check_limit(plan, list(model.parameters()), optimizer, cut)
         param_dtype, reduce_dtype = self._mp
         apply_cut(
             sharded,
@@ -273,9 +251,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         # Recorded only now: a refused model leaves the strategy as it was.
         self._batch_norm.attach([sharded])
         self._comms.append(comm)
-        self._cut = self._cut if self._cuts else cut
+        self._memory.cut = self._memory.cut if self._cuts else cut
         self._cuts.append(cut)
-        self._plans.append(plan)
+        self._memory.plans.append(plan)
         self._shardeds.append(sharded)
         self._held.update((id(p), weakref.ref(p)) for p in originals.values())
         # Behind a wrapper whose `.module` is the sharded module, as DDP's and FSDP1's (wrapped_model.py).
@@ -324,7 +302,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
         if optimizer is not None:  # made inside the scope, it holds the parameters as construction made them
             optimizer = clone_optimizer(optimizer, {**built.mapping, **{id(p): p for p in model.parameters()}})
         self._check_distribute_args(model, optimizer, None)
-        plan = self._memory_plan(list(model.parameters()), optimizer, built.cut)
+        plan = self._memory.plan(list(model.parameters()), optimizer, built.cut)
         units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
         comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps)
         if self._comms:
@@ -333,9 +311,9 @@ class ShardedStrategy(Strategy, LossWeightHost):
         self._check_shards(model)
         self._batch_norm.attach([model])
         self._comms.append(comm)
-        self._cut = self._cut if self._cuts else built.cut
+        self._memory.cut = self._memory.cut if self._cuts else built.cut
         self._cuts.append(built.cut)
-        self._plans.append(plan)
+        self._memory.plans.append(plan)
         self._shardeds.append(model)
         self._held.update((id(p), weakref.ref(p)) for p in model.parameters())
         wrapped = WrappedModel(
@@ -354,68 +332,14 @@ class ShardedStrategy(Strategy, LossWeightHost):
     ) -> MemoryPlan:
         """Bytes this rank holds by category, and `total`, its peak over the resident set before the model.
 
-        After `distribute`: the plan made then. Before it: the plan for `model` and `optimizer` as they would be
-        distributed. The step's activations count when given: `example_inputs`, the model's inputs for one GLOBAL
-        batch, measured on this rank's part before `distribute` (`activation_memory.py`), or `activations`, this
-        rank's bytes; either is kept for `distribute`'s plans and its check against the memory limit.
+        After `distribute`: the plan made then; before it, the plan for `model` and `optimizer` as they would be
+        distributed. The step's activations count when given: `example_inputs` (one GLOBAL batch, measured on this
+        rank's part: `activation_memory.py`) or `activations` (bytes), kept for `distribute`'s plans and limit.
 
         Example:
             >>> plan = strategy.memory_plan(net, optimizer, example_inputs={"input_ids": ids, "labels": ids})
         """
-        part = lambda batch: replica_part(batch, self.num_replicas_in_sync, self._group.rank)  # noqa: E731
-        self._activations = plan_activations(model, example_inputs, activations, part) or self._activations
-        if model is None:
-            if not self._plans:
-                raise InputError(
-                    "memory_plan() needs the model until distribute() has run. Received: no model. "
-                    "Call strategy.memory_plan(model, optimizer), or distribute first."
-                )
-            if self._activations is not None:
-                how = self._activations.how
-                self._plans = [replace(p, activations=self._activations.peak, activations_how=how) for p in self._plans]
-            return self._plans[0]
-        self._cut = self._cut or cut_model(model, self._policy)
-        return self._memory_plan(list(model.parameters()), optimizer, self._cut)
-
-    def _memory_plan(
-        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
-    ) -> MemoryPlan:
-        param_dtype, reduce_dtype = self._mp
-        shared = self._group.cross_worker.shared  # the units' collectives' file, when connected (transport.py)
-        return plan_memory(
-            params,
-            optimizer,
-            rank=self._group.rank,
-            world_size=self._group.world_size,
-            stage=self._stage,
-            largest_unit_bytes=cut.largest_unit_bytes,
-            num_units=len(cut.units),
-            compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
-            reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
-            transport_bytes=0 if shared is None else (shared.world_size + 1) * shared.capacity,
-            allocator=self._allocator[1] if self._allocator[0] else f"not planned for: {self._allocator[1]}",
-            root_bytes=cut.root_bytes,
-            activations=0 if self._activations is None else self._activations.peak,
-            activations_how=None if self._activations is None else self._activations.how,
-        )
-
-    def _check_limit(
-        self, plan: MemoryPlan, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
-    ) -> None:
-        """Refuses a plan over this process's memory limit before anything is sharded (strategies/memory_fit.py)."""
-        shared = self._group.cross_worker.shared
-        check_plan_fits(
-            plan.total,
-            read_memory_limit(self._device),
-            strategy=f"ShardedStrategy(stage={self._stage}) on {self._group.world_size} workers",
-            held=plan.unsharded_model,  # the user's model is built: the limit counts it as used already
-            alternatives=lambda: sharded_alternatives(
-                params, optimizer, world_size=self._group.world_size, stage=self._stage,
-                largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.units),
-                transport_per_worker=0 if shared is None else shared.capacity, root_bytes=cut.root_bytes,
-                activations=plan.activations,
-            ),
-        )  # fmt: skip
+        return self._memory.memory_plan(model, optimizer, example_inputs, activations)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Runs `fn` on this worker's slice; its backward reduce-scatters gradients weighted by the slice's share."""
@@ -507,20 +431,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
         )
         check_shards([json.loads(p) for p in payloads], cw.task_names)
 
-    def _batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> None:
-        self._group.cross_worker.all_reduce_([tensor], what=what, step=step)
-
-    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
-        self._gathers += 1
-        cw = self._group.cross_worker
-        payloads = cw.all_gather_bytes(
-            to_bytes(items), what="gather", step=self._gathers, device=self._group.collective_device
-        )
-        out: list[Any] = []
-        for rank, payload in enumerate(payloads):
-            out.extend(items if rank == cw.rank else from_bytes(payload, cw.task_names[rank]))
-        return out
-
     # ---- input --------------------------------------------------------------------------------------
     def distribute_dataset(  # type: ignore[override]
         self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
@@ -541,13 +451,6 @@ class ShardedStrategy(Strategy, LossWeightHost):
                 "shard='file'. Use shard='data' (or 'auto'), or give each worker its own files and use shard='off'."
             )
         return MultiWorkerDataset(self._batches(), self.shard_input(dataset), "data")
-
-    def barrier(self) -> None:
-        """Waits until every worker has called `barrier()`, within the strategy's timeout; the error names the
-        workers that did not arrive."""
-        self._barriers += 1
-        device = self._group.collective_device
-        self._group.cross_worker.all_reduce_([torch.zeros(1, device=device)], what="barrier", step=self._barriers)
 
     def shard_input(self, data: Any, *, note: bool = True) -> Any:
         worker = worker_shards.WorkerRange(self.num_replicas_in_sync, self._group.rank, 1)
@@ -577,7 +480,7 @@ class ShardedStrategy(Strategy, LossWeightHost):
             decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
         details: dict[str, Any] = dict(self._batch_norm.describe())
-        for i, plan in enumerate(self._plans):
+        for i, plan in enumerate(self._memory.plans):
             which = "" if i == 0 else f" (model {i + 1})"
             details[f"memory plan{which}"] = str(plan)
             against = plan.against_replica()
