@@ -442,3 +442,12 @@ def test_bench_measures_sharded_at_two_and_three_workers_with_memory_per_rank(ca
     assert "peak_memory_bytes" in printed["definitions"]
     png = (tmp_path / "stratagem-bench.png").read_bytes()
     assert len(png) > 10_000
+
+
+def test_a_peak_that_cannot_be_reset_is_reported_unknown_not_an_earlier_peak(monkeypatch):
+    from stratagem.bench import peak_memory
+
+    monkeypatch.setattr(peak_memory, "_reset_peak_rss", lambda: False)
+    assert peak_memory.PeakMemory.start("cpu").peak() is None
+    monkeypatch.setattr(peak_memory, "_reset_peak_rss", lambda: True)
+    assert peak_memory.PeakMemory.start("cpu").peak() is not None

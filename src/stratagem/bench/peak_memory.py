@@ -34,8 +34,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             return cls(kind, device, torch.cuda.memory_allocated(device))
         _warm_up_runtime()
-        _reset_peak_rss()
-        return cls(kind, device, _status_bytes("VmRSS"))
+        # Where the peak cannot be reset, VmHWM may be an earlier peak's: no baseline, and `peak()` says None.
+        return cls(kind, device, _status_bytes("VmRSS") if _reset_peak_rss() else None)
 
     def peak(self) -> int | None:
         """Bytes over the baseline at the peak since `start` (None where the platform does not tell)."""
@@ -57,13 +57,14 @@ def _warm_up_runtime() -> None:
         optimizer.step()
 
 
-def _reset_peak_rss() -> None:
-    # "5" resets VmHWM to the current resident set (Linux 4.0+); without it the peak may be an earlier one's.
+def _reset_peak_rss() -> bool:
+    """Resets VmHWM to the current resident set ("5", Linux 4.0+); False where the system refuses it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _status_bytes(field: str) -> int | None:
