@@ -286,9 +286,9 @@ STRATEGY_BASES = {
     "ReplicatedStrategy": "strategies/data_parallel/replicated.py",
     "WorkerGroupStrategy": "strategies/worker_group_strategy.py",
 }
-DECLARED_INTERFACES = {"LossWeightHost"}
-"""Declared protocols a strategy may implement beside its base (strategies/data_parallel/host.py): they add
-members for the parts that call it, and take nothing from another strategy."""
+DECLARED_INTERFACES = {"LossWeightHost", "Traceable"}
+"""Declared protocols a strategy may implement beside its base (strategies/data_parallel/host.py,
+trace/traceable.py): they add members for the parts that call it, and take nothing from another strategy."""
 
 
 def _strategy_classes(src: Path = SRC) -> list[tuple[Path, ast.ClassDef]]:

@@ -14,6 +14,8 @@ from pathlib import Path
 from stratagem.devices import get_logical_devices
 from stratagem.devices.names import parse_device
 from stratagem.errors import InputError
+from stratagem.strategies.records import STRATEGIES
+from stratagem.trace import Traceable
 
 
 def check_device_flags(names: Sequence[str], flag: str = "--devices") -> None:
@@ -70,3 +72,17 @@ def check_writable_directory(path: str | os.PathLike[str], flag: str) -> Path:
             except OSError:
                 pass
     return path
+
+
+def traced_strategy_names() -> list[str]:
+    """The strategies that `stratagem train --trace` can trace (their class is a `Traceable`)."""
+    return [record.name for record in STRATEGIES if issubclass(record.strategy_class, Traceable)]
+
+
+def check_trace_flag(strategy: str, directory: str) -> None:
+    """Refuses `--trace DIR` with a strategy that records no trace, before any work."""
+    if not issubclass(STRATEGIES[strategy].strategy_class, Traceable):
+        raise InputError(
+            f"--strategy {strategy} does not record traces yet. Received: --strategy {strategy} --trace {directory}. "
+            f"Use --strategy {' or '.join(traced_strategy_names())}, or leave --trace out."
+        )

@@ -20,6 +20,7 @@ the launcher the other tasks' lines go to standard error, prefixed with their ta
     $ stratagem train --strategy one_device --devices cpu:0
     $ stratagem train --devices cpu:0,cpu:1 --epochs 5 --json
     $ stratagem train --backup-dir /tmp/digits-backup     # rerun the same command after a crash to resume
+    $ stratagem train --strategy multi_worker --workers 2 --trace traces/   # then: stratagem trace summary traces/
 
 The job runs on `stratagem.fit`; with ``--backup-dir`` it backs up after every epoch (chief only)
 and a rerun resumes from the last backup, which is removed once training finishes.
@@ -32,6 +33,7 @@ import contextlib
 import json
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -40,7 +42,7 @@ from rich.text import Text
 from stratagem import environ
 from stratagem.cluster import LaunchResult, OutputLine, StopRequest, allocator, launched_by_stratagem, relaunch
 from stratagem.diagnose import PlacementDecision, log_placement
-from stratagem.cli.checks import check_device_flags, check_writable_directory
+from stratagem.cli.checks import check_device_flags, check_trace_flag, check_writable_directory
 from stratagem.cli.launch import stop_on_signals, stopped_by_signal
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
 from stratagem.errors import InputError, Preempted, StratagemError
@@ -139,6 +141,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="32: float32; bf16: bfloat16 autocast (CPUs and GPUs); fp16: float16 autocast with loss "
         f"scaling, GPUs only (default: {_DEFAULTS.precision})",
     )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace every step of every worker into DIR (worker-<rank>.json each, merged into DIR/trace.json.gz "
+        "for Perfetto; read it with `stratagem trace summary DIR`); the strategies traced are in docs/trace.md",
+    )
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
 
@@ -170,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"stratagem train: {_stopped(stop, result, args.backup_dir)}", file=sys.stderr)
         elif not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
+        elif args.trace:
+            _say_trace_written(args.trace)
         return result.exit_code
     if not args.default_allocator:
         allocator.keep_freed_memory_here(env)  # this command owns its process (a task of a relaunch has it already)
@@ -182,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             lr=args.lr,
             seed=args.seed,
             precision=args.precision,
+            trace=args.trace,
         )
         callbacks: list[Callback] = []
         if args.backup_dir:
@@ -228,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         strategy.close()
+    if args.trace and not launched_by_stratagem(env):  # else the command that launched this task says it
+        _say_trace_written(args.trace)
     if not chief:
         return 0
     if args.json:
@@ -277,6 +290,18 @@ def _check_before_work(args: argparse.Namespace) -> None:
                 "resumable multi-process run."
             )
         check_writable_directory(args.backup_dir, "--backup-dir")
+    if args.trace:
+        check_trace_flag(args.strategy, args.trace)
+        check_writable_directory(args.trace, "--trace")
+
+
+def _say_trace_written(directory: str) -> None:
+    """Where the merged trace is, on standard error (with --json, standard output carries the JSON alone)."""
+    print(
+        f"stratagem train: trace written to {Path(directory) / 'trace.json.gz'}; open it at "
+        f"https://ui.perfetto.dev, or read it with `stratagem trace summary {directory}`",
+        file=sys.stderr,
+    )
 
 
 def _check_precision_flag(precision: str, device_types: list[str]) -> None:

@@ -60,6 +60,8 @@ class TrainConfig:
     """Seeds the model's initial weights and the shuffle order; same seed, same numbers."""
     precision: str = "32"
     """"32", "bf16" or "fp16" (GPUs only): `fit`'s precision setting."""
+    trace: str | None = None
+    """A directory to trace the training steps into (`fit`'s trace setting); None: no trace."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
@@ -82,6 +84,7 @@ class TrainConfig:
             "lr": self.lr,
             "seed": self.seed,
             "precision": self.precision,
+            "trace": self.trace,
         }
 
 
@@ -166,6 +169,7 @@ def train_digits(
             metrics=["accuracy"],
             callbacks=[*callbacks, before],
             precision=config.precision,
+            trace=config.trace,
         )
     test_loader = make_loader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     test = evaluate(strategy, history.model, test_loader, F.cross_entropy, metrics=["accuracy"])

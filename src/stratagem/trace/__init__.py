@@ -14,13 +14,16 @@ The package, in the order a trace is made and read:
 - `summary.py`: per step and worker, input, compute, waiting for peers, transfer and idle (they add up to
   the step), and the late worker named by its arrival at the collectives (`late.py`), as a report with a
   text and a JSON rendering, and a PNG of the breakdown.
+- `traceable.py`: `Traceable`, the one member a strategy declares to be traced (`trace(directory)`), which
+  `fit(..., trace=DIR)` and `stratagem train --trace DIR` look for.
 
 Turned on by `stratagem launch --trace DIR` (STRATAGEM_TRACE), or for a range of steps by
-`with strategy.trace(DIR):` on a MultiWorkerMirroredStrategy. Read with `stratagem trace summary DIR`.
+`with strategy.trace(DIR):` on a MultiWorkerMirroredStrategy, or `fit(..., trace=DIR)`. Read with `stratagem trace summary DIR`.
 """
 
 from __future__ import annotations
 
 from stratagem.trace.recorder import Recorder
+from stratagem.trace.traceable import Traceable
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "Traceable"]

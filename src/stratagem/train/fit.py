@@ -25,6 +25,7 @@ import signal
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from stratagem.train.loop import (
 )
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 from stratagem.train.preemption import StopSignals, exit_code, fold_stop_flag, split_stop_flag
+from stratagem.train.tracing import check_trace, traced_run
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ def fit(
     accumulate_steps: int = 1,
     precision: str = "32",
     verbose: bool = False,
+    trace: str | Path | None = None,
 ) -> History:
     """Trains `model` with `optimizer` on `data` under `strategy` and returns the history per epoch.
 
@@ -118,6 +121,10 @@ def fit(
             and GPUs) or "fp16" (float16 autocast with loss scaling, one scale for every replica and
             worker; GPUs only).
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
+        trace: a directory: every worker records its steps (input, forward, backward, optimizer step, each
+            collective and wait) and writes ``worker-<rank>.json`` there; the chief merges them into
+            ``trace.json.gz`` for Perfetto (``stratagem trace summary DIR`` reads them). The strategy must be a
+            `stratagem.trace.Traceable` (docs/trace.md).
 
     Example:
         >>> history = sg.fit(sg.MirroredStrategy(), net, torch.optim.SGD(net.parameters(), lr=0.1),
@@ -131,6 +138,7 @@ def fit(
     precision = check_fit_arguments(
         strategy, optimizer, loss, epochs, steps_per_epoch, clip_grad_norm, accumulate_steps, precision
     )
+    check_trace(strategy, trace)
     metric_set = MetricSet(get_metrics(metrics))
     train_data, val_data = fit_data(strategy, data, batch_size, shuffle, seed, validation_data, validation_batch_size)
     callbacks = check_callbacks(callbacks, verbose)
@@ -168,7 +176,8 @@ def fit(
     # worker) serves from here until the chief ends the job.
     strategy.prepare_fit_steps({"train": train_step, "eval": eval_step}, model)
     try:
-        history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps, signals)
+        with traced_run(strategy, trace, is_chief=context.is_chief):
+            history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps, signals)
     except BaseException:
         for callback in callbacks:
             close = getattr(callback, "close", None)

@@ -48,7 +48,7 @@ from stratagem.strategies.multi_worker.agreement import BatchAgreement
 from stratagem.strategies.multi_worker.stragglers import StepTimes, Straggler, StragglerWatch
 from stratagem.strategies.multi_worker.devices import default_local_devices
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.trace import Recorder
+from stratagem.trace import Recorder, Traceable
 from stratagem.trace.clocks import align
 from stratagem.trace.recorder import Clock
 
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 SHARD_POLICIES = ("auto", "file", "data", "off")
 
 
-class MultiWorkerMirroredStrategy(ReplicatedStrategy):
+class MultiWorkerMirroredStrategy(ReplicatedStrategy, Traceable):
     """Mirrored replicas on every worker process, kept identical by all-reduce (tf.distribute's MWMS).
 
     Args:

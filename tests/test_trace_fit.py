@@ -1,0 +1,88 @@
+"""`sg.fit(..., trace=DIR)` and `stratagem train --trace DIR` (issue 42, item 1): 2 MultiWorkerMirrored worker
+processes on 127.0.0.1 trace their fit into one merged file that passes the checks Perfetto relies on; a strategy
+that records no trace is refused before any work, in fit and on the command line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import launch_json_workers
+from torch import nn
+
+import stratagem as sg
+from stratagem.cli.main import main
+from stratagem.trace.merge import load
+from stratagem.trace.summary import summarize
+from stratagem.trace.validate import problems
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def _merged(directory: Path) -> dict:
+    return json.loads(gzip.decompress((directory / "trace.json.gz").read_bytes()))
+
+
+@pytest.mark.multiprocess
+def test_fit_with_trace_on_2_workers_writes_one_valid_merged_file_of_every_step(tmp_path):
+    code, outcomes, lines = launch_json_workers(
+        "trace_fit.py", {"TR_DIR": tmp_path, "TR_STEPS": 6, "TR_EPOCHS": 2}, timeout=150
+    )
+    assert code == 0, "\n".join(lines[-30:])
+    assert sorted(outcomes) == [0, 1]
+    # The chief merged the files inside fit, after both workers had written theirs.
+    document = _merged(tmp_path)
+    assert problems(document) == []
+    events = document["traceEvents"]
+    assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {"worker:0", "worker:1"}
+    assert {"step", "forward", "backward", "optimizer", "wait", "collective"} <= {e.get("cat") for e in events}
+    for pid in {e["pid"] for e in events if e["ph"] == "X"}:
+        steps = [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["cat"] == "step"]
+        assert len(steps) == 12, [e["name"] for e in steps]  # 2 epochs of 6 batches, on each worker
+    report = summarize(load(tmp_path))
+    assert len({r.step for r in report.rows}) == 12
+    for row in report.rows:
+        assert row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
+    assert report.named == [], report.late_steps
+
+
+def test_fit_refuses_a_trace_of_a_strategy_that_records_none_before_any_work(tmp_path):
+    net = nn.Linear(4, 2)
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    strategy = sg.OneDeviceStrategy("cpu:0")
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(sg.InputError, match=r"OneDeviceStrategy does not record traces yet\. Received: trace="):
+        sg.fit(strategy, net, optimizer, F.cross_entropy, data, trace=tmp_path / "traces")
+    with pytest.raises(sg.InputError, match=r"trace must name a directory\. Received: trace=5\."):
+        sg.fit(strategy, net, optimizer, F.cross_entropy, data, trace=5)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())), "trained before the refusal"
+    assert not (tmp_path / "traces").exists()
+
+
+def test_stratagem_train_refuses_trace_with_a_strategy_that_records_none(capsys, tmp_path):
+    assert main(["train", "--strategy", "one_device", "--trace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--strategy one_device does not record traces yet. Received: --strategy one_device --trace" in err
+    assert "Use --strategy multi_worker" in err
+
+
+@pytest.mark.multiprocess
+def test_stratagem_train_trace_on_2_workers_writes_a_valid_merged_file(capsys, tmp_path):
+    code = main(["train", "--strategy", "multi_worker", "--workers", "2", "--epochs", "1", "--json",
+                 "--trace", str(tmp_path)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert json.loads(captured.out)["config"]["trace"] == str(tmp_path)  # stdout is the JSON alone
+    assert f"trace written to {tmp_path / 'trace.json.gz'}" in captured.err
+    document = _merged(tmp_path)
+    assert problems(document) == []
+    names = {e["args"]["name"] for e in document["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {"worker:0", "worker:1"}
+    # 1437 training images in global batches of 256: 6 steps, and the 360 test images' evaluation after fit.
+    steps = {(e["pid"], e["name"]) for e in document["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"}
+    assert len(steps) == 2 * 6, sorted(steps)
