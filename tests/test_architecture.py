@@ -599,22 +599,28 @@ def _runs_only_for_type_checkers(test: ast.expr) -> bool:
     )
 
 
-def _import_time_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
-    """The imports a module runs when it is imported: not in a function, not under ``if TYPE_CHECKING:``."""
+def _import_time_imports(
+    body: list[ast.stmt], *, type_checking: bool = False, lazy: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is imported: not in a function, not under ``if TYPE_CHECKING:``
+    (with ``type_checking``, those too; with ``lazy``, those inside functions too)."""
     found: list[ast.Import | ast.ImportFrom] = []
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
         elif isinstance(node, ast.If) and _runs_only_for_type_checkers(node.test):
-            found += _import_time_imports(node.orelse)
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += _import_time_imports(node.orelse, type_checking=type_checking, lazy=lazy)
+            if type_checking:
+                found += _import_time_imports(node.body, type_checking=type_checking, lazy=lazy)
+        elif lazy or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for field in ("body", "orelse", "finalbody", "handlers"):
-                found += _import_time_imports(getattr(node, field, None) or [])
+                found += _import_time_imports(getattr(node, field, None) or [], type_checking=type_checking, lazy=lazy)
     return found
 
 
-def _import_graph(src: Path = SRC) -> dict[str, list[str]]:
-    """Each module of the package and the modules of the package it imports when it is imported.
+def _import_graph(src: Path = SRC, *, type_checking: bool = False, lazy: bool = False) -> dict[str, list[str]]:
+    """Each module of the package and the modules of the package it imports when it is imported (with
+    ``type_checking``, also under ``if TYPE_CHECKING:``; with ``lazy``, also inside functions).
 
     ``from package import name`` is an edge to the module ``package.name`` when there is one, else to the
     package (its ``__init__``)."""
@@ -623,7 +629,8 @@ def _import_graph(src: Path = SRC) -> dict[str, list[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in _import_time_imports(ast.parse(path.read_text(), filename=str(path)).body):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in _import_time_imports(tree.body, type_checking=type_checking, lazy=lazy):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
                 continue
@@ -703,3 +710,27 @@ def test_importing_the_library_loads_neither_dynamo_nor_grpc_nor_fsdp() -> None:
     probe = f"import sys, stratagem; print(sorted(m for m in {heavy} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def _cycles_report(prefix: str = "stratagem.strategies") -> str:
+    """The import cycles among the modules under ``prefix``, counted three ways (one line each)."""
+    lines = []
+    for label, kwargs in (
+        ("when imported", {}),
+        ("when imported or type-checked", {"type_checking": True}),
+        ("with imports inside functions too", {"type_checking": True, "lazy": True}),
+    ):
+        graph = _import_graph(**kwargs)
+        inside = {
+            m: [t for t in targets if t.startswith(prefix)] for m, targets in graph.items() if m.startswith(prefix)
+        }
+        cycles = _import_cycles(inside)
+        sizes = ", ".join(str(len(c)) for c in cycles) or "none"
+        lines.append(f"{prefix}, {label}: {len(cycles)} cycle(s), of {sizes} module(s)")
+        lines += [f"    {' <-> '.join(c)}" for c in cycles]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # .venv/bin/python tests/test_architecture.py [PREFIX]: the import cycles among PREFIX's modules.
+    print(_cycles_report(*sys.argv[1:2]))

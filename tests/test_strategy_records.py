@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+import stratagem
+import stratagem.strategies
 from stratagem.bench.registry import BENCH_STRATEGIES
 from stratagem.cli.main import build_parser
 from stratagem.devices import DeviceRegistry
@@ -24,7 +28,7 @@ def _choices(command: str, option: str) -> tuple[str, ...]:
 
 def test_a_second_record_of_the_same_name_is_refused_with_the_name() -> None:
     mirrored = STRATEGIES["mirrored"]
-    twin = dataclasses.replace(mirrored, strategy_class=STRATEGIES["central_storage"].strategy_class)
+    twin = dataclasses.replace(mirrored, strategy_path=STRATEGIES["central_storage"].strategy_path)
     with pytest.raises(
         InputError,
         match=r"Two strategy records have the same name\. Received: name='mirrored' for MirroredStrategy "
@@ -70,3 +74,31 @@ def test_the_bench_entries_follow_their_records() -> None:
     assert BENCH_STRATEGIES["one_device"].max_replicas == 1
     assert BENCH_STRATEGIES["mirrored"].max_replicas is None
     assert [n for n, s in BENCH_STRATEGIES.items() if s.one_process_per_replica] == ["multi_worker", "sharded"]
+
+
+def test_a_record_whose_class_is_not_a_module_path_is_refused_with_the_path() -> None:
+    with pytest.raises(
+        InputError,
+        match=r"names its class as 'stratagem\.module\.path:ClassName'\. Received: "
+        r"strategy_path='stratagem\.strategies\.mirrored\.MirroredStrategy' for 'mirrored'",
+    ):
+        dataclasses.replace(STRATEGIES["mirrored"], strategy_path="stratagem.strategies.mirrored.MirroredStrategy")
+
+
+def _type_checking_names(module: object) -> set[str]:
+    """The names a package imports under ``if TYPE_CHECKING:`` (for type checkers only)."""
+    tree = ast.parse(Path(str(getattr(module, "__file__"))).read_text())
+    blocks = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
+    return {a.asname or a.name for b in blocks for n in b.body if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+def test_the_lazy_exports_are_the_records_classes_and_type_checkers_see_the_same_names() -> None:
+    classes = {record.class_name for record in STRATEGIES}
+    assert classes <= set(stratagem.__all__) and classes <= set(stratagem.strategies.__all__)
+    for record in STRATEGIES:
+        assert getattr(stratagem, record.class_name) is record.strategy_class, record.name
+        assert getattr(stratagem.strategies, record.class_name) is record.strategy_class, record.name
+    # The runtime tables are derived from the records; the imports for type checkers are written out, so they
+    # are held to the same names here.
+    assert _type_checking_names(stratagem) == set(stratagem._LAZY)
+    assert _type_checking_names(stratagem.strategies) == set(stratagem.strategies.LAZY_NAMES)

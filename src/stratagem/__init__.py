@@ -5,9 +5,11 @@ Example:
     >>> strategy = sg.MirroredStrategy()
     >>> print(strategy.explain())  # doctest: +SKIP
 
-The package imports its error classes at once and everything else when first used (`sg.MirroredStrategy`
-imports the strategies then), so that a process that needs one part, such as `stratagem launch` starting
-its tasks, does not pay for torch, torch.distributed and the strategies.
+The package imports its error classes and the strategy records (`strategies/records.py`, which import no
+torch) at once, and everything else when first used: `sg.MirroredStrategy` imports MirroredStrategy's module
+and no other strategy's. So a process that needs one part, such as `stratagem launch` starting its tasks, does
+not pay for torch, torch.distributed and the strategies. The strategies' names come from their records, the
+one list of strategies; the imports under `TYPE_CHECKING` are for type checkers, and a test keeps them equal.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from stratagem.errors import (
     StratagemError,
     WireFormatError,
 )
+from stratagem.strategies.records import STRATEGIES
 
 if TYPE_CHECKING:
     from stratagem import data, devices, diagnose
@@ -43,24 +46,26 @@ if TYPE_CHECKING:
     from stratagem.data.split import InputContext
     from stratagem.diagnose.placement import log_placement, soft_placement
     from stratagem.strategies import (
-        CentralStorageStrategy,
         ClusterCoordinator,
         DeviceMesh,
         FixedShardsPartitioner,
         LayoutMap,
         MaxSizePartitioner,
         MinSizePartitioner,
-        MirroredStrategy,
-        ModelParallelStrategy,
-        MultiWorkerMirroredStrategy,
-        OneDeviceStrategy,
-        ParameterServerStrategy,
         ReplicaContext,
-        ShardedStrategy,
         Strategy,
-        TensorParallelStrategy,
         current_replica_context,
     )
+
+    # `X as X`: re-exported for type checkers (PEP 484); at run time these names come from the records.
+    from stratagem.strategies import CentralStorageStrategy as CentralStorageStrategy
+    from stratagem.strategies import MirroredStrategy as MirroredStrategy
+    from stratagem.strategies import ModelParallelStrategy as ModelParallelStrategy
+    from stratagem.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+    from stratagem.strategies import OneDeviceStrategy as OneDeviceStrategy
+    from stratagem.strategies import ParameterServerStrategy as ParameterServerStrategy
+    from stratagem.strategies import ShardedStrategy as ShardedStrategy
+    from stratagem.strategies import TensorParallelStrategy as TensorParallelStrategy
     from stratagem.strategies.data_parallel.loss_weight import set_loss_weight
     from stratagem.strategies.data_parallel.run_inputs import replicated
     from stratagem.train import callbacks, metrics
@@ -81,23 +86,15 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "InputContext": ("stratagem.data.split", "InputContext"),
     "log_placement": ("stratagem.diagnose.placement", "log_placement"),
     "soft_placement": ("stratagem.diagnose.placement", "soft_placement"),
-    "CentralStorageStrategy": ("stratagem.strategies", "CentralStorageStrategy"),
-    "ClusterCoordinator": ("stratagem.strategies", "ClusterCoordinator"),
-    "FixedShardsPartitioner": ("stratagem.strategies", "FixedShardsPartitioner"),
-    "MaxSizePartitioner": ("stratagem.strategies", "MaxSizePartitioner"),
-    "MinSizePartitioner": ("stratagem.strategies", "MinSizePartitioner"),
-    "MirroredStrategy": ("stratagem.strategies", "MirroredStrategy"),
-    "ModelParallelStrategy": ("stratagem.strategies", "ModelParallelStrategy"),
-    "MultiWorkerMirroredStrategy": ("stratagem.strategies", "MultiWorkerMirroredStrategy"),
-    "OneDeviceStrategy": ("stratagem.strategies", "OneDeviceStrategy"),
-    "ParameterServerStrategy": ("stratagem.strategies", "ParameterServerStrategy"),
-    "ReplicaContext": ("stratagem.strategies", "ReplicaContext"),
-    "ShardedStrategy": ("stratagem.strategies", "ShardedStrategy"),
-    "TensorParallelStrategy": ("stratagem.strategies", "TensorParallelStrategy"),
-    "DeviceMesh": ("stratagem.strategies", "DeviceMesh"),
-    "LayoutMap": ("stratagem.strategies", "LayoutMap"),
-    "Strategy": ("stratagem.strategies", "Strategy"),
-    "current_replica_context": ("stratagem.strategies", "current_replica_context"),
+    "ClusterCoordinator": ("stratagem.strategies.parameter_server.coordinator", "ClusterCoordinator"),
+    "FixedShardsPartitioner": ("stratagem.strategies.parameter_server.partitioners", "FixedShardsPartitioner"),
+    "MaxSizePartitioner": ("stratagem.strategies.parameter_server.partitioners", "MaxSizePartitioner"),
+    "MinSizePartitioner": ("stratagem.strategies.parameter_server.partitioners", "MinSizePartitioner"),
+    "ReplicaContext": ("stratagem.strategies.data_parallel.replicas", "ReplicaContext"),
+    "DeviceMesh": ("stratagem.strategies.tensor_parallel.mesh", "DeviceMesh"),
+    "LayoutMap": ("stratagem.strategies.tensor_parallel.mesh", "LayoutMap"),
+    "Strategy": ("stratagem.strategies.base", "Strategy"),
+    "current_replica_context": ("stratagem.strategies.data_parallel.replicas", "current_replica_context"),
     "set_loss_weight": ("stratagem.strategies.data_parallel.loss_weight", "set_loss_weight"),
     "replicated": ("stratagem.strategies.data_parallel.run_inputs", "replicated"),
     "callbacks": ("stratagem.train.callbacks", None),
@@ -109,6 +106,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "seed_everything": ("stratagem.train.seeding", "seed_everything"),
     "PerReplica": ("stratagem.values", "PerReplica"),
     "ReduceOp": ("stratagem.values", "ReduceOp"),
+    # Every strategy's class, from its record: sg.MirroredStrategy imports MirroredStrategy's module only.
+    **{record.class_name: (record.module, record.class_name) for record in STRATEGIES},
 }
 
 
@@ -132,7 +131,6 @@ __all__ = [
     "data",
     "devices",
     "diagnose",
-    "CentralStorageStrategy",
     "ClusterCoordinator",
     "ClusterError",
     "CollectiveTimeoutError",
@@ -152,19 +150,12 @@ __all__ = [
     "MemoryEstimateError",
     "MemoryEstimateInputError",
     "MinSizePartitioner",
-    "MirroredStrategy",
-    "ModelParallelStrategy",
-    "MultiWorkerMirroredStrategy",
-    "OneDeviceStrategy",
     "ParameterServerError",
-    "ParameterServerStrategy",
     "PerReplica",
     "PlacementError",
     "ReduceOp",
     "RendezvousError",
     "ReplicaContext",
-    "ShardedStrategy",
-    "TensorParallelStrategy",
     "DeviceMesh",
     "LayoutMap",
     "ReplicaError",
@@ -183,4 +174,5 @@ __all__ = [
     "set_loss_weight",
     "soft_placement",
     "strategy_from_env",
+    *(record.class_name for record in STRATEGIES),
 ]

@@ -19,15 +19,16 @@ from pathlib import Path
 
 from stratagem import environ
 from stratagem.cluster.attempt import StopRequest
-from stratagem.cluster.launch import LAUNCHABLE_STRATEGIES, LaunchResult, launch
+from stratagem.cluster.launch import LaunchResult, launch
 from stratagem.cluster.processes import OutputLine
 from stratagem.errors import StratagemError
+from stratagem.strategies.records import STRATEGIES
 from stratagem.trace.merge import merge
 
-# The launcher imports neither torch nor the strategies before it starts its tasks (their names come from
-# cluster/launch.py, which tests/test_launch_startup.py keeps equal to strategies/records.py's).
-STRATEGY_NAMES = tuple(LAUNCHABLE_STRATEGIES)
-ONE_PROCESS_STRATEGIES = tuple(name for name, per_worker in LAUNCHABLE_STRATEGIES.items() if not per_worker)
+# From the strategy records, which import neither torch nor any strategy: the launcher starts its tasks
+# without them (tests/test_launch_startup.py).
+STRATEGY_NAMES = STRATEGIES.names
+ONE_PROCESS_STRATEGIES = tuple(record.name for record in STRATEGIES if not record.one_process_per_worker)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

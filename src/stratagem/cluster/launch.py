@@ -47,20 +47,6 @@ from stratagem.cluster.processes import Sink, TaskGroup
 from stratagem.errors import ClusterError
 from stratagem.timeouts import check_optional_seconds, check_seconds
 
-# The strategies `stratagem launch --strategy` may export, each with whether it runs one process per worker,
-# as strategies/records.py registers them (a test keeps the two equal): the launcher reads this table, so it
-# starts its tasks without importing torch or the strategies.
-LAUNCHABLE_STRATEGIES: dict[str, bool] = {
-    "mirrored": False,
-    "one_device": False,
-    "multi_worker": True,
-    "central_storage": False,
-    "model_parallel": False,
-    "parameter_server": True,
-    "sharded": True,
-    "tensor_parallel": True,
-}
-
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
