@@ -84,3 +84,21 @@ def test_clean_steps_name_no_one_and_a_clock_50_ms_ahead_is_put_back_within_1_ms
     report = summarize(job)
     assert report.named == [], report.late_steps
     assert len({r.step for r in report.rows}) == 40
+
+
+def test_summary_mode_names_the_sleep_in_backward_from_the_folded_steps_alone(tmp_path):
+    code, _, lines = launch_json_workers(
+        "trace_train.py",
+        {"TR_DIR": tmp_path, "TR_MODE": "summary", "TR_SLOW_RANK": 1, "TR_SLOW_MS": 50, "TR_STEPS": 30},
+        timeout=150,
+    )
+    assert code == 0, "\n".join(lines[-30:])
+    job = load(tmp_path)
+    assert all(w.mode == "summary" and w.spans == [] and len(w.steps) == 30 for w in job.workers)
+    report = summarize(job)
+    assert [(w.task, w.phase) for w in report.named] == [("worker:1", "backward")], report.late_steps
+    assert report.named[0].step <= 20
+    for row in report.rows:
+        assert row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
+    means = report.means()
+    assert means["worker:0"]["peers_ms"] >= 40 and means["worker:1"]["peers_ms"] < 10, means

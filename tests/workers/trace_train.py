@@ -6,6 +6,7 @@ TR_SLOW_RANK, TR_SLOW_MS  this rank sleeps that long each step (default 50 ms) .
 TR_PHASE                  ... inside its backward pass ("backward", default) or its data loading ("input")
 TR_DIR                    trace the steps with `strategy.trace(TR_DIR)` (unset: STRATAGEM_TRACE traces the run)
 TR_SHIFT_RANK, TR_SHIFT_MS  that rank's trace clock runs TR_SHIFT_MS ahead (an injected offset)
+TR_MODE                   with TR_DIR: the trace's mode, "spans" (default) or "summary"
 Prints one JSON line: {"rank", "steps"}.
 """
 
@@ -72,7 +73,8 @@ def main() -> int:
 
     if "TR_DIR" in env:
         shift = int(float(env.get("TR_SHIFT_MS", "0")) * 1e6) if env.get("TR_SHIFT_RANK") == str(rank) else 0
-        with strategy.trace(env["TR_DIR"], clock=lambda: time.perf_counter_ns() + shift):
+        clock = lambda: time.perf_counter_ns() + shift  # noqa: E731
+        with strategy.trace(env["TR_DIR"], clock=clock, mode=env.get("TR_MODE", "spans")):
             train()
     else:
         train()

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import collections
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from stratagem.trace.merge import JobTrace
-from stratagem.trace.timeline import Timeline
+from stratagem.trace.timeline import PHASES
 
-PHASES = ("input", "forward", "backward", "optimizer", "compute", "idle")
+Stretch = Callable[[int, int, int, int], dict[str, int]]
+"""``stretch(rank, seq, since, arrived)``: ns of each of `PHASES` on worker `rank` from `since` until it entered
+collective `seq` at `arrived`."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,10 @@ class LateWorker:
 
 
 def late_steps(
-    job: JobTrace, timelines: dict[int, Timeline], windows: dict[int, dict[int, tuple[int, int]]], steps: list[int]
+    job: JobTrace, stretch: Stretch, windows: dict[int, dict[int, tuple[int, int]]], steps: list[int]
 ) -> list[LateStep]:
-    """Each step's late worker (see the module docstring)."""
+    """Each step's late worker (see the module docstring); `stretch` reads a worker's phases before a collective
+    (from its painted timeline, or from what summary mode kept of it)."""
     world = len(job.workers)
     if world < 2:
         return []
@@ -86,7 +90,7 @@ def late_steps(
             prev = by_rank[r].get(seq - 1)
             since = prev.done if prev is not None and prev.done is not None else windows[r].get(step, (0, 0))[0]
             since = min(since, by_rank[r][seq].arrived)
-            phases[r] = timelines[r].totals(since, by_rank[r][seq].arrived)
+            phases[r] = stretch(r, seq, since, by_rank[r][seq].arrived)
         mine = excess.setdefault(step, {}).setdefault(late, {})
         for phase in PHASES:
             others = statistics.median(phases[r][phase] for r in by_rank if r != late)

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import InputError
+from stratagem.trace.fold import FOLDED
 from stratagem.trace.recorder import FORMAT
+from stratagem.trace.timeline import PHASES
 
 
 @dataclass
@@ -48,6 +50,18 @@ class Collective:
 
 
 @dataclass
+class FoldedStep:
+    """One step of a trace in summary mode (`fold.py`): its window, the ns of each label in it, its waits."""
+
+    step: int
+    start: int
+    end: int
+    totals: dict[str, int]
+    waits: list[tuple[int, int, list[int]]]
+    """(start, end, the collectives waited for)."""
+
+
+@dataclass
 class WorkerTrace:
     """One worker's spans and collectives, its times on the chief's clock (ns)."""
 
@@ -57,6 +71,11 @@ class WorkerTrace:
     error_ns: int
     spans: list[Span] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
+    mode: str = "spans"
+    """"summary": the steps were folded as they ended (`steps`, `stretches`), and `spans` holds none of them."""
+    steps: list[FoldedStep] = field(default_factory=list)
+    stretches: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Summary mode: collective's sequence number -> ns of each phase in the stretch before this worker entered it."""
 
 
 @dataclass
@@ -68,9 +87,11 @@ class JobTrace:
     @property
     def origin(self) -> int:
         """The earliest time of any event: the merged file's zero."""
-        times = [s.start for w in self.workers for s in w.spans] + [
-            c.arrived for w in self.workers for c in w.collectives
-        ]
+        times = (
+            [s.start for w in self.workers for s in w.spans]
+            + [c.arrived for w in self.workers for c in w.collectives]
+            + [s.start for w in self.workers for s in w.steps]
+        )
         return min(times) if times else 0
 
 
@@ -88,7 +109,15 @@ def load(directory: str | Path) -> JobTrace:
         if raw.get("format") != FORMAT:
             raise InputError(f"{path} is not a stratagem worker trace. Received: format={raw.get('format')!r}.")
         shift = int(raw["clock"]["offset_ns"])
-        worker = WorkerTrace(raw["rank"], raw["task"], shift, int(raw["clock"]["error_ns"]))
+        worker = WorkerTrace(
+            raw["rank"], raw["task"], shift, int(raw["clock"]["error_ns"]), mode=raw.get("mode", "spans")
+        )
+        for step, start, end, totals, waits in raw.get("steps", []):
+            worker.steps.append(
+                FoldedStep(step, start + shift, end + shift, dict(zip(FOLDED, totals)),
+                           [(a + shift, b + shift, q) for a, b, q in waits])
+            )  # fmt: skip
+        worker.stretches = {seq: dict(zip(PHASES, phases)) for seq, *phases in raw.get("stretches", [])}
         for cat, name, start, end, track, step, args in raw["spans"]:
             worker.spans.append(Span(cat, name, start + shift, end + shift, track, step, args))
         for seq, op, what, step, nbytes, bucket, transport, arrived, done in raw["collectives"]:

@@ -1,7 +1,8 @@
 """The per-process recorder: spans and collectives appended as tuples, nothing done while it is off.
 
 Every caller checks `recorder.on` (one attribute read) before taking a time, so a recorder that is off
-costs nothing else. Times are nanoseconds of `clock` (default `time.perf_counter_ns`, the host's monotonic
+costs nothing else. In summary mode (`start(mode="summary")`) each step's spans are folded at the step's end
+into what the step table needs, and dropped (`fold.py`). Times are nanoseconds of `clock` (default `time.perf_counter_ns`, the host's monotonic
 clock); `clocks.align` measures their offset to the chief's, and `write` puts both in this worker's file.
 
     >>> rec = Recorder(rank=0, task="worker:0")
@@ -18,6 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from stratagem.errors import InputError
+from stratagem.trace.fold import MODES, SPANS, SUMMARY, StepFolder
 
 FORMAT = "stratagem-trace/1"
 """The `format` field of a worker's file."""
@@ -61,13 +65,20 @@ class Recorder:
         same on every worker, since every worker issues the same collectives in the same order."""
         self.clock_offset: dict[str, Any] = {"offset_ns": 0, "error_ns": 0, "samples": 0}
         self._tracks: dict[int, str] = {}
+        self.mode = SPANS
+        self.folder: StepFolder | None = None
+        """Summary mode's folded steps; None in full mode."""
         self.step = 0
         """The step the spans are filed under (the strategy's `run` count)."""
 
-    def start(self, clock: Clock | None = None) -> None:
-        """Records from now on (`clock`: another clock than the one given at construction)."""
+    def start(self, clock: Clock | None = None, *, mode: str = SPANS) -> None:
+        """Records from now on (`clock`: another clock than the one given at construction); `mode`: "spans"
+        keeps every span, "summary" folds each step's spans when the step ends (`fold.py`)."""
+        check_mode(mode)
         if clock is not None:
             self.clock = clock
+        self.mode = mode
+        self.folder = StepFolder() if mode == SUMMARY else None
         self.on = True
 
     def stop(self) -> None:
@@ -93,6 +104,9 @@ class Recorder:
     ) -> None:
         """A span of the calling thread (or of `track`) from `start` to `end` (ns of `clock`)."""
         self.spans.append((category, name, start, end, track or self.track(), self.step, args))
+        if category == "step" and self.folder is not None:  # the end of `strategy.run`: its replicas are done
+            self.folder.fold(self.step, end, self.spans, self.collectives)
+            self.spans.clear()
 
     def collective(self, op: str, what: str, step: int, nbytes: int, transport: str, bucket: int | None = None) -> int:
         """A cross-worker collective this worker enters now; returns its sequence number, for `done`."""
@@ -113,8 +127,11 @@ class Recorder:
             "task": self.task,
             "world_size": self.world_size,
             "clock": self.clock_offset,
+            "mode": self.mode,
             "spans": [list(s) for s in self.spans],
             "collectives": self.collectives,
+            "steps": [] if self.folder is None else self.folder.steps,
+            "stretches": [] if self.folder is None else self.folder.stretches,
         }
 
     def write(self, directory: str | Path) -> Path:
@@ -129,3 +146,14 @@ class Recorder:
     def clear(self) -> None:
         self.spans.clear()
         self.collectives.clear()
+        if self.folder is not None:
+            self.folder = StepFolder()
+
+
+def check_mode(mode: str) -> None:
+    """Refuses a trace mode other than "spans" and "summary"."""
+    if mode not in MODES:
+        raise InputError(
+            f"A trace's mode is one of {', '.join(map(repr, MODES))}. Received: mode={mode!r}. Pass mode='spans' "
+            "for every span, or mode='summary' for the step table alone."
+        )

@@ -5,7 +5,8 @@ so the windows tile the worker's time and every step's input is in it. Within it
 (`timeline.py`) gives input, compute (forward, backward, optimizer and the rest of the step function),
 waiting for peers, transfer and idle, which add up to the window by construction; exposed communication is
 waiting plus transfer (communication no compute overlaps, since compute wins the painting only where the
-thread computes). The late worker is named by arrival (`late.py`).
+thread computes). The late worker is named by arrival (`late.py`). A trace in summary mode (`fold.py`) gives the
+same table from its folded steps: only its waits are painted here, split at the last worker's arrival.
 
     >>> report = summarize(load("traces/"))
     >>> print(report.text()); report.to_dict(); report.plot("traces/breakdown.png")
@@ -14,13 +15,16 @@ thread computes). The late worker is named by arrival (`late.py`).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stratagem.trace.late import LateStep, LateWorker, name_late_workers, late_steps
-from stratagem.trace.merge import JobTrace, WorkerTrace
-from stratagem.trace.timeline import Timeline, last_arrivals, paint
+from stratagem.errors import InputError
+from stratagem.trace.fold import SUMMARY
+from stratagem.trace.late import LateStep, LateWorker, Stretch, name_late_workers, late_steps
+from stratagem.trace.merge import FoldedStep, JobTrace, WorkerTrace
+from stratagem.trace.timeline import PHASES, Timeline, last_arrivals, paint, paint_spans
 
 COLUMNS = ("input", "compute", "peers", "transfer", "idle")
 """The parts of a step's time that add up to it."""
@@ -164,20 +168,60 @@ def _ms(ns: int) -> float:
 def summarize(job: JobTrace) -> TraceSummary:
     """The report of `job` (see the module docstring)."""
     last = last_arrivals(job)
+    modes = {w.mode for w in job.workers}
+    if len(modes) > 1:
+        raise InputError(
+            f"The workers' files were traced in different modes. Received: {', '.join(sorted(modes))}. Trace every "
+            "worker in one mode (strategy.trace(DIR, mode=...) on every worker)."
+        )
+    if modes == {SUMMARY}:
+        return _summarize_folded(job, last)
     timelines: dict[int, Timeline] = {w.rank: paint(w, last) for w in job.workers}
     windows = {w.rank: _windows(w) for w in job.workers}
+
+    def stretch(rank: int, seq: int, since: int, arrived: int) -> dict[str, int]:
+        return timelines[rank].totals(since, arrived)
+
+    return _report(job, windows, lambda w, step, start, end: timelines[w.rank].totals(start, end), stretch)
+
+
+def _summarize_folded(job: JobTrace, last: dict[int, int]) -> TraceSummary:
+    """The report of a trace in summary mode, from each worker's folded steps and stretches."""
+    folded = {w.rank: {s.step: s for s in w.steps} for w in job.workers}
+    windows = {rank: {step: (s.start, s.end) for step, s in steps.items()} for rank, steps in folded.items()}
+    stretches = {w.rank: w.stretches for w in job.workers}
+    zeros = dict.fromkeys(PHASES, 0)
+
+    def totals(w: WorkerTrace, step: int, start: int, end: int) -> dict[str, int]:
+        mine: FoldedStep = folded[w.rank][step]
+        waits = paint_spans((("wait", a, b, {"seqs": seqs}) for a, b, seqs in mine.waits), last).totals(start, end)
+        return {**mine.totals, "peers": waits["peers"], "transfer": waits["transfer"]}
+
+    def stretch(rank: int, seq: int, since: int, arrived: int) -> dict[str, int]:
+        return stretches[rank].get(seq, zeros)
+
+    return _report(job, windows, totals, stretch)
+
+
+def _report(
+    job: JobTrace,
+    windows: dict[int, dict[int, tuple[int, int]]],
+    totals: Callable[[WorkerTrace, int, int, int], dict[str, int]],
+    stretch: Stretch,
+) -> TraceSummary:
+    """The rows of the steps every worker has, the late worker of each, the clocks."""
     common = sorted(set.intersection(*(set(ws) for ws in windows.values()))) if windows else []
     rows = []
     for step in common:
         for w in job.workers:
             start, end = windows[w.rank][step]
-            t = timelines[w.rank].totals(start, end)
+            t = totals(w, step, start, end)
             compute = t["forward"] + t["backward"] + t["optimizer"] + t["compute"]
             rows.append(
                 StepRow(step, w.task, w.rank, _ms(end - start), _ms(t["input"]), _ms(compute), _ms(t["peers"]),
                         _ms(t["transfer"]), _ms(t["idle"]), _ms(t["forward"]), _ms(t["backward"]), _ms(t["optimizer"]))
             )  # fmt: skip
-    steps_late = late_steps(job, timelines, windows, common)
+    steps_late = late_steps(job, stretch, windows, common)
     step_ms = {step: statistics.median(r.step_ms for r in rows if r.step == step) for step in common}
     clocks = {w.task: {"offset_ms": w.offset_ns / 1e6, "error_ms": w.error_ns / 1e6} for w in job.workers}
     return TraceSummary(rows, steps_late, name_late_workers(steps_late, step_ms), clocks)

@@ -9,12 +9,17 @@ time in no span is idle. Since the pieces do not overlap, the labels of any inte
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from stratagem.trace.merge import JobTrace, WorkerTrace
+if TYPE_CHECKING:  # the recorder folds steps with `paint_spans` in summary mode; merge imports the recorder
+    from stratagem.trace.merge import JobTrace, WorkerTrace
 
 LABELS = ("peers", "transfer", "input", "forward", "backward", "optimizer", "compute")
 """By priority, highest first."""
+PHASES = ("input", "forward", "backward", "optimizer", "compute", "idle")
+"""What a worker does between collectives: the labels but the waits', and idle (`late.py`, `fold.py`)."""
 _PRIORITY = {label: i for i, label in enumerate(LABELS)}
 _CATEGORY = {
     "input": "input",
@@ -59,16 +64,22 @@ def last_arrivals(job: JobTrace) -> dict[int, int]:
 
 def paint(worker: WorkerTrace, last: dict[int, int]) -> Timeline:
     """The worker's timeline (see the module docstring); `last` from `last_arrivals`."""
+    return paint_spans(((s.category, s.start, s.end, s.args) for s in worker.spans), last)
+
+
+def paint_spans(spans: Iterable[tuple[str, int, int, dict[str, Any] | None]], last: dict[int, int]) -> Timeline:
+    """The timeline of spans given as (category, start, end, args); a wait whose collectives are not in `last`
+    is all transfer."""
     intervals: list[tuple[int, int, int]] = []  # (start, end, priority)
-    for s in worker.spans:
-        if s.category == "wait":
-            seqs = (s.args or {}).get("seqs", [])
-            arrived = max((last[q] for q in seqs if q in last), default=s.start)
-            split = min(max(arrived, s.start), s.end)
-            intervals.append((s.start, split, _PRIORITY["peers"]))
-            intervals.append((split, s.end, _PRIORITY["transfer"]))
-        elif s.category in _CATEGORY:
-            intervals.append((s.start, s.end, _PRIORITY[_CATEGORY[s.category]]))
+    for category, start, end, args in spans:
+        if category == "wait":
+            seqs = (args or {}).get("seqs", [])
+            arrived = max((last[q] for q in seqs if q in last), default=start)
+            split = min(max(arrived, start), end)
+            intervals.append((start, split, _PRIORITY["peers"]))
+            intervals.append((split, end, _PRIORITY["transfer"]))
+        elif category in _CATEGORY:
+            intervals.append((start, end, _PRIORITY[_CATEGORY[category]]))
     intervals = [iv for iv in intervals if iv[1] > iv[0]]
     points = sorted({t for a, b, _ in intervals for t in (a, b)})
     # Sweep: at each elementary interval the highest-priority label open wins.

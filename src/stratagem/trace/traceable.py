@@ -24,7 +24,10 @@ class Traceable(abc.ABC):
     """A strategy whose steps can be traced (docs/trace.md)."""
 
     @abc.abstractmethod
-    def trace(self, directory: str | Path, *, clock: Clock | None = None) -> AbstractContextManager[Recorder]:
+    def trace(
+        self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans"
+    ) -> AbstractContextManager[Recorder]:
         """Records the steps run inside the block on every process of the job and writes each process's file,
         `directory`/worker-<rank>.json, at its end. Every process enters the block at the same point.
-        `clock`: the nanosecond clock of the spans (default time.perf_counter_ns)."""
+        `clock`: the nanosecond clock of the spans (default time.perf_counter_ns); `mode`: "spans" (every span)
+        or "summary" (each step folded as it ends into what the step table needs, `fold.py`)."""

@@ -50,7 +50,7 @@ from stratagem.strategies.multi_worker.devices import default_local_devices
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
 from stratagem.trace import Recorder, Traceable
 from stratagem.trace.clocks import align
-from stratagem.trace.recorder import Clock
+from stratagem.trace.recorder import Clock, check_mode
 
 if TYPE_CHECKING:
     from stratagem.strategies.memory_fit import Alternative, ReplicatedMemoryPlan
@@ -174,12 +174,13 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy, Traceable):
 
     # ---- trace ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def trace(self, directory: str | Path, *, clock: Clock | None = None) -> Iterator[Recorder]:
+    def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:
         """Records the steps run inside the block on every worker: input, forward, backward, optimizer step,
         each collective across workers and each wait for one. Every worker enters the block at the same
         point (its clock is aligned with the chief's there, through the job's store) and writes
         `directory`/worker-<rank>.json at its end; `stratagem trace merge DIR` and `stratagem trace summary
-        DIR` read them. `clock`: the nanosecond clock of the spans (default time.perf_counter_ns).
+        DIR` read them. `clock`: the nanosecond clock of the spans (default time.perf_counter_ns); `mode`:
+        "spans" keeps every span, "summary" only what the step table needs (stratagem.trace.fold).
 
         Example:
             >>> with strategy.trace("traces/"):
@@ -192,7 +193,8 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy, Traceable):
                 "inside it. End the first trace, or unset STRATAGEM_TRACE (stratagem launch --trace) to trace "
                 "only this range."
             )
-        self._start_trace(clock)
+        check_mode(mode)
+        self._start_trace(clock, mode)
         try:
             yield self._recorder
         finally:
@@ -200,7 +202,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy, Traceable):
             self._recorder.write(directory)
             self._recorder.clear()
 
-    def _start_trace(self, clock: Clock | None) -> None:
+    def _start_trace(self, clock: Clock | None, mode: str = "spans") -> None:
         recorder = self._recorder
         recorder.clear()
         if clock is not None:
@@ -215,7 +217,7 @@ class MultiWorkerMirroredStrategy(ReplicatedStrategy, Traceable):
             timeout=self._plan.timeout,
         )
         recorder.clock_offset = offset.to_dict()
-        recorder.start()
+        recorder.start(mode=mode)
 
     def distribute(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """As `ReplicatedStrategy.distribute`, after its memory plan is held against this process's limit: a whole
