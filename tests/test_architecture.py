@@ -638,6 +638,15 @@ def _import_graph(src: Path = SRC, *, type_checking: bool = False, lazy: bool = 
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base] * bool(base))
             targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        # Importing a.b.c runs a.b's __init__ first: an edge to it too, unless this module is inside a.b (then
+        # the package is already being imported).
+        for target in list(targets):
+            parts = target.split(".")
+            targets.update(
+                package
+                for package in (".".join(parts[:end]) for end in range(2, len(parts)))
+                if not (name + ".").startswith(package + ".")
+            )
         graph[name] = sorted(t for t in targets if t in modules and t != name)
     return graph
 
@@ -700,6 +709,22 @@ def test_an_import_cycle_is_found_and_lazy_or_type_only_imports_are_not(tmp_path
     graph = _import_graph(tmp_path / "stratagem")
     assert graph["stratagem.train.e"] == ["stratagem.train.d"] and graph["stratagem.train.d"] == []
     assert _import_cycles(graph) == [["stratagem.train.a", "stratagem.train.b", "stratagem.train.c"]]
+
+
+def test_importing_a_module_of_a_package_counts_as_importing_the_package(tmp_path: Path) -> None:
+    # q imports p.y, which runs p's __init__ first, which imports p.x, which imports q: a cycle although no
+    # module names another that names it back (memory_fit and sharded/__init__ were such a pair).
+    package = tmp_path / "stratagem" / "train"
+    (package / "p").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "p" / "__init__.py").write_text("from stratagem.train.p import x\n")
+    (package / "p" / "x.py").write_text("from stratagem.train import q\nfrom stratagem.train.p import y\n")
+    (package / "p" / "y.py").write_text("")
+    (package / "q.py").write_text("from stratagem.train.p.y import thing\n")
+    graph = _import_graph(tmp_path / "stratagem")
+    assert graph["stratagem.train.q"] == ["stratagem.train.p", "stratagem.train.p.y"]
+    assert graph["stratagem.train.p.x"] == ["stratagem.train.p.y", "stratagem.train.q"]  # not its own package
+    assert _import_cycles(graph) == [["stratagem.train.p", "stratagem.train.p.x", "stratagem.train.q"]]
 
 
 def test_importing_the_library_loads_neither_dynamo_nor_grpc_nor_fsdp() -> None:

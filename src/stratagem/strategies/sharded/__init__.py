@@ -7,8 +7,7 @@
   whose shards differ from the plan (one all-gather of shapes and dtypes before the first step);
 - `agreement.py`: the workers' batch check (`check_batches`), riding each step's first gradient reduce-scatter;
 - `decisions.py`: what `explain()` says of the stage, the gradient combination and the batch check.
+
+The package imports nothing when it is imported: the class is `strategy.ShardedStrategy` (`sg.ShardedStrategy`),
+so a module of it (`memory.py`, `placement.py`) is read without the strategy and what it imports.
 """
-
-from stratagem.strategies.sharded.strategy import ShardedStrategy
-
-__all__ = ["ShardedStrategy"]
