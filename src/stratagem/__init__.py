@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from stratagem.strategies import ShardedStrategy as ShardedStrategy
     from stratagem.strategies import TensorParallelStrategy as TensorParallelStrategy
     from stratagem.strategies.data_parallel.loss_weight import set_loss_weight
-    from stratagem.strategies.data_parallel.run_inputs import replicated
+    from stratagem.strategies.run_inputs import replicated
     from stratagem.train import callbacks, metrics
     from stratagem.train.fit import History, fit
     from stratagem.train.from_env import strategy_from_env
@@ -96,7 +96,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Strategy": ("stratagem.strategies.base", "Strategy"),
     "current_replica_context": ("stratagem.strategies.data_parallel.replicas", "current_replica_context"),
     "set_loss_weight": ("stratagem.strategies.data_parallel.loss_weight", "set_loss_weight"),
-    "replicated": ("stratagem.strategies.data_parallel.run_inputs", "replicated"),
+    "replicated": ("stratagem.strategies.run_inputs", "replicated"),
     "callbacks": ("stratagem.train.callbacks", None),
     "metrics": ("stratagem.train.metrics", None),
     "History": ("stratagem.train.fit", "History"),

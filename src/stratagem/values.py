@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,3 +95,12 @@ def stack_replicas(results: Sequence[Any], batch_sizes: tuple[int, ...] | None, 
     leaves_per_replica = [flatten(r) for r in results]
     columns = iter(zip(*leaves_per_replica))
     return map_structure(lambda _: PerReplica(tuple(next(columns)), batch_sizes, global_size), first)
+
+
+def tag_results(result: Any, counts: Sequence[float | None] | None) -> Any:
+    """Gives every `PerReplica` of a step's result the loss weights its replicas declared (`sg.set_loss_weight`),
+    which `reduce("mean")` weights by; the result as it is when a replica declared none."""
+    if counts is None or any(c is None for c in counts):
+        return result
+    weights = tuple(float(c) for c in counts)  # type: ignore[arg-type]
+    return map_structure(lambda v: dataclasses.replace(v, weights=weights) if isinstance(v, PerReplica) else v, result)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
+from stratagem.strategies.gather import from_bytes, to_bytes
 
 if TYPE_CHECKING:
     from stratagem.cluster import Cluster

@@ -20,16 +20,14 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.replicas import current_replica_context
-from stratagem.values import PerReplica, map_structure
 
 if TYPE_CHECKING:
     from stratagem.strategies.data_parallel.step_part import RunState
@@ -107,11 +105,3 @@ def divide_gradients_(params: Sequence[torch.nn.Parameter], total: float) -> Non
     grads = [p.grad for p in params if p.grad is not None]
     if grads and total > 0:
         torch._foreach_div_(grads, total)
-
-
-def tag_results(result: Any, counts: Sequence[float | None] | None) -> Any:
-    """Gives every `PerReplica` of a step's result the declared counts, which `reduce("mean")` weights by."""
-    if counts is None or any(c is None for c in counts):
-        return result
-    weights = tuple(float(c) for c in counts)  # type: ignore[arg-type]
-    return map_structure(lambda v: dataclasses.replace(v, weights=weights) if isinstance(v, PerReplica) else v, result)

@@ -30,8 +30,7 @@ from torch import nn
 from stratagem import nest
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel import loss_weight
-from stratagem.strategies.data_parallel import run_inputs
+from stratagem.strategies import run_inputs
 from stratagem.strategies.data_parallel.accumulation import LocalAccumulation
 from stratagem.strategies.data_parallel.combine import LocalCombination, LocalCombine
 from stratagem.strategies.data_parallel.distributed import check_optimizer_supported
@@ -55,7 +54,7 @@ from stratagem.strategies.data_parallel.set_parts import (
 )
 from stratagem.strategies.data_parallel.step_part import ReplicaBuilder, RunState, StepPart
 from stratagem.trace import Recorder
-from stratagem.values import select_replica, stack_replicas
+from stratagem.values import select_replica, stack_replicas, tag_results
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy
@@ -353,7 +352,7 @@ class ReplicaSet(ReplicaHost):
                 recorder.span("step", f"step {state.step}", started, recorder.now())
         if num_replicas == 1 and self.num_replicas_in_sync == 1:
             return results[0]
-        return loss_weight.tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)
+        return tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)
 
     def _run_all(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         num_replicas = len(self.devices)

@@ -38,7 +38,7 @@ from stratagem.shm import eligibility
 from stratagem.strategies.batches import check_iterable
 from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
 from stratagem.strategies.data_parallel.combine import choose_local_combine
-from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
+from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
 from stratagem.strategies.data_parallel.placement import nccl_available, place_replicas
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet

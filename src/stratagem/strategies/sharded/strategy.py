@@ -36,9 +36,8 @@ from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.host import LossWeightHost
-from stratagem.strategies.data_parallel.loss_weight import tag_results
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, enter_replica
-from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
+from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
 from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_flag
@@ -64,7 +63,7 @@ from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
-from stratagem.values import select_replica, stack_replicas
+from stratagem.values import select_replica, stack_replicas, tag_results
 
 
 class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):

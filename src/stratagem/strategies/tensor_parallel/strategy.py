@@ -28,11 +28,10 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
-from stratagem.strategies.data_parallel.gather import from_bytes, to_bytes
+from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
-from stratagem.strategies.data_parallel.loss_weight import tag_results
 from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
-from stratagem.strategies.data_parallel.run_inputs import batch_sizes, global_size, replica_weights
+from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.tensor_parallel.apply import (
@@ -50,7 +49,7 @@ from stratagem.strategies.tensor_parallel.mesh import (
     resolve_layouts,
 )
 from stratagem.strategies.tensor_parallel.styles import check_splits
-from stratagem.values import PerReplica, select_replica, stack_replicas
+from stratagem.values import PerReplica, select_replica, stack_replicas, tag_results
 
 AXES = ("data", "model")
 """The mesh axes this strategy knows: `model` splits layers, `data` replicates the model groups."""
