@@ -248,7 +248,7 @@ class _SlowBackwardOnReplica1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from stratagem.strategies.data_parallel.replicas import current_replica_context
+        from stratagem.strategies.replica_context import current_replica_context
 
         context = current_replica_context()
         if context is not None and context.replica_id_in_sync_group == 1:

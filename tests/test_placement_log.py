@@ -22,7 +22,7 @@ from conftest import cpu_registry
 import stratagem as sg
 from stratagem.diagnose import OffDeviceOp, apply_placement, capture_placement
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 
 
 def _trainer(strategy):

@@ -18,7 +18,7 @@ operation with its tensors. A dispatch mode belongs to one thread:
 When no log and no soft placement is active nothing is entered: `capture_placement()` returns
 None and `apply_placement(None)` does nothing, so an unlogged step pays nothing.
 
-"The replica's device" is what `stratagem.strategies.data_parallel.replicas.enter_replica` reports through
+"The replica's device" is what `stratagem.strategies.replica_context.enter_replica` reports through
 `note_replica` (this layer sits below the strategies and does not import them), else the
 log's `device=`, else unknown (no operation is then judged off its device).
 """

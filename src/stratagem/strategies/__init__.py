@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from stratagem.strategies.base import DistributedDataset as DistributedDataset
     from stratagem.strategies.base import Strategy as Strategy
     from stratagem.strategies.central_storage.strategy import CentralStorageStrategy as CentralStorageStrategy
-    from stratagem.strategies.data_parallel.replicas import ReplicaContext as ReplicaContext
-    from stratagem.strategies.data_parallel.replicas import current_replica_context as current_replica_context
+    from stratagem.strategies.replica_context import ReplicaContext as ReplicaContext
+    from stratagem.strategies.replica_context import current_replica_context as current_replica_context
     from stratagem.strategies.explain import Explanation as Explanation
     from stratagem.strategies.mirrored import MirroredStrategy as MirroredStrategy
     from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy as ModelParallelStrategy
@@ -45,9 +45,9 @@ LAZY_NAMES: dict[str, str] = {record.class_name: record.module for record in STR
     "LayoutMap": "stratagem.strategies.tensor_parallel.mesh",
     "MaxSizePartitioner": "stratagem.strategies.parameter_server.partitioners",
     "MinSizePartitioner": "stratagem.strategies.parameter_server.partitioners",
-    "ReplicaContext": "stratagem.strategies.data_parallel.replicas",
+    "ReplicaContext": "stratagem.strategies.replica_context",
     "Strategy": "stratagem.strategies.base",
-    "current_replica_context": "stratagem.strategies.data_parallel.replicas",
+    "current_replica_context": "stratagem.strategies.replica_context",
 }
 
 

@@ -36,7 +36,7 @@ from stratagem.strategies.data_parallel.distributed import check_optimizer_match
 from stratagem.strategies.batches import check_iterable, check_shard_policy, distribute_batch, stack_batch
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
-from stratagem.strategies.data_parallel.replicas import current_replica_context
+from stratagem.strategies.replica_context import current_replica_context
 from stratagem.strategies.steps import check_returns, make_step
 from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
 from stratagem.values import PerReplica, ReduceOp, flatten, map_structure

@@ -30,7 +30,7 @@ import torch
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
 from stratagem.strategies.data_parallel.host import ReplicaHost
-from stratagem.strategies.data_parallel.replicas import current_replica_context
+from stratagem.strategies.replica_context import current_replica_context
 
 PRECISIONS = ("32", "bf16", "fp16")
 

@@ -47,7 +47,8 @@ from torch import nn
 from stratagem import environ
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.batch_norm_function import check_size, refuse_zero_weight
-from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, current_replica_context
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
+from stratagem.strategies.replica_context import current_replica_context
 
 if TYPE_CHECKING:
     from stratagem.strategies.data_parallel.batch_norm import BatchNormSync

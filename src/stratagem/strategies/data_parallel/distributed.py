@@ -18,7 +18,7 @@ from torch import nn
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import lr_schedulers, outside_changes
 from stratagem.strategies.data_parallel.host import ReplicaHost, ReplicaMeeting
-from stratagem.strategies.data_parallel.replicas import current_replica_context
+from stratagem.strategies.replica_context import current_replica_context
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.replicas import current_replica_context
+from stratagem.strategies.replica_context import current_replica_context
 
 if TYPE_CHECKING:
     from stratagem.strategies.data_parallel.step_part import RunState

@@ -40,8 +40,9 @@ from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
 from stratagem.strategies.data_parallel.outside_changes import OutsideChanges
 from stratagem.strategies.data_parallel.replica_random import ReplicaRandomPart
-from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaContext, ReplicaPool
-from stratagem.strategies.data_parallel.replicas import current_replica_context, enter_replica
+from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaPool
+from stratagem.strategies.replica_context import ReplicaContext
+from stratagem.strategies.replica_context import current_replica_context, enter_replica
 from stratagem.strategies.data_parallel.set_parts import (
     AcrossWorkers,
     BatchNormPart,

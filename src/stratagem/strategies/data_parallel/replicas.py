@@ -11,45 +11,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from stratagem.diagnose.placement import (
-    apply_placement,
-    capture_placement,
-    note_replica,
-)
+from stratagem.diagnose.placement import apply_placement, capture_placement
 from stratagem.diagnose.soft_placement import as_placement_error
 from stratagem.errors import CollectiveTimeoutError, ReplicaError
 from stratagem.strategies.data_parallel.autocast import apply_autocast, capture_autocast
-
-if TYPE_CHECKING:
-    from stratagem.strategies.base import Strategy
-    from stratagem.strategies.data_parallel.host import LossWeightHost
-
-_context = threading.local()
-
-
-@dataclass(frozen=True)
-class ReplicaContext:
-    """Which replica the current thread runs, inside `Strategy.run` (tf.distribute's ReplicaContext)."""
-
-    replica_id_in_sync_group: int
-    num_replicas_in_sync: int
-    device: torch.device
-    strategy: Strategy | None
-    """The strategy that runs the replica (None: a `Pipeline` built on its own, outside any strategy)."""
-    host: LossWeightHost | None = None
-    """The host of the replicas (a data-parallel strategy's replica set, or ShardedStrategy), which
-    `sg.set_loss_weight` tells the replica's loss weight; None where the strategy runs no replicas in lockstep
-    (model parallelism)."""
-
-
-def current_replica_context() -> ReplicaContext | None:
-    """The replica context of this thread, or None outside `Strategy.run`."""
-    return getattr(_context, "value", None)
 
 
 class _Aborted(Exception):
@@ -376,14 +343,3 @@ class ReplicaPool:
             inbox.put(None)
         for thread in self._threads:
             thread.join(timeout=self._timeout)
-
-
-def enter_replica(ctx: ReplicaContext | None) -> ReplicaContext | None:
-    """Sets this thread's replica context; returns the previous one."""
-    previous = getattr(_context, "value", None)
-    _context.value = ctx
-    if ctx is None:
-        note_replica(None)
-    else:
-        note_replica(ctx.replica_id_in_sync_group, ctx.device)
-    return previous

@@ -37,7 +37,7 @@ from torch import nn
 from stratagem.data.split import split_sizes
 from stratagem.diagnose.placement import apply_placement, capture_placement
 from stratagem.errors import CollectiveTimeoutError, InputError
-from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy

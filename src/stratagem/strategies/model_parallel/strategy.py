@@ -42,7 +42,7 @@ from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
 from stratagem.strategies.wrapped_model import WrappedModel
 from stratagem.strategies.model_parallel.pipeline import Pipeline, PipelineModel, ScheduleEvent
-from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.values import select_replica
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
-from stratagem.strategies.data_parallel.replicas import ReplicaContext, enter_replica
+from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.sharded.placement import local_device
