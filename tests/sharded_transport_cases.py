@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from sharded_cases import OPTIMIZERS, batches, clipped_step, cluster_of, full, mlp, train_one_device
 
-# Stage 3 through shared memory is the default of tests/test_sharded_strategy.py and test_sharded_numerics.py.
 # Stage 3 through shared memory is the default in tests/test_sharded_strategy.py and test_sharded_numerics.py.
 CASES = (("stage 2 shared memory", 2, {}), ("stage 2 gloo", 2, {"shared_memory": False}))
 
@@ -21,7 +20,7 @@ def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
     explain() says of the transport, the memory plan's transport bytes, and how many all-gathers and reduce-scatters went through the process group."""
     import stratagem as sg
 
-    calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    calls = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0}
     for name in calls:  # counted in this spawned rank only: FSDP2's and the strategy's calls into torch.distributed
         setattr(dist, name, _counted(getattr(dist, name), calls, name))
     data = batches(torch.float64)
@@ -47,6 +46,7 @@ def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
                 "explain": str(strategy.explain()),
                 "calls": dict(calls),
                 "plan_transport": strategy.memory_plan().transport,
+                "plan_gathered": strategy.memory_plan().gathered_peak,
             }
         finally:
             strategy.close()

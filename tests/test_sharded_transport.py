@@ -26,7 +26,7 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         assert shared["worst"] <= 1e-9, (rank, shared["worst"])
         assert "all-gather and reduce-scatter: shared memory" in shared["explain"], shared["explain"]
         # Five steps of three units: not one all-gather or reduce-scatter went through Gloo.
-        assert shared["calls"] == {"all_gather_single": 0, "reduce_scatter_single": 0}, shared
+        assert shared["calls"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0}, shared
         # The memory plan counts the shared file every rank maps: 2 slots and the result area of 4 MiB each.
         assert shared["plan_transport"] == 3 * (4 << 20), shared["plan_transport"]
         fallback = got["stage 2 gloo"]
@@ -34,9 +34,12 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         explained = fallback["explain"]
         assert "all-gather and reduce-scatter: the process group (gloo) - turned off (shared_memory=False)" in explained
         # Stage 2: one all-gather and one reduce-scatter per unit and step (3 Linear units; the root holds no
-        # parameter of its own), 5 steps.
-        assert fallback["calls"] == {"all_gather_single": 15, "reduce_scatter_single": 15}, fallback
+        # parameter of its own), 5 steps; each reduce-scatter is an all-to-all and a sum (Gloo's own all-reduces).
+        assert fallback["calls"] == {"all_gather_single": 15, "reduce_scatter_single": 0, "all_to_all_single": 15}
         assert fallback["plan_transport"] == 0, fallback["plan_transport"]
+        # The rows the all-to-all receives: one more flat gradient buffer of the largest unit, Linear(17, 7) in
+        # float64 (126 parameters), in the plan.
+        assert fallback["plan_gathered"] - shared["plan_gathered"] == 126 * 8, (fallback, shared)
 
 
 class _CrossWorker:

@@ -87,6 +87,7 @@ class RankMemory:
             root_bytes=cut.root_bytes,
             activations=0 if self.activations is None else self.activations.peak,
             activations_how=None if self.activations is None else self.activations.how,
+            received_rows=shared is None and self._group.backend == "gloo" and self._device.type == "cpu",
         )
 
     def check_limit(

@@ -58,6 +58,9 @@ class WeightedReduceScatter(ReduceScatter):
         if extra is not None:
             self._ride(output_tensor, input_tensor, group, extra, shared)
             return None
+        if _through_gloo(input_tensor, group):
+            _all_to_all_sum(output_tensor, input_tensor, group)
+            return None
         return dist.reduce_scatter_single(
             output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
@@ -84,6 +87,8 @@ class WeightedReduceScatter(ReduceScatter):
         out = torch.empty(shard + extra.numel(), dtype=output_tensor.dtype, device=output_tensor.device)
         if shared is not None:
             shared.reduce_scatter_(out, wide.view(-1), what="reduce-scatter of gradients", step=self.step())
+        elif _through_gloo(wide, group):
+            _all_to_all_sum(out, wide.view(-1), group)
         else:
             dist.reduce_scatter_single(out, wide.view(-1), op=dist.ReduceOp.SUM, group=group)
         output_tensor.copy_(out[:shard])
@@ -112,6 +117,22 @@ class SharedMemoryAllGather(AllGather):
             self.shared.all_gather_into_(output_tensor, input_tensor, what="all-gather of parameters", step=self.step())
             return None
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _through_gloo(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+def _all_to_all_sum(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """A reduce-scatter of SUM from what Gloo does well. Gloo's reduce-scatter all-reduces the whole input and keeps
+    one chunk, so every rank moves and sums every chunk; here each rank sends chunk r to rank r (one all-to-all)
+    and sums the rows it received, in rank order: half the bytes and 1/N of the additions: 0.55x the wall time and
+    CPU of Gloo's own on 16 MiB of float32 between 2 processes (benchmarks/gloo_reduce_scatter.py). Costs one
+    input-sized buffer for the rows received, counted in the memory plan."""
+    world = input_tensor.numel() // output_tensor.numel()
+    rows = torch.empty_like(input_tensor)
+    dist.all_to_all_single(rows, input_tensor, group=group)
+    torch.sum(rows.view(world, -1), dim=0, out=output_tensor.view(-1))
 
 
 def _on_host(tensor: torch.Tensor) -> bool:
