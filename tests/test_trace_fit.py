@@ -50,6 +50,33 @@ def test_fit_with_trace_on_2_workers_writes_one_valid_merged_file_of_every_step(
     assert report.named == [], report.late_steps
 
 
+def test_fit_with_trace_on_mirrored_puts_each_replica_thread_on_a_track_of_its_own(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(4)]
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    try:
+        sg.fit(strategy, net, torch.optim.SGD(net.parameters(), lr=0.01), F.cross_entropy, data, epochs=2,
+               trace=tmp_path)  # fmt: skip
+    finally:
+        strategy.close()
+    document = _merged(tmp_path)
+    assert problems(document) == []
+    events = document["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = [(e["cat"], tracks[e["tid"]]) for e in events if e["ph"] == "X"]
+    # 2 epochs of 4 batches: each step on the calling thread, each replica's passes on its own thread.
+    assert spans.count(("step", "main")) == 8
+    for track in ("main", "replica 1"):
+        assert spans.count(("forward", track)) == 8, track
+        assert spans.count(("backward", track)) == 8, track
+    report = summarize(load(tmp_path))
+    assert [r.task for r in report.rows] == ["worker:0"] * 8
+    for row in report.rows:
+        assert row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
+
+
 def test_fit_refuses_a_trace_of_a_strategy_that_records_none_before_any_work(tmp_path):
     net = nn.Linear(4, 2)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
@@ -68,7 +95,7 @@ def test_stratagem_train_refuses_trace_with_a_strategy_that_records_none(capsys,
     assert main(["train", "--strategy", "one_device", "--trace", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--strategy one_device does not record traces yet. Received: --strategy one_device --trace" in err
-    assert "Use --strategy multi_worker" in err
+    assert "Use --strategy mirrored or multi_worker" in err
 
 
 @pytest.mark.multiprocess
@@ -86,3 +113,14 @@ def test_stratagem_train_trace_on_2_workers_writes_a_valid_merged_file(capsys, t
     # 1437 training images in global batches of 256: 6 steps, and the 360 test images' evaluation after fit.
     steps = {(e["pid"], e["name"]) for e in document["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"}
     assert len(steps) == 2 * 6, sorted(steps)
+
+
+def test_stratagem_train_trace_on_its_default_mirrored_strategy_writes_both_replicas_tracks(capsys, tmp_path):
+    code = main(["train", "--devices", "cpu:0,cpu:1", "--epochs", "1", "--json", "--trace", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert f"trace written to {tmp_path / 'trace.json.gz'}" in captured.err
+    document = _merged(tmp_path)
+    assert problems(document) == []
+    tracks = {e["args"]["name"] for e in document["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"main", "replica 1"} <= tracks, tracks

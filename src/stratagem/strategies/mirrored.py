@@ -12,8 +12,10 @@ The strategy is a `ReplicaSet` built from the parts its class lists (strategies/
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -26,11 +28,14 @@ from stratagem.strategies.data_parallel.placement import place_replicas
 from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout
+from stratagem.trace import Recorder, Traceable
+from stratagem.trace.recorder import Clock
+from stratagem.trace.traceable import record_alone
 
 logger = logging.getLogger(__name__)
 
 
-class MirroredStrategy(ReplicatedStrategy):
+class MirroredStrategy(ReplicatedStrategy, Traceable):
     """Synchronous data parallelism over the devices of one process (tf.distribute.MirroredStrategy).
 
     Args:
@@ -80,6 +85,27 @@ class MirroredStrategy(ReplicatedStrategy):
             devices, require_gpu=require_gpu, registry=registry, intra_op_threads=intra_op_threads
         )
         combine = choose_local_combine(placement.devices, nccl_available=_nccl_available(placement.devices))
+        # Off until a trace starts (stratagem.trace): each replica thread's spans land on a track of its own.
+        self._recorder = Recorder(rank=0, task="worker:0")
         self._replicas = ReplicaSet(
-            self, placement, build=MirroredReplicas(share_parameters), combine=combine, batch_norm=mode, timeout=timeout
+            self,
+            placement,
+            build=MirroredReplicas(share_parameters),
+            combine=combine,
+            batch_norm=mode,
+            timeout=timeout,
+            recorder=self._recorder,
         )
+
+    @contextlib.contextmanager
+    def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:
+        """Records the steps run inside the block: each step on the calling thread's track ("main"), each replica's
+        forward, backward and optimizer step on its own thread's ("main" for replica 0, "replica <i>" for the
+        others); writes `directory`/worker-0.json at its end (`stratagem trace summary DIR` reads it).
+
+        Example:
+            >>> with strategy.trace("traces/"):
+            ...     strategy.run(train_step, args=(x, y))
+        """
+        with record_alone(self._recorder, directory, clock=clock, mode=mode) as recorder:
+            yield recorder

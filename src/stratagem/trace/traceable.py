@@ -3,7 +3,8 @@
 `fit(..., trace=DIR)` and `stratagem train --trace DIR` trace any strategy that is a `Traceable` and refuse the
 others before any work, naming the ones that are. A strategy implements one member, `trace(directory)`: a
 context manager inside which every process of the job records its steps, and at whose end each writes its
-own `worker-<rank>.json` in `directory` (the format `recorder.py` writes and `merge.py` reads).
+own `worker-<rank>.json` in `directory` (the format `recorder.py` writes and `merge.py` reads). A strategy of
+one process implements it with `record_alone`.
 
     >>> isinstance(strategy, Traceable)
     True
@@ -14,10 +15,13 @@ own `worker-<rank>.json` in `directory` (the format `recorder.py` writes and `me
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from stratagem.trace.recorder import Clock, Recorder
+from stratagem.errors import InputError
+from stratagem.trace.recorder import Clock, Recorder, check_mode
 
 
 class Traceable(abc.ABC):
@@ -31,3 +35,26 @@ class Traceable(abc.ABC):
         `directory`/worker-<rank>.json, at its end. Every process enters the block at the same point.
         `clock`: the nanosecond clock of the spans (default time.perf_counter_ns); `mode`: "spans" (every span)
         or "summary" (each step folded as it ends into what the step table needs, `fold.py`)."""
+
+
+@contextlib.contextmanager
+def record_alone(
+    recorder: Recorder, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans"
+) -> Iterator[Recorder]:
+    """`Traceable.trace` of a strategy of one process: its clock is the job's, so no offset is measured; the
+    file is written when the block ends, however it ends."""
+    check_mode(mode)
+    if recorder.on:
+        raise InputError(
+            f"A trace is recording already. Received: trace({str(directory)!r}) inside it. End the first trace."
+        )
+    recorder.clear()
+    if clock is not None:
+        recorder.clock = clock
+    recorder.start(mode=mode)
+    try:
+        yield recorder
+    finally:
+        recorder.stop()
+        recorder.write(directory)
+        recorder.clear()
