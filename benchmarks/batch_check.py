@@ -30,7 +30,7 @@ def _rank(rank: int, port: int, blocks: int, warmup: int, shared_memory: bool | 
     import stratagem as sg
     from stratagem.bench.throughput import make_train_step
     from stratagem.bench.workloads import WORKLOADS
-    from stratagem.strategies.multi_worker.agreement import SLOT, BatchAgreement
+    from stratagem.strategies.worker_group.agreement import SLOT, BatchAgreement
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))

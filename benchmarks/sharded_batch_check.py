@@ -1,6 +1,6 @@
 """The cost of ShardedStrategy's batch check (`check_batches`, on by default): each worker's fingerprint of the
 step's global batch, noted as the batch is cut, riding the step's first gradient reduce-scatter and compared when
-it lands (`strategies/sharded/agreement.py`).
+it lands (`strategies/worker_group/step_agreement.py`).
 
 Two processes on 127.0.0.1 train the MLP workload (512 -> 1024 -> 1024 -> 10, global batch 256, stage 3) in
 blocks of 20 steps, three kinds interleaved (their order rotates from round to round):
@@ -37,8 +37,8 @@ def _instrument(kind: list[str], spent: dict[str, float]) -> None:
     adds its time on the training thread to `spent`; the check's are skipped when `kind[0]` is "none"."""
     import torch.distributed as dist
 
-    from stratagem.strategies.multi_worker.agreement import BatchAgreement
-    from stratagem.strategies.sharded.agreement import StepAgreement
+    from stratagem.strategies.worker_group.agreement import BatchAgreement
+    from stratagem.strategies.worker_group.step_agreement import StepAgreement
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 
     note, start, ride, landed = (

@@ -284,10 +284,10 @@ def test_a_private_read_or_a_lookup_by_name_of_a_strategy_is_reported(tmp_path: 
 STRATEGY_BASES = {
     "Strategy": "strategies/base.py",
     "ReplicatedStrategy": "strategies/data_parallel/replicated.py",
-    "WorkerGroupStrategy": "strategies/worker_group_strategy.py",
+    "WorkerGroupStrategy": "strategies/worker_group/strategy.py",
 }
 DECLARED_INTERFACES = {"LossWeightHost", "Traceable"}
-"""Declared protocols a strategy may implement beside its base (strategies/data_parallel/host.py,
+"""Declared protocols a strategy may implement beside its base (strategies/replica_context.py,
 trace/traceable.py): they add members for the parts that call it, and take nothing from another strategy."""
 
 
@@ -709,6 +709,15 @@ def test_an_import_cycle_is_found_and_lazy_or_type_only_imports_are_not(tmp_path
     graph = _import_graph(tmp_path / "stratagem")
     assert graph["stratagem.train.e"] == ["stratagem.train.d"] and graph["stratagem.train.d"] == []
     assert _import_cycles(graph) == [["stratagem.train.a", "stratagem.train.b", "stratagem.train.c"]]
+
+
+def test_the_strategy_base_imports_no_strategy_folder() -> None:
+    # base.py is the vocabulary every strategy shares (replica context, run inputs, gather, steps, schedulers):
+    # it stands below each strategy's folder, so none of them can make a cycle through it.
+    imported = [
+        m for _, m in _imported_modules(SRC / "strategies" / "base.py") if m.startswith("stratagem.strategies.")
+    ]
+    assert imported and all(m.count(".") == 2 for m in imported), imported
 
 
 def test_importing_a_module_of_a_package_counts_as_importing_the_package(tmp_path: Path) -> None:

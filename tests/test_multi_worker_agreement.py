@@ -11,7 +11,7 @@ import torch
 from helpers import launch_json_workers
 
 from stratagem.errors import InputError
-from stratagem.strategies.multi_worker.agreement import SLOT, BatchAgreement, tensor_digest
+from stratagem.strategies.worker_group.agreement import SLOT, BatchAgreement, tensor_digest
 
 
 def _launched(**settings) -> tuple[int, dict[int, dict]]:

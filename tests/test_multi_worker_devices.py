@@ -15,7 +15,7 @@ from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import CollectiveTimeoutError, InputError
 from stratagem.cluster import worker_group
 from stratagem.cluster.worker_group import ranks_sharing_a_gpu, start_process_group
-from stratagem.strategies.multi_worker.devices import default_local_devices
+from stratagem.strategies.worker_group.devices import default_local_devices
 
 
 def registry_with_gpus(count: int) -> DeviceRegistry:
@@ -186,7 +186,7 @@ class AbortedWorld(CountingWorld):
 def one_worker_dataset(data, shard="data", world=None):
     import types
 
-    from stratagem.strategies.multi_worker.input import MultiWorkerDataset, WorkerBatches
+    from stratagem.strategies.worker_group.input import MultiWorkerDataset, WorkerBatches
 
     group = types.SimpleNamespace(
         cross_worker=world or CountingWorld(),

@@ -9,7 +9,7 @@ import random
 import pytest
 from helpers import launch_json_workers
 
-from stratagem.strategies.multi_worker.stragglers import StragglerWatch
+from stratagem.strategies.worker_group.stragglers import StragglerWatch
 
 
 def _launched(**settings) -> tuple[int, dict[int, dict], list[str]]:

@@ -93,7 +93,7 @@ def test_a_wrapped_model_without_a_refusal_still_copies_and_pickles_as_its_modul
 
 def test_a_step_whose_inputs_never_went_through_the_strategy_agrees_on_the_step_alone():
     # Before: a run() with the batch handed straight to it (no distribute_dataset) failed unpacking the empty note.
-    from stratagem.strategies.multi_worker.agreement import BatchAgreement
+    from stratagem.strategies.worker_group.agreement import BatchAgreement
 
     names = ["worker:0", "worker:1"]
     chief, other = (BatchAgreement(rank=r, task_names=names, strategy="ShardedStrategy") for r in (0, 1))
@@ -140,7 +140,7 @@ def test_check_batches_set_between_steps_stops_before_any_update_and_names_a_wor
 def test_check_batches_refuses_a_value_that_is_not_a_bool_between_steps():
     from types import SimpleNamespace
 
-    from stratagem.strategies.sharded.agreement import StepAgreement
+    from stratagem.strategies.worker_group.step_agreement import StepAgreement
 
     agreement = StepAgreement(SimpleNamespace(rank=0, task_names=("worker:0",)), enabled=True)  # type: ignore[arg-type]
     agreement.enabled = False

@@ -19,7 +19,7 @@ then and cost no extra round trip (when the last bucket holds a direct gradient,
 their own follows it). Two more numbers follow them: the loss weight this rank declared
 (`sg.set_loss_weight`) and 1 if it declared one, so that every rank learns the total it divides by.
 Then `extra` numbers that the caller fills (`extra_tail`) before the backward pass and reads after the sum:
-MultiWorkerMirroredStrategy's fingerprint of the step (strategies/multi_worker/agreement.py).
+MultiWorkerMirroredStrategy's fingerprint of the step (strategies/worker_group/agreement.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ShardedStrategy runs one device per process, so when several worker processes share a machine
 (torchrun, `stratagem launch`, SLURM) each takes the GPU of its local rank, as MultiWorkerMirrored's
-workers do (multi_worker/devices.py), not the first visible GPU, which every local rank would share.
+workers do (worker_group/devices.py), not the first visible GPU, which every local rank would share.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from stratagem import environ
 from stratagem.cluster import Cluster, resolve_cluster
 from stratagem.diagnose import PlacementDecision
-from stratagem.strategies.multi_worker.devices import default_local_devices
+from stratagem.strategies.worker_group.devices import default_local_devices
 
 
 def local_device(cluster: Cluster, env: Mapping[str, str], registry: Any = None) -> tuple[str, PlacementDecision]:

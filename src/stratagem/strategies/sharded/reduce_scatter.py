@@ -17,7 +17,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 if TYPE_CHECKING:
     from stratagem.shm.sums import SharedMemoryGroup
-    from stratagem.strategies.sharded.agreement import StepAgreement
+    from stratagem.strategies.worker_group.step_agreement import StepAgreement
 
 
 class WeightedReduceScatter(ReduceScatter):

@@ -17,7 +17,7 @@ import contextlib
 import json
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,14 +25,10 @@ from torch import nn
 
 from stratagem import environ
 from stratagem.cluster import Cluster, allocator
-from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
-from stratagem.data import worker_shards
-from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
+from stratagem.cluster.worker_group import plan_worker_group
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.shm import eligibility
-from stratagem.strategies.worker_group_strategy import WorkerGroupStrategy
-from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_norm_decision
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.host import LossWeightHost
@@ -40,8 +36,6 @@ from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
 from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.multi_worker.input import InputSharding, MultiWorkerDataset, WorkerBatches
-from stratagem.strategies.sharded.agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import (
     check_another_model,
@@ -60,6 +54,9 @@ from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
 from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.transport import connect_transport
 from stratagem.strategies.sharded.weighting import weigh_gradients
+from stratagem.strategies.worker_group.input import InputSharding
+from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
+from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
 from stratagem.strategies.wrapped_model import WrappedModel
 
 if TYPE_CHECKING:
@@ -104,7 +101,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
     #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the sharded parameters
     #   memory     memory.plan_memory: bytes per rank, said before the first step
-    #   input      multi_worker.input: each worker's part of every global batch
+    #   input      worker_group.input (WorkerGroupStrategy's): each worker's part of every global batch
 
     def __init__(
         self,
@@ -132,13 +129,14 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
         if device is None:
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
-        self._group = WorkerGroup.start(plan, [self._device], env=env)
+        self._join_group(plan, [self._device], env=env)
         try:  # the collectives' path: this host's shared memory, else the process group (transport.py)
             self._transport = connect_transport(self._group, self._device, shared_memory)
         except BaseException:
             self._group.close(release=False)  # refused (shared_memory=True where it cannot be): nothing left open
             raise
         self._agreement = StepAgreement(self._group, enabled=check_batches)
+        self._batch_agreement = self._agreement.batch
         self._state_shards = ShardedStateShards(self._group)
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
@@ -169,6 +167,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
             step=lambda: self._steps,
             cross_worker_sum=self._batch_norm_sum,
         )
+        self._finish_building()
 
     # ---- Strategy ---------------------------------------------------------------------------------
     @property
@@ -179,16 +178,6 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
     def holds_whole_state(self) -> bool:
         """False: each process holds 1/N of the state, which a backup of the chief's would not hold."""
         return False
-
-    @property
-    def check_batches(self) -> bool:
-        """Whether the workers compare each step's number and global batch (the `check_batches` argument).
-        Set it on every worker alike, between steps."""
-        return self._agreement.enabled
-
-    @check_batches.setter
-    def check_batches(self, value: bool) -> None:
-        self._agreement.enabled = value
 
     def state_shards(self) -> ShardedStateShards:
         """Each rank saves and loads its own shards (`checkpoint.py`); `BackupAndRestore` reads this."""
@@ -414,11 +403,6 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
             self._syncing = True
 
     # ---- across workers ---------------------------------------------------------------------------
-    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.detach().clone().to(self._group.collective_device)
-        self._group.cross_worker.all_reduce_([out], what="reduce", step=self._steps)
-        return out
-
     def _check_shards(self, sharded: nn.Module) -> None:
         """Every rank's shard shapes and dtypes against the plan, in one small all-gather before the first step
         (a rank that built another model would otherwise all-gather mismatched shards, or hang)."""
@@ -430,40 +414,6 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
             device=self._group.collective_device,
         )
         check_shards([json.loads(p) for p in payloads], cw.task_names)
-
-    # ---- input --------------------------------------------------------------------------------------
-    def distribute_dataset(  # type: ignore[override]
-        self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
-    ) -> MultiWorkerDataset | BatchDimRestored:
-        """Every worker iterates the same GLOBAL batches and trains on its contiguous part of each (shard="auto"
-        or "data", along `batch_dim` as in `Strategy.distribute_dataset`); with shard="off" each worker's loader
-        already yields this worker's part of each step."""
-        check_iterable(dataset, "distribute_dataset")
-        check_shard_policy(shard)
-        if batch_dim != 0:  # cut views with the batch dimension first, each piece moved back (data/batch_dims.py)
-            check_batch_dim(batch_dim)
-            return BatchDimRestored(self.distribute_dataset(BatchDimFirst(dataset, batch_dim), shard), batch_dim)
-        if shard == "off":
-            return MultiWorkerDataset(self._batches(), dataset, "off")
-        if shard == "file":
-            raise InputError(
-                "ShardedStrategy reads files through the data-parallel cut of each global batch. Received: "
-                "shard='file'. Use shard='data' (or 'auto'), or give each worker its own files and use shard='off'."
-            )
-        return MultiWorkerDataset(self._batches(), self.shard_input(dataset), "data")
-
-    def shard_input(self, data: Any, *, note: bool = True) -> Any:
-        worker = worker_shards.WorkerRange(self.num_replicas_in_sync, self._group.rank, 1)
-        data, decision = worker_shards.input_sharding(data, worker)
-        if note and decision is not None:
-            self._input_sharding.note(*decision)
-        return data
-
-    def _distribute_step_inputs(self, inputs: Any) -> Any:
-        return self._batches().step_inputs(inputs, self._steps)
-
-    def _batches(self) -> WorkerBatches:
-        return WorkerBatches(self._group, self.num_replicas_in_sync, self._agreement.batch)
 
     # ---- reports and the end ------------------------------------------------------------------------
     def explain(self) -> Explanation:
@@ -489,12 +439,10 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
         replicas = [ReplicaPlacement(self._group.rank, str(self._device), str(self._device))]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
-    def close(self) -> None:
-        """Frees the process group and hands the rendezvous store back (see `WorkerGroup.close`), so that a
-        strategy built again in the same processes meets at the same address, however long the sharded model
-        (whose FSDP2 state keeps the process group) lives; a second call does nothing."""
+    def _close_parts(self) -> None:
+        """BatchNorm layers given their forward back, the models let go: the group closes however long the sharded
+        model (whose FSDP2 state keeps the process group) lives."""
         self._batch_norm.remove()
         self._model = None
         self._shardeds = []
         self._comms = []
-        self._group.close()

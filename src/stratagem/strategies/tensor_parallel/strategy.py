@@ -13,7 +13,7 @@ group hold the same bits of every replicated parameter, and the result equals on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,12 +21,10 @@ from torch import nn
 
 from stratagem import environ
 from stratagem.cluster import Cluster
-from stratagem.cluster.worker_group import WorkerGroup, plan_worker_group
-from stratagem.data.split import batch_size_of, split_batch, split_sizes
+from stratagem.cluster.worker_group import plan_worker_group
+from stratagem.data.worker_shards import WorkerRange
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.base import Strategy
-from stratagem.strategies.batches import check_iterable, check_shard_policy
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
@@ -49,7 +47,10 @@ from stratagem.strategies.tensor_parallel.mesh import (
     resolve_layouts,
 )
 from stratagem.strategies.tensor_parallel.styles import check_splits
-from stratagem.values import PerReplica, select_replica, stack_replicas, tag_results
+from stratagem.strategies.worker_group.input import InputSharding
+from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
+from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
+from stratagem.values import select_replica, stack_replicas, tag_results
 
 AXES = ("data", "model")
 """The mesh axes this strategy knows: `model` splits layers, `data` replicates the model groups."""
@@ -66,7 +67,7 @@ def check_mesh_axes(mesh: DeviceMesh) -> None:
         )
 
 
-class TensorParallelStrategy(Strategy, LossWeightHost):
+class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
     """Tensor parallelism on a layout map, over torch's DTensor, exact on any split of the global batch.
 
     Args:
@@ -75,6 +76,9 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         device: this worker's device (default: the GPU of its local rank, else the CPU).
         cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
         timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
+        check_batches: True (default): when each step function returns, the workers compare a fingerprint of the
+            step and of the global batch they were handed (one small all-reduce), and all stop with an `InputError`
+            naming the step, the workers and the first input that differs. False: nothing compared.
 
     Example:
         >>> layout_map = sg.LayoutMap(sg.DeviceMesh((2,), ("model",)))      # under stratagem launch --workers 2
@@ -93,6 +97,8 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
     #   split      apply.apply_tensor_parallel: parameters made DTensors on the `model` axis, the forward over them
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the DTensor parameters
     #   data axis  data_axis.DataAxisSum: gradients summed across the `data` axis inside backward, weighted
+    #   input      worker_group.input (WorkerGroupStrategy's): each model group's part of every global batch, the
+    #              workers' agreement on the steps, and the batch check (worker_group.step_agreement)
 
     def __init__(
         self,
@@ -101,7 +107,9 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         device: str | torch.device | None = None,
         cluster: Cluster | Mapping[str, Any] | None = None,
         timeout: float = 300.0,
+        check_batches: bool = True,
     ) -> None:
+        check_batches_flag(check_batches)
         if layout_map is not None and not isinstance(layout_map, LayoutMap):
             raise InputError(
                 f"layout_map is a sg.LayoutMap. Received: {type(layout_map).__name__}. "
@@ -117,7 +125,7 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         if device is None:
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
-        self._group = WorkerGroup.start(plan, [self._device], env=env)
+        self._join_group(plan, [self._device], env=env)
         from torch.distributed.device_mesh import init_device_mesh
 
         try:
@@ -136,24 +144,16 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         self._weight = 1.0
         self._counts: float | None = None
         self._steps = 0
+        self._agreement = StepAgreement(self._group, enabled=check_batches, strategy=type(self).__name__)
+        self._batch_agreement = self._agreement.batch
+        self._input_sharding = InputSharding()
+        self._finish_building()
 
     # ---- Strategy ---------------------------------------------------------------------------------
-    @property
-    def _local_devices(self) -> list[torch.device]:
-        return [self._device]
-
     @property
     def num_replicas_in_sync(self) -> int:
         """The model's replicas: the size of the `data` axis (1 on a mesh of one `model` axis)."""
         return self._num_data
-
-    @property
-    def cluster(self) -> Cluster:
-        return self._group.cluster
-
-    @property
-    def is_chief(self) -> bool:
-        return self._group.is_chief
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -207,14 +207,19 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         self._counts = None
         ctx = ReplicaContext(self._data_index, self._num_data, self._device, self, host=self)
         previous = enter_replica(ctx)
+        self._agreement.start(self._steps + 1)
         try:
             # The whole step, not the forward alone: backward replays ops whose saved plain tensors (the labels of
             # a loss) meet DTensor gradients, and DTensor takes them as replicated only while this is on.
             with replicated_plain_tensors():
                 result = fn(*local_args, **local_kwargs)
+        except BaseException:
+            self._agreement.drop()
+            raise
         finally:
             enter_replica(previous)
             self._steps += 1
+        self._agreement.finish()  # every worker's fingerprint of the step's batch, compared (step_agreement.py)
         stacked = stack_replicas([result], sizes, total)
         return tag_results(stacked, None if self._counts is None else [self._counts])
 
@@ -235,6 +240,15 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         self._weight = float(count) / total if total > 0 else 0.0
 
     # ---- across workers: the data axis ----------------------------------------------------------
+    # A reduce or gather across workers is one across the model's replicas, the `data` axis: the workers of a model
+    # group hold the same values (a step's loss is whole on each), so summing over all of them would count each
+    # `model`-axis size times.
+    def _worker_range(self) -> WorkerRange:
+        return WorkerRange(self._num_data, self._data_index, 1)
+
+    def _leads_its_part(self) -> bool:
+        return self._group.rank % self._mesh.axis_size("model") == 0
+
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone().to(self._group.collective_device)
         if self._data_group is not None:
@@ -255,26 +269,6 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
             out.extend(items if index == self._data_index else from_bytes(payload, f"data group {index}"))
         return out
 
-    def barrier(self) -> None:
-        """Waits until every worker has called `barrier()`."""
-        device = self._group.collective_device
-        self._group.cross_worker.all_reduce_([torch.zeros(1, device=device)], what="barrier", step=self._steps)
-
-    # ---- input --------------------------------------------------------------------------------------
-    def distribute_dataset(  # type: ignore[override]
-        self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
-    ) -> Iterable[Any]:
-        """Every worker iterates the same GLOBAL batches; each model group trains on its contiguous slice of each
-        (sizes differing by at most one along the data axis), every worker of a group on the same slice."""
-        check_iterable(dataset, "distribute_dataset")
-        check_shard_policy(shard)
-        if batch_dim != 0:
-            raise InputError(
-                f"TensorParallelStrategy cuts batches along their first dimension. Received: batch_dim={batch_dim}. "
-                "Put the examples first; another batch dimension is not supported yet."
-            )
-        return _DataSlices(dataset, self._num_data, self._data_index, self._device)
-
     # ---- reports and the end ------------------------------------------------------------------------
     def explain(self) -> Explanation:
         """The worker group, the mesh, each parameter's layout and the redistributions a step implies."""
@@ -282,37 +276,13 @@ class TensorParallelStrategy(Strategy, LossWeightHost):
         if self._device_decision is not None:
             decisions.append(self._device_decision)
         decisions.extend(layout_decisions(self._mesh, self._layouts))
+        decisions.extend(self._input_sharding.decisions())
         details: dict[str, Any] = {"layouts": layout_table(self._layouts, self._kinds)} if self._layouts else {}
         replicas = [ReplicaPlacement(self._data_index, str(self._device), str(self._device))]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
-    def close(self) -> None:
-        """Frees the process group and hands the rendezvous store back; a second call does nothing."""
+    def _close_parts(self) -> None:
         for data_sum in self._sums:
             data_sum.remove()
         self._sums = []
         self._model = None
-        self._group.close()
-
-
-class _DataSlices:
-    """Each GLOBAL batch of `dataset` as this model group's slice, a `PerReplica` of one that knows the global size."""
-
-    def __init__(self, dataset: Iterable[Any], num_data: int, data_index: int, device: torch.device) -> None:
-        self._dataset = dataset
-        self._num_data = num_data
-        self._data_index = data_index
-        self._device = device
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self._dataset:
-            total = batch_size_of(batch)
-            sizes = split_sizes(total, self._num_data)
-            pieces = split_batch(batch, sizes, [self._device] * self._num_data)
-            yield _per_replica(pieces[self._data_index], sizes[self._data_index], total)
-
-
-def _per_replica(piece: Any, size: int, total: int) -> Any:
-    from stratagem.values import map_structure
-
-    return map_structure(lambda leaf: PerReplica((leaf,), (size,), total), piece)

@@ -1,12 +1,13 @@
-"""MultiWorkerMirroredStrategy's input: each step's batches for this worker's replicas, and the
+"""The input of a strategy of one process per worker: each step's batches for this worker's replicas, and the
 agreement across workers that every one of them has a batch (so they all stop at the same step).
 
 With `shard="data"` every worker iterates the same global batches (or, cut at the index level by
 `data/worker_shards.py`, only its own part of each, with the global size carried along) and keeps
-its contiguous part; with `shard="file"` or `"off"`, or a DataLoader with a DistributedSampler
-(`data/distributed_sampler.py`), each worker's loader already yields its part.
-When the loaders know their length the workers agree on the number of steps once per pass;
-otherwise they agree at every step.
+the part of its replicas (`WorkerRange`: several local ones under MultiWorkerMirrored, one under Sharded, its
+model group's under TensorParallel, where the workers of a group keep the same part); with `shard="file"` or
+`"off"`, or a DataLoader with a DistributedSampler (`data/distributed_sampler.py`), each worker's loader
+already yields its part. When the loaders know their length the workers agree on the number of steps once per
+pass; otherwise they agree at every step.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from stratagem.cluster.worker_group import WorkerGroup
 from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
-from stratagem.data.worker_shards import WorkerPart
+from stratagem.data.worker_shards import WorkerPart, WorkerRange
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.batches import stack_batch
-from stratagem.strategies.multi_worker.agreement import BatchAgreement
-from stratagem.strategies.multi_worker.stragglers import StepTimes
+from stratagem.strategies.worker_group.agreement import BatchAgreement
+from stratagem.strategies.worker_group.stragglers import StepTimes
 from stratagem.trace import Recorder
 from stratagem.values import PerReplica, flatten, map_structure
 
@@ -58,9 +59,10 @@ class InputSharding:
 class WorkerBatches:
     """This worker's part of each global batch, cut among its local replicas.
 
-    `group`: the worker group (rank, local devices, collectives); `num_replicas_in_sync`: the replicas of
-    every worker together, among which a global batch is split (sizes differing by at most one);
-    `agreement`: notes each batch's fingerprint, compared across workers with the step's gradient sum;
+    `group`: the worker group (local devices, collectives); `replicas`: which of the replicas among which a global
+    batch is split (sizes differing by at most one) are this worker's (an int n: n replicas, `group.rank`'s local
+    ones); `leads`: whether this worker counts its own part (shard="off") in the step's global size, False on
+    every worker of a model group but its first, which read the same part; `agreement`: notes each batch's fingerprint, compared across workers with the step's gradient sum;
     `times`: counts the time spent fetching and cutting batches as the input phase of the step;
     `recorder`: records it as an input span while it is on (`stratagem.trace`).
     """
@@ -68,13 +70,20 @@ class WorkerBatches:
     def __init__(
         self,
         group: WorkerGroup,
-        num_replicas_in_sync: int,
+        replicas: WorkerRange | int,
         agreement: BatchAgreement | None = None,
         times: StepTimes | None = None,
         recorder: Recorder | None = None,
+        *,
+        leads: bool = True,
     ) -> None:
+        if isinstance(replicas, int):
+            local = len(group.local_devices)
+            replicas = WorkerRange(replicas, group.rank * local, local)
         self.group = group
-        self.num_replicas_in_sync = num_replicas_in_sync
+        self.replicas = replicas
+        self.num_replicas_in_sync = replicas.num_replicas
+        self.leads = leads
         self.agreement = agreement
         self.times = times
         self.recorder = recorder
@@ -98,9 +107,8 @@ class WorkerBatches:
 
     def global_sizes(self, global_size: int) -> list[int]:
         """The sizes of this worker's replicas' slices of a global batch of `global_size` examples."""
-        local = len(self.group.local_devices)
-        rank = self.group.rank
-        return split_sizes(global_size, self.num_replicas_in_sync)[rank * local : (rank + 1) * local]
+        first, count = self.replicas.first, self.replicas.count
+        return split_sizes(global_size, self.num_replicas_in_sync)[first : first + count]
 
     def local_part(self, batch: Any, global_size: int, step: int, *, own: bool = False) -> Any:
         """The per-replica batches of this worker at `step`: from a part cut at the index level (`WorkerPart`),
@@ -123,7 +131,7 @@ class WorkerBatches:
             pieces = split_batch(mine, split_sizes(batch_size_of(mine), len(devices)), devices)
         else:
             local_sizes = self.global_sizes(global_size)
-            start = sum(split_sizes(global_size, self.num_replicas_in_sync)[: self.group.rank * len(devices)])
+            start = self.replicas.bounds(global_size)[0]
             mine = map_structure(
                 lambda t: t[start : start + sum(local_sizes)] if isinstance(t, torch.Tensor) else t, batch
             )
@@ -288,7 +296,7 @@ class MultiWorkerDataset:
         if batch is not None and size == 0:
             raise InputError(f"Batch {step} of the dataset holds no examples. Drop empty batches from the input.")
         own = self._shard == "off" or isinstance(batch, WorkerBatch)
-        count = size if own else (size if self._group.rank == 0 else 0)
+        count = (size if self._batches.leads else 0) if own else (size if self._group.rank == 0 else 0)
         agreement = torch.tensor(
             [1 if batch is not None else 0, count], dtype=torch.int64, device=self._group.collective_device
         )

@@ -1,6 +1,7 @@
-"""Workers of a sharded job hold the same step and the same global batch, or the job stops before training on it.
+"""Workers of a sharded or tensor-parallel job hold the same step and the same global batch, or the job stops before
+training on it.
 
-The fingerprint is MultiWorkerMirroredStrategy's (`multi_worker.agreement.BatchAgreement`: the step, the global
+The fingerprint is MultiWorkerMirroredStrategy's (`worker_group.agreement.BatchAgreement`: the step, the global
 batch size and a hash of each input, noted as `WorkerBatches` cuts the batch), and, as there, it rides a sum the
 step makes anyway: FSDP2's first gradient reduce-scatter of the step (`WeightedReduceScatter`, which puts every
 worker's slots beside each rank's chunk, so each rank's part of the sum ends with every worker's fingerprint).
@@ -15,6 +16,7 @@ step (a round trip before the step function); started there without waiting (Glo
 before the first reduce-scatter, merely starting it took a median 3.4-3.9 ms of the training thread on the loaded
 2-vCPU machine (Gloo's thread, woken in the middle of forward, competes for the same cores). Riding adds no
 collective and no thread; it costs a copy of the first reduced unit's gradients (docs/sharded.md, measured).
+TensorParallelStrategy has no such sum of its own on a `model` mesh: its fingerprint is sent alone, with `finish`.
 
     >>> agreement = StepAgreement(group, enabled=True)
     >>> batches = WorkerBatches(group, n, agreement.batch)   # notes each batch's fingerprint
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stratagem.errors import InputError
-from stratagem.strategies.multi_worker.agreement import BatchAgreement
+from stratagem.strategies.worker_group.agreement import BatchAgreement
 
 if TYPE_CHECKING:
     from stratagem.cluster.worker_group import WorkerGroup
@@ -51,11 +53,9 @@ class StepAgreement:
     is named by them, where a collective made by some workers only would be paired with another one (FSDP2's next
     all-gather) on the others."""
 
-    def __init__(self, group: WorkerGroup, *, enabled: bool) -> None:
+    def __init__(self, group: WorkerGroup, *, enabled: bool, strategy: str = "ShardedStrategy") -> None:
         self._group = group
-        self.batch = BatchAgreement(
-            rank=group.rank, task_names=group.task_names, enabled=enabled, strategy="ShardedStrategy"
-        )
+        self.batch = BatchAgreement(rank=group.rank, task_names=group.task_names, enabled=enabled, strategy=strategy)
         self._due: tuple[int, bool] | None = None  # the step whose fingerprint is still to be sent, and its flag
 
     @property
