@@ -32,13 +32,14 @@ from torch import nn
 from stratagem.data.batch_dims import BatchDimFirst, BatchDims, check_batch_dim, check_batch_dims, restore_batch_dim
 from stratagem.data.split import InputContext, batch_size_of, split_batch
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.distributed import check_optimizer_matches
 from stratagem.strategies.batches import check_iterable, check_shard_policy, distribute_batch, stack_batch
+from stratagem.strategies.distribute_checks import check_optimizer_matches, check_scaler
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
 from stratagem.strategies.replica_context import current_replica_context
 from stratagem.strategies.steps import check_returns, make_step
 from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
+from stratagem.strategies.lr_schedulers import DistributedScheduler
 from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
 
 if TYPE_CHECKING:
@@ -240,8 +241,6 @@ class Strategy(abc.ABC):
         # A method of its own rather than a third argument of distribute: distribute returns one pair for every
         # strategy (fit, ports and type checkers rely on it), and a scheduler built on the optimizer distribute
         # returns can only be handed over after that call anyway.
-        from stratagem.strategies.data_parallel.lr_schedulers import DistributedScheduler
-
         return DistributedScheduler(scheduler, None)
 
     def distribute_scaler(self, scaler: torch.amp.GradScaler) -> Any:
@@ -252,9 +251,8 @@ class Strategy(abc.ABC):
         Example:
             >>> scaler = strategy.distribute_scaler(torch.amp.GradScaler("cuda"))
         """
-        from stratagem.strategies.data_parallel.amp import replicate_scaler
-
-        return replicate_scaler(scaler, None)  # one thread runs the step: torch's scaler as it is
+        check_scaler(scaler)
+        return scaler  # one thread runs the step: torch's scaler as it is
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of the local replicas, as a tuple (one element for a plain value)."""

@@ -20,7 +20,7 @@ from stratagem.errors import InputError
 from stratagem.values import PerReplica
 
 if TYPE_CHECKING:
-    from stratagem.strategies.base import Strategy
+    from stratagem.strategies.replica_context import ReplicaStrategy
 
 StepFn = Callable[[Any, Any], torch.Tensor]
 """``step_fn(inputs, targets)`` on one replica -> that replica's metric state vector."""
@@ -31,7 +31,7 @@ worker (float64; on the device the strategy reduced it to, so reading it waits f
 step's global example count when the loop knows it without reading the state."""
 
 
-def run_in_lockstep(strategy: Strategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
+def run_in_lockstep(strategy: ReplicaStrategy, step_fn: StepFn, batches: Iterable[Any], on_step: OnStep) -> None:
     """Distributes each global batch, runs `step_fn` on every replica, sums the states, calls `on_step`.
 
     Raises:

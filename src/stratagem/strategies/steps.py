@@ -38,7 +38,7 @@ from stratagem.errors import InputError
 from stratagem.values import ReduceOp, flatten, map_structure
 
 if TYPE_CHECKING:
-    from stratagem.strategies.base import Strategy
+    from stratagem.strategies.replica_context import ReplicaStrategy
 
 RETURNS = ("mean", "sum", "gather", "per_replica")
 """How `Strategy.step` combines the replicas' results."""
@@ -53,7 +53,7 @@ def check_returns(returns: str) -> None:
 
 
 def make_step(
-    strategy: "Strategy",
+    strategy: ReplicaStrategy,
     fn: Callable[..., Any],
     returns: str,
     distribute_inputs: Callable[[Any], Any],

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel import lr_schedulers
+from stratagem.strategies import lr_schedulers
 from stratagem.train.backup.callback import BackupAndRestore
 from stratagem.train.callback import Callback
 

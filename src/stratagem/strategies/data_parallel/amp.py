@@ -29,6 +29,7 @@ import torch
 
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
+from stratagem.strategies.distribute_checks import check_scaler
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.replica_context import current_replica_context
 
@@ -122,11 +123,7 @@ class DistributedGradScaler:
 def replicate_scaler(scaler: Any, host: ReplicaHost | None) -> Any:
     """`scaler` itself where one thread runs the step (no host, or one local replica), else a
     `DistributedGradScaler` of one copy per local replica of `host`."""
-    if not isinstance(scaler, torch.amp.GradScaler):
-        raise InputError(
-            f"distribute_scaler() takes a torch.amp.GradScaler. Received: {type(scaler).__name__}. "
-            "Build one with torch.amp.GradScaler('cuda') (or 'cpu')."
-        )
+    check_scaler(scaler)
     if host is None or host.num_local_replicas == 1:
         return scaler  # one thread calls it: torch's scaler works as it is
     copies = [copy.deepcopy(scaler) for _ in range(host.num_local_replicas - 1)]

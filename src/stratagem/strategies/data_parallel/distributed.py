@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel import lr_schedulers, outside_changes
-from stratagem.strategies.data_parallel.host import ReplicaHost, ReplicaMeeting
+from stratagem.strategies import lr_schedulers
+from stratagem.strategies.data_parallel import outside_changes
+from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.replica_context import ReplicaMeeting
 from stratagem.strategies.replica_context import current_replica_context
 
 if TYPE_CHECKING:
@@ -457,19 +459,6 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer | None, num_repli
             f"steps than one device. Received: {type(optimizer).__name__} with {num_replicas} replicas in sync. "
             "Train with LBFGS on one device (OneDeviceStrategy), or choose a first-order optimizer (SGD, Adam, ...)."
         )
-
-
-def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Raises `InputError` when the optimizer holds a tensor that is not a parameter of the model."""
-    own = {id(p) for p in model.parameters()}
-    for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) not in own:
-                raise InputError(
-                    "The optimizer holds a tensor that is not a parameter of the model given to distribute(). "
-                    f"Received: a tensor of shape {tuple(p.shape)} in param_groups[{g}]. Build the optimizer from "
-                    "model.parameters() of the same model object you distribute."
-                )
 
 
 def traced_step(host: ReplicaMeeting, step: Callable[[], Any]) -> Any:

@@ -7,7 +7,8 @@ runs on some replica's thread and asks its host which replica that is, meets the
 replicas, or declares something about the step. They ask through these members and no others, as
 `torch.distributed.algorithms.join` declares what a `Joinable` offers its `Join` context.
 
-- `ReplicaMeeting`: which replica is running, and where the local replicas wait for each other. The
+- `ReplicaMeeting` (`strategies/replica_context.py`, beside the replica context, since the schedulers of every
+  strategy use it): which replica is running, and where the local replicas wait for each other. The
   optimizers and the central-storage update need nothing more.
 - `ReplicaHost`: a meeting, and the strategy it serves, its replicas' parameters, the call of the
   running replica's model and the loss weight a step declares.
@@ -20,39 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from stratagem.strategies.replica_context import LossWeightHost, ReplicaMeeting
+
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy
-    from stratagem.trace import Recorder
-
-
-class ReplicaMeeting(abc.ABC):
-    """Which replica the calling thread runs, and the meeting of one process's replicas inside a step."""
-
-    @abc.abstractmethod
-    def current_replica(self) -> int | None:
-        """The index of the local replica whose step runs on this thread; None outside `Strategy.run` (or
-        inside another strategy's run)."""
-
-    @property
-    def recorder(self) -> Recorder | None:
-        """The trace recorder of this process's steps (`stratagem.trace`), or None: nothing is traced."""
-        return None
-
-    @abc.abstractmethod
-    def meet(self, replica: int, what: str) -> None:
-        """Inside a step, `replica` waits until every local replica has reached `what` (an optimizer or a
-        scheduler step, say); outside a step it returns at once. `what` names the meeting in the error
-        raised when a replica does not arrive in time."""
-
-
-class LossWeightHost(abc.ABC):
-    """Where `sg.set_loss_weight` sends the weight of the running replica's loss: a replica set, or a strategy
-    whose library combines the gradients itself (ShardedStrategy weights its reduce-scatter)."""
-
-    @abc.abstractmethod
-    def declare_loss_weight(self, replica: int, count: float) -> None:
-        """`sg.set_loss_weight(count)` on `replica`: its gradient is weighted by `count` instead of its share
-        of the batch, and the combined gradient divided by the sum of the counts over every replica."""
 
 
 class ReplicaHost(ReplicaMeeting, LossWeightHost):

@@ -17,7 +17,8 @@ from torch import nn
 
 from stratagem.errors import InputError
 from stratagem.timeouts import check_seconds
-from stratagem.strategies.data_parallel import cuda_numerics, lr_schedulers
+from stratagem.strategies import lr_schedulers
+from stratagem.strategies.data_parallel import cuda_numerics
 from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
 from stratagem.strategies.data_parallel.amp import replicate_scaler
 from stratagem.strategies.base import Strategy

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.host import ReplicaMeeting
+from stratagem.strategies.replica_context import ReplicaMeeting
 from stratagem.strategies.data_parallel.distributed import (
     KERNEL_KEYS,
     ReplicatedOptimizer,

@@ -36,7 +36,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from stratagem.errors import InputError
 
 if TYPE_CHECKING:
-    from stratagem.strategies.data_parallel.host import ReplicaMeeting
+    from stratagem.strategies.replica_context import ReplicaMeeting
 
 _local = threading.local()
 
