@@ -18,6 +18,7 @@ import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,14 +58,17 @@ from stratagem.strategies.sharded.weighting import weigh_gradients
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
+from stratagem.strategies.sharded.tracing import ShardedTrace
 from stratagem.strategies.wrapped_model import WrappedModel
+from stratagem.trace import Recorder, Traceable
+from stratagem.trace.recorder import Clock
 
 if TYPE_CHECKING:
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 from stratagem.values import select_replica, stack_replicas, tag_results
 
 
-class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
+class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     """Sharded data parallelism on FSDP2, exact on any split of the global batch.
 
     Args:
@@ -138,6 +142,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
         self._agreement = StepAgreement(self._group, enabled=check_batches)
         self._batch_agreement = self._agreement.batch
         self._state_shards = ShardedStateShards(self._group)
+        self._trace = ShardedTrace(self._group, step=lambda: self._steps, env=env)  # off until a trace starts
         self._mp = (param_dtype, reduce_dtype)
         # Per model distributed, in order: its gradients' weighting, cut, memory plan, FSDP2 module.
         self._comms: list[WeightedReduceScatter] = []
@@ -240,6 +245,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
         # Recorded only now: a refused model leaves the strategy as it was.
         self._batch_norm.attach([sharded])
         self._comms.append(comm)
+        self._trace.add(sharded, units, comm)
         self._memory.cut = self._memory.cut if self._cuts else cut
         self._cuts.append(cut)
         self._memory.plans.append(plan)
@@ -300,6 +306,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
         self._check_shards(model)
         self._batch_norm.attach([model])
         self._comms.append(comm)
+        self._trace.add(model, units, comm)
         self._memory.cut = self._memory.cut if self._cuts else built.cut
         self._cuts.append(built.cut)
         self._memory.plans.append(plan)
@@ -343,6 +350,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
         ctx = ReplicaContext(self._group.rank, self.num_replicas_in_sync, self._device, self, host=self)
         previous = enter_replica(ctx)
         self._running = True
+        started = self._trace.step_started()
         self._agreement.start(self._steps + 1)  # compared when the step's first gradient sum lands, before updates
         try:
             result = fn(*local_args, **local_kwargs)
@@ -354,8 +362,21 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost):
             enter_replica(previous)
             self._steps += 1
         self._agreement.finish()  # a step without a reduce-scatter (evaluation, no_sync) is checked here
+        self._trace.step_ended(started)
         stacked = stack_replicas([result], sizes, global_size(args, kwargs))
         return tag_results(stacked, None if self._counts is None else [self._counts])
+
+    def trace(
+        self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans"
+    ) -> contextlib.AbstractContextManager[Recorder]:
+        """Records the steps run inside the block on every worker: forward, backward, each unit's all-gather and
+        reduce-scatter, each wait (tracing.py; docs/trace.md). Every worker enters the block at the same point.
+
+        Example:
+            >>> with strategy.trace("traces/"):
+            ...     strategy.run(train_step, args=(x, y))
+        """
+        return self._trace.trace(directory, clock=clock, mode=mode)
 
     def _set_weight(self, weight: float) -> None:
         if not self._comms:
