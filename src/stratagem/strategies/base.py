@@ -32,7 +32,7 @@ from torch import nn
 from stratagem.data.batch_dims import BatchDimFirst, BatchDims, check_batch_dim, check_batch_dims, restore_batch_dim
 from stratagem.data.split import InputContext, batch_size_of, split_batch
 from stratagem.errors import InputError
-from stratagem.strategies.batches import check_iterable, check_shard_policy, distribute_batch, stack_batch
+from stratagem.data.batches import check_iterable, check_shard_policy, distribute_batch, stack_batch
 from stratagem.strategies.distribute_checks import check_optimizer_matches, check_scaler
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values

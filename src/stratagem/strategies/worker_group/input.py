@@ -26,7 +26,7 @@ from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.data.worker_shards import WorkerPart, WorkerRange
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.batches import stack_batch
+from stratagem.data.batches import stack_batch
 from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.worker_group.stragglers import StepTimes
 from stratagem.trace import Recorder
