@@ -8,13 +8,11 @@ rules ask for: the copy inside the input stream, the compute stream waiting for 
 from __future__ import annotations
 
 import contextlib
-import types
 
 import pytest
 import torch
 
-from stratagem.data import prefetch
-from stratagem.strategies import base
+from stratagem.data import distributed_dataset, prefetch
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -88,8 +86,10 @@ def test_a_pageable_batch_or_a_cpu_destination_is_copied_as_before(journal):
 
 def test_with_a_gpu_replica_the_next_batch_is_distributed_before_the_current_one_is_yielded(monkeypatch):
     order = []
-    monkeypatch.setattr(base, "distribute_batch", lambda batch, devices, step: order.append(f"copy {step}") or step)
-    dataset = base.DistributedDataset(types.SimpleNamespace(_local_devices=[CUDA0]), [10, 11, 12])
+    monkeypatch.setattr(
+        distributed_dataset, "distribute_batch", lambda batch, devices, step: order.append(f"copy {step}") or step
+    )
+    dataset = distributed_dataset.DistributedDataset(lambda: [CUDA0], [10, 11, 12])
     for step in dataset:
         order.append(f"step {step}")
     assert order == ["copy 0", "copy 1", "step 0", "copy 2", "step 1", "step 2"]
@@ -97,8 +97,10 @@ def test_with_a_gpu_replica_the_next_batch_is_distributed_before_the_current_one
 
 def test_cpu_replicas_distribute_each_batch_when_it_is_asked_for(monkeypatch):
     order = []
-    monkeypatch.setattr(base, "distribute_batch", lambda batch, devices, step: order.append(f"copy {step}") or step)
-    dataset = base.DistributedDataset(types.SimpleNamespace(_local_devices=[torch.device("cpu")]), [10, 11])
+    monkeypatch.setattr(
+        distributed_dataset, "distribute_batch", lambda batch, devices, step: order.append(f"copy {step}") or step
+    )
+    dataset = distributed_dataset.DistributedDataset(lambda: [torch.device("cpu")], [10, 11])
     for step in dataset:
         order.append(f"step {step}")
     assert order == ["copy 0", "step 0", "copy 1", "step 1"]

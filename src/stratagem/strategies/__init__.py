@@ -15,7 +15,7 @@ from stratagem.strategies.records import STRATEGIES
 
 if TYPE_CHECKING:
     # `X as X`: re-exported for type checkers (PEP 484), since `__all__` is computed.
-    from stratagem.strategies.base import DistributedDataset as DistributedDataset
+    from stratagem.data.distributed_dataset import DistributedDataset as DistributedDataset
     from stratagem.strategies.base import Strategy as Strategy
     from stratagem.strategies.central_storage.strategy import CentralStorageStrategy as CentralStorageStrategy
     from stratagem.strategies.replica_context import ReplicaContext as ReplicaContext
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 LAZY_NAMES: dict[str, str] = {record.class_name: record.module for record in STRATEGIES} | {
     "ClusterCoordinator": "stratagem.strategies.parameter_server.coordinator",
     "DeviceMesh": "stratagem.strategies.tensor_parallel.mesh",
-    "DistributedDataset": "stratagem.strategies.base",
+    "DistributedDataset": "stratagem.data.distributed_dataset",
     "Explanation": "stratagem.strategies.explain",
     "FixedShardsPartitioner": "stratagem.strategies.parameter_server.partitioners",
     "LayoutMap": "stratagem.strategies.tensor_parallel.mesh",

@@ -23,16 +23,17 @@ from __future__ import annotations
 import abc
 import builtins
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stratagem.data.batch_dims import BatchDimFirst, BatchDims, check_batch_dim, check_batch_dims, restore_batch_dim
-from stratagem.data.split import InputContext, batch_size_of, split_batch
+from stratagem.data.batch_dims import BatchDims, check_batch_dim, check_batch_dims
+from stratagem.data.batches import check_iterable, check_shard_policy, distribute_batch
+from stratagem.data.distributed_dataset import DistributedDataset
+from stratagem.data.split import InputContext
 from stratagem.errors import InputError
-from stratagem.data.batches import check_iterable, check_shard_policy, distribute_batch, stack_batch
 from stratagem.strategies.distribute_checks import check_optimizer_matches, check_scaler
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
@@ -175,7 +176,7 @@ class Strategy(abc.ABC):
 
     def distribute_dataset(
         self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
-    ) -> "DistributedDataset":
+    ) -> DistributedDataset:
         """Splits each GLOBAL batch that `dataset` yields among the replicas.
 
         `shard` says how the input is divided among the workers of a job of several processes ("auto",
@@ -198,11 +199,11 @@ class Strategy(abc.ABC):
         check_iterable(dataset, "distribute_dataset")
         check_shard_policy(shard)
         check_batch_dim(batch_dim)
-        return DistributedDataset(self, dataset, batch_dim=batch_dim)
+        return DistributedDataset(lambda: self._local_devices, dataset, batch_dim=batch_dim)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]]
-    ) -> "DistributedDataset":
+    ) -> DistributedDataset:
         """Builds the input of each input pipeline with `dataset_fn(input_context)`.
 
         The iterable it returns yields PER-REPLICA batches: each local replica takes the next one.
@@ -225,7 +226,7 @@ class Strategy(abc.ABC):
         )
         dataset = dataset_fn(ctx)
         check_iterable(dataset, "the function given to distribute_datasets_from_function")
-        return DistributedDataset(self, dataset, per_replica=True)
+        return DistributedDataset(lambda: self._local_devices, dataset, per_replica=True)
 
     def distribute_scheduler(self, scheduler: Any) -> Any:
         """`scheduler` (a torch LR scheduler, built on the optimizer given to `distribute` or on the one it
@@ -419,66 +420,3 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={[str(d) for d in self._local_devices]})"
-
-
-class DistributedDataset:
-    """An iterable of distributed batches: each yields one batch per local replica (`PerReplica` leaves)."""
-
-    def __init__(
-        self, strategy: Strategy, dataset: Iterable[Any], per_replica: bool = False, batch_dim: int = 0
-    ) -> None:
-        self._strategy = strategy
-        self._dataset: Iterable[Any] = dataset if batch_dim == 0 else BatchDimFirst(dataset, batch_dim)
-        self._per_replica = per_replica
-        self._batch_dim = batch_dim
-
-    def __len__(self) -> int:
-        return len(self._dataset)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._batch_dim != 0:
-            # Cut along dimension 0 of views with the batch dimension first, each piece moved back (batch_dims.py).
-            yield from restore_batch_dim(self._batches(), self._batch_dim)
-        else:
-            yield from self._batches()
-
-    def _batches(self) -> Iterator[Any]:
-        devices = self._strategy._local_devices
-        if self._per_replica:
-            yield from self._iter_per_replica(devices)
-            return
-        if not any(d.type == "cuda" for d in devices):
-            for step, batch in enumerate(self._dataset):
-                yield distribute_batch(batch, devices, step)
-            return
-        # A replica on a GPU: the next batch is distributed (its copies queued on the input streams, see
-        # stratagem.data.prefetch) before the current one is yielded, so it travels while the step computes.
-        pending = None
-        for step, batch in enumerate(self._dataset):
-            ready = distribute_batch(batch, devices, step)
-            if pending is not None:
-                yield pending
-            pending = ready
-        if pending is not None:
-            yield pending
-
-    def _iter_per_replica(self, devices: list[torch.device]) -> Iterator[Any]:
-        iterator = iter(self._dataset)
-        step = 0
-        while True:
-            pieces = []
-            for _ in devices:
-                try:
-                    pieces.append(next(iterator))
-                except StopIteration:
-                    break
-            if not pieces:
-                return
-            for piece in pieces:
-                batch_size_of(piece)
-            while len(pieces) < len(devices):
-                # The input ran out mid-step: the remaining replicas get empty slices (weight zero).
-                pieces.append(map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, pieces[-1]))
-            moved = [split_batch(p, [batch_size_of(p)], [d])[0] for p, d in zip(pieces, devices)]
-            yield stack_batch(moved)
-            step += 1
