@@ -34,8 +34,20 @@ from typing import Any
 import torch
 from torch import nn
 
-STRATEGIES = ("sharded2", "sharded3", "multi_worker", "sharded2_gloo")
-"""sharded2_gloo: stage 2 with its all-gathers and reduce-scatters through Gloo (shared_memory=False), as before."""
+STRATEGIES = ("sharded2", "sharded3", "multi_worker", "sharded2_gloo", "sharded2_reuse", "sharded2_gloo_reuse")
+"""sharded2_gloo: stage 2 with its all-gathers and reduce-scatters through Gloo (shared_memory=False); _reuse: with
+host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists)."""
+
+
+def sharded_options(name: str) -> dict[str, Any]:
+    """The ShardedStrategy arguments a strategy name of STRATEGIES stands for."""
+    return {
+        "stage": int(name[7]),
+        "shared_memory": False if "gloo" in name else None,
+        "host_memory": "reuse" if name.endswith("reuse") else "release",
+    }
+
+
 MODELS = ("mlp", "cnn", "gpt2")
 
 
@@ -62,7 +74,7 @@ def worker(name: str, steps: int, warmup: int, batch: int) -> None:
     if name == "multi_worker":
         strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy()
     else:
-        strategy = sg.ShardedStrategy(stage=int(name[7]), shared_memory=False if name.endswith("gloo") else None)
+        strategy = sg.ShardedStrategy(**sharded_options(name))
     # What every process holds before the model exists (the interpreter, torch, the process group, and FSDP2's
     # and DTensor's code, 44 MiB of RSS when imported, for every strategy alike): not what a strategy can save,
     # so the peak is also reported above it.
@@ -147,9 +159,7 @@ def speed_worker(args: argparse.Namespace) -> None:
                 if name == "multi_worker":
                     strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster)
                 else:
-                    strategy = sg.ShardedStrategy(
-                        stage=int(name[7]), cluster=cluster, shared_memory=False if name.endswith("gloo") else None
-                    )
+                    strategy = sg.ShardedStrategy(cluster=cluster, **sharded_options(name))
                 net, make_optimizer, data = speed_workload(model_name, args.batch)
                 model, optimizer = strategy.distribute(net, make_optimizer(net.parameters()))
                 del net

@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 CONFIGS = {"s3x2": ("sharded", 3, 2), "s2x2": ("sharded", 2, 2), "s3x3": ("sharded", 3, 3), "s2x3": ("sharded", 2, 3),
-           "mw2": ("multi_worker", 0, 2), "mw3": ("multi_worker", 0, 3)}  # fmt: skip
+           "mw2": ("multi_worker", 0, 2), "mw3": ("multi_worker", 0, 3),
+           "s2x2r": ("sharded", 2, 2), "s2x3r": ("sharded", 2, 3)}  # fmt: skip
+"""s...r: host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists)."""
 
 
 def mlp() -> nn.Module:
@@ -75,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     if kind == "multi_worker":
         strategy: Any = sg.MultiWorkerMirroredStrategy()
     else:
-        strategy = sg.ShardedStrategy(stage=stage)
+        strategy = sg.ShardedStrategy(stage=stage, host_memory="reuse" if args.config.endswith("r") else "release")
     import torch.distributed.fsdp  # noqa: F401  (FSDP2's and DTensor's code, imported before the baseline)
     import torch.distributed.tensor  # noqa: F401
 
@@ -94,10 +96,10 @@ def worker(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     if args.model == "mlp":
-        data = [(torch.randn(64, 2048, generator=g), torch.randn(64, 2048, generator=g)) for _ in range(3)]
+        data = [(torch.randn(64, 2048, generator=g), torch.randn(64, 2048, generator=g)) for _ in range(args.steps)]
         example: Any = data[0][0]
     else:
-        data = [(i, i) for i in (torch.randint(0, 8192, (16, 128), generator=g) for _ in range(3))]
+        data = [(i, i) for i in (torch.randint(0, 8192, (16, 128), generator=g) for _ in range(args.steps))]
         example = {"input_ids": data[0][0], "labels": data[0][1]}
     if kind == "sharded" and not args.no_activations:  # one forward and backward on fake tensors, this rank's part
         plan = strategy.memory_plan(net, optimizer, example_inputs=example)
@@ -140,7 +142,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_config(
-    config: str, model: str, *, gloo: bool, default_allocator: bool, profile: bool, no_activations: bool = False
+    config: str,
+    model: str,
+    *,
+    gloo: bool,
+    default_allocator: bool,
+    profile: bool,
+    no_activations: bool = False,
+    steps: int = 3,
 ) -> list[dict[str, Any]]:
     from stratagem import environ
     from stratagem.cluster import launch
@@ -151,6 +160,7 @@ def run_config(
         env["STRATAGEM_SHARED_MEMORY"] = "0"
     command = [sys.executable, __file__, "--worker", "--configs", config, "--models", model]
     command += ["--profile"] if profile else []
+    command += ["--steps", str(steps)]
     command += ["--no-activations"] if no_activations else []
     lines: list[str] = []
     kwargs: dict[str, Any] = {"keep_freed_memory": False} if default_allocator else {}
@@ -171,6 +181,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="RSS, peak and live storage at points, per rank")
     parser.add_argument("--no-activations", action="store_true", help="the sharded plan without example_inputs")
     parser.add_argument("--json", help="also write every rank's figures to this file")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (3: the issue's measure)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -187,8 +198,13 @@ def main() -> None:
         reference: dict[int, int] = {}
         for config in args.configs:
             rows = run_config(
-                config, model, gloo=args.gloo, default_allocator=args.default_allocator, profile=args.profile,
+                config,
+                model,
+                gloo=args.gloo,
+                default_allocator=args.default_allocator,
+                profile=args.profile,
                 no_activations=args.no_activations,
+                steps=args.steps,
             )
             if not rows:
                 continue

@@ -150,6 +150,21 @@ def map_large_blocks_here(env: Mapping[str, str]) -> tuple[bool, str]:
     )
 
 
+def reuse_freed_blocks_here() -> bool:
+    """Undoes ``map_large_blocks_here`` from now on: blocks up to ``MMAP_THRESHOLD`` come from the heap again, and a
+    freed one is kept for the next that fits (blocks mapped before stay mapped and are unmapped when freed). For
+    ShardedStrategy(host_memory="reuse") once its long-lived state exists. Returns whether glibc took it."""
+    if GLIBC is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+
+
 def trim_here() -> None:
     """Hands the heap's free pages back to the system (glibc's ``malloc_trim(0)``); nothing elsewhere."""
     if GLIBC is None:

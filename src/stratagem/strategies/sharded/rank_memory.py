@@ -20,6 +20,7 @@ from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, cut_model
 
 if TYPE_CHECKING:
     from stratagem.cluster.worker_group import WorkerGroup
+    from stratagem.strategies.sharded.host_memory import HostMemory
 
 
 class RankMemory:
@@ -34,14 +35,14 @@ class RankMemory:
         device: torch.device,
         policy: UnitPolicy,
         mp: tuple[torch.dtype | None, torch.dtype | None],
-        allocator: tuple[bool, str],
+        host: HostMemory,
     ) -> None:
         self._group = group
         self._stage = stage
         self._device = device
         self._policy = policy
         self._mp = mp
-        self._allocator = allocator
+        self._host = host
         self.cut: UnitCut | None = None  # the first model's (or the one memory_plan(model) planned)
         self.plans: list[MemoryPlan] = []
         self.activations: ActivationEstimate | None = None  # the step's, given or measured (memory_plan)
@@ -83,7 +84,7 @@ class RankMemory:
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
             reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
             transport_bytes=0 if shared is None else (shared.world_size + 1) * shared.capacity,
-            allocator=self._allocator[1] if self._allocator[0] else f"not planned for: {self._allocator[1]}",
+            allocator=self._host.allocator(),
             root_bytes=cut.root_bytes,
             activations=0 if self.activations is None else self.activations.peak,
             activations_how=None if self.activations is None else self.activations.how,

@@ -48,6 +48,7 @@ from stratagem.strategies.sharded.checks import (
     shard_records,
 )
 from stratagem.strategies.sharded.decisions import sharded_decisions
+from stratagem.strategies.sharded.host_memory import HostMemory, check_host_memory
 from stratagem.strategies.sharded.memory import MemoryPlan, release_freed_memory
 from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.placement import local_device
@@ -86,6 +87,9 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         check_batches: True (default): at each step the workers compare a fingerprint of the step and of the global
             batch they were handed, and all stop with an `InputError` naming the step, the workers and the first
             input that differs (agreement.py). False: nothing compared (pass it on every worker alike).
+        host_memory: "release" (default): host memory a step frees goes back to the system at once, so the resident
+            set follows the memory plan. "reuse": kept for the next step once the optimizer's state exists, which
+            saves each step's page faults but lets the peak exceed the plan (host_memory.py).
 
     Example:
         >>> strategy = sg.ShardedStrategy(stage=3)               # under `stratagem launch --workers 2`
@@ -119,6 +123,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         reduce_dtype: torch.dtype | None = None,
         shared_memory: bool | None = None,
         check_batches: bool = True,
+        host_memory: str = "release",
     ) -> None:
         self._stage = check_stage(stage)
         check_batches = check_batches_flag(check_batches)
@@ -127,7 +132,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         eligibility.check_wanted(shared_memory, env)  # STRATAGEM_SHARED_MEMORY=0 against shared_memory=True
         # Before the model is built: freed units, gradients and whole tensors then leave the resident set at once,
         # which the memory plan assumes (allocator.map_large_blocks_here, memory.py).
-        self._allocator = allocator.map_large_blocks_here(env)
+        self._host = HostMemory(check_host_memory(host_memory), allocator.map_large_blocks_here(env))
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
         self._device_decision: PlacementDecision | None = None
         if device is None:
@@ -148,7 +153,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._comms: list[WeightedReduceScatter] = []
         self._cuts: list[UnitCut] = []
         self._memory = RankMemory(
-            self._group, stage=self._stage, device=self._device, policy=units, mp=self._mp, allocator=self._allocator
+            self._group, stage=self._stage, device=self._device, policy=units, mp=self._mp, host=self._host
         )
         self._shardeds: list[Any] = []
         # The parameters of the user's models distributed so far, by id (weakly: a dropped model's ids get reused).
@@ -262,6 +267,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
         clone = clone_optimizer(optimizer, mapping, with_state=False)
+        self._host.watch(clone)
         del originals, mapping  # the whole tensors: freed now unless the user's optimizer still holds them
         release_freed_memory()
         return wrapped, clone
@@ -296,6 +302,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         check_optimizer(optimizer)
         if optimizer is not None:  # made inside the scope, it holds the parameters as construction made them
             optimizer = clone_optimizer(optimizer, {**built.mapping, **{id(p): p for p in model.parameters()}})
+            self._host.watch(optimizer)
         self._check_distribute_args(model, optimizer, None)
         plan = self._memory.plan(list(model.parameters()), optimizer, built.cut)
         units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
@@ -362,6 +369,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             enter_replica(previous)
             self._steps += 1
         self._agreement.finish()  # a step without a reduce-scatter (evaluation, no_sync) is checked here
+        self._host.after_step()  # host_memory="reuse": from the first step that made the optimizer's state
         self._trace.step_ended(started)
         stacked = stack_replicas([result], sizes, global_size(args, kwargs))
         return tag_results(stacked, None if self._counts is None else [self._counts])
@@ -446,7 +454,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         decisions.extend(before)
         decisions.extend(cut.decision() for cut in self._cuts)
         decisions.extend(after)
-        decisions.append(self._transport)
+        decisions.extend([self._transport, self._host.decision()])
         if self._batch_norm.describe():
             decisions.append(batch_norm_decision("global"))
         decisions.extend(self._input_sharding.decisions())
