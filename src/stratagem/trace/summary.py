@@ -24,6 +24,7 @@ from stratagem.errors import InputError
 from stratagem.trace.fold import SUMMARY
 from stratagem.trace.late import LateStep, LateWorker, Stretch, name_late_workers, late_steps
 from stratagem.trace.merge import FoldedStep, JobTrace, WorkerTrace
+from stratagem.trace.pipeline import PipelineBubble, measure_bubble
 from stratagem.trace.timeline import PHASES, Timeline, last_arrivals, paint, paint_spans
 
 COLUMNS = ("input", "compute", "peers", "transfer", "idle")
@@ -68,6 +69,8 @@ class TraceSummary:
     named: list[LateWorker]
     clocks: dict[str, dict[str, float]] = field(default_factory=dict)
     """Each task's clock offset to the chief's and its error bound, in ms."""
+    pipeline: PipelineBubble | None = None
+    """The pipeline's bubble, measured, beside GPipe's (a trace of ModelParallelStrategy's stages)."""
 
     def text(self) -> str:
         head = f"{'step':>5} {'worker':<10} {'step ms':>8} {'input':>7} {'compute':>8} {'peers':>7} {'transfer':>9} {'idle':>7}  (fwd/bwd/opt)"
@@ -87,6 +90,8 @@ class TraceSummary:
         lines.append("clocks (offset to the chief, error bound): " + ", ".join(
             f"{task} {c['offset_ms']:+.3f} ms ± {c['error_ms']:.3f}" for task, c in self.clocks.items()
         ))  # fmt: skip
+        if self.pipeline is not None:
+            lines.append(self.pipeline.describe())
         if self.named:
             lines += [w.describe() for w in self.named]
         else:
@@ -110,6 +115,7 @@ class TraceSummary:
             "late_steps": [asdict(s) for s in self.late_steps],
             "named": [w.to_dict() for w in self.named],
             "clocks": self.clocks,
+            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
         }
 
     def plot(self, path: str | Path) -> Path:
@@ -224,4 +230,5 @@ def _report(
     steps_late = late_steps(job, stretch, windows, common)
     step_ms = {step: statistics.median(r.step_ms for r in rows if r.step == step) for step in common}
     clocks = {w.task: {"offset_ms": w.offset_ns / 1e6, "error_ms": w.error_ns / 1e6} for w in job.workers}
-    return TraceSummary(rows, steps_late, name_late_workers(steps_late, step_ms), clocks)
+    pipeline = measure_bubble(job.workers[0]) if len(job.workers) == 1 else None
+    return TraceSummary(rows, steps_late, name_late_workers(steps_late, step_ms), clocks, pipeline)

@@ -38,6 +38,7 @@ from stratagem.data.split import split_sizes
 from stratagem.diagnose.placement import apply_placement, capture_placement
 from stratagem.errors import CollectiveTimeoutError, InputError
 from stratagem.strategies.replica_context import ReplicaContext, enter_replica
+from stratagem.trace import Recorder
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy
@@ -84,7 +85,7 @@ class _StageThread:
 class _Run:
     """One forward call and its backward: what each stage keeps, and how far each stage got."""
 
-    def __init__(self, num_stages: int, sizes: list[int], grad_enabled: bool) -> None:
+    def __init__(self, num_stages: int, sizes: list[int], grad_enabled: bool, recorder: Recorder | None = None) -> None:
         self.sizes = sizes
         self.grad_enabled = grad_enabled
         num_micro = len(sizes)
@@ -94,6 +95,9 @@ class _Run:
         self.backward_done = [0] * num_stages
         self.grad_sent = [False] * num_micro
         self.events: list[ScheduleEvent] = []
+        self.recorder = recorder
+        """Where each stage's work on each micro-batch is a span while it records (`stratagem.trace`)."""
+        self.started: dict[tuple[str, int, int], int] = {}
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         # Autocast is thread-local: the stage threads must compute as the caller's thread would.
@@ -108,6 +112,15 @@ class _Run:
     ) -> None:
         with self.cond:
             self.events.append(ScheduleEvent(phase, stage, micro, edge))
+            recorder = self.recorder
+            if recorder is None or not recorder.on:
+                return
+            now, key = recorder.now(), (phase, stage, micro)
+            if edge == "start":
+                self.started[key] = now
+            elif key in self.started:  # on the stage's own track whichever thread ran it (autograd's, for the last)
+                recorder.span(phase, f"{phase} {micro}", self.started.pop(key), now, track=f"stage {stage}",
+                              args={"stage": stage, "micro_batch": micro})  # fmt: skip
 
     def fail(self, error: BaseException) -> None:
         with self.cond:
@@ -155,6 +168,8 @@ class Pipeline:
         self._threads: list[_StageThread] | None = None
         self._lock = threading.Lock()
         self.last_run: _Run | None = None
+        self.recorder: Recorder | None = None
+        """Set by the strategy: each stage's forward and backward of each micro-batch recorded while it is on."""
 
     @property
     def num_stages(self) -> int:
@@ -199,7 +214,7 @@ class Pipeline:
             )
         num_examples = x.shape[0]
         sizes = split_sizes(num_examples, max(1, min(self.num_micro_batches, num_examples)))
-        run = _Run(self.num_stages, sizes, torch.is_grad_enabled())
+        run = _Run(self.num_stages, sizes, torch.is_grad_enabled(), self.recorder)
         self.last_run = run
         threads = self._stage_threads()
         for m, chunk in enumerate(x.split(sizes)):

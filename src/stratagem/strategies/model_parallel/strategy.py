@@ -24,9 +24,11 @@ output; the model moves its input to the first stage itself.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,9 @@ from stratagem.strategies.model_parallel.split import ROOT, group_placement, pla
 from stratagem.strategies.wrapped_model import WrappedModel
 from stratagem.strategies.model_parallel.pipeline import Pipeline, PipelineModel, ScheduleEvent
 from stratagem.strategies.replica_context import ReplicaContext, enter_replica
+from stratagem.trace import Recorder, Traceable
+from stratagem.trace.recorder import Clock
+from stratagem.trace.traceable import record_alone
 from stratagem.values import select_replica
 
 logger = logging.getLogger(__name__)
@@ -87,7 +92,7 @@ _PLACED_COPY_REFUSED = (
 )
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(Strategy, Traceable):
     """Splits one model across devices; optionally pipelines micro-batches through the stages (GPipe).
 
     Args:
@@ -178,6 +183,8 @@ class ModelParallelStrategy(Strategy):
             StageInfo(s, d.name, str(d.physical), (), 0, None) for s, d in enumerate(self._stage_devices)
         ]
         self._pipeline: Pipeline | None = None
+        self._recorder = Recorder(rank=0, task="worker:0")  # off until a trace starts (stratagem.trace)
+        self._steps = 0
         self._hooks: list[Any] = []
         self._model: nn.Module | None = None
 
@@ -332,6 +339,10 @@ class ModelParallelStrategy(Strategy):
         if not callable(fn):
             raise InputError(f"run() needs a function to call. Received: {type(fn).__name__}.")
         previous = enter_replica(ReplicaContext(0, 1, self._output.physical, self))
+        self._steps += 1
+        recorder = self._recorder
+        started = recorder.now() if recorder.on else None
+        recorder.at_step(self._steps)
         caller_threads = torch.get_num_threads()
         if self._threads_per_stage is not None and self._output.physical.type == "cpu":
             # The caller's thread runs the last stage's backward while the stage threads work.
@@ -342,6 +353,22 @@ class ModelParallelStrategy(Strategy):
             enter_replica(previous)
             if torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
+            if started is not None and recorder.on:
+                recorder.span("step", f"step {self._steps}", started, recorder.now())
+
+    @contextlib.contextmanager
+    def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:
+        """Records the steps run inside the block: each step on the calling thread's track, and with a pipeline
+        each stage's forward and backward of each micro-batch on the stage's track ("stage <s>"), from which
+        `stratagem trace summary` measures the bubble beside GPipe's (S-1)/(M+S-1). Writes
+        `directory`/worker-0.json at its end.
+
+        Example:
+            >>> with strategy.trace("traces/"):
+            ...     strategy.run(train_step, args=(x, y))
+        """
+        with record_alone(self._recorder, directory, clock=clock, mode=mode) as recorder:
+            yield recorder
 
     def __repr__(self) -> str:
         if self._placement is not None:
@@ -452,6 +479,7 @@ class ModelParallelStrategy(Strategy):
             threads_per_stage=self._threads_per_stage,
             strategy=self,
         )
+        self._pipeline.recorder = self._recorder
         return PipelineModel(model, self._pipeline)
 
 
