@@ -102,3 +102,21 @@ def test_summary_mode_names_the_sleep_in_backward_from_the_folded_steps_alone(tm
         assert row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
     means = report.means()
     assert means["worker:0"]["peers_ms"] >= 40 and means["worker:1"]["peers_ms"] < 10, means
+
+
+def test_at_3_workers_a_sleep_in_worker_2s_backward_is_named_within_20_steps(tmp_path):
+    code, outcomes, lines = launch_json_workers(
+        "trace_train.py",
+        {"TR_DIR": tmp_path, "TR_SLOW_RANK": 2, "TR_SLOW_MS": 50, "TR_PHASE": "backward", "TR_STEPS": 25},
+        timeout=150,
+        workers=3,
+    )
+    assert code == 0, "\n".join(lines[-30:])
+    assert sorted(outcomes) == [0, 1, 2]
+    report = summarize(load(tmp_path))
+    assert [(w.task, w.phase) for w in report.named] == [("worker:2", "backward")], report.late_steps
+    assert report.named[0].step <= 20 and report.named[0].margin_ms >= 40, report.named
+    # Both peers wait for worker:2 at the gradient sums; worker:2 waits for no one.
+    means = report.means()
+    assert means["worker:0"]["peers_ms"] >= 40 and means["worker:1"]["peers_ms"] >= 40, means
+    assert means["worker:2"]["peers_ms"] < 10, means

@@ -78,11 +78,11 @@ def launch_workers(
 
 
 def launch_json_workers(
-    script: str, settings: dict[str, Any], *, timeout: float
+    script: str, settings: dict[str, Any], *, timeout: float, workers: int = 2
 ) -> tuple[int, dict[int, dict], list[str]]:
     """As `launch_workers`; each worker prints one JSON object with its "rank": returns the exit code, those
     objects by rank, and every line of output."""
-    exit_code, lines = _launch(script, {k: str(v) for k, v in settings.items()}, timeout)
+    exit_code, lines = _launch(script, {k: str(v) for k, v in settings.items()}, timeout, workers)
     texts = [line.text for line in lines]
     outcomes = {}
     for text in texts:
