@@ -11,7 +11,8 @@ replica calls `step()`, the strategy applies it once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,8 +21,32 @@ from stratagem.collective.local import Grads
 from stratagem.strategies.data_parallel.distributed import DistributedModel, ReplicatedOptimizer, positions
 from stratagem.strategies.data_parallel.host import ReplicaHost
 
-if TYPE_CHECKING:
-    from stratagem.strategies.central_storage.update import CentralCopy, CentralUpdate
+
+@dataclass(frozen=True)
+class CentralCopy:
+    """One distributed model under central storage: its central copy and every replica's compute copy."""
+
+    central: nn.Module
+    central_params: list[nn.Parameter]
+    """The central copy's trainable parameters, in the order of `parameters()`."""
+    replicas: list[nn.Module]
+    first: int
+    """Where its trainable parameters start in each replica's list (`ReplicaHost.replica_params`): the
+    models distributed before it come first."""
+
+
+class CentralSteps(Protocol):
+    """What the model and optimizer handed out ask of the strategy's update (`update.CentralUpdate` is it;
+    declared here because update.py imports this module)."""
+
+    def refresh_replicas(self) -> None:
+        """Hands every replica the current central parameters and buffers."""
+
+    def apply_update(self, optimizer: torch.optim.Optimizer, held: CentralCopy, closure: Any) -> Any:
+        """`optimizer.step()` over the model `held`, applied once."""
+
+    def zero_grad(self, held: CentralCopy, set_to_none: bool) -> None:
+        """The gradients of the model `held`, zeroed."""
 
 
 class CentralModel(DistributedModel):
@@ -36,7 +61,7 @@ class CentralModel(DistributedModel):
         >>> model.state_dict()       # outside: the central copy (the parameters, once)
     """
 
-    def __init__(self, held: CentralCopy, host: ReplicaHost, update: CentralUpdate) -> None:
+    def __init__(self, held: CentralCopy, host: ReplicaHost, update: CentralSteps) -> None:
         # Not registered as a sub-module (nn.Module's __setattr__ would): parameters() lists one copy's parameters.
         object.__setattr__(self, "_central", held.central)
         object.__setattr__(self, "_held", held)
@@ -85,7 +110,7 @@ class CentralOptimizer(ReplicatedOptimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, held: CentralCopy, update: CentralUpdate, host: ReplicaHost
+        self, optimizer: torch.optim.Optimizer, held: CentralCopy, update: CentralSteps, host: ReplicaHost
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: the user's optimizer owns the parameters.
         self._optimizers = [optimizer]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
@@ -25,7 +24,12 @@ from stratagem import diagnose
 from stratagem.collective.local import choose_local_reducer
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import DeviceError, InputError, MemoryEstimateError
-from stratagem.strategies.central_storage.parts import CentralModel, CentralOptimizer, ReduceToCentralDevice
+from stratagem.strategies.central_storage.parts import (
+    CentralCopy,
+    CentralModel,
+    CentralOptimizer,
+    ReduceToCentralDevice,
+)
 from stratagem.strategies.data_parallel.combine import LocalCombine
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
 from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard, InPlaceWatch
@@ -35,19 +39,6 @@ from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, 
 from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CentralCopy:
-    """One distributed model under central storage: its central copy and every replica's compute copy."""
-
-    central: nn.Module
-    central_params: list[nn.Parameter]
-    """The central copy's trainable parameters, in the order of `parameters()`."""
-    replicas: list[nn.Module]
-    first: int
-    """Where its trainable parameters start in each replica's list (`ReplicaHost.replica_params`): the
-    models distributed before it come first."""
 
 
 class CentralUpdate(ReplicaBuilder):

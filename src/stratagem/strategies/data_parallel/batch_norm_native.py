@@ -39,19 +39,26 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from stratagem import environ
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.batch_norm_function import check_size, refuse_zero_weight
+from stratagem.strategies.data_parallel.batch_norm_function import StatisticsMeeting, check_size, refuse_zero_weight
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
 from stratagem.strategies.replica_context import current_replica_context
 
-if TYPE_CHECKING:
-    from stratagem.strategies.data_parallel.batch_norm import BatchNormSync
+
+class NativeSync(StatisticsMeeting, Protocol):
+    """What a native meeting asks of the `batch_norm.BatchNormSync` it serves: a `StatisticsMeeting` that says
+    whether it also sums across workers (declared here: batch_norm.py imports this module)."""
+
+    @property
+    def sums_across_workers(self) -> bool:
+        """Whether the last replica to arrive at a meeting also sums across workers."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +225,7 @@ def takes(module: nn.Module, input: torch.Tensor) -> bool:
 class NativeMeetings:
     """One `BatchNormSync`'s native meeting and the Python it calls for what is rare."""
 
-    def __init__(self, module: ModuleType, sync: BatchNormSync, barrier: ReplicaBarrier, num_local: int) -> None:
+    def __init__(self, module: ModuleType, sync: NativeSync, barrier: ReplicaBarrier, num_local: int) -> None:
         self._module = module
         hooks = _Hooks(weakref.ref(sync), barrier)
         self.meeting = module.Meeting(num_local, POLL, spin(num_local), hooks, sync.sums_across_workers)
@@ -259,11 +266,11 @@ class NativeMeetings:
 class _Hooks:
     """What the native meeting asks of Python. Holds its `BatchNormSync` weakly: the meeting is the sync's."""
 
-    def __init__(self, sync: weakref.ref[BatchNormSync], barrier: ReplicaBarrier) -> None:
+    def __init__(self, sync: weakref.ref[NativeSync], barrier: ReplicaBarrier) -> None:
         self._sync = sync
         self._barrier = barrier
 
-    def _get(self) -> BatchNormSync:
+    def _get(self) -> NativeSync:
         sync = self._sync()
         if sync is None:
             raise RuntimeError(
