@@ -94,7 +94,7 @@ def exactness(rank: int, port: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
 
     from stratagem.data.split import split_sizes
-    from stratagem.strategies.sharded.memory import measured_local_bytes
+    from stratagem.strategies.state_memory import measured_local_bytes
     from stratagem.strategies.sharded.units import apply_cut, cut_model
     from stratagem.strategies.sharded.weighting import weigh_gradients
 

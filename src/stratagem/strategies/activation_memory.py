@@ -13,13 +13,20 @@ its gathered working set); views of the parameters and the inputs make no new st
 The user's module, its buffers and the CPU generator are left as they were: the forward runs through
 `torch.func.functional_call` on fake copies of the parameters and buffers, and random operators on fake tensors
 draw nothing.
+
+A model whose parameters are DTensors already (TensorParallelStrategy's, after `distribute`) cannot run on fake
+tensors: DTensor's uneven splits read shard offsets from tensors. `measure_split_step` runs its forward and
+backward once on real tensors instead (every worker of the mesh together, as a step runs), with the same count:
+each storage an operator returns, or a DTensor's local part, or one first met as an operator's input (the whole
+logits a redistribution all-gathers outside any operator), counted until it dies.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +59,9 @@ class ActivationEstimate:
 class _LiveStorages(TorchDispatchMode):
     """Adds each new storage an operator returns and subtracts it when the storage is freed."""
 
-    def __init__(self, known: list[torch.Tensor]) -> None:
+    def __init__(self, known: list[torch.Tensor], *, inputs_too: bool = False) -> None:
         super().__init__()
+        self._inputs_too = inputs_too  # count a storage first met as an operator's input (made outside any operator)
         self.live = 0
         self.peak = 0
         # Storages made before the step (parameters, buffers, inputs) count nothing, nor do their views.
@@ -63,10 +71,14 @@ class _LiveStorages(TorchDispatchMode):
         self._refs: list[weakref.ref] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._inputs_too:  # made outside any operator (a redistribution's result): seen as an input here
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self._add(_storage(t))
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage())
+                self._add(_storage(t))
         return out
 
     def _add(self, storage: torch.UntypedStorage) -> None:
@@ -160,6 +172,60 @@ def plan_activations(
     if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
         raise InputError(f"activations must be this rank's bytes, an int >= 0. Received: activations={activations!r}.")
     return ActivationEstimate(peak=activations, after_forward=activations, how="given")
+
+
+def measure_split_step(model: nn.Module, inputs: Any, around: Callable[[], Any]) -> ActivationEstimate:
+    """The activation bytes of one forward of `model` (its parameters DTensors already) on `inputs` and a backward
+    from its loss, run for real under the context `around()` makes; every worker of the mesh calls it together.
+
+    Parameter gradients are dropped as soon as they are accumulated, so nothing of the training state changes;
+    the random state is restored. `inputs` as in `measure_activations`.
+    """
+    from torch.distributed.tensor import DTensor
+
+    args, kwargs = _as_call(inputs)
+    params = list(model.parameters())
+    known = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    known += [b for b in model.buffers()] + [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    rng = torch.random.get_rng_state()
+    try:
+        with _grads_dropped(params), around():
+            tracker = _LiveStorages([t.detach() for t in known], inputs_too=True)
+            with tracker:
+                loss = _loss_of(model(*args, **kwargs))
+                after_forward = tracker.live
+                loss.backward()
+                del loss
+    finally:
+        torch.random.set_rng_state(rng)
+    return ActivationEstimate(
+        peak=tracker.peak,
+        after_forward=after_forward,
+        how=(
+            "measured: one forward and backward of this rank's part of the example inputs on the split model "
+            "(every worker together), each parameter gradient only until it is accumulated"
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _grads_dropped(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that holds `t`'s data: a DTensor's local part's."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local().untyped_storage()
+    return t.untyped_storage()
 
 
 def _drop_grad(p: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ rows on rank r:
 - parameters at rest: P_r (stage 2 and 3 alike: between steps only the shards exist);
 - gradients: P_r (each reduce-scatter leaves this rank only its shard's sum);
 - optimizer state: k * P_r plus the per-parameter step counters, k = the state tensors the optimizer
-  keeps per parameter (SGD with momentum 1, Adagrad 1, Adam and AdamW 2, 3 with amsgrad, ...);
+  keeps per parameter (SGD with momentum 1, Adagrad 1, Adam and AdamW 2, 3 with amsgrad, ...;
+  `state_memory.py`, shared with every plan);
 - gathered working set at the peak: stage 3 gathers one unit at a time and prefetches the next, and
   backward holds the unit's unsharded gradients while FSDP2 copies them into the flat input of its
   reduce-scatter (the gradients are freed only after that copy): 2 U + U_grad + U_rs, U the largest unit
@@ -37,22 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# State tensors shaped like the parameter, per optimizer class (torch's own optimizers).
-_STATE_TENSORS: dict[str, Any] = {
-    "SGD": lambda g: 1 if g.get("momentum", 0) else 0,
-    "Adam": lambda g: 3 if g.get("amsgrad") else 2,
-    "AdamW": lambda g: 3 if g.get("amsgrad") else 2,
-    "Adamax": lambda g: 2,
-    "NAdam": lambda g: 2,
-    "RAdam": lambda g: 2,
-    "Adadelta": lambda g: 2,
-    "Adagrad": lambda g: 1,
-    "RMSprop": lambda g: 1 + (1 if g.get("momentum", 0) else 0) + (1 if g.get("centered") else 0),
-}
-# Optimizers that keep a step counter per parameter, a 0-dim float32 tensor.
-# Optimizers whose per-parameter step allocates a denominator (sqrt of the second moment) beside the state.
-_DENOMINATOR = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"}
-_STEP_TENSOR = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Adagrad", "RMSprop"}
+from stratagem.strategies.state_memory import chunk_size, optimizer_state_bytes, optimizer_temporaries, show_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,8 +154,7 @@ class MemoryPlan:
 
 def shard_rows(rows: int, world_size: int, rank: int) -> int:
     """Rows of a first dimension of `rows` that FSDP2 gives `rank` (ceil-sized chunks, the last ones short)."""
-    chunk = math.ceil(rows / world_size) if rows else 0
-    return max(0, min(chunk, rows - rank * chunk))
+    return chunk_size(rows, world_size, rank)
 
 
 def shard_bytes(shape: torch.Size, element_size: int, world_size: int, rank: int) -> int:
@@ -230,25 +215,18 @@ def plan_memory(
         stage=stage,
         parameters=local,
         gradients=local,
-        optimizer_state=_optimizer_bytes(optimizer, mine),
+        optimizer_state=optimizer_state_bytes(optimizer, mine),
         gathered_peak=gathered,
         unsharded_model=whole,
         replicated=_replicated_bytes(params, optimizer, whole),
         transport=transport_bytes,
-        optimizer_temporaries=_optimizer_temporaries(optimizer, mine),
+        optimizer_temporaries=optimizer_temporaries(optimizer, mine),
         distribute_peak=whole + padded,
         allocator=allocator,
         activations=activations,
         gathered_with_activations=int((root_bytes if stage == 3 and num_units else whole) * scale),
         **({"activations_how": activations_how} if activations_how else {}),
     )
-
-
-def _optimizer_temporaries(optimizer: torch.optim.Optimizer | None, mine: dict[int, int]) -> int:
-    """Two tensors of the largest shard for the optimizers whose per-parameter step builds a denominator."""
-    if optimizer is None or type(optimizer).__name__ not in _DENOMINATOR:
-        return 0
-    return 2 * max((mine.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]), default=0)
 
 
 def release_freed_memory() -> None:
@@ -260,49 +238,5 @@ def release_freed_memory() -> None:
 
 
 def _replicated_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, whole: int) -> int | None:
-    state = _optimizer_bytes(optimizer, {id(p): p.numel() * p.element_size() for p in params})
+    state = optimizer_state_bytes(optimizer, {id(p): p.numel() * p.element_size() for p in params})
     return None if state is None else 2 * whole + state
-
-
-def _optimizer_bytes(optimizer: torch.optim.Optimizer | None, mine: dict[int, int]) -> int | None:
-    if optimizer is None:
-        return 0
-    name = type(optimizer).__name__
-    per_param = _STATE_TENSORS.get(name)
-    if per_param is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
-        return None
-    total = 0
-    for group in optimizer.param_groups:
-        k = per_param(group)
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            total += k * mine.get(id(p), 0)
-            if name in _STEP_TENSOR:
-                total += 4  # the 0-dim float32 step counter every rank keeps whole
-    return total
-
-
-def measured_local_bytes(params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """What this rank holds now: the local shards of parameters, gradients and optimizer state, in bytes."""
-
-    def local(t: torch.Tensor) -> int:
-        inner = t.to_local() if hasattr(t, "to_local") else t
-        return inner.numel() * inner.element_size()
-
-    params = list(params)
-    state = sum(local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {
-        "parameters": sum(local(p) for p in params),
-        "gradients": sum(local(p.grad) for p in params if p.grad is not None),
-        "optimizer_state": state,
-    }
-
-
-def show_bytes(n: int) -> str:
-    """`n` bytes for a reader: B under a KiB, KiB under a MiB, else MiB."""
-    if n < 1024:
-        return f"{n} B"
-    if n < 2**20:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / 2**20:.2f} MiB"

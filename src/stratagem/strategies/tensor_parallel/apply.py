@@ -8,8 +8,11 @@ outputs are handed back as plain whole tensors, so the loss, `strategy.reduce` a
 one device gives.
 
 Every redistribution is deterministic and every worker of the `model` axis ends it with the same bits, so the
-replicated parameters stay identical across workers with no extra all-reduce; gradients come back in their
-parameter's placement, so `clip_grad_norm_` sums the squares over every shard (the global norm).
+replicated parameters stay identical across workers with no extra all-reduce. A gradient DTensor's propagation
+leaves as a pending sum (`Partial`: the whole tensor on every worker, as for a layer between two split ones) is
+reduced into its parameter's placement as it is accumulated (`grads_in_layout`), so every gradient is its
+parameter's part, `clip_grad_norm_` sums the squares over every shard (the global norm), and the optimizer step
+redistributes nothing (it otherwise reduce-scattered such a gradient again in each of its operations).
 """
 
 from __future__ import annotations
@@ -56,6 +59,19 @@ def apply_tensor_parallel(model: nn.Module, layouts: Sequence[ParameterLayout], 
                 made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
             setattr(module, name, made[id(param)])  # nn.Module registers it; a tied parameter gets the same one
     return made
+
+
+def grads_in_layout(params: Sequence[nn.Parameter]) -> list[Any]:
+    """A hook on each DTensor parameter that redistributes its gradient, once accumulated, to the parameter's own
+    placements (a reduce-scatter or all-reduce of a pending sum; nothing where they agree); the hooks' handles."""
+    from torch.distributed.tensor import DTensor
+
+    def to_layout(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    return [p.register_post_accumulate_grad_hook(to_layout) for p in params if isinstance(p, DTensor)]
 
 
 class TensorParallelModel(WrappedModel):

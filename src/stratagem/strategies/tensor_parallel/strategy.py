@@ -14,17 +14,20 @@ group hold the same bits of every replicated parameter, and the result equals on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from stratagem import environ
-from stratagem.cluster import Cluster
+from stratagem.cluster import Cluster, allocator
 from stratagem.cluster.worker_group import plan_worker_group
+from stratagem.data.split import replica_part
 from stratagem.data.worker_shards import WorkerRange
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
+from stratagem.strategies.activation_memory import ActivationEstimate, measure_split_step, plan_activations
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
@@ -35,6 +38,7 @@ from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.tensor_parallel.apply import (
     TensorParallelModel,
     apply_tensor_parallel,
+    grads_in_layout,
     replicated_plain_tensors,
 )
 from stratagem.strategies.tensor_parallel.data_axis import DataAxisSum
@@ -46,6 +50,7 @@ from stratagem.strategies.tensor_parallel.mesh import (
     default_mesh,
     resolve_layouts,
 )
+from stratagem.strategies.tensor_parallel.memory import TensorParallelMemoryPlan, plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.styles import check_splits
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
@@ -94,8 +99,10 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
     #   mesh       mesh.py: the layout map's mesh against the worker count, before any process group
     #   group      cluster.worker_group: the process group, then torch's DeviceMesh of the same axes
     #   layouts    mesh.resolve_layouts and styles.check_splits: each parameter's layout, refused by module name
-    #   split      apply.apply_tensor_parallel: parameters made DTensors on the `model` axis, the forward over them
+    #   split      apply.apply_tensor_parallel: parameters made DTensors on the `model` axis, the forward over them;
+    #              apply.grads_in_layout: each gradient reduced into its parameter's placement as it is accumulated
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the DTensor parameters
+    #   memory     memory.plan_tensor_parallel_memory: this rank's bytes, planned from the layouts before the split
     #   data axis  data_axis.DataAxisSum: gradients summed across the `data` axis inside backward, weighted
     #   input      worker_group.input (WorkerGroupStrategy's): each model group's part of every global batch, the
     #              workers' agreement on the steps, and the batch check (worker_group.step_agreement)
@@ -116,6 +123,9 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
                 "Build one with sg.LayoutMap(sg.DeviceMesh(shape, axis_names)) and set its keys."
             )
         env = environ.current()
+        # Before the model is built, as ShardedStrategy does: the whole tensors distribute frees, the gradients and
+        # the step's tensors then leave the resident set at once, which the memory plan assumes (memory.py).
+        self._allocator = allocator.map_large_blocks_here(env)
         plan = plan_worker_group(cluster, timeout=timeout, env=env)
         self._layout_map = layout_map if layout_map is not None else LayoutMap()
         self._mesh = self._layout_map.mesh or default_mesh(plan.world_size)
@@ -141,9 +151,12 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         self._layouts: list[ParameterLayout] = []
         self._kinds: dict[str, str] = {}
         self._sums: list[DataAxisSum] = []
+        self._grad_hooks: list[Any] = []
         self._weight = 1.0
         self._counts: float | None = None
         self._steps = 0
+        self._plan: TensorParallelMemoryPlan | None = None
+        self._activations: ActivationEstimate | None = None
         self._agreement = StepAgreement(self._group, enabled=check_batches, strategy=type(self).__name__)
         self._batch_agreement = self._agreement.batch
         self._input_sharding = InputSharding()
@@ -186,7 +199,10 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
             )
         self._kinds = check_splits(model, layouts, self._mesh)
         model.to(self._device)
+        # The plan is for the parameters as the user built them, before any is replaced by its part.
+        self._plan = self._plan_for(layouts, model, optimizer)
         made = apply_tensor_parallel(model, layouts, self._torch_mesh["model"])
+        self._grad_hooks = grads_in_layout(list(made.values()))  # before the data axis's: it sums the parts
         self._layouts = layouts
         if self._data_group is not None:
             self._sums.append(DataAxisSum(list(model.parameters()), self._data_group, lambda: self._weight))
@@ -195,6 +211,67 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         if optimizer is None:
             return wrapped
         return wrapped, clone_optimizer(optimizer, made)
+
+    def memory_plan(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        example_inputs: Any = None,
+        activations: int | None = None,
+    ) -> TensorParallelMemoryPlan:
+        """Bytes this rank holds by category, and `total`, its peak over the resident set before the model
+        (memory.py gives the formulas).
+
+        After `distribute`: the plan made then; before it, the plan for `model` and `optimizer` as they would be
+        split. The step's activations count when given: `activations` (this rank's bytes), or, after `distribute`,
+        `example_inputs` (one GLOBAL batch: one forward and backward of the split model on this model group's
+        part, run by every worker together), kept for the later plans.
+
+        Example:
+            >>> model, optimizer = strategy.distribute(model, torch.optim.AdamW(model.parameters()))
+            >>> plan = strategy.memory_plan(example_inputs={"input_ids": ids, "labels": ids})   # on every worker
+        """
+        if example_inputs is not None and (model is not None or self._model is None):
+            raise InputError(
+                "TensorParallelStrategy measures example_inputs on the split model, every worker together. "
+                f"Received: example_inputs with {'a model' if model is not None else 'no model distributed yet'}. "
+                "Call strategy.memory_plan(example_inputs=...) on every worker after distribute, or give this "
+                "rank's bytes: memory_plan(model, optimizer, activations=...)."
+            )
+        if example_inputs is not None:
+            self._activations = measure_split_step(
+                self._model, replica_part(example_inputs, self._num_data, self._data_index), replicated_plain_tensors
+            )
+        else:
+            self._activations = plan_activations(None, None, activations, lambda b: b) or self._activations
+        if model is not None:
+            named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+            return self._plan_for(resolve_layouts(self._layout_map, self._mesh, named), model, optimizer)
+        if self._plan is None:
+            raise InputError(
+                "memory_plan() needs the model until distribute() has run. Received: no model. "
+                "Call strategy.memory_plan(model, optimizer), or distribute first."
+            )
+        if self._activations is not None:
+            how = self._activations.how
+            self._plan = replace(self._plan, activations=self._activations.peak, activations_how=how)
+        return self._plan
+
+    def _plan_for(
+        self, layouts: list[ParameterLayout], model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> TensorParallelMemoryPlan:
+        estimate = self._activations
+        return plan_tensor_parallel_memory(
+            layouts,
+            dict(model.named_parameters(remove_duplicate=False)),
+            optimizer,
+            mesh=self._mesh,
+            rank=self._group.rank,
+            activations=0 if estimate is None else estimate.peak,
+            activations_how=None if estimate is None else estimate.how,
+            allocator=self._allocator[1] if self._allocator[0] else f"not planned for: {self._allocator[1]}",
+        )
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         """Runs `fn` on this model group's slice; backward sums its gradients across the data axis, weighted."""
@@ -278,10 +355,15 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         decisions.extend(layout_decisions(self._mesh, self._layouts))
         decisions.extend(self._input_sharding.decisions())
         details: dict[str, Any] = {"layouts": layout_table(self._layouts, self._kinds)} if self._layouts else {}
+        if self._plan is not None:
+            details["memory plan"] = str(self._plan)
         replicas = [ReplicaPlacement(self._data_index, str(self._device), str(self._device))]
         return Explanation(type(self).__name__, self.num_replicas_in_sync, replicas, decisions, details)
 
     def _close_parts(self) -> None:
+        for hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks = []
         for data_sum in self._sums:
             data_sum.remove()
         self._sums = []
