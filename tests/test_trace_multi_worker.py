@@ -34,6 +34,9 @@ def test_stratagem_launch_trace_names_a_sleep_in_worker_1s_backward_and_writes_a
     done = subprocess.run(command, env={**__import__("os").environ, **env}, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"trace written to {tmp_path / 'trace.json.gz'}" in done.stderr
+    # The straggler warning, refined by the trace: the phase of compute worker 1 is slow in.
+    assert "worker:1 (rank 1) is a straggler at step" in done.stderr, done.stderr[-3000:]
+    assert "slower than its peers in compute (backward, by the trace)" in done.stderr, done.stderr[-3000:]
     document = json.loads(gzip.decompress((tmp_path / "trace.json.gz").read_bytes()))
     assert problems(document) == []
     events = document["traceEvents"]

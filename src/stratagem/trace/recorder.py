@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import InputError
-from stratagem.trace.fold import MODES, SPANS, SUMMARY, StepFolder
+from stratagem.trace.fold import FOLDED, MODES, SPANS, SUMMARY, StepFolder
+from stratagem.trace.timeline import paint_spans
 
 FORMAT = "stratagem-trace/1"
 """The `format` field of a worker's file."""
@@ -70,6 +71,8 @@ class Recorder:
         """Summary mode's folded steps; None in full mode."""
         self.step = 0
         """The step the spans are filed under (the strategy's `run` count)."""
+        self._step_from = 0  # full mode: the index in `spans` where the step under way began
+        self._last_step: tuple[int, int] | None = None  # full mode: the last complete step's spans, as a slice
 
     def start(self, clock: Clock | None = None, *, mode: str = SPANS) -> None:
         """Records from now on (`clock`: another clock than the one given at construction); `mode`: "spans"
@@ -104,9 +107,26 @@ class Recorder:
     ) -> None:
         """A span of the calling thread (or of `track`) from `start` to `end` (ns of `clock`)."""
         self.spans.append((category, name, start, end, track or self.track(), self.step, args))
-        if category == "step" and self.folder is not None:  # the end of `strategy.run`: its replicas are done
-            self.folder.fold(self.step, end, self.spans, self.collectives)
-            self.spans.clear()
+        if category == "step":  # the end of `strategy.run`: its replicas are done
+            if self.folder is not None:
+                self.folder.fold(self.step, end, self.spans, self.collectives)
+                self.spans.clear()
+            else:
+                self._last_step = (self._step_from, len(self.spans))
+                self._step_from = len(self.spans)
+
+    def last_step_phases(self) -> dict[str, int] | None:
+        """Nanoseconds of the last complete step's own work in forward, backward and the optimizer step (its waits
+        painted out, `timeline.py`), or None before one; what the straggler warning refines "compute" with."""
+        if self.folder is not None:
+            totals = dict(zip(FOLDED, self.folder.steps[-1][3])) if self.folder.steps else None
+        elif self._last_step is not None:
+            spans = self.spans[self._last_step[0] : self._last_step[1]]
+            painted = paint_spans(((s[0], s[2], s[3], s[6]) for s in spans), {})
+            totals = painted.totals(min(s[2] for s in spans), spans[-1][3])
+        else:
+            totals = None
+        return None if totals is None else {phase: totals[phase] for phase in ("forward", "backward", "optimizer")}
 
     def collective(self, op: str, what: str, step: int, nbytes: int, transport: str, bucket: int | None = None) -> int:
         """A cross-worker collective this worker enters now; returns its sequence number, for `done`."""
@@ -146,6 +166,7 @@ class Recorder:
     def clear(self) -> None:
         self.spans.clear()
         self.collectives.clear()
+        self._step_from, self._last_step = 0, None
         if self.folder is not None:
             self.folder = StepFolder()
 

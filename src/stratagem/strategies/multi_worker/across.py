@@ -37,6 +37,7 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import loss_weight
 from stratagem.strategies.worker_group.agreement import BatchAgreement
+from stratagem.strategies.multi_worker.straggler_phases import ComputePhases
 from stratagem.strategies.worker_group.stragglers import StepTimes, Straggler, StragglerWatch
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class AcrossWorkers:
         self.agreement = agreement
         self.times = times
         self.stragglers = stragglers
+        self.phases = ComputePhases(world_size=group.world_size)  # a straggler's phase of compute, from a trace
         self.cw = group.cross_worker
         self.cw.start_pulse()  # fresh steps in stall warnings; a slow worker is told from a lost one
         self.world_size = group.world_size
@@ -114,7 +116,7 @@ class AcrossWorkers:
                 first_bucket_bytes=self._first_bucket_bytes,
                 count_users=True,
                 after_host_read=self.cw.check,  # grad None where no worker used it, as on one device
-                extra=self.agreement.size + self.stragglers.size,
+                extra=self.agreement.size + self.stragglers.size + self.phases.size,
             )
             self.sums_whole_backward = True
 
@@ -166,6 +168,7 @@ class AcrossWorkers:
     def _extra(self, step: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """What rides the gradient sum after the counts: the step's fingerprint, then the last step's phase times."""
         numbers = self.agreement.numbers(step) + self.stragglers.numbers(self.times)
+        numbers += self.phases.numbers(self.group.rank, self.cw.trace.recorder)  # zeros while no trace records
         return torch.tensor(numbers, dtype=dtype, device=device)
 
     def _fill_tail(self, step: int) -> None:
@@ -176,9 +179,10 @@ class AcrossWorkers:
 
     def _after_sum(self, summed: list[float], step: int) -> None:
         """Every worker's slots, summed: the fingerprints compared, the phase times judged."""
-        size = self.agreement.size
+        size, end = self.agreement.size, self.agreement.size + self.stragglers.size
         self.agreement.check(summed[:size], step)
-        found = self.stragglers.observe(summed[size:], step)
+        self.phases.observe(summed[end:])
+        found = self.stragglers.observe(summed[size:end], step, refine=self.phases.refine)
         if found is not None and self.group.is_chief:
             logger.warning("%s", found.describe())
 

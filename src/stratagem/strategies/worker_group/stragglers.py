@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,9 @@ class Straggler:
     step: int
     times_ms: dict[str, dict[str, float]]
     """Every worker's median time per phase over the window, in ms: {task: {phase: ms}}."""
+    detail: str | None = None
+    """Within compute, the phase it is slow in (forward, backward, optimizer), where a trace shows it
+    (`multi_worker/straggler_phases.py`); None otherwise."""
 
     def describe(self) -> str:
         mine = self.times_ms[self.task]
@@ -51,9 +54,10 @@ class Straggler:
             for task, t in self.times_ms.items()
             if task != self.task
         )
+        where = self.phase if self.detail is None else f"{self.phase} ({self.detail}, by the trace)"
         return (
             f"{self.task} (rank {self.rank}) is a straggler at step {self.step}: {self.excess_ms:.0f} ms a step "
-            f"slower than its peers in {self.phase} (medians over the last steps: {mine['input']:.1f} ms input, "
+            f"slower than its peers in {where} (medians over the last steps: {mine['input']:.1f} ms input, "
             f"{mine['compute']:.1f} ms compute, {mine['communication']:.1f} ms communication; {peers}). Every "
             "worker waits for it at each gradient sum; check that machine's load, its data loading, or its device."
         )
@@ -65,6 +69,7 @@ class Straggler:
             "phase": self.phase,
             "excess_ms": round(self.excess_ms, 3),
             "step": self.step,
+            "detail": self.detail,
             "median_ms": self.times_ms,
         }
 
@@ -136,9 +141,12 @@ class StragglerWatch:
             out[start : start + SLOT] = [1000.0 * t for t in times.last]
         return out
 
-    def observe(self, summed: Sequence[float], step: int) -> Straggler | None:
+    def observe(
+        self, summed: Sequence[float], step: int, refine: Callable[[Straggler], Straggler] | None = None
+    ) -> Straggler | None:
         """Takes one step's summed slots (every worker's last complete step, ms); returns a straggler newly
-        named at this step, else None (`current` holds the one still named)."""
+        named at this step, else None (`current` holds the one still named). `refine`: adds what else is known
+        of a straggler found (the phase of compute, from a trace)."""
         per_worker = [list(summed[r * SLOT : (r + 1) * SLOT]) for r in range(self.world_size)]
         if any(not any(times) for times in per_worker):
             return None  # a worker has no complete step yet
@@ -146,6 +154,8 @@ class StragglerWatch:
         if len(self._history) < self.window or self.world_size < 2:
             return None
         found = self.judge(step)
+        if found is not None and refine is not None:
+            found = refine(found)
         key = None if found is None else (found.task, found.phase)
         seen, count = self._streak
         self._streak = (key, count + 1 if key == seen else 1)
