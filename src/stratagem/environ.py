@@ -62,3 +62,13 @@ def trace_dir(env: Mapping[str, str] | None = None) -> str | None:
     unset or empty."""
     value = (current() if env is None else env).get(TRACE, "").strip()
     return value or None
+
+
+FLIGHT_DIR = "STRATAGEM_FLIGHT_DIR"
+"""A directory: where each worker writes its record of its last collectives when one fails or times out."""
+
+
+def flight_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``STRATAGEM_FLIGHT_DIR`` as set in ``env`` (default: this process's environment), stripped, or None."""
+    value = (current() if env is None else env).get(FLIGHT_DIR, "").strip()
+    return value or None

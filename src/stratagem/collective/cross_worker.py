@@ -16,6 +16,7 @@ host blocked on the collective's result is released.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.collective.flight import FlightRecord, first_difference
 from stratagem.collective.store_calls import StoreCalls
 from stratagem.collective.trace_hooks import CollectiveTrace
 from stratagem.collective.watchdog import Watchdog
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 _STEP = "stratagem/step/{rank}"
 _ROLL_CALL = "stratagem/rollcall/{step}/{rank}"
 _PULSE = "stratagem/pulse/{rank}"
+_FLIGHT = "stratagem/flight/{step}/{rank}"
+_FLIGHT_NEWEST = "stratagem/flight-newest/{rank}"
 PULSE_SECONDS = 0.5
 """How often each worker's pulse thread writes its step and a counter (less than the roll call's wait)."""
 _POLL_FIRST_S = 50e-6
@@ -90,6 +94,9 @@ class CrossWorker:
         """The device path's watchdog (None on the host path)."""
         self.trace = CollectiveTrace()
         """Where each collective and each wait is recorded while its recorder is on (`stratagem.trace`)."""
+        self.flight = FlightRecord(self.task_name)
+        """The last collectives, always kept: dumped and compared across workers when one fails (flight.py)."""
+        self._in_flight: dict[int, int] = {}  # id of a process-group work handle -> its flight sequence number
         if device_collectives:
             self.watchdog = Watchdog(
                 timeout=self.timeout,
@@ -134,12 +141,19 @@ class CrossWorker:
         self._pulse = stop = threading.Event()
         key = _PULSE.format(rank=self.rank)
 
+        newest_key = _FLIGHT_NEWEST.format(rank=self.rank)
+
         def beat() -> None:
             count = 0
+            reported = None
             while not stop.wait(seconds if count else 0.0):
                 count += 1
                 try:
                     self.store.set(key, f"{self._step} {count} {'waiting' if self._waiting else 'working'}")
+                    newest = self.flight.newest()  # for the others' errors, should this worker stop answering
+                    if newest is not None and newest != reported:
+                        self.store.set(newest_key, json.dumps(newest))
+                        reported = newest
                 except Exception:  # noqa: BLE001 - the store is gone with the chief: the collectives report that
                     return
 
@@ -202,15 +216,17 @@ class CrossWorker:
         for tensor in tensors:
             if self.shared is not None and self.shared.supports(tensor):
                 seq = self.trace.enter("all_reduce", what, step, tensor, shared=True, bucket=bucket)
+                flown = self.flight.enter("all_reduce", what, step, _nbytes(tensor), "shared memory")
                 self._waiting += 1
                 try:
                     self.shared.all_reduce_(tensor, what=what, step=step)
                 finally:
                     self._waiting -= 1
+                self.flight.done(flown)
                 self.trace.summed_here(seq, what)
             else:
                 seq = self.trace.enter("all_reduce", what, step, tensor, bucket=bucket)
-                works.append(self._start(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True))
+                works.append(self._start_recorded("all_reduce", what, step, tensor, dist.all_reduce, tensor))
                 self.trace.issued(seq, works[-1])
         return works
 
@@ -228,7 +244,7 @@ class CrossWorker:
         lengths[self.rank] = len(payload)
         # Through the process group, never the shared-memory sums: those are for floating-point gradients.
         seq = self.trace.enter("all_reduce", f"{what} (sizes)", step, lengths)
-        work = self._start(dist.all_reduce, lengths, op=dist.ReduceOp.SUM, async_op=True)
+        work = self._start_recorded("all_reduce", f"{what} (sizes)", step, lengths, dist.all_reduce, lengths)
         self.trace.issued(seq, work)
         self.wait([work], what=f"{what} (sizes)", step=step)
         sizes = [int(n) for n in lengths.tolist()]  # a host read: on the device path it waits for the GPU
@@ -239,12 +255,23 @@ class CrossWorker:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
         seq = self.trace.enter("all_gather", what, step, mine)
-        work = self._start(dist.all_gather, received, mine, async_op=True)
+        work = self._start_recorded("all_gather", what, step, mine, dist.all_gather, received, mine)
         self.trace.issued(seq, work)
         self.wait([work], what=what, step=step)
         payloads = [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(received, sizes)]
         self.check()
         return payloads
+
+    def _start_recorded(
+        self, op: str, what: str, step: int, tensor: torch.Tensor, collective: Callable[..., Any], *args: Any
+    ) -> Any:
+        """`_start`s an asynchronous collective on the process group, kept in the flight record until `wait`
+        sees it end (a SUM for an all-reduce)."""
+        flown = self.flight.enter(op, what, step, _nbytes(tensor), _backend())
+        kwargs: dict[str, Any] = {"op": dist.ReduceOp.SUM} if op == "all_reduce" else {}
+        work = self._start(collective, *args, async_op=True, **kwargs)
+        self._in_flight[id(work)] = flown
+        return work
 
     def _start(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Starts a collective; when that fails because the watchdog has just aborted the process group (from
@@ -321,6 +348,10 @@ class CrossWorker:
             self._wait_host(works, what, step)
         finally:
             self._waiting -= 1
+        for work in works:
+            flown = self._in_flight.pop(id(work), None)
+            if flown is not None:
+                self.flight.done(flown)
         self.trace.waited(start, works, what)
 
     def _wait_host(self, works: Sequence[Any], what: str, step: int) -> None:
@@ -408,6 +439,7 @@ class CrossWorker:
 
     def _failure(self, what: str, step: int, error: Exception | None) -> Exception:
         before = self._pulses_quietly()
+        dumped = self._publish_flight(step)  # before the roll call, so that the others find it after theirs
         missing, store_ok = self._roll_call(step)
         after = self._pulses_quietly() if missing and store_ok else {}
         if missing and store_ok and any(r in before for r in missing) and not _moved(before, after, missing):
@@ -437,7 +469,9 @@ class CrossWorker:
             who = "every task answered the roll call, so one is stuck rather than gone"
         message = (
             f"{self.task_name} (rank {self.rank}): the {what} of step {step} {cause} after waiting for the other "
-            f"workers; {who}. Steps last reported: {self._format_steps(self.roll_call_seconds) if store_ok else 'unknown'}. Restart the job "
+            f"workers; {who}. Steps last reported: {self._format_steps(self.roll_call_seconds) if store_ok else 'unknown'}. "
+            f"Collectives: {self._compare_flights(step, missing) if store_ok else 'unknown'}"
+            f"{f' (this worker kept its last {len(self.flight.entries())} in {dumped})' if dumped else ''}. Restart the job "
             "(stratagem launch --max-restarts restarts the group) and resume from the last checkpoint."
         )
         if error is None:
@@ -482,6 +516,57 @@ class CrossWorker:
             return missing, True
         except Exception:  # noqa: BLE001 - the store is gone (or stopped) with the chief
             return [0] if self.rank != 0 else [], False
+
+    def _publish_flight(self, step: int) -> str | None:
+        """Dumps this worker's flight record to a file and puts it in the store under the failed step; the
+        file's path, or None when it could not be written."""
+        path = self.flight.dump()
+        try:
+            payload = json.dumps(self.flight.entries())
+            self._store_calls.run(
+                "the flight record", self.store.set, _FLIGHT.format(step=step, rank=self.rank), payload,
+                seconds=self.roll_call_seconds,
+            )  # fmt: skip
+        except Exception:  # noqa: BLE001 - the chief's store may be gone: the error says so from the roll call
+            pass
+        return None if path is None else str(path)
+
+    def _compare_flights(self, step: int, missing: Sequence[int]) -> str:
+        """Where the flight records in the store (each worker's, put there by its own failure) first differ; for a
+        worker that did not fail (stuck, slow or gone), the newest collective its pulse reported."""
+        records: dict[str, list[dict[str, Any]] | None] = {}
+        newest_only = []
+
+        def read(key: str) -> Any:
+            if not self._store_calls.run("the flight record", self.store.check, [key], seconds=self.roll_call_seconds):
+                return None
+            raw = self._store_calls.run("the flight record", self.store.get, key, seconds=self.roll_call_seconds)
+            return json.loads(raw)
+
+        for rank, name in enumerate(self.task_names):
+            records[name] = None
+            try:
+                if rank not in missing:
+                    records[name] = read(_FLIGHT.format(step=step, rank=rank))
+                if records[name] is None:
+                    newest = read(_FLIGHT_NEWEST.format(rank=rank))
+                    if newest is not None:
+                        records[name] = [newest]
+                        newest_only.append(name)
+            except Exception:  # noqa: BLE001 - a record that cannot be read is reported as missing
+                pass
+        return first_difference(records, newest_only)
+
+
+def _backend() -> str:
+    try:
+        return str(dist.get_backend())
+    except (RuntimeError, ValueError):  # no default group (a test's fake collectives)
+        return "process group"
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _moved(before: dict[int, tuple[int, int, str]], after: dict[int, tuple[int, int, str]], ranks: list[int]) -> bool:
