@@ -35,6 +35,7 @@ from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.sharded.placement import local_device
+from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.tensor_parallel.apply import (
     TensorParallelModel,
     apply_tensor_parallel,
@@ -160,6 +161,8 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         self._agreement = StepAgreement(self._group, enabled=check_batches, strategy=type(self).__name__)
         self._batch_agreement = self._agreement.batch
         self._input_sharding = InputSharding()
+        # One for the strategy's life: its asynchronous saves' process group is made once.
+        self._state_shards = ShardedStateShards(self._group)
         self._finish_building()
 
     # ---- Strategy ---------------------------------------------------------------------------------
@@ -177,6 +180,12 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
     def holds_whole_state(self) -> bool:
         """False: a split parameter's whole value is on no one worker."""
         return False
+
+    def state_shards(self) -> ShardedStateShards:
+        """Each worker saves and loads its own parts with torch.distributed.checkpoint, as ShardedStrategy's ranks do
+        (`sharded/checkpoint.py`: DTensors of any placement), so a backup resumes at another layout or worker count
+        (DCP reads each part from the pieces it was written as) and `stratagem checkpoint export` reads it whole."""
+        return self._state_shards
 
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """`model`'s parameters replaced in place by DTensors of their layouts, and `optimizer` rebuilt over them.
