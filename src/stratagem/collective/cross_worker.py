@@ -21,13 +21,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stratagem.collective.flight import FlightRecord, first_difference
+from stratagem.collective.flight import FlightRecord, process_group_backend
+from stratagem.collective.roll_call import FLIGHT_NEWEST, compare_flights, publish_flight, roll_call
 from stratagem.collective.store_calls import StoreCalls
 from stratagem.collective.trace_hooks import CollectiveTrace
 from stratagem.collective.watchdog import Watchdog
@@ -36,10 +36,7 @@ from stratagem.errors import CollectiveTimeoutError, ReplicaError
 logger = logging.getLogger(__name__)
 
 _STEP = "stratagem/step/{rank}"
-_ROLL_CALL = "stratagem/rollcall/{step}/{rank}"
 _PULSE = "stratagem/pulse/{rank}"
-_FLIGHT = "stratagem/flight/{step}/{rank}"
-_FLIGHT_NEWEST = "stratagem/flight-newest/{rank}"
 PULSE_SECONDS = 0.5
 """How often each worker's pulse thread writes its step and a counter (less than the roll call's wait)."""
 _POLL_FIRST_S = 50e-6
@@ -141,7 +138,7 @@ class CrossWorker:
         self._pulse = stop = threading.Event()
         key = _PULSE.format(rank=self.rank)
 
-        newest_key = _FLIGHT_NEWEST.format(rank=self.rank)
+        newest_key = FLIGHT_NEWEST.format(rank=self.rank)
 
         def beat() -> None:
             count = 0
@@ -216,7 +213,7 @@ class CrossWorker:
         for tensor in tensors:
             if self.shared is not None and self.shared.supports(tensor):
                 seq = self.trace.enter("all_reduce", what, step, tensor, shared=True, bucket=bucket)
-                flown = self.flight.enter("all_reduce", what, step, _nbytes(tensor), "shared memory")
+                flown = self.flight.enter("all_reduce", what, step, tensor.nbytes, "shared memory")
                 self._waiting += 1
                 try:
                     self.shared.all_reduce_(tensor, what=what, step=step)
@@ -267,7 +264,7 @@ class CrossWorker:
     ) -> Any:
         """`_start`s an asynchronous collective on the process group, kept in the flight record until `wait`
         sees it end (a SUM for an all-reduce)."""
-        flown = self.flight.enter(op, what, step, _nbytes(tensor), _backend())
+        flown = self.flight.enter(op, what, step, tensor.nbytes, process_group_backend())
         kwargs: dict[str, Any] = {"op": dist.ReduceOp.SUM} if op == "all_reduce" else {}
         work = self._start(collective, *args, async_op=True, **kwargs)
         self._in_flight[id(work)] = flown
@@ -439,8 +436,9 @@ class CrossWorker:
 
     def _failure(self, what: str, step: int, error: Exception | None) -> Exception:
         before = self._pulses_quietly()
-        dumped = self._publish_flight(step)  # before the roll call, so that the others find it after theirs
-        missing, store_ok = self._roll_call(step)
+        calls, seconds = self._store_calls, self.roll_call_seconds  # flight record first: the others read it after
+        dumped = publish_flight(self.flight, calls, self.store, step, self.rank, seconds)  # their roll calls
+        missing, store_ok = roll_call(calls, self.store, step, self.rank, self.world_size, seconds)
         after = self._pulses_quietly() if missing and store_ok else {}
         if missing and store_ok and any(r in before for r in missing) and not _moved(before, after, missing):
             # The roll call ended early (or the pulses were read too close together): wait one pulse more.
@@ -470,7 +468,7 @@ class CrossWorker:
         message = (
             f"{self.task_name} (rank {self.rank}): the {what} of step {step} {cause} after waiting for the other "
             f"workers; {who}. Steps last reported: {self._format_steps(self.roll_call_seconds) if store_ok else 'unknown'}. "
-            f"Collectives: {self._compare_flights(step, missing) if store_ok else 'unknown'}"
+            f"Collectives: {compare_flights(calls, self.store, step, self.task_names, missing, seconds) if store_ok else 'unknown'}"
             f"{f' (this worker kept its last {len(self.flight.entries())} in {dumped})' if dumped else ''}. Restart the job "
             "(stratagem launch --max-restarts restarts the group) and resume from the last checkpoint."
         )
@@ -483,90 +481,6 @@ class CrossWorker:
             return self.pulses(self.roll_call_seconds if seconds is None else seconds)
         except CollectiveTimeoutError:
             return {}
-
-    def _roll_call(self, step: int) -> tuple[list[int], bool]:
-        """Which ranks are still alive: each survivor signs in, then reads who else did (within
-        ``roll_call_seconds``, a store that does not answer meaning the chief is gone)."""
-        deadline = time.monotonic() + self.roll_call_seconds
-
-        def call(what: str, fn: Any, *args: Any) -> Any:
-            return self._store_calls.run(what, fn, *args, seconds=max(0.05, deadline - time.monotonic()) + 1.0)
-
-        try:
-            call("the roll call", self.store.set, _ROLL_CALL.format(step=step, rank=self.rank), "here")
-            keys = [_ROLL_CALL.format(step=step, rank=r) for r in range(self.world_size)]
-
-            def absent() -> list[int]:
-                return [r for r, key in enumerate(keys) if not self.store.check([key])]
-
-            missing = call("the roll call", absent)
-            while missing and time.monotonic() < deadline:
-                try:
-                    call(
-                        "the roll call",
-                        self.store.wait,
-                        [keys[r] for r in missing],
-                        timedelta(seconds=max(0.05, deadline - time.monotonic())),
-                    )
-                except CollectiveTimeoutError:
-                    raise
-                except Exception:  # noqa: BLE001 - a store wait that runs out just means someone is missing
-                    pass
-                missing = call("the roll call", absent)
-            return missing, True
-        except Exception:  # noqa: BLE001 - the store is gone (or stopped) with the chief
-            return [0] if self.rank != 0 else [], False
-
-    def _publish_flight(self, step: int) -> str | None:
-        """Dumps this worker's flight record to a file and puts it in the store under the failed step; the
-        file's path, or None when it could not be written."""
-        path = self.flight.dump()
-        try:
-            payload = json.dumps(self.flight.entries())
-            self._store_calls.run(
-                "the flight record", self.store.set, _FLIGHT.format(step=step, rank=self.rank), payload,
-                seconds=self.roll_call_seconds,
-            )  # fmt: skip
-        except Exception:  # noqa: BLE001 - the chief's store may be gone: the error says so from the roll call
-            pass
-        return None if path is None else str(path)
-
-    def _compare_flights(self, step: int, missing: Sequence[int]) -> str:
-        """Where the flight records in the store (each worker's, put there by its own failure) first differ; for a
-        worker that did not fail (stuck, slow or gone), the newest collective its pulse reported."""
-        records: dict[str, list[dict[str, Any]] | None] = {}
-        newest_only = []
-
-        def read(key: str) -> Any:
-            if not self._store_calls.run("the flight record", self.store.check, [key], seconds=self.roll_call_seconds):
-                return None
-            raw = self._store_calls.run("the flight record", self.store.get, key, seconds=self.roll_call_seconds)
-            return json.loads(raw)
-
-        for rank, name in enumerate(self.task_names):
-            records[name] = None
-            try:
-                if rank not in missing:
-                    records[name] = read(_FLIGHT.format(step=step, rank=rank))
-                if records[name] is None:
-                    newest = read(_FLIGHT_NEWEST.format(rank=rank))
-                    if newest is not None:
-                        records[name] = [newest]
-                        newest_only.append(name)
-            except Exception:  # noqa: BLE001 - a record that cannot be read is reported as missing
-                pass
-        return first_difference(records, newest_only)
-
-
-def _backend() -> str:
-    try:
-        return str(dist.get_backend())
-    except (RuntimeError, ValueError):  # no default group (a test's fake collectives)
-        return "process group"
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _moved(before: dict[int, tuple[int, int, str]], after: dict[int, tuple[int, int, str]], ranks: list[int]) -> bool:

@@ -78,6 +78,16 @@ class FlightRecord:
         return path
 
 
+def process_group_backend() -> str:
+    """The default process group's backend, for a record's transport ("process group" where there is none)."""
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend())
+    except (RuntimeError, ValueError):
+        return "process group"
+
+
 def flight_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where flight records go: ``STRATAGEM_FLIGHT_DIR``, else ``<temporary directory>/stratagem-flight``."""
     return Path(environ.flight_dir(env) or Path(tempfile.gettempdir()) / "stratagem-flight")
