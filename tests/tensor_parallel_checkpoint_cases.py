@@ -1,6 +1,6 @@
 """What the tensor-parallel checkpoint test's ranks run: the tiny GPT-2 of tensor_parallel_cases trained a step at
 2 model workers and backed up (each worker its own parts, torch.distributed.checkpoint), a second step there; then
-one worker resumes the backup at 1 and takes the second step. Whole values come back as numpy arrays."""
+the backup resumed at 1 or 3 workers, which take the second step. Whole values come back as numpy arrays."""
 
 from __future__ import annotations
 
@@ -50,11 +50,12 @@ def write_at_two(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
         strategy.close()
 
 
-def resume_at_one(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
+def resume(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
+    """The backup read at len(ports) model workers, and the second step taken there."""
     import stratagem as sg
     from stratagem.train.checkpoint import load_checkpoint
 
-    mesh = sg.DeviceMesh((1,), ("model",))
+    mesh = sg.DeviceMesh((len(ports),), ("model",))
     strategy = sg.TensorParallelStrategy(cases.layout_map(mesh), cluster=cases.cluster_of(rank, ports), timeout=120)
     try:
         user = cases.gpt2()
