@@ -45,7 +45,7 @@ def gpt2() -> nn.Module:
 
     torch.manual_seed(0)
     # Eager attention: DTensor runs its ops; sdpa's fused kernel is refused (docs/tensor_parallel.md). No dropout:
-    # DTensor refuses the in-place dropout of a partial sum (attention's c_proj output), as the tests' GPT-2 has none.
+    # DTensor cannot draw dropout's mask on a partial sum (attention's c_proj output); the tests' GPT-2 has none.
     config = GPT2Config(
         vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8, attn_implementation="eager",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
