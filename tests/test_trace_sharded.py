@@ -43,7 +43,7 @@ def test_each_units_all_gather_and_reduce_scatter_is_traced_as_often_as_the_stag
             assert counts[("all_gather", f"all-gather of {unit}", SHARD_BYTES[unit])] == gathers * STEPS, counts
             assert counts[("reduce_scatter", f"reduce-scatter of {unit}", GRADIENT_BYTES[unit])] == STEPS, counts
         spans = collections.Counter(s.category for s in worker.spans)
-        assert (spans["step"], spans["forward"], spans["backward"]) == (STEPS, STEPS, STEPS), spans
+        assert [spans[c] for c in ("step", "input", "forward", "backward", "optimizer")] == [STEPS] * 5, spans
         assert spans["wait"] == len(worker.collectives)  # every one summed through shared memory, waited in
     document = chrome_trace(job)
     assert problems(document) == []

@@ -270,6 +270,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._host.watch(clone)
         del originals, mapping  # the whole tensors: freed now unless the user's optimizer still holds them
         release_freed_memory()
+        self._trace.watch_optimizer(clone)
         return wrapped, clone
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
@@ -323,6 +324,8 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             model, "ShardedModel", copy_refused=copy_refusal(self._group.world_size), apply_in=self.scope
         )
         self._model = self._model if self._model is not None else wrapped
+        if optimizer is not None:
+            self._trace.watch_optimizer(optimizer)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def memory_plan(
@@ -385,6 +388,9 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             ...     strategy.run(train_step, args=(x, y))
         """
         return self._trace.trace(directory, clock=clock, mode=mode)
+
+    def _input_timing(self) -> tuple[None, Recorder]:
+        return None, self._trace.recorder  # input spans while a trace records; stragglers are not judged here
 
     def _set_weight(self, weight: float) -> None:
         if not self._comms:

@@ -1,5 +1,5 @@
-"""The trace of a ShardedStrategy (`stratagem.trace`, docs/trace.md): each step, its forward and backward, and
-each unit's all-gather of parameters and reduce-scatter of gradients, named by the unit.
+"""The trace of a ShardedStrategy (`stratagem.trace`, docs/trace.md): each step, its input, forward, backward and
+optimizer step, and each unit's all-gather of parameters and reduce-scatter of gradients, named by the unit.
 
 The collectives are recorded by wrapping the comms the strategy installs in FSDP2 (`traced_comms.py`; a unit
 without a custom all-gather gets FSDP2's own, wrapped). The wrappers are installed on a model's units when a
@@ -7,7 +7,7 @@ trace first starts with that model distributed, and stay: while no trace records
 per collective. Forward runs from the root module's first forward pre-hook to its last forward hook (so the
 root's own all-gather is inside it); backward from the gradient of the model's first output that needs one to
 the end of the step's last reduce-scatter. The strategy calls `step_started` and `step_ended` around each
-`run`, and `add` at each `distribute`; under `stratagem launch --trace` the whole run is written at exit.
+`run`, `add` and `watch_optimizer` at each `distribute`, and hands `recorder` to its input; under `stratagem launch --trace` the whole run is written at exit.
 
     >>> trace = ShardedTrace(group, step=lambda: strategy_steps, env=environ.current())
     >>> with trace.trace("traces/"):
@@ -48,7 +48,6 @@ class ShardedTrace:
         self._models: list[tuple[nn.Module, list[nn.Module], Any]] = []
         self._traced: set[int] = set()  # ids of the models whose units are wrapped
         self._units: list[UnitComms] = []
-        self._handles: list[Any] = []
         self._forward_start: int | None = None
         self._backward_start: int | None = None
         self._traces = 0
@@ -63,6 +62,22 @@ class ShardedTrace:
         self._models.append((model, list(units), comm))
         if self.recorder.on:
             self._install()
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer `distribute` handed back: each of its steps a span while a trace records (torch's step
+        hooks, which read one flag while none does)."""
+        recorder = self.recorder
+        started: list[int | None] = [None]
+
+        def before(opt: Any, args: Any, kwargs: Any) -> None:
+            started[0] = recorder.now() if recorder.on else None
+
+        def after(opt: Any, args: Any, kwargs: Any) -> None:
+            if started[0] is not None and recorder.on:
+                recorder.span("optimizer", "optimizer step", started[0], recorder.now())
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
 
     def step_started(self) -> int | None:
         """The trace's time at the start of `run` (None when nothing records); the spans from now are the step's."""
@@ -172,8 +187,8 @@ class ShardedTrace:
                 first.register_hook(self._backward_started)
 
         # Before FSDP2's own pre-hook (its all-gather of the root), after its post-hook (the reshard).
-        self._handles.append(model.register_forward_pre_hook(before, prepend=True))
-        self._handles.append(model.register_forward_hook(after))
+        model.register_forward_pre_hook(before, prepend=True)
+        model.register_forward_hook(after)
 
     def _backward_started(self, grad: torch.Tensor) -> None:
         if self._backward_start is None and self.recorder.on:
