@@ -466,23 +466,6 @@ NAMEDTUPLE_MEMBERS = frozenset({"_fields", "_replace", "_asdict", "_make"})
 # (module, attribute) pairs still allowed, each with its reason; the list only shrinks. A pair that no
 # longer occurs fails `test_every_private_read_allowed_still_occurs`, so it cannot go stale.
 ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
-    # The parameter server's coordinator and fit steps read their strategy's task state: its tasks have no
-    # rank in a worker group (cluster/worker_group.py), so they keep their own until the PS gets a declared one.
-    ("strategies/parameter_server/coordinator.py", "_is_coordinator"): "parameter server tasks",
-    ("strategies/parameter_server/coordinator.py", "_serve_as_worker"): "parameter server tasks",
-    ("strategies/parameter_server/coordinator.py", "_workers_in_process"): "parameter server tasks",
-    ("strategies/parameter_server/coordinator.py", "_worker_addresses"): "parameter server tasks",
-    ("strategies/parameter_server/coordinator.py", "_on_shutdown"): "parameter server tasks",
-    ("strategies/parameter_server/coordinator.py", "_security"): "parameter server tasks",
-    ("strategies/parameter_server/fit_steps.py", "_is_coordinator"): "parameter server tasks",
-    ("strategies/parameter_server/fit_steps.py", "_serve_as_worker"): "parameter server tasks",
-    ("strategies/parameter_server/fit_steps.py", "_model"): "parameter server tasks",
-    ("strategies/parameter_server/strategy.py", "_variables"): "parameter server tasks",
-    ("strategies/parameter_server/strategy.py", "_shards"): "parameter server tasks",
-    # The server reads the shared-memory module's wire constants (shm/parameter_server.py).
-    ("strategies/parameter_server/server.py", "_REQUEST"): "shared memory",
-    ("strategies/parameter_server/server.py", "_OP"): "shared memory",
-    ("strategies/parameter_server/server.py", "_COUNT"): "shared memory",
     # torch-private flags set on stratagem's own shard optimizers (see shared_parameters.py for why).
     ("strategies/data_parallel/shared_parameters.py", "_step_supports_amp_scaling"): "user objects",
     ("strategies/data_parallel/shared_parameters.py", "_need_device_dtype_check_for_fused"): "user objects",

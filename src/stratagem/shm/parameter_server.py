@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"SGPSSHM1"
 ALIGN = 64
 # The control block after the magic and nonce: counters and fields of 8 bytes, one cache line per writer.
-_REQUEST, _OP, _COUNT = 8, 9, 10  # the worker's line: request number, operation, buckets listed
+REQUEST, OP, COUNT = 8, 9, 10  # the worker's line: request number, operation, buckets listed
 _REPLY, _STATUS, _VERSION, _ERROR_LEN = 16, 17, 18, 19  # the server's line: answer number, outcome, version
 _LET_GO = 24  # the server's second line: non-zero once it no longer serves this file
 _LIST = 256  # the buckets a push carries (uint32 each), written by the worker
@@ -171,7 +171,7 @@ class Control:
     def let_go(self) -> None:
         """The server's last word: it serves this file no more (a worker waiting on it hears at once)."""
         self.words[_LET_GO] = 1
-        for index in (_REPLY, _REQUEST):
+        for index in (_REPLY, REQUEST):
             self.counters.wake(index)
 
     def answer(self, seq: int, status: int, version: int = 0, error: str = "") -> None:
@@ -219,10 +219,10 @@ def request(link: Link, op: int, buckets: Sequence[int], *, timeout: float, serv
     words = control.words
     if op == PUSH:
         control.listed[: len(buckets)] = buckets
-        words[_COUNT] = len(buckets)
-    words[_OP] = op
+        words[COUNT] = len(buckets)
+    words[OP] = op
     link.seq += 1
-    control.publish(_REQUEST, link.seq)
+    control.publish(REQUEST, link.seq)
     start = time.monotonic()
     pid, started = link.server
 

@@ -64,8 +64,8 @@ def prepare_fit_steps(strategy: ParameterServerStrategy, steps: Mapping[str, Ste
             raise InputError(f"A fit step must be callable. Received: {role}={step!r}. Report this as a bug.")
     with _lock:
         _steps.update({role: (step, model) for role, step in steps.items()})
-    if not strategy._is_coordinator:
-        strategy._serve_as_worker()  # raises SystemExit when the chief ends the job
+    if not strategy.is_chief:
+        strategy.serve_as_worker()  # raises SystemExit when the chief ends the job
 
 
 def fit_steps(
@@ -81,7 +81,7 @@ def fit_steps(
         role = next((name for name, (step, _) in _steps.items() if step is step_fn), None)
     if role is None:
         coordinator.join()  # every scheduled update lands before the chief reads the parameters
-        model = coordinator.strategy._model
+        model = coordinator.strategy.distributed_model
         if model is None:
             raise InputError(
                 "A step ran before strategy.distribute(model, optimizer). Received: no model. "

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from stratagem.diagnose import PlacementDecision
 from stratagem.errors import CollectiveTimeoutError, ParameterServerError
 from stratagem.strategies.parameter_server.transport import Client
 
@@ -218,3 +219,21 @@ class Heartbeat:
             why,
         )
         self.cancellation.cancel()
+
+
+def lost_workers_decision(given: dict[str, float] | None) -> PlacementDecision:
+    """How the coordinator finds a worker lost (the heartbeat) and how long it waits, as an ``explain()`` line;
+    `given`: the coordinator's timeouts, None before one exists (the defaults then)."""
+    t = given or DEFAULTS
+    return PlacementDecision(
+        subject="lost workers",
+        choice=f"hung after {t['heartbeat_timeout']:g} s without a heartbeat answer",
+        reason=(
+            f"the coordinator pings each worker every {t['heartbeat_interval']:g} s; a worker that died or "
+            f"stopped answering for heartbeat_timeout={t['heartbeat_timeout']:g} s has its function in flight "
+            f"cut and run again on another worker, and is taken back if it answers within "
+            f"worker_recovery_timeout={t['worker_recovery_timeout']:g} s; one function may run up to "
+            f"closure_timeout={t['closure_timeout']:g} s on a worker that answers"
+            + ("" if given else " (the ClusterCoordinator's defaults: none is made yet)")
+        ),
+    )

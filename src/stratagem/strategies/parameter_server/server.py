@@ -247,20 +247,20 @@ class ParameterServer:
         handled = 0
         while True:
             try:
-                control.wait(shared._REQUEST, handled + 1, spin=0.0, check=check)
+                control.wait(shared.REQUEST, handled + 1, spin=0.0, check=check)
             except shared.Stop:
                 return
-            handled = int(words[shared._REQUEST])
+            handled = int(words[shared.REQUEST])
             try:
                 with self._lock:
                     if attached.let_go:
                         control.answer(handled, shared.UNATTACHED)
                         continue
-                    op = int(words[shared._OP])
+                    op = int(words[shared.OP])
                     if op == shared.PULL:
                         version = self._copy_values(attached)
                     elif op == shared.PUSH:
-                        count = int(words[shared._COUNT])
+                        count = int(words[shared.COUNT])
                         indices = control.listed[: min(max(count, 0), shared.MAX_LISTED)].tolist()
                         version = self._apply_gradients(attached, indices)
                     else:

@@ -111,7 +111,8 @@ class ParameterServerStrategy(Strategy):
         rpc_timeout = check_seconds("rpc_timeout", rpc_timeout)
         chief_timeout = check_seconds("chief_timeout", chief_timeout)
         ps_exit_delay = check_seconds("ps_exit_delay", ps_exit_delay, allow_zero=True)
-        self._workers_in_process = isinstance(cluster_resolver, InProcessCluster)
+        self.workers_in_process = isinstance(cluster_resolver, InProcessCluster)
+        """The workers are threads of this process (an `InProcessCluster`), not tasks of their own."""
         self._in_process = cluster_resolver if isinstance(cluster_resolver, InProcessCluster) else None
         if isinstance(cluster_resolver, InProcessCluster):
             cluster = cluster_resolver.cluster
@@ -160,9 +161,8 @@ class ParameterServerStrategy(Strategy):
                 "No cluster token. Received: neither cluster_token= nor STRATAGEM_CLUSTER_TOKEN. Run under "
                 "`stratagem launch` (it makes one), or give every task the same secret in STRATAGEM_CLUSTER_TOKEN."
             )
-        self._security = Security(
-            token=token, certificate=certificate, private_key=private_key, server_name=server_name
-        )
+        self.security = Security(token=token, certificate=certificate, private_key=private_key, server_name=server_name)
+        """The cluster token and TLS settings every RPC of this job uses."""
         self._model: ParameterServerModel | None = None
         self._fit_coordinator: ClusterCoordinator | None = None
         self._shutdown_hooks: list[Callable[[], None]] = []
@@ -175,21 +175,21 @@ class ParameterServerStrategy(Strategy):
             raise InputError(
                 f"This strategy has no evaluator role. Received: task {task}. Run evaluation in the chief's script."
             )
-        elif cluster.task_type == "worker" and not self._workers_in_process:
+        elif cluster.task_type == "worker" and not self.workers_in_process:
             # Worker 0 inside the chief (no 'chief' task) is ready at once: the chief's script is already running.
             self._worker_service = WorkerService(
                 task,
-                security=self._security,
+                security=self.security,
                 address=cluster.addresses["worker"][cluster.task_index],
                 ready=self._is_coordinator,
             )
         self._chief_server: Server | None = None
-        if cluster.task_type == "chief" and not self._workers_in_process:
+        if cluster.task_type == "chief" and not self.workers_in_process:
             # Parameter servers and workers ping it, so they stop serving when the chief is gone.
             self._chief_server = Server(
                 CHIEF_SERVICE,
                 {"Ping": lambda op, meta, tensors: ("pong", None, {})},
-                security=self._security,
+                security=self.security,
                 address=cluster.addresses["chief"][0],
             )
         if self._is_coordinator:
@@ -206,27 +206,30 @@ class ParameterServerStrategy(Strategy):
     def _serve_as_ps(self) -> None:
         tasks.serve_as_ps(
             self.cluster,
-            self._security,
+            self.security,
             self._ps_addresses[self.cluster.task_index],
             chief_timeout=self.chief_timeout,
             check_seconds=CHIEF_CHECK_SECONDS,
             exit_delay=self.ps_exit_delay,
         )
 
-    def _serve_as_worker(self) -> None:
+    def serve_as_worker(self) -> None:
+        """On a worker task: serves scheduled functions until the chief ends the job (raises SystemExit)."""
         tasks.serve_as_worker(
             self.cluster,
-            self._security,
+            self.security,
             self._worker_service,
             distributed=self._model is not None,
             chief_timeout=self.chief_timeout,
             check_seconds=CHIEF_CHECK_SECONDS,
         )
 
-    def _worker_addresses(self) -> list[tuple[str, str]]:
+    def worker_addresses(self) -> list[tuple[str, str]]:
+        """(task, address) of each worker, whose service the coordinator calls."""
         return [(f"worker:{i}", address) for i, address in enumerate(self.cluster.addresses["worker"])]
 
-    def _on_shutdown(self, hook: Callable[[], None]) -> None:
+    def on_shutdown(self, hook: Callable[[], None]) -> None:
+        """`hook` runs at `shutdown()` (the coordinator closes its dispatch threads there)."""
         self._shutdown_hooks.append(hook)
 
     # ---- the user's view ------------------------------------------------------------------------
@@ -268,7 +271,7 @@ class ParameterServerStrategy(Strategy):
         variables = ShardedVariables(
             shards,
             self._ps_addresses,
-            security=self._security,
+            security=self.security,
             rpc_timeout=self.rpc_timeout,
             shared_memory=self.shared_memory,
             task=self.cluster.task_name,
@@ -292,6 +295,11 @@ class ParameterServerStrategy(Strategy):
     def is_chief(self) -> bool:
         """True in the coordinator, the task that drives training and reports."""
         return self._is_coordinator
+
+    @property
+    def distributed_model(self) -> ParameterServerModel | None:
+        """The model `distribute` placed on the parameter servers (None before)."""
+        return self._model
 
     def step(self, fn: Any = None, *, returns: str = "mean", batch_dims: Any = None) -> Any:
         """Refused: the coordinator schedules steps on the workers, no step runs on every replica at once."""
@@ -374,7 +382,7 @@ class ParameterServerStrategy(Strategy):
                 f"{what} needs a distributed model. Received: none yet. "
                 "Call strategy.distribute(model, optimizer) first."
             )
-        return self._model._variables
+        return self._model.variables
 
     def shutdown(self) -> None:
         """Ends the job (chief): the coordinator stops, workers and parameter servers are told to exit."""
@@ -383,18 +391,18 @@ class ParameterServerStrategy(Strategy):
         for hook in self._shutdown_hooks:
             hook()
         self._shutdown_hooks.clear()
-        if not self._workers_in_process:
-            for task, address in self._worker_addresses():
-                client = Client(address, WORKER_SERVICE, security=self._security, task=task)
+        if not self.workers_in_process:
+            for task, address in self.worker_addresses():
+                client = Client(address, WORKER_SERVICE, security=self.security, task=task)
                 try:
                     client.call("Shutdown", "shutdown", timeout=5)
                 except Exception as exc:  # noqa: BLE001 - a worker already gone is fine at shutdown
                     logger.info("%s: %s", task, exc)
                 client.close()
             if self._model is not None:
-                self._model._variables.shutdown()
+                self._model.variables.shutdown()
             else:
-                ShardedVariables([], self._ps_addresses, security=self._security).shutdown()
+                ShardedVariables([], self._ps_addresses, security=self.security).shutdown()
         if self._worker_service is not None:
             self._worker_service.stop(grace=STOP_GRACE_SECONDS)
         if self._chief_server is not None:
@@ -403,7 +411,7 @@ class ParameterServerStrategy(Strategy):
 
     def _transfers(self) -> dict[str, str]:
         """How this process's tasks reach each parameter server, as decided so far (at their first pull)."""
-        clients = [self._model._variables] if self._model is not None else []
+        clients = [self._model.variables] if self._model is not None else []
         services = self._in_process.workers if self._in_process is not None else [self._worker_service]
         for service in services:
             if service is not None:
@@ -431,26 +439,9 @@ class ParameterServerStrategy(Strategy):
             )
         return "; ".join(f"{pair}: {how}" for pair, how in sorted(seen.items()))
 
-    def _worker_faults(self) -> PlacementDecision:
-        """How the coordinator finds a worker lost (the heartbeat) and how long it waits, as an ``explain()`` line."""
-        given = self.coordinator_timeouts
-        t = given or heartbeat.DEFAULTS
-        return PlacementDecision(
-            subject="lost workers",
-            choice=f"hung after {t['heartbeat_timeout']:g} s without a heartbeat answer",
-            reason=(
-                f"the coordinator pings each worker every {t['heartbeat_interval']:g} s; a worker that died or "
-                f"stopped answering for heartbeat_timeout={t['heartbeat_timeout']:g} s has its function in flight "
-                f"cut and run again on another worker, and is taken back if it answers within "
-                f"worker_recovery_timeout={t['worker_recovery_timeout']:g} s; one function may run up to "
-                f"closure_timeout={t['closure_timeout']:g} s on a worker that answers"
-                + ("" if given else " (the ClusterCoordinator's defaults: none is made yet)")
-            ),
-        )
-
     def explain(self) -> Explanation:
         """Tasks, where the variables live and why."""
-        shards = self._model._shards if self._model is not None else []
+        shards = self._model.shards if self._model is not None else []
         placement = (
             f"whole tensors round-robin over {self.num_ps} parameter servers"
             if self.partitioner is None
@@ -480,11 +471,11 @@ class ParameterServerStrategy(Strategy):
                 reason=self._transfers_reason(),
             )
         )
-        decisions.append(self._worker_faults())
+        decisions.append(heartbeat.lost_workers_decision(self.coordinator_timeouts))
         details = {
             "workers": list(self.cluster.addresses["worker"]),
             "ps": self._ps_addresses,
-            "tls": self._security.tls,
+            "tls": self.security.tls,
             "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}
             if self._model is not None
             else "placed by distribute(model, optimizer)",

@@ -60,9 +60,11 @@ class ParameterServerModel(nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        self._shards = shards
+        self.shards = shards
+        """Which parameter server holds each parameter (`layout.place`)."""
         self._ps_addresses = ps_addresses
-        self._variables = variables
+        self.variables = variables
+        """The parameter servers' clients: pull the values, push the gradients."""
         self._rpc_timeout = rpc_timeout
         object.__setattr__(self, "_ready", True)
 
@@ -134,7 +136,7 @@ class ParameterServerModel(nn.Module):
         runtime = current_worker()
         if runtime is not None:
             return runtime.replica(self, pull=True)
-        self._variables.pull_into(dict(self.module.named_parameters()))
+        self.variables.pull_into(dict(self.module.named_parameters()))
         return self.module
 
 
@@ -185,11 +187,11 @@ class WorkerRuntime:
         key = id(model)
         if key not in self._replicas:
             variables = ShardedVariables(
-                model._shards,
+                model.shards,
                 model._ps_addresses,
                 security=self._security,
                 rpc_timeout=model._rpc_timeout,
-                shared_memory=model._variables.shared_memory,
+                shared_memory=model.variables.shared_memory,
                 task=self.task,
             )
             replica = copy.deepcopy(model.module)
