@@ -25,7 +25,7 @@ class PlainStrategy(sg.Strategy):
         self.runs = 0
 
     @property
-    def _local_devices(self) -> list[torch.device]:
+    def local_devices(self) -> list[torch.device]:
         return [torch.device("cpu")]
 
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):

@@ -9,13 +9,14 @@ the user's step function stays the same under every strategy:
         losses = strategy.run(train_step, args=(x, y))
         print(strategy.reduce("mean", losses))
 
-Subclasses implement `distribute`, `run`, `explain` and `_local_devices`; `fit`, `evaluate`, the
+Subclasses implement `local_devices`, `distribute`, `run` and `explain`; `fit`, `evaluate`, the
 command line and the benchmarks use only the members declared here (the fit steps, the input
 pipeline and its sharding, the cluster, the distributed model, `close`), each with a default that
 holds for a strategy of one process whose replicas run in lockstep. A strategy that spans
-processes overrides `cluster`, `input_pipeline`, `shard_input`, `_cross_worker_sum` and
-`_gather_across_workers`; one that runs its steps its own way (the parameter server) overrides
-`run_fit_steps`, `prepare_fit_steps` and `is_synchronous`.
+processes overrides `cluster`, `input_pipeline`, `shard_input` and the three members that `reduce`,
+`gather` and `step` call (`cross_worker_sum`, `gather_across_workers`, `distribute_step_inputs`); one
+that runs its steps its own way (the parameter server) overrides `run_fit_steps`, `prepare_fit_steps`
+and `is_synchronous`.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class Strategy(abc.ABC):
     # ---- what a subclass provides -------------------------------------------------------------
     @property
     @abc.abstractmethod
-    def _local_devices(self) -> list[torch.device]:
-        """The physical torch device of each local replica, in replica order."""
+    def local_devices(self) -> list[torch.device]:
+        """The physical torch device of each replica of this process, in replica order, as a new list: what
+        `fit`, the command line, `gather`, `reduce` and the cut of each batch read."""
 
     @abc.abstractmethod
     def distribute(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
@@ -74,11 +76,6 @@ class Strategy(abc.ABC):
     """The model `distribute` returned (None before it ran); set by each strategy's `distribute`."""
 
     # ---- what fit, evaluate, the command line and the benchmarks read ---------------------------
-    @property
-    def local_devices(self) -> list[torch.device]:
-        """The torch device of each replica of this process, in replica order."""
-        return list(self._local_devices)
-
     @property
     def cluster(self) -> Cluster | None:
         """The cluster this strategy's processes form; None for a strategy of one process."""
@@ -127,13 +124,23 @@ class Strategy(abc.ABC):
         """
         run_in_lockstep(self, step_fn, batches, on_step)
 
-    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums `tensor` over worker processes (identity within one process)."""
+    # ---- what a strategy of several processes overrides -------------------------------------------
+    def cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over every worker process, on every worker: what `reduce` sums with. Here, in one
+        process, `tensor` itself; a strategy of several processes sums through its worker group."""
         return tensor
 
-    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
-        """Every worker's `items` (its replicas' contributions to a gather), joined in rank order."""
+    def gather_across_workers(self, items: list[Any]) -> list[Any]:
+        """Every worker's `items` (its replicas' contributions to a `gather`), joined in rank order, on every
+        worker. Here, in one process, `items` itself."""
         return items
+
+    def distribute_step_inputs(self, inputs: Any) -> Any:
+        """The arguments a `step` function was called with (a GLOBAL batch), cut among this process's replicas:
+        `PerReplica` leaves. A strategy of several processes first takes its worker's part of the batch."""
+        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
+            return inputs  # no batch to cut: every replica gets the arguments as they are
+        return distribute_batch(inputs, self.local_devices)
 
     def barrier(self) -> None:
         """Waits until every worker of the job has called `barrier()`: the chief wrote a file, now every worker
@@ -172,7 +179,7 @@ class Strategy(abc.ABC):
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas take part in each step, across every worker."""
-        return len(self._local_devices)
+        return len(self.local_devices)
 
     def distribute_dataset(
         self, dataset: Iterable[Any], shard: str = "auto", *, batch_dim: int = 0
@@ -199,7 +206,7 @@ class Strategy(abc.ABC):
         check_iterable(dataset, "distribute_dataset")
         check_shard_policy(shard)
         check_batch_dim(batch_dim)
-        return DistributedDataset(lambda: self._local_devices, dataset, batch_dim=batch_dim)
+        return DistributedDataset(lambda: self.local_devices, dataset, batch_dim=batch_dim)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]]
@@ -226,7 +233,7 @@ class Strategy(abc.ABC):
         )
         dataset = dataset_fn(ctx)
         check_iterable(dataset, "the function given to distribute_datasets_from_function")
-        return DistributedDataset(lambda: self._local_devices, dataset, per_replica=True)
+        return DistributedDataset(lambda: self.local_devices, dataset, per_replica=True)
 
     def distribute_scheduler(self, scheduler: Any) -> Any:
         """`scheduler` (a torch LR scheduler, built on the optimizer given to `distribute` or on the one it
@@ -295,7 +302,7 @@ class Strategy(abc.ABC):
                 "returned. Received: a call from inside a replica's step function. Return the value from the "
                 "step function and gather the result."
             )
-        return gather_values(value, axis, len(self._local_devices), self._gather_across_workers, self._reduce_device())
+        return gather_values(value, axis, len(self.local_devices), self.gather_across_workers, self._reduce_device())
 
     def step(self, fn: Callable[..., Any] | None = None, *, returns: str = "mean", batch_dims: BatchDims = None) -> Any:
         """Makes `fn` a step function called with the GLOBAL batch that runs once per replica.
@@ -335,14 +342,8 @@ class Strategy(abc.ABC):
         if fn is None:
             check_returns(returns)
             check_batch_dims(batch_dims, where="step()")
-            return lambda function: make_step(self, function, returns, self._distribute_step_inputs, batch_dims)
-        return make_step(self, fn, returns, self._distribute_step_inputs, batch_dims)
-
-    def _distribute_step_inputs(self, inputs: Any) -> Any:
-        """Cuts the global batch a `step` function was called with among the local replicas."""
-        if not any(isinstance(leaf, torch.Tensor) for leaf in flatten(inputs)):
-            return inputs  # no batch to cut: every replica gets the arguments as they are
-        return distribute_batch(inputs, self._local_devices)
+            return lambda function: make_step(self, function, returns, self.distribute_step_inputs, batch_dims)
+        return make_step(self, fn, returns, self.distribute_step_inputs, batch_dims)
 
     @property
     def is_chief(self) -> bool:
@@ -379,7 +380,7 @@ class Strategy(abc.ABC):
             check_optimizer_matches(model, optimizer)
 
     def _reduce_device(self) -> torch.device:
-        return self._local_devices[0]
+        return self.local_devices[0]
 
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor | None:
         if value is None or (isinstance(value, PerReplica) and all(v is None for v in value.values)):
@@ -390,16 +391,16 @@ class Strategy(abc.ABC):
             sizes = value.weights if value.weights is not None else value.batch_sizes
         else:
             # A value that is not per-replica is the same on every replica (tf.distribute's rule).
-            values, sizes = [value] * len(self._local_devices), None
+            values, sizes = [value] * len(self.local_devices), None
         tensors = [torch.as_tensor(v).to(device) for v in values]
         if axis == 0:
-            total = self._cross_worker_sum(torch.stack([t.sum(dim=0) for t in tensors]).sum(dim=0))
+            total = self.cross_worker_sum(torch.stack([t.sum(dim=0) for t in tensors]).sum(dim=0))
             if op is ReduceOp.SUM:
                 return total
-            count = self._cross_worker_sum(torch.tensor(float(sum(t.shape[0] for t in tensors)), device=device))
+            count = self.cross_worker_sum(torch.tensor(float(sum(t.shape[0] for t in tensors)), device=device))
             return total / count
         if op is ReduceOp.SUM:
-            return self._cross_worker_sum(torch.stack(tensors).sum(dim=0))
+            return self.cross_worker_sum(torch.stack(tensors).sum(dim=0))
         if sizes is not None:
             # Replicas of weight zero count for nothing (an empty slice's mean may be NaN); a worker whose
             # replicas all weigh zero still joins the sums across workers, with zeros.
@@ -416,7 +417,7 @@ class Strategy(abc.ABC):
                 [t.to(torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]
             ).sum(dim=0)
             count = torch.tensor(float(len(tensors)), device=device)
-        return self._cross_worker_sum(weighted) / self._cross_worker_sum(count)
+        return self.cross_worker_sum(weighted) / self.cross_worker_sum(count)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(devices={[str(d) for d in self._local_devices]})"
+        return f"{type(self).__name__}(devices={[str(d) for d in self.local_devices]})"

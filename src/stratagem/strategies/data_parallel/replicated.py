@@ -45,8 +45,8 @@ class ReplicatedStrategy(Strategy):
     _replicas: ReplicaSet
 
     @property
-    def _local_devices(self) -> list[torch.device]:
-        return self._replicas.devices
+    def local_devices(self) -> list[torch.device]:
+        return list(self._replicas.devices)
 
     @property
     def num_replicas_in_sync(self) -> int:

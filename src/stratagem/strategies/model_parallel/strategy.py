@@ -314,7 +314,7 @@ class ModelParallelStrategy(Strategy, Traceable):
 
     # ---- the Strategy vocabulary --------------------------------------------------------------
     @property
-    def _local_devices(self) -> list[torch.device]:
+    def local_devices(self) -> list[torch.device]:
         return [self._output.physical]
 
     def stage_map(self) -> list[StageInfo]:

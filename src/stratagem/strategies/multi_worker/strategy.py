@@ -240,7 +240,7 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
 
         check_plan_fits(
             plan.total,
-            read_memory_limit(self._local_devices[0] if self._local_devices else None),
+            read_memory_limit(self.local_devices[0] if self.local_devices else None),
             strategy=f"MultiWorkerMirroredStrategy on {self._plan.world_size} workers",
             held=plan.user_model,  # built already: the limit counts it as used
             alternatives=alternatives,

@@ -288,7 +288,7 @@ class ParameterServerStrategy(Strategy):
         return fn(*args, **(kwargs or {}))
 
     @property
-    def _local_devices(self) -> list[torch.device]:
+    def local_devices(self) -> list[torch.device]:
         return [torch.device("cpu")]
 
     @property

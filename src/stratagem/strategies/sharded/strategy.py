@@ -411,7 +411,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this rank's weight becomes count / (sum of every rank's count)."""
-        total = self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64))
+        total = self.cross_worker_sum(torch.tensor(float(count), dtype=torch.float64))
         self._counts = count
         for comm in self._comms:
             comm.weight = count / float(total) if float(total) > 0 else 0.0

@@ -321,7 +321,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
-        total = float(self._cross_worker_sum(torch.tensor(float(count), dtype=torch.float64)))
+        total = float(self.cross_worker_sum(torch.tensor(float(count), dtype=torch.float64)))
         self._counts = float(count)
         self._weight = float(count) / total if total > 0 else 0.0
 
@@ -335,7 +335,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
     def _leads_its_part(self) -> bool:
         return self._group.rank % self._mesh.axis_size("model") == 0
 
-    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone().to(self._group.collective_device)
         if self._data_group is not None:
             import torch.distributed as dist
@@ -343,7 +343,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
             dist.all_reduce(out, group=self._data_group)
         return out
 
-    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
+    def gather_across_workers(self, items: list[Any]) -> list[Any]:
         if self._data_group is None:
             return items
         import torch.distributed as dist

@@ -64,7 +64,7 @@ class WorkerGroupStrategy(Strategy):
 
     # ---- where and who ----------------------------------------------------------------------------
     @property
-    def _local_devices(self) -> list[torch.device]:
+    def local_devices(self) -> list[torch.device]:
         return list(self._group.local_devices)
 
     @property
@@ -106,7 +106,7 @@ class WorkerGroupStrategy(Strategy):
         device = self._group.collective_device
         self._group.cross_worker.all_reduce_([torch.zeros(1, device=device)], what="barrier", step=self._barriers)
 
-    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone().to(self._group.collective_device)
         self._group.cross_worker.all_reduce_([out], what="reduce", step=self._current_step())
         return out.to(tensor.device)
@@ -114,7 +114,7 @@ class WorkerGroupStrategy(Strategy):
     def _batch_norm_sum(self, tensor: torch.Tensor, what: str, step: int) -> None:
         self._group.cross_worker.all_reduce_([tensor], what=what, step=step)
 
-    def _gather_across_workers(self, items: list[Any]) -> list[Any]:
+    def gather_across_workers(self, items: list[Any]) -> list[Any]:
         """Every worker's replicas' contributions, in rank order (rank order is global batch order)."""
         self._gathers += 1
         cw = self._group.cross_worker
@@ -201,7 +201,7 @@ class WorkerGroupStrategy(Strategy):
             self._input_sharding.note(*decision)
         return data
 
-    def _distribute_step_inputs(self, inputs: Any) -> Any:
+    def distribute_step_inputs(self, inputs: Any) -> Any:
         """This worker's part of the global batch given to a `step` function, cut among its replicas.
 
         Every worker calls the step with the same global batch (the same loader, seeded alike), as
