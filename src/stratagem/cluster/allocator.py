@@ -109,15 +109,19 @@ def keep_freed_memory_here(env: Mapping[str, str]) -> bool:
     global _applied_here
     if GLIBC is None or user_setting(env) is not None:
         return False
+    _applied_here = _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    return _applied_here
+
+
+def _mallopt(parameter: int, value: int) -> bool:
+    """``mallopt(parameter, value)`` in this process; whether glibc took it (False where there is no mallopt)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # mallopt returns 1 on success.
-    _applied_here = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    return _applied_here
+    return bool(mallopt(parameter, value) == 1)  # 1 on success
 
 
 def _setting_besides_launchers(env: Mapping[str, str]) -> str | None:
@@ -136,14 +140,8 @@ def map_large_blocks_here(env: Mapping[str, str]) -> tuple[bool, str]:
     made = _setting_besides_launchers(env)
     if made is not None:
         return False, f"the user's setting ({made}) kept"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False, "mallopt(3) not found"
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, MAP_LARGE_THRESHOLD) != 1:
-        return False, "mallopt(M_MMAP_THRESHOLD) refused"
+    if not _mallopt(_M_MMAP_THRESHOLD, MAP_LARGE_THRESHOLD):
+        return False, "mallopt(M_MMAP_THRESHOLD) not found or refused"
     return (
         True,
         f"blocks of {MAP_LARGE_THRESHOLD >> 10} KiB and more mapped alone and unmapped when freed (M_MMAP_THRESHOLD)",
@@ -154,15 +152,7 @@ def reuse_freed_blocks_here() -> bool:
     """Undoes ``map_large_blocks_here`` from now on: blocks up to ``MMAP_THRESHOLD`` come from the heap again, and a
     freed one is kept for the next that fits (blocks mapped before stay mapped and are unmapped when freed). For
     ShardedStrategy(host_memory="reuse") once its long-lived state exists. Returns whether glibc took it."""
-    if GLIBC is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    return GLIBC is not None and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def trim_here() -> None:
