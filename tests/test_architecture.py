@@ -723,6 +723,20 @@ def test_no_cycle_among_the_strategies_modules_even_for_type_checkers() -> None:
     )
 
 
+def test_the_documents_tree_of_strategies_lists_every_module_and_folder() -> None:
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    block = text[text.index("```text\nstrategies/") :]
+    block = block[: block.index("```", len("```text"))]
+    listed = set(re.findall(r"^  ([A-Za-z_]+(?:\.py|/))", block, flags=re.MULTILINE))
+    actual = {
+        path.name + "/" if path.is_dir() else path.name
+        for path in (SRC / "strategies").iterdir()
+        if path.name != "__init__.py" and (path.suffix == ".py" or (path.is_dir() and any(path.glob("*.py"))))
+    }
+    assert actual - listed == set(), "modules of strategies/ missing from the tree in docs/architecture.md"
+    assert listed - actual == set(), "the tree in docs/architecture.md lists what strategies/ does not hold"
+
+
 def test_the_strategy_base_imports_no_strategy_folder() -> None:
     # base.py is the vocabulary every strategy shares (replica context, run inputs, gather, steps, schedulers):
     # it stands below each strategy's folder, so none of them can make a cycle through it.
