@@ -6,13 +6,14 @@ round runs one block of `--steps` steps per mode, the order of the modes rotatin
 change in the machine's load falls on every mode alike. A block starts after a barrier and, for a traced
 block, after `strategy.trace(DIR, mode=...)` has aligned the clocks; it ends before the trace writes its file,
 so the steps alone are timed. The one-off costs (entering the trace: the clock pings; leaving it: the file)
-are reported apart. Per block: wall seconds and the process's CPU seconds (every thread, Gloo's included) per
-step on each worker; per traced block, the bytes of the worker's file per 100 steps.
+are reported apart. Per block: wall seconds, the process's CPU seconds (every thread, Gloo's included) and the
+training thread's own CPU seconds per step on each worker; per traced block, the bytes of the worker's file per 100 steps.
 
 Ratios are taken within a round (mode / off of the same round), then the median over rounds.
 
     .venv/bin/python benchmarks/trace_overhead.py --workload mlp --rounds 12 --steps 200
     .venv/bin/python benchmarks/trace_overhead.py --workload digits --rounds 8 --steps 60 --json out.json
+    .venv/bin/python benchmarks/trace_overhead.py --workers 1 --rounds 30 --steps 100   # the recorder's own cost
 """
 
 from __future__ import annotations
@@ -91,16 +92,17 @@ def worker(args: argparse.Namespace) -> None:
             if mode != "off":
                 trace = strategy.trace(directory / f"{mode}-{round_}", mode=mode)
                 trace.__enter__()
-            wall0, cpu0 = time.perf_counter(), time.process_time()
+            wall0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             steps(args.steps)
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            main = time.thread_time() - main0
             left = time.perf_counter()
             nbytes = None
             if trace is not None:
                 trace.__exit__(None, None, None)
                 nbytes = (directory / f"{mode}-{round_}" / f"worker-{rank}.json").stat().st_size
             blocks.append(
-                {"round": round_, "mode": mode, "wall_s": wall, "cpu_s": cpu, "bytes": nbytes,
+                {"round": round_, "mode": mode, "wall_s": wall, "cpu_s": cpu, "main_cpu_s": main, "bytes": nbytes,
                  "enter_s": wall0 - entered, "leave_s": time.perf_counter() - left}
             )  # fmt: skip
     print(json.dumps({"rank": rank, "blocks": blocks}), flush=True)
@@ -119,6 +121,8 @@ def summarize(per_rank: dict[int, list[dict]], steps: int, global_batch: int) ->
         cpus = [statistics.fmean(by[(r, k, mode)]["cpu_s"] for r in ranks) for k in rounds]
         offs = [max(by[(r, k, "off")]["wall_s"] for r in ranks) for k in rounds]
         off_cpus = [statistics.fmean(by[(r, k, "off")]["cpu_s"] for r in ranks) for k in rounds]
+        mains = [statistics.fmean(by[(r, k, mode)]["main_cpu_s"] for r in ranks) for k in rounds]
+        off_mains = [statistics.fmean(by[(r, k, "off")]["main_cpu_s"] for r in ranks) for k in rounds]
         row = {
             "samples_per_s_median": round(statistics.median(steps * global_batch / w for w in walls), 1),
             "wall_ms_per_step_median": round(statistics.median(w / steps * 1e3 for w in walls), 4),
@@ -132,6 +136,10 @@ def summarize(per_rank: dict[int, list[dict]], steps: int, global_batch: int) ->
             ),
             "cpu_us_per_step_over_off_median": round(
                 statistics.median((c - o) / steps * 1e6 for c, o in zip(cpus, off_cpus)), 1
+            ),
+            # The training thread's own CPU: no Gloo thread, no spinning for a peer.
+            "main_thread_cpu_us_per_step_over_off_median": round(
+                statistics.median((c - o) / steps * 1e6 for c, o in zip(mains, off_mains)), 1
             ),
         }
         if mode != "off":
@@ -153,6 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="rounds of one block per mode (default 12)")
     parser.add_argument("--steps", type=int, default=200, help="steps per block (default 200)")
     parser.add_argument("--warmup", type=int, default=50, help="steps before the first block (default 50)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2; 1: no peer to wait for)")
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -170,7 +179,9 @@ def main() -> None:
         lines: list = []
         load = os.getloadavg()
         started = time.perf_counter()
-        result = launch(argv, workers=2, env=dict(environ.current()), sink=lines.append, timeout=3600, grace_period=2)
+        result = launch(
+            argv, workers=args.workers, env=dict(environ.current()), sink=lines.append, timeout=3600, grace_period=2
+        )
         took = time.perf_counter() - started
     if result.exit_code != 0:
         raise SystemExit("\n".join(f"[{line.task}] {line.text}" for line in lines[-40:]))
@@ -182,6 +193,7 @@ def main() -> None:
     global_batch = 32 if args.workload == "mlp" else 256
     report = {
         "workload": args.workload,
+        "workers": args.workers,
         "description": WORKLOADS[args.workload],
         "rounds": args.rounds,
         "steps_per_block": args.steps,

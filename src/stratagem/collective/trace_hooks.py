@@ -1,8 +1,11 @@
 """What `CrossWorker` tells a trace: each collective entered and ended, each wait for one (`stratagem.trace`).
 
-Every call costs one attribute read while no recorder is on. A collective on the process group ends when
-its future says so (on a Gloo thread), or at the latest when `wait` sees it done; a sum through shared
-memory ends where it is made, the calling thread having waited inside it.
+Every call costs one attribute read while no recorder is on. A collective on the process group ends when the
+thread waiting for it through `CrossWorker.wait` sees it done: a callback on its future would report the end
+sooner, but runs Python on a Gloo thread, whose taking of the GIL from the training thread cost about 30 us of
+that thread's CPU per collective here (benchmarks/reports/2026-12-07-cpu-2vcpu-trace-overhead.md). A collective waited for
+elsewhere (FSDP2's own waits) asks for the callback. A sum through shared memory ends where it is made, the
+calling thread having waited inside it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class CollectiveTrace:
     def __init__(self) -> None:
         self.recorder: Recorder | None = None
         self._pending: dict[int, int] = {}  # id of a work handle -> its collective's sequence number
+        self._backend: str | None = None  # the process group's backend, read once (a lookup per call costs)
 
     def enter(
         self, op: str, what: str, step: int, tensor: torch.Tensor, *, shared: bool = False, bucket: int | None = None
@@ -30,7 +34,10 @@ class CollectiveTrace:
         recorder = self.recorder
         if recorder is None or not recorder.on:
             return None
-        transport = "shared memory" if shared else dist.get_backend()
+        if shared:
+            transport = "shared memory"
+        else:
+            transport = self._backend = self._backend or str(dist.get_backend())
         return recorder.collective(op, what, step, tensor.numel() * tensor.element_size(), transport, bucket)
 
     def summed_here(self, seq: int | None, what: str) -> None:
@@ -42,12 +49,15 @@ class CollectiveTrace:
         record = recorder.collectives[seq]
         recorder.span("wait", what, record[7], record[8], args={"seqs": [seq]})
 
-    def issued(self, seq: int | None, work: Any) -> None:
-        """A process-group collective entered as `seq` runs as `work`; its future reports the end."""
+    def issued(self, seq: int | None, work: Any, *, callback: bool = False) -> None:
+        """A process-group collective entered as `seq` runs as `work`; `waited` reports its end, or with
+        `callback` (nobody waits for it through `CrossWorker.wait`) its future does."""
         recorder = self.recorder
         if seq is None or recorder is None:
             return
         self._pending[id(work)] = seq
+        if not callback:
+            return
         try:
             work.get_future().add_done_callback(lambda _: recorder.done(seq))
         except (AttributeError, RuntimeError):  # a work without a future: `waited` reports the end

@@ -73,6 +73,7 @@ class Recorder:
         """The step the spans are filed under (the strategy's `run` count)."""
         self._step_from = 0  # full mode: the index in `spans` where the step under way began
         self._last_step: tuple[int, int] | None = None  # full mode: the last complete step's spans, as a slice
+        self._phases: dict[str, int] | None = None  # `last_step_phases`, once worked out
 
     def start(self, clock: Clock | None = None, *, mode: str = SPANS) -> None:
         """Records from now on (`clock`: another clock than the one given at construction); `mode`: "spans"
@@ -114,10 +115,17 @@ class Recorder:
             else:
                 self._last_step = (self._step_from, len(self.spans))
                 self._step_from = len(self.spans)
+            self._phases = None
 
     def last_step_phases(self) -> dict[str, int] | None:
         """Nanoseconds of the last complete step's own work in forward, backward and the optimizer step (its waits
-        painted out, `timeline.py`), or None before one; what the straggler warning refines "compute" with."""
+        painted out, `timeline.py`), or None before one; what the straggler warning refines "compute" with.
+        Worked out once per step (it is asked at each sum's start)."""
+        if self._phases is None:
+            self._phases = self._own_phases()
+        return self._phases
+
+    def _own_phases(self) -> dict[str, int] | None:
         if self.folder is not None:
             totals = dict(zip(FOLDED, self.folder.steps[-1][3])) if self.folder.steps else None
         elif self._last_step is not None:
@@ -166,7 +174,7 @@ class Recorder:
     def clear(self) -> None:
         self.spans.clear()
         self.collectives.clear()
-        self._step_from, self._last_step = 0, None
+        self._step_from, self._last_step, self._phases = 0, None, None
         if self.folder is not None:
             self.folder = StepFolder()
 

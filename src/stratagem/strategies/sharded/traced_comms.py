@@ -38,7 +38,7 @@ class UnitComms:
         if work is None:
             self.trace.summed_here(seq, what)  # done: this thread waited inside it
         else:
-            self.trace.issued(seq, work)
+            self.trace.issued(seq, work, callback=True)  # FSDP2 waits for it, not CrossWorker
         return work
 
 
