@@ -694,17 +694,10 @@ def test_an_import_cycle_is_found_and_lazy_or_type_only_imports_are_not(tmp_path
     assert _import_cycles(graph) == [["stratagem.train.a", "stratagem.train.b", "stratagem.train.c"]]
 
 
-# The one import cycle left among the modules of strategies/ when imports under TYPE_CHECKING and inside functions
-# count too: the parameter server's coordinator and fit steps read their strategy's task state, until it has a
-# declared plan of its own (issue 41, item 3). Type-only cycles elsewhere were broken with small Protocols
-# (`ReplicaStrategy`, `CentralSteps`, `NativeSync`) declared beside the code that calls them.
-KNOWN_STRATEGY_CYCLES = [
-    [
-        "stratagem.strategies.parameter_server.coordinator",
-        "stratagem.strategies.parameter_server.fit_steps",
-        "stratagem.strategies.parameter_server.strategy",
-    ]
-]
+# Import cycles among the modules of strategies/ when imports under TYPE_CHECKING and inside functions count too:
+# none. Type-only cycles were broken with small Protocols declared beside the code that calls them
+# (`ReplicaStrategy`, `CentralSteps`, `NativeSync`, the parameter server's `ParameterServerTasks`).
+KNOWN_STRATEGY_CYCLES: list[list[str]] = []
 
 
 def test_no_cycle_among_the_strategies_modules_even_for_type_checkers() -> None:

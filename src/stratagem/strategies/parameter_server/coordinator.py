@@ -68,7 +68,7 @@ from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 
 if TYPE_CHECKING:
-    from stratagem.strategies.parameter_server.strategy import ParameterServerStrategy
+    from stratagem.strategies.parameter_server.tasks import ParameterServerTasks
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class ClusterCoordinator:
 
     def __init__(
         self,
-        strategy: ParameterServerStrategy,
+        strategy: ParameterServerTasks,
         *,
         worker_recovery_timeout: float = WORKER_RECOVERY_TIMEOUT,
         closure_timeout: float = CLOSURE_TIMEOUT,

@@ -31,7 +31,7 @@ from stratagem.errors import InputError, ParameterServerError
 
 if TYPE_CHECKING:
     from stratagem.strategies.parameter_server.coordinator import ClusterCoordinator
-    from stratagem.strategies.parameter_server.strategy import ParameterServerStrategy
+    from stratagem.strategies.parameter_server.tasks import ParameterServerTasks
 
 StepFn = Callable[[Any, Any], torch.Tensor]
 
@@ -57,7 +57,7 @@ def run_fit_step(role: str, inputs: Any, targets: Any) -> torch.Tensor:
     return step(inputs, targets)
 
 
-def prepare_fit_steps(strategy: ParameterServerStrategy, steps: Mapping[str, StepFn], model: Any) -> None:
+def prepare_fit_steps(strategy: ParameterServerTasks, steps: Mapping[str, StepFn], model: Any) -> None:
     """Keeps `fit`'s step functions for the workers of this process; on a worker task, serves (never returns)."""
     for role, step in steps.items():
         if not callable(step):

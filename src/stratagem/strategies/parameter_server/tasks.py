@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from stratagem.cluster import Cluster, free_ports
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
@@ -21,6 +22,32 @@ from stratagem.strategies.parameter_server.server import ParameterServer
 from stratagem.strategies.parameter_server.transport import Client, Security
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 from stratagem.strategies.parameter_server.worker import WorkerService
+
+if TYPE_CHECKING:
+    from stratagem.strategies.parameter_server.worker import ParameterServerModel
+
+
+class ParameterServerTasks(Protocol):
+    """What the coordinator and `fit`'s steps use of a ParameterServerStrategy (coordinator.py, fit_steps.py): this
+    task's role, the workers' addresses, the job's security, and the hooks at shutdown. Declared here, below the
+    strategy, so that neither imports the strategy's module."""
+
+    coordinator_timeouts: dict[str, float] | None
+    security: Security
+    workers_in_process: bool
+
+    @property
+    def is_chief(self) -> bool: ...
+
+    @property
+    def distributed_model(self) -> ParameterServerModel | None: ...
+
+    def worker_addresses(self) -> list[tuple[str, str]]: ...
+
+    def on_shutdown(self, hook: Callable[[], None]) -> None: ...
+
+    def serve_as_worker(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
