@@ -134,19 +134,23 @@ def choose_threads(
     num_cpu = sum(1 for d in devices if d.type == "cpu")
     if num_cpu == 0:
         return None, None
-    if intra_op_threads is not None:
-        if intra_op_threads < 1:
-            raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads}.")
-        threads, why = intra_op_threads, "given by intra_op_threads="
-    else:
-        total = torch.get_num_threads()
-        threads = max(1, total // num_cpu)
-        why = (
-            f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU replica(s), so replicas "
-            "running at once do not oversubscribe the cores"
-        )
+    if intra_op_threads is not None and intra_op_threads < 1:
+        raise InputError(f"intra_op_threads must be at least 1. Received: intra_op_threads={intra_op_threads}.")
+    threads, why = share_intra_op_threads(num_cpu, intra_op_threads, "replica")
     # Said for one CPU replica too (OneDevice, one replica per worker): the same rule gives it every thread.
     return threads, PlacementDecision(subject="intra-op threads per CPU replica", choice=str(threads), reason=why)
+
+
+def share_intra_op_threads(num_cpu: int, intra_op_threads: int | None, what: str) -> tuple[int, str]:
+    """torch intra-op threads for each of `num_cpu` CPU `what`s ("replica", "stage") that run at once, and why:
+    `intra_op_threads` where given, else the process's threads shared among them (at least one each)."""
+    if intra_op_threads is not None:
+        return intra_op_threads, "given by intra_op_threads="
+    total = torch.get_num_threads()
+    return max(1, total // num_cpu), (
+        f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU {what}(s), so {what}s "
+        "running at once do not oversubscribe the cores"
+    )
 
 
 def check_memory(

@@ -40,6 +40,7 @@ from stratagem.diagnose import MemoryEstimate, PlacementDecision
 from stratagem.errors import InputError, MemoryEstimateError
 from stratagem.timeouts import check_seconds
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.data_parallel.placement import share_intra_op_threads
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
 from stratagem.strategies.wrapped_model import WrappedModel
@@ -298,15 +299,7 @@ class ModelParallelStrategy(Strategy, Traceable):
         num_cpu = sum(1 for d in self._stage_devices if d.physical.type == "cpu")
         if num_cpu == 0 or self._placement is not None:
             return None
-        if intra_op_threads is not None:
-            threads, why = intra_op_threads, "given by intra_op_threads="
-        else:
-            total = torch.get_num_threads()
-            threads = max(1, total // num_cpu)
-            why = (
-                f"the process's {total} intra-op thread(s) shared among {num_cpu} CPU stage(s), so stages "
-                "running at once do not oversubscribe the cores"
-            )
+        threads, why = share_intra_op_threads(num_cpu, intra_op_threads, "stage")
         self._decisions.append(
             PlacementDecision(subject="intra-op threads per CPU stage", choice=str(threads), reason=why)
         )
