@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import os
-
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -94,9 +93,9 @@ def exactness(rank: int, port: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
 
     from stratagem.data.split import split_sizes
-    from stratagem.strategies.state_memory import measured_local_bytes
     from stratagem.strategies.sharded.units import apply_cut, cut_model
     from stratagem.strategies.sharded.weighting import weigh_gradients
+    from stratagem.strategies.state_memory import measured_local_bytes
 
     world_group(rank, 3, port)
     groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 3)}
@@ -295,8 +294,9 @@ def _activations_after_distribute(strategy: Any, model: Any, x: torch.Tensor) ->
 def _gpt2_case(strategy: Any) -> dict[str, Any]:
     import warnings
 
-    import stratagem as sg
     from zoo import tiny_gpt2
+
+    import stratagem as sg
 
     out: dict[str, Any] = {}
     torch.manual_seed(0)

@@ -7,9 +7,8 @@ import resource
 from typing import Any
 
 import torch
-from torch import nn
-
 from sharded_cases import cluster_of
+from torch import nn
 
 WIDTH = 256  # each weight 256 KiB in float32: above the strategy's 64 KiB mapping threshold
 

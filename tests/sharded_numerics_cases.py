@@ -181,8 +181,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _gpt2(strategy: Any, dtype: torch.dtype, optimizer: str) -> dict[str, Any]:
     """Tiny GPT-2 with tied embeddings, -100 padding and declared token counts, against one device."""
-    import stratagem as sg
     from zoo import tiny_gpt2
+
+    import stratagem as sg
 
     def make_opt(params: Any) -> torch.optim.Optimizer:
         if optimizer == "adamw":

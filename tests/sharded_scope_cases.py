@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
 from sharded_cases import cluster_of, full, pytest_refusal
+from torch import nn
 
 GLOBAL_BATCH = 13  # 7 + 6 over 2 ranks
 
@@ -54,8 +53,9 @@ def differing(model: nn.Module, reference: nn.Module) -> list[str]:
 
 
 def scope_cases(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
-    import stratagem as sg
     from zoo import tiny_gpt2
+
+    import stratagem as sg
 
     out: dict[str, Any] = {}
     strategy = sg.ShardedStrategy(cluster=cluster_of(rank, ports), timeout=60)

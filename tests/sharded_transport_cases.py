@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from sharded_cases import OPTIMIZERS, batches, clipped_step, cluster_of, full, mlp, train_one_device
 
 # Stage 3 through shared memory is the default in tests/test_sharded_strategy.py and test_sharded_numerics.py.

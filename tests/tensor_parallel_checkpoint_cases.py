@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import tensor_parallel_cases as cases
+import torch
 
 
 def _step(model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> None:

@@ -19,8 +19,8 @@ from workers.fit_resume import BATCH_SIZE, SHUFFLE_SEED, build_model, data
 
 import stratagem as sg
 from stratagem import environ
-from stratagem.train.backup import directory as backup_dir_module
 from stratagem.train import checkpoint as checkpoint_module
+from stratagem.train.backup import directory as backup_dir_module
 from stratagem.train.backup.directory import check_backup_directory
 from stratagem.train.checkpoint import load_checkpoint, save_checkpoint
 

@@ -5,22 +5,22 @@ per-replica statistics as an option; the user's layers keep their class, keys an
 from __future__ import annotations
 
 import copy
-import re
 import io
+import re
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import TOL, train_step, train_reference
+from cases import TOL, train_reference, train_step
 from conftest import cpu_registry
 from helpers import WORKERS, launch_workers
 from torch import nn
 
 import stratagem as sg
 from stratagem.strategies.data_parallel.combine import choose_local_combine
-from stratagem.strategies.data_parallel.placement import place_replicas
 from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
+from stratagem.strategies.data_parallel.placement import place_replicas
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 

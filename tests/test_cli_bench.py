@@ -11,7 +11,6 @@ import pytest
 
 from stratagem.bench.measure import MeasureRequest, measure_rank
 from stratagem.bench.registry import BenchMachine, BenchStrategy
-from stratagem.strategies.records import STRATEGIES
 from stratagem.bench.scaling import (
     ScalingConfig,
     ScalingRow,
@@ -25,6 +24,7 @@ from stratagem.bench.scaling import (
 )
 from stratagem.cli.main import main
 from stratagem.errors import InputError
+from stratagem.strategies.records import STRATEGIES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

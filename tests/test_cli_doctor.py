@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-
 from stratagem.cli import devices as devices_command
 from stratagem.cli import doctor
 from stratagem.diagnose import Check, EnvironmentFacts, GpuFacts, SmokeResult, exit_code

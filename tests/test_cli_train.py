@@ -15,8 +15,8 @@ import pytest
 import stratagem as sg
 from stratagem.cli.main import main
 from stratagem.cluster import allocator
-from stratagem.devices import get_logical_devices
 from stratagem.demo import job
+from stratagem.devices import get_logical_devices
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import TOL, build, train_step, make_batches, train_reference
+from cases import TOL, build, make_batches, train_reference, train_step
 from conftest import cpu_registry
 from helpers import launch_workers
 

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from cases import TOL
-from test_ports import run_original, IN_PROCESS, PORTS, ROOT, changed_lines, run_in_process
+from test_ports import IN_PROCESS, PORTS, ROOT, changed_lines, run_in_process, run_original
 
 # 45 examples in batches of 16: a short last batch of 13, cut 7 and 6 over two replicas.
 ARGS = ["--niter", "2", "--double", "--examples", "45", "--batchSize", "16"]

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import TOL
+from conftest import cpu_registry
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import stratagem as sg
-from cases import TOL
-from conftest import cpu_registry
 
 SIZES = [12, 11, 7, 2]  # uneven over 3 replicas, and one batch smaller than 3 replicas
 

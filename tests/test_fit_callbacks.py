@@ -11,11 +11,11 @@ import numpy
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import TOL, build, make_batches, train_reference
+from conftest import cpu_registry
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from cases import TOL, build, make_batches, train_reference
-from conftest import cpu_registry
 from stratagem.train.model_checkpoint import write_atomically
 
 SIZES = [12, 11, 7, 5]

@@ -8,10 +8,10 @@ import collections
 
 import pytest
 import torch
+from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from conftest import cpu_registry
 from stratagem.strategies.parameter_server import InProcessCluster
 
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from workers import launch_fns
 
 import stratagem as sg
 from stratagem.cluster import OutputLine
 from stratagem.errors import ClusterError
-from workers import launch_fns
 
 ROOT = Path(__file__).resolve().parent.parent
 

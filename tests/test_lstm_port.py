@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ports import run_original, PORTS, ROOT, changed_lines, run_in_process
+from test_ports import PORTS, ROOT, changed_lines, run_in_process, run_original
 
 ARGS = ["--double", "--epochs", "2"]
 LOSSES = re.compile(r"(?:valid|test) loss ([0-9.]+)")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cases import BATCH_SIZES, TOL, build, make_batches, train_reference
 from helpers import free_port
+
 from stratagem import environ
 from stratagem.cluster import allocator, launch
 

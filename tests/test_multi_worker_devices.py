@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratagem.cluster import from_slurm, from_torchrun, single_process
+from stratagem.cluster import from_slurm, from_torchrun, single_process, worker_group
+from stratagem.cluster.worker_group import ranks_sharing_a_gpu, start_process_group
 from stratagem.devices import DeviceRegistry
 from stratagem.devices.physical import PhysicalDevice
 from stratagem.errors import CollectiveTimeoutError, InputError
-from stratagem.cluster import worker_group
-from stratagem.cluster.worker_group import ranks_sharing_a_gpu, start_process_group
 from stratagem.strategies.worker_group.devices import default_local_devices
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from workers.mwms_index_shards import BATCH_SIZE, EPOCHS, FIT_SEED, build, data, loader_generator
 
 from stratagem import environ
 from stratagem.cluster import launch
 from stratagem.data.resume import ShuffledBatches
-from workers.mwms_index_shards import BATCH_SIZE, EPOCHS, FIT_SEED, build, data, loader_generator
 
 WORKER = str(Path(__file__).parent / "workers" / "mwms_index_shards.py")
 pytestmark = [pytest.mark.multiprocess]

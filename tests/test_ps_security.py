@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import os
-import ipaddress
 import struct
 
 import grpc

@@ -23,7 +23,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
 from helpers import stop_process
 
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError

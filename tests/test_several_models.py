@@ -8,9 +8,6 @@ import pickle
 
 import pytest
 import torch
-from torch import nn
-
-import stratagem as sg
 from cases import TOL, assert_same_state
 from conftest import cpu_registry
 from several_models_cases import (
@@ -31,6 +28,9 @@ from several_models_cases import (
     token_gan_batches,
     token_gan_step,
 )
+from torch import nn
+
+import stratagem as sg
 
 STRATEGIES = {
     "one-device": lambda: sg.OneDeviceStrategy("cpu"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cases import TOL
 from helpers import launch_workers
 from several_models_cases import reference_distillation, reference_gan, reference_routed, reference_token_gan

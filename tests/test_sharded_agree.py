@@ -5,9 +5,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import sharded_agree_cases
+import torch
 from helpers import free_port, run_ranks
 
 import stratagem as sg

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import sharded_cases
 from helpers import free_port, run_ranks
 

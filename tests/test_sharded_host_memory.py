@@ -5,10 +5,10 @@ blocks in afresh; a wrong value is refused with the two choices."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 import sharded_host_memory_cases
+import torch
 from helpers import free_port, run_ranks
+
 from stratagem.cluster import allocator
 from stratagem.errors import InputError
 from stratagem.strategies.sharded import host_memory

@@ -9,7 +9,6 @@ import os
 import uuid
 
 import pytest
-
 import sharded_limit_cases
 from helpers import free_port, run_ranks
 

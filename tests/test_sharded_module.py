@@ -5,7 +5,6 @@ methods and torch.distributed.checkpoint."""
 from __future__ import annotations
 
 import pytest
-
 import sharded_module_cases
 from helpers import free_port, run_ranks
 

@@ -5,7 +5,6 @@ AdamW (13 examples split 7/6, as in tests/test_sharded_exact.py)."""
 from __future__ import annotations
 
 import pytest
-
 import sharded_numerics_cases
 from amp_cases import BF16_EPS
 from helpers import free_port, run_ranks

@@ -4,12 +4,11 @@ under the other strategies the model is built as usual."""
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
-
 import sharded_scope_cases
+import torch
 from helpers import free_port, run_ranks
 from in_process_strategies import STRATEGIES
+from torch import nn
 
 pytestmark = [pytest.mark.sharded]
 

@@ -4,7 +4,6 @@ stage 3 and 2, tiny GPT-2 with tied embeddings and declared token counts, what i
 from __future__ import annotations
 
 import pytest
-
 import sharded_cases
 from helpers import free_port, run_ranks
 

@@ -4,10 +4,10 @@ Gloo when shared memory is turned off: both exact against one device, and explai
 from __future__ import annotations
 
 import pytest
-import torch
-
 import sharded_transport_cases
+import torch
 from helpers import free_port, run_ranks
+
 from stratagem.shm import sums
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.sharded]

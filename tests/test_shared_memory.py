@@ -21,10 +21,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stratagem.errors import ReplicaError
 from stratagem.shm import files as shm_files
 from stratagem.shm import sums as shared_memory
 from stratagem.shm.sums import SharedMemoryGroup, connect
-from stratagem.errors import ReplicaError
 
 pytestmark = pytest.mark.skipif(shared_memory.eligible() is not None, reason="shared-memory sums need Linux on x86-64")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from cases import BATCH_SIZES, TOL, build, make_batches, train_reference
 from helpers import free_port
+
 from stratagem import environ
 from stratagem.cluster import launch
 from stratagem.shm import files as shm_files

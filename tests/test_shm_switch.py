@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import BATCH_SIZES, TOL, build, make_batches, train_reference
 
 import stratagem as sg
-from cases import BATCH_SIZES, TOL, build, make_batches, train_reference
 from stratagem import environ
 from stratagem.cluster import launch
 from stratagem.shm import eligibility, sums

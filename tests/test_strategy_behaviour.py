@@ -9,10 +9,10 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from conftest import cpu_registry
 from stratagem.data import split_sizes
 
 

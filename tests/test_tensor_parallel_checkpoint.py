@@ -4,10 +4,10 @@ and `stratagem checkpoint export` writes the whole model from it."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tensor_parallel_checkpoint_cases as cases
+import torch
 from helpers import free_port, run_ranks
+
 from stratagem.train.backup.report import export_model
 
 pytestmark = [pytest.mark.multiprocess]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import tensor_parallel_cases
 from helpers import free_port, run_ranks
 

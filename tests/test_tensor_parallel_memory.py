@@ -4,11 +4,11 @@ bytes a rank holds after a step."""
 from __future__ import annotations
 
 import pytest
+import tensor_parallel_memory_cases as cases
 import torch
+from helpers import free_port, run_ranks
 
 import stratagem as sg
-import tensor_parallel_memory_cases as cases
-from helpers import free_port, run_ranks
 from stratagem.strategies.tensor_parallel.memory import plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
 

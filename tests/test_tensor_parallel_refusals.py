@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import tensor_parallel_cases
 from torch import nn
 
 import stratagem as sg
-import tensor_parallel_cases
 from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
 from stratagem.strategies.tensor_parallel.styles import check_splits
 

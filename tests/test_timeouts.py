@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import pytest
 
-
 import stratagem as sg
 from stratagem.bench.scaling import ScalingConfig
 from stratagem.cli.main import main

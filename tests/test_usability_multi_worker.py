@@ -3,13 +3,11 @@ with 2 local replicas each (tests/workers/usability_mw.py)."""
 
 from __future__ import annotations
 
-import json
-
 import csv
+import json
 
 import pytest
 import torch
-
 from cases import TOL, build, make_batches, train_reference
 from helpers import launch_workers
 

@@ -11,7 +11,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 from stratagem.data.distributed_sampler import PerWorkerLoader, WorkerBatch
 from stratagem.data.resume import ShuffledBatches
-from stratagem.errors import InputError
 from stratagem.data.worker_shards import (
     WorkerLoader,
     WorkerPart,
@@ -22,6 +21,7 @@ from stratagem.data.worker_shards import (
     shard_input,
     why_not_shardable,
 )
+from stratagem.errors import InputError
 
 X = torch.arange(23, dtype=torch.float64).reshape(23, 1)
 Y = torch.arange(23) * 10

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from stratagem.cluster.function import launch
     from stratagem.data.split import InputContext
     from stratagem.diagnose.placement import log_placement, soft_placement
+
+    # `X as X`: re-exported for type checkers (PEP 484); at run time these names come from the records.
+    from stratagem.strategies import CentralStorageStrategy as CentralStorageStrategy
     from stratagem.strategies import (
         ClusterCoordinator,
         DeviceMesh,
@@ -56,9 +59,6 @@ if TYPE_CHECKING:
         Strategy,
         current_replica_context,
     )
-
-    # `X as X`: re-exported for type checkers (PEP 484); at run time these names come from the records.
-    from stratagem.strategies import CentralStorageStrategy as CentralStorageStrategy
     from stratagem.strategies import MirroredStrategy as MirroredStrategy
     from stratagem.strategies import ModelParallelStrategy as ModelParallelStrategy
     from stratagem.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy

@@ -15,9 +15,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from cases import build, make_batches, train_step  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
-
-from cases import build, train_step, make_batches  # noqa: E402
 from workers.common import save_per_rank, setting, sizes, strategy_for  # noqa: E402
 
 

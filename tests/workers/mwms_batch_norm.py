@@ -15,11 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from cases import train_step  # noqa: E402
 from torch import nn  # noqa: E402
+from workers.common import save_per_rank, strategy_for  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from cases import train_step  # noqa: E402
-from workers.common import save_per_rank, strategy_for  # noqa: E402
 
 SIZES = [6, 2, 3, 5]
 """Over 2 workers x 2 replicas: slices (2, 2, 1, 1), (1, 1, 0, 0), (1, 1, 1, 0), (2, 1, 1, 1)."""

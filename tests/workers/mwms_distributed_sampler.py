@@ -19,9 +19,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+from workers.common import chief_saves_each_case  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from workers.common import chief_saves_each_case  # noqa: E402
 
 # 27 examples over 2 workers: 14 each (one padded), batches of 3, 3, 3, 3, 2 per worker.
 NUM_EXAMPLES, BATCH_SIZE, LOOP_SEED, FIT_SEED, EPOCHS = 27, 3, 4, 8, 2

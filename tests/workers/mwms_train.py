@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from cases import build, make_batches  # noqa: E402
 from torch import nn  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from cases import build, make_batches  # noqa: E402
 from stratagem.devices import DeviceRegistry  # noqa: E402
 
 

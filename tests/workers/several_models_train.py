@@ -15,7 +15,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import stratagem as sg  # noqa: E402
 from several_models_cases import (  # noqa: E402
     averaged,
     build_distillation,
@@ -31,6 +30,8 @@ from several_models_cases import (  # noqa: E402
     token_gan_step,
 )
 from workers.common import chief_saves_each_case, setting  # noqa: E402
+
+import stratagem as sg  # noqa: E402
 
 
 def train(strategy, case):

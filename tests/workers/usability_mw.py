@@ -12,9 +12,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from workers.common import multi_worker, setting  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from workers.common import multi_worker, setting  # noqa: E402
 
 
 def gather_checks(strategy: sg.MultiWorkerMirroredStrategy) -> dict:
@@ -28,8 +28,8 @@ def gather_checks(strategy: sg.MultiWorkerMirroredStrategy) -> dict:
 
 def fit_checks(strategy: sg.MultiWorkerMirroredStrategy, out: Path) -> dict:
     """fit with every new callback, each writing under this rank's own directory: only the chief's may fill."""
-    from cases import build, make_batches
     import torch.nn.functional as F
+    from cases import build, make_batches
 
     mine = out / f"files{strategy.cluster.rank}"
     callbacks = [

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.bench.multi_process import spawn_ranks
-from stratagem.shm import sums
 from stratagem.collective.buckets import GradientBuckets
+from stratagem.shm import sums
 
 
 def _timed(fn, repeats: int, prepare=None) -> float:

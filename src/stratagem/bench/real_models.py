@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.bench.multi_process import free_ddp_models
+from stratagem.bench.throughput import timed_steps
 from stratagem.bench.zoo import ResNet18, adamw_groups, bert, gpt2, make_step
 
 
@@ -176,17 +176,8 @@ def peak_rss_mib() -> float:
 def _timed(
     step: Callable[[Any], torch.Tensor], batches: list[Any], warmup: int, barrier: Callable[[], Any] | None
 ) -> tuple[float, torch.Tensor]:
-    loss = torch.zeros(())
-    t0 = time.perf_counter()
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            if barrier is not None:
-                barrier()
-            t0 = time.perf_counter()
-        loss = step(batch)
-    if barrier is not None:
-        barrier()
-    return time.perf_counter() - t0, loss
+    """`timed_steps` over `batches`, the first `warmup` of them untimed: `step(batch)` for each."""
+    return timed_steps(lambda i: step(batches[i]), warmup, len(batches) - warmup, barrier)
 
 
 def _result(config: str, spec: ModelSpec, rank: int, world: int, steps: int, elapsed: float, loss: float) -> RankResult:

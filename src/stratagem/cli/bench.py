@@ -30,7 +30,6 @@ from rich.table import Table
 from rich.text import Text
 
 from stratagem.bench.registry import BENCH_STRATEGIES
-from stratagem.bench.trust import EFFICIENCY_LIMIT
 from stratagem.bench.scaling import (
     DEFINITIONS,
     PLAIN,
@@ -39,6 +38,7 @@ from stratagem.bench.scaling import (
     ScalingRow,
     run_scaling,
 )
+from stratagem.bench.trust import EFFICIENCY_LIMIT
 from stratagem.bench.workloads import WORKLOADS
 from stratagem.cli.checks import check_writable_directory
 from stratagem.errors import InputError, StratagemError

@@ -25,7 +25,6 @@ from rich.table import Table
 from rich.text import Text
 
 from stratagem import environ
-from stratagem.errors import StratagemError
 from stratagem.devices import DeviceRegistry, default_devices, resolve_devices
 from stratagem.diagnose import (
     DoctorReport,
@@ -36,6 +35,7 @@ from stratagem.diagnose import (
     check_environment,
     collect_facts,
 )
+from stratagem.errors import StratagemError
 
 # A smoke-test replica that waits longer than this for the others is reported as a failure.
 SMOKE_TIMEOUT_S = 60.0

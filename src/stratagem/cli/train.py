@@ -40,15 +40,15 @@ from rich.console import Console
 from rich.text import Text
 
 from stratagem import environ
-from stratagem.cluster import LaunchResult, OutputLine, StopRequest, allocator, launched_by_stratagem, relaunch
-from stratagem.diagnose import PlacementDecision, log_placement
 from stratagem.cli.checks import check_device_flags, check_trace_flag, check_writable_directory
 from stratagem.cli.launch import stop_on_signals, stopped_by_signal
+from stratagem.cluster import LaunchResult, OutputLine, StopRequest, allocator, launched_by_stratagem, relaunch
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
+from stratagem.diagnose import PlacementDecision, log_placement
 from stratagem.errors import InputError, Preempted, StratagemError
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.data_parallel.amp import PRECISIONS
 from stratagem.strategies.by_name import build_strategy, explain_built
+from stratagem.strategies.data_parallel.amp import PRECISIONS
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.records import STRATEGIES
 from stratagem.train import BackupAndRestore, Callback, ProgressBar

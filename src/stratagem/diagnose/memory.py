@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from stratagem.diagnose.verdict import Check
 from stratagem.diagnose.facts import EnvironmentFacts, GpuFacts
+from stratagem.diagnose.verdict import Check
 from stratagem.errors import MemoryEstimateError, MemoryEstimateInputError
 
 

@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from stratagem.diagnose.verdict import Check
 from stratagem.diagnose.decisions import PlacementDecision
 from stratagem.diagnose.facts import EnvironmentFacts
+from stratagem.diagnose.verdict import Check
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

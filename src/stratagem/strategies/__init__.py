@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from stratagem.data.distributed_dataset import DistributedDataset as DistributedDataset
     from stratagem.strategies.base import Strategy as Strategy
     from stratagem.strategies.central_storage.strategy import CentralStorageStrategy as CentralStorageStrategy
-    from stratagem.strategies.replica_context import ReplicaContext as ReplicaContext
-    from stratagem.strategies.replica_context import current_replica_context as current_replica_context
     from stratagem.strategies.explain import Explanation as Explanation
     from stratagem.strategies.mirrored import MirroredStrategy as MirroredStrategy
     from stratagem.strategies.model_parallel.strategy import ModelParallelStrategy as ModelParallelStrategy
@@ -30,6 +28,8 @@ if TYPE_CHECKING:
     from stratagem.strategies.parameter_server.partitioners import MaxSizePartitioner as MaxSizePartitioner
     from stratagem.strategies.parameter_server.partitioners import MinSizePartitioner as MinSizePartitioner
     from stratagem.strategies.parameter_server.strategy import ParameterServerStrategy as ParameterServerStrategy
+    from stratagem.strategies.replica_context import ReplicaContext as ReplicaContext
+    from stratagem.strategies.replica_context import current_replica_context as current_replica_context
     from stratagem.strategies.sharded.strategy import ShardedStrategy as ShardedStrategy
     from stratagem.strategies.tensor_parallel.mesh import DeviceMesh as DeviceMesh
     from stratagem.strategies.tensor_parallel.mesh import LayoutMap as LayoutMap

@@ -23,9 +23,9 @@ logits a redistribution all-gathers outside any operator), counted until it dies
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any

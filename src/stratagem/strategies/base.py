@@ -38,10 +38,10 @@ from stratagem.errors import InputError
 from stratagem.strategies.distribute_checks import check_optimizer_matches, check_scaler
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.gather import gather_values
-from stratagem.strategies.replica_context import current_replica_context
-from stratagem.strategies.steps import check_returns, make_step
 from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
 from stratagem.strategies.lr_schedulers import DistributedScheduler
+from stratagem.strategies.replica_context import current_replica_context
+from stratagem.strategies.steps import check_returns, make_step
 from stratagem.values import PerReplica, ReduceOp, flatten, map_structure
 
 if TYPE_CHECKING:

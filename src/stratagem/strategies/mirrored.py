@@ -23,9 +23,9 @@ from stratagem import devices as sg_devices
 from stratagem import diagnose  # noqa: F401  (reached as mirrored.diagnose, as before the placement moved)
 from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
 from stratagem.strategies.data_parallel.combine import choose_local_combine
+from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
 from stratagem.strategies.data_parallel.placement import nccl_available as _nccl_available
 from stratagem.strategies.data_parallel.placement import place_replicas
-from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout
 from stratagem.trace import Recorder, Traceable

@@ -6,8 +6,8 @@ import torch
 
 from stratagem import devices as sg_devices
 from stratagem.strategies.data_parallel.combine import choose_local_combine
-from stratagem.strategies.data_parallel.placement import place_replicas
 from stratagem.strategies.data_parallel.mirrored_replicas import MirroredReplicas
+from stratagem.strategies.data_parallel.placement import place_replicas
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout
 

@@ -10,8 +10,8 @@ makes the directory a checkpoint. Nothing here gathers a whole tensor on one ran
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 

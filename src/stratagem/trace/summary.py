@@ -22,7 +22,7 @@ from typing import Any
 
 from stratagem.errors import InputError
 from stratagem.trace.fold import SUMMARY
-from stratagem.trace.late import LateStep, LateWorker, Stretch, name_late_workers, late_steps
+from stratagem.trace.late import LateStep, LateWorker, Stretch, late_steps, name_late_workers
 from stratagem.trace.merge import FoldedStep, JobTrace, WorkerTrace
 from stratagem.trace.pipeline import PipelineBubble, measure_bubble
 from stratagem.trace.timeline import PHASES, Timeline, last_arrivals, paint, paint_spans

@@ -9,16 +9,15 @@ Example:
 
 from stratagem.train.callback import Callback
 from stratagem.train.callbacks import BackupAndRestore, LearningRateScheduler, ProgressBar, format_epoch_line
-from stratagem.train.early_stopping import EarlyStopping
-from stratagem.train.loggers import CSVLogger, TensorBoard
-from stratagem.train.model_checkpoint import ModelCheckpoint
 from stratagem.train.checkpoint import (
     capture_rng_state,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
+from stratagem.train.early_stopping import EarlyStopping
 from stratagem.train.fit import EpochLog, History, TrainingContext, fit, is_chief
+from stratagem.train.loggers import CSVLogger, TensorBoard
 from stratagem.train.loop import (
     Evaluation,
     evaluate,
@@ -35,6 +34,7 @@ from stratagem.train.metrics import (
     MetricSet,
     get_metrics,
 )
+from stratagem.train.model_checkpoint import ModelCheckpoint
 from stratagem.train.seeding import seed_everything
 
 __all__ = [

@@ -24,8 +24,8 @@ from torch import nn
 
 from stratagem.data.split import batch_size_of
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.amp import precision_autocast
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.data_parallel.amp import precision_autocast
 from stratagem.train.loop import LossFn, _check_scalar_loss, _describe
 from stratagem.train.metrics import MetricSet
 from stratagem.values import PerReplica, flatten

@@ -35,8 +35,8 @@ from stratagem.errors import InputError, Preempted
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.data_parallel.distributed import DistributedModel, distributing_strategy
 from stratagem.train.accumulate import make_accumulating_train_step, run_accumulated_steps
-from stratagem.train.callback import Callback
 from stratagem.train.backup.callback import BackupAndRestore
+from stratagem.train.callback import Callback
 from stratagem.train.fit_checks import (
     check_backup_directories,
     check_backups_possible,

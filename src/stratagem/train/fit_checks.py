@@ -14,10 +14,10 @@ import torch
 
 from stratagem.data.resume import ShuffledBatches
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.amp import check_precision
 from stratagem.strategies.base import Strategy
-from stratagem.train.callback import Callback
+from stratagem.strategies.data_parallel.amp import check_precision
 from stratagem.train.backup.callback import BackupAndRestore
+from stratagem.train.callback import Callback
 from stratagem.train.progress_bar import ProgressBar
 
 logger = logging.getLogger(__name__)

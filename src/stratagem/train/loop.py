@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel.amp import precision_autocast
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.data_parallel.amp import precision_autocast
 from stratagem.strategies.lockstep import OnStep, StepFn, run_in_lockstep
 from stratagem.strategies.lockstep import _describe as _describe  # accumulate.py's errors describe batches alike
 from stratagem.train.metrics import Metric, MetricSet, get_metrics

@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from stratagem.data.split import batch_size_of
 from stratagem.data.distributed_sampler import WorkerBatch
+from stratagem.data.split import batch_size_of
 from stratagem.data.worker_shards import WorkerPart
 from stratagem.errors import InputError
 

@@ -28,8 +28,8 @@ import torch
 from stratagem import devices as sg_devices
 from stratagem import diagnose, environ
 from stratagem.errors import DeviceError, GpuUnavailableError, InputError
-from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
 from stratagem.strategies.central_storage.update import CentralUpdate
+from stratagem.strategies.data_parallel.batch_norm import check_batch_norm_mode
 from stratagem.strategies.data_parallel.placement import place_replicas
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy, check_timeout

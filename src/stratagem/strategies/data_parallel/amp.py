@@ -29,8 +29,8 @@ import torch
 
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
-from stratagem.strategies.distribute_checks import check_scaler
 from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.distribute_checks import check_scaler
 from stratagem.strategies.replica_context import current_replica_context
 
 PRECISIONS = ("32", "bf16", "fp16")

@@ -19,8 +19,7 @@ from stratagem.errors import InputError
 from stratagem.strategies import lr_schedulers
 from stratagem.strategies.data_parallel import outside_changes
 from stratagem.strategies.data_parallel.host import ReplicaHost
-from stratagem.strategies.replica_context import ReplicaMeeting
-from stratagem.strategies.replica_context import current_replica_context
+from stratagem.strategies.replica_context import ReplicaMeeting, current_replica_context
 
 if TYPE_CHECKING:
     from stratagem.strategies.base import Strategy

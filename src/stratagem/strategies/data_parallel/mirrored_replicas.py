@@ -17,16 +17,15 @@ import torch
 from torch import nn
 
 from stratagem.diagnose import PlacementDecision
-from stratagem.strategies.data_parallel import cuda_numerics
-from stratagem.strategies.data_parallel import placement
+from stratagem.strategies.data_parallel import cuda_numerics, placement
 from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
 from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
 from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard, InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.replica_copy import copy_replica
-from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer, alias_parameters
+from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 
 
 def make_replicas(model: nn.Module, devices: Sequence[torch.device], shared: bool) -> list[nn.Module]:

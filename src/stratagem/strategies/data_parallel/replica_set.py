@@ -36,13 +36,11 @@ from stratagem.strategies.data_parallel.combine import LocalCombination, LocalCo
 from stratagem.strategies.data_parallel.distributed import check_optimizer_supported
 from stratagem.strategies.data_parallel.empty_slices import EmptySlices
 from stratagem.strategies.data_parallel.host import ReplicaHost
+from stratagem.strategies.data_parallel.outside_changes import OutsideChanges
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
-from stratagem.strategies.data_parallel.outside_changes import OutsideChanges
 from stratagem.strategies.data_parallel.replica_random import ReplicaRandomPart
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaPool
-from stratagem.strategies.replica_context import ReplicaContext
-from stratagem.strategies.replica_context import current_replica_context, enter_replica
 from stratagem.strategies.data_parallel.set_parts import (
     AcrossWorkers,
     BatchNormPart,
@@ -54,6 +52,7 @@ from stratagem.strategies.data_parallel.set_parts import (
     WorkerSumAfterCombination,
 )
 from stratagem.strategies.data_parallel.step_part import ReplicaBuilder, RunState, StepPart
+from stratagem.strategies.replica_context import ReplicaContext, current_replica_context, enter_replica
 from stratagem.trace import Recorder
 from stratagem.values import select_replica, stack_replicas, tag_results
 

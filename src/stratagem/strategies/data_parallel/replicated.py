@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.timeouts import check_seconds
 from stratagem.strategies import lr_schedulers
-from stratagem.strategies.data_parallel import cuda_numerics
-from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
-from stratagem.strategies.data_parallel.amp import replicate_scaler
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.data_parallel import cuda_numerics
+from stratagem.strategies.data_parallel.amp import replicate_scaler
+from stratagem.strategies.data_parallel.distributed import ReplicatedOptimizer
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.timeouts import check_seconds
 
 
 def check_timeout(timeout: float) -> float:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.replica_context import ReplicaMeeting
 from stratagem.strategies.data_parallel.distributed import (
     KERNEL_KEYS,
     ReplicatedOptimizer,
@@ -29,6 +28,7 @@ from stratagem.strategies.data_parallel.distributed import (
     clone_optimizer,
     traced_step,
 )
+from stratagem.strategies.replica_context import ReplicaMeeting
 
 ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
     {

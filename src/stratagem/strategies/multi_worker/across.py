@@ -36,8 +36,8 @@ from stratagem.collective.worker_sum import sum_gradients_across_workers
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.data_parallel import loss_weight
-from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.multi_worker.straggler_phases import ComputePhases
+from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.worker_group.stragglers import StepTimes, Straggler, StragglerWatch
 
 logger = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.worker_group.devices import default_local_devices
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import check_batches_flag
-from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
 from stratagem.strategies.worker_group.stragglers import StepTimes, Straggler, StragglerWatch
+from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
 from stratagem.trace import Recorder, Traceable
 from stratagem.trace.clocks import align
 from stratagem.trace.recorder import Clock, check_mode

@@ -54,18 +54,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
-from stratagem.timeouts import check_optional_seconds, check_seconds
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.heartbeat import (
     CLOSURE_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
-    Heartbeat,
     WORKER_RECOVERY_TIMEOUT,
+    Heartbeat,
     WorkerFault,
 )
 from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
+from stratagem.timeouts import check_optional_seconds, check_seconds
 
 if TYPE_CHECKING:
     from stratagem.strategies.parameter_server.tasks import ParameterServerTasks

@@ -40,7 +40,6 @@ from stratagem import environ
 from stratagem.cluster import Cluster, resolve_cluster
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.timeouts import check_seconds
 from stratagem.shm import eligibility
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
@@ -61,6 +60,7 @@ from stratagem.strategies.parameter_server.worker import (
     ParameterServerOptimizer,
     WorkerService,
 )
+from stratagem.timeouts import check_seconds
 
 logger = logging.getLogger(__name__)
 

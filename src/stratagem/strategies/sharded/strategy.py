@@ -34,15 +34,15 @@ from stratagem.strategies.data_parallel.batch_norm import BatchNormSync, batch_n
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
 from stratagem.strategies.data_parallel.host import LossWeightHost
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
-from stratagem.strategies.explain import Explanation, ReplicaPlacement
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.checks import (
     check_another_model,
     check_device,
-    check_shards,
     check_optimizer,
+    check_shards,
     check_stage,
     copy_refusal,
     shard_records,
@@ -50,16 +50,16 @@ from stratagem.strategies.sharded.checks import (
 from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.host_memory import HostMemory, check_host_memory
 from stratagem.strategies.sharded.memory import MemoryPlan, release_freed_memory
-from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.placement import local_device
+from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
-from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
+from stratagem.strategies.sharded.tracing import ShardedTrace
 from stratagem.strategies.sharded.transport import connect_transport
+from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
 from stratagem.strategies.sharded.weighting import weigh_gradients
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
-from stratagem.strategies.sharded.tracing import ShardedTrace
 from stratagem.strategies.wrapped_model import WrappedModel
 from stratagem.trace import Recorder, Traceable
 from stratagem.trace.recorder import Clock

@@ -29,13 +29,13 @@ from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
 from stratagem.strategies.activation_memory import ActivationEstimate, measure_split_step, plan_activations
 from stratagem.strategies.data_parallel.distributed import clone_optimizer
-from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.data_parallel.host import LossWeightHost
+from stratagem.strategies.explain import Explanation, ReplicaPlacement
+from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
-from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
+from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.tensor_parallel.apply import (
     TensorParallelModel,
     apply_tensor_parallel,
@@ -44,6 +44,7 @@ from stratagem.strategies.tensor_parallel.apply import (
 )
 from stratagem.strategies.tensor_parallel.data_axis import DataAxisSum
 from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
+from stratagem.strategies.tensor_parallel.memory import TensorParallelMemoryPlan, plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.mesh import (
     DeviceMesh,
     LayoutMap,
@@ -51,7 +52,6 @@ from stratagem.strategies.tensor_parallel.mesh import (
     default_mesh,
     resolve_layouts,
 )
-from stratagem.strategies.tensor_parallel.memory import TensorParallelMemoryPlan, plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.styles import check_splits
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from stratagem.cluster.worker_group import WorkerGroup
+from stratagem.data.batches import stack_batch
 from stratagem.data.distributed_sampler import WorkerBatch, is_per_worker
 from stratagem.data.resume import batches_left
 from stratagem.data.split import batch_size_of, split_batch, split_sizes
 from stratagem.data.worker_shards import WorkerPart, WorkerRange
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.data.batches import stack_batch
 from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.worker_group.stragglers import StepTimes
 from stratagem.trace import Recorder

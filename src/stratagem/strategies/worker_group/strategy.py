@@ -18,11 +18,11 @@ import torch
 from stratagem.cluster.worker_group import WorkerGroup
 from stratagem.data import worker_shards
 from stratagem.data.batch_dims import BatchDimFirst, BatchDimRestored, check_batch_dim
+from stratagem.data.batches import check_iterable, check_shard_policy
 from stratagem.data.files import FileDataset
 from stratagem.data.split import split_sizes
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
-from stratagem.data.batches import check_iterable, check_shard_policy
 from stratagem.strategies.gather import from_bytes, to_bytes
 from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.worker_group.input import InputSharding, MultiWorkerDataset, WorkerBatches

@@ -27,10 +27,8 @@ import torch
 
 from stratagem.archive import load_verified
 from stratagem.errors import CorruptCheckpointError, InputError
-from stratagem.train.backup.claim import ClaimOwner, read_claim
-from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
-from stratagem.train.model_checkpoint import write_atomically
 from stratagem.strategies.state_shards import hash_file
+from stratagem.train.backup.claim import ClaimOwner, read_claim
 from stratagem.train.backup.sharded import (
     FORMAT,
     MANIFEST,
@@ -42,6 +40,8 @@ from stratagem.train.backup.sharded import (
     verify_sharded,
     write_manifest,
 )
+from stratagem.train.checkpoint import is_temporary_of, load_checkpoint, state_bytes
+from stratagem.train.model_checkpoint import write_atomically
 
 BACKUP_FILES = ("backup.pt", "backup.previous.pt", "backup.corrupt.pt")
 """The files `BackupAndRestore` writes, newest first (the last: a damaged backup moved aside)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
