@@ -38,14 +38,14 @@ from stratagem import devices as sg_devices
 from stratagem import diagnose
 from stratagem.diagnose import MemoryEstimate, PlacementDecision
 from stratagem.errors import InputError, MemoryEstimateError
-from stratagem.timeouts import check_seconds
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.data_parallel.placement import share_intra_op_threads
 from stratagem.strategies.explain import Explanation, ReplicaPlacement
-from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
-from stratagem.strategies.wrapped_model import WrappedModel
 from stratagem.strategies.model_parallel.pipeline import Pipeline, PipelineModel, ScheduleEvent
+from stratagem.strategies.model_parallel.split import ROOT, group_placement, place_modules, split_sequential
 from stratagem.strategies.replica_context import ReplicaContext, enter_replica
+from stratagem.strategies.wrapped_model import WrappedModel
+from stratagem.timeouts import check_seconds
 from stratagem.trace import Recorder, Traceable
 from stratagem.trace.recorder import Clock
 from stratagem.trace.traceable import record_alone
