@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -255,14 +255,20 @@ def _probe_driver(facts: EnvironmentFacts) -> None:
 
 def _libcuda_version() -> str | None:
     names = {"win32": ["nvcuda.dll"], "darwin": []}.get(sys.platform, ["libcuda.so.1", "libcuda.so"])
+    # cuDriverGetVersion needs no cuInit and no context: it only reports the driver's CUDA level.
+    return _cuda_version_from(names, lambda libcuda, version: libcuda.cuDriverGetVersion(version))
+
+
+def _cuda_version_from(names: Iterable[str], ask: Callable[[ctypes.CDLL, Any], int]) -> str | None:
+    """The CUDA version ("12.4") that `ask(library, pointer to an int)` writes, from the first library of
+    `names` that loads and answers 0 (CUDA's success); None if none does."""
     for name in names:
         try:
-            libcuda = ctypes.CDLL(name)
+            library = ctypes.CDLL(name)
         except OSError:
             continue
         version = ctypes.c_int()
-        # cuDriverGetVersion needs no cuInit and no context: it only reports the driver's CUDA level.
-        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
+        if ask(library, ctypes.byref(version)) == 0:
             return f"{version.value // 1000}.{version.value % 1000 // 10}"
     return None
 
@@ -367,12 +373,5 @@ def _cuda_runtime_version(torch_cuda_version: str | None) -> str | None:
     if torch_cuda_version is None or sys.platform == "win32":
         return None
     major = torch_cuda_version.split(".")[0]
-    for name in (f"libcudart.so.{major}", "libcudart.so"):
-        try:
-            cudart = ctypes.CDLL(name)
-        except OSError:
-            continue
-        version = ctypes.c_int()
-        if cudart.cudaRuntimeGetVersion(ctypes.byref(version)) == 0:
-            return f"{version.value // 1000}.{version.value % 1000 // 10}"
-    return None
+    names = (f"libcudart.so.{major}", "libcudart.so")
+    return _cuda_version_from(names, lambda cudart, version: cudart.cudaRuntimeGetVersion(version))
