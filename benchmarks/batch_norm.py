@@ -170,7 +170,7 @@ class NativeClock:
     `on`, summed per replica until `take`."""
 
     def __init__(self) -> None:
-        from stratagem.strategies.data_parallel.batch_norm_native import NativeMeetings
+        from stratagem.strategies.data_parallel.cpu_threads.batch_norm_native import NativeMeetings
 
         self.on = False
         self.ns: list[int] = []

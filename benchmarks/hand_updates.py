@@ -1,4 +1,4 @@
-"""What the check that refuses a hand-written update before it runs costs (strategies/data_parallel/hand_updates.py):
+"""What the check that refuses a hand-written update before it runs costs (strategies/data_parallel/cpu_threads/hand_updates.py):
 the MLP workload's step on Mirrored x2 (logical CPU devices, shared parameters, SGD) with every replica under the
 check, as in the first step, against the same step without it, as in every later step.
 
@@ -21,7 +21,7 @@ from typing import Any
 import stratagem as sg
 from stratagem.bench.throughput import _registry, strategy_steps
 from stratagem.bench.workloads import WORKLOADS
-from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard
+from stratagem.strategies.data_parallel.cpu_threads.hand_updates import HandUpdateGuard
 
 
 def block(run: Callable[[int], Any], first: int, steps: int, checked: bool) -> float:

@@ -1,5 +1,5 @@
 """What a CPU replica's own random stream costs: a step on 2 logical CPU replicas with each replica but the
-first under its generator's dispatch mode (strategies/data_parallel/replica_random.py), against the same
+first under its generator's dispatch mode (strategies/data_parallel/cpu_threads/replica_random.py), against the same
 step with the mode left out (replicas then draw from torch's one generator, in thread order).
 
     .venv/bin/python benchmarks/replica_random.py             # 5 blocks of 20 steps each, alternating
@@ -26,7 +26,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.devices import DeviceRegistry
-from stratagem.strategies.data_parallel.replica_random import ReplicaRandomPart
+from stratagem.strategies.data_parallel.cpu_threads.replica_random import ReplicaRandomPart
 
 SIZES = {
     "wide": ([784, 1024, 1024, 10], 256, 0.1),

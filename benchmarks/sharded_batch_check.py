@@ -37,9 +37,9 @@ def _instrument(kind: list[str], spent: dict[str, float]) -> None:
     adds its time on the training thread to `spent`; the check's are skipped when `kind[0]` is "none"."""
     import torch.distributed as dist
 
+    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
     from stratagem.strategies.worker_group.agreement import BatchAgreement
     from stratagem.strategies.worker_group.step_agreement import StepAgreement
-    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 
     note, start, ride, landed = (
         BatchAgreement.note_global_batch,

@@ -467,11 +467,11 @@ NAMEDTUPLE_MEMBERS = frozenset({"_fields", "_replace", "_asdict", "_make"})
 # longer occurs fails `test_every_private_read_allowed_still_occurs`, so it cannot go stale.
 ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     # torch-private flags set on stratagem's own shard optimizers (see shared_parameters.py for why).
-    ("strategies/data_parallel/shared_parameters.py", "_step_supports_amp_scaling"): "user objects",
-    ("strategies/data_parallel/shared_parameters.py", "_need_device_dtype_check_for_fused"): "user objects",
+    ("strategies/data_parallel/cpu_threads/shared_parameters.py", "_step_supports_amp_scaling"): "user objects",
+    ("strategies/data_parallel/cpu_threads/shared_parameters.py", "_need_device_dtype_check_for_fused"): "user objects",
     # A parameter's version counter, advanced by torch's in-place operations on it: the one way to see a hand-written
     # update on parameters that replicas share without copying them (hand_updates.py); torch has no public name for it.
-    ("strategies/data_parallel/hand_updates.py", "_version"): "torch tensors",
+    ("strategies/data_parallel/cpu_threads/hand_updates.py", "_version"): "torch tensors",
     # nn.Module's own tables of parameters, buffers and children, and a tensor's version counter: the replicas
     # follow what a script does to the model between steps by comparing shallow copies of these dicts in C, once
     # a step (outside_changes.py); torch's public iterators build new objects at every call, ten times slower.
@@ -489,8 +489,8 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("diagnose/placement.py", "_copy_from_and_resize"): "torch operators",
     ("diagnose/placement.py", "_local_scalar_dense"): "torch operators",
     ("diagnose/soft_placement.py", "_schema"): "torch operators",
-    ("strategies/data_parallel/replica_random.py", "_schema"): "torch operators",
-    ("strategies/data_parallel/hand_updates.py", "_schema"): "torch operators",
+    ("strategies/data_parallel/cpu_threads/replica_random.py", "_schema"): "torch operators",
+    ("strategies/data_parallel/cpu_threads/hand_updates.py", "_schema"): "torch operators",
     ("strategies/deferred_init.py", "_schema"): "torch operators",
     ("strategies/sharded/scope.py", "_schema"): "torch operators",
     # nn.Module's conversion of every tensor in place, the way torch's own `to_empty` allocates a meta model: the

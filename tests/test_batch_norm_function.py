@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_batch_norm import assert_states_equal, batches, build, mirrored, train_distributed, train_reference
 
 from stratagem.strategies.data_parallel import batch_norm_function as bnf
-from stratagem.strategies.data_parallel import batch_norm_native
+from stratagem.strategies.data_parallel.cpu_threads import batch_norm_native
 
 DTYPES = [torch.float32, torch.float64]
 

@@ -22,7 +22,7 @@ from test_batch_norm import batches, build, mirrored
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.data_parallel import batch_norm_native
+from stratagem.strategies.data_parallel.cpu_threads import batch_norm_native
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="needs a C++ compiler to build the extension"

@@ -12,8 +12,8 @@ from hand_update_cases import IN_PLACE_WAYS, WAYS, batches, make_model, train, u
 from helpers import launch_workers
 
 import stratagem as sg
-from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard, InPlaceWatch
-from stratagem.strategies.data_parallel.replica_random import ReplicaRandom
+from stratagem.strategies.data_parallel.cpu_threads.hand_updates import HandUpdateGuard, InPlaceWatch
+from stratagem.strategies.data_parallel.cpu_threads.replica_random import ReplicaRandom
 
 STRATEGIES = {
     "one-device": lambda: sg.OneDeviceStrategy("cpu"),

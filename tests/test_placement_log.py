@@ -82,7 +82,7 @@ def test_mirrored_replica_threads_are_logged_and_nothing_is_entered_without_a_lo
     try:
         train = _trainer(strategy)
         # The first step runs under the check that refuses a hand-written update of the shared parameters before
-        # it runs (strategies/data_parallel/hand_updates.py); no log: no other dispatch mode.
+        # it runs (strategies/data_parallel/cpu_threads/hand_updates.py); no log: no other dispatch mode.
         assert sorted(train([8])) == [("MainThread", 1), ("stratagem-replica-1", 1)]
         # From the second step, no dispatch mode on any replica thread (the unlogged path pays nothing).
         assert sorted(train([8])) == [("MainThread", 0), ("stratagem-replica-1", 0)]

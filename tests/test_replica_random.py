@@ -2,7 +2,7 @@
 
 The replicas of one CPU are threads sharing torch's one CPU generator; before, their dropout masks came from
 it in the order the threads ran, so two runs with one seed differed. Each replica but the first now draws from
-its own generator seeded from the base seed (strategies/data_parallel/replica_random.py). The tests force the
+its own generator seeded from the base seed (strategies/data_parallel/cpu_threads/replica_random.py). The tests force the
 threads to interleave differently in each run (a random pause, from an unseeded Python generator, between
 the dropout layers), so that without per-replica generators the runs differ."""
 
@@ -17,7 +17,7 @@ from conftest import cpu_registry
 from torch import nn
 
 import stratagem as sg
-from stratagem.strategies.data_parallel.replica_random import ReplicaRandom, ReplicaRandomPart
+from stratagem.strategies.data_parallel.cpu_threads.replica_random import ReplicaRandom, ReplicaRandomPart
 from stratagem.strategies.data_parallel.step_part import Built, RunState
 
 _jitter = random.Random()  # seeded from the OS: the interleaving differs from run to run
@@ -145,7 +145,7 @@ def _part_after_steps(model: nn.Module, draws: list[bool]) -> tuple[ReplicaRando
 def test_the_mode_stays_off_where_nothing_draws_and_comes_back_with_a_warning(caplog) -> None:
     _, on = _part_after_steps(nn.Linear(2, 2), [False, False, False])
     assert on == [False, False, False]  # a model that draws nothing never runs under the mode
-    with caplog.at_level("WARNING", logger="stratagem.strategies.data_parallel.replica_random"):
+    with caplog.at_level("WARNING", logger="stratagem.strategies.data_parallel.cpu_threads.replica_random"):
         _, on = _part_after_steps(nn.Linear(2, 2), [False, False, True, True])
     assert on == [False, False, False, True]  # step 3 drew from torch's generator: from step 4 on
     assert "Step 3 drew random numbers from torch's CPU generator" in caplog.text

@@ -1,7 +1,7 @@
 """``stratagem native``: the opt-in native speed-ups, built ahead of time.
 
 Exact BatchNorm between CPU replica threads of one process runs its meetings in Python unless its C++ meeting
-(strategies/data_parallel/batch_norm_native.cpp) is built on the machine; `distribute` never builds it.
+(strategies/data_parallel/cpu_threads/batch_norm_native.cpp) is built on the machine; `distribute` never builds it.
 
     $ pip install 'stratagem[native]'      # ninja (and a C++ compiler from the system)
     $ stratagem native build               # once per machine, about 30 s on 2 cores
@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from stratagem.errors import InputError
-    from stratagem.strategies.data_parallel import batch_norm_native
+    from stratagem.strategies.data_parallel.cpu_threads import batch_norm_native
 
     if args.action == "status":
         module, reason = batch_norm_native.extension()

@@ -48,11 +48,20 @@ class Metric(abc.ABC):
         """The metric from the state summed over every replica, worker and step."""
 
 
-class Accuracy(Metric):
+class _Mean(Metric):
+    """A mean over examples (or elements): the state is their sum and their count, the result the ratio (NaN
+    when nothing was counted)."""
+
+    state_size = 2
+
+    def result(self, totals: torch.Tensor) -> float:
+        return _ratio(totals[0], totals[1])
+
+
+class Accuracy(_Mean):
     """Share of examples whose predicted class (argmax over dim 1) equals the integer target."""
 
     name = "accuracy"
-    state_size = 2
 
     def state(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if outputs.dim() < 2:
@@ -63,30 +72,22 @@ class Accuracy(Metric):
         correct = (outputs.argmax(dim=1) == targets).sum()
         return torch.stack([correct.to(torch.float64), _count(targets)])
 
-    def result(self, totals: torch.Tensor) -> float:
-        return _ratio(totals[0], totals[1])
 
-
-class BinaryAccuracy(Metric):
+class BinaryAccuracy(_Mean):
     """Share of examples whose score (a logit) is on the side of 0 that its 0/1 target says."""
 
     name = "binary_accuracy"
-    state_size = 2
 
     def state(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         predicted = (outputs.reshape(targets.shape) > 0).to(targets.dtype)
         correct = (predicted == targets).sum()
         return torch.stack([correct.to(torch.float64), _count(targets)])
 
-    def result(self, totals: torch.Tensor) -> float:
-        return _ratio(totals[0], totals[1])
 
-
-class MeanSquaredError(Metric):
+class MeanSquaredError(_Mean):
     """Mean over every element of (output - target) squared."""
 
     name = "mse"
-    state_size = 2
 
     def state(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         diff = outputs.to(torch.float64) - targets.to(torch.float64).reshape(outputs.shape)
@@ -94,24 +95,17 @@ class MeanSquaredError(Metric):
             [(diff * diff).sum(), torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)]
         )
 
-    def result(self, totals: torch.Tensor) -> float:
-        return _ratio(totals[0], totals[1])
 
-
-class MeanAbsoluteError(Metric):
+class MeanAbsoluteError(_Mean):
     """Mean over every element of |output - target|."""
 
     name = "mae"
-    state_size = 2
 
     def state(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         diff = outputs.to(torch.float64) - targets.to(torch.float64).reshape(outputs.shape)
         return torch.stack(
             [diff.abs().sum(), torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)]
         )
-
-    def result(self, totals: torch.Tensor) -> float:
-        return _ratio(totals[0], totals[1])
 
 
 METRICS: dict[str, type[Metric]] = {

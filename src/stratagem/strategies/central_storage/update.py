@@ -31,11 +31,11 @@ from stratagem.strategies.central_storage.parts import (
     ReduceToCentralDevice,
 )
 from stratagem.strategies.data_parallel.combine import LocalCombine
-from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard, InPlaceWatch
+from stratagem.strategies.data_parallel.cpu_threads.hand_updates import HandUpdateGuard, InPlaceWatch
+from stratagem.strategies.data_parallel.cpu_threads.shared_parameters import alias_parameters
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices, nccl_available
 from stratagem.strategies.data_parallel.replica_copy import copy_replica
-from stratagem.strategies.data_parallel.shared_parameters import alias_parameters
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 
 logger = logging.getLogger(__name__)

@@ -44,8 +44,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import InputError
-from stratagem.strategies.data_parallel import batch_norm_native
 from stratagem.strategies.data_parallel.batch_norm_function import Call, Combine, GlobalBatchNormFunction
+from stratagem.strategies.data_parallel.cpu_threads import batch_norm_native
 from stratagem.strategies.data_parallel.empty_slices import standing_in
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier
 from stratagem.strategies.replica_context import current_replica_context

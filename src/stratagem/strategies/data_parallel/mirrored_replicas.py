@@ -3,7 +3,7 @@ optimizer that updates them all (`MirroredReplicas`, the part the replica set bu
 
 Replica 0 is the model itself, moved to the first device; every other replica is a deep copy on its
 own device. Replicas that share one copy of the parameters (logical devices of one CPU, see
-strategies/data_parallel/shared_parameters.py) get a `ShardedOptimizer`, each replica updating 1/N of the parameters;
+strategies/data_parallel/cpu_threads/shared_parameters.py) get a `ShardedOptimizer`, each replica updating 1/N of the parameters;
 otherwise each replica gets its own copy of the optimizer (`DistributedOptimizer`), with the state
 the user's optimizer already had.
 """
@@ -19,12 +19,12 @@ from torch import nn
 from stratagem.diagnose import PlacementDecision
 from stratagem.strategies.data_parallel import cuda_numerics, placement
 from stratagem.strategies.data_parallel.compiled import make_room_for_replicas
+from stratagem.strategies.data_parallel.cpu_threads.hand_updates import HandUpdateGuard, InPlaceWatch
+from stratagem.strategies.data_parallel.cpu_threads.shared_parameters import ShardedOptimizer, alias_parameters
 from stratagem.strategies.data_parallel.distributed import DistributedModel, DistributedOptimizer, replicate_optimizer
-from stratagem.strategies.data_parallel.hand_updates import HandUpdateGuard, InPlaceWatch
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.replica_copy import copy_replica
-from stratagem.strategies.data_parallel.shared_parameters import ShardedOptimizer, alias_parameters
 from stratagem.strategies.data_parallel.step_part import Built, ReplicaBuilder, RunState
 
 

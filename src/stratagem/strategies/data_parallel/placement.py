@@ -21,7 +21,7 @@ from stratagem import diagnose, environ
 from stratagem.cluster import allocator
 from stratagem.diagnose import PlacementDecision
 from stratagem.errors import GpuUnavailableError, InputError, MemoryEstimateError
-from stratagem.strategies.data_parallel.shared_parameters import why_not_shareable
+from stratagem.strategies.data_parallel.cpu_threads.shared_parameters import why_not_shareable
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def decide_sharing(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
 ) -> tuple[bool, PlacementDecision | None]:
-    """Whether the replicas share one copy of the parameters (see strategies/data_parallel/shared_parameters.py); no decision
+    """Whether the replicas share one copy of the parameters (see strategies/data_parallel/cpu_threads/shared_parameters.py); no decision
     for one replica."""
     if len(devices) == 1:
         return False, None

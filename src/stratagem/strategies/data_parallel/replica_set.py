@@ -33,13 +33,13 @@ from stratagem.errors import InputError
 from stratagem.strategies import run_inputs
 from stratagem.strategies.data_parallel.accumulation import LocalAccumulation
 from stratagem.strategies.data_parallel.combine import LocalCombination, LocalCombine
+from stratagem.strategies.data_parallel.cpu_threads.replica_random import ReplicaRandomPart
 from stratagem.strategies.data_parallel.distributed import check_optimizer_supported
 from stratagem.strategies.data_parallel.empty_slices import EmptySlices
 from stratagem.strategies.data_parallel.host import ReplicaHost
 from stratagem.strategies.data_parallel.outside_changes import OutsideChanges
 from stratagem.strategies.data_parallel.placement import ReplicaDevices
 from stratagem.strategies.data_parallel.profiling import warn_if_profiling_one_thread
-from stratagem.strategies.data_parallel.replica_random import ReplicaRandomPart
 from stratagem.strategies.data_parallel.replicas import ReplicaBarrier, ReplicaPool
 from stratagem.strategies.data_parallel.set_parts import (
     AcrossWorkers,

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import WireFormatError
-from stratagem.strategies.data_parallel.shared_parameters import ELEMENTWISE_OPTIMIZERS
+from stratagem.strategies.data_parallel.cpu_threads.shared_parameters import ELEMENTWISE_OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.diagnose import PlacementDecision
+from stratagem.strategies.data_parallel.cpu_threads.hand_updates import run_keeping_versions
 from stratagem.strategies.data_parallel.cuda_numerics import replica_seed
-from stratagem.strategies.data_parallel.hand_updates import run_keeping_versions
 from stratagem.strategies.data_parallel.step_part import Built, RunState, StepPart
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,10 @@ the parameter, its shape and the fix, in two ways (`HandUpdateGuard`):
   subtracted, `written`), is compared with its value at the step's start. This catches a change that starts
   later in training, after it took effect.
 
+Two mechanisms for one refusal because neither does both jobs: the dispatch mode refuses before any replica has
+written (nothing to undo) but costs a Python call per operator, and the version counters cost nothing per
+operator but see a change only once it has landed.
+
 CentralStorage watches its compute copies too: a change there is overwritten by the central parameters at the
 next step. Changes made through `p.data` touch another tensor object and move no counter of `p`, so neither
 way sees them (a WGAN's `p.data.clamp_` on shared parameters is idempotent, and trains as on one device); the
