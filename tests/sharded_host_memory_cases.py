@@ -14,8 +14,8 @@ WIDTH = 256  # each weight 256 KiB in float32: above the strategy's 64 KiB mappi
 
 
 def host_memory_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
-    """Per choice: the parameters after 6 steps (full, gathered), minor page faults per step over steps 3-6, and
-    what explain() and the plan say."""
+    """Per choice: the parameters after 6 steps (full, gathered), minor page faults per step over steps 3-6, what
+    explain() and the plan say, and the worker's flight record of its last collectives."""
     import stratagem as sg
 
     g = torch.Generator().manual_seed(1)
@@ -47,6 +47,7 @@ def host_memory_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]
                 "faults_per_step": faults / (len(batches) - 2),
                 "explain": str(strategy.explain()),
                 "allocator": strategy.memory_plan().allocator,
+                "flight": strategy.worker_group.cross_worker.flight.entries(),
             }
         finally:
             strategy.close()

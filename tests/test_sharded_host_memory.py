@@ -72,3 +72,13 @@ def test_reuse_trains_the_same_parameters_without_the_page_faults():
         assert "host memory freed by a step: release" in release["explain"], release["explain"]
         assert "host memory freed by a step: reuse" in reuse["explain"], reuse["explain"]
         assert "host_memory='reuse'" in reuse["allocator"] and "host_memory" not in release["allocator"]
+        # The units' all-gathers and reduce-scatters are in the worker's flight record (collective/flight.py), in
+        # order and ended: 3 units of one Linear each (the root holds none), one of each per step at stage 2.
+        flight = reuse["flight"]
+        units = [e for e in flight if e["what"] in ("all-gather of parameters", "reduce-scatter of gradients")]
+        assert [e["seq"] for e in flight] == list(range(flight[0]["seq"], flight[0]["seq"] + len(flight)))
+        for step in range(1, 6):  # the strategy counts steps from 0 while they run
+            ops = [(e["op"], e["what"]) for e in units if e["step"] == step]
+            assert ops.count(("all_gather", "all-gather of parameters")) == 3, (step, ops)
+            assert ops.count(("reduce_scatter", "reduce-scatter of gradients")) == 3, (step, ops)
+        assert all(e["state"] == "done" and e["transport"] == "shared memory" for e in units), units

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 if TYPE_CHECKING:
+    from stratagem.collective.flight import FlightRecord
     from stratagem.shm.sums import SharedMemoryGroup
     from stratagem.strategies.worker_group.step_agreement import StepAgreement
 
@@ -26,7 +27,14 @@ class WeightedReduceScatter(ReduceScatter):
     Through `shared` (every worker on this host) when it takes the tensors, else through the process group;
     `step` names the step in a shared-memory wait's error."""
 
-    def __init__(self, shared: SharedMemoryGroup | None = None, step: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        shared: SharedMemoryGroup | None = None,
+        step: Callable[[], int] = lambda: 0,
+        flight: FlightRecord | None = None,
+    ) -> None:
+        self.flight = flight
+        """The worker's record of its last collectives (`collective/flight.py`), kept when set."""
         self.weight = 1.0
         """This rank's weight in the current backward: n_r / N, or c_r / sum c for declared loss weights."""
         self.shared = shared
@@ -44,6 +52,15 @@ class WeightedReduceScatter(ReduceScatter):
         group: dist.ProcessGroup,
         op: object,
         async_op: bool = False,
+    ) -> dist.Work | None:
+        flown = _enter(self.flight, "reduce_scatter", "reduce-scatter of gradients", self.step, input_tensor)
+        work = self._reduce_scatter(output_tensor, input_tensor, group, async_op)
+        if flown is not None and work is None:
+            self.flight.done(flown)  # type: ignore[union-attr]
+        return work
+
+    def _reduce_scatter(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
     ) -> dist.Work | None:
         extra = None if self.rider is None or async_op else self.rider.ride(input_tensor.dtype, input_tensor.device)
         shared = self.shared
@@ -99,9 +116,10 @@ class SharedMemoryAllGather(AllGather):
     """FSDP2's all-gather of a unit's shards through one host's shared memory (the process group for tensors it
     does not take: not on the CPU, or not contiguous)."""
 
-    def __init__(self, shared: SharedMemoryGroup, step: Callable[[], int]) -> None:
+    def __init__(self, shared: SharedMemoryGroup, step: Callable[[], int], flight: FlightRecord | None = None) -> None:
         self.shared = shared
         self.step = step
+        self.flight = flight
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -114,9 +132,21 @@ class SharedMemoryAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         if _on_host(output_tensor) and _on_host(input_tensor):
+            flown = _enter(self.flight, "all_gather", "all-gather of parameters", self.step, input_tensor)
             self.shared.all_gather_into_(output_tensor, input_tensor, what="all-gather of parameters", step=self.step())
+            if flown is not None:
+                self.flight.done(flown)  # type: ignore[union-attr]
             return None
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _enter(
+    flight: FlightRecord | None, op: str, what: str, step: Callable[[], int], tensor: torch.Tensor
+) -> int | None:
+    """The collective entered in `flight` (its sequence number), when there is one."""
+    if flight is None:
+        return None
+    return flight.enter(op, what, step(), tensor.nbytes, "shared memory" if _on_host(tensor) else "process group")
 
 
 def _through_gloo(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:

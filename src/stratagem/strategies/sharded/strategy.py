@@ -144,6 +144,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         except BaseException:
             self._group.close(release=False)  # refused (shared_memory=True where it cannot be): nothing left open
             raise
+        self._flight = self._group.cross_worker.flight  # the units' collectives kept beside the worker group's
         self._agreement = StepAgreement(self._group, enabled=check_batches)
         self._batch_agreement = self._agreement.batch
         self._state_shards = ShardedStateShards(self._group)
@@ -242,7 +243,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         )
         units = [m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")]
-        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps)
+        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps, self._flight)
         if self._comms:
             comm.weight = self._comms[0].weight
         comm.rider = self._agreement  # the batch check rides the step's first reduce-scatter (agreement.py)
@@ -307,7 +308,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._check_distribute_args(model, optimizer, None)
         plan = self._memory.plan(list(model.parameters()), optimizer, built.cut)
         units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
-        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps)
+        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps, self._flight)
         if self._comms:
             comm.weight = self._comms[0].weight
         comm.rider = self._agreement

@@ -166,7 +166,11 @@ class ShardedTrace:
                 )
                 self._units.append(comms)
                 # As weighting.weigh_gradients installed them: the shared-memory all-gather where it connected one.
-                gather = default_all_gather() if shared is None else SharedMemoryAllGather(shared, self._step)
+                gather = (
+                    default_all_gather()
+                    if shared is None
+                    else SharedMemoryAllGather(shared, self._step, self._group.cross_worker.flight)
+                )
                 unit.set_custom_all_gather(TracedAllGather(gather, comms))  # type: ignore[operator]
                 unit.set_custom_reduce_scatter(TracedReduceScatter(comm, comms))  # type: ignore[operator]
             self._hook_forward(model)

@@ -26,24 +26,28 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
+    from stratagem.collective.flight import FlightRecord
     from stratagem.shm.sums import SharedMemoryGroup
     from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 
 
 def weigh_gradients(
-    modules: Sequence[nn.Module], shared: SharedMemoryGroup | None = None, step: Callable[[], int] = lambda: 0
+    modules: Sequence[nn.Module],
+    shared: SharedMemoryGroup | None = None,
+    step: Callable[[], int] = lambda: 0,
+    flight: FlightRecord | None = None,
 ) -> WeightedReduceScatter:
     """Makes every sharded module of the model reduce with a weighted SUM; returns the comm whose weight `run` sets.
 
     With `shared` (every worker on this host: transport.py) both of a unit's collectives go through shared memory;
-    `step` numbers the step in their errors."""
+    `step` numbers the step in their errors; `flight` keeps them in the worker's record of its last collectives."""
     from stratagem.strategies.sharded.reduce_scatter import (  # imports FSDP: see its module
         SharedMemoryAllGather,
         WeightedReduceScatter,
     )
 
-    comm = WeightedReduceScatter(shared, step)
-    gather = None if shared is None else SharedMemoryAllGather(shared, step)
+    comm = WeightedReduceScatter(shared, step, flight)
+    gather = None if shared is None else SharedMemoryAllGather(shared, step, flight)
     for module in modules:
         module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         module.set_gradient_divide_factor(1.0)  # type: ignore[operator]
