@@ -123,3 +123,18 @@ def test_at_3_workers_a_sleep_in_worker_2s_backward_is_named_within_20_steps(tmp
     means = report.means()
     assert means["worker:0"]["peers_ms"] >= 40 and means["worker:1"]["peers_ms"] >= 40, means
     assert means["worker:2"]["peers_ms"] < 10, means
+
+
+def test_at_3_workers_a_sleep_in_worker_1s_data_loading_is_named_as_input_within_20_steps(tmp_path):
+    code, outcomes, lines = launch_json_workers(
+        "trace_train.py",
+        {"TR_DIR": tmp_path, "TR_SLOW_RANK": 1, "TR_SLOW_MS": 50, "TR_PHASE": "input", "TR_STEPS": 25},
+        timeout=150,
+        workers=3,
+    )
+    assert code == 0, "\n".join(lines[-30:])
+    report = summarize(load(tmp_path))
+    assert [(w.task, w.phase) for w in report.named] == [("worker:1", "input")], report.late_steps
+    assert report.named[0].step <= 20 and report.named[0].margin_ms >= 40, report.named
+    means = report.means()
+    assert means["worker:1"]["input_ms"] >= 40 and means["worker:0"]["input_ms"] < 10, means
