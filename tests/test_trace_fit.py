@@ -77,6 +77,28 @@ def test_fit_with_trace_on_mirrored_puts_each_replica_thread_on_a_track_of_its_o
         assert row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
 
 
+def test_each_backup_save_is_a_span_of_the_trace(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(3)]
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    backup = sg.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2, delete_checkpoint=False)
+    try:
+        sg.fit(strategy, net, torch.optim.SGD(net.parameters(), lr=0.01), F.cross_entropy, data, epochs=2,
+               callbacks=[backup], trace=tmp_path / "trace")  # fmt: skip
+    finally:
+        strategy.close()
+    document = _merged(tmp_path / "trace")
+    assert problems(document) == []
+    saves = [e for e in document["traceEvents"] if e["ph"] == "X" and e["cat"] == "backup"]
+    # Every other of the 6 steps, on the training thread, between the steps (no step span contains one).
+    assert [e["name"] for e in saves] == ["backup of step 2", "backup of step 4", "backup of step 6"], saves
+    steps = [e for e in document["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"]
+    for save in saves:
+        assert not any(s["ts"] < save["ts"] < s["ts"] + s["dur"] for s in steps), save
+
+
 def test_fit_refuses_a_trace_of_a_strategy_that_records_none_before_any_work(tmp_path):
     net = nn.Linear(4, 2)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]

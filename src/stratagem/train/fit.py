@@ -176,7 +176,7 @@ def fit(
     # worker) serves from here until the chief ends the job.
     strategy.prepare_fit_steps({"train": train_step, "eval": eval_step}, model)
     try:
-        with traced_run(strategy, trace, is_chief=context.is_chief):
+        with traced_run(strategy, trace, is_chief=context.is_chief) as context.recorder:
             history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps, signals)
     except BaseException:
         for callback in callbacks:

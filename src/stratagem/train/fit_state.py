@@ -107,6 +107,9 @@ class TrainingContext:
     callbacks: list[Any] = field(default_factory=list)
     """The run's callbacks (each a `stratagem.train.Callback`, checked by `fit`; not named here, since callback.py
     names this module's types); those with ``state_dict``/``load_state_dict`` travel in backups."""
+    recorder: Any = None
+    """The trace's recorder while `fit(trace=DIR)` records (a `stratagem.trace.Recorder`), else None: a callback's
+    own work on the training thread (a backup's save) becomes a span of it."""
 
     @property
     def examples_per_epoch(self) -> int | None:

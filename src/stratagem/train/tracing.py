@@ -15,6 +15,7 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.trace import Traceable
 from stratagem.trace.merge import merge
+from stratagem.trace.recorder import Recorder
 
 
 def check_trace(strategy: Strategy, directory: str | Path | None) -> None:
@@ -33,16 +34,29 @@ def check_trace(strategy: Strategy, directory: str | Path | None) -> None:
 
 
 @contextlib.contextmanager
-def traced_run(strategy: Strategy, directory: str | Path | None, *, is_chief: bool) -> Iterator[Path | None]:
+def traced_span(recorder: Recorder | None, category: str, name: str) -> Iterator[None]:
+    """The block as a span of `recorder` on the calling thread, while it records (nothing otherwise)."""
+    if recorder is None or not recorder.on:
+        yield
+        return
+    start = recorder.now()
+    try:
+        yield
+    finally:
+        recorder.span(category, name, start, recorder.now())
+
+
+@contextlib.contextmanager
+def traced_run(strategy: Strategy, directory: str | Path | None, *, is_chief: bool) -> Iterator[Recorder | None]:
     """Traces the steps run inside the block into `directory` (nothing when None). On a clean exit every worker
-    waits for the others' files and the chief merges them; yields where the merged file will be."""
+    waits for the others' files and the chief merges them into DIR/trace.json.gz; yields the recorder."""
     if directory is None:
         yield None
         return
     assert isinstance(strategy, Traceable), "check_trace refuses the others before any work"
     merged = Path(directory) / "trace.json.gz"
-    with strategy.trace(directory):
-        yield merged
+    with strategy.trace(directory) as recorder:
+        yield recorder
     strategy.barrier()  # every worker's file is written before the chief reads them
     if is_chief:
         merge(directory, merged)

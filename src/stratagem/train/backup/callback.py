@@ -33,6 +33,7 @@ from stratagem.train.checkpoint import (
     save_checkpoint,
 )
 from stratagem.train.preemption import StopSignals
+from stratagem.train.tracing import traced_span
 
 if TYPE_CHECKING:
     from stratagem.strategies.state_shards import StateShards
@@ -326,6 +327,11 @@ class BackupAndRestore(Callback):
                 pass
 
     def _save(self, context: TrainingContext) -> None:
+        # The save's time on the training thread (a copy, or the whole write without a thread), in the trace.
+        with traced_span(context.recorder, "backup", f"backup of step {context.step}"):
+            self._save_now(context)
+
+    def _save_now(self, context: TrainingContext) -> None:
         if self._shards is not None:
             self._save_sharded(context, self._shards)
             return
