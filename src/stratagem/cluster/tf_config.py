@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,10 +63,49 @@ def split_address(address: str, *, where: str = "address") -> tuple[str, int]:
     return host, int(port_text)
 
 
+_MAX_DEPTH = 64
+"""A TF_CONFIG nests 4 levels; deeper text is refused before anything recurses over it (an error message shows
+the value, and `repr` recurses), so the error does not depend on how deep the caller's stack is."""
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests lists or dicts more than `limit` deep; without recursion."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _json_loads(text: str) -> Any:
+    """`json.loads(text)` on a thread of its own. json's decoder recurses once per nested array or object, so
+    whether deep nesting ends in a RecursionError or in the JSONDecodeError of a malformed text would otherwise
+    depend on how deep the caller's stack already is: the same TF_CONFIG gave two different errors, read directly
+    and through `resolve_cluster`. A new thread starts at the same depth whoever calls."""
+    outcome: list[Any] = []
+
+    def read() -> None:
+        try:
+            outcome.append((json.loads(text), None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread below
+            outcome.append((None, exc))
+
+    reader = threading.Thread(target=read, name="stratagem-tf-config")
+    reader.start()
+    reader.join()
+    value, error = outcome[0]
+    if error is not None:
+        raise error
+    return value
+
+
 def _load(config: Mapping[str, Any] | str) -> Mapping[str, Any]:
     if isinstance(config, str):
         try:
-            config = json.loads(config)
+            config = _json_loads(config)
         except json.JSONDecodeError as exc:
             raise _fail(
                 f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
@@ -82,6 +122,12 @@ def _load(config: Mapping[str, Any] | str) -> Mapping[str, Any]:
             raise _fail(
                 f"is not JSON that can be read ({str(exc)[:80]})", _show(config), f"Write it as JSON, e.g. {_EXAMPLE}"
             ) from None
+        if _deeper_than(config, _MAX_DEPTH):
+            raise _fail(
+                "nests arrays or objects too deeply to read",
+                f"<nested more than {_MAX_DEPTH} levels>",
+                f"Write it as a flat object, e.g. {_EXAMPLE}",
+            )
     if not isinstance(config, Mapping):
         raise _fail("is not a JSON object", _show(config), f"Write it as an object, e.g. {_EXAMPLE}")
     unknown = [key for key in config if key not in _TOP_LEVEL_KEYS]
