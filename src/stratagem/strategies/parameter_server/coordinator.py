@@ -210,12 +210,12 @@ class ClusterCoordinator:
         self._threads: list[threading.Thread] = []
         self._heartbeats: list[Heartbeat] = []
         strategy.coordinator_timeouts = self.timeouts()
-        if not strategy.is_chief:
+        if not strategy.tasks.is_coordinator:
             return  # a worker task: schedule() serves instead
-        for task, address in strategy.worker_addresses():
-            client = Client(address, WORKER_SERVICE, security=strategy.security, task=task)
+        for task, address in strategy.tasks.workers:
+            client = Client(address, WORKER_SERVICE, security=strategy.tasks.security, task=task)
             beat = Heartbeat(
-                Client(address, WORKER_SERVICE, security=strategy.security, task=task),
+                Client(address, WORKER_SERVICE, security=strategy.tasks.security, task=task),
                 interval=self.heartbeat_interval,
                 timeout=self.heartbeat_timeout,
             )
@@ -245,7 +245,7 @@ class ClusterCoordinator:
     # ---- user API ----------------------------------------------------------------------------
     def create_per_worker_dataset(self, dataset_fn: Callable[[], Any]) -> PerWorkerDataset:
         """A dataset made on every worker by calling ``dataset_fn()`` there (a module-level function)."""
-        return PerWorkerDataset(functions.function_ref(dataset_fn, local_ok=self.strategy.workers_in_process))
+        return PerWorkerDataset(functions.function_ref(dataset_fn, local_ok=self.strategy.tasks.workers_in_process))
 
     def schedule(
         self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
@@ -255,10 +255,10 @@ class ClusterCoordinator:
         Example:
             >>> loss = coordinator.schedule(train_step, args=(iterator,))   # doctest: +SKIP
         """
-        if not self.strategy.is_chief:
+        if not self.strategy.tasks.is_coordinator:
             self.strategy.serve_as_worker()
         kwargs = dict(kwargs or {})
-        fn_ref = functions.function_ref(fn, local_ok=self.strategy.workers_in_process)
+        fn_ref = functions.function_ref(fn, local_ok=self.strategy.tasks.workers_in_process)
         # Refuse values that cannot travel now, before any work starts (RemoteValues are resolved later).
         checker = functions.Encoder(
             lambda v: {} if isinstance(v, (RemoteValue, PerWorkerIterator, PerWorkerDataset)) else None
@@ -281,7 +281,7 @@ class ClusterCoordinator:
     def join(self, timeout: float | None = None) -> None:
         """Waits until every scheduled function has finished; re-raises the first error (once)."""
         timeout = check_optional_seconds("timeout", timeout)
-        if not self.strategy.is_chief:
+        if not self.strategy.tasks.is_coordinator:
             self.strategy.serve_as_worker()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -297,7 +297,7 @@ class ClusterCoordinator:
 
     def done(self) -> bool:
         """True when nothing scheduled is left; re-raises the first error."""
-        if not self.strategy.is_chief:
+        if not self.strategy.tasks.is_coordinator:
             self.strategy.serve_as_worker()
         with self._cv:
             self._raise_error(clear=True)
@@ -305,7 +305,7 @@ class ClusterCoordinator:
 
     def fetch(self, values: Any) -> Any:
         """The results of a structure of ``RemoteValue``s (waits for each)."""
-        if not self.strategy.is_chief:
+        if not self.strategy.tasks.is_coordinator:
             self.strategy.serve_as_worker()
         return _fetched(values)
 

@@ -64,7 +64,7 @@ def prepare_fit_steps(strategy: ParameterServerTasks, steps: Mapping[str, StepFn
             raise InputError(f"A fit step must be callable. Received: {role}={step!r}. Report this as a bug.")
     with _lock:
         _steps.update({role: (step, model) for role, step in steps.items()})
-    if not strategy.is_chief:
+    if not strategy.tasks.is_coordinator:
         strategy.serve_as_worker()  # raises SystemExit when the chief ends the job
 
 

@@ -50,6 +50,7 @@ from stratagem.strategies.parameter_server.partitioners import Partitioner, plac
 from stratagem.strategies.parameter_server.tasks import CHIEF_SERVICE as CHIEF_SERVICE
 from stratagem.strategies.parameter_server.tasks import STOP_GRACE_SECONDS as STOP_GRACE_SECONDS
 from stratagem.strategies.parameter_server.tasks import InProcessCluster as InProcessCluster
+from stratagem.strategies.parameter_server.tasks import TaskPlan
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
 from stratagem.strategies.parameter_server.variables import ShardedVariables
 from stratagem.strategies.parameter_server.worker import (
@@ -111,8 +112,6 @@ class ParameterServerStrategy(Strategy):
         rpc_timeout = check_seconds("rpc_timeout", rpc_timeout)
         chief_timeout = check_seconds("chief_timeout", chief_timeout)
         ps_exit_delay = check_seconds("ps_exit_delay", ps_exit_delay, allow_zero=True)
-        self.workers_in_process = isinstance(cluster_resolver, InProcessCluster)
-        """The workers are threads of this process (an `InProcessCluster`), not tasks of their own."""
         self._in_process = cluster_resolver if isinstance(cluster_resolver, InProcessCluster) else None
         if isinstance(cluster_resolver, InProcessCluster):
             cluster = cluster_resolver.cluster
@@ -161,13 +160,20 @@ class ParameterServerStrategy(Strategy):
                 "No cluster token. Received: neither cluster_token= nor STRATAGEM_CLUSTER_TOKEN. Run under "
                 "`stratagem launch` (it makes one), or give every task the same secret in STRATAGEM_CLUSTER_TOKEN."
             )
-        self.security = Security(token=token, certificate=certificate, private_key=private_key, server_name=server_name)
-        """The cluster token and TLS settings every RPC of this job uses."""
+        security = Security(token=token, certificate=certificate, private_key=private_key, server_name=server_name)
         self._model: ParameterServerModel | None = None
         self._fit_coordinator: ClusterCoordinator | None = None
         self._shutdown_hooks: list[Callable[[], None]] = []
         self._worker_service: WorkerService | None = None
-        self._is_coordinator = cluster.task_type == "chief" or (cluster.is_chief and cluster.task_type == "worker")
+        self.tasks = TaskPlan(
+            task=cluster.task_name,
+            is_coordinator=cluster.task_type == "chief" or (cluster.is_chief and cluster.task_type == "worker"),
+            workers_in_process=isinstance(cluster_resolver, InProcessCluster),
+            workers=tuple((f"worker:{i}", a) for i, a in enumerate(cluster.addresses["worker"])),
+            parameter_servers=tuple(self._ps_addresses),
+            security=security,
+        )
+        """This task's place in the job (tasks.py): role, workers, parameter servers, security."""
         task = cluster.task_name
         if cluster.task_type == "ps":
             self._serve_as_ps()
@@ -175,38 +181,38 @@ class ParameterServerStrategy(Strategy):
             raise InputError(
                 f"This strategy has no evaluator role. Received: task {task}. Run evaluation in the chief's script."
             )
-        elif cluster.task_type == "worker" and not self.workers_in_process:
+        elif cluster.task_type == "worker" and not self.tasks.workers_in_process:
             # Worker 0 inside the chief (no 'chief' task) is ready at once: the chief's script is already running.
             self._worker_service = WorkerService(
                 task,
-                security=self.security,
+                security=self.tasks.security,
                 address=cluster.addresses["worker"][cluster.task_index],
-                ready=self._is_coordinator,
+                ready=self.tasks.is_coordinator,
             )
         self._chief_server: Server | None = None
-        if cluster.task_type == "chief" and not self.workers_in_process:
+        if cluster.task_type == "chief" and not self.tasks.workers_in_process:
             # Parameter servers and workers ping it, so they stop serving when the chief is gone.
             self._chief_server = Server(
                 CHIEF_SERVICE,
                 {"Ping": lambda op, meta, tensors: ("pong", None, {})},
-                security=self.security,
+                security=self.tasks.security,
                 address=cluster.addresses["chief"][0],
             )
-        if self._is_coordinator:
+        if self.tasks.is_coordinator:
             atexit.register(self.shutdown)
         logger.info(
             "ParameterServerStrategy on %s: %d ps, %d workers, coordinator=%s",
             task,
             len(self._ps_addresses),
             len(cluster.addresses["worker"]),
-            self._is_coordinator,
+            self.tasks.is_coordinator,
         )
 
     # ---- roles (tasks.py) ------------------------------------------------------------------------
     def _serve_as_ps(self) -> None:
         tasks.serve_as_ps(
             self.cluster,
-            self.security,
+            self.tasks.security,
             self._ps_addresses[self.cluster.task_index],
             chief_timeout=self.chief_timeout,
             check_seconds=CHIEF_CHECK_SECONDS,
@@ -217,16 +223,12 @@ class ParameterServerStrategy(Strategy):
         """On a worker task: serves scheduled functions until the chief ends the job (raises SystemExit)."""
         tasks.serve_as_worker(
             self.cluster,
-            self.security,
+            self.tasks.security,
             self._worker_service,
             distributed=self._model is not None,
             chief_timeout=self.chief_timeout,
             check_seconds=CHIEF_CHECK_SECONDS,
         )
-
-    def worker_addresses(self) -> list[tuple[str, str]]:
-        """(task, address) of each worker, whose service the coordinator calls."""
-        return [(f"worker:{i}", address) for i, address in enumerate(self.cluster.addresses["worker"])]
 
     def on_shutdown(self, hook: Callable[[], None]) -> None:
         """`hook` runs at `shutdown()` (the coordinator closes its dispatch threads there)."""
@@ -271,12 +273,12 @@ class ParameterServerStrategy(Strategy):
         variables = ShardedVariables(
             shards,
             self._ps_addresses,
-            security=self.security,
+            security=self.tasks.security,
             rpc_timeout=self.rpc_timeout,
             shared_memory=self.shared_memory,
             task=self.cluster.task_name,
         )
-        if self._is_coordinator:
+        if self.tasks.is_coordinator:
             variables.create(dict(named), optimizer)
         self._model = ParameterServerModel(model, shards, self._ps_addresses, variables, self.rpc_timeout)
         if optimizer is None:
@@ -294,7 +296,7 @@ class ParameterServerStrategy(Strategy):
     @property
     def is_chief(self) -> bool:
         """True in the coordinator, the task that drives training and reports."""
-        return self._is_coordinator
+        return self.tasks.is_coordinator
 
     @property
     def distributed_model(self) -> ParameterServerModel | None:
@@ -367,12 +369,12 @@ class ParameterServerStrategy(Strategy):
 
     def save(self, path: str) -> None:
         """Writes every variable and its optimizer state to ``path`` (on the chief; other tasks do nothing)."""
-        if self._is_coordinator:
+        if self.tasks.is_coordinator:
             self._require_model("save").save(path)
 
     def restore(self, path: str) -> None:
         """Puts variables and optimizer state from ``path`` back on the parameter servers (chief only)."""
-        if self._is_coordinator:
+        if self.tasks.is_coordinator:
             self._require_model("restore").restore(path)
             self._model.pull()  # type: ignore[union-attr]
 
@@ -386,14 +388,14 @@ class ParameterServerStrategy(Strategy):
 
     def shutdown(self) -> None:
         """Ends the job (chief): the coordinator stops, workers and parameter servers are told to exit."""
-        if not self._is_coordinator:
+        if not self.tasks.is_coordinator:
             return
         for hook in self._shutdown_hooks:
             hook()
         self._shutdown_hooks.clear()
-        if not self.workers_in_process:
-            for task, address in self.worker_addresses():
-                client = Client(address, WORKER_SERVICE, security=self.security, task=task)
+        if not self.tasks.workers_in_process:
+            for task, address in self.tasks.workers:
+                client = Client(address, WORKER_SERVICE, security=self.tasks.security, task=task)
                 try:
                     client.call("Shutdown", "shutdown", timeout=5)
                 except Exception as exc:  # noqa: BLE001 - a worker already gone is fine at shutdown
@@ -402,7 +404,7 @@ class ParameterServerStrategy(Strategy):
             if self._model is not None:
                 self._model.variables.shutdown()
             else:
-                ShardedVariables([], self._ps_addresses, security=self.security).shutdown()
+                ShardedVariables([], self._ps_addresses, security=self.tasks.security).shutdown()
         if self._worker_service is not None:
             self._worker_service.stop(grace=STOP_GRACE_SECONDS)
         if self._chief_server is not None:
@@ -475,7 +477,7 @@ class ParameterServerStrategy(Strategy):
         details = {
             "workers": list(self.cluster.addresses["worker"]),
             "ps": self._ps_addresses,
-            "tls": self.security.tls,
+            "tls": self.tasks.security.tls,
             "shards": {s.name: f"ps:{s.ps} rows {s.start}:{s.stop}" for s in shards}
             if self._model is not None
             else "placed by distribute(model, optimizer)",

@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from stratagem.cluster import Cluster, free_ports
@@ -27,22 +28,36 @@ if TYPE_CHECKING:
     from stratagem.strategies.parameter_server.worker import ParameterServerModel
 
 
-class ParameterServerTasks(Protocol):
-    """What the coordinator and `fit`'s steps use of a ParameterServerStrategy (coordinator.py, fit_steps.py): this
-    task's role, the workers' addresses, the job's security, and the hooks at shutdown. Declared here, below the
-    strategy, so that neither imports the strategy's module."""
+@dataclass(frozen=True)
+class TaskPlan:
+    """This task's place in a parameter-server job, worked out from the cluster before any server starts (as
+    `cluster.worker_group.WorkerGroupPlan` is for a worker group): what the strategy, its coordinator and
+    `fit`'s steps read of it."""
 
-    coordinator_timeouts: dict[str, float] | None
-    security: Security
+    task: str
+    """This task's name, e.g. "chief", "worker:1", "ps:0"."""
+    is_coordinator: bool
+    """This task drives training: the chief, or worker 0 when the cluster has no chief."""
     workers_in_process: bool
+    """The workers are threads of this process (an `InProcessCluster`), not tasks of their own."""
+    workers: tuple[tuple[str, str], ...]
+    """(task, address) of each worker, whose service the coordinator calls."""
+    parameter_servers: tuple[str, ...]
+    """Each parameter server's address, by index."""
+    security: Security
+    """The cluster token and TLS settings every RPC of this job uses."""
 
-    @property
-    def is_chief(self) -> bool: ...
+
+class ParameterServerTasks(Protocol):
+    """What the coordinator and `fit`'s steps use of a ParameterServerStrategy (coordinator.py, fit_steps.py):
+    its task plan, the hook at shutdown, the model it placed. Declared here, below the strategy, so that neither
+    imports the strategy's module."""
+
+    tasks: TaskPlan
+    coordinator_timeouts: dict[str, float] | None
 
     @property
     def distributed_model(self) -> ParameterServerModel | None: ...
-
-    def worker_addresses(self) -> list[tuple[str, str]]: ...
 
     def on_shutdown(self, hook: Callable[[], None]) -> None: ...
 
