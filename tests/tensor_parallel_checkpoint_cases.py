@@ -12,7 +12,12 @@ import torch
 
 
 def _step(model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> None:
+    import stratagem as sg
+
     loss = cases.lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+    # The mean over the tokens with a label: on a data axis each group's mean weighs by its count, so a step there
+    # is one device's step, as on a model axis alone (tensor_parallel_cases.py).
+    sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
@@ -26,10 +31,11 @@ def _whole(model: Any) -> dict[str, Any]:
 
 
 def write_at_two(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
+    """Two model workers, or, on four ranks, a 2 x 2 mesh of data and model workers."""
     import stratagem as sg
     from stratagem.train.backup.sharded import save_sharded
 
-    mesh = sg.DeviceMesh((2,), ("model",))
+    mesh = sg.DeviceMesh((2,), ("model",)) if len(ports) == 2 else sg.DeviceMesh((2, 2), ("data", "model"))
     strategy = sg.TensorParallelStrategy(cases.layout_map(mesh), cluster=cases.cluster_of(rank, ports), timeout=120)
     try:
         user = cases.gpt2()
@@ -38,7 +44,7 @@ def write_at_two(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
         strategy.run(_step, args=(model, optimizer, batches[0]))
         after_one = _whole(model)
         state = {
-            "step": 1, "epoch": 0, "step_in_epoch": 1, "strategy": "tensor_parallel", "num_processes": 2,
+            "step": 1, "epoch": 0, "step_in_epoch": 1, "strategy": "tensor_parallel", "num_processes": len(ports),
             "optimizer_param_groups": optimizer.state_dict()["param_groups"],
         }  # fmt: skip
         backup = Path(directory) / "backup.dcp"

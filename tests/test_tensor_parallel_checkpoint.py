@@ -13,6 +13,25 @@ from stratagem.train.backup.report import export_model
 pytestmark = [pytest.mark.multiprocess]
 
 
+@pytest.mark.timeout(400)
+def test_a_backup_on_a_2x2_data_and_model_mesh_resumes_at_two_model_workers(tmp_path):
+    ports = [free_port() for _ in range(4)]
+    written = run_ranks(cases.write_at_two, range(4), args=(ports, str(tmp_path)), timeout=300)
+    for outcome in written.values():
+        assert outcome.error is None, outcome.error
+    at_2x2 = written[0].value
+    ports = [free_port(), free_port()]
+    resumed = run_ranks(cases.resume, [0, 1], args=(ports, str(tmp_path)), timeout=240)
+    for outcome in resumed.values():
+        assert outcome.error is None, outcome.error
+    there = resumed[0].value
+    for name, value in at_2x2["after one"].items():  # the data axis's copies were written once, read back whole
+        assert (there["loaded"][name] == value).all(), name
+    for name, value in at_2x2["after two"].items():
+        worst = abs(there["after two"][name] - value).max() / abs(value).max()
+        assert worst <= 1e-9, f"{name} {worst:.2e} relative"
+
+
 @pytest.mark.timeout(500)
 def test_a_backup_at_two_model_workers_resumes_at_one_and_three_and_exports_the_whole_model(tmp_path):
     ports = [free_port(), free_port()]
