@@ -213,7 +213,7 @@ def test_print_writes_in_the_chief_only(capsys: pytest.CaptureFixture[str]) -> N
     chief = sg.OneDeviceStrategy("cpu:0")
     chief.print("from the chief", 1)
     worker = object.__new__(sg.MultiWorkerMirroredStrategy)
-    worker._plan = _rank_one_plan()
+    worker._group = _rank_one_plan()  # what is_chief reads: rank 1 of 2 (the plan says it as the group would)
     assert chief.is_chief and not worker.is_chief
     worker.print("from worker 1")
     assert capsys.readouterr().out == "from the chief 1\n"
