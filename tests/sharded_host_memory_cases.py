@@ -22,7 +22,10 @@ def host_memory_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]
     data = [(torch.randn(16, WIDTH, generator=g), torch.randn(16, WIDTH, generator=g)) for _ in range(6)]
     out: dict[str, Any] = {}
     for choice, pair in zip(("release", "reuse"), ports):
-        strategy = sg.ShardedStrategy(stage=2, cluster=cluster_of(rank, pair), timeout=60, host_memory=choice)
+        # A unit per Linear (stage 2 would keep this 768 KiB model as one unit): three of each collective a step.
+        strategy = sg.ShardedStrategy(
+            stage=2, units=(nn.Linear,), cluster=cluster_of(rank, pair), timeout=60, host_memory=choice
+        )
         try:
             torch.manual_seed(0)
             net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)])

@@ -25,7 +25,7 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         shared = got["stage 2 shared memory"]
         assert shared["worst"] <= 1e-9, (rank, shared["worst"])
         assert "all-gather and reduce-scatter: shared memory" in shared["explain"], shared["explain"]
-        # Five steps of three units: not one all-gather or reduce-scatter went through Gloo.
+        # Five steps: not one all-gather or reduce-scatter went through Gloo.
         assert shared["calls"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0}, shared
         # The memory plan counts the shared file every rank maps: 2 slots and the result area of 4 MiB each.
         assert shared["plan_transport"] == 3 * (4 << 20), shared["plan_transport"]
@@ -33,13 +33,14 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         assert fallback["worst"] <= 1e-9, (rank, fallback["worst"])
         explained = fallback["explain"]
         assert "all-gather and reduce-scatter: the process group (gloo) - turned off (shared_memory=False)" in explained
-        # Stage 2: one all-gather and one reduce-scatter per unit and step (3 Linear units; the root holds no
-        # parameter of its own), 5 steps; each reduce-scatter is an all-to-all and a sum (Gloo's own all-reduces).
-        assert fallback["calls"] == {"all_gather_single": 15, "reduce_scatter_single": 0, "all_to_all_single": 15}
+        # Stage 2: one all-gather and one reduce-scatter per unit and step, 5 steps, and this MLP (269 parameters) is
+        # one unit at stage 2 (units.MERGE_UP_TO); each reduce-scatter is an all-to-all and a sum (Gloo's own
+        # all-reduces).
+        assert fallback["calls"] == {"all_gather_single": 5, "reduce_scatter_single": 0, "all_to_all_single": 5}
         assert fallback["plan_transport"] == 0, fallback["plan_transport"]
-        # The rows the all-to-all receives: one more flat gradient buffer of the largest unit, Linear(17, 7) in
-        # float64 (126 parameters), in the plan.
-        assert fallback["plan_gathered"] - shared["plan_gathered"] == 126 * 8, (fallback, shared)
+        # The rows the all-to-all receives: one more flat gradient buffer of the largest unit, the whole model in
+        # float64, in the plan.
+        assert fallback["plan_gathered"] - shared["plan_gathered"] == 269 * 8, (fallback, shared)
 
 
 class _CrossWorker:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import sharded_units_cases
 import torch
+from helpers import free_port, run_ranks
 from torch import nn
 
 import stratagem as sg
@@ -21,7 +23,7 @@ from stratagem.strategies.sharded.checks import (
 )
 from stratagem.strategies.sharded.memory import plan_memory, shard_rows
 from stratagem.strategies.sharded.placement import local_device
-from stratagem.strategies.sharded.units import cut_model
+from stratagem.strategies.sharded.units import MERGE_UP_TO, cut_model
 
 pytestmark = [pytest.mark.sharded]
 
@@ -248,3 +250,76 @@ def test_a_sharded_process_alone_takes_the_first_gpu_and_without_one_the_cpu():
     device, decision = local_device(from_torchrun(env), env, _registry_with_gpus(2))
     assert device == "cuda:0" and "one device per sharded worker process: the first" in decision.reason
     assert local_device(from_torchrun(env), env, _registry_with_gpus(0))[0] == "cpu"
+
+
+class Tower(nn.Module):
+    def __init__(self, widths: list[int], device: str = "cpu") -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4, device=device)
+        self.blocks = nn.ModuleList([nn.Linear(w, w, bias=False, device=device) for w in widths])
+
+
+def test_stage_2_merges_consecutive_blocks_while_a_unit_stays_within_the_limit_and_a_larger_block_stays_alone():
+    # Blocks of 4x4, 4x4, 4x4, 8x8, 4x4, 4x4 float32 weights: 64, 64, 64, 256, 64, 64 bytes; limit 150 bytes.
+    model = Tower([4, 4, 4, 8, 4, 4])
+    cut = cut_model(model, None, stage=2, merge_up_to=150)
+    assert cut.names == ("blocks.0-1", "blocks.2", "blocks.3", "blocks.4-5")
+    assert [len(g) for g in cut.groups] == [2, 1, 1, 2]
+    assert cut.units == tuple(model.blocks)
+    # The root keeps the embedding (20 parameters); the largest unit is the 8x8 block alone.
+    assert cut.root_bytes == 20 * 4 and cut.largest_unit_bytes == 20 * 4 + 256
+    decision = cut.decision()
+    assert decision.choice == "4 units and the root (blocks.0-1, blocks.2, blocks.3, ...)"
+    assert "consecutive ones merged into units of at most 150 B (stage 2's default: 6 blocks in 4 units)" in (
+        decision.reason
+    )
+    # Stage 3 and a policy the user gave keep one unit per block.
+    assert cut_model(model, None, stage=3, merge_up_to=150).names == tuple(f"blocks.{i}" for i in range(6))
+    assert cut_model(model, (nn.Linear,), stage=2, merge_up_to=150).names == (
+        "embed",
+        *(f"blocks.{i}" for i in range(6)),
+    )
+
+
+def test_stage_2_makes_a_model_within_the_limit_one_unit_without_the_whole_model_warning():
+    model = Tower([4, 4, 4])
+    cut = cut_model(model, None, stage=2)  # 272 bytes: far within 8 MiB
+    assert cut.whole_model and cut.units == () and cut.largest_unit_bytes == cut.model_bytes == 272
+    assert cut.warning() is None
+    assert cut.decision().choice == "the whole model as one unit"
+    assert cut.decision().reason.startswith("stage 2's default: the model (272 B) is within 8.00 MiB, so one unit")
+    # Just over the limit: cut into blocks again; a model of no blocks over it is one unit with the warning.
+    assert cut_model(model, None, stage=2, merge_up_to=271).names == ("blocks.0-2",)
+    assert cut_model(Flat(), None, stage=2, merge_up_to=100).warning() is not None
+
+
+def test_the_default_limit_is_8_mib_of_parameters():
+    # Linear(512, 512) in float32 holds 1,050,624 bytes: 7 are within 8 MiB (8,388,608 bytes), 8 are not.
+    model = nn.Sequential(*[nn.Linear(512, 512, device="meta") for _ in range(12)])
+    cut = cut_model(model, None, stage=2)
+    assert cut.names == ("0-6", "7-11")
+    assert MERGE_UP_TO == 8 * 2**20
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_merged_units_train_as_one_device_with_one_gather_and_reduce_scatter_each():
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    outcomes = run_ranks(sharded_units_cases.merged_units_cases, [0, 1], args=(ports,), timeout=220)
+    for outcome in outcomes.values():
+        assert outcome.error is None, outcome.error
+    for rank, outcome in outcomes.items():
+        default, given = outcome.value["default"], outcome.value["every Linear"]
+        # Trunk blocks of 2.0 MiB in float64: three and two merged; the two heads (side by side) merged; no root
+        # parameters. SGD with momentum on batches of 13, 5 and 13 split over 2 ranks, against one device.
+        assert "sharding units: 3 units and the root (trunk.0-2, trunk.3-4, heads.0-1)" in default["explain"]
+        assert "consecutive ones merged into units of at most 8.00 MiB" in default["explain"]
+        assert default["worst"] <= 1e-9, (rank, default["worst"])
+        assert default["gathers per step"] == [3, 3, 3], default
+        assert default["reduce-scatters per step"] == [3, 3, 3], default
+        # The user's units win: every Linear its own unit.
+        assert "sharding units: 7 units and the root (trunk.0, trunk.1, trunk.2, ...)" in given["explain"]
+        assert given["worst"] <= 1e-9, (rank, given["worst"])
+        assert given["gathers per step"] == [7, 7, 7] and given["reduce-scatters per step"] == [7, 7, 7], given
+        # Merging changes which collective carries a gradient, not a bit of the sum.
+        assert outcome.value["bits differing between the cuts"] == 0

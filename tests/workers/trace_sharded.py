@@ -19,7 +19,8 @@ import stratagem as sg
 def main() -> int:
     torch.set_num_threads(1)
     env = os.environ
-    strategy = sg.ShardedStrategy(stage=int(env.get("TR_STAGE", "3")), timeout=60)
+    # A unit per Linear at either stage (stage 2 would keep this small MLP as one unit): each traced by name.
+    strategy = sg.ShardedStrategy(stage=int(env.get("TR_STAGE", "3")), units=(nn.Linear,), timeout=60)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     model, opt = strategy.distribute(net, torch.optim.SGD(net.parameters(), lr=0.01))

@@ -67,7 +67,7 @@ class RankMemory:
                 how = self.activations.how
                 self.plans = [replace(p, activations=self.activations.peak, activations_how=how) for p in self.plans]
             return self.plans[0]
-        self.cut = self.cut or cut_model(model, self._policy)
+        self.cut = self.cut or cut_model(model, self._policy, stage=self._stage)
         return self.plan(list(model.parameters()), optimizer, self.cut)
 
     def plan(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut) -> MemoryPlan:
@@ -80,7 +80,7 @@ class RankMemory:
             world_size=self._group.world_size,
             stage=self._stage,
             largest_unit_bytes=cut.largest_unit_bytes,
-            num_units=len(cut.units),
+            num_units=len(cut.groups),
             compute_element_size=None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size(),
             reduce_element_size=None if reduce_dtype is None else torch.empty((), dtype=reduce_dtype).element_size(),
             transport_bytes=0 if shared is None else (shared.world_size + 1) * shared.capacity,
@@ -103,7 +103,7 @@ class RankMemory:
             held=plan.unsharded_model,  # the user's model is built: the limit counts it as used already
             alternatives=lambda: sharded_alternatives(
                 params, optimizer, world_size=self._group.world_size, stage=self._stage,
-                largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.units),
+                largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.groups),
                 transport_per_worker=0 if shared is None else shared.capacity, root_bytes=cut.root_bytes,
                 activations=plan.activations,
             ),

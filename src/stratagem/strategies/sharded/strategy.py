@@ -55,7 +55,7 @@ from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
 from stratagem.strategies.sharded.tracing import ShardedTrace
 from stratagem.strategies.sharded.transport import connect_transport
-from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model
+from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model, sharded_units
 from stratagem.strategies.sharded.weighting import weigh_gradients
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
@@ -76,7 +76,8 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         stage: 3 (default): parameters, gradients and optimizer state sharded, each unit gathered for its
             forward and again for its backward (ZeRO-3). 2: gathered parameters kept from forward to backward.
         units: how the model is cut into units gathered one at a time: None (each child of a ModuleList or
-            Sequential), a tuple of module classes, or a callable of a module.
+            Sequential; at stage 2 consecutive ones merged into units of up to 8 MiB, and a model of at most 8 MiB
+            one unit: units.py), a tuple of module classes, or a callable of a module.
         device: this worker's device (default: the GPU of its local rank, else the CPU: placement.py).
         cluster: a `Cluster`, a TF_CONFIG-shaped dict, or None to resolve from the environment.
         timeout: seconds any wait (rendezvous, collective) may last before an error naming who is missing.
@@ -104,7 +105,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     #   transport  transport.connect_transport: one host's shared memory for the units' collectives, else the group
     #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
     #   batch norm data_parallel.batch_norm: BatchNorm layers converted to global statistics, summed across workers
-    #   units      units.cut_model: each block a unit by default, or the user's policy; the root last
+    #   units      units.cut_model: each block a unit by default (stage 2: small ones merged), or the user's policy
     #   shard      units.apply_cut: fully_shard per unit then the root (stage 2: reshard_after_forward=False)
     #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the sharded parameters
@@ -225,7 +226,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         # Sharded in place, as fully_shard does: a copy would hold the whole model a second time, at the peak of
         # distribute and for as long as the user keeps the module (issue 39). BatchNorm layers are swapped in place.
         sharded = self._batch_norm.convert(model.to(self._device), in_place=True)
-        cut = cut_model(sharded, self._policy)
+        cut = cut_model(sharded, self._policy, stage=self._stage)
         message = cut.warning()
         if message is not None:
             warnings.warn(message, stacklevel=2)
@@ -242,7 +243,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             reshard_after_forward=self._stage == 3,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         )
-        units = [m for m in sharded.modules() if hasattr(m, "set_custom_reduce_scatter")]
+        units = sharded_units(sharded, cut)
         comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps, self._flight)
         if self._comms:
             comm.weight = self._comms[0].weight
@@ -251,7 +252,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         # Recorded only now: a refused model leaves the strategy as it was.
         self._batch_norm.attach([sharded])
         self._comms.append(comm)
-        self._trace.add(sharded, units, comm)
+        self._trace.add(sharded, list(zip(("root", *cut.names), units, strict=True)), comm)
         self._memory.cut = self._memory.cut if self._cuts else cut
         self._cuts.append(cut)
         self._memory.plans.append(plan)
@@ -289,7 +290,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     def _shard_in_place(self, model: nn.Module) -> UnitCut:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        cut = cut_model(model, self._policy)
+        cut = cut_model(model, self._policy, stage=self._stage)
         message = cut.warning()
         if message is not None:
             warnings.warn(message, stacklevel=4)
@@ -307,7 +308,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             self._host.watch(optimizer)
         self._check_distribute_args(model, optimizer, None)
         plan = self._memory.plan(list(model.parameters()), optimizer, built.cut)
-        units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+        units = sharded_units(model, built.cut)
         comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps, self._flight)
         if self._comms:
             comm.weight = self._comms[0].weight
@@ -315,7 +316,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._check_shards(model)
         self._batch_norm.attach([model])
         self._comms.append(comm)
-        self._trace.add(model, units, comm)
+        self._trace.add(model, list(zip(("root", *built.cut.names), units, strict=True)), comm)
         self._memory.cut = self._memory.cut if self._cuts else built.cut
         self._cuts.append(built.cut)
         self._memory.plans.append(plan)

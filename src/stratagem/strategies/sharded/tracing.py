@@ -45,7 +45,7 @@ class ShardedTrace:
         group.cross_worker.trace.recorder = self.recorder  # the group's own collectives (batch check, BatchNorm)
         self._group = group
         self._step = step
-        self._models: list[tuple[nn.Module, list[nn.Module], Any]] = []
+        self._models: list[tuple[nn.Module, list[tuple[str, nn.Module]], Any]] = []
         self._traced: set[int] = set()  # ids of the models whose units are wrapped
         self._units: list[UnitComms] = []
         self._forward_start: int | None = None
@@ -57,8 +57,9 @@ class ShardedTrace:
             atexit.register(_write_at_exit, weakref.ref(self))
 
     # ---- what the strategy calls ------------------------------------------------------------------------
-    def add(self, model: nn.Module, units: Sequence[nn.Module], comm: Any) -> None:
-        """A model just distributed: its FSDP2 units and `comm`, the strategy's reduce-scatter for them."""
+    def add(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], comm: Any) -> None:
+        """A model just distributed: its FSDP2 units, each with its name (`root`, `h.0-3` for merged blocks) and the
+        module that stands for it, and `comm`, the strategy's reduce-scatter for them."""
         self._models.append((model, list(units), comm))
         if self.recorder.on:
             self._install()
@@ -159,11 +160,8 @@ class ShardedTrace:
             if id(model) in self._traced:
                 continue
             self._traced.add(id(model))
-            names = {id(m): name or "root" for name, m in model.named_modules()}
-            for unit in units:
-                comms = UnitComms(
-                    self._group.cross_worker.trace, names.get(id(unit), "unit"), self._step, shared is not None
-                )
+            for name, unit in units:
+                comms = UnitComms(self._group.cross_worker.trace, name, self._step, shared is not None)
                 self._units.append(comms)
                 # As weighting.weigh_gradients installed them: the shared-memory all-gather where it connected one.
                 gather = (
