@@ -20,19 +20,12 @@ IN_PROCESS = {
     "model_parallel": "ModelParallelStrategy",
     "multi_worker": "MultiWorkerMirroredStrategy",
     "sharded": "ShardedStrategy",
-}  # multi_worker and sharded alone: a cluster of one, no relaunch
+    "tensor_parallel": "TensorParallelStrategy",
+}  # multi_worker, sharded and tensor_parallel alone: a cluster of one, no relaunch
 
 
 def test_every_strategy_of_the_command_is_covered():
-    assert set(STRATEGY_NAMES) == set(IN_PROCESS) | {"parameter_server", "tensor_parallel"}
-
-
-@pytest.mark.timeout(120)
-def test_tensor_parallel_is_refused_by_fit_before_the_first_step(capfd):
-    code = main(["train", "--json", "--strategy", "tensor_parallel", "--epochs", "1", "--batch-size", "256"])
-    out, err = capfd.readouterr()
-    assert code == 1 and "Traceback" not in err, err[-3000:]
-    assert "do not drive TensorParallelStrategy yet" in err and "Write the loop with strategy.run" in err
+    assert set(STRATEGY_NAMES) == set(IN_PROCESS) | {"parameter_server"}
 
 
 @pytest.mark.timeout(120)

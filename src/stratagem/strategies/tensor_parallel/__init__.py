@@ -7,8 +7,11 @@
   heads), refused by module name before anything is placed;
 - `apply.py`: `apply_tensor_parallel`: each parameter made a DTensor over the `model` axis, the forward run under
   DTensor's implicit replication, the outputs handed back as whole tensors;
+- `hooks.py`: what makes any step function train the split model, `sg.fit`'s included: a convolution's plain
+  input made a replicated DTensor, and a backward outside `strategy.run` refused with the fix;
 - `data_axis.py`: the `data` axis of a 2-D mesh: each model group's gradients summed across it, weighted by
   each group's share of the global batch;
+- `memory.py` and `limit.py`: this rank's memory plan, and the plan held against the process's memory limit;
 - `decisions.py`: what `explain()` says: each parameter's layout and the redistributions a step implies.
 """
 

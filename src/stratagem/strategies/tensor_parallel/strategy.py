@@ -44,6 +44,8 @@ from stratagem.strategies.tensor_parallel.apply import (
 )
 from stratagem.strategies.tensor_parallel.data_axis import DataAxisSum
 from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
+from stratagem.strategies.tensor_parallel.hooks import BackwardInsideRun, replicate_conv_inputs
+from stratagem.strategies.tensor_parallel.limit import check_limit
 from stratagem.strategies.tensor_parallel.memory import TensorParallelMemoryPlan, plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.mesh import (
     DeviceMesh,
@@ -103,7 +105,9 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
     #   split      apply.apply_tensor_parallel: parameters made DTensors on the `model` axis, the forward over them;
     #              apply.grads_in_layout: each gradient reduced into its parameter's placement as it is accumulated
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the DTensor parameters
-    #   memory     memory.plan_tensor_parallel_memory: this rank's bytes, planned from the layouts before the split
+    #   memory     memory.plan_tensor_parallel_memory: this rank's bytes, planned from the layouts before the split;
+    #              limit.check_limit: that plan refused, before the split, where it is over the process's memory limit
+    #   hooks      hooks.py: convolutions given replicated inputs, a backward outside `run` refused with the fix
     #   data axis  data_axis.DataAxisSum: gradients summed across the `data` axis inside backward, weighted
     #   input      worker_group.input (WorkerGroupStrategy's): each model group's part of every global batch, the
     #              workers' agreement on the steps, and the batch check (worker_group.step_agreement)
@@ -210,8 +214,13 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         model.to(self._device)
         # The plan is for the parameters as the user built them, before any is replaced by its part.
         self._plan = self._plan_for(layouts, model, optimizer)
+        # Before anything is split: a plan over this process's memory limit is refused here, not by the kernel.
+        params = dict(model.named_parameters(remove_duplicate=False))
+        check_limit(self._plan, layouts, params, optimizer, mesh=self._mesh, device=self._device)
         made = apply_tensor_parallel(model, layouts, self._torch_mesh["model"])
         self._grad_hooks = grads_in_layout(list(made.values()))  # before the data axis's: it sums the parts
+        self._grad_hooks += replicate_conv_inputs(model, self._torch_mesh["model"])
+        self._grad_hooks.append(BackwardInsideRun(model))  # said before torch stops in the middle of a backward
         self._layouts = layouts
         if self._data_group is not None:
             self._sums.append(DataAxisSum(list(model.parameters()), self._data_group, lambda: self._weight))
@@ -308,16 +317,6 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         self._agreement.finish()  # every worker's fingerprint of the step's batch, compared (step_agreement.py)
         stacked = stack_replicas([result], sizes, total)
         return tag_results(stacked, None if self._counts is None else [self._counts])
-
-    def prepare_fit_steps(self, steps: Mapping[str, Any], model: Any) -> None:
-        # fit's loop calls backward where DTensor cannot see that plain tensors are replicated (outside `run`), and
-        # conv layers fail there with torch's bare AssertionError: refused before the first step instead.
-        raise InputError(
-            "sg.fit and `stratagem train` do not drive TensorParallelStrategy yet: a step's backward must run inside "
-            "strategy.run, where plain tensors count as replicated across the mesh, and fit's loop does not keep it "
-            "there. Received: fit with TensorParallelStrategy. Write the loop with strategy.run (docs/tensor_parallel.md"
-            " shows one), or train with ShardedStrategy or MultiWorkerMirroredStrategy under fit."
-        )
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""

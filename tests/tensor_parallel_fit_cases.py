@@ -1,0 +1,167 @@
+"""What the tests of sg.fit under TensorParallelStrategy run on each rank (tests/test_tensor_parallel_fit.py):
+
+- `fit_across_techniques`: the tiny GPT-2 of tensor_parallel_cases trained by sg.fit with BackupAndRestore under
+  TensorParallelStrategy, resumed from its backup under ShardedStrategy, and from that one under
+  TensorParallelStrategy again; every parameter whole after each run, against one device (`fit_one_device`);
+- `refusals`: a backward outside strategy.run refused with the fix, then a memory plan over a cgroup v1 limit
+  refused in distribute with the figures and a mesh that fits.
+Whole values come back as numpy arrays."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import tensor_parallel_cases as cases
+import torch
+import torch.nn.functional as F
+from sharded_limit_cases import _read_int, _write
+from torch import nn
+
+FIT_EXAMPLES, FIT_BATCH, FIT_SEED, FIT_EPOCHS = 39, 13, 5, 2  # 3 steps an epoch: backups mid-epoch
+
+
+def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """39 sequences of 8 ids and their labels, -100 past a length that varies (fit batches them: ShuffledBatches)."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, cases.VOCAB, (FIT_EXAMPLES, 8), generator=g)
+    labels = ids.clone()
+    lengths = torch.randint(2, 9, (FIT_EXAMPLES,), generator=g)
+    labels[torch.arange(8)[None, :] >= lengths[:, None]] = -100
+    return ids, labels
+
+
+def fit_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the tokens with a label, weighted by their count across replicas (one device's mean)."""
+    import stratagem as sg
+
+    sg.set_loss_weight((labels[:, 1:] != -100).sum())
+    return cases.lm_loss(logits, labels)
+
+
+def fit_one_device(steps: int | None = None) -> dict[str, torch.Tensor]:
+    """The whole run on one device in plain PyTorch, in ShuffledBatches' documented order (epoch e: randperm(n) of
+    a generator seeded seed * 1_000_003 + e + 1), clipped to 0.5 as fit's clip_grad_norm."""
+    model = cases.gpt2()
+    optimizer = cases.optimizer(model.parameters())
+    ids, labels = fit_data()
+    done = 0
+    for epoch in range(FIT_EPOCHS):
+        order = torch.randperm(FIT_EXAMPLES, generator=torch.Generator().manual_seed(FIT_SEED * 1_000_003 + epoch + 1))
+        for idx in order.split(FIT_BATCH):
+            if done == steps:
+                break
+            done += 1
+            cases.lm_loss(model(input_ids=ids[idx]).logits, labels[idx]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _fit_under(strategy: Any, directory: str, stop_after: int | None, resumes: bool) -> dict[str, Any]:
+    """sg.fit of the tiny GPT-2 under `strategy`, backed up after every step into `directory` (kept), stopped after
+    step `stop_after` (None: to the end); what it resumed from, and every parameter whole. `resumes`: the model is
+    built with other values than the backup's, so that a resume which loaded nothing is seen."""
+    import stratagem as sg
+    from stratagem.strategies.tensor_parallel.apply import whole_tensor
+
+    class StopAfter(sg.callbacks.Callback):
+        def on_train_batch_end(self, context: Any, num_examples: int) -> None:
+            context.stop_training = context.step == stop_after
+
+    user = cases.gpt2()
+    with torch.no_grad():
+        for p in user.parameters():
+            p.add_(1.0 if resumes else 0.0)
+    backup = sg.callbacks.BackupAndRestore(directory, save_freq=1, delete_checkpoint=False)
+    history = sg.fit(
+        strategy, user, cases.optimizer(user.parameters()), fit_loss, fit_data(), batch_size=FIT_BATCH,
+        seed=FIT_SEED, epochs=FIT_EPOCHS, clip_grad_norm=0.5, callbacks=[backup, StopAfter()],
+    )  # fmt: skip
+    whole = {name: whole_tensor(p).detach().numpy().copy() for name, p in history.model.named_parameters()}
+    return {"restored from": backup.restored_from, "whole": whole, "memory plan": strategy.memory_plan().total}
+
+
+def fit_across_techniques(rank: int, ports: list[list[int]], directory: str) -> dict[str, Any]:
+    """sg.fit under TensorParallelStrategy (2 model workers) stopped after step 4 (mid-epoch 2), resumed from its
+    backup under ShardedStrategy and stopped after step 5, resumed from that one under TensorParallelStrategy to the
+    end (step 6): every step backed up by BackupAndRestore, one directory throughout."""
+    import stratagem as sg
+
+    out = {}
+    mesh = sg.DeviceMesh((2,), ("model",))
+    for name, stop_after, make in (
+        ("tensor parallel", 4, lambda c: sg.TensorParallelStrategy(cases.layout_map(mesh), cluster=c, timeout=120)),
+        ("sharded", 5, lambda c: sg.ShardedStrategy(cluster=c, timeout=120)),
+        ("tensor parallel again", None, lambda c: sg.TensorParallelStrategy(cases.layout_map(mesh), cluster=c, timeout=120)),
+    ):  # fmt: skip
+        strategy = make(cases.cluster_of(rank, ports[len(out)]))
+        try:
+            out[name] = _fit_under(strategy, directory, stop_after, resumes=bool(out))
+        finally:
+            strategy.close()
+    return out
+
+
+# ---- what is refused, with the fix ---------------------------------------------------------------------------------
+LIMIT_WIDTH, LIMIT_DEPTH = 512, 16  # 32 MiB of float64 parameters in pieces of 2 MiB
+LIMIT_BUDGET = 24 << 20  # over the process's usage: under the plan at 2 model workers (66 MiB, 34 beyond the model)
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(torch.float64)
+
+
+def mlp_layouts(mesh: Any) -> Any:
+    """Megatron's pairs: even layers split along their output features, odd ones along their input features."""
+    import stratagem as sg
+
+    layouts = sg.LayoutMap(mesh)
+    layouts[r"^\d*[02468]\.weight$"] = ("model", None)
+    layouts[r"^\d*[02468]\.bias$"] = ("model",)
+    layouts[r"^\d*[13579]\.weight$"] = (None, "model")
+    return layouts
+
+
+def refusals(rank: int, ports: list[list[int]], directories: list[str] | None) -> dict[str, Any]:
+    import stratagem as sg
+
+    out: dict[str, Any] = {}
+    mesh = sg.DeviceMesh((2,), ("model",))
+    strategy = sg.TensorParallelStrategy(mlp_layouts(mesh), cluster=cases.cluster_of(rank, ports[0]), timeout=120)
+    try:
+        model = strategy.distribute(mlp(8, 2))
+        x, y = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+        loss = F.mse_loss(model(x), y)  # the forward runs anywhere
+        try:
+            loss.backward()  # outside strategy.run
+            out["backward outside run"] = "ran"
+        except sg.InputError as error:
+            out["backward outside run"] = str(error)
+        out["no gradient"] = all(p.grad is None for p in model.parameters())
+    finally:
+        strategy.close()
+    if directories is None:
+        return out
+    user = mlp(LIMIT_WIDTH, LIMIT_DEPTH)  # built before the limit: the user's model as it stands before distribute
+    strategy = sg.TensorParallelStrategy(mlp_layouts(mesh), cluster=cases.cluster_of(rank, ports[1]), timeout=120)
+    try:
+        directory = directories[rank]
+        try:  # the memory held moves with the process where the kernel still can (removed in Linux 6.x)
+            _write(f"{directory}/memory.move_charge_at_immigrate", "3")
+        except OSError:
+            pass
+        _write(f"{directory}/cgroup.procs", str(os.getpid()))
+        out["limit"] = _read_int(f"{directory}/memory.usage_in_bytes") + LIMIT_BUDGET
+        _write(f"{directory}/memory.limit_in_bytes", str(out["limit"]))
+        try:
+            strategy.distribute(user, torch.optim.AdamW(user.parameters()))
+            out["over the limit"] = "distributed"
+        except sg.InputError as error:
+            out["over the limit"] = str(error)
+        out["split"] = any(hasattr(p, "to_local") for p in user.parameters())
+    finally:
+        strategy.close()
+    return out
