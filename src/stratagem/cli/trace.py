@@ -1,6 +1,7 @@
 """``stratagem trace``: read the trace a job wrote (`stratagem launch --trace DIR`, `strategy.trace(DIR)`).
 
 stratagem trace summary traces/            # per step and worker: input, compute, waits, transfer, idle
+                                           # (a parameter-server job: each worker's functions, each server's updates)
 stratagem trace summary traces/ --json     # the same report as JSON
 stratagem trace merge traces/              # traces/trace.json.gz, for Perfetto or chrome://tracing
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from stratagem.errors import InputError
 from stratagem.trace.merge import load, merge
-from stratagem.trace.summary import summarize
+from stratagem.trace.summary import TraceSummary
+from stratagem.trace.summary import report as trace_report
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -51,12 +53,12 @@ def run(args: argparse.Namespace) -> int:
             path = merge(args.directory, args.output)
             print(f"wrote {path}: open it at https://ui.perfetto.dev or chrome://tracing")
             return 0
-        report = summarize(load(args.directory))
+        report = trace_report(load(args.directory))
     except InputError as error:
         print(f"stratagem trace {args.action}: error: {error}", file=sys.stderr)
         return 2
     png = None
-    if args.png != "none" and report.rows:
+    if args.png != "none" and isinstance(report, TraceSummary) and report.rows:
         png = report.plot(Path(args.directory) / "breakdown.png" if args.png is None else args.png)
     if args.json:
         print(json.dumps({**report.to_dict(), "png": None if png is None else str(png)}, indent=2))

@@ -8,10 +8,14 @@ is kept (NTP's rule). Every worker calls `align` at the same point of its progra
 
     >>> offset = align(store, rank=1, world_size=2, clock=time.perf_counter_ns, round_id="t0")
     >>> offset.offset_ns, offset.error_ns        # chief's clock = this clock + offset_ns, within error_ns
+
+Where the chief can ask the other processes for their time (a parameter-server job's RPCs), it measures each
+one's offset itself, by the same rule (`measure`), and tells it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -66,6 +70,24 @@ def align(
         chief = int(store.get(_KEY.format(round=round_id, what="pong", rank=rank, i=i)))
         t1 = clock()
         sample = (t1 - t0, chief - (t0 + t1) // 2)
+        if sample[0] < best[0]:
+            best = sample
+    return ClockOffset(offset_ns=best[1], error_ns=(best[0] + 1) // 2, samples=samples)
+
+
+def measure(ask: Callable[[], int], *, clock: Clock, samples: int = SAMPLES) -> ClockOffset:
+    """Another process's clock against this one, by `samples` round trips of `ask()` (which returns that clock's
+    time, e.g. through an RPC), the least-delay one kept as in `align`. The result is the other's offset: this
+    clock = the other's + `offset_ns`, within `error_ns` (what that process writes in its file when this one is
+    the chief)."""
+    if samples < 1:
+        raise ValueError(f"measure() needs at least one round trip. Received: samples={samples}. Pass 1 or more.")
+    best = (2**63, 0)  # (round trip, offset) of the least-delay sample
+    for _ in range(samples):
+        t0 = clock()
+        theirs = ask()
+        t1 = clock()
+        sample = (t1 - t0, (t0 + t1) // 2 - theirs)
         if sample[0] < best[0]:
             best = sample
     return ClockOffset(offset_ns=best[1], error_ns=(best[0] + 1) // 2, samples=samples)

@@ -5,7 +5,9 @@
 and chrome://tracing: one process per worker (named by its task), one thread per track (the training
 thread, each replica thread, each transport), complete events ("X") in microseconds, and for every
 collective a flow ("s" on the first worker to arrive, "t", "f" on the last) joining its span on each
-worker, so the arrow ends at the worker the others waited for.
+worker, so the arrow ends at the worker the others waited for. Spans that carry the same `flow` argument (a
+parameter server's dispatch on the chief and the function it ran on a worker) are joined the same way, in the
+order they started. Besides the workers' files, a parameter-server job's are read (`ps-<i>.json`, `chief.json`).
 
     >>> job = load("traces/")
     >>> path = write_chrome_trace(job, "traces/trace.json.gz")
@@ -23,6 +25,9 @@ from stratagem.errors import InputError
 from stratagem.trace.fold import FOLDED
 from stratagem.trace.recorder import FORMAT
 from stratagem.trace.timeline import PHASES
+
+PROCESS_FILES = ("worker-*.json", "ps-*.json", "chief.json")
+"""The files of a trace's processes in its directory: every worker's, and a parameter-server job's others."""
 
 
 @dataclass
@@ -76,6 +81,8 @@ class WorkerTrace:
     steps: list[FoldedStep] = field(default_factory=list)
     stretches: dict[int, dict[str, int]] = field(default_factory=dict)
     """Summary mode: collective's sequence number -> ns of each phase in the stretch before this worker entered it."""
+    role: str = "worker"
+    """"worker", or in a parameter-server job "ps" or "chief" (`Recorder.role`)."""
 
 
 @dataclass
@@ -97,7 +104,7 @@ class JobTrace:
 
 def load(directory: str | Path) -> JobTrace:
     """Every worker's file in `directory`, its times moved onto the chief's clock."""
-    files = sorted(Path(directory).glob("worker-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    files = [path for pattern in PROCESS_FILES for path in Path(directory).glob(pattern)]
     if not files:
         raise InputError(
             f"No worker trace files in the directory. Received: {str(directory)!r}. Give the directory passed to "
@@ -110,8 +117,9 @@ def load(directory: str | Path) -> JobTrace:
             raise InputError(f"{path} is not a stratagem worker trace. Received: format={raw.get('format')!r}.")
         shift = int(raw["clock"]["offset_ns"])
         worker = WorkerTrace(
-            raw["rank"], raw["task"], shift, int(raw["clock"]["error_ns"]), mode=raw.get("mode", "spans")
-        )
+            raw["rank"], raw["task"], shift, int(raw["clock"]["error_ns"]), mode=raw.get("mode", "spans"),
+            role=raw.get("role", "worker"),
+        )  # fmt: skip
         for step, start, end, totals, waits in raw.get("steps", []):
             worker.steps.append(
                 FoldedStep(step, start + shift, end + shift, dict(zip(FOLDED, totals)),
@@ -126,7 +134,7 @@ def load(directory: str | Path) -> JobTrace:
                            None if done is None else done + shift)
             )  # fmt: skip
         workers.append(worker)
-    return JobTrace(workers)
+    return JobTrace(sorted(workers, key=lambda w: w.rank))
 
 
 def _us(ns: int) -> float:
@@ -138,6 +146,7 @@ def chrome_trace(job: JobTrace) -> dict[str, Any]:
     origin = job.origin
     events: list[dict[str, Any]] = []
     placed: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, seq) -> (tid, ts) of its transport span
+    flowing: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # a span's `flow` argument -> (start, its event)
     for w in job.workers:
         pid = w.rank
         tids: dict[str, int] = {}
@@ -159,6 +168,8 @@ def chrome_trace(job: JobTrace) -> dict[str, Any]:
             args = {"step": s.step, **(s.args or {})}
             events.append({"ph": "X", "cat": s.category, "name": s.name, "pid": pid, "tid": tid_of(s.track),
                            "ts": _us(s.start - origin), "dur": _us(max(0, s.end - s.start)), "args": args})  # fmt: skip
+            if "flow" in args:
+                flowing.setdefault(str(args["flow"]), []).append((s.start, events[-1]))
         # A transport runs its collectives one after another: each span starts when this worker entered it, or
         # when the one before it ended (its arrival stays in its arguments).
         busy_until: dict[str, int] = {}
@@ -177,6 +188,7 @@ def chrome_trace(job: JobTrace) -> dict[str, Any]:
             events.append({"ph": "X", "cat": "collective", "name": name, "pid": w.rank, "tid": tid, "ts": ts,
                            "dur": _us(end - start), "args": args})  # fmt: skip
     events += _flows(job, placed)
+    events += _span_flows(flowing, first_id=1 + max((seq for _, seq in placed), default=-1))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -204,6 +216,24 @@ def _flows(job: JobTrace, placed: dict[tuple[int, int], tuple[int, float]]) -> l
             event = {"ph": phase, "cat": "collective", "name": c.what, "id": seq, "pid": rank, "tid": tid, "ts": ts}
             if phase != "s":
                 event["bp"] = "e"  # bound to the span that encloses it, on its own track
+            events.append(event)
+    return events
+
+
+def _span_flows(flowing: dict[str, list[tuple[int, dict[str, Any]]]], first_id: int) -> list[dict[str, Any]]:
+    """One flow per `flow` argument that two spans or more carry, through them in the order they started; its ids
+    follow the collectives'."""
+    events = []
+    for offset, (key, spans) in enumerate(sorted(flowing.items())):
+        if len(spans) < 2:
+            continue
+        spans.sort(key=lambda entry: entry[0])
+        for i, (_, span) in enumerate(spans):
+            phase = "s" if i == 0 else ("f" if i == len(spans) - 1 else "t")
+            event = {"ph": phase, "cat": "flow", "name": key, "id": first_id + offset, "pid": span["pid"],
+                     "tid": span["tid"], "ts": span["ts"]}  # fmt: skip
+            if phase != "s":
+                event["bp"] = "e"
             events.append(event)
     return events
 

@@ -65,6 +65,11 @@ class Recorder:
         """[seq, op, what, step, bytes, bucket, transport, arrived ns, done ns or None]: seq is the index here, the
         same on every worker, since every worker issues the same collectives in the same order."""
         self.clock_offset: dict[str, Any] = {"offset_ns": 0, "error_ns": 0, "samples": 0}
+        self.role = "worker"
+        """What the process is in the job: "worker", or, in a parameter-server job, "ps" or "chief" (a chief task
+        of its own; a worker that coordinates stays "worker")."""
+        self.file_name: str | None = None
+        """The file `write` makes in its directory; None: `worker-<rank>.json`."""
         self._tracks: dict[int, str] = {}
         self.mode = SPANS
         self.folder: StepFolder | None = None
@@ -154,6 +159,7 @@ class Recorder:
             "rank": self.rank,
             "task": self.task,
             "world_size": self.world_size,
+            "role": self.role,
             "clock": self.clock_offset,
             "mode": self.mode,
             "spans": [list(s) for s in self.spans],
@@ -164,7 +170,7 @@ class Recorder:
 
     def write(self, directory: str | Path) -> Path:
         """Writes this worker's file in `directory` (made if missing); returns its path."""
-        path = worker_file(directory, self.rank)
+        path = worker_file(directory, self.rank) if self.file_name is None else Path(directory) / self.file_name
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":")))

@@ -6,7 +6,8 @@ so the windows tile the worker's time and every step's input is in it. Within it
 waiting for peers, transfer and idle, which add up to the window by construction; exposed communication is
 waiting plus transfer (communication no compute overlaps, since compute wins the painting only where the
 thread computes). The late worker is named by arrival (`late.py`). A trace in summary mode (`fold.py`) gives the
-same table from its folded steps: only its waits are painted here, split at the last worker's arrival.
+same table from its folded steps: only its waits are painted here, split at the last worker's arrival. A
+parameter-server job's trace has no steps in common and no collectives: `report` gives `functions.py`'s report for it.
 
     >>> report = summarize(load("traces/"))
     >>> print(report.text()); report.to_dict(); report.plot("traces/breakdown.png")
@@ -22,6 +23,7 @@ from typing import Any
 
 from stratagem.errors import InputError
 from stratagem.trace.fold import SUMMARY
+from stratagem.trace.functions import FunctionsSummary, is_functions_trace, summarize_functions
 from stratagem.trace.late import LateStep, LateWorker, Stretch, late_steps, name_late_workers
 from stratagem.trace.merge import FoldedStep, JobTrace, WorkerTrace
 from stratagem.trace.pipeline import PipelineBubble, measure_bubble
@@ -171,8 +173,19 @@ def _ms(ns: int) -> float:
     return round(ns / 1e6, 3)
 
 
+def report(job: JobTrace) -> TraceSummary | FunctionsSummary:
+    """The report of any trace: `summarize`'s, or a parameter-server job's (`functions.summarize_functions`)."""
+    return summarize_functions(job) if is_functions_trace(job) else summarize(job)
+
+
 def summarize(job: JobTrace) -> TraceSummary:
     """The report of `job` (see the module docstring)."""
+    if is_functions_trace(job):
+        raise InputError(
+            "A parameter-server job's trace has no step that every worker shares, so no step table. Received: the "
+            f"files of {', '.join(w.task for w in job.workers)}. Read it with stratagem.trace.summary.report(job) "
+            "(or `stratagem trace summary DIR`), which gives each worker's functions and each server's updates."
+        )
     last = last_arrivals(job)
     modes = {w.mode for w in job.workers}
     if len(modes) > 1:

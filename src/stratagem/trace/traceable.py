@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import ClassVar
 
 from stratagem.errors import InputError
 from stratagem.trace.recorder import Clock, Recorder, check_mode
@@ -26,6 +27,11 @@ from stratagem.trace.recorder import Clock, Recorder, check_mode
 
 class Traceable(abc.ABC):
     """A strategy whose steps can be traced (docs/trace.md)."""
+
+    writes_every_file: ClassVar[bool] = False
+    """True when the end of `trace()` returns only once every process of the job has written its file (the
+    parameter server's chief stops each task's trace and waits for its reply); False: each process writes its own
+    as it leaves the block, and `fit` meets the others at a barrier before the chief merges them."""
 
     @abc.abstractmethod
     def trace(

@@ -57,6 +57,7 @@ def traced_run(strategy: Strategy, directory: str | Path | None, *, is_chief: bo
     merged = Path(directory) / "trace.json.gz"
     with strategy.trace(directory) as recorder:
         yield recorder
-    strategy.barrier()  # every worker's file is written before the chief reads them
+    if not strategy.writes_every_file:
+        strategy.barrier()  # every worker's file is written before the chief reads them
     if is_chief:
         merge(directory, merged)

@@ -63,6 +63,7 @@ from stratagem.strategies.parameter_server.heartbeat import (
     Heartbeat,
     WorkerFault,
 )
+from stratagem.strategies.parameter_server.tracing import closure_args
 from stratagem.strategies.parameter_server.transport import Client, task_lost
 from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
 from stratagem.timeouts import check_optional_seconds, check_seconds
@@ -265,6 +266,7 @@ class ClusterCoordinator:
         )
         checker.encode(tuple(args), "args")
         checker.encode(kwargs, "kwargs")
+        started = self.strategy.tracing.now()
         with self._cv:
             self._raise_error(clear=False)
             if self._closed:
@@ -276,6 +278,7 @@ class ClusterCoordinator:
             self._queue.append(closure)
             self._inflight += 1
             self._cv.notify_all()
+        self.strategy.tracing.scheduled(closure_args(closure), started)
         return closure.value
 
     def join(self, timeout: float | None = None) -> None:
@@ -348,9 +351,11 @@ class ClusterCoordinator:
                 closure = self._next()
                 if closure is None:
                     return
+                started = self.strategy.tracing.now()
                 try:
                     if beat.hung:  # lost while idle: no call, the function goes back at once
                         raise _Hung()
+                    self.strategy.tracing.worker_ready(client)  # a trace that records starts on this worker first
                     reply = self._run_on(client, closure, beat)
                 except (ParameterServerError, _Hung) as exc:
                     if not (isinstance(exc, _Hung) or task_lost(exc) or beat.hung):
@@ -370,6 +375,7 @@ class ClusterCoordinator:
                         self._fail(exc, closure)
                     continue
                 self._record(closure, client, reply)
+                self.strategy.tracing.dispatched(client.task, closure_args(closure), started)
         finally:
             client.close()
 
@@ -449,6 +455,7 @@ class ClusterCoordinator:
             "datasets": datasets,
         }
         closure.attempts += 1
+        meta["closure"] = closure_args(closure)
         try:
             return client.call(
                 "Run", "run", meta, encoder.tensors, timeout=self.closure_timeout, cancellation=beat.cancellation

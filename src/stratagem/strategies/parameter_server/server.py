@@ -50,6 +50,7 @@ from stratagem.strategies.parameter_server.store import (
     ShardStore,
     bucket_name,
 )
+from stratagem.strategies.parameter_server.tracing import UPDATES, TaskTrace, span
 from stratagem.strategies.parameter_server.transport import (
     LARGE,
     SMALL,
@@ -102,6 +103,8 @@ class ParameterServer:
         self._segments = shared.Segments(task)
         self._num_updates = 0
         self._shutdown = threading.Event()
+        self.trace = TaskTrace(task)
+        """This server's trace: each push applied, started and stopped by the chief (`tracing.py`)."""
         self._server = Server(
             SERVICE,
             {
@@ -116,6 +119,7 @@ class ParameterServer:
                 "Detach": self._detach,
                 "PullShared": self._pull_shared,
                 "PushShared": self._push_shared,
+                "Trace": self.trace.handle,
             },
             security=security,
             address=address,
@@ -320,8 +324,11 @@ class ParameterServer:
                 f"buckets={indices!r:.100}, {len(store.buckets)} buckets here. Name each "
                 "bucket the push carries once."
             )
-        self._keep_reads()
-        store.apply_buckets({index: attached.areas.push[index] for index in indices})
+        with span(
+            self.trace.recorder, "update", "apply push", track=UPDATES, via="shared memory", worker=attached.task
+        ):
+            self._keep_reads()
+            store.apply_buckets({index: attached.areas.push[index] for index in indices})
         self._num_updates += 1
         return self._num_updates
 
@@ -344,7 +351,7 @@ class ParameterServer:
     def _push(self, pieces: Iterator[bytes]) -> Reply:
         # The gradient bytes stream straight into the buckets' gradient buffers (one copy, into memory
         # already paged in); the lock is held from the first byte, so pushes apply one after another.
-        with self._lock:
+        with self._lock, span(self.trace.recorder, "update", "receive and apply push", track=UPDATES, via="gRPC"):
             store = self._optimizing_store()
             self._keep_reads()
             # The progress callback checks the layout as soon as the header is in, before any update.

@@ -31,7 +31,9 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -47,12 +49,14 @@ from stratagem.strategies.parameter_server import fit_steps as fit_support
 from stratagem.strategies.parameter_server import heartbeat, tasks
 from stratagem.strategies.parameter_server.coordinator import ClusterCoordinator
 from stratagem.strategies.parameter_server.partitioners import Partitioner, place
+from stratagem.strategies.parameter_server.server import SERVICE as PS_SERVICE
 from stratagem.strategies.parameter_server.tasks import CHIEF_SERVICE as CHIEF_SERVICE
 from stratagem.strategies.parameter_server.tasks import STOP_GRACE_SECONDS as STOP_GRACE_SECONDS
 from stratagem.strategies.parameter_server.tasks import InProcessCluster as InProcessCluster
 from stratagem.strategies.parameter_server.tasks import TaskPlan
+from stratagem.strategies.parameter_server.tracing import TraceSession
 from stratagem.strategies.parameter_server.transport import Client, Security, Server
-from stratagem.strategies.parameter_server.variables import ShardedVariables
+from stratagem.strategies.parameter_server.variables import ShardedVariables, transfers_choice, transfers_reason
 from stratagem.strategies.parameter_server.worker import (
     SERVICE as WORKER_SERVICE,
 )
@@ -62,6 +66,8 @@ from stratagem.strategies.parameter_server.worker import (
     WorkerService,
 )
 from stratagem.timeouts import check_seconds
+from stratagem.trace import Recorder, Traceable
+from stratagem.trace.recorder import Clock
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ logger = logging.getLogger(__name__)
 CHIEF_CHECK_SECONDS = 2.0
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(Strategy, Traceable):
     """Asynchronous training with variables on parameter servers (tf.distribute's ``ParameterServerStrategy``).
 
     Args:
@@ -174,6 +180,8 @@ class ParameterServerStrategy(Strategy):
             security=security,
         )
         """This task's place in the job (tasks.py): role, workers, parameter servers, security."""
+        self.tracing = TraceSession(self.tasks, ps_service=PS_SERVICE, rpc_timeout=rpc_timeout)
+        """The job's trace, driven by the coordinator (`tracing.py`); off until one starts."""
         task = cluster.task_name
         if cluster.task_type == "ps":
             self._serve_as_ps()
@@ -188,6 +196,7 @@ class ParameterServerStrategy(Strategy):
                 security=self.tasks.security,
                 address=cluster.addresses["worker"][cluster.task_index],
                 ready=self.tasks.is_coordinator,
+                recorder=self.tracing.recorder if self.tasks.is_coordinator else None,  # the chief's is this worker's
             )
         self._chief_server: Server | None = None
         if cluster.task_type == "chief" and not self.tasks.workers_in_process:
@@ -200,6 +209,9 @@ class ParameterServerStrategy(Strategy):
             )
         if self.tasks.is_coordinator:
             atexit.register(self.shutdown)
+            directory = environ.trace_dir(env)  # `stratagem launch --trace DIR`: the whole run, written at shutdown
+            if directory is not None:
+                self.tracing.begin(directory)
         logger.info(
             "ParameterServerStrategy on %s: %d ps, %d workers, coordinator=%s",
             task,
@@ -280,6 +292,7 @@ class ParameterServerStrategy(Strategy):
         )
         if self.tasks.is_coordinator:
             variables.create(dict(named), optimizer)
+            self.tracing.placed()  # the parameter servers answer: a trace that records starts on them
         self._model = ParameterServerModel(model, shards, self._ps_addresses, variables, self.rpc_timeout)
         if optimizer is None:
             return self._model
@@ -363,6 +376,20 @@ class ParameterServerStrategy(Strategy):
         if self._model is not None:
             self._model.pull()  # the chief's copy (history.model) shows the trained values
 
+    writes_every_file: ClassVar[bool] = True  # the chief stops every task's trace, which replies once written
+
+    def trace(
+        self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans"
+    ) -> AbstractContextManager[Recorder]:
+        """On the coordinator: records every task's work while the block runs (each function on its worker, with its
+        pulls and pushes, each server's updates, each dispatch; tracing.py), each task's file written as it ends.
+
+            >>> with strategy.trace("traces/"):
+            ...     losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(50)]
+            ...     coordinator.join()
+        """
+        return self.tracing.trace(directory, clock=clock, mode=mode)
+
     def close(self) -> None:
         """Ends the job, as `shutdown` (the name every stratagem strategy answers to)."""
         self.shutdown()
@@ -390,6 +417,7 @@ class ParameterServerStrategy(Strategy):
         """Ends the job (chief): the coordinator stops, workers and parameter servers are told to exit."""
         if not self.tasks.is_coordinator:
             return
+        self.tracing.end()  # a whole run's trace (STRATAGEM_TRACE): every task writes its file while it still serves
         for hook in self._shutdown_hooks:
             hook()
         self._shutdown_hooks.clear()
@@ -420,27 +448,6 @@ class ParameterServerStrategy(Strategy):
                 clients += service.runtime.variables()
         return {f"{v.task} -> {ps}": how for v in clients for ps, how in v.transfers.items()}
 
-    def _transfers_choice(self) -> str:
-        ways = {how.split(":")[0] for how in self._transfers().values()}
-        if not ways:
-            if self._switched_off is not None:
-                return "gRPC"
-            return {None: "shared memory on one host, else gRPC", False: "gRPC", True: "shared memory (required)"}[
-                self.shared_memory
-            ]
-        return " and ".join(sorted(ways))
-
-    def _transfers_reason(self) -> str:
-        seen = self._transfers()
-        if not seen and self._switched_off is not None:
-            return f"shared memory {self._switched_off}, so every value travels over gRPC"
-        if not seen:
-            return (
-                f"shared_memory={self.shared_memory}; each worker decides at its first pull from each parameter "
-                "server (explain() on a task after it has pulled shows the outcome)"
-            )
-        return "; ".join(f"{pair}: {how}" for pair, how in sorted(seen.items()))
-
     def explain(self) -> Explanation:
         """Tasks, where the variables live and why."""
         shards = self._model.shards if self._model is not None else []
@@ -469,8 +476,8 @@ class ParameterServerStrategy(Strategy):
         decisions.append(
             PlacementDecision(
                 subject="values between workers and parameter servers",
-                choice=self._transfers_choice(),
-                reason=self._transfers_reason(),
+                choice=transfers_choice(self._transfers(), self._switched_off, self.shared_memory),
+                reason=transfers_reason(self._transfers(), self._switched_off, self.shared_memory),
             )
         )
         decisions.append(heartbeat.lost_workers_decision(self.coordinator_timeouts))

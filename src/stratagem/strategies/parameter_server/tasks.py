@@ -25,6 +25,7 @@ from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVI
 from stratagem.strategies.parameter_server.worker import WorkerService
 
 if TYPE_CHECKING:
+    from stratagem.strategies.parameter_server.tracing import TraceSession
     from stratagem.strategies.parameter_server.worker import ParameterServerModel
 
 
@@ -50,11 +51,12 @@ class TaskPlan:
 
 class ParameterServerTasks(Protocol):
     """What the coordinator and `fit`'s steps use of a ParameterServerStrategy (coordinator.py, fit_steps.py):
-    its task plan, the hook at shutdown, the model it placed. Declared here, below the strategy, so that neither
-    imports the strategy's module."""
+    its task plan, the hook at shutdown, the model it placed, the job's trace. Declared here, below the strategy, so
+    that neither imports the strategy's module."""
 
     tasks: TaskPlan
     coordinator_timeouts: dict[str, float] | None
+    tracing: TraceSession
 
     @property
     def distributed_model(self) -> ParameterServerModel | None: ...

@@ -35,7 +35,9 @@ from stratagem.strategies.parameter_server.optimizers import optimizer_spec
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.server import SERVICE
 from stratagem.strategies.parameter_server.store import bucket_name
+from stratagem.strategies.parameter_server.tracing import span, traced_calls
 from stratagem.strategies.parameter_server.transport import Client, Security
+from stratagem.trace.recorder import Recorder
 
 logger = logging.getLogger(__name__)
 DETACH_PATIENCE_SECONDS = 60.0  # how long a worker goes on telling a stuck server to let go of a file
@@ -75,6 +77,8 @@ class ShardedVariables:
             self._by_ps.setdefault(shard.ps, []).append(shard)
         self._layouts: dict[int, Layout] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self._clients)), thread_name_prefix="ps-client")
+        self.recorder: Recorder | None = None
+        """A worker's trace (`tracing.py`): each pull and push, per server, while it records."""
 
     def _each_ps(self, call: Any) -> dict[int, Any]:
         """``call(ps_index, shards)`` for every server holding shards, in parallel; the first error wins."""
@@ -182,7 +186,8 @@ class ShardedVariables:
                     "that was distributed."
                 )
 
-        self._each_ps(call)
+        with span(self.recorder, "wait", "pull"):
+            self._each_ps(traced_calls(self.recorder, "pull", call, parameters, self._via))
 
     def push(self, gradients: Mapping[str, torch.Tensor | None]) -> None:
         """Sends the gradient rows of every shard to its server, which applies the optimizer.
@@ -209,7 +214,11 @@ class ShardedVariables:
                     "Push", "push", {"layout": layout.fingerprint}, tensors, timeout=self.rpc_timeout, small_reply=True
                 )
 
-        self._each_ps(call)
+        with span(self.recorder, "wait", "push"):
+            self._each_ps(traced_calls(self.recorder, "push", call, gradients, self._via))
+
+    def _via(self, ps: int) -> str:
+        return "shared memory" if isinstance(self._links.get(ps), shared.Link) else "gRPC"
 
     # ---- shared memory (a server on this host) --------------------------------------------------
     @property
@@ -445,3 +454,29 @@ class ShardedVariables:
         self._pool.shutdown(wait=False)
         for client in self._clients:
             client.close()
+
+
+def transfers_choice(seen: Mapping[str, str], switched_off: str | None, shared_memory: bool | None) -> str:
+    """How values travel between this process's tasks and the parameter servers, in a word (`explain()`): from what
+    was decided so far (`seen`: "task -> ps:i" -> how, as `ShardedVariables.transfers` says), else from the settings
+    (`switched_off`: why STRATAGEM_SHARED_MEMORY turned shared memory off, or None)."""
+    ways = {how.split(":")[0] for how in seen.values()}
+    if not ways:
+        if switched_off is not None:
+            return "gRPC"
+        return {None: "shared memory on one host, else gRPC", False: "gRPC", True: "shared memory (required)"}[
+            shared_memory
+        ]
+    return " and ".join(sorted(ways))
+
+
+def transfers_reason(seen: Mapping[str, str], switched_off: str | None, shared_memory: bool | None) -> str:
+    """Why values travel as `transfers_choice` says."""
+    if not seen and switched_off is not None:
+        return f"shared memory {switched_off}, so every value travels over gRPC"
+    if not seen:
+        return (
+            f"shared_memory={shared_memory}; each worker decides at its first pull from each parameter "
+            "server (explain() on a task after it has pulled shows the outcome)"
+        )
+    return "; ".join(f"{pair}: {how}" for pair, how in sorted(seen.items()))

@@ -28,8 +28,10 @@ from torch import nn
 from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServerError
 from stratagem.strategies.parameter_server import functions
 from stratagem.strategies.parameter_server.partitioners import Shard
+from stratagem.strategies.parameter_server.tracing import TaskTrace, function_ended, function_started, span
 from stratagem.strategies.parameter_server.transport import LARGE, SMALL, Reply, Security, Server, task_lost
 from stratagem.strategies.parameter_server.variables import ShardedVariables
+from stratagem.trace.recorder import Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,10 @@ class ParameterServerModel(nn.Module):
         return self.module if runtime is None else runtime.replica(self, pull=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._target()(*args, **kwargs)
+        target = self._target()  # the pull, on a worker's first forward in a function: a wait of its own
+        runtime = current_worker()
+        with span(None if runtime is None else runtime.recorder, "forward", "forward"):
+            return target(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # the replica's, inside a function
         runtime = current_worker()
@@ -175,9 +180,11 @@ class ParameterServerOptimizer:
 class WorkerRuntime:
     """One worker's replicas, parameter-server clients and iterators."""
 
-    def __init__(self, task: str, security: Security) -> None:
+    def __init__(self, task: str, security: Security, recorder: Recorder | None = None) -> None:
         self.task = task
         self._security = security
+        self.recorder = recorder
+        """Where each function, forward, optimizer step, pull and push is recorded while a trace is on."""
         self._replicas: dict[int, tuple[nn.Module, ShardedVariables]] = {}
         self._pulled: set[int] = set()
         self._iterators: dict[str, Iterator[Any]] = {}
@@ -196,6 +203,7 @@ class WorkerRuntime:
             )
             replica = copy.deepcopy(model.module)
             variables.arrange(dict(replica.named_parameters()))
+            variables.recorder = self.recorder
             self._replicas[key] = (replica, variables)
         replica, variables = self._replicas[key]
         if pull and key not in self._pulled:
@@ -211,12 +219,20 @@ class WorkerRuntime:
                 "pass in this function. Run the model, then backward, then step."
             )
         replica, variables = entry
-        variables.push({name: p.grad for name, p in replica.named_parameters()})
+        with span(self.recorder, "optimizer", "optimizer step"):
+            variables.push({name: p.grad for name, p in replica.named_parameters()})
 
     def run(
-        self, fn_ref: Any, args_tree: Any, kwargs_tree: Any, tensors: dict[str, torch.Tensor], datasets: dict[str, Any]
+        self,
+        fn_ref: Any,
+        args_tree: Any,
+        kwargs_tree: Any,
+        tensors: dict[str, torch.Tensor],
+        datasets: dict[str, Any],
+        closure: Any = None,
     ) -> Any:
-        """Runs one scheduled function here; returns its result."""
+        """Runs one scheduled function here; returns its result. `closure`: its number, name and attempt, as the
+        coordinator sent them (the trace files its spans under them)."""
         with self._lock:
             fn = functions.resolve_function(fn_ref)
             for dataset_id, dataset_ref in datasets.items():
@@ -227,9 +243,11 @@ class WorkerRuntime:
             kwargs = functions.decode(kwargs_tree, tensors, refs)
             self._pulled.clear()
             token = _current.set(self)
+            started = function_started(self.recorder, closure)
             try:
                 return fn(*args, **kwargs)
             finally:
+                function_ended(self.recorder, closure, started)
                 _current.reset(token)
 
     def _resolve_ref(self, tree: dict[str, Any]) -> Any:
@@ -266,9 +284,13 @@ class WorkerService:
         address: str = "127.0.0.1:0",
         ready: bool = True,
         ready_timeout: float = 300.0,
+        recorder: Recorder | None = None,
     ) -> None:
         self.task = task
-        self.runtime = WorkerRuntime(task, security)
+        self.trace = TaskTrace(task, recorder)
+        """This worker's trace, started and stopped by the chief (`tracing.py`); `recorder`: the chief's own, when
+        the chief is this worker."""
+        self.runtime = WorkerRuntime(task, security, self.trace.recorder)
         self.ready = threading.Event()
         if ready:
             self.ready.set()
@@ -276,7 +298,7 @@ class WorkerService:
         self._shutdown = threading.Event()
         self._server = Server(
             SERVICE,
-            {"Run": self._run, "Shutdown": self._stop, "Ping": self._ping},
+            {"Run": self._run, "Shutdown": self._stop, "Ping": self._ping, "Trace": self.trace.handle},
             security=security,
             address=address,
             default_limit=SMALL,
@@ -292,7 +314,9 @@ class WorkerService:
                 "on every task."
             )
         try:
-            result = self.runtime.run(meta["fn"], meta["args"], meta["kwargs"], tensors, meta["datasets"])
+            result = self.runtime.run(
+                meta["fn"], meta["args"], meta["kwargs"], tensors, meta["datasets"], meta.get("closure")
+            )
             encoder = functions.Encoder()
             tree = encoder.encode(result, "the scheduled function's result")
             return "result", {"value": tree}, encoder.tensors
