@@ -14,7 +14,9 @@ group hold the same bits of every replicated parameter, and the result equals on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,9 +57,12 @@ from stratagem.strategies.tensor_parallel.mesh import (
     resolve_layouts,
 )
 from stratagem.strategies.tensor_parallel.styles import check_splits
+from stratagem.strategies.tensor_parallel.tracing import TensorParallelTrace
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
+from stratagem.trace import Recorder, Traceable
+from stratagem.trace.recorder import Clock
 from stratagem.values import select_replica, stack_replicas, tag_results
 
 AXES = ("data", "model")
@@ -75,7 +80,7 @@ def check_mesh_axes(mesh: DeviceMesh) -> None:
         )
 
 
-class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
+class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     """Tensor parallelism on a layout map, over torch's DTensor, exact on any split of the global batch.
 
     Args:
@@ -167,6 +172,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         self._input_sharding = InputSharding()
         # One for the strategy's life: its asynchronous saves' process group is made once.
         self._state_shards = ShardedStateShards(self._group)
+        self._trace = TensorParallelTrace(self._group, self._torch_mesh, step=lambda: self._steps, env=env)
         self._finish_building()
 
     # ---- Strategy ---------------------------------------------------------------------------------
@@ -226,9 +232,10 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
             self._sums.append(DataAxisSum(list(model.parameters()), self._data_group, lambda: self._weight))
         wrapped = TensorParallelModel(model, "TensorParallelModel")
         self._model = wrapped
+        self._trace.add(wrapped)  # forward and the start of backward, while a trace records (tracing.py)
         if optimizer is None:
             return wrapped
-        return wrapped, clone_optimizer(optimizer, made)
+        return wrapped, self._trace.watch_optimizer(clone_optimizer(optimizer, made))
 
     def memory_plan(
         self,
@@ -302,11 +309,12 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
         self._counts = None
         ctx = ReplicaContext(self._data_index, self._num_data, self._device, self, host=self)
         previous = enter_replica(ctx)
+        started = self._trace.step_started()
         self._agreement.start(self._steps + 1)
         try:
             # The whole step, not the forward alone: backward replays ops whose saved plain tensors (the labels of
             # a loss) meet DTensor gradients, and DTensor takes them as replicated only while this is on.
-            with replicated_plain_tensors():
+            with replicated_plain_tensors(), self._trace.recording():
                 result = fn(*local_args, **local_kwargs)
         except BaseException:
             self._agreement.drop()
@@ -315,8 +323,25 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost):
             enter_replica(previous)
             self._steps += 1
         self._agreement.finish()  # every worker's fingerprint of the step's batch, compared (step_agreement.py)
+        self._trace.step_ended(started)
         stacked = stack_replicas([result], sizes, total)
         return tag_results(stacked, None if self._counts is None else [self._counts])
+
+    def trace(
+        self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans"
+    ) -> AbstractContextManager[Recorder]:
+        """Records the steps run inside the block on every worker: forward, backward, optimizer step, each collective
+        DTensor issues and each sum of the data axis (tracing.py; docs/trace.md). Every worker enters it at the same
+        point.
+
+        Example:
+            >>> with strategy.trace("traces/"):
+            ...     strategy.run(train_step, args=(x, y))
+        """
+        return self._trace.trace(directory, clock=clock, mode=mode)
+
+    def _input_timing(self) -> tuple[None, Recorder]:
+        return None, self._trace.recorder  # input spans while a trace records; stragglers are not judged here
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
