@@ -6,7 +6,8 @@ The package, in the order a trace is made and read:
   step, waits, whole steps) and cross-worker collectives appended as tuples; nothing happens while it is off.
   Each worker writes its own file (`worker-<rank>.json`).
 - `clocks.py`: each worker's clock offset to the chief's, measured by round-trip pings through the job's
-  store (the sample of least delay), with its error bound.
+  store (the sample of least delay), with its error bound; or by the chief itself, through round trips it makes
+  (`measure`: a parameter server's RPCs).
 - `merge.py`: the worker files, on the chief's clock, as one Chrome trace-event file that Perfetto and
   chrome://tracing open: a process per worker, a track per thread and per transport, flow arrows joining
   the k-th collective of every worker.
@@ -16,11 +17,13 @@ The package, in the order a trace is made and read:
   text and a JSON rendering, and a PNG of the breakdown.
 - `fold.py`: summary mode, each step's spans folded as it ends into what the step table needs.
 - `pipeline.py`: the pipeline's bubble measured from the stages' spans, beside GPipe's (S-1)/(M+S-1).
+- `functions.py`: the report of a parameter-server job's trace (no step shared, no collective): each worker's
+  functions and what they spent their time on, each server's updates; `summary.report` picks it.
 - `traceable.py`: `Traceable`, the one member a strategy declares to be traced (`trace(directory)`), which
   `fit(..., trace=DIR)` and `stratagem train --trace DIR` look for.
 
 Turned on by `stratagem launch --trace DIR` (STRATAGEM_TRACE), or for a range of steps by
-`with strategy.trace(DIR):` on a MultiWorkerMirroredStrategy, or `fit(..., trace=DIR)`. Read with `stratagem trace summary DIR`.
+`with strategy.trace(DIR):` on any `Traceable` strategy, or `fit(..., trace=DIR)`. Read with `stratagem trace summary DIR`.
 """
 
 from __future__ import annotations
