@@ -21,9 +21,14 @@ from torch import nn
 
 import stratagem as sg
 from stratagem import environ
+from stratagem.cluster import free_ports
 from stratagem.errors import InputError, ParameterServerError
 from stratagem.strategies.parameter_server import FixedShardsPartitioner, InProcessCluster, ParameterServerStrategy
-from stratagem.strategies.parameter_server.tracing import TaskTrace
+from stratagem.strategies.parameter_server.tasks import TaskPlan
+from stratagem.strategies.parameter_server.tracing import TaskTrace, TraceSession
+from stratagem.strategies.parameter_server.transport import Client, Security
+from stratagem.strategies.parameter_server.worker import SERVICE as WORKER_SERVICE
+from stratagem.strategies.parameter_server.worker import WorkerService
 from stratagem.trace.clocks import measure
 from stratagem.trace.functions import PARTS
 from stratagem.trace.merge import chrome_trace, load
@@ -169,3 +174,24 @@ def test_measure_keeps_the_round_trip_of_least_delay():
     assert (offset.offset_ns, offset.error_ns, offset.samples) == (102 - 2000, 2, 2)
     with pytest.raises(ValueError, match=r"at least one round trip\. Received: samples=0"):
         measure(lambda: 0, clock=lambda: 0, samples=0)
+
+
+def test_a_task_that_cannot_be_traced_is_named_and_the_others_files_are_written(tmp_path, caplog):
+    security = Security(token="secret")
+    service = WorkerService("worker:0", security=security)
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    plan = TaskPlan(task="chief:0", is_coordinator=True, workers_in_process=True,
+                    workers=(("worker:0", service.address), ("worker:1", nobody)), parameter_servers=(),
+                    security=security)  # fmt: skip
+    session = TraceSession(plan, ps_service="unused", rpc_timeout=5.0)
+    session.begin(tmp_path)
+    try:
+        session.worker_ready(Client(service.address, WORKER_SERVICE, security=security, task="worker:0"))
+        session.worker_ready(Client(nobody, WORKER_SERVICE, security=security, task="worker:1"))
+        assert "worker:1 records no trace (its file will be missing)" in caplog.text
+        service.stop()  # lost before the end: it cannot write its file
+        written = session.end()
+    finally:
+        service.stop()
+    assert "worker:0 did not write its trace file" in caplog.text
+    assert written == [tmp_path / "chief.json"] and os.listdir(tmp_path) == ["chief.json"]

@@ -45,6 +45,8 @@ FUNCTIONS = "functions"
 """A worker's track of the functions it ran (they run one at a time, each on some gRPC thread)."""
 UPDATES = "updates"
 """A parameter server's track of the pushes it applied (one at a time, under its lock)."""
+START_TIMEOUT = 10.0
+"""Seconds each request that starts a task's trace may take (a task that does not answer goes untraced)."""
 
 
 class TaskTrace:
@@ -113,6 +115,9 @@ class TraceSession:
         self._lock = threading.Lock()
         self._started: dict[str, Client] = {}  # task -> the client it was started (and is stopped) through
         self._owned: list[Client] = []  # the servers' clients, made here (a worker's is its dispatch thread's)
+        self._starting: set[str] = (
+            set()
+        )  # tasks whose start is under way (outside the lock: a slow task holds no other)
         self._placed = False
         self.directory: str | None = None
         rank, role, file = self._place(plan.task)
@@ -200,23 +205,31 @@ class TraceSession:
                 self._start(Client(address, self._ps_service, security=self._plan.security, task=task), owned=True)
 
     def _start(self, client: Client, *, owned: bool = False) -> None:
+        """Starts `client`'s task (once); a task that does not answer in time is named in a warning and left out."""
         with self._lock:
-            if client.task in self._started or self.directory is None:
+            if client.task in self._started or client.task in self._starting or self.directory is None:
                 return
-            try:
-                offset = measure(
-                    lambda: int(client.call("Trace", "clock", timeout=self._rpc_timeout, small_reply=True)[1]["ns"]),
-                    clock=self.recorder.clock,
-                )
-                rank, role, file = self._place(client.task)
-                meta = {"rank": rank, "role": role, "file": file, "directory": self.directory,
-                        "processes": self.recorder.world_size, "clock": offset.to_dict()}  # fmt: skip
-                client.call("Trace", "start", meta, timeout=self._rpc_timeout, small_reply=True)
-            except (ParameterServerError, CollectiveTimeoutError) as exc:
-                logger.warning("%s records no trace: %s", client.task, exc)
-                if owned:
-                    client.close()
-                return
+            self._starting.add(client.task)
+            directory = self.directory
+        timeout = min(self._rpc_timeout, START_TIMEOUT)
+        try:
+            offset = measure(
+                lambda: int(client.call("Trace", "clock", timeout=timeout, small_reply=True)[1]["ns"]),
+                clock=self.recorder.clock,
+            )
+            rank, role, file = self._place(client.task)
+            meta = {"rank": rank, "role": role, "file": file, "directory": directory,
+                    "processes": self.recorder.world_size, "clock": offset.to_dict()}  # fmt: skip
+            client.call("Trace", "start", meta, timeout=timeout, small_reply=True)
+        except (ParameterServerError, CollectiveTimeoutError) as exc:
+            logger.warning("%s records no trace (its file will be missing): %s", client.task, exc)
+            if owned:
+                client.close()
+            return
+        finally:
+            with self._lock:
+                self._starting.discard(client.task)
+        with self._lock:
             self._started[client.task] = client
             if owned:
                 self._owned.append(client)
