@@ -21,6 +21,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem import environ
+from stratagem.cli.checks import check_trace_flag, traced_strategy_names
 from stratagem.cluster import free_ports
 from stratagem.errors import InputError, ParameterServerError
 from stratagem.strategies.parameter_server import FixedShardsPartitioner, InProcessCluster, ParameterServerStrategy
@@ -195,3 +196,9 @@ def test_a_task_that_cannot_be_traced_is_named_and_the_others_files_are_written(
         service.stop()
     assert "worker:0 did not write its trace file" in caplog.text
     assert written == [tmp_path / "chief.json"] and os.listdir(tmp_path) == ["chief.json"]
+
+
+def test_stratagem_train_takes_trace_with_the_parameter_server_and_tensor_parallelism():
+    assert {"parameter_server", "tensor_parallel"} <= set(traced_strategy_names())
+    for strategy in ("parameter_server", "tensor_parallel"):
+        check_trace_flag(strategy, "traces/")  # no longer refused
