@@ -3,7 +3,8 @@
 - `fit_across_techniques`: the tiny GPT-2 of tensor_parallel_cases trained by sg.fit with BackupAndRestore under
   TensorParallelStrategy, resumed from its backup under ShardedStrategy, and from that one under
   TensorParallelStrategy again; every parameter whole after each run, against one device (`fit_one_device`);
-- `refusals`: a backward outside strategy.run refused with the fix, then a memory plan over a cgroup v1 limit
+- `on_two_workers`: a backward outside strategy.run refused with the fix; fit with accumulate_steps against one
+  device (`fit_one_device_accumulated`); no_sync on a data axis refused; a memory plan over a cgroup v1 limit
   refused in distribute with the figures and a mesh that fits.
 Whole values come back as numpy arrays."""
 
@@ -125,8 +126,33 @@ def mlp_layouts(mesh: Any) -> Any:
     return layouts
 
 
-def refusals(rank: int, ports: list[list[int]], directories: list[str] | None) -> dict[str, Any]:
+def fit_one_device_accumulated(k: int) -> dict[str, torch.Tensor]:
+    """`fit_one_device` with one update per `k` batches: each batch's mean loss weighted by its share of the group's
+    examples (fit's accumulate_steps), the last group of an epoch shorter."""
+    model = cases.gpt2()
+    optimizer = cases.optimizer(model.parameters())
+    ids, labels = fit_data()
+    for epoch in range(FIT_EPOCHS):
+        order = torch.randperm(FIT_EXAMPLES, generator=torch.Generator().manual_seed(FIT_SEED * 1_000_003 + epoch + 1))
+        parts = list(order.split(FIT_BATCH))
+        for first in range(0, len(parts), k):
+            group = parts[first : first + k]
+            for idx in group:
+                share = len(idx) / sum(len(p) for p in group)
+                (cases.lm_loss(model(input_ids=ids[idx]).logits, labels[idx]) * share).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def on_two_workers(rank: int, ports: list[list[int]], directories: list[str] | None) -> dict[str, Any]:
+    """On 2 workers, one strategy after the other: a backward outside strategy.run (refused); fit with
+    accumulate_steps=2 on 2 model workers (every parameter whole after it); no_sync on a (data 2, model 1) mesh
+    (refused); then, with `directories`, this process in its own cgroup v1 limited to LIMIT_BUDGET over its
+    usage, and distribute of a plan over it (refused)."""
     import stratagem as sg
+    from stratagem.strategies.tensor_parallel.apply import whole_tensor
 
     out: dict[str, Any] = {}
     mesh = sg.DeviceMesh((2,), ("model",))
@@ -143,10 +169,29 @@ def refusals(rank: int, ports: list[list[int]], directories: list[str] | None) -
         out["no gradient"] = all(p.grad is None for p in model.parameters())
     finally:
         strategy.close()
+    strategy = sg.TensorParallelStrategy(cases.layout_map(mesh), cluster=cases.cluster_of(rank, ports[1]), timeout=120)
+    try:
+        user = cases.gpt2()
+        history = sg.fit(
+            strategy, user, cases.optimizer(user.parameters()), fit_loss, fit_data(), batch_size=FIT_BATCH,
+            seed=FIT_SEED, epochs=FIT_EPOCHS, clip_grad_norm=0.5, accumulate_steps=2,
+        )  # fmt: skip
+        out["accumulated"] = {n: whole_tensor(p).detach().numpy().copy() for n, p in history.model.named_parameters()}
+    finally:
+        strategy.close()
+    data_mesh = sg.DeviceMesh((2, 1), ("data", "model"))
+    strategy = sg.TensorParallelStrategy(sg.LayoutMap(data_mesh), cluster=cases.cluster_of(rank, ports[2]), timeout=120)
+    try:
+        with strategy.no_sync():
+            out["no_sync on a data axis"] = "entered"
+    except sg.InputError as error:
+        out["no_sync on a data axis"] = str(error)
+    finally:
+        strategy.close()
     if directories is None:
         return out
     user = mlp(LIMIT_WIDTH, LIMIT_DEPTH)  # built before the limit: the user's model as it stands before distribute
-    strategy = sg.TensorParallelStrategy(mlp_layouts(mesh), cluster=cases.cluster_of(rank, ports[1]), timeout=120)
+    strategy = sg.TensorParallelStrategy(mlp_layouts(mesh), cluster=cases.cluster_of(rank, ports[3]), timeout=120)
     try:
         directory = directories[rank]
         try:  # the memory held moves with the process where the kernel still can (removed in Linux 6.x)

@@ -240,6 +240,36 @@ def test_fit_with_accumulate_steps_reports_the_loss_over_every_example():
     assert steps[0] == pytest.approx(float(first), rel=1e-12)
 
 
+class _WithLogits(torch.nn.Module):
+    """A model that returns what a Hugging Face model returns: an object with `.logits`."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=self.inner(x))
+
+
+@pytest.mark.parametrize("form", ["pairs", "dicts"])
+def test_fit_with_accumulate_steps_calls_the_model_and_loss_as_fits_own_step(form):
+    # The micro-step once passed the output object itself to loss(outputs, targets), and read a device from the
+    # targets, which a dict batch carries under "labels": fit's plain step does neither.
+    reference, ref_opt, shape = build("mlp", "adam", torch.float64)
+    batches = make_batches(shape, torch.float64, sizes=FIT_SIZES)
+    reference_group_means(reference, ref_opt, batches, K)
+    model, opt, _ = build("mlp", "adam", torch.float64)
+    data = batches if form == "pairs" else [{"x": x, "labels": y} for x, y in batches]
+    history = sg.fit(
+        sg.OneDeviceStrategy("cpu"), _WithLogits(model), opt, F.cross_entropy, data, accumulate_steps=K,
+        clip_grad_norm=1.0, metrics=["accuracy"],
+    )  # fmt: skip
+    assert_same_state(reference, history.model.inner, torch.float64)
+    assert 0.0 <= history.epochs[0].metrics["accuracy"] <= 1.0
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
 def test_fit_refuses_an_accumulate_steps_that_is_not_a_positive_count(bad):
     model, opt, shape = build("mlp", "sgd_momentum", torch.float64)

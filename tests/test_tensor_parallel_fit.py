@@ -1,11 +1,12 @@
 """sg.fit and `stratagem train` drive TensorParallelStrategy: BackupAndRestore backs every rank's parts up and a run
 resumes from them, under ShardedStrategy and back, exactly (the tiny GPT-2 of tensor_parallel_cases, float64,
-AdamW, clipping); a backward outside strategy.run and a memory plan over the process's limit are refused with the
-fix."""
+AdamW, clipping), and accumulates as one device does on a model mesh; a backward outside strategy.run, accumulation
+on a data axis and a memory plan over the process's limit are refused with the fix."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import tensor_parallel_fit_cases as cases
@@ -36,27 +37,54 @@ def test_fit_backs_up_under_tensor_parallel_and_resumes_under_sharded_and_back_a
             assert worst <= 1e-9, f"{run}, step {steps}: {name} {worst:.2e} relative"
 
 
-@pytest.mark.timeout(300)
-def test_a_backward_outside_run_and_a_plan_over_the_cgroup_limit_are_refused_with_the_fix():
+@pytest.fixture(scope="module")
+def two_workers() -> tuple[dict[int, Any], bool]:
+    """One run of `cases.on_two_workers` on 2 workers, shared by the tests below: each rank's results, and whether
+    the cgroup part ran (it needs root and cgroup v1)."""
     try:
         directories: list[str] | None = make_cgroups()[:2]
     except pytest.skip.Exception:
-        directories = None  # the backward's refusal is still checked
+        directories = None  # the rest is still checked
     try:
-        ports = [[free_port(), free_port()] for _ in range(2)]
-        outcomes = run_ranks(cases.refusals, [0, 1], args=(ports, directories), timeout=240)
+        ports = [[free_port(), free_port()] for _ in range(4)]
+        outcomes = run_ranks(cases.on_two_workers, [0, 1], args=(ports, directories), timeout=300)
     finally:
         if directories is not None:
             remove_cgroups(directories)
     for rank, outcome in outcomes.items():
         assert outcome.error is None, (rank, outcome.error)
-        got = outcome.value
+    return {rank: outcome.value for rank, outcome in outcomes.items()}, directories is not None
+
+
+@pytest.mark.timeout(360)
+def test_a_backward_outside_run_is_refused_with_the_fix_before_any_gradient(two_workers):
+    for got in two_workers[0].values():
         refused = got["backward outside run"]
         assert "Received: backward() of the split model's output outside strategy.run" in refused, refused
         assert "inside the step function given to strategy.run" in refused and "sg.fit" in refused, refused
-        assert got["no gradient"]  # refused before any gradient was accumulated
-        if directories is None:
-            continue
+        assert got["no gradient"]
+
+
+@pytest.mark.timeout(360)
+def test_fit_accumulates_gradients_on_a_model_mesh_as_one_device(two_workers):
+    for name, value in cases.fit_one_device_accumulated(2).items():
+        worst = float(abs(two_workers[0][0]["accumulated"][name] - value.numpy()).max() / value.abs().max())
+        assert worst <= 1e-9, f"{name} {worst:.2e} relative"
+
+
+@pytest.mark.timeout(360)
+def test_accumulating_on_a_data_axis_is_refused_by_name(two_workers):
+    for got in two_workers[0].values():
+        refused = got["no_sync on a data axis"]
+        assert "on a 'data' axis (no_sync, fit's accumulate_steps) is not supported yet" in refused, refused
+        assert "Received: no_sync() on the mesh (2, 1) ('data', 'model')" in refused, refused
+
+
+@pytest.mark.timeout(360)
+def test_a_plan_over_the_cgroup_limit_is_refused_in_distribute_with_a_mesh_that_fits(two_workers):
+    if not two_workers[1]:
+        pytest.skip("no cgroup v1 memory controller this test can write (run as root with cgroup v1)")
+    for got in two_workers[0].values():
         refused = got["over the limit"]
         assert refused.startswith("TensorParallelStrategy on the mesh (2,) ('model',)'s memory plan needs "), refused
         assert "cgroup v1 /stratagem-test-" in refused and "(memory.limit_in_bytes)" in refused, refused

@@ -26,8 +26,9 @@ from stratagem.data.split import batch_size_of
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.data_parallel.amp import precision_autocast
-from stratagem.train.loop import LossFn, _check_scalar_loss, _describe
+from stratagem.train.loop import LossFn, _check_scalar_loss, _describe, _device_type
 from stratagem.train.metrics import MetricSet
+from stratagem.train.model_call import as_pairs, forward
 from stratagem.values import PerReplica, flatten
 
 MicroStepFn = Callable[[Any, Any, float, bool], torch.Tensor]
@@ -57,10 +58,12 @@ def make_accumulating_train_step(
         )
     loss_fn = loss  # narrowed for the closure below
 
-    def train_step(inputs: Any, targets: torch.Tensor, scale: float, last: bool) -> torch.Tensor:
-        with precision_autocast(precision, targets.device.type):
-            outputs = model(inputs)
-            loss_value = loss_fn(outputs, targets)
+    def train_step(inputs: Any, targets: torch.Tensor | None, scale: float, last: bool) -> torch.Tensor:
+        # The model and the loss called as fit's own step calls them: a Hugging Face output's logits to the loss, a
+        # dict batch's "labels" as the targets.
+        with precision_autocast(precision, _device_type(inputs, targets)):
+            step = forward(model, loss_fn, inputs, targets)
+        loss_value = step.loss
         _check_scalar_loss(loss_value)
         (loss_value * scale).backward()
         if last:
@@ -68,7 +71,8 @@ def make_accumulating_train_step(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)  # the group's combined gradient
             optimizer.step()
             optimizer.zero_grad()
-        return metric_set.state(outputs.detach(), targets, loss_value.detach())
+        predictions = step.predictions.detach() if step.predictions is not None else None
+        return metric_set.state(predictions, step.targets, loss_value.detach())
 
     return train_step
 
@@ -87,7 +91,7 @@ def run_accumulated_steps(
         InputError: a batch is not an ``(inputs, targets)`` pair.
     """
     group: list[Any] = []
-    for batch in batches:
+    for batch in as_pairs(batches):  # a dict or any other batch travels whole, as (batch, None), as in run_steps
         group.append(batch)
         if len(group) == accumulate_steps:
             _run_group(strategy, step_fn, group, on_step)

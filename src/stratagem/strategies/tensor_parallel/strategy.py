@@ -13,6 +13,7 @@ group hold the same bits of every replicated parameter, and the result equals on
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -342,6 +343,18 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
 
     def _input_timing(self) -> tuple[None, Recorder]:
         return None, self._trace.recorder  # input spans while a trace records; stragglers are not judged here
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """On a mesh of one `model` axis, nothing to skip: the backward passes accumulate each worker's parts, and
+        `fit(accumulate_steps=K)` trains as one device does. With a `data` axis: refused (not supported yet)."""
+        if self._data_group is not None:
+            raise InputError(
+                "Accumulating gradients over several backward passes on a 'data' axis (no_sync, fit's "
+                "accumulate_steps) is not supported yet by TensorParallelStrategy. Received: no_sync() on the mesh "
+                f"{self._mesh.shape} {self._mesh.axis_names}. Use accumulate_steps=1 with a larger global batch, or "
+                "a mesh of one 'model' axis."
+            )
+        return contextlib.nullcontext()
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
