@@ -6,6 +6,10 @@ on a data axis and a memory plan over the process's limit are refused with the f
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +17,7 @@ import tensor_parallel_fit_cases as cases
 from helpers import free_port, run_ranks
 from test_sharded_memory_limit import make_cgroups, remove_cgroups
 
-from stratagem.cli.main import main
+from stratagem import environ
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -92,13 +96,38 @@ def test_a_plan_over_the_cgroup_limit_is_refused_in_distribute_with_a_mesh_that_
         assert not got["split"]  # refused before any parameter was placed
 
 
-@pytest.mark.timeout(200)
-def test_stratagem_train_runs_the_digits_conv_net_under_tensor_parallel_on_two_workers(capfd, tmp_path):
-    # The conv net's first convolution takes the plain batch; DTensor's convolution backward took only DTensors.
-    args = ["train", "--strategy", "tensor_parallel", "--workers", "2", "--epochs", "1", "--json"]
-    code = main([*args, "--backup-dir", str(tmp_path / "backup")])
-    out, err = capfd.readouterr()
-    assert code == 0, err[-3000:]
-    summary = json.loads(out)
-    assert summary["strategy"] == "TensorParallelStrategy" and summary["num_train_examples"] == 1437
-    assert not (tmp_path / "backup").exists()  # backed up after the epoch, removed once training finished
+def _train(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stratagem", "train", "--strategy", "tensor_parallel", "--workers", "2", *args],
+        env=dict(environ.current()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(400)
+def test_stratagem_train_on_two_workers_backs_up_on_sigterm_and_a_rerun_resumes_where_it_stopped(tmp_path):
+    # The digits conv net: its first convolution takes the plain batch, which DTensor's convolution backward did not.
+    backup = tmp_path / "backup"
+    args = ("--batch-size", "16", "--json", "--backup-dir", str(backup))  # 90 steps an epoch
+    job = _train("--epochs", "20", *args)
+    deadline = time.monotonic() + 240
+    while not (backup / "backup.dcp").is_dir():  # renamed into place whole, after epoch 1
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=60)[1][-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 143, err[-3000:]
+    assert "[worker:0] WARNING stratagem.train.fit: Stopped by SIGTERM" in err, err[-3000:]
+    stopped = json.loads((backup / "backup.dcp" / "manifest.json").read_text())
+    epochs = stopped["epoch"] + 1  # the rerun ends with the epoch the stop came in
+    rerun = _train("--epochs", str(epochs), *args)
+    out, err = rerun.communicate(timeout=240)
+    assert rerun.returncode == 0, err[-3000:]
+    assert f"Resumed from {backup / 'backup.dcp'}: epoch {epochs} of {epochs}, after step {stopped['step']}" in err
+    report = json.loads(out)
+    assert report["strategy"] == "TensorParallelStrategy"
+    # The data position carried over: every example of each epoch trained on once, across the two runs.
+    assert report["num_resumed_examples"] == stopped["epoch"] * 1437 + stopped["step_in_epoch"] * 16
+    assert report["num_resumed_examples"] + report["num_train_examples"] == epochs * 1437
