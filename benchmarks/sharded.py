@@ -34,18 +34,35 @@ from typing import Any
 import torch
 from torch import nn
 
-STRATEGIES = ("sharded2", "sharded3", "multi_worker", "sharded2_gloo", "sharded2_reuse", "sharded2_gloo_reuse")
+STRATEGIES = (
+    "sharded2", "sharded3", "multi_worker", "sharded2_gloo", "sharded2_reuse", "sharded2_gloo_reuse",
+    "sharded2_blocks", "sharded2_blocks_reuse", "sharded2_gloo_blocks_reuse",
+)  # fmt: skip
 """sharded2_gloo: stage 2 with its all-gathers and reduce-scatters through Gloo (shared_memory=False); _reuse: with
-host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists)."""
+host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists); _blocks: a unit per
+block, given as `units=` (the model's Linear, Conv2d or GPT2Block), where stage 2's default merges blocks of up to
+8 MiB into one unit (`sharded/units.py`)."""
 
 
-def sharded_options(name: str) -> dict[str, Any]:
-    """The ShardedStrategy arguments a strategy name of STRATEGIES stands for."""
-    return {
+def sharded_options(name: str, model: str = "mlp") -> dict[str, Any]:
+    """The ShardedStrategy arguments a strategy name of STRATEGIES stands for, on the model of that name."""
+    options: dict[str, Any] = {
         "stage": int(name[7]),
         "shared_memory": False if "gloo" in name else None,
         "host_memory": "reuse" if name.endswith("reuse") else "release",
     }
+    if "blocks" in name:
+        options["units"] = block_classes(model)
+    return options
+
+
+def block_classes(model: str) -> tuple[type, ...]:
+    """The classes of the blocks of each model: the default's units before stage 2 merged them."""
+    if model == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        return (GPT2Block,)
+    return (nn.Conv2d, nn.Linear) if model == "cnn" else (nn.Linear,)
 
 
 MODELS = ("mlp", "cnn", "gpt2")
@@ -159,7 +176,7 @@ def speed_worker(args: argparse.Namespace) -> None:
                 if name == "multi_worker":
                     strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster)
                 else:
-                    strategy = sg.ShardedStrategy(cluster=cluster, **sharded_options(name))
+                    strategy = sg.ShardedStrategy(cluster=cluster, **sharded_options(name, model_name))
                 net, make_optimizer, data = speed_workload(model_name, args.batch)
                 model, optimizer = strategy.distribute(net, make_optimizer(net.parameters()))
                 del net
@@ -192,7 +209,9 @@ def speed_worker(args: argparse.Namespace) -> None:
                 cpu_both = float(strategy.reduce("sum", torch.tensor(cpu, dtype=torch.float64)))
                 global_batch = int(data[0][0].shape[0])
                 paths = ("all-gather and reduce-scatter", "cross-worker sums")
-                transport = [f"{d.subject}: {d.choice}" for d in strategy.explain().decisions if d.subject in paths]
+                decisions = strategy.explain().decisions
+                transport = [f"{d.subject}: {d.choice}" for d in decisions if d.subject in paths]
+                units = [d.choice for d in decisions if d.subject == "sharding units"]
                 rows.append(
                     {
                         "round": round_,
@@ -202,6 +221,7 @@ def speed_worker(args: argparse.Namespace) -> None:
                         "cpu_ms_per_step": 1e3 * cpu_both / args.steps,
                         "load": os.getloadavg()[0],
                         "transport": transport,
+                        "units": units,
                     }
                 )
                 strategy.close()
@@ -253,6 +273,8 @@ def speed(args: argparse.Namespace) -> None:
             print(f"| {model_name} | {name} | {cell} | {ratio} | {cpu:.0f} | {cpu_ratio} |")
     transports = {t for r in rows for t in r["transport"]}
     print(*sorted(transports), sep="\n")
+    units = {(r["model"], r["strategy"]): r["units"] for r in rows if r["units"]}
+    print(*(f"{m}, {n}: sharding units: {u[0]}" for (m, n), u in sorted(units.items())), sep="\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "load_before": before, "load_after": after}, f, indent=1)

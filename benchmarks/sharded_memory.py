@@ -4,6 +4,7 @@ against MultiWorkerMirroredStrategy, the memory plan beside it, and a profile of
     PYTHONPATH=src .venv/bin/python benchmarks/sharded_memory.py                       # the table, MLP
     PYTHONPATH=src .venv/bin/python benchmarks/sharded_memory.py --models mlp gpt2 --configs s3x2 s2x2 s3x3 mw2
     PYTHONPATH=src .venv/bin/python benchmarks/sharded_memory.py --profile --configs s3x2   # RSS and storages at points
+    PYTHONPATH=src .venv/bin/python benchmarks/sharded_memory.py --models gpt2_narrow --configs mw2 s2x2 s2x2b s3x2
 
 Each configuration runs as `stratagem launch --workers N` starts it (the launcher's allocator settings included,
 `--default-allocator` to leave glibc's), on a 50.3M-parameter MLP (12 x Linear(2048, 2048)) or a tiny GPT-2,
@@ -28,20 +29,27 @@ from torch import nn
 
 CONFIGS = {"s3x2": ("sharded", 3, 2), "s2x2": ("sharded", 2, 2), "s3x3": ("sharded", 3, 3), "s2x3": ("sharded", 2, 3),
            "mw2": ("multi_worker", 0, 2), "mw3": ("multi_worker", 0, 3),
-           "s2x2r": ("sharded", 2, 2), "s2x3r": ("sharded", 2, 3)}  # fmt: skip
-"""s...r: host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists)."""
+           "s2x2r": ("sharded", 2, 2), "s2x3r": ("sharded", 2, 3), "s2x2b": ("sharded", 2, 2)}  # fmt: skip
+"""s...r: host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists); s...b: a unit
+per block (units=(Linear,) or (GPT2Block,)) where stage 2's default merges blocks into units of up to 8 MiB."""
+MODELS = ("mlp", "gpt2", "gpt2_narrow", "mlp_narrow")
+"""gpt2_narrow: 12 blocks of width 256 (3.0 MiB each), which stage 2's default merges two to a unit; mlp_narrow:
+48 x Linear(512, 512) (1.0 MiB each), merged seven to a unit (small activations: the units' bytes show)."""
 
 
-def mlp() -> nn.Module:
+def mlp(narrow: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if narrow:
+        return nn.Sequential(*[nn.Linear(512, 512) for _ in range(48)])  # 12.6M parameters, 48 MiB in float32
     return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)])  # 50.3M parameters, 192 MiB in float32
 
 
-def gpt2() -> nn.Module:
+def gpt2(narrow: bool = False) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8))
+    width, layers = (256, 12) if narrow else (512, 6)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, n_embd=width, n_layer=layers, n_head=8))
 
 
 def status(field: str) -> int:
@@ -77,11 +85,17 @@ def worker(args: argparse.Namespace) -> None:
     if kind == "multi_worker":
         strategy: Any = sg.MultiWorkerMirroredStrategy()
     else:
-        strategy = sg.ShardedStrategy(stage=stage, host_memory="reuse" if args.config.endswith("r") else "release")
+        units: Any = (nn.Linear,) if args.config.endswith("b") else None
+        if units and args.model.startswith("gpt2"):
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+            units = (GPT2Block,)
+        host_memory = "reuse" if args.config.endswith("r") else "release"
+        strategy = sg.ShardedStrategy(stage=stage, units=units, host_memory=host_memory)
     import torch.distributed.fsdp  # noqa: F401  (FSDP2's and DTensor's code, imported before the baseline)
     import torch.distributed.tensor  # noqa: F401
 
-    if args.model == "gpt2":  # transformers' code (a few hundred MiB once imported) is not the model's memory
+    if args.model.startswith("gpt2"):  # transformers' code (a few hundred MiB once imported) is not the model's memory
         import transformers.models.gpt2.modeling_gpt2  # noqa: F401
     gc.collect()
     baseline = status("VmRSS")
@@ -91,12 +105,16 @@ def worker(args: argparse.Namespace) -> None:
         if args.profile:
             points.append((what, status("VmRSS") - baseline, status("VmHWM") - baseline, live_storage_bytes()))
 
-    net = mlp() if args.model == "mlp" else gpt2()
+    if args.model.startswith("mlp"):
+        net = mlp(narrow=args.model == "mlp_narrow")
+    else:
+        net = gpt2(narrow=args.model == "gpt2_narrow")
     mark("the user's model built")
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
-    if args.model == "mlp":
-        data = [(torch.randn(64, 2048, generator=g), torch.randn(64, 2048, generator=g)) for _ in range(args.steps)]
+    if args.model.startswith("mlp"):
+        width = 512 if args.model == "mlp_narrow" else 2048
+        data = [(torch.randn(64, width, generator=g), torch.randn(64, width, generator=g)) for _ in range(args.steps)]
         example: Any = data[0][0]
     else:
         data = [(i, i) for i in (torch.randint(0, 8192, (16, 128), generator=g) for _ in range(args.steps))]
@@ -112,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
     mark("after del net")
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if args.model == "mlp":
+        if args.model.startswith("mlp"):
             loss = ((model(x) - y) ** 2).mean()
         else:
             loss = model(input_ids=x, labels=y).loss
@@ -175,7 +193,7 @@ def run_config(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["mw2", "s3x2", "s2x2", "mw3", "s3x3"], choices=list(CONFIGS))
-    parser.add_argument("--models", nargs="+", default=["mlp"], choices=["mlp", "gpt2"])
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=MODELS)
     parser.add_argument("--gloo", action="store_true", help="STRATAGEM_SHARED_MEMORY=0: collectives through Gloo")
     parser.add_argument("--default-allocator", action="store_true", help="glibc's malloc thresholds left as they are")
     parser.add_argument("--profile", action="store_true", help="RSS, peak and live storage at points, per rank")

@@ -323,3 +323,13 @@ def test_merged_units_train_as_one_device_with_one_gather_and_reduce_scatter_eac
         assert given["gathers per step"] == [7, 7, 7] and given["reduce-scatters per step"] == [7, 7, 7], given
         # Merging changes which collective carries a gradient, not a bit of the sum.
         assert outcome.value["bits differing between the cuts"] == 0
+
+
+def test_the_plan_counts_the_wider_copy_the_batch_check_rides_in():
+    params = list(nn.Linear(10, 5).parameters())
+    kw = dict(rank=0, world_size=2, largest_unit_bytes=55 * 4, num_units=2)
+    for stage in (2, 3):
+        plain = plan_memory(params, torch.optim.SGD(params, lr=0.1), stage=stage, **kw)
+        riding = plan_memory(params, torch.optim.SGD(params, lr=0.1), stage=stage, batch_check_copy=True, **kw)
+        # The step's first reduce-scatter copies its unit's flat gradients into a wider buffer: one unit more.
+        assert riding.gathered_peak - plain.gathered_peak == 55 * 4, stage

@@ -15,7 +15,9 @@ rows on rank r:
   in the compute dtype, U_rs the same unit in the reduce dtype (U + U_grad + U_rs when the whole model
   is one unit); stage 2 keeps every unit gathered from forward to backward: the whole model M plus
   U_grad + U_rs; through Gloo one more U_rs, the rows each rank receives in the all-to-all its
-  reduce-scatter is built from (`reduce_scatter._all_to_all_sum`);
+  reduce-scatter is built from (`reduce_scatter._all_to_all_sum`); and under the strategy one more U_rs,
+  the wider buffer the step's first reduce-scatter copies its unit's gradients into to carry the workers'
+  batch check (`reduce_scatter.WeightedReduceScatter._ride`);
 - transport: the shared-memory file the units' collectives go through on one host (`transport.py`), which
   every rank maps and reads whole: (N + 1) slots of its chunk size; 0 through the process group.
 - activations: what the step's own tensors take at their peak on this rank (given, or measured by one
@@ -182,6 +184,7 @@ def plan_memory(
     activations: int = 0,
     activations_how: str | None = None,
     received_rows: bool = False,
+    batch_check_copy: bool = False,
 ) -> MemoryPlan:
     """The plan for the model's ORIGINAL (unsharded) parameters `params` and the user's `optimizer`.
 
@@ -191,7 +194,8 @@ def plan_memory(
     when set; `transport_bytes`: the shared-memory file the units' collectives go through, when they do;
     `root_bytes`: the root's own parameters (those no unit holds); `activations`: the step's activations on this
     rank at their peak, `activations_how` where that figure came from; `received_rows`: the reduce-scatter is an
-    all-to-all through Gloo, which receives one more flat gradient buffer.
+    all-to-all through Gloo, which receives one more flat gradient buffer; `batch_check_copy`: the step's first
+    reduce-scatter copies its unit's flat gradients into a wider buffer that carries the batch check.
     """
     params = list(params)
     mine = {id(p): shard_bytes(p.shape, p.element_size(), world_size, rank) for p in params}
@@ -206,7 +210,7 @@ def plan_memory(
         reduce_input = int(largest_unit_bytes * reduce_element_size / params[0].element_size())
     # With no unit below the root there is nothing to prefetch: the model and its unsharded gradients.
     held = (2 * unit if num_units else unit) if stage == 3 else int(whole * scale)
-    gathered = held + unit + reduce_input * (2 if received_rows else 1)
+    gathered = held + unit + reduce_input * (1 + received_rows + batch_check_copy)
     # FSDP2 pads every shard to the first rank's chunk (ceil(rows / N) rows).
     padded = sum(shard_bytes(p.shape, p.element_size(), world_size, 0) for p in params)
     return MemoryPlan(

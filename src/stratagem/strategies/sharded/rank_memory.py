@@ -89,6 +89,7 @@ class RankMemory:
             activations=0 if self.activations is None else self.activations.peak,
             activations_how=None if self.activations is None else self.activations.how,
             received_rows=shared is None and self._group.backend == "gloo" and self._device.type == "cpu",
+            batch_check_copy=True,  # the batch check rides every step's first reduce-scatter, on or off
         )
 
     def check_limit(
