@@ -2,7 +2,7 @@
 says the stop once, and a rerun resumes with this run's throughput; started as several processes, it passes the
 signal to every task, waits for their backup and says where it is.
 
-Real processes: the command is signalled once its first backup is on disk (after epoch 1 of 3, so mid-run).
+Real processes: the command is signalled once its first backup is on disk (after epoch 1, so mid-run).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from stratagem import environ
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
-TRAIN_EXAMPLES, BATCH = 1437, 64  # the digits training split, the default global batch
-EPOCHS = 3  # the signal, sent once the first backup is written (after epoch 1), comes mid-run
+TRAIN_EXAMPLES, BATCH = 1437, 16  # the digits training split; a small global batch, so an epoch is 90 steps
+# The signal is sent once the first backup is written (after epoch 1). The epochs after it must outlast the time the
+# signal takes to reach the workers (the test's and the launcher's polling, 0.05 + 0.1 s): at the default batch of 256
+# an epoch is 6 steps, and two of them sometimes ended, with the backups removed, before the signal came.
+EPOCHS = 3
+EPOCHS_MULTI_WORKER = 20  # a stop that works ends the run after the step under way: the run is not longer for it
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:
@@ -77,7 +81,16 @@ def _trained_before(entry: dict) -> int:
 
 def test_sigterm_backs_up_exits_143_says_it_once_and_a_fallback_resume_names_its_file_and_counts_this_run(tmp_path):
     backup = tmp_path / "backup"
-    command = ["--strategy", "one_device", "--epochs", str(EPOCHS), "--backup-dir", str(backup)]
+    command = [
+        "--strategy",
+        "one_device",
+        "--epochs",
+        str(EPOCHS),
+        "--batch-size",
+        str(BATCH),
+        "--backup-dir",
+        str(backup),
+    ]
     job = _start(command)
     _signal_after_first_backup(job, backup, timeout=180)
     code, out, err = _finish(job, timeout=120)
@@ -108,7 +121,12 @@ def test_sigterm_backs_up_exits_143_says_it_once_and_a_fallback_resume_names_its
 
 def test_sigterm_to_a_multi_worker_train_reaches_every_worker_and_names_the_backup(tmp_path):
     backup = tmp_path / "backup"
-    job = _start(["--strategy", "multi_worker", "--workers", "2", "--epochs", str(EPOCHS), "--backup-dir", str(backup)])
+    job = _start(
+        [
+            *("--strategy", "multi_worker", "--workers", "2", "--epochs", str(EPOCHS_MULTI_WORKER)),
+            *("--batch-size", str(BATCH), "--backup-dir", str(backup)),
+        ]
+    )
     _signal_after_first_backup(job, backup, timeout=300)
     code, out, err = _finish(job, timeout=120)
     # Before: the command died of the signal at once (-15), silent, and its orphaned workers wrote a backup later.
@@ -127,3 +145,18 @@ def test_sigterm_to_a_multi_worker_train_reaches_every_worker_and_names_the_back
     # Both workers stopped after the same step, the one the backup holds.
     steps = set(re.findall(r"\[worker:\d\] WARNING stratagem\.train\.fit: Stopped by SIGTERM after step (\d+)", err))
     assert steps == {str(newest["step"])}
+
+
+def test_a_stop_with_no_backup_left_names_both_reasons_and_does_not_claim_it_came_first(tmp_path):
+    # A signal in the moments between training's end (which removes the backups) and the exit leaves none: the
+    # message said "the stop came before the first one", which was untrue then.
+    from stratagem.cli.launch import stop_message
+    from stratagem.cluster.attempt import StopRequest
+    from stratagem.cluster.launch import LaunchResult
+
+    stop = StopRequest()
+    stop.request(signal.SIGTERM, None)
+    result = LaunchResult(exit_code=143, failed_task=None, reason=None, restarts=0)
+    said = stop_message(stop, result, str(tmp_path / "backup"))
+    assert "or after training had finished and removed them" in said, said
+    assert said.endswith("A rerun starts afresh."), said

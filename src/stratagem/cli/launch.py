@@ -144,6 +144,27 @@ def stopped_by_signal(stop: StopRequest, result: LaunchResult) -> bool:
     return stop.signum is not None and result.failed_task is None and result.exit_code == 128 + stop.signum
 
 
+def stop_message(stop: StopRequest, result: LaunchResult, backup_dir: str | None) -> str:
+    """What `stratagem train` says when a signal stopped the job it launched: which signal, and where the backup is."""
+    signum = stop.signum or signal.SIGTERM
+    how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"received {signal.Signals(signum).name}"
+    said = f"{how}; stopped every task (exit code {result.exit_code})."
+    if not backup_dir:
+        return f"{said} No --backup-dir was given, so nothing was backed up: a rerun starts afresh."
+    from stratagem.train.backup.report import newest_whole_backup
+
+    newest = newest_whole_backup(backup_dir)
+    if newest is None:
+        # Either the stop came before the first backup, or after training had finished and removed its backups
+        # (a signal in the moments between the last step and the exit): from here the two look alike.
+        return (
+            f"{said} No whole backup is in {backup_dir}: the stop came before the first one, or after training had "
+            "finished and removed them. A rerun starts afresh."
+        )
+    where = "" if newest.step is None else f" (step {newest.step}, epoch {newest.epoch})"
+    return f"{said} The backup is {newest.path}{where}: rerun the same command to resume from it."
+
+
 def _environment(args: argparse.Namespace) -> dict[str, str]:
     env = dict(environ.current())
     if args.trace:

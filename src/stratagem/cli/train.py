@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,8 @@ from rich.text import Text
 
 from stratagem import environ
 from stratagem.cli.checks import check_device_flags, check_trace_flag, check_writable_directory
-from stratagem.cli.launch import stop_on_signals, stopped_by_signal
-from stratagem.cluster import LaunchResult, OutputLine, StopRequest, allocator, launched_by_stratagem, relaunch
+from stratagem.cli.launch import stop_message, stop_on_signals, stopped_by_signal
+from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
 from stratagem.diagnose import PlacementDecision, log_placement
 from stratagem.errors import InputError, Preempted, StratagemError
@@ -175,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 stop=stop,
             )
         if stopped_by_signal(stop, result):
-            print(f"stratagem train: {_stopped(stop, result, args.backup_dir)}", file=sys.stderr)
+            print(f"stratagem train: {stop_message(stop, result, args.backup_dir)}", file=sys.stderr)
         elif not result.ok:
             print(f"stratagem train: {result.explain()}", file=sys.stderr)
         elif args.trace:
@@ -313,22 +312,6 @@ def _check_precision_flag(precision: str, device_types: list[str]) -> None:
             f"on {', '.join(sorted(set(device_types)))}. Use --precision bf16 on the CPU (no loss scaling needed), "
             "or run on GPUs."
         )
-
-
-def _stopped(stop: StopRequest, result: LaunchResult, backup_dir: str | None) -> str:
-    """What this command says when a signal stopped the job it launched: which signal, and where the backup is."""
-    signum = stop.signum or signal.SIGTERM
-    how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"received {signal.Signals(signum).name}"
-    said = f"{how}; stopped every task (exit code {result.exit_code})."
-    if not backup_dir:
-        return f"{said} No --backup-dir was given, so nothing was backed up: a rerun starts afresh."
-    from stratagem.train.backup.report import newest_whole_backup
-
-    newest = newest_whole_backup(backup_dir)
-    if newest is None:
-        return f"{said} No whole backup is in {backup_dir} (the stop came before the first one): a rerun starts afresh."
-    where = "" if newest.step is None else f" (step {newest.step}, epoch {newest.epoch})"
-    return f"{said} The backup is {newest.path}{where}: rerun the same command to resume from it."
 
 
 class ShowPlacement(Callback):
