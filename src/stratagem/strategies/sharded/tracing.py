@@ -7,7 +7,9 @@ trace first starts with that model distributed, and stay: while no trace records
 per collective. Forward runs from the root module's first forward pre-hook to its last forward hook (so the
 root's own all-gather is inside it); backward from the gradient of the model's first output that needs one to
 the end of the step's last reduce-scatter. The strategy calls `step_started` and `step_ended` around each
-`run`, `add` and `watch_optimizer` at each `distribute`, and hands `recorder` to its input; under `stratagem launch --trace` the whole run is written at exit.
+`run`, `add` and `watch_optimizer` at each `distribute`, and hands `recorder` to its input; what every strategy's
+trace shares (the recorder, the clocks, `trace(DIR)`, the whole run under `stratagem launch --trace`) is
+`worker_group/tracing.py`'s.
 
     >>> trace = ShardedTrace(group, step=lambda: strategy_steps, env=environ.current())
     >>> with trace.trace("traces/"):
@@ -16,45 +18,28 @@ the end of the step's last reduce-scatter. The strategy calls `step_started` and
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
-from stratagem import environ, nest
-from stratagem.errors import InputError
-from stratagem.trace import Recorder
-from stratagem.trace.clocks import align
-from stratagem.trace.recorder import Clock, check_mode
+from stratagem.strategies.worker_group.tracing import WorkerGroupTrace
 
 if TYPE_CHECKING:
     from stratagem.cluster.worker_group import WorkerGroup
     from stratagem.strategies.sharded.traced_comms import UnitComms
 
 
-class ShardedTrace:
+class ShardedTrace(WorkerGroupTrace):
     """One ShardedStrategy's recorder and the hooks that feed it (see the module docstring)."""
 
+    round_name = "sharded"
+
     def __init__(self, group: WorkerGroup, *, step: Callable[[], int], env: Mapping[str, str]) -> None:
-        self.recorder = Recorder(rank=group.rank, task=group.task_name, world_size=group.world_size)
-        group.cross_worker.trace.recorder = self.recorder  # the group's own collectives (batch check, BatchNorm)
-        self._group = group
-        self._step = step
         self._models: list[tuple[nn.Module, list[tuple[str, nn.Module]], Any]] = []
         self._traced: set[int] = set()  # ids of the models whose units are wrapped
         self._units: list[UnitComms] = []
-        self._forward_start: int | None = None
-        self._backward_start: int | None = None
-        self._traces = 0
-        self.directory = environ.trace_dir(env)  # `stratagem launch --trace DIR`: the whole run, written at exit
-        if self.directory is not None:
-            self._start(None, "spans")
-            atexit.register(_write_at_exit, weakref.ref(self))
+        super().__init__(group, step=step, env=env)
 
     # ---- what the strategy calls ------------------------------------------------------------------------
     def add(self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], comm: Any) -> None:
@@ -63,31 +48,6 @@ class ShardedTrace:
         self._models.append((model, list(units), comm))
         if self.recorder.on:
             self._install()
-
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer `distribute` handed back: each of its steps a span while a trace records (torch's step
-        hooks, which read one flag while none does)."""
-        recorder = self.recorder
-        started: list[int | None] = [None]
-
-        def before(opt: Any, args: Any, kwargs: Any) -> None:
-            started[0] = recorder.now() if recorder.on else None
-
-        def after(opt: Any, args: Any, kwargs: Any) -> None:
-            if started[0] is not None and recorder.on:
-                recorder.span("optimizer", "optimizer step", started[0], recorder.now())
-
-        optimizer.register_step_pre_hook(before)
-        optimizer.register_step_post_hook(after)
-
-    def step_started(self) -> int | None:
-        """The trace's time at the start of `run` (None when nothing records); the spans from now are the step's."""
-        recorder = self.recorder
-        if not recorder.on:
-            return None
-        recorder.at_step(self._step() + 1)
-        self._backward_start = None
-        return recorder.now()
 
     def step_ended(self, started: int | None) -> None:
         """`run` has returned: its step span, and its backward's, which ended with its last reduce-scatter."""
@@ -100,49 +60,10 @@ class ShardedTrace:
             recorder.span("backward", "backward", start, end)
         for unit in self._units:
             unit.last_reduce_scatter_end = None
-        recorder.span("step", f"step {recorder.step}", started, recorder.now())
-
-    @contextlib.contextmanager
-    def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:
-        """`ShardedStrategy.trace`: every worker enters at the same point (the clocks are aligned there)."""
-        check_mode(mode)
-        if self.recorder.on:
-            raise InputError(
-                f"A trace is recording already (to {self.directory!r}). Received: strategy.trace({str(directory)!r}) "
-                "inside it. End the first trace, or unset STRATAGEM_TRACE (stratagem launch --trace) to trace only "
-                "this range."
-            )
-        self._start(clock, mode)
-        try:
-            yield self.recorder
-        finally:
-            self.recorder.stop()
-            self.recorder.write(directory)
-            self.recorder.clear()
-
-    def write_whole_run(self) -> None:
-        """Under `stratagem launch --trace`: stops and writes the whole run's file (at exit; a file, no collective)."""
-        if self.directory is not None and self.recorder.on:
-            self.recorder.stop()
-            self.recorder.write(self.directory)
+        super().step_ended(started)
 
     # ---- inside --------------------------------------------------------------------------------------------
-    def _start(self, clock: Clock | None, mode: str) -> None:
-        recorder = self.recorder
-        recorder.clear()
-        if clock is not None:
-            recorder.clock = clock
-        self._traces += 1
-        group = self._group
-        recorder.clock_offset = align(
-            group.cross_worker.store,
-            rank=group.rank,
-            world_size=group.world_size,
-            clock=recorder.clock,
-            round_id=f"sharded-{self._traces}",
-            timeout=group.timeout,
-        ).to_dict()
-        recorder.start(mode=mode)
+    def _started(self) -> None:
         self._install()
 
     def _install(self) -> None:
@@ -172,32 +93,3 @@ class ShardedTrace:
                 unit.set_custom_all_gather(TracedAllGather(gather, comms))  # type: ignore[operator]
                 unit.set_custom_reduce_scatter(TracedReduceScatter(comm, comms))  # type: ignore[operator]
             self._hook_forward(model)
-
-    def _hook_forward(self, model: nn.Module) -> None:
-        recorder = self.recorder
-
-        def before(module: nn.Module, args: Any) -> None:
-            self._forward_start = recorder.now() if recorder.on else None
-
-        def after(module: nn.Module, args: Any, out: Any) -> None:
-            start, self._forward_start = self._forward_start, None
-            if start is None or not recorder.on:
-                return
-            recorder.span("forward", "forward", start, recorder.now())
-            first = next((t for t in nest.flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-            if first is not None and torch.is_grad_enabled():
-                first.register_hook(self._backward_started)
-
-        # Before FSDP2's own pre-hook (its all-gather of the root), after its post-hook (the reshard).
-        model.register_forward_pre_hook(before, prepend=True)
-        model.register_forward_hook(after)
-
-    def _backward_started(self, grad: torch.Tensor) -> None:
-        if self._backward_start is None and self.recorder.on:
-            self._backward_start = self.recorder.now()
-
-
-def _write_at_exit(ref: weakref.ref[ShardedTrace]) -> None:
-    trace = ref()
-    if trace is not None:
-        trace.write_whole_run()

@@ -11,7 +11,8 @@ waits at once unless asked not to). Each is named by its op and mesh axis (`all-
 bytes this rank sends: its part for an all-gather, its whole input for an all-reduce or a reduce-scatter. Forward
 runs from the model's first forward pre-hook to its forward hook (the outputs made whole, an all-gather, inside
 it); backward from the gradient of the model's output to the end of the backward pass, the data axis's sum included
-(an autograd callback queued after it). Under `stratagem launch --trace` the whole run is written at exit.
+(an autograd callback queued after it). What every strategy's trace shares (the recorder, the clocks, `trace(DIR)`,
+the whole run under `stratagem launch --trace`) is `worker_group/tracing.py`'s.
 
     >>> trace = TensorParallelTrace(group, torch_mesh, step=lambda: strategy_steps, env=environ.current())
     >>> with trace.trace("traces/"):
@@ -20,22 +21,16 @@ it); backward from the gradient of the model's output to the end of the backward
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import weakref
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from stratagem import environ, nest
-from stratagem.errors import InputError
-from stratagem.trace import Recorder
-from stratagem.trace.clocks import align
-from stratagem.trace.recorder import Clock, check_mode
+from stratagem import nest
+from stratagem.strategies.worker_group.tracing import WorkerGroupTrace
 
 if TYPE_CHECKING:
     from stratagem.cluster.worker_group import WorkerGroup
@@ -136,24 +131,16 @@ class _CollectiveMode(TorchDispatchMode):
         dist.Work.unbox(work).get_future().add_done_callback(ended)
 
 
-class TensorParallelTrace:
+class TensorParallelTrace(WorkerGroupTrace):
     """One TensorParallelStrategy's recorder and the hooks that feed it (see the module docstring)."""
 
+    round_name = "tensor-parallel"
+
     def __init__(self, group: WorkerGroup, torch_mesh: Any, *, step: Callable[[], int], env: Mapping[str, str]) -> None:
-        self.recorder = Recorder(rank=group.rank, task=group.task_name, world_size=group.world_size)
-        group.cross_worker.trace.recorder = self.recorder  # the group's own collectives (the batch check)
-        self._group = group
-        self._step = step
         self._axes = {torch_mesh[name].get_group().group_name: name for name in torch_mesh.mesh_dim_names}
         self.transport = group.backend
         self._mode: _CollectiveMode | None = None
-        self._forward_start: int | None = None
-        self._backward_start: int | None = None
-        self._traces = 0
-        self.directory = environ.trace_dir(env)  # `stratagem launch --trace DIR`: the whole run, written at exit
-        if self.directory is not None:
-            self._start(None, "spans")
-            atexit.register(_write_at_exit, weakref.ref(self))
+        super().__init__(group, step=step, env=env)
 
     def axis_of(self, group_name: str | None, args: Any) -> str:
         """The mesh axis of a collective's process group: by its name (a functional collective's argument), else
@@ -168,46 +155,7 @@ class TensorParallelTrace:
     # ---- what the strategy calls ------------------------------------------------------------------------
     def add(self, model: nn.Module) -> None:
         """The model `distribute` hands back: its forward a span, and the start of its backward."""
-        recorder = self.recorder
-
-        def before(module: nn.Module, args: Any) -> None:
-            self._forward_start = recorder.now() if recorder.on else None
-
-        def after(module: nn.Module, args: Any, out: Any) -> None:
-            start, self._forward_start = self._forward_start, None
-            if start is None or not recorder.on:
-                return
-            recorder.span("forward", "forward", start, recorder.now())
-            first = next((t for t in _tensors(out) if t.requires_grad), None)
-            if first is not None and torch.is_grad_enabled():
-                first.register_hook(self._backward_started)
-
-        model.register_forward_pre_hook(before, prepend=True)
-        model.register_forward_hook(after)
-
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer`, each of its steps a span while a trace records (torch's step hooks); returns it."""
-        recorder = self.recorder
-        started: list[int | None] = [None]
-
-        def before(opt: Any, args: Any, kwargs: Any) -> None:
-            started[0] = recorder.now() if recorder.on else None
-
-        def after(opt: Any, args: Any, kwargs: Any) -> None:
-            if started[0] is not None and recorder.on:
-                recorder.span("optimizer", "optimizer step", started[0], recorder.now())
-
-        optimizer.register_step_pre_hook(before)
-        optimizer.register_step_post_hook(after)
-        return optimizer
-
-    def step_started(self) -> int | None:
-        """The trace's time at the start of `run` (None when nothing records); the spans from now are the step's."""
-        if not self.recorder.on:
-            return None
-        self.recorder.at_step(self._step() + 1)
-        self._backward_start = None
-        return self.recorder.now()
+        self._hook_forward(model)
 
     def recording(self) -> contextlib.AbstractContextManager[Any]:
         """Around the step function: the collectives' dispatch mode while a trace records (nothing otherwise)."""
@@ -217,52 +165,7 @@ class TensorParallelTrace:
             self._mode = _CollectiveMode(self)
         return self._mode
 
-    def step_ended(self, started: int | None) -> None:
-        if started is not None and self.recorder.on:
-            self.recorder.span("step", f"step {self.recorder.step}", started, self.recorder.now())
-
-    @contextlib.contextmanager
-    def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:
-        """`TensorParallelStrategy.trace`: every worker enters at the same point (the clocks are aligned there)."""
-        check_mode(mode)
-        if self.recorder.on:
-            raise InputError(
-                f"A trace is recording already (to {self.directory!r}). Received: strategy.trace({str(directory)!r}) "
-                "inside it. End the first trace, or unset STRATAGEM_TRACE (stratagem launch --trace) to trace only "
-                "this range."
-            )
-        self._start(clock, mode)
-        try:
-            yield self.recorder
-        finally:
-            self.recorder.stop()
-            self.recorder.write(directory)
-            self.recorder.clear()
-
-    def write_whole_run(self) -> None:
-        """Under `stratagem launch --trace`: stops and writes the whole run's file (at exit; a file, no collective)."""
-        if self.directory is not None and self.recorder.on:
-            self.recorder.stop()
-            self.recorder.write(self.directory)
-
     # ---- inside --------------------------------------------------------------------------------------------
-    def _start(self, clock: Clock | None, mode: str) -> None:
-        recorder = self.recorder
-        recorder.clear()
-        if clock is not None:
-            recorder.clock = clock
-        self._traces += 1
-        group = self._group
-        recorder.clock_offset = align(
-            group.cross_worker.store,
-            rank=group.rank,
-            world_size=group.world_size,
-            clock=recorder.clock,
-            round_id=f"tensor-parallel-{self._traces}",
-            timeout=group.timeout,
-        ).to_dict()
-        recorder.start(mode=mode)
-
     def _backward_started(self, grad: torch.Tensor) -> None:
         if self._backward_start is None and self.recorder.on:
             self._backward_start = self.recorder.now()
@@ -275,9 +178,3 @@ class TensorParallelTrace:
         start, self._backward_start = self._backward_start, None
         if start is not None and self.recorder.on:
             self.recorder.span("backward", "backward", start, self.recorder.now())
-
-
-def _write_at_exit(ref: weakref.ref[TensorParallelTrace]) -> None:
-    trace = ref()
-    if trace is not None:
-        trace.write_whole_run()
