@@ -138,23 +138,27 @@ def worker(name: str, steps: int, warmup: int, batch: int) -> None:
     strategy.close()
 
 
-def speed_workload(name: str, batch: int) -> tuple[nn.Module, Callable[[Any], torch.optim.Optimizer], list[Any]]:
-    """The model, its optimizer and 4 global batches of `name` (the step's loss is the model's output's)."""
+def speed_workload(
+    name: str, batch: int, foreach: bool | None = None
+) -> tuple[nn.Module, Callable[[Any], torch.optim.Optimizer], list[Any]]:
+    """The model, its optimizer (`foreach` passed to it) and 4 global batches of `name` (the step's loss is the model's
+    output's)."""
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
         data = [(torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g)) for _ in range(4)]
-        return mlp(), lambda p: torch.optim.AdamW(p, lr=1e-4), data
+        return mlp(), lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=foreach), data
     if name == "cnn":
         from stratagem.bench.workloads import WORKLOADS
 
         workload = WORKLOADS["cnn"]
-        return workload.build_model(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), workload.make_batches()[:4]
+        sgd = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, foreach=foreach)  # noqa: E731
+        return workload.build_model(), sgd, workload.make_batches()[:4]
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=2048, n_positions=64, n_embd=128, n_layer=4, n_head=4)
     ids = [torch.randint(0, 2048, (16, 64), generator=g) for _ in range(4)]
-    return GPT2LMHeadModel(config), lambda p: torch.optim.AdamW(p, lr=1e-4), [(i, i) for i in ids]
+    return GPT2LMHeadModel(config), lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=foreach), [(i, i) for i in ids]
 
 
 def speed_worker(args: argparse.Namespace) -> None:
@@ -177,7 +181,7 @@ def speed_worker(args: argparse.Namespace) -> None:
                     strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster)
                 else:
                     strategy = sg.ShardedStrategy(cluster=cluster, **sharded_options(name, model_name))
-                net, make_optimizer, data = speed_workload(model_name, args.batch)
+                net, make_optimizer, data = speed_workload(model_name, args.batch, args.foreach or None)
                 model, optimizer = strategy.distribute(net, make_optimizer(net.parameters()))
                 del net
 
@@ -239,6 +243,7 @@ def speed(args: argparse.Namespace) -> None:
     command = [sys.executable, __file__, "--speed-worker", "--speed", str(args.speed), "--steps", str(args.steps)]
     command += ["--warmup", str(args.warmup), "--batch", str(args.batch), "--models", *args.models]
     command += ["--strategies", *args.strategies, "--ports", *map(str, free_ports(count))]
+    command += ["--foreach"] if args.foreach else []
     lines: list[str] = []
     before = os.getloadavg()
     result = launch(
@@ -289,6 +294,9 @@ def main() -> None:
     parser.add_argument("--speed", type=int, default=0, metavar="ROUNDS", help="speed side by side, ROUNDS rounds")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="--speed's models")
     parser.add_argument("--json", help="--speed: also write every block's figures to this file")
+    parser.add_argument(
+        "--foreach", action="store_true", help="--speed: every optimizer with foreach=True (one op per list of shards)"
+    )
     parser.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ports", nargs="+", type=int, help=argparse.SUPPRESS)
