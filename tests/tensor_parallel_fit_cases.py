@@ -11,6 +11,7 @@ Whole values come back as numpy arrays."""
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import tensor_parallel_cases as cases
@@ -105,6 +106,36 @@ def fit_across_techniques(rank: int, ports: list[list[int]], directory: str) -> 
     return out
 
 
+def _stop_one_worker(rank: int, ports: list[int], backup_dir: str) -> Any:
+    """fit on 2 model workers where SIGTERM reaches worker 1 alone, after step 2: (exit code, step) of its stop."""
+    import stratagem as sg
+
+    class SignalWorkerOne(sg.callbacks.Callback):
+        def on_train_batch_end(self, context: Any, num_examples: int) -> None:
+            if rank == 1 and context.step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    mesh = sg.DeviceMesh((2,), ("model",))
+    strategy = sg.TensorParallelStrategy(mlp_layouts(mesh), cluster=cases.cluster_of(rank, ports), timeout=60)
+    try:
+        user = mlp(8, 2)
+        g = torch.Generator().manual_seed(0)
+        x, y = (
+            torch.randn(40, 8, generator=g, dtype=torch.float64),
+            torch.randn(40, 8, generator=g, dtype=torch.float64),
+        )
+        backup = sg.callbacks.BackupAndRestore(backup_dir, save_freq=100, grace_period=20)
+        sg.fit(
+            strategy, user, torch.optim.SGD(user.parameters(), lr=0.1), F.mse_loss, (x, y), batch_size=4,
+            callbacks=[backup, SignalWorkerOne()],
+        )  # fmt: skip
+        return "trained to the end"
+    except sg.Preempted as stopped:
+        return [stopped.code, stopped.step]
+    finally:
+        strategy.close()
+
+
 # ---- what is refused, with the fix ---------------------------------------------------------------------------------
 LIMIT_WIDTH, LIMIT_DEPTH = 512, 16  # 32 MiB of float64 parameters in pieces of 2 MiB
 LIMIT_BUDGET = 24 << 20  # over the process's usage: under the plan at 2 model workers (66 MiB, 34 beyond the model)
@@ -146,10 +177,11 @@ def fit_one_device_accumulated(k: int) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def on_two_workers(rank: int, ports: list[list[int]], directories: list[str] | None) -> dict[str, Any]:
+def on_two_workers(rank: int, ports: list[list[int]], backup_dir: str, directories: list[str] | None) -> dict[str, Any]:
     """On 2 workers, one strategy after the other: a backward outside strategy.run (refused); fit with
     accumulate_steps=2 on 2 model workers (every parameter whole after it); no_sync on a (data 2, model 1) mesh
-    (refused); then, with `directories`, this process in its own cgroup v1 limited to LIMIT_BUDGET over its
+    (refused); fit with BackupAndRestore into `backup_dir` where worker 1 alone receives SIGTERM after step 2 (how
+    each stopped); then, with `directories`, this process in its own cgroup v1 limited to LIMIT_BUDGET over its
     usage, and distribute of a plan over it (refused)."""
     import stratagem as sg
     from stratagem.strategies.tensor_parallel.apply import whole_tensor
@@ -188,6 +220,7 @@ def on_two_workers(rank: int, ports: list[list[int]], directories: list[str] | N
         out["no_sync on a data axis"] = str(error)
     finally:
         strategy.close()
+    out["stopped"] = _stop_one_worker(rank, ports[4], backup_dir)
     if directories is None:
         return out
     user = mlp(LIMIT_WIDTH, LIMIT_DEPTH)  # built before the limit: the user's model as it stands before distribute

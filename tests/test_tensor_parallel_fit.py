@@ -42,7 +42,7 @@ def test_fit_backs_up_under_tensor_parallel_and_resumes_under_sharded_and_back_a
 
 
 @pytest.fixture(scope="module")
-def two_workers() -> tuple[dict[int, Any], bool]:
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, Any], bool]:
     """One run of `cases.on_two_workers` on 2 workers, shared by the tests below: each rank's results, and whether
     the cgroup part ran (it needs root and cgroup v1)."""
     try:
@@ -50,8 +50,9 @@ def two_workers() -> tuple[dict[int, Any], bool]:
     except pytest.skip.Exception:
         directories = None  # the rest is still checked
     try:
-        ports = [[free_port(), free_port()] for _ in range(4)]
-        outcomes = run_ranks(cases.on_two_workers, [0, 1], args=(ports, directories), timeout=300)
+        ports = [[free_port(), free_port()] for _ in range(5)]
+        args = (ports, str(tmp_path_factory.mktemp("stop") / "backup"), directories)
+        outcomes = run_ranks(cases.on_two_workers, [0, 1], args=args, timeout=300)
     finally:
         if directories is not None:
             remove_cgroups(directories)
@@ -82,6 +83,13 @@ def test_accumulating_on_a_data_axis_is_refused_by_name(two_workers):
         refused = got["no_sync on a data axis"]
         assert "on a 'data' axis (no_sync, fit's accumulate_steps) is not supported yet" in refused, refused
         assert "Received: no_sync() on the mesh (2, 1) ('data', 'model')" in refused, refused
+
+
+@pytest.mark.timeout(360)
+def test_a_sigterm_to_one_model_worker_stops_both_after_the_same_step(two_workers):
+    # Each worker samples its stop request at its own moment; the step's sums across the data axis alone left one
+    # worker stopping (and saving) while the other went on into the next step, until the grace period killed both.
+    assert two_workers[0][0]["stopped"] == two_workers[0][1]["stopped"] == [143, 3]
 
 
 @pytest.mark.timeout(360)
