@@ -30,18 +30,22 @@ def gpt2(heads: int = 6, attention: str = "eager") -> nn.Module:
     return GPT2LMHeadModel(config).to(torch.float64)
 
 
-def layout_map(mesh: Any) -> Any:
-    """Megatron's GPT-2 split in Keras's words: Conv1D weights are (in, out)."""
+def layout_map(mesh: Any, data_sharded: bool = False) -> Any:
+    """Megatron's GPT-2 split in Keras's words: Conv1D weights are (in, out). `data_sharded`: three parameters also
+    sharded along `data` (ZeRO-3): the MLP's first weight, the tied embedding (by features) and the final norm."""
     import stratagem as sg
 
+    data = "data" if data_sharded else None
     layouts = sg.LayoutMap(mesh)
-    layouts[r"wte\.weight"] = ("model", None)  # the vocabulary, tied to lm_head
+    layouts[r"wte\.weight"] = ("model", data)  # the vocabulary, tied to lm_head (a tied one: the root's FSDP unit)
     layouts[r"attn\.c_attn\.weight"] = (None, "model")  # q, k, v: output features (whole heads per worker)
     layouts[r"attn\.c_attn\.bias"] = ("model",)
     layouts[r"attn\.c_proj\.weight"] = ("model", None)  # input features: partial sums, all-reduced
-    layouts[r"mlp\.c_fc\.weight"] = (None, "model")
+    layouts[r"mlp\.c_fc\.weight"] = (data, "model")  # its input features along data
     layouts[r"mlp\.c_fc\.bias"] = ("model",)
     layouts[r"mlp\.c_proj\.weight"] = ("model", None)
+    if data_sharded:
+        layouts[r"ln_f\.weight"] = ("data",)  # a LayerNorm, whole along model: gathered whole before its forward
     return layouts
 
 
@@ -89,16 +93,18 @@ def cluster_of(rank: int, ports: list[int]) -> dict[str, Any]:
     return {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
 
 
-def exactness(rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+def exactness(
+    rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[str, ...], data_sharded: bool = False
+) -> dict[str, Any]:
     """Trains under TensorParallelStrategy on the mesh (shape, names); every parameter, clipped norm and loss against
-    one device, and what explain() says."""
+    one device, and what explain() says (`data_sharded`: `layout_map`'s ZeRO-3 layouts)."""
     import stratagem as sg
     from stratagem.strategies.tensor_parallel.apply import whole_tensor
 
     user_model = gpt2()
     reference, ref_norms, ref_losses = one_device(user_model)
     strategy = sg.TensorParallelStrategy(
-        layout_map(sg.DeviceMesh(shape, names)), cluster=cluster_of(rank, ports), timeout=120
+        layout_map(sg.DeviceMesh(shape, names), data_sharded), cluster=cluster_of(rank, ports), timeout=120
     )
     try:
         model, opt = strategy.distribute(user_model, optimizer(user_model.parameters()))
@@ -123,13 +129,56 @@ def exactness(rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[
         local_shapes = {
             name: tuple(p.to_local().shape) for name, p in model.named_parameters() if hasattr(p, "to_local")
         }
+        states = {name: tuple(opt.state[p]["exp_avg"].to_local().shape) for name, p in model.named_parameters()}
         return {
             "worst": worst,
             "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "losses": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
             "wte local": local_shapes["transformer.wte.weight"],
+            "local shapes": local_shapes,
+            "state shapes": states,
             "same model": model.module is user_model,
             "explain": str(strategy.explain()),
         }
+    finally:
+        strategy.close()
+
+
+def write_sharded_along_data(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
+    """`layout_map(data_sharded=True)` on the 2 x 2 mesh: a step, a backup of every worker's shards (`state_shards`,
+    torch.distributed.checkpoint), a second step; the whole values after each as numpy arrays."""
+    from pathlib import Path
+
+    import stratagem as sg
+    from stratagem.strategies.tensor_parallel.apply import whole_tensor
+    from stratagem.train.backup.sharded import save_sharded
+
+    def whole(model: Any) -> dict[str, Any]:
+        return {name: whole_tensor(p).detach().numpy().copy() for name, p in model.module.named_parameters()}
+
+    def step(model: Any, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> None:
+        loss = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+        sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    strategy = sg.TensorParallelStrategy(layout_map(mesh, True), cluster=cluster_of(rank, ports), timeout=120)
+    try:
+        user = gpt2()
+        model, opt = strategy.distribute(user, optimizer(user.parameters()))
+        data = list(strategy.distribute_dataset(batches()))
+        strategy.run(step, args=(model, opt, data[0]))
+        after_one = whole(model)
+        state = {
+            "step": 1, "epoch": 0, "step_in_epoch": 1, "strategy": "tensor_parallel", "num_processes": len(ports),
+            "optimizer_param_groups": opt.state_dict()["param_groups"],
+        }  # fmt: skip
+        backup = Path(directory) / "backup.dcp"
+        save_sharded(backup, strategy.state_shards(), model.module, opt, state, step=1, is_chief=strategy.is_chief, previous=None)  # fmt: skip
+        strategy.run(step, args=(model, opt, data[1]))
+        return {"after one": after_one, "after two": whole(model)}
     finally:
         strategy.close()

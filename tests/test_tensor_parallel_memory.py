@@ -80,3 +80,27 @@ def test_the_plan_is_what_each_rank_holds_after_a_step_and_measuring_activations
         assert plan["activations"] > 0 and plan["activations_how"].startswith("measured")
         assert result["untouched"], "the measuring step left gradients behind"
         assert "memory plan" in result["explain"]
+
+
+def test_a_weight_sharded_along_data_is_cut_there_too_and_its_unit_is_planned_whole_along_data():
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    model = cases.mlp()
+    layout_map = cases.layout_map(mesh)
+    layout_map[r"0\.weight"] = ("model", "data")  # its 8 input features: 4 per data worker
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    layouts = resolve_layouts(layout_map, mesh, named)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plans = [
+        plan_tensor_parallel_memory(layouts, dict(model.named_parameters()), optimizer, mesh=mesh, rank=rank)
+        for rank in range(4)
+    ]
+    # model index 0: 3 rows x 4 columns, its bias 3, the second weight's 3 x 3, the last bias 3; index 1: 2 x 4, 2,
+    # 3 x 2, 3; float64.
+    local = {0: (12 + 3 + 9 + 3) * 8, 1: (8 + 2 + 6 + 3) * 8}
+    assert [(p.parameters, p.gradients) for p in plans] == [(local[r % 2],) * 2 for r in range(4)]
+    assert [p.optimizer_state for p in plans] == [2 * local[r % 2] + 4 * 4 for r in range(4)]
+    # The data axis sums the others: the largest is the second weight's part (9 or 6 elements).
+    assert [p.data_axis_buffers for p in plans] == [72, 48, 72, 48]
+    # The first layer's unit in backward: its model part whole along data (3 x 8 or 2 x 8), four times over.
+    assert [p.data_sharding_buffers for p in plans] == [4 * 192, 4 * 128, 4 * 192, 4 * 128]
+    assert "data sharding 768 B" in str(plans[0])

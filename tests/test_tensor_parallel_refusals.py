@@ -7,6 +7,7 @@ import tensor_parallel_cases
 from torch import nn
 
 import stratagem as sg
+from stratagem.strategies.tensor_parallel.data_sharding import check_data_sharding
 from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
 from stratagem.strategies.tensor_parallel.styles import check_splits
 
@@ -68,3 +69,38 @@ def test_a_mesh_axis_other_than_data_and_model_is_refused():
 def test_the_sharded_and_pipeline_strategies_refuse_a_layout_map_by_name(name):
     with pytest.raises(sg.InputError, match=rf"{name} with a layout map is not supported yet"):
         sg.strategy_from_env({"STRATAGEM_STRATEGY": name}, layout_map=sg.LayoutMap())
+
+
+def test_a_split_along_data_is_honoured_by_any_module_since_it_is_gathered_whole_first():
+    layouts = sg.LayoutMap(sg.DeviceMesh((2, 2), ("data", "model")))
+    layouts[r"1\.weight"] = ("data",)
+    assert _check(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), layouts) == {}
+
+
+def test_a_split_along_data_of_an_uneven_dimension_other_than_the_first_is_refused_with_the_fix():
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    layouts = sg.LayoutMap(mesh)
+    layouts["weight"] = ("model", "data")
+    model = nn.Linear(5, 4)
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    with pytest.raises(
+        sg.InputError,
+        match=r"Sharding weight along 'data' splits its dimension 1 \(size 5\), which 2 data workers cannot split "
+        r"evenly.*Put 'data' on dimension 0, or on a dimension whose size 2 divides",
+    ):
+        check_data_sharding(resolve_layouts(layouts, mesh, named), mesh)
+
+
+def test_an_uneven_split_along_data_of_the_first_dimension_is_taken():
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    layouts = sg.LayoutMap(mesh)
+    layouts["weight"] = ("data", "model")
+    model = nn.Linear(4, 5)  # 5 rows over 2 data workers: 3 and 2, as FSDP2 cuts them
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    check_data_sharding(resolve_layouts(layouts, mesh, named), mesh)
+
+
+def test_a_layout_naming_data_on_a_mesh_of_one_model_axis_is_refused():
+    layouts = sg.LayoutMap(sg.DeviceMesh((2,), ("model",)))
+    with pytest.raises(sg.InputError, match=r"names axis 'data', which the mesh does not have"):
+        layouts["weight"] = ("data", None)

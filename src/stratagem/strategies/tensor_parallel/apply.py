@@ -43,7 +43,9 @@ def placements(layout: Layout, axis_names: Sequence[str]) -> list[Any]:
 
 def apply_tensor_parallel(model: nn.Module, layouts: Sequence[ParameterLayout], mesh: Any) -> dict[int, nn.Parameter]:
     """Replaces every parameter of `model` in place by a DTensor parameter over `mesh` (torch's DeviceMesh of the
-    layout's axes); tied parameters stay one. Returns the id of each old parameter to its new one.
+    layout map's axes, the `data` axis included), split along `model` as its layout says and replicated along
+    `data` (sharding along `data` is `data_sharding.py`'s, after this); tied parameters stay one. Returns the id of
+    each old parameter to its new one.
 
     Every worker receives rank 0's values (`distribute_tensor` scatters from it), as one device would hold them.
     """
@@ -54,8 +56,10 @@ def apply_tensor_parallel(model: nn.Module, layouts: Sequence[ParameterLayout], 
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in made:
-                layout = by_name[f"{prefix}.{name}" if prefix else name]
-                value = distribute_tensor(param.detach(), mesh, placements(layout.layout, mesh.mesh_dim_names))
+                layout = tuple(
+                    a if a != "data" else None for a in by_name[f"{prefix}.{name}" if prefix else name].layout
+                )
+                value = distribute_tensor(param.detach(), mesh, placements(layout, mesh.mesh_dim_names))
                 made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
             setattr(module, name, made[id(param)])  # nn.Module registers it; a tied parameter gets the same one
     return made

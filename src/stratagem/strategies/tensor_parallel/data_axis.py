@@ -1,4 +1,6 @@
-"""The `data` axis of a 2-D mesh: each model group's gradients summed across the data groups, weighted.
+"""`apply_replication`: the `data` axis of a 2-D mesh for every parameter replicated along it: each model group's
+gradients summed across the data groups, weighted (the parameters whose layout names `data` are sharded along it
+instead, their gradients reduce-scattered: `data_sharding.py`).
 
 Every worker of one model group trains on the same slice of the global batch; the data groups' slices differ in
 size by at most one. Inside `backward()` (an autograd callback queued by the first gradient, as the data-parallel
@@ -10,7 +12,7 @@ data groups: the result is one device's gradient on the whole batch, whatever th
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -61,3 +63,15 @@ class DataAxisSum:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def apply_replication(
+    model: nn.Module, mesh: Any, skip: Collection[str], weight: Callable[[], float]
+) -> DataAxisSum | None:
+    """Every parameter of `model` whose names are not in `skip` (those `data_sharding.apply_data_sharding` took)
+    summed across the `data` axis of `mesh` (torch's DeviceMesh) at the end of each backward, weighted by `weight()`;
+    None on a mesh with no `data` axis."""
+    if "data" not in (mesh.mesh_dim_names or ()):
+        return None
+    params = [p for name, p in model.named_parameters() if name not in skip]
+    return DataAxisSum(params, mesh["data"].get_group(), weight)

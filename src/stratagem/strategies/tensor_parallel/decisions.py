@@ -7,7 +7,9 @@ import math
 from collections.abc import Mapping, Sequence
 
 from stratagem.diagnose import PlacementDecision
+from stratagem.strategies.tensor_parallel.data_sharding import data_dim
 from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, ParameterLayout
+from stratagem.strategies.tensor_parallel.techniques import techniques_decision
 
 # What a split of (module kind, split dimension of the weight) costs per call of the layer: the collectives
 # DTensor inserts, forward then backward. Linear's weight is (out, in); Conv1D's is (in, out).
@@ -25,7 +27,8 @@ _COSTS = {
 
 
 def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> list[PlacementDecision]:
-    """The mesh, the parameters split and replicated, and the data axis's gradient sum (with its bytes per step)."""
+    """The mesh, the parameters split and replicated, and on a `data` axis the techniques in their order, the
+    gradient sum of the replicated parameters and the sharding of the others (with their elements per step)."""
     out = [
         PlacementDecision(
             subject="mesh",
@@ -40,25 +43,42 @@ def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> li
     out.append(
         PlacementDecision(
             subject="layouts",
-            choice=f"{len(split)} parameter(s) split along 'model', {replicated} replicated",
+            choice=f"{len(split)} parameter(s) split, {replicated} replicated",
             reason="each parameter's first matching key of the layout map (details: layouts); a parameter no key "
             "matches is replicated, its gradient identical on every worker of the model axis with no collective, "
             "because DTensor's redistributions are deterministic",
         )
     )
     if "data" in mesh.axis_names:
-        model = mesh.axis_size("model")
-        local = sum(
-            math.prod(layout.shape) // (model if layout.is_split else 1) for layout in layouts
-        )  # elements of this worker's part of every gradient, to within a row of an uneven split
+        out.append(techniques_decision(mesh, layouts))
+        model, data = mesh.axis_size("model"), mesh.axis_size("data")
+        sharded = [layout for layout in layouts if data_dim(layout) is not None]
+        # elements of this worker's `model` part of every gradient, to within a row of an uneven split
+        local = {
+            id(layout): math.prod(layout.shape) // (model if "model" in layout.layout else 1) for layout in layouts
+        }
+        summed = sum(n for key, n in local.items() if key not in {id(layout) for layout in sharded})
         out.append(
             PlacementDecision(
                 subject="data axis",
-                choice=f"all-reduce (SUM) of each gradient's local part across {mesh.axis_size('data')} data groups",
+                choice=f"all-reduce (SUM) of each replicated parameter's gradient across {data} data groups",
                 reason=f"each group's gradient weighted by its share of the global batch, summed inside backward: "
-                f"about {local} elements per worker per step (x element size: {local * 8} bytes in float64)",
+                f"about {summed} elements per worker per step (x element size: {summed * 8} bytes in float64)",
             )
         )
+        if sharded:
+            gathered = sum(local[id(layout)] for layout in sharded)
+            out.append(
+                PlacementDecision(
+                    subject="data sharding",
+                    choice=f"{len(sharded)} parameter(s) sharded along 'data' (ZeRO-3, FSDP2): 1/{data} of each "
+                    "model part, its gradient and optimizer state per worker",
+                    reason="their layout names 'data'; each is all-gathered across 'data' for its module's forward "
+                    "and again for its backward, and its gradient reduce-scattered (SUM, each group's weighted by its "
+                    f"share): about {gathered} elements gathered twice and {gathered} reduce-scattered per worker "
+                    "per step",
+                )
+            )
     return out
 
 
@@ -68,16 +88,21 @@ def layout_table(layouts: Sequence[ParameterLayout], kinds: Mapping[str, str]) -
     lines = []
     for layout in layouts:
         line = f"{' = '.join(layout.names)} {layout.shape}: {layout.layout}"
-        if layout.is_split:
-            dim = next(i for i, a in enumerate(layout.layout) if a is not None)
+        if "model" in layout.layout:
             kind = kinds.get(layout.names[0], "?")
-            line += f" (key {layout.key!r}; {kind}: {redistributions(kind, dim)})"
+            line += f" (key {layout.key!r}; {kind}: {redistributions(kind, layout.layout.index('model'), len(layout.shape))})"
+            line = line[:-1] + ("; sharded along 'data' (ZeRO-3))" if "data" in layout.layout else ")")
+        elif layout.is_split:
+            line += f" (key {layout.key!r}; sharded along 'data' (ZeRO-3), whole along 'model')"
         else:
             line += " replicated" + ("" if layout.key is None else f" (key {layout.key!r})")
         lines.append(line)
     return "\n".join(lines)
 
 
-def redistributions(kind: str, dim: int) -> str:
-    """What a split of dimension `dim` of a `kind` module's weight costs per call (the `_COSTS` table)."""
+def redistributions(kind: str, dim: int, ndim: int = 2) -> str:
+    """What a split of dimension `dim` of a `kind` module's weight costs per call (the `_COSTS` table); a bias
+    (`ndim` 1) is split with its layer's output features."""
+    if ndim == 1 and kind in ("Linear", "Conv1D"):
+        return "bias split with the output features: no collective of its own"
     return _COSTS.get((kind, dim), "as DTensor's sharding propagation decides")

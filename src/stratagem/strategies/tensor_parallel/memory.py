@@ -9,8 +9,14 @@ the bytes of rank r's parts (a tied parameter counted once):
   parameter's whole gradient is planned beside the others (`gradient_redistribution`);
 - optimizer state and the optimizer step's temporaries: from L_r by the optimizer's class (`state_memory.py`, the
   formulas ShardedStrategy's plan uses);
-- the data axis's buffers: on a 2-D mesh each local gradient is all-reduced in place across `data` (Gloo copies it
-  through a buffer of its size: the largest one is planned); 0 on a `model` mesh;
+- the data axis's buffers: on a 2-D mesh each replicated parameter's local gradient is all-reduced in place across
+  `data` (Gloo copies it through a buffer of its size: the largest one is planned); 0 on a `model` mesh;
+- data sharding (a layout naming `data`, `data_sharding.py`): such a parameter's part is also cut along `data` as
+  FSDP2 cuts it (torch.chunk), and so are its gradient and optimizer state; while its unit (the module that owns
+  it, the root for a tied one) runs backward, the unit's parameters are whole along `data` again, beside their
+  whole gradients, FSDP2's copy of them for the reduce-scatter and the rows Gloo's all-to-all receives: four times
+  the largest unit's `model` parts (`data_sharding_buffers`; an upper bound, as the first two overlap only at the
+  end of the unit's backward);
 - activations: the step's tensors at their peak on this rank, given (`activations=`) or measured by one forward and
   backward of the split model on this group's part of `example_inputs` (`activation_memory.measure_split_step`):
   every redistribution the step makes (partial outputs all-reduced, split logits all-gathered whole, the
@@ -65,6 +71,9 @@ class TensorParallelMemoryPlan:
     """The largest split parameter's gradient whole, as a pending sum is before it is reduced into its part."""
     data_axis_buffers: int = 0
     """The data axis's all-reduce of the largest local gradient, through a buffer of its size (0: no data axis)."""
+    data_sharding_buffers: int = 0
+    """The largest unit sharded along `data` in its backward: parameters and gradients whole along `data`, and the
+    reduce-scatter's two buffers of that size (0: no layout names `data`)."""
     whole_model: int = 0
     """Bytes of the whole model's parameters: what one device holds."""
     distribute_peak: int = 0
@@ -84,7 +93,7 @@ class TensorParallelMemoryPlan:
         if self.optimizer_state is None:
             return None
         at_rest = self.parameters + self.optimizer_state
-        transient = max(self.optimizer_temporaries, self.gradient_redistribution)
+        transient = max(self.optimizer_temporaries, self.gradient_redistribution, self.data_sharding_buffers)
         return at_rest + max(self.activations, self.gradients + self.data_axis_buffers + transient)
 
     @property
@@ -109,6 +118,7 @@ class TensorParallelMemoryPlan:
             )
             + (f", gradient redistribution {show_bytes(self.gradient_redistribution)}")
             + (f", data-axis buffer {show_bytes(self.data_axis_buffers)}" if self.data_axis_buffers else "")
+            + (f", data sharding {show_bytes(self.data_sharding_buffers)}" if self.data_sharding_buffers else "")
             + (
                 f", activations {show_bytes(self.activations)} ({self.activations_how})"
                 if self.activations
@@ -121,13 +131,17 @@ class TensorParallelMemoryPlan:
         )
 
 
-def local_bytes(layout: ParameterLayout, element_size: int, mesh: DeviceMesh, model_index: int) -> int:
-    """Bytes of this rank's part of a parameter of `layout`: each dimension split along `model` cut as DTensor's
-    `Shard` cuts it, at this rank's index along `model`; whole where it is replicated."""
-    model = mesh.axis_size("model")
+def local_bytes(
+    layout: ParameterLayout, element_size: int, mesh: DeviceMesh, model_index: int, data_index: int | None = 0
+) -> int:
+    """Bytes of this rank's part of a parameter of `layout`: each dimension split along `model` (or `data`) cut as
+    DTensor's `Shard` and FSDP2 cut it, at this rank's index along that axis; whole where it is replicated.
+    `data_index=None`: the `model` part alone, whole along `data` (as a unit holds it while it runs)."""
+    index = {"model": model_index, "data": data_index}
     numel = 1
     for size, axis in zip(layout.shape, layout.layout):
-        numel *= chunk_size(size, model, model_index) if axis == "model" else size
+        at = index.get(axis) if axis is not None else None
+        numel *= size if axis is None or at is None else chunk_size(size, mesh.axis_size(axis), at)
     return numel * element_size
 
 
@@ -146,19 +160,27 @@ def plan_tensor_parallel_memory(
     `named_parameters(remove_duplicate=False)`, so a layout's first name finds its tensor) and the user's
     `optimizer` over them; `activations`: the step's on this rank at their peak, `activations_how` whence."""
     model_index = rank % mesh.axis_size("model")  # ranks are row-major: `model` varies fastest
+    data_index = rank // mesh.axis_size("model")
     mine: dict[int, int] = {}
     trainable: list[int] = []
+    summed: list[int] = []  # the trainable parts the data axis all-reduces (not sharded along it)
+    units: dict[str, int] = {}  # each unit sharded along `data`: its `model` parts, whole along `data`
     whole = largest_whole = largest_split = 0
     for layout in layouts:
         param = parameters[layout.names[0]]
-        part = local_bytes(layout, param.element_size(), mesh, model_index)
+        part = local_bytes(layout, param.element_size(), mesh, model_index, data_index)
         mine[id(param)] = part
         if param.requires_grad:
             trainable.append(part)
+        if "data" in layout.layout:
+            unit = layout.names[0].rpartition(".")[0] if len(layout.names) == 1 else ""  # as data_sharding.py
+            units[unit] = units.get(unit, 0) + local_bytes(layout, param.element_size(), mesh, model_index, None)
+        elif param.requires_grad:
+            summed.append(part)
         size = param.numel() * param.element_size()
         whole += size
         largest_whole = max(largest_whole, size)
-        if layout.is_split and param.requires_grad:
+        if "model" in layout.layout and param.requires_grad:
             largest_split = max(largest_split, size)
     local = sum(mine.values())
     return TensorParallelMemoryPlan(
@@ -169,7 +191,8 @@ def plan_tensor_parallel_memory(
         optimizer_state=optimizer_state_bytes(optimizer, mine),
         optimizer_temporaries=optimizer_temporaries(optimizer, mine),
         gradient_redistribution=largest_split,
-        data_axis_buffers=max(trainable, default=0) if "data" in mesh.axis_names else 0,
+        data_axis_buffers=max(summed, default=0) if "data" in mesh.axis_names else 0,
+        data_sharding_buffers=4 * max(units.values(), default=0),
         whole_model=whole,
         distribute_peak=whole + local + largest_whole,
         activations=activations,

@@ -39,13 +39,8 @@ from stratagem.strategies.replica_context import ReplicaContext, enter_replica
 from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_weights
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.placement import local_device
-from stratagem.strategies.tensor_parallel.apply import (
-    TensorParallelModel,
-    apply_tensor_parallel,
-    grads_in_layout,
-    replicated_plain_tensors,
-)
-from stratagem.strategies.tensor_parallel.data_axis import DataAxisSum
+from stratagem.strategies.tensor_parallel.apply import TensorParallelModel, replicated_plain_tensors
+from stratagem.strategies.tensor_parallel.data_sharding import check_data_sharding
 from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
 from stratagem.strategies.tensor_parallel.hooks import BackwardInsideRun, replicate_conv_inputs
 from stratagem.strategies.tensor_parallel.limit import check_limit
@@ -58,6 +53,7 @@ from stratagem.strategies.tensor_parallel.mesh import (
     resolve_layouts,
 )
 from stratagem.strategies.tensor_parallel.styles import check_splits
+from stratagem.strategies.tensor_parallel.techniques import Placing, apply_techniques
 from stratagem.strategies.tensor_parallel.tracing import TensorParallelTrace
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
@@ -108,13 +104,12 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     #   mesh       mesh.py: the layout map's mesh against the worker count, before any process group
     #   group      cluster.worker_group: the process group, then torch's DeviceMesh of the same axes
     #   layouts    mesh.resolve_layouts and styles.check_splits: each parameter's layout, refused by module name
-    #   split      apply.apply_tensor_parallel: parameters made DTensors on the `model` axis, the forward over them;
-    #              apply.grads_in_layout: each gradient reduced into its parameter's placement as it is accumulated
+    #   techniques techniques.TECHNIQUES, in order: the split along `model` (apply.py), ZeRO-3 along `data` for
+    #              the layouts that name it (data_sharding.py), the weighted sums along `data` (data_axis.py)
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the DTensor parameters
     #   memory     memory.plan_tensor_parallel_memory: this rank's bytes, planned from the layouts before the split;
     #              limit.check_limit: that plan refused, before the split, where it is over the process's memory limit
     #   hooks      hooks.py: convolutions given replicated inputs, a backward outside `run` refused with the fix
-    #   data axis  data_axis.DataAxisSum: gradients summed across the `data` axis inside backward, weighted
     #   input      worker_group.input (WorkerGroupStrategy's): each model group's part of every global batch, the
     #              workers' agreement on the steps, and the batch check (worker_group.step_agreement)
 
@@ -159,10 +154,8 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._num_data = self._mesh.axis_size("data")
         self._data_index = self._group.rank // self._mesh.axis_size("model")
         self._data_group = self._torch_mesh["data"].get_group() if "data" in self._mesh.axis_names else None
-        self._model_group = self._torch_mesh["model"].get_group() if self._mesh.axis_size("model") > 1 else None
         self._layouts: list[ParameterLayout] = []
         self._kinds: dict[str, str] = {}
-        self._sums: list[DataAxisSum] = []
         self._grad_hooks: list[Any] = []
         self._weight = 1.0
         self._counts: float | None = None
@@ -212,12 +205,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             )
         named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
         layouts = resolve_layouts(self._layout_map, self._mesh, named)
-        on_data = [layout for layout in layouts if "data" in layout.layout]
-        if on_data:
-            raise InputError(
-                f"Sharding {on_data[0].names[0]} along the 'data' axis (ZeRO-3 with tensor parallelism) is not "
-                f"supported yet. Received: {on_data[0].key!r} -> {on_data[0].layout}. Split it along 'model' only."
-            )
+        check_data_sharding(layouts, self._mesh)
         self._kinds = check_splits(model, layouts, self._mesh)
         model.to(self._device)
         # The plan is for the parameters as the user built them, before any is replaced by its part.
@@ -225,13 +213,15 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         # Before anything is split: a plan over this process's memory limit is refused here, not by the kernel.
         params = dict(model.named_parameters(remove_duplicate=False))
         check_limit(self._plan, layouts, params, optimizer, mesh=self._mesh, device=self._device)
-        made = apply_tensor_parallel(model, layouts, self._torch_mesh["model"])
-        self._grad_hooks = grads_in_layout(list(made.values()))  # before the data axis's: it sums the parts
-        self._grad_hooks += replicate_conv_inputs(model, self._torch_mesh["model"])
+        # The techniques in their order (techniques.py): the split, ZeRO-3 along `data`, the data axis's sums.
+        placing = Placing(
+            model=model, mesh=self._mesh, torch_mesh=self._torch_mesh, layouts=layouts, weight=lambda: self._weight
+        )
+        made = apply_techniques(placing)
+        self._grad_hooks = list(placing.parts)
+        self._grad_hooks += replicate_conv_inputs(model, self._torch_mesh)  # the parameters' mesh, `data` included
         self._grad_hooks.append(BackwardInsideRun(model))  # said before torch stops in the middle of a backward
         self._layouts = layouts
-        if self._data_group is not None:
-            self._sums.append(DataAxisSum(list(model.parameters()), self._data_group, lambda: self._weight))
         wrapped = TensorParallelModel(model, "TensorParallelModel")
         self._model = wrapped
         self._trace.add(wrapped)  # forward and the start of backward, while a trace records (tracing.py)
@@ -359,7 +349,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
-        total = float(self._data_sum(torch.tensor(float(count), dtype=torch.float64)))
+        total = float(self.cross_worker_sum(torch.tensor(float(count), dtype=torch.float64)))
         self._counts = float(count)
         self._weight = float(count) / total if total > 0 else 0.0
 
@@ -374,18 +364,6 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         return self._group.rank % self._mesh.axis_size("model") == 0
 
     def cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.detach().clone().to(self._group.collective_device)
-        if self._model_group is not None:
-            import torch.distributed as dist
-
-            # The workers of a model group hold the same values but one: fit's stop request, which each samples at
-            # its own moment (a SIGTERM reaching one worker before a step, another during it); summed across `data`
-            # alone, one worker stopped after the step and the other went on to the next, each in the other's
-            # collectives. The max leaves equal values as they are and makes that one agree.
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self._model_group)
-        return self._data_sum(out)
-
-    def _data_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone().to(self._group.collective_device)
         if self._data_group is not None:
             import torch.distributed as dist
@@ -423,7 +401,4 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         for hook in self._grad_hooks:
             hook.remove()
         self._grad_hooks = []
-        for data_sum in self._sums:
-            data_sum.remove()
-        self._sums = []
         self._model = None

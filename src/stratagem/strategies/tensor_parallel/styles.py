@@ -1,4 +1,5 @@
-"""Which splits each module's forward honours, refused by module name before any parameter is placed.
+"""Which splits along `model` each module's forward honours, refused by module name before any parameter is placed
+(a split along `data` is gathered whole before the forward: any module takes it).
 
 The forward runs on DTensors (`apply.py`), so torch's sharding propagation gives every op of a split layer the
 right inputs; what it cannot give is a module whose forward reshapes a split dimension into pieces the split
@@ -45,7 +46,9 @@ def check_splits(model: nn.Module, layouts: Iterable[ParameterLayout], mesh: Dev
     owners = {f"{prefix}.{name}" if prefix else name: module
               for prefix, module in model.named_modules(remove_duplicate=False)
               for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)}  # fmt: skip
-    split = [layout for layout in layouts if layout.is_split]
+    # Along `model` only: a parameter sharded along `data` is gathered whole before its module's forward
+    # (data_sharding.py), so every module honours it.
+    split = [layout for layout in layouts if "model" in layout.layout]
     kinds: dict[str, str] = {}
     if split:
         _check_attention_kernel(model)
@@ -78,7 +81,7 @@ def check_splits(model: nn.Module, layouts: Iterable[ParameterLayout], mesh: Dev
         for layout in split:
             if not any(n.startswith(prefix + ".") for n in layout.names):
                 continue
-            for axis in {a for a in layout.layout if a is not None}:
+            for axis in {a for a in layout.layout if a == "model"}:
                 size = mesh.axis_size(axis)
                 if heads % size:
                     raise InputError(
