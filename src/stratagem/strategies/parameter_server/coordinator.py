@@ -381,6 +381,8 @@ class ClusterCoordinator:
 
     def _requeue_and_wait(self, client: Client, beat: Heartbeat, closure: _Closure) -> bool | None:
         """Gives ``closure`` back to the queue, records the fault and waits for the worker (``_wait_for_return``)."""
+        if self._closed:  # its call was cut by strategy.shutdown() (Heartbeat.stop): the job ended, not the worker
+            return None
         answers = beat.answers()  # an answer after this one means the worker is back
         with self._cv:
             self._queue.appendleft(closure)  # another worker (or this one, back) runs it again

@@ -28,7 +28,6 @@ Every call between tasks carries the cluster token (``STRATAGEM_CLUSTER_TOKEN``,
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -55,11 +54,8 @@ from stratagem.strategies.parameter_server.tasks import STOP_GRACE_SECONDS as ST
 from stratagem.strategies.parameter_server.tasks import InProcessCluster as InProcessCluster
 from stratagem.strategies.parameter_server.tasks import TaskPlan
 from stratagem.strategies.parameter_server.tracing import TraceSession
-from stratagem.strategies.parameter_server.transport import Client, Security, Server
+from stratagem.strategies.parameter_server.transport import Security, Server
 from stratagem.strategies.parameter_server.variables import ShardedVariables, transfers_choice, transfers_reason
-from stratagem.strategies.parameter_server.worker import (
-    SERVICE as WORKER_SERVICE,
-)
 from stratagem.strategies.parameter_server.worker import (
     ParameterServerModel,
     ParameterServerOptimizer,
@@ -208,7 +204,7 @@ class ParameterServerStrategy(Strategy, Traceable):
                 address=cluster.addresses["chief"][0],
             )
         if self.tasks.is_coordinator:
-            atexit.register(self.shutdown)
+            tasks.end_job_at_exit(self.shutdown)  # when the main thread ends, an error included
             directory = environ.trace_dir(env)  # `stratagem launch --trace DIR`: the whole run, written at shutdown
             if directory is not None:
                 self.tracing.begin(directory)
@@ -417,18 +413,13 @@ class ParameterServerStrategy(Strategy, Traceable):
         """Ends the job (chief): the coordinator stops, workers and parameter servers are told to exit."""
         if not self.tasks.is_coordinator:
             return
+        tasks.forget_at_exit(self.shutdown)
         self.tracing.end()  # a whole run's trace (STRATAGEM_TRACE): every task writes its file while it still serves
         for hook in self._shutdown_hooks:
             hook()
         self._shutdown_hooks.clear()
         if not self.tasks.workers_in_process:
-            for task, address in self.tasks.workers:
-                client = Client(address, WORKER_SERVICE, security=self.tasks.security, task=task)
-                try:
-                    client.call("Shutdown", "shutdown", timeout=5)
-                except Exception as exc:  # noqa: BLE001 - a worker already gone is fine at shutdown
-                    logger.info("%s: %s", task, exc)
-                client.close()
+            tasks.stop_workers(self.tasks, self._worker_service)
             if self._model is not None:
                 self._model.variables.shutdown()
             else:
@@ -437,7 +428,6 @@ class ParameterServerStrategy(Strategy, Traceable):
             self._worker_service.stop(grace=STOP_GRACE_SECONDS)
         if self._chief_server is not None:
             self._chief_server.stop(grace=STOP_GRACE_SECONDS)
-        atexit.unregister(self.shutdown)
 
     def _transfers(self) -> dict[str, str]:
         """How this process's tasks reach each parameter server, as decided so far (at their first pull)."""

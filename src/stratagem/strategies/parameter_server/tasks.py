@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,6 +188,51 @@ def serve_as_worker(
     finally:
         service.stop(grace=STOP_GRACE_SECONDS)
     raise SystemExit(0)
+
+
+_at_exit: list[Callable[[], None]] = []
+"""The coordinators' `shutdown`s still to run when the main thread ends (`end_job_at_exit`)."""
+_hooked = threading.Event()  # `_run_at_exit` is registered (once per process)
+
+
+def end_job_at_exit(shutdown: Callable[[], None]) -> None:
+    """Runs ``shutdown`` (the chief ending the job) when the main thread ends, an error included, unless
+    ``forget_at_exit`` was called first. It runs before the interpreter stops every thread pool, as concurrent.futures'
+    own hook does: at atexit gRPC's pools no longer serve, so this process's own worker service (worker 0 in the chief)
+    would not answer, and each call to it would wait out its timeout. CPython has no public hook that runs so early."""
+    if not _hooked.is_set():
+        threading._register_atexit(_run_at_exit)  # type: ignore[attr-defined]  # CPython's; not in typeshed
+        _hooked.set()
+    _at_exit.append(shutdown)
+
+
+def forget_at_exit(shutdown: Callable[[], None]) -> None:
+    """``shutdown`` has run (or will be run otherwise): the main thread's end no longer runs it."""
+    if shutdown in _at_exit:
+        _at_exit.remove(shutdown)
+
+
+def _run_at_exit() -> None:
+    for shutdown in reversed(list(_at_exit)):  # the last made first, as atexit does
+        try:
+            shutdown()
+        except Exception:  # the next job still ends
+            logger.exception("ending a parameter-server job as the main thread ended failed")
+
+
+def stop_workers(plan: TaskPlan, own: WorkerService | None, *, timeout: float = 5.0) -> None:
+    """The chief ending the job: tells every worker task to exit, each call bounded by ``timeout`` s. This process's
+    own worker (``own``: worker 0 when the chief is also a worker) is skipped: its owner stops it in place."""
+    for task, address in plan.workers:
+        if own is not None and task == own.task:
+            continue
+        client = Client(address, WORKER_SERVICE, security=plan.security, task=task)
+        try:
+            client.call("Shutdown", "shutdown", timeout=timeout)
+        except (ParameterServerError, CollectiveTimeoutError) as exc:  # a worker already gone is fine at shutdown
+            logger.info("%s: %s", task, exc)
+        finally:
+            client.close()
 
 
 def serve_while_chief_lives(

@@ -299,8 +299,11 @@ class Server:
         return call
 
     def stop(self, grace: float = 0.5) -> None:
-        """Stops serving (in-flight calls get ``grace`` seconds)."""
-        self._server.stop(grace).wait(grace + 5)
+        """Stops serving (in-flight calls get ``grace`` seconds); waits at most ``grace + 5`` s for gRPC to finish."""
+        if not self._server.stop(grace).wait(grace + 5):
+            logger.warning(
+                "%s at %s had not finished stopping after %g s; going on", self.service, self.address, grace + 5
+            )
 
 
 def _why_not_listening(address: str) -> str:
