@@ -98,3 +98,37 @@ def merged_units_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any
         int((a != b).sum()) for a, b in zip(finals["default"], finals["every Linear"], strict=True)
     )
     return out
+
+
+def foreach_cases(rank: int, port: int) -> dict[str, int]:
+    """Per optimizer of `optimizer.FOREACH_EXACT` and dtype: how many parameter values differ after 4 steps between
+    its foreach step over FSDP2's DTensor shards (one rank) and its loop over the same model's plain tensors."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from stratagem.strategies.sharded.optimizer import FOREACH_EXACT
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    out: dict[str, int] = {}
+    for dtype in (torch.float32, torch.float64):
+        for cls in FOREACH_EXACT:
+            torch.manual_seed(0)
+            plain = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
+            torch.manual_seed(0)
+            sharded = fully_shard(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype))
+            options = {"lr": 0.1, "momentum": 0.9} if cls is torch.optim.SGD else {}
+            pairs = (
+                (plain, cls(plain.parameters(), **options)),
+                (sharded, cls(sharded.parameters(), foreach=True, **options)),
+            )
+            for i in range(4):
+                x = torch.randn(6, 5, dtype=dtype, generator=torch.Generator().manual_seed(i))
+                for model, opt in pairs:
+                    model(x).pow(2).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            out[f"{cls.__name__} {str(dtype).removeprefix('torch.')}"] = sum(
+                int((full(p).detach() != q.detach()).sum()) for p, q in zip(sharded.parameters(), plain.parameters())
+            )
+    dist.destroy_process_group()
+    return out

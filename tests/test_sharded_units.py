@@ -22,6 +22,7 @@ from stratagem.strategies.sharded.checks import (
     shard_records,
 )
 from stratagem.strategies.sharded.memory import plan_memory, shard_rows
+from stratagem.strategies.sharded.optimizer import FOREACH_EXACT, prefer_foreach
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.units import MERGE_UP_TO, cut_model
 
@@ -333,3 +334,30 @@ def test_the_plan_counts_the_wider_copy_the_batch_check_rides_in():
         riding = plan_memory(params, torch.optim.SGD(params, lr=0.1), stage=stage, batch_check_copy=True, **kw)
         # The step's first reduce-scatter copies its unit's flat gradients into a wider buffer: one unit more.
         assert riding.gathered_peak - plain.gathered_peak == 55 * 4, stage
+
+
+def test_the_shards_optimizer_takes_foreach_where_torch_was_left_to_choose():
+    params = list(nn.Linear(3, 2).parameters())
+    left = torch.optim.AdamW(params)
+    assert prefer_foreach(left) and left.param_groups[0]["foreach"] is True
+    # The user's own choice stays; so does an optimizer whose foreach step over shards is not its loop's.
+    chosen = torch.optim.AdamW(params, foreach=False)
+    assert not prefer_foreach(chosen) and chosen.param_groups[0]["foreach"] is False
+    rprop = torch.optim.Rprop(params)
+    assert not prefer_foreach(rprop) and rprop.param_groups[0]["foreach"] is None
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    assert not prefer_foreach(MyAdamW(params))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_foreach_over_dtensor_shards_is_the_loop_over_plain_tensors_bit_for_bit():
+    outcomes = run_ranks(sharded_units_cases.foreach_cases, [0], args=(free_port(),), timeout=100)
+    assert outcomes[0].error is None, outcomes[0].error
+    differing = outcomes[0].value
+    # Every optimizer prefer_foreach changes, in float32 and float64: not one value apart after 4 steps.
+    assert set(differing) == {f"{c.__name__} {d}" for c in FOREACH_EXACT for d in ("float32", "float64")}
+    assert all(n == 0 for n in differing.values()), differing

@@ -50,6 +50,7 @@ from stratagem.strategies.sharded.checks import (
 from stratagem.strategies.sharded.decisions import sharded_decisions
 from stratagem.strategies.sharded.host_memory import HostMemory, check_host_memory
 from stratagem.strategies.sharded.memory import MemoryPlan, release_freed_memory
+from stratagem.strategies.sharded.optimizer import prefer_foreach
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
@@ -108,7 +109,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     #   units      units.cut_model: each block a unit by default (stage 2: small ones merged), or the user's policy
     #   shard      units.apply_cut: fully_shard per unit then the root (stage 2: reshard_after_forward=False)
     #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
-    #   optimizer  distributed.clone_optimizer: the user's optimizer over the sharded parameters
+    #   optimizer  distributed.clone_optimizer: the user's optimizer over the shards (foreach: optimizer.py)
     #   memory     memory.plan_memory: bytes per rank, said before the first step
     #   input      worker_group.input (WorkerGroupStrategy's): each worker's part of every global batch
 
@@ -269,6 +270,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             return wrapped
         mapping = {id(originals[name]): p for name, p in sharded.named_parameters()}
         clone = clone_optimizer(optimizer, mapping, with_state=False)
+        prefer_foreach(clone)  # one DTensor operation per list of shards, not per shard (optimizer.py)
         self._host.watch(clone)
         del originals, mapping  # the whole tensors: freed now unless the user's optimizer still holds them
         release_freed_memory()
@@ -305,6 +307,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         check_optimizer(optimizer)
         if optimizer is not None:  # made inside the scope, it holds the parameters as construction made them
             optimizer = clone_optimizer(optimizer, {**built.mapping, **{id(p): p for p in model.parameters()}})
+            prefer_foreach(optimizer)
             self._host.watch(optimizer)
         self._check_distribute_args(model, optimizer, None)
         plan = self._memory.plan(list(model.parameters()), optimizer, built.cut)
