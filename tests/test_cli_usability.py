@@ -296,3 +296,14 @@ def test_export_to_safetensors_without_the_package_says_which_extra_before_readi
     code, err = err_of(capsys, "checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "m.safetensors"))
     assert code == 2  # the missing package is said first: the backup path is not even looked at
     assert "needs the safetensors package" in err and "pip install 'stratagem[train]'" in err
+
+
+def test_the_workers_help_names_every_strategy_that_runs_a_process_per_worker():
+    # It named multi_worker, sharded and parameter_server, and not tensor_parallel, which --workers also starts.
+    from stratagem.strategies.records import STRATEGIES
+
+    train = train_cli.add_parser(argparse.ArgumentParser().add_subparsers())
+    help_text = " ".join(train.format_help().split())
+    several = [r.name for r in STRATEGIES if r.one_process_per_worker]
+    assert "tensor_parallel" in several
+    assert f"--workers WORKERS with --strategy {', '.join(several)}:" in help_text, help_text

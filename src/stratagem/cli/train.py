@@ -105,8 +105,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--workers",
         type=_count("2"),
         default=1,
-        help="with --strategy multi_worker, sharded or parameter_server: worker processes to start on this "
-        "machine, as `stratagem launch` starts them (default: 1, or the cluster this process already belongs to)",
+        help=f"with --strategy {', '.join(r.name for r in STRATEGIES if r.one_process_per_worker)}: worker processes "
+        "to start on this machine, as `stratagem launch` starts them (default: 1, or the cluster this process already "
+        "belongs to)",
     )
     parser.add_argument(
         "--ps",
