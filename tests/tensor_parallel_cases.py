@@ -94,12 +94,23 @@ def cluster_of(rank: int, ports: list[int]) -> dict[str, Any]:
 
 
 def exactness(
-    rank: int, ports: list[int], shape: tuple[int, ...], names: tuple[str, ...], data_sharded: bool = False
+    rank: int,
+    ports: list[int],
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    data_sharded: bool = False,
+    directory: str | None = None,
 ) -> dict[str, Any]:
     """Trains under TensorParallelStrategy on the mesh (shape, names); every parameter, clipped norm and loss against
-    one device, and what explain() says (`data_sharded`: `layout_map`'s ZeRO-3 layouts)."""
+    one device, what explain() says, and the memory plan's parts beside what the rank holds (`data_sharded`:
+    `layout_map`'s ZeRO-3 layouts). With `directory`: a backup after the first step (`state_shards`, as
+    `tensor_parallel_checkpoint_cases` writes one) and the whole values after the first two steps."""
+    from pathlib import Path
+
     import stratagem as sg
+    from stratagem.strategies.state_memory import measured_local_bytes
     from stratagem.strategies.tensor_parallel.apply import whole_tensor
+    from stratagem.train.backup.sharded import save_sharded
 
     user_model = gpt2()
     reference, ref_norms, ref_losses = one_device(user_model)
@@ -119,8 +130,18 @@ def exactness(
             opt.zero_grad()
             return loss.detach()
 
+        after: list[dict[str, Any]] = []
         for batch in strategy.distribute_dataset(batches()):
             losses.append(float(strategy.reduce("mean", strategy.run(step, args=(batch,)))))
+            if directory is not None and len(after) < 2:
+                after.append({n: whole_tensor(p).detach().numpy().copy() for n, p in model.module.named_parameters()})
+            if directory is not None and len(after) == 1:
+                state = {
+                    "step": 1, "epoch": 0, "step_in_epoch": 1, "strategy": "tensor_parallel",
+                    "num_processes": len(ports), "optimizer_param_groups": opt.state_dict()["param_groups"],
+                }  # fmt: skip
+                backup = Path(directory) / "backup.dcp"
+                save_sharded(backup, strategy.state_shards(), model.module, opt, state, step=1, is_chief=strategy.is_chief, previous=None)  # fmt: skip
         expected = dict(reference.named_parameters())
         worst = max(
             float((whole_tensor(p).detach() - expected[name]).abs().max() / expected[name].abs().max())
@@ -138,47 +159,10 @@ def exactness(
             "local shapes": local_shapes,
             "state shapes": states,
             "same model": model.module is user_model,
+            "plan": strategy.memory_plan().to_dict(),
+            "held": measured_local_bytes(model.parameters(), opt),
+            "after": after,
             "explain": str(strategy.explain()),
         }
-    finally:
-        strategy.close()
-
-
-def write_sharded_along_data(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
-    """`layout_map(data_sharded=True)` on the 2 x 2 mesh: a step, a backup of every worker's shards (`state_shards`,
-    torch.distributed.checkpoint), a second step; the whole values after each as numpy arrays."""
-    from pathlib import Path
-
-    import stratagem as sg
-    from stratagem.strategies.tensor_parallel.apply import whole_tensor
-    from stratagem.train.backup.sharded import save_sharded
-
-    def whole(model: Any) -> dict[str, Any]:
-        return {name: whole_tensor(p).detach().numpy().copy() for name, p in model.module.named_parameters()}
-
-    def step(model: Any, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> None:
-        loss = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
-        sg.set_loss_weight((batch["labels"][:, 1:] != -100).sum())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-
-    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
-    strategy = sg.TensorParallelStrategy(layout_map(mesh, True), cluster=cluster_of(rank, ports), timeout=120)
-    try:
-        user = gpt2()
-        model, opt = strategy.distribute(user, optimizer(user.parameters()))
-        data = list(strategy.distribute_dataset(batches()))
-        strategy.run(step, args=(model, opt, data[0]))
-        after_one = whole(model)
-        state = {
-            "step": 1, "epoch": 0, "step_in_epoch": 1, "strategy": "tensor_parallel", "num_processes": len(ports),
-            "optimizer_param_groups": opt.state_dict()["param_groups"],
-        }  # fmt: skip
-        backup = Path(directory) / "backup.dcp"
-        save_sharded(backup, strategy.state_shards(), model.module, opt, state, step=1, is_chief=strategy.is_chief, previous=None)  # fmt: skip
-        strategy.run(step, args=(model, opt, data[1]))
-        return {"after one": after_one, "after two": whole(model)}
     finally:
         strategy.close()

@@ -53,27 +53,3 @@ def test_gpt2_on_a_two_by_two_mesh_with_an_uneven_batch_equals_one_device():
     outcomes = run_ranks(tensor_parallel_cases.exactness, range(world), args=args, timeout=380)
     result = _check(outcomes, world)
     assert "data axis: all-reduce (SUM)" in result["explain"]
-
-
-@pytest.mark.timeout(400)
-def test_gpt2_with_weights_sharded_along_data_too_equals_one_device():
-    # ZeRO-3 on the data axis (FSDP2 after the split): c_fc's weights ("data", "model"), the tied embedding
-    # ("model", "data") and ln_f ("data",), on the 2x2 mesh with the uneven batch of 13, AdamW and clipping.
-    world = 4
-    ports = [free_port() for _ in range(world)]
-    args = (ports, (2, 2), ("data", "model"), True)
-    outcomes = run_ranks(tensor_parallel_cases.exactness, range(world), args=args, timeout=380)
-    result = _check(outcomes, world)
-    # Each worker holds 1/2 along data of its model part: parameter and AdamW's state alike.
-    for rank in range(world):
-        shapes, states = outcomes[rank].value["local shapes"], outcomes[rank].value["state shapes"]
-        assert shapes["transformer.h.0.mlp.c_fc.weight"] == (24, 96) == states["transformer.h.0.mlp.c_fc.weight"]
-        assert shapes["transformer.wte.weight"] == ((1025, 24) if rank % 2 == 0 else (1024, 24))
-        assert shapes["transformer.ln_f.weight"] == (24,) == states["transformer.ln_f.weight"]
-        assert shapes["transformer.h.0.mlp.c_proj.weight"] == (96, 48)  # replicated along data: whole
-    explain = result["explain"]
-    assert (
-        "techniques: tensor parallel on model, then data sharding on data (4 parameter(s)), then replication" in explain
-    )
-    assert "data sharding: 4 parameter(s) sharded along 'data'" in explain  # c_fc twice, the tied wte, ln_f
-    assert "transformer.ln_f.weight (48,): ('data',) (key 'ln_f\\\\.weight'; sharded along 'data'" in explain
