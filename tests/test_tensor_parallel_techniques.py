@@ -1,0 +1,62 @@
+"""TensorParallelStrategy's techniques: applied in the table's order, each only where the mesh has its axes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+import stratagem as sg
+from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
+from stratagem.strategies.tensor_parallel.techniques import (
+    TECHNIQUES,
+    Placing,
+    Technique,
+    apply_techniques,
+    techniques_decision,
+)
+
+
+def _placing(mesh: sg.DeviceMesh, model: nn.Module) -> Placing:
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    return Placing(model=model, mesh=mesh, torch_mesh=None, layouts=resolve_layouts(sg.LayoutMap(mesh), mesh, named),
+                   weight=lambda: 1.0)  # fmt: skip
+
+
+def test_the_techniques_run_in_the_tables_order_and_skip_an_axis_the_mesh_lacks():
+    calls: list[str] = []
+    table = [Technique(name=t.name, axes=t.axes, apply=lambda placing, n=t.name: calls.append(n)) for t in TECHNIQUES]
+    apply_techniques(_placing(sg.DeviceMesh((2, 2), ("data", "model")), nn.Linear(2, 2)), table)
+    assert calls == ["tensor parallel", "data sharding", "replication"]
+    calls.clear()
+    apply_techniques(_placing(sg.DeviceMesh((2,), ("model",)), nn.Linear(2, 2)), table)
+    assert calls == ["tensor parallel"]
+
+
+def test_each_parameter_as_built_maps_to_the_one_that_replaced_it_tied_ones_under_each_name():
+    model = nn.Sequential(nn.Embedding(3, 2), nn.Linear(2, 3, bias=False))
+    model[1].weight = model[0].weight  # tied, as GPT-2's wte and lm_head
+    old = model[0].weight
+    replacement = nn.Parameter(old.detach().clone())
+
+    def replace(placing: Placing) -> None:
+        placing.model[0].weight = replacement
+        placing.model[1].weight = replacement
+
+    made = apply_techniques(
+        _placing(sg.DeviceMesh((2,), ("model",)), model),
+        [Technique(name="replace", axes=("model",), apply=replace)],
+    )
+    assert made == {id(old): replacement}
+
+
+def test_explain_names_the_techniques_in_order_with_the_parameters_sharded_along_data():
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    layout_map = sg.LayoutMap(mesh)
+    layout_map["weight"] = ("data", None)
+    model = nn.Linear(2, 2)
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    decision = techniques_decision(mesh, resolve_layouts(layout_map, mesh, named))
+    assert decision.subject == "techniques"
+    assert decision.choice == (
+        "tensor parallel on model, then data sharding on data (1 parameter(s)), then replication on data "
+        "(every other parameter)"
+    )
