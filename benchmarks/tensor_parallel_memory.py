@@ -5,7 +5,8 @@ against the rank's `memory_plan()`.
     PYTHONPATH=src .venv/bin/python benchmarks/tensor_parallel_memory.py --models gpt2 --configs tp2 --no-activations
 
 Each configuration runs as `stratagem launch --workers N` starts it: tp2 is a mesh of one `model` axis over 2
-workers, tp2x2 a (data 2, model 2) mesh over 4. The models, float32 with AdamW, 3 steps:
+workers, tp2x2 a (data 2, model 2) mesh over 4, tp2x2z3 the same with every weight's dimension that `model` leaves whole sharded
+along `data` too (ZeRO-3). The models, float32 with AdamW, 3 steps:
 
 - mlp: 8 x Linear(2048, 2048) (33.6M parameters, 128 MiB), Megatron's pairs: the even layers split along their output
   features (weight and bias), the odd ones along their input features (bias whole); global batch 64;
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-CONFIGS = {"tp2": ((2,), ("model",)), "tp2x2": ((2, 2), ("data", "model"))}
+CONFIGS = {"tp2": ((2,), ("model",)), "tp2x2": ((2, 2), ("data", "model")), "tp2x2z3": ((2, 2), ("data", "model"))}
+ZERO3 = {"tp2x2z3"}  # the weights also sharded along `data` (ZeRO-3, tensor_parallel/data_sharding.py)
 
 
 def mlp() -> nn.Module:
@@ -53,23 +55,25 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def layout_map(model: str, mesh: Any) -> Any:
+def layout_map(model: str, mesh: Any, zero3: bool = False) -> Any:
+    """`zero3`: every weight's dimension that `model` leaves whole split along `data` too."""
     import stratagem as sg
 
+    data = "data" if zero3 else None
     layouts = sg.LayoutMap(mesh)
     if model == "mlp":
         for i in range(0, 8, 2):
-            layouts[rf"^{i}\.weight"] = ("model", None)  # Linear is (out, in): output features
+            layouts[rf"^{i}\.weight"] = ("model", data)  # Linear is (out, in): output features
             layouts[rf"^{i}\.bias"] = ("model",)
-            layouts[rf"^{i + 1}\.weight"] = (None, "model")  # input features: partial sums, all-reduced
+            layouts[rf"^{i + 1}\.weight"] = (data, "model")  # input features: partial sums, all-reduced
         return layouts
-    layouts[r"wte\.weight"] = ("model", None)
-    layouts[r"attn\.c_attn\.weight"] = (None, "model")
+    layouts[r"wte\.weight"] = ("model", data)
+    layouts[r"attn\.c_attn\.weight"] = (data, "model")
     layouts[r"attn\.c_attn\.bias"] = ("model",)
-    layouts[r"attn\.c_proj\.weight"] = ("model", None)
-    layouts[r"mlp\.c_fc\.weight"] = (None, "model")
+    layouts[r"attn\.c_proj\.weight"] = ("model", data)
+    layouts[r"mlp\.c_fc\.weight"] = (data, "model")
     layouts[r"mlp\.c_fc\.bias"] = ("model",)
-    layouts[r"mlp\.c_proj\.weight"] = ("model", None)
+    layouts[r"mlp\.c_proj\.weight"] = ("model", data)
     return layouts
 
 
@@ -107,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
 
     shape, names = CONFIGS[args.config]
     warm_up(shape, names)
-    strategy = sg.TensorParallelStrategy(layout_map(args.model, sg.DeviceMesh(shape, names)))
+    strategy = sg.TensorParallelStrategy(layout_map(args.model, sg.DeviceMesh(shape, names), args.config in ZERO3))
     if args.model == "gpt2":  # transformers' code (a few hundred MiB once imported) is not the model's memory
         import transformers.models.gpt2.modeling_gpt2  # noqa: F401
     gc.collect()

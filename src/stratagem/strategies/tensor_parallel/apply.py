@@ -42,10 +42,10 @@ def placements(layout: Layout, axis_names: Sequence[str]) -> list[Any]:
 
 
 def apply_tensor_parallel(model: nn.Module, layouts: Sequence[ParameterLayout], mesh: Any) -> dict[int, nn.Parameter]:
-    """Replaces every parameter of `model` in place by a DTensor parameter over `mesh` (torch's DeviceMesh of the
-    layout map's axes, the `data` axis included), split along `model` as its layout says and replicated along
-    `data` (sharding along `data` is `data_sharding.py`'s, after this); tied parameters stay one. Returns the id of
-    each old parameter to its new one.
+    """Replaces every parameter of `model` in place by a DTensor parameter over `mesh` (torch's DeviceMesh: the
+    `model` axis, or the whole mesh), split along `model` as its layout says and replicated along `data` where the
+    mesh has it (sharding along `data` is `data_sharding.py`'s, after this); tied parameters stay one. Returns the
+    id of each old parameter to its new one.
 
     Every worker receives rank 0's values (`distribute_tensor` scatters from it), as one device would hold them.
     """

@@ -219,7 +219,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         )
         made = apply_techniques(placing)
         self._grad_hooks = list(placing.parts)
-        self._grad_hooks += replicate_conv_inputs(model, self._torch_mesh)  # the parameters' mesh, `data` included
+        self._grad_hooks += replicate_conv_inputs(model, placing.parameters_mesh)  # the parameters' own mesh
         self._grad_hooks.append(BackwardInsideRun(model))  # said before torch stops in the middle of a backward
         self._layouts = layouts
         wrapped = TensorParallelModel(model, "TensorParallelModel")

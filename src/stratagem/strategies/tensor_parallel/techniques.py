@@ -3,8 +3,8 @@
 As torchtitan's `parallelize_llama` applies tensor parallelism, then FSDP, each a plain function, the strategy runs
 `TECHNIQUES` in order on the model as the techniques before left it (`Placing`):
 
-1. tensor parallel (`model`), `apply.apply_tensor_parallel`: every parameter a DTensor of the whole mesh, split along
-   `model` by its layout, replicated along `data`; `apply.grads_in_layout` puts each gradient into its parameter's
+1. tensor parallel (`model`), `apply.apply_tensor_parallel`: every parameter a DTensor, split along `model` by its
+   layout (of the whole mesh, replicated along `data`, where a layout names `data`; of the `model` axis otherwise); `apply.grads_in_layout` puts each gradient into its parameter's
    placement as it is accumulated. First, because the data-axis techniques take its DTensors as they are.
 2. data sharding (`data`), `data_sharding.apply_data_sharding`: ZeRO-3 on FSDP2 for the parameters whose layout
    names `data`. After the split (FSDP2 shards a DTensor parameter's placement along `data`, torchtitan's order),
@@ -57,6 +57,8 @@ class Placing:
     """Every parameter's layout, checked (`mesh.resolve_layouts`, `styles.check_splits`)."""
     weight: Callable[[], float]
     """This model group's share of the global batch (or of the declared loss weights), read at each backward."""
+    parameters_mesh: Any = None
+    """torch's DeviceMesh the parameters are DTensors of, set by the split (what hooks on the model must use)."""
     sharded_along_data: frozenset[str] = frozenset()
     """The names of the parameters data sharding took: replication leaves them to it."""
     parts: list[Removable] = field(default_factory=list)
@@ -76,7 +78,13 @@ class Technique:
 
 
 def _tensor_parallel(placing: Placing) -> None:
-    made = apply_tensor_parallel(placing.model, placing.layouts, placing.torch_mesh)
+    # The whole mesh where a layout names `data`: FSDP2 shards along it DTensors of the mesh it is given, and every
+    # parameter must be of that one mesh (clip_grad_norm_ stacks their norms: data_sharding.py). Otherwise the
+    # `model` axis alone, as before data sharding: on the 2-D mesh the MLP benchmark's ranks peaked 16 MiB higher
+    # (312 MiB for 296, benchmarks/tensor_parallel_memory.py, tp2x2), for no use.
+    on_data = any("data" in layout.layout for layout in placing.layouts)
+    placing.parameters_mesh = placing.torch_mesh if on_data else placing.torch_mesh["model"]
+    made = apply_tensor_parallel(placing.model, placing.layouts, placing.parameters_mesh)
     # Each gradient into its parameter's placement as it is accumulated; a parameter data sharding then replaces
     # leaves its hook behind on the old tensor, never called again (FSDP2 redistributes that gradient itself).
     placing.parts.extend(grads_in_layout(list(made.values())))
