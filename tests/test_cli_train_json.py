@@ -39,3 +39,7 @@ def test_json_is_one_document_on_stdout(capfd, strategy):
     assert summary["num_train_examples"] == 1437
     # A cluster of one has no peers to be slower than; the key is there for the workers' stragglers.
     assert summary.get("stragglers", "absent") == ([] if strategy == "multi_worker" else "absent")
+    if strategy == "tensor_parallel":
+        # By name alone it split nothing: the command gives the digits net's layouts (demo.DIGITS_LAYOUTS).
+        layouts = next(d for d in summary["explanation"]["decisions"] if d["subject"] == "layouts")
+        assert layouts["choice"] == "3 parameter(s) split, 5 replicated", layouts

@@ -102,3 +102,10 @@ def test_the_lazy_exports_are_the_records_classes_and_type_checkers_see_the_same
     # are held to the same names here.
     assert _type_checking_names(stratagem) == set(stratagem._LAZY)
     assert _type_checking_names(stratagem.strategies) == set(stratagem.strategies.LAZY_NAMES)
+
+
+def test_a_layout_map_goes_to_tensor_parallel_alone_and_is_refused_with_any_other_name() -> None:
+    from stratagem.demo.digits import digits_layout_map
+
+    with pytest.raises(InputError, match=r"Received: strategy 'mirrored' with a layout map\. Use tensor_parallel"):
+        build_strategy("mirrored", layout_map=digits_layout_map())

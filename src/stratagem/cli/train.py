@@ -43,10 +43,11 @@ from stratagem.cli.checks import check_device_flags, check_trace_flag, check_wri
 from stratagem.cli.launch import stop_message, stop_on_signals, stopped_by_signal
 from stratagem.cluster import OutputLine, allocator, launched_by_stratagem, relaunch
 from stratagem.demo import TARGET_ACCURACY, TrainConfig, TrainReport, train_digits
+from stratagem.demo.digits import digits_layout_map
 from stratagem.diagnose import PlacementDecision, log_placement
 from stratagem.errors import InputError, Preempted, StratagemError
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.by_name import build_strategy, explain_built
+from stratagem.strategies.by_name import TENSOR_PARALLEL, build_strategy, explain_built
 from stratagem.strategies.data_parallel.amp import PRECISIONS
 from stratagem.strategies.multi_worker.strategy import MultiWorkerMirroredStrategy
 from stratagem.strategies.records import STRATEGIES
@@ -198,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
         if args.backup_dir:
             backup = BackupAndRestore(args.backup_dir, save_freq="epoch")
             callbacks += [backup, BackupSettings(config, backup, json_output=args.json)]
-        strategy, decision = build_strategy(config.strategy, config.devices)
+        # tensor_parallel splits the digits net's dense layers (demo.DIGITS_LAYOUTS); by name alone it would split none.
+        layouts = digits_layout_map() if config.strategy == TENSOR_PARALLEL else None
+        strategy, decision = build_strategy(config.strategy, config.devices, layout_map=layouts)
         try:
             _check_precision_flag(config.precision, [d.type for d in strategy.local_devices])  # before any work
         except StratagemError:

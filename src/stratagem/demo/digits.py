@@ -15,12 +15,16 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from stratagem.errors import InputError
+
+if TYPE_CHECKING:
+    from stratagem.strategies.tensor_parallel.mesh import LayoutMap
 
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2
@@ -96,6 +100,27 @@ def build_digits_model(seed: int) -> nn.Module:
             nn.ReLU(),
             nn.Linear(128, NUM_CLASSES),
         )
+
+
+DIGITS_LAYOUTS: dict[str, tuple[str | None, ...]] = {
+    r"^6\.weight$": ("model", None),
+    r"^6\.bias$": ("model",),
+    r"^8\.weight$": (None, "model"),
+}
+"""How ``stratagem train --strategy tensor_parallel`` splits `build_digits_model`'s net across the `model` axis: the
+first dense layer by its output features, the second by its input features (Megatron's column then row split: the
+hidden activations are 1/N per worker and one all-reduce of the logits' partial sums ends the forward); the
+convolutions and the last bias stay replicated. The keys are regular expressions over ``named_parameters()``."""
+
+
+def digits_layout_map() -> LayoutMap:
+    """`DIGITS_LAYOUTS` as an `sg.LayoutMap` over one `model` axis of every worker."""
+    from stratagem.strategies.tensor_parallel.mesh import LayoutMap
+
+    layout_map = LayoutMap()
+    for key, layout in DIGITS_LAYOUTS.items():
+        layout_map[key] = layout
+    return layout_map
 
 
 def make_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, *, shuffle: bool, seed: int = 0) -> DataLoader:

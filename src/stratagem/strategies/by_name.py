@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from stratagem.devices import DeviceRegistry, default_registry
 from stratagem.diagnose import PlacementDecision
@@ -17,12 +18,22 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.explain import Explanation
 from stratagem.strategies.records import STRATEGIES
 
+if TYPE_CHECKING:
+    from stratagem.strategies.tensor_parallel.mesh import LayoutMap
+
+TENSOR_PARALLEL = "tensor_parallel"
+"""The strategy that takes a layout map."""
+
 STRATEGY_NAMES = STRATEGIES.names
 """The strategies that can be built by name, by their command-line name (`records.STRATEGIES`)."""
 
 
 def build_strategy(
-    name: str, devices: Sequence[str] | None = None, *, registry: DeviceRegistry | None = None
+    name: str,
+    devices: Sequence[str] | None = None,
+    *,
+    registry: DeviceRegistry | None = None,
+    layout_map: LayoutMap | None = None,
 ) -> tuple[Strategy, PlacementDecision]:
     """The strategy ``name`` over ``devices``, or over the devices chosen for this machine, and why.
 
@@ -35,14 +46,22 @@ def build_strategy(
         >>> strategy.num_replicas_in_sync, decision.reason
         (2, 'given by --devices')
 
+    ``layout_map`` (an `sg.LayoutMap`) goes to ``tensor_parallel``, which without one replicates every parameter;
+    with any other name it is refused.
+
     Raises:
-        InputError: ``name`` is not one of `STRATEGY_NAMES`.
+        InputError: ``name`` is not one of `STRATEGY_NAMES`, or a layout map came with another strategy.
         DeviceError: a device is unknown or unavailable, or ``one_device`` was given several.
     """
     registry = registry or default_registry
     if name not in STRATEGIES:
         raise InputError(f"Unknown strategy. Received: {name!r}. Choose one of {', '.join(STRATEGY_NAMES)}.")
     record = STRATEGIES[name]
+    if layout_map is not None and name != TENSOR_PARALLEL:
+        raise InputError(
+            f"A layout map is applied by the {TENSOR_PARALLEL} strategy only. Received: strategy {name!r} with a "
+            f"layout map. Use {TENSOR_PARALLEL}, or leave the layout map out."
+        )
     if devices is not None:
         names = list(devices)
         if record.max_devices == 1 and len(names) != 1:
@@ -53,6 +72,10 @@ def build_strategy(
         decision = PlacementDecision(subject="devices", choice=", ".join(names), reason="given by --devices")
     else:
         names, decision = record.default_devices(name, registry)
+    if layout_map is not None:
+        from stratagem.strategies.tensor_parallel.strategy import TensorParallelStrategy
+
+        return TensorParallelStrategy(layout_map, device=names[0]), decision
     return record.build(names, registry), decision
 
 

@@ -25,14 +25,13 @@ from stratagem import environ
 from stratagem.cluster import resolve_cluster
 from stratagem.errors import InputError
 from stratagem.strategies import LayoutMap, MirroredStrategy, Strategy, TensorParallelStrategy
-from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
+from stratagem.strategies.by_name import STRATEGY_NAMES, TENSOR_PARALLEL, build_strategy
 from stratagem.strategies.records import STRATEGIES
 
 logger = logging.getLogger(__name__)
 
 STRATEGY_VARIABLE = "STRATAGEM_STRATEGY"
 DEVICES_VARIABLE = "STRATAGEM_DEVICES"
-TENSOR_PARALLEL = "tensor_parallel"
 
 
 def strategy_from_env(env: Mapping[str, str] | None = None, *, layout_map: LayoutMap | None = None) -> Strategy:
