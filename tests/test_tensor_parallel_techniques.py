@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from torch import nn
 
 import stratagem as sg
@@ -11,6 +12,7 @@ from stratagem.strategies.tensor_parallel.techniques import (
     Placing,
     Technique,
     apply_techniques,
+    check_techniques,
     techniques_decision,
 )
 
@@ -60,3 +62,13 @@ def test_explain_names_the_techniques_in_order_with_the_parameters_sharded_along
         "tensor parallel on model, then data sharding on data (1 parameter(s)), then replication on data "
         "(every other parameter)"
     )
+
+
+def test_distribute_runs_each_techniques_check_so_data_shardings_refusal_comes_before_anything_is_placed():
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    layout_map = sg.LayoutMap(mesh)
+    layout_map["weight"] = (None, "data")  # 3 input features over 2 data workers: FSDP2 pads dimension 0 only
+    model = nn.Linear(3, 2)
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    with pytest.raises(sg.InputError, match=r"Sharding weight along 'data' splits its dimension 1 \(size 3\)"):
+        check_techniques(resolve_layouts(layout_map, mesh, named), mesh)

@@ -40,7 +40,6 @@ from stratagem.strategies.run_inputs import batch_sizes, global_size, replica_we
 from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.tensor_parallel.apply import TensorParallelModel, replicated_plain_tensors
-from stratagem.strategies.tensor_parallel.data_sharding import check_data_sharding
 from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
 from stratagem.strategies.tensor_parallel.hooks import BackwardInsideRun, replicate_conv_inputs
 from stratagem.strategies.tensor_parallel.limit import check_limit
@@ -53,7 +52,7 @@ from stratagem.strategies.tensor_parallel.mesh import (
     resolve_layouts,
 )
 from stratagem.strategies.tensor_parallel.styles import check_splits
-from stratagem.strategies.tensor_parallel.techniques import Placing, apply_techniques
+from stratagem.strategies.tensor_parallel.techniques import Placing, apply_techniques, check_techniques
 from stratagem.strategies.tensor_parallel.tracing import TensorParallelTrace
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
@@ -205,7 +204,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             )
         named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
         layouts = resolve_layouts(self._layout_map, self._mesh, named)
-        check_data_sharding(layouts, self._mesh)
+        check_techniques(layouts, self._mesh)  # each technique's refusals (data_sharding.py's, say), by name
         self._kinds = check_splits(model, layouts, self._mesh)
         model.to(self._device)
         # The plan is for the parameters as the user built them, before any is replaced by its part.

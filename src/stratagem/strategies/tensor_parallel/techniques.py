@@ -13,9 +13,9 @@ As torchtitan's `parallelize_llama` applies tensor parallelism, then FSDP, each 
    end of backward, weighted by the group's share of the global batch.
 
 A technique whose axis the mesh does not have does nothing (a mesh of one `model` axis runs the first alone).
-To add a technique: its function in a module of this package, its row in `TECHNIQUES` at its place in the order
-(with the reason for the place), what it holds in `memory.py`, its section in docs/tensor_parallel.md and its tests
-(docs/architecture.md, "Adding a technique").
+To add a technique: its function (and its check of the layouts) in a module of this package, its row in `TECHNIQUES`
+at its place in the order (with the reason for the place), what it holds in `memory.py`, its section in
+docs/tensor_parallel.md and its tests (docs/architecture.md, "Adding a technique").
 
 Example:
     >>> [(t.name, t.axes) for t in TECHNIQUES]
@@ -33,7 +33,7 @@ from torch import nn
 from stratagem.diagnose import PlacementDecision
 from stratagem.strategies.tensor_parallel.apply import apply_tensor_parallel, grads_in_layout
 from stratagem.strategies.tensor_parallel.data_axis import apply_replication
-from stratagem.strategies.tensor_parallel.data_sharding import apply_data_sharding, data_dim
+from stratagem.strategies.tensor_parallel.data_sharding import apply_data_sharding, check_data_sharding, data_dim
 from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, ParameterLayout
 
 
@@ -75,6 +75,8 @@ class Technique:
     """The mesh axes it works over; it is skipped on a mesh that has none of them."""
     apply: Callable[[Placing], None]
     """Applies it to `Placing.model`, appending what it leaves to `Placing.parts`."""
+    check: Callable[[Sequence[ParameterLayout], DeviceMesh], None] | None = None
+    """Refuses, before anything is placed, layouts it cannot honour (an `InputError` with the fix); None: none."""
 
 
 def _tensor_parallel(placing: Placing) -> None:
@@ -104,10 +106,23 @@ def _replication(placing: Placing) -> None:
 
 TECHNIQUES: tuple[Technique, ...] = (
     Technique(name="tensor parallel", axes=("model",), apply=_tensor_parallel),
-    Technique(name="data sharding", axes=("data",), apply=_data_sharding),
+    Technique(name="data sharding", axes=("data",), apply=_data_sharding, check=check_data_sharding),
     Technique(name="replication", axes=("data",), apply=_replication),
 )
 """What TensorParallelStrategy applies, in order (the module docstring gives the reason for each place)."""
+
+
+def _applies(technique: Technique, mesh: DeviceMesh) -> bool:
+    return any(axis in mesh.axis_names for axis in technique.axes)
+
+
+def check_techniques(
+    layouts: Sequence[ParameterLayout], mesh: DeviceMesh, techniques: Sequence[Technique] = TECHNIQUES
+) -> None:
+    """Each applicable technique's check of the layouts, in order, before anything is placed."""
+    for technique in techniques:
+        if technique.check is not None and _applies(technique, mesh):
+            technique.check(layouts, mesh)
 
 
 def apply_techniques(placing: Placing, techniques: Sequence[Technique] = TECHNIQUES) -> dict[int, nn.Parameter]:
@@ -115,7 +130,7 @@ def apply_techniques(placing: Placing, techniques: Sequence[Technique] = TECHNIQ
     it was built to the parameter that replaced it (what `clone_optimizer` needs), tied ones under each name."""
     before = {name: id(p) for name, p in placing.model.named_parameters(remove_duplicate=False)}
     for technique in techniques:
-        if any(axis in placing.mesh.axis_names for axis in technique.axes):
+        if _applies(technique, placing.mesh):
             technique.apply(placing)
     after = dict(placing.model.named_parameters(remove_duplicate=False))
     return {old: after[name] for name, old in before.items()}
@@ -125,7 +140,7 @@ def techniques_decision(
     mesh: DeviceMesh, layouts: Sequence[ParameterLayout], techniques: Sequence[Technique] = TECHNIQUES
 ) -> PlacementDecision:
     """Which techniques apply on `mesh`, in their order, and over which axes."""
-    applied = [t for t in techniques if any(axis in mesh.axis_names for axis in t.axes)]
+    applied = [t for t in techniques if _applies(t, mesh)]
     on_data = sum(1 for layout in layouts if data_dim(layout) is not None)
     notes = {"data sharding": f" ({on_data} parameter(s))", "replication": " (every other parameter)"}
     choice = ", then ".join(f"{t.name} on {'/'.join(t.axes)}{notes.get(t.name, '')}" for t in applied)
