@@ -29,8 +29,10 @@ class DataAxisSum:
         self._group = group
         self._weight = weight
         self._queued = False
-        # The gradient tensors summed already: one met again was accumulated into (ids would be reused once freed).
-        self._summed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # The gradient tensors summed already, by identity: one met again was accumulated into. Keyed by id with a weak
+        # reference to check it is the same tensor (an id is reused once freed); not a WeakSet, whose membership test
+        # compares tensors with ==, elementwise, and raises for a gradient of more than one element.
+        self._summed: dict[int, weakref.ref[torch.Tensor]] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -48,16 +50,19 @@ class DataAxisSum:
                 grad = param.grad
                 if grad is None:
                     continue
-                if grad in self._summed:
+                summed = self._summed.get(id(grad))
+                if summed is not None and summed() is grad:
                     raise InputError(
-                        "A gradient was accumulated over two backward passes on a 2-D mesh, which the data axis would "
-                        "sum twice. Received: a second backward before zero_grad(). Call optimizer.zero_grad() "
-                        "(set_to_none=True) between steps; accumulation on the data axis is not supported yet."
+                        "A gradient the data axis had summed was accumulated into again, on a 2-D mesh, so it would be "
+                        "summed twice. Received: a second backward before zero_grad(), or zero_grad(set_to_none=False), "
+                        "which keeps the summed tensor. Call optimizer.zero_grad() (set_to_none=True, its default) "
+                        "between steps; accumulation on the data axis is not supported yet."
                     )
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 local.mul_(weight)
                 dist.all_reduce(local, group=self._group)
-                self._summed.add(grad)
+                self._summed = {k: r for k, r in self._summed.items() if r() is not None}
+                self._summed[id(grad)] = weakref.ref(grad)
 
     def remove(self) -> None:
         for handle in self._handles:
