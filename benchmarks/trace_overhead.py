@@ -5,7 +5,8 @@ Two workers under the local launcher (127.0.0.1, free ports) train one workload.
 round runs one block of `--steps` steps per mode, the order of the modes rotating from round to round, so a
 change in the machine's load falls on every mode alike. A block starts after a barrier and, for a traced
 block, after `strategy.trace(DIR, mode=...)` has aligned the clocks; it ends before the trace writes its file,
-so the steps alone are timed. The one-off costs (entering the trace: the clock pings; leaving it: the file)
+so the steps alone are timed (in summary mode, with the block's steps folded: the recorder folds them in
+batches, `trace/fold.py`). The one-off costs (entering the trace: the clock pings; leaving it: the file)
 are reported apart. Per block: wall seconds, the process's CPU seconds (every thread, Gloo's included) and the
 training thread's own CPU seconds per step on each worker; per traced block, the bytes of the worker's file per 100 steps.
 
@@ -13,7 +14,8 @@ Ratios are taken within a round (mode / off of the same round), then the median 
 
     .venv/bin/python benchmarks/trace_overhead.py --workload mlp --rounds 12 --steps 200
     .venv/bin/python benchmarks/trace_overhead.py --workload digits --rounds 8 --steps 60 --json out.json
-    .venv/bin/python benchmarks/trace_overhead.py --workers 1 --rounds 30 --steps 100   # the recorder's own cost
+    .venv/bin/python benchmarks/trace_overhead.py --workers 1 --rounds 30 --steps 100   # the hooks, one worker
+    .venv/bin/python benchmarks/trace_overhead.py --recorder-only --rounds 7   # the recorder alone, replayed steps
 """
 
 from __future__ import annotations
@@ -88,12 +90,14 @@ def worker(args: argparse.Namespace) -> None:
         for mode in order:
             strategy.barrier()
             entered = time.perf_counter()
-            trace = None
+            trace = recorder = None
             if mode != "off":
                 trace = strategy.trace(directory / f"{mode}-{round_}", mode=mode)
-                trace.__enter__()
+                recorder = trace.__enter__()
             wall0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             steps(args.steps)
+            if recorder is not None and recorder.folder is not None:
+                recorder.folder.fold()  # summary mode folds in batches: the block's steps are timed folded
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             main = time.thread_time() - main0
             left = time.perf_counter()
@@ -155,6 +159,47 @@ def summarize(per_rank: dict[int, list[dict]], steps: int, global_batch: int) ->
     return table
 
 
+def recorder_only(repeats: int, steps: int = 2000) -> dict:
+    """The recorder's own CPU per step, without a strategy: the events of a millisecond step of the mlp job (input,
+    forward, backward holding two collectives and their waits, optimizer step, the whole step; the straggler
+    warning's `last_step_phases` once a step, as MultiWorkerMirrored asks it) replayed into a recorder, then its
+    file's contents made (the steps folded). Thread CPU us per step, median of `repeats` interleaved passes."""
+    from stratagem.trace import Recorder
+
+    events: list[tuple] = []
+    t = 10**12
+    for k in range(steps):
+        s = t + 60_000
+        events += [("input", t, t + 50_000, {"batch": k}), ("phases",), ("forward", s, s + 100_000, None),
+                   ("collective", s + 300_000), ("wait", s + 300_000, s + 400_000, {"seqs": [2 * k]}),
+                   ("backward", s + 120_000, s + 450_000, None), ("collective", s + 460_000),
+                   ("wait", s + 460_000, s + 480_000, {"seqs": [2 * k + 1]}),
+                   ("optimizer", s + 500_000, s + 600_000, None), ("step", s, s + 700_000, None)]  # fmt: skip
+        t = s + 750_000
+
+    def replay(mode: str) -> float:
+        rec = Recorder(rank=0, task="worker:0")
+        rec.start(clock=lambda: 0, mode=mode)
+        cpu0 = time.thread_time()
+        for event in events:
+            if event[0] == "collective":
+                seq = rec.collective("all_reduce", "gradients", 1, 64, "gloo")
+                rec.collectives[seq][7] = event[1]
+                rec.done(seq, event[1] + 1000)
+            elif event[0] == "phases":
+                rec.last_step_phases()
+            else:
+                rec.span(event[0], event[0], event[1], event[2], args=event[3])
+        rec.to_dict()
+        return (time.thread_time() - cpu0) / steps * 1e6
+
+    passes: dict[str, list[float]] = {"summary": [], "spans": []}
+    for _ in range(repeats):
+        for mode in passes:
+            passes[mode].append(replay(mode))
+    return {f"{mode}_us_per_step_median": round(statistics.median(v), 1) for mode, v in passes.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
@@ -163,9 +208,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="steps before the first block (default 50)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2; 1: no peer to wait for)")
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
+    parser.add_argument(
+        "--recorder-only", action="store_true", help="the recorder's own CPU per step on replayed steps (no workers)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.recorder_only:
+        print(
+            json.dumps(
+                {"recorder_only": recorder_only(args.rounds), "load_average": [round(x, 2) for x in os.getloadavg()]}
+            )
+        )
+        return
     if args.worker:
         worker(args)
         return

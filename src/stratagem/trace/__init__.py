@@ -15,7 +15,7 @@ The package, in the order a trace is made and read:
 - `summary.py`: per step and worker, input, compute, waiting for peers, transfer and idle (they add up to
   the step), and the late worker named by its arrival at the collectives (`late.py`), as a report with a
   text and a JSON rendering, and a PNG of the breakdown.
-- `fold.py`: summary mode, each step's spans folded as it ends into what the step table needs.
+- `fold.py`: summary mode, the steps' spans folded in batches into what the step table needs.
 - `pipeline.py`: the pipeline's bubble measured from the stages' spans, beside GPipe's (S-1)/(M+S-1).
 - `functions.py`: the report of a parameter-server job's trace (no step shared, no collective): each worker's
   functions and what they spent their time on, each server's updates; `summary.report` picks it.

@@ -1,9 +1,10 @@
 """The per-process recorder: spans and collectives appended as tuples, nothing done while it is off.
 
 Every caller checks `recorder.on` (one attribute read) before taking a time, so a recorder that is off
-costs nothing else. In summary mode (`start(mode="summary")`) each step's spans are folded at the step's end
-into what the step table needs, and dropped (`fold.py`). Times are nanoseconds of `clock` (default `time.perf_counter_ns`, the host's monotonic
-clock); `clocks.align` measures their offset to the chief's, and `write` puts both in this worker's file.
+costs nothing else. In summary mode (`start(mode="summary")`) a span is its category, start and end appended
+to three lists (no name, no track), and the steps are folded in batches into what the step table needs, their
+spans then dropped (`fold.py`). Times are nanoseconds of `clock` (default `time.perf_counter_ns`, the host's
+monotonic clock); `clocks.align` measures their offset to the chief's, and `write` puts both in this worker's file.
 
     >>> rec = Recorder(rank=0, task="worker:0")
     >>> rec.start()
@@ -21,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import InputError
-from stratagem.trace.fold import FOLDED, MODES, SPANS, SUMMARY, StepFolder
-from stratagem.trace.timeline import paint_spans
+from stratagem.trace.fold import MODES, SPANS, SUMMARY, StepFolder, own_phases
 
 FORMAT = "stratagem-trace/1"
 """The `format` field of a worker's file."""
@@ -82,12 +82,12 @@ class Recorder:
 
     def start(self, clock: Clock | None = None, *, mode: str = SPANS) -> None:
         """Records from now on (`clock`: another clock than the one given at construction); `mode`: "spans"
-        keeps every span, "summary" folds each step's spans when the step ends (`fold.py`)."""
+        keeps every span, "summary" folds the steps' spans in batches (`fold.py`)."""
         check_mode(mode)
         if clock is not None:
             self.clock = clock
         self.mode = mode
-        self.folder = StepFolder() if mode == SUMMARY else None
+        self.folder = StepFolder(self.collectives) if mode == SUMMARY else None
         self.on = True
 
     def stop(self) -> None:
@@ -112,14 +112,22 @@ class Recorder:
         self, category: str, name: str, start: int, end: int, *, track: str | None = None, args: dict | None = None
     ) -> None:
         """A span of the calling thread (or of `track`) from `start` to `end` (ns of `clock`)."""
+        folder = self.folder
+        if folder is not None:  # summary mode: the least work on the training thread (`fold.py`)
+            folder.categories.append(category)
+            folder.starts.append(start)
+            folder.ends.append(end)
+            if category == "wait":
+                folder.wait_at.append(len(folder.starts) - 1)
+                folder.wait_seqs.append((args or {}).get("seqs", []))
+            elif category == "step":
+                folder.end_step(self.step, end)
+                self._phases = None
+            return
         self.spans.append((category, name, start, end, track or self.track(), self.step, args))
         if category == "step":  # the end of `strategy.run`: its replicas are done
-            if self.folder is not None:
-                self.folder.fold(self.step, end, self.spans, self.collectives)
-                self.spans.clear()
-            else:
-                self._last_step = (self._step_from, len(self.spans))
-                self._step_from = len(self.spans)
+            self._last_step = (self._step_from, len(self.spans))
+            self._step_from = len(self.spans)
             self._phases = None
 
     def last_step_phases(self) -> dict[str, int] | None:
@@ -132,14 +140,11 @@ class Recorder:
 
     def _own_phases(self) -> dict[str, int] | None:
         if self.folder is not None:
-            totals = dict(zip(FOLDED, self.folder.steps[-1][3])) if self.folder.steps else None
-        elif self._last_step is not None:
-            spans = self.spans[self._last_step[0] : self._last_step[1]]
-            painted = paint_spans(((s[0], s[2], s[3], s[6]) for s in spans), {})
-            totals = painted.totals(min(s[2] for s in spans), spans[-1][3])
-        else:
-            totals = None
-        return None if totals is None else {phase: totals[phase] for phase in ("forward", "backward", "optimizer")}
+            return self.folder.last_phases()
+        if self._last_step is None:
+            return None
+        spans = self.spans[self._last_step[0] : self._last_step[1]]
+        return own_phases([(s[0], s[2], s[3], None) for s in spans], min(s[2] for s in spans), spans[-1][3])
 
     def collective(self, op: str, what: str, step: int, nbytes: int, transport: str, bucket: int | None = None) -> int:
         """A cross-worker collective this worker enters now; returns its sequence number, for `done`."""
@@ -182,7 +187,7 @@ class Recorder:
         self.collectives.clear()
         self._step_from, self._last_step, self._phases = 0, None, None
         if self.folder is not None:
-            self.folder = StepFolder()
+            self.folder = StepFolder(self.collectives)
 
 
 def check_mode(mode: str) -> None:

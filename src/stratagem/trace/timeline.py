@@ -13,14 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the recorder folds steps with `paint_spans` in summary mode; merge imports the recorder
+if TYPE_CHECKING:  # fold.py (the recorder's summary mode) reads the labels here; merge imports the recorder
     from stratagem.trace.merge import JobTrace, WorkerTrace
 
 LABELS = ("peers", "transfer", "input", "forward", "backward", "optimizer", "compute")
 """By priority, highest first."""
 PHASES = ("input", "forward", "backward", "optimizer", "compute", "idle")
 """What a worker does between collectives: the labels but the waits', and idle (`late.py`, `fold.py`)."""
-_PRIORITY = {label: i for i, label in enumerate(LABELS)}
+PRIORITY = {label: i for i, label in enumerate(LABELS)}
+"""Each label's priority, 0 the highest."""
 _CATEGORY = {
     "input": "input",
     "forward": "forward",
@@ -76,10 +77,10 @@ def paint_spans(spans: Iterable[tuple[str, int, int, dict[str, Any] | None]], la
             seqs = (args or {}).get("seqs", [])
             arrived = max((last[q] for q in seqs if q in last), default=start)
             split = min(max(arrived, start), end)
-            intervals.append((start, split, _PRIORITY["peers"]))
-            intervals.append((split, end, _PRIORITY["transfer"]))
+            intervals.append((start, split, PRIORITY["peers"]))
+            intervals.append((split, end, PRIORITY["transfer"]))
         elif category in _CATEGORY:
-            intervals.append((start, end, _PRIORITY[_CATEGORY[category]]))
+            intervals.append((start, end, PRIORITY[_CATEGORY[category]]))
     points = sorted({t for a, b, _ in intervals if b > a for t in (a, b)})
     index = {t: i for i, t in enumerate(points)}
     # Each elementary interval takes the highest-priority (lowest) label of the intervals covering it. Spans

@@ -40,7 +40,7 @@ class Traceable(abc.ABC):
         """Records the steps run inside the block on every process of the job and writes each process's file,
         `directory`/worker-<rank>.json, at its end. Every process enters the block at the same point.
         `clock`: the nanosecond clock of the spans (default time.perf_counter_ns); `mode`: "spans" (every span)
-        or "summary" (each step folded as it ends into what the step table needs, `fold.py`)."""
+        or "summary" (the steps folded in batches into what the step table needs, `fold.py`)."""
 
 
 @contextlib.contextmanager
