@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from torch import nn
 
 import stratagem as sg
+from stratagem.strategies.tensor_parallel.data_sharding import sharding_units
 from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
 from stratagem.strategies.tensor_parallel.techniques import (
     TECHNIQUES,
@@ -72,3 +76,21 @@ def test_distribute_runs_each_techniques_check_so_data_shardings_refusal_comes_b
     named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
     with pytest.raises(sg.InputError, match=r"Sharding weight along 'data' splits its dimension 1 \(size 3\)"):
         check_techniques(resolve_layouts(layout_map, mesh, named), mesh)
+
+
+def test_the_units_sharded_along_data_come_innermost_first_then_by_name_the_root_last():
+    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2))
+    model[2].weight = model[0].weight  # tied: the root's unit
+    layout_map = sg.LayoutMap(mesh)
+    layout_map[r"weight$"] = ("data", None)
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    layouts = resolve_layouts(layout_map, mesh, named)
+    # On every worker alike, whatever order its string hashing gives a set of the names.
+    assert sharding_units(layouts) == sharding_units(list(reversed(layouts))) == ["1.0", "1.1", ""]
+
+
+def test_importing_the_strategy_leaves_fsdp2_unimported_until_a_layout_names_data():
+    code = "import sys, stratagem.strategies.tensor_parallel.strategy; print('torch.distributed.fsdp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"  # data_sharding.py imports FSDP2 (over a second of CPU) when it shards

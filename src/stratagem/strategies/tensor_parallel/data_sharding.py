@@ -36,13 +36,27 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.errors import InputError
-from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, ParameterLayout
 
 
 def data_dim(layout: ParameterLayout) -> int | None:
     """The dimension the layout splits along `data`, or None."""
     return layout.layout.index("data") if "data" in layout.layout else None
+
+
+def unit_of(layout: ParameterLayout) -> str:
+    """The module whose `fully_shard` takes a parameter sharded along `data`: its owner, or the root ("") for a
+    tied one (one tensor under two modules' names, gathered once for both)."""
+    return layout.names[0].rpartition(".")[0] if len(layout.names) == 1 else ""
+
+
+def sharding_units(layouts: Sequence[ParameterLayout]) -> list[str]:
+    """The modules `fully_shard` is applied to, in order: innermost first, then by name, the root last (as
+    torchtitan's `apply_fsdp`: it takes what no inner unit took). The same order on every worker (a set's order
+    follows each process's string hashing), so that FSDP2's units, and the collectives its final callback issues,
+    line up across workers."""
+    inner = {unit_of(layout) for layout in layouts if data_dim(layout) is not None} - {""}
+    return sorted(inner, key=lambda prefix: (-prefix.count("."), prefix)) + [""]
 
 
 def check_data_sharding(layouts: Sequence[ParameterLayout], mesh: DeviceMesh) -> None:
@@ -60,23 +74,25 @@ def check_data_sharding(layouts: Sequence[ParameterLayout], mesh: DeviceMesh) ->
             )
 
 
-class WeightedAtReduce(WeightedReduceScatter):
-    """ShardedStrategy's weighted reduce-scatter of SUM, its weight read from `weight()` as each unit reduces."""
+def weighted_at_reduce(weight: Callable[[], float]) -> Any:
+    """ShardedStrategy's weighted reduce-scatter of SUM (`sharded/reduce_scatter.py`), its weight read from
+    `weight()` as each unit reduces. Made here, not at import: that module imports FSDP2 (over a second of CPU),
+    which a layout naming no `data` never needs."""
+    from stratagem.strategies.sharded.reduce_scatter import WeightedReduceScatter
 
-    def __init__(self, weight: Callable[[], float]) -> None:
-        super().__init__()
-        self.weight_of = weight
+    class WeightedAtReduce(WeightedReduceScatter):
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: object,
+            async_op: bool = False,
+        ) -> dist.Work | None:
+            self.weight = weight()
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: object,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        self.weight = self.weight_of()
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+    return WeightedAtReduce()
 
 
 @dataclass(frozen=True)
@@ -108,16 +124,13 @@ def apply_data_sharding(
         return DataSharding(frozenset(), ())
     params = dict(model.named_parameters(remove_duplicate=False))
     dims = {id(params[layout.names[0]]): layout.layout.index("data") for layout in sharded}
-    owner_of = {}  # a parameter of one name: the module that owns it; a tied one: the root
-    for layout in sharded:
-        owner_of[layout.names[0]] = layout.names[0].rpartition(".")[0] if len(layout.names) == 1 else ""
-    units = sorted({o for o in owner_of.values() if o}, key=lambda prefix: -prefix.count("."))  # innermost first
-    units.append("")  # the root last, as torchtitan's apply_fsdp: it takes what no inner unit took
+    owner_of = {layout.names[0]: unit_of(layout) for layout in sharded}
+    units = sharding_units(sharded)
 
     def placement(param: nn.Parameter) -> Any:
         return Shard(dims[id(param)])
 
-    comm = WeightedAtReduce(weight)
+    comm = weighted_at_reduce(weight)
     for prefix in units:
         module = model.get_submodule(prefix)
         mine = {id(params[name]) for name, owner in owner_of.items() if owner == prefix}

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from stratagem.strategies.state_memory import chunk_size, optimizer_state_bytes, optimizer_temporaries, show_bytes
+from stratagem.strategies.tensor_parallel.data_sharding import unit_of
 from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, ParameterLayout
 
 NOT_COUNTED = "not counted: pass example_inputs= or activations= to memory_plan"
@@ -173,7 +174,7 @@ def plan_tensor_parallel_memory(
         if param.requires_grad:
             trainable.append(part)
         if "data" in layout.layout:
-            unit = layout.names[0].rpartition(".")[0] if len(layout.names) == 1 else ""  # as data_sharding.py
+            unit = unit_of(layout)
             units[unit] = units.get(unit, 0) + local_bytes(layout, param.element_size(), mesh, model_index, None)
         elif param.requires_grad:
             summed.append(part)
