@@ -153,6 +153,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._num_data = self._mesh.axis_size("data")
         self._data_index = self._group.rank // self._mesh.axis_size("model")
         self._data_group = self._torch_mesh["data"].get_group() if "data" in self._mesh.axis_names else None
+        self._model_group = self._torch_mesh["model"].get_group() if self._mesh.axis_size("model") > 1 else None
         self._layouts: list[ParameterLayout] = []
         self._kinds: dict[str, str] = {}
         self._grad_hooks: list[Any] = []
@@ -348,7 +349,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
 
     def declare_loss_weight(self, replica: int, count: float) -> None:
         """`sg.set_loss_weight(count)`: this group's weight becomes count / (sum over the data axis)."""
-        total = float(self.cross_worker_sum(torch.tensor(float(count), dtype=torch.float64)))
+        total = float(self._data_sum(torch.tensor(float(count), dtype=torch.float64)))
         self._counts = float(count)
         self._weight = float(count) / total if total > 0 else 0.0
 
@@ -363,6 +364,18 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         return self._group.rank % self._mesh.axis_size("model") == 0
 
     def cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().clone().to(self._group.collective_device)
+        if self._model_group is not None:
+            import torch.distributed as dist
+
+            # The workers of a model group hold the same values but one: fit's stop request, which each samples at
+            # its own moment (a SIGTERM reaching one worker before a step, another during it); summed across `data`
+            # alone, one worker stopped after the step and the other went on to the next, each in the other's
+            # collectives. The max leaves equal values as they are and makes that one agree.
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self._model_group)
+        return self._data_sum(out)
+
+    def _data_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone().to(self._group.collective_device)
         if self._data_group is not None:
             import torch.distributed as dist
