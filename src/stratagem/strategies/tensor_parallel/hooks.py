@@ -3,7 +3,9 @@
 - `replicate_conv_inputs`: a convolution's plain input made a replicated DTensor before its forward (torch's
   DTensor convolution takes no plain tensor in backward);
 - `BackwardInsideRun`: a backward of the split model run outside `strategy.run` refused, naming the fix, before
-  torch stops in the middle of it.
+  torch stops in the middle of it;
+- `refuse_dropout_on_partial_sums`: a dropout handed a pending sum refused, naming the module and the fix, before
+  DTensor fails inside it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,39 @@ def replicate_conv_inputs(model: nn.Module, mesh: Any) -> list[Any]:
 
     convolutions = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
     return [m.register_forward_pre_hook(to_replicated) for m in convolutions]
+
+
+def refuse_dropout_on_partial_sums(model: nn.Module) -> list[Any]:
+    """A forward pre-hook on each dropout of `model` (p > 0) that refuses an input holding a pending sum (a DTensor
+    with a `Partial` placement: the output of a layer split along its input features, GPT-2's `c_proj`, before its
+    all-reduce); the hooks' handles. DTensor cannot draw a dropout mask on a partial sum (`aten.bernoulli_` fails
+    its sharding propagation with a message that names neither the module nor the layout), so the refusal comes
+    first, at the first forward, before any parameter changes."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial
+
+    def check(name: str) -> Any:
+        def refuse_partial(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not module.training:
+                return
+            for arg in args:
+                if isinstance(arg, DTensor) and any(isinstance(p, Partial) for p in arg.placements):
+                    raise InputError(
+                        f"The dropout {name!r} (p={getattr(module, 'p', '?')}) is handed a pending sum: the output "
+                        "of a layer split along its input features, before the all-reduce that makes it whole, "
+                        "where no dropout mask can be drawn. Received: an input with placements "
+                        f"{tuple(arg.placements)}. Build the model with that dropout's p = 0 (GPT-2: resid_pdrop=0), "
+                        "or lay the layer before it out along its output features."
+                    )
+
+        return refuse_partial
+
+    dropouts = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and getattr(m, "p", 0) > 0
+    ]
+    return [m.register_forward_pre_hook(check(name)) for name, m in dropouts]
 
 
 class BackwardInsideRun:

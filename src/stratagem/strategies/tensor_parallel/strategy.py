@@ -41,7 +41,11 @@ from stratagem.strategies.sharded.checkpoint import ShardedStateShards
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.tensor_parallel.apply import TensorParallelModel, replicated_plain_tensors
 from stratagem.strategies.tensor_parallel.decisions import layout_decisions, layout_table
-from stratagem.strategies.tensor_parallel.hooks import BackwardInsideRun, replicate_conv_inputs
+from stratagem.strategies.tensor_parallel.hooks import (
+    BackwardInsideRun,
+    refuse_dropout_on_partial_sums,
+    replicate_conv_inputs,
+)
 from stratagem.strategies.tensor_parallel.limit import check_limit
 from stratagem.strategies.tensor_parallel.memory import TensorParallelMemoryPlan, plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.mesh import (
@@ -220,6 +224,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         made = apply_techniques(placing)
         self._grad_hooks = list(placing.parts)
         self._grad_hooks += replicate_conv_inputs(model, placing.parameters_mesh)  # the parameters' own mesh
+        self._grad_hooks += refuse_dropout_on_partial_sums(model)  # named before DTensor fails inside the dropout
         self._grad_hooks.append(BackwardInsideRun(model))  # said before torch stops in the middle of a backward
         self._layouts = layouts
         wrapped = TensorParallelModel(model, "TensorParallelModel")
