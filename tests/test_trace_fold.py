@@ -138,7 +138,7 @@ def test_the_last_steps_totals_are_read_without_folding_the_batch(monkeypatch):
         eager.fold(step, event[2], [("forward", event[1], event[1] + 100, None), ("step", *event[1:], None)], [])
         phases = rec.last_step_phases()
         assert phases is not None and list(phases.values()) == eager.steps[-1][3][1:4]
-        assert rec.folder.starts  # nothing folded yet: the batch is not full
+        assert rec.folder.spans  # nothing folded yet: the batch is not full
     assert rec.folder.steps == eager.steps
 
 
@@ -152,3 +152,33 @@ def test_own_phases_in_one_sweep_equal_the_painted_timeline():
         start, end = rng.randrange(0, 60), rng.randrange(40, 160)
         painted = paint_spans(spans, {}).totals(start, end) if end > start else dict.fromkeys(fold.OWN, 0)
         assert own_phases(spans, start, end) == {label: painted[label] for label in fold.OWN}, (spans, start, end)
+
+
+def test_spans_recorded_by_several_threads_at_once_are_each_kept_whole():
+    """Mirrored's replica threads record their spans at the same time: each span must stay one record."""
+    import sys
+    import threading
+
+    rec = Recorder(rank=0, task="worker:0")
+    rec.start(clock=lambda: 0, mode="summary")
+    rec.at_step(1)
+    per_thread, length = 3000, 7
+
+    def replica(t: int) -> None:
+        for i in range(per_thread):
+            start = 10**9 + (t * per_thread + i) * 100
+            rec.span("forward", "forward", start, start + length, track=f"replica {t}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=replica, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    rec.span("step", "step 1", 10**9, 10**9 + 4 * per_thread * 100, track="main")
+    [(step, start, end, totals, waits)] = rec.to_dict()["steps"]
+    assert totals[fold.FOLDED.index("forward")] == 4 * per_thread * length

@@ -8,14 +8,14 @@ in the stretch before it entered it (the phases `late.py` compares). `summary.py
 either; what differs is a stretch that began before the step before its collective, counted from that step's
 start, and a collective not yet done at its step's end, whose successor's stretch starts at the window's start.
 
-The training thread only appends: a span's category, start and end to three lists, and a tuple per step's end. The steps are folded together, with
+The training thread only appends: a tuple per span (category, start, end, a wait's collectives) and one per step's
+end. The steps are folded together, with
 numpy, every `BATCH` steps and whenever the folded steps are read (`steps`, `stretches`, the recorder's file):
 folding a step at its end cost about 50 us of Python a step, several percent of a millisecond step
 (benchmarks/reports/). The result is the same integers as painting each step alone (tests/test_trace_fold.py).
 
     >>> folder = StepFolder(collectives)      # the recorder's list of collectives, appended to as they come
-    >>> folder.categories.append("step"); folder.starts.append(start); folder.ends.append(end)
-    >>> folder.end_step(step, end)
+    >>> folder.spans.append(("step", start, end, None)); folder.end_step(step, end)
     >>> folder.steps, folder.stretches        # every step ended so far, folded
 """
 
@@ -54,9 +54,8 @@ _OWN_CODES = {"wait": 0, "input": 1, "forward": 2, "backward": 3, "optimizer": 4
 class StepFolder:
     """The steps of one worker in summary mode: appended as they run, folded in batches (module docstring).
 
-    The spans wait as flat lists of categories, starts and ends (a tuple a span would be one more object for the
-    garbage collector to count), and the folded steps are kept as numpy arrays, which it does not track: a trace
-    that keeps Python containers alive makes the collector's full passes over torch's heap come sooner.
+    The folded steps are kept as numpy arrays, which the garbage collector does not track: a trace that keeps
+    Python containers alive makes the collector's full passes over torch's heap come sooner.
 
     Args:
         collectives: the recorder's collectives, [seq, op, what, step, bytes, bucket, transport, arrived, done].
@@ -64,26 +63,22 @@ class StepFolder:
 
     def __init__(self, collectives: list[list[Any]]) -> None:
         self.collectives = collectives
-        self.categories: list[str] = []
-        """The spans since the last fold: categories, starts and ends (ns), appended by the recorder's `span`."""
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        self.wait_at: list[int] = []
-        """Where in those lists each wait is, and the collectives it waited for."""
-        self.wait_seqs: list[list[int]] = []
+        self.spans: list[tuple[str, int, int, list[int] | None]] = []
+        """The spans since the last fold, appended by the recorder's `span` (one append: several replica threads
+        record at once): category, start and end (ns), and a wait's collectives (None for the others)."""
         self._ends: list[tuple[int, int, int, int]] = []  # per step not yet folded: step, end, spans, collectives
         self._rows: list[np.ndarray] = []  # per batch: step, window start, window end, the totals of FOLDED
         self._waits: list[np.ndarray] = []  # per batch: the step's row, start, end, how many collectives
         self._wait_seqs: list[np.ndarray] = []  # per batch: the collectives of its waits, one after another
         self._stretches: list[np.ndarray] = []  # per batch: seq, the ns of each of PHASES
-        self._previous: tuple[list[str], list[int], list[int]] = ([], [], [])  # the last folded step's spans
+        self._previous: list[tuple[str, int, int, list[int] | None]] = []  # the last folded step's spans
         self._window_start: int | None = None
         self._next_seq = 0  # the first collective whose stretch is not yet folded
         self._folded = 0  # steps folded
 
     def end_step(self, step: int, end: int) -> None:
         """`step` ended at `end` (its step span is the last added); folds a batch when one is full."""
-        self._ends.append((step, end, len(self.starts), len(self.collectives)))
+        self._ends.append((step, end, len(self.spans), len(self.collectives)))
         if len(self._ends) >= BATCH:
             self.fold()
 
@@ -115,9 +110,10 @@ class StepFolder:
         _, end, upto, _ = self._ends[-1]
         since = self._ends[-2][2] if len(self._ends) > 1 else 0
         start = self._ends[-2][1] if len(self._ends) > 1 else self._window_start
+        spans = self.spans[since:upto]
         if start is None:
-            start = min(self.starts[since:upto], default=end)
-        return own_phases(zip(self.categories[since:upto], self.starts[since:upto], self.ends[since:upto]), start, end)
+            start = min((s[1] for s in spans), default=end)
+        return own_phases(spans, start, end)
 
     def fold(self) -> None:
         """Folds every ended step not yet folded, as if each had been painted alone at its end."""
@@ -126,19 +122,14 @@ class StepFolder:
             return
         n, cut = len(ends), ends[-1][2]
         # Group 0: the last folded step (read by the stretches that reach back into it); group k: the k-th step here.
-        previous = self._previous
-        categories = previous[0] + self.categories[:cut]
-        starts = np.array(previous[1] + self.starts[:cut], dtype=np.int64)
-        stops = np.array(previous[2] + self.ends[:cut], dtype=np.int64)
-        last = ends[-2][2] if n > 1 else 0
-        self._previous = (self.categories[last:cut], self.starts[last:cut], self.ends[last:cut])
-        wait_at, wait_seqs = self.wait_at, self.wait_seqs
-        kept = next((i for i, at in enumerate(wait_at) if at >= cut), len(wait_at))
-        del self.categories[:cut], self.starts[:cut], self.ends[:cut]
-        self.wait_at = [at - cut for at in wait_at[kept:]]
-        self.wait_seqs = wait_seqs[kept:]
+        previous, mine = self._previous, self.spans[:cut]
+        del self.spans[:cut]
+        self._previous = mine[ends[-2][2] :] if n > 1 else mine
         self._ends = []
-        bounds = [0, len(previous[0])] + [len(previous[0]) + e[2] for e in ends]
+        categories, starts_t, stops_t, seqs_t = zip(*(previous + mine))
+        starts = np.array(starts_t, dtype=np.int64)
+        stops = np.array(stops_t, dtype=np.int64)
+        bounds = [0, len(previous)] + [len(previous) + e[2] for e in ends]
         group = np.repeat(np.arange(n + 1), np.diff(bounds))
         codes = np.array([_CODES.get(c, -1) for c in categories], dtype=np.int64)
 
@@ -191,12 +182,14 @@ class StepFolder:
             ]
         self._stretches.append(stretches)
         # Each step's waits, as they were recorded: the step's row (counted from the first step folded), start, end.
-        waits = np.array(wait_at[:kept], dtype=np.int64) + len(previous[0])
+        waits = [i for i in np.flatnonzero(codes[len(previous) :] == _WAIT).tolist() if mine[i][0] == "wait"]
+        seqs = [seqs_t[len(previous) + i] or [] for i in waits]
+        at = np.array(waits, dtype=np.int64) + len(previous)
         self._waits.append(
-            np.stack([group[waits] - 1 + self._folded, starts[waits], stops[waits],
-                      np.array([len(s) for s in wait_seqs[:kept]], dtype=np.int64)], axis=1)
+            np.stack([group[at] - 1 + self._folded, starts[at], stops[at],
+                      np.array([len(s) for s in seqs], dtype=np.int64)], axis=1)
         )  # fmt: skip
-        self._wait_seqs.append(np.array([q for s in wait_seqs[:kept] for q in s], dtype=np.int64))
+        self._wait_seqs.append(np.array([q for s in seqs for q in s], dtype=np.int64))
         self._folded += n
         self._window_start = ends[-1][1]
 
@@ -255,14 +248,19 @@ def own_phases(spans: Iterable[tuple[Any, ...]], start: int, end: int) -> dict[s
     """Ns of each of OWN in [start, end) as `timeline.paint_spans` labels them: one sweep over the spans of the labels
     above "compute" (the rest of a step cannot take time from these), clipped to the window first, which leaves
     every point inside it covered by the same spans. Each end is one int (time, opening, label) to sort."""
-    keys = []
-    for category, a, b, *_ in spans:
-        code = _OWN_CODES.get(category)
+    keys: list[int] = []
+    add, code_of = keys.append, _OWN_CODES.get
+    for span in spans:
+        code = code_of(span[0])
         if code is not None:
-            a, b = max(a, start), min(b, end)
+            a, b = span[1], span[2]
+            if a < start:
+                a = start
+            if b > end:
+                b = end
             if b > a:
-                keys.append(a << 4 | 8 | code)
-                keys.append(b << 4 | code)
+                add(a << 4 | 8 | code)
+                add(b << 4 | code)
     keys.sort()
     open_ = [0, 0, 0, 0, 0]
     own = [0, 0, 0, 0, 0]

@@ -1,8 +1,8 @@
 """The per-process recorder: spans and collectives appended as tuples, nothing done while it is off.
 
 Every caller checks `recorder.on` (one attribute read) before taking a time, so a recorder that is off
-costs nothing else. In summary mode (`start(mode="summary")`) a span is its category, start and end appended
-to three lists (no name, no track), and the steps are folded in batches into what the step table needs, their
+costs nothing else. In summary mode (`start(mode="summary")`) a span is one tuple appended (its category, start
+and end, a wait's collectives: no name, no track), and the steps are folded in batches into what the step table needs, their
 spans then dropped (`fold.py`). Times are nanoseconds of `clock` (default `time.perf_counter_ns`, the host's
 monotonic clock); `clocks.align` measures their offset to the chief's, and `write` puts both in this worker's file.
 
@@ -114,13 +114,8 @@ class Recorder:
         """A span of the calling thread (or of `track`) from `start` to `end` (ns of `clock`)."""
         folder = self.folder
         if folder is not None:  # summary mode: the least work on the training thread (`fold.py`)
-            folder.categories.append(category)
-            folder.starts.append(start)
-            folder.ends.append(end)
-            if category == "wait":
-                folder.wait_at.append(len(folder.starts) - 1)
-                folder.wait_seqs.append((args or {}).get("seqs", []))
-            elif category == "step":
+            folder.spans.append((category, start, end, (args or {}).get("seqs", []) if category == "wait" else None))
+            if category == "step":
                 folder.end_step(self.step, end)
                 self._phases = None
             return
