@@ -14,10 +14,11 @@ monotonic clock); `clocks.align` measures their offset to the chief's, and `writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,23 @@ def check_mode(mode: str) -> None:
             f"A trace's mode is one of {', '.join(map(repr, MODES))}. Received: mode={mode!r}. Pass mode='spans' "
             "for every span, or mode='summary' for the step table alone."
         )
+
+
+@contextlib.contextmanager
+def spanning(
+    recorder: Recorder | None, category: str, name: str, *, track: str | None = None, **args: Any
+) -> Iterator[None]:
+    """The block as a span of `recorder` (on the calling thread, or on `track`), while it records; nothing otherwise.
+
+    Example:
+        >>> with spanning(strategy_recorder, "backup", "backup of step 12"):
+        ...     save()
+    """
+    if recorder is None or not recorder.on:
+        yield
+        return
+    start = recorder.now()
+    try:
+        yield
+    finally:
+        recorder.span(category, name, start, recorder.now(), track=track, args=args or None)

@@ -34,19 +34,6 @@ def check_trace(strategy: Strategy, directory: str | Path | None) -> None:
 
 
 @contextlib.contextmanager
-def traced_span(recorder: Recorder | None, category: str, name: str) -> Iterator[None]:
-    """The block as a span of `recorder` on the calling thread, while it records (nothing otherwise)."""
-    if recorder is None or not recorder.on:
-        yield
-        return
-    start = recorder.now()
-    try:
-        yield
-    finally:
-        recorder.span(category, name, start, recorder.now())
-
-
-@contextlib.contextmanager
 def traced_run(strategy: Strategy, directory: str | Path | None, *, is_chief: bool) -> Iterator[Recorder | None]:
     """Traces the steps run inside the block into `directory` (nothing when None). On a clean exit every worker
     waits for the others' files and the chief merges them into DIR/trace.json.gz; yields the recorder."""

@@ -37,7 +37,7 @@ from stratagem.errors import CollectiveTimeoutError, InputError, ParameterServer
 from stratagem.strategies.parameter_server.partitioners import Shard, shard_of
 from stratagem.strategies.parameter_server.transport import Client, Reply, Security
 from stratagem.trace.clocks import measure
-from stratagem.trace.recorder import Clock, Recorder
+from stratagem.trace.recorder import Clock, Recorder, spanning
 
 logger = logging.getLogger(__name__)
 
@@ -258,17 +258,11 @@ class TraceSession:
         return written
 
 
-@contextlib.contextmanager
-def span(recorder: Recorder | None, category: str, name: str, *, track: str = FUNCTIONS, **args: Any) -> Iterator[None]:
-    """The block as a span of `recorder` on `track`, while it records (nothing otherwise)."""
-    if recorder is None or not recorder.on:
-        yield
-        return
-    start = recorder.now()
-    try:
-        yield
-    finally:
-        recorder.span(category, name, start, recorder.now(), track=track, args=args or None)
+def span(
+    recorder: Recorder | None, category: str, name: str, *, track: str = FUNCTIONS, **args: Any
+) -> contextlib.AbstractContextManager[None]:
+    """The block as a span of `recorder` on `track` (a worker's functions by default), while it records."""
+    return spanning(recorder, category, name, track=track, **args)
 
 
 def traced_calls(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from stratagem import environ
 from stratagem.errors import CorruptCheckpointError, InputError
+from stratagem.trace.recorder import spanning
 from stratagem.train.backup.claim import ClaimOwner, DirectoryClaim
 from stratagem.train.backup.directory import CLUSTER_TOKEN, check_backup_directory, check_room_for_backups, job_id
 from stratagem.train.backup.sharded import (
@@ -33,7 +34,6 @@ from stratagem.train.checkpoint import (
     save_checkpoint,
 )
 from stratagem.train.preemption import StopSignals
-from stratagem.train.tracing import traced_span
 
 if TYPE_CHECKING:
     from stratagem.strategies.state_shards import StateShards
@@ -328,7 +328,7 @@ class BackupAndRestore(Callback):
 
     def _save(self, context: TrainingContext) -> None:
         # The save's time on the training thread (a copy, or the whole write without a thread), in the trace.
-        with traced_span(context.recorder, "backup", f"backup of step {context.step}"):
+        with spanning(context.recorder, "backup", f"backup of step {context.step}"):
             self._save_now(context)
 
     def _save_now(self, context: TrainingContext) -> None:
