@@ -80,3 +80,35 @@ def chief_saves_each_case(
         torch.save(results, setting("MW_OUT"))
     print(f"rank {rank} done", flush=True)
     return 0
+
+
+def classify_traced(
+    strategy: Any,
+    model: Any,
+    optimizer: Any,
+    batches: Any,
+    *,
+    clock: Callable[[], int] | None = None,
+    mode: str = "spans",
+) -> None:
+    """Cross-entropy steps of `model` over `batches` (pairs of inputs and labels, cut by the strategy), inside
+    `strategy.trace(TR_DIR, clock=clock, mode=mode)` when the test sets TR_DIR, else as they come (STRATAGEM_TRACE,
+    set by `stratagem launch --trace`, may be tracing the whole run)."""
+    import torch.nn.functional as F
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def train() -> None:
+        for x, y in strategy.distribute_dataset(batches):
+            strategy.run(train_step, args=(x, y))
+
+    if "TR_DIR" in os.environ:
+        with strategy.trace(os.environ["TR_DIR"], clock=clock, mode=mode):
+            train()
+    else:
+        train()

@@ -10,10 +10,12 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers.common import classify_traced  # noqa: E402
 
 
 def main() -> int:
@@ -28,22 +30,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(steps)]
 
-    def train_step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    def train() -> None:
-        for x, y in strategy.distribute_dataset(data):
-            strategy.run(train_step, args=(x, y))
-
-    if "TR_DIR" in env:
-        with strategy.trace(env["TR_DIR"]):
-            train()
-    else:
-        train()
+    classify_traced(strategy, model, opt, data)
     print(json.dumps({"rank": strategy.cluster.rank, "steps": steps}), flush=True)
     strategy.close()
     return 0

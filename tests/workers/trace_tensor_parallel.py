@@ -13,10 +13,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers.common import classify_traced  # noqa: E402
 
 
 class SleepInBackward(nn.Module):
@@ -50,22 +52,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(steps)]
 
-    def train_step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    def train() -> None:
-        for x, y in strategy.distribute_dataset(data):
-            strategy.run(train_step, args=(x, y))
-
-    if "TR_DIR" in env:
-        with strategy.trace(env["TR_DIR"]):
-            train()
-    else:
-        train()
+    classify_traced(strategy, model, opt, data)
     print(json.dumps({"rank": rank, "steps": steps}), flush=True)
     strategy.close()
     return 0

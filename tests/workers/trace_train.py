@@ -18,10 +18,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers.common import classify_traced  # noqa: E402
 
 
 class SleepInBackward(nn.Module):
@@ -60,24 +62,9 @@ def main() -> int:
                 time.sleep(pause)
             yield data[i % len(data)]
 
-    def train_step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    def train() -> None:
-        for x, y in strategy.distribute_dataset(batches()):
-            strategy.run(train_step, args=(x, y))
-
-    if "TR_DIR" in env:
-        shift = int(float(env.get("TR_SHIFT_MS", "0")) * 1e6) if env.get("TR_SHIFT_RANK") == str(rank) else 0
-        clock = lambda: time.perf_counter_ns() + shift  # noqa: E731
-        with strategy.trace(env["TR_DIR"], clock=clock, mode=env.get("TR_MODE", "spans")):
-            train()
-    else:
-        train()
+    shift = int(float(env.get("TR_SHIFT_MS", "0")) * 1e6) if env.get("TR_SHIFT_RANK") == str(rank) else 0
+    clock = lambda: time.perf_counter_ns() + shift  # noqa: E731
+    classify_traced(strategy, model, opt, batches(), clock=clock, mode=env.get("TR_MODE", "spans"))
     print(json.dumps({"rank": rank, "steps": steps}), flush=True)
     strategy.close()
     return 0
