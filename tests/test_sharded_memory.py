@@ -145,3 +145,28 @@ def test_the_sharded_allocator_setting_yields_to_the_users_not_to_the_launchers(
     assert not applied and why == "the user's setting (MALLOC_MMAP_THRESHOLD_=1048576) kept" and len(calls) == 1
     monkeypatch.setattr(allocator, "GLIBC", None)
     assert allocator.map_large_blocks_here({}) == (False, "not glibc: the C library's own policy, not planned")
+
+
+def test_the_stage_2_alternative_is_planned_at_the_cut_stage_2_would_make():
+    # Stage 2 merges small blocks into one unit (sharded/units.py): planned with stage 3's unit per block, the
+    # refusal's stage-2 figure was low by up to the merged units' size.
+    from stratagem.strategies.sharded.memory import plan_memory
+    from stratagem.strategies.sharded.units import cut_model
+
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    params = list(model.parameters())
+    kw = dict(world_size=2, stage=3, largest_unit_bytes=65 * 64 * 4, num_units=4)
+    per_block = {a.strategy: a.total for a in sharded_alternatives(params, None, **kw)}
+    at_cut = {
+        a.strategy: a.total
+        for a in sharded_alternatives(params, None, cut_at=lambda s: cut_model(model, None, stage=s), **kw)
+    }
+    merged = cut_model(model, None, stage=2)
+    assert len(merged.groups) < 4
+    stage_2 = plan_memory(
+        params, None, rank=0, world_size=2, stage=2, largest_unit_bytes=merged.largest_unit_bytes,
+        num_units=len(merged.groups), root_bytes=merged.root_bytes,
+    )  # fmt: skip
+    assert at_cut["ShardedStrategy(stage=2) on these workers"] == stage_2.total
+    assert at_cut["ShardedStrategy(stage=2) on these workers"] > per_block["ShardedStrategy(stage=2) on these workers"]
+    assert at_cut["ShardedStrategy(stage=3) on 3 workers"] == per_block["ShardedStrategy(stage=3) on 3 workers"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from torch import nn
 from stratagem.diagnose.memory_limit import MemoryLimit
 from stratagem.errors import InputError
 from stratagem.strategies.sharded.memory import plan_memory, show_bytes
+
+if TYPE_CHECKING:
+    from stratagem.strategies.sharded.units import UnitCut
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,19 +77,27 @@ def sharded_alternatives(
     transport_per_worker: int = 0,
     root_bytes: int = 0,
     activations: int = 0,
+    cut_at: Callable[[int], UnitCut] | None = None,
+    batch_check_copy: bool = False,
 ) -> list[Alternative]:
     """ShardedStrategy's plans, best first: stage 3 (and 2) at `world_size` (the ones other than `stage`), then
     stage 3 at up to 8x the workers. `transport_per_worker`: the shared-memory slot per rank (+1 for the result);
     `activations`: this rank's at `world_size`, which n workers divide as they divide the global batch (a rank's
-    part holds about world_size / n of this one's examples)."""
+    part holds about world_size / n of this one's examples). `cut_at(stage)`: the units the strategy would cut at
+    that stage (stage 2 merges small blocks, `sharded/units.py`), whose largest unit, count and root replace the
+    three figures given; `batch_check_copy`: as `plan_memory`'s (the strategy's batch check is always on)."""
     tried: list[Alternative] = []
     configurations = [(s, world_size) for s in (3, 2) if s != stage]
     configurations += [(3, n) for n in range(world_size + 1, 8 * world_size + 1)]
     for s, n in configurations:
+        cut = None if cut_at is None else cut_at(s)
         plan = plan_memory(
-            params, optimizer, rank=0, world_size=n, stage=s, largest_unit_bytes=largest_unit_bytes,
-            num_units=num_units, transport_bytes=(n + 1) * transport_per_worker, root_bytes=root_bytes,
-            activations=activations * world_size // n,
+            params, optimizer, rank=0, world_size=n, stage=s,
+            largest_unit_bytes=largest_unit_bytes if cut is None else cut.largest_unit_bytes,
+            num_units=num_units if cut is None else len(cut.groups),
+            transport_bytes=(n + 1) * transport_per_worker,
+            root_bytes=root_bytes if cut is None else cut.root_bytes,
+            activations=activations * world_size // n, batch_check_copy=batch_check_copy,
         )  # fmt: skip
         if plan.total is not None:
             where = f"on {n} workers" if n != world_size else "on these workers"

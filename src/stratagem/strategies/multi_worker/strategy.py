@@ -236,6 +236,7 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
                 list(model.parameters()), optimizer, world_size=self._plan.world_size, stage=None,
                 largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.units),
                 transport_per_worker=0 if shared is None else shared.capacity,
+                cut_at=lambda stage: cut_model(model, None, stage=stage), batch_check_copy=True,
             )  # fmt: skip
 
         check_plan_fits(

@@ -4,6 +4,7 @@ and the refusal of a plan over the process's memory limit before anything is sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -93,9 +94,15 @@ class RankMemory:
         )
 
     def check_limit(
-        self, plan: MemoryPlan, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, cut: UnitCut
+        self,
+        plan: MemoryPlan,
+        params: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        cut: UnitCut,
+        cut_at: Callable[[int], UnitCut] | None = None,
     ) -> None:
-        """Refuses a plan over this process's memory limit before anything is sharded (strategies/memory_fit.py)."""
+        """Refuses a plan over this process's memory limit before anything is sharded (strategies/memory_fit.py);
+        `cut_at(stage)`: the model's units at another stage, for the alternatives the refusal names."""
         shared = self._group.cross_worker.shared
         check_plan_fits(
             plan.total,
@@ -106,6 +113,6 @@ class RankMemory:
                 params, optimizer, world_size=self._group.world_size, stage=self._stage,
                 largest_unit_bytes=cut.largest_unit_bytes, num_units=len(cut.groups),
                 transport_per_worker=0 if shared is None else shared.capacity, root_bytes=cut.root_bytes,
-                activations=plan.activations,
+                activations=plan.activations, cut_at=cut_at, batch_check_copy=True,
             ),
         )  # fmt: skip

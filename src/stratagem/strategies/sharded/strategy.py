@@ -235,7 +235,8 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         # The plan is for the parameters as the user built them, before any is replaced by its shard.
         plan = self._memory.plan(list(model.parameters()), optimizer, cut)
         # Before anything is sharded: a plan over this process's memory limit is refused here, not by the kernel.
-        self._memory.check_limit(plan, list(model.parameters()), optimizer, cut)
+        cut_at = lambda stage: cut if stage == self._stage else cut_model(sharded, self._policy, stage=stage)  # noqa: E731
+        self._memory.check_limit(plan, list(model.parameters()), optimizer, cut, cut_at)
         param_dtype, reduce_dtype = self._mp
         apply_cut(
             sharded,
