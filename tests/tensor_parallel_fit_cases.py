@@ -243,3 +243,28 @@ def on_two_workers(rank: int, ports: list[list[int]], backup_dir: str, directori
     finally:
         strategy.close()
     return out
+
+
+def fit_zero3_2d(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
+    """sg.fit on the 2 x 2 (data, model) mesh with weights also sharded along `data` (ZeRO-3), stopped after step 4
+    (mid-epoch 2), every step backed up."""
+    import stratagem as sg
+
+    layouts = cases.layout_map(sg.DeviceMesh((2, 2), ("data", "model")), data_sharded=True)
+    strategy = sg.TensorParallelStrategy(layouts, cluster=cases.cluster_of(rank, ports), timeout=120)
+    try:
+        return _fit_under(strategy, directory, 4, resumes=False)
+    finally:
+        strategy.close()
+
+
+def fit_resumed_1d(rank: int, ports: list[int], directory: str) -> dict[str, Any]:
+    """sg.fit resumed from `fit_zero3_2d`'s backup on 2 model workers (one `model` axis), to the end."""
+    import stratagem as sg
+
+    layouts = cases.layout_map(sg.DeviceMesh((2,), ("model",)))
+    strategy = sg.TensorParallelStrategy(layouts, cluster=cases.cluster_of(rank, ports), timeout=120)
+    try:
+        return _fit_under(strategy, directory, None, resumes=True)
+    finally:
+        strategy.close()
