@@ -214,7 +214,8 @@ def test_help_texts_name_every_action_and_what_workers_takes(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     workers = " ".join(capsys.readouterr().out.split()).split("--workers WORKERS")[-1].split("--ps", 1)[0]
-    assert "multi_worker, sharded or parameter_server" in workers
+    # Every strategy --workers starts, from the records: it named three and not tensor_parallel.
+    assert "with --strategy multi_worker, parameter_server, sharded or tensor_parallel:" in workers, workers
 
 
 def test_refusals_of_train_flags_are_in_the_flags_typed(capsys, monkeypatch):
@@ -296,14 +297,3 @@ def test_export_to_safetensors_without_the_package_says_which_extra_before_readi
     code, err = err_of(capsys, "checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "m.safetensors"))
     assert code == 2  # the missing package is said first: the backup path is not even looked at
     assert "needs the safetensors package" in err and "pip install 'stratagem[train]'" in err
-
-
-def test_the_workers_help_names_every_strategy_that_runs_a_process_per_worker():
-    # It named multi_worker, sharded and parameter_server, and not tensor_parallel, which --workers also starts.
-    from stratagem.strategies.records import STRATEGIES
-
-    train = train_cli.add_parser(argparse.ArgumentParser().add_subparsers())
-    help_text = " ".join(train.format_help().split())
-    several = [r.name for r in STRATEGIES if r.one_process_per_worker]
-    assert "tensor_parallel" in several
-    assert f"--workers WORKERS with --strategy {', '.join(several)}:" in help_text, help_text

@@ -106,9 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--workers",
         type=_count("2"),
         default=1,
-        help=f"with --strategy {', '.join(r.name for r in STRATEGIES if r.one_process_per_worker)}: worker processes "
-        "to start on this machine, as `stratagem launch` starts them (default: 1, or the cluster this process already "
-        "belongs to)",
+        help=f"with --strategy {_one_process_per_worker()}: worker processes to start on this machine, as "
+        "`stratagem launch` starts them (default: 1, or the cluster this process already belongs to)",
     )
     parser.add_argument(
         "--ps",
@@ -261,14 +260,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_process_per_worker() -> str:
+    """The strategies --workers starts, in words: "multi_worker, ..., sharded or tensor_parallel"."""
+    several = [r.name for r in STRATEGIES if r.one_process_per_worker]
+    return f"{', '.join(several[:-1])} or {several[-1]}"
+
+
 def _check_before_work(args: argparse.Namespace) -> None:
     """What the command can refuse before it builds anything or starts a process."""
     record = STRATEGIES[args.strategy]
-    several = [r.name for r in STRATEGIES if r.one_process_per_worker]
     if args.workers > 1 and not record.one_process_per_worker:
+        first = next(r.name for r in STRATEGIES if r.one_process_per_worker)
         raise InputError(
-            f"--workers {args.workers} needs --strategy {', '.join(several[:-1])} or {several[-1]}. "
-            f"Received: --strategy {args.strategy}. Add --strategy {several[0]}, or leave --workers out."
+            f"--workers {args.workers} needs --strategy {_one_process_per_worker()}. "
+            f"Received: --strategy {args.strategy}. Add --strategy {first}, or leave --workers out."
         )
     with_ps = [r.name for r in STRATEGIES if r.parameter_servers]
     if args.ps is not None and not record.parameter_servers:
