@@ -21,10 +21,10 @@ from stratagem.strategies.tensor_parallel.techniques import (
 )
 
 
-def _placing(mesh: sg.DeviceMesh, model: nn.Module) -> Placing:
+def _placing(mesh: sg.DeviceMesh, model: nn.Module, layout_map: sg.LayoutMap | None = None) -> Placing:
     named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
-    return Placing(model=model, mesh=mesh, torch_mesh=None, layouts=resolve_layouts(sg.LayoutMap(mesh), mesh, named),
-                   weight=lambda: 1.0)  # fmt: skip
+    layouts = resolve_layouts(layout_map or sg.LayoutMap(mesh), mesh, named)
+    return Placing(model=model, mesh=mesh, torch_mesh=None, layouts=layouts, weight=lambda: 1.0)
 
 
 def test_the_techniques_run_in_the_tables_order_and_skip_an_axis_the_mesh_lacks():
@@ -66,16 +66,15 @@ def test_explain_names_the_techniques_in_order_with_the_parameters_sharded_along
         "tensor parallel on model, then data sharding on data (1 parameter(s)), then replication on data "
         "(every other parameter)"
     )
+    assert techniques_decision(sg.DeviceMesh((2,), ("model",)), []).choice == "tensor parallel on model"
 
 
 def test_distribute_runs_each_techniques_check_so_data_shardings_refusal_comes_before_anything_is_placed():
     mesh = sg.DeviceMesh((2, 2), ("data", "model"))
     layout_map = sg.LayoutMap(mesh)
     layout_map["weight"] = (None, "data")  # 3 input features over 2 data workers: FSDP2 pads dimension 0 only
-    model = nn.Linear(3, 2)
-    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
     with pytest.raises(sg.InputError, match=r"Sharding weight along 'data' splits its dimension 1 \(size 3\)"):
-        check_techniques(resolve_layouts(layout_map, mesh, named), mesh)
+        check_techniques(_placing(mesh, nn.Linear(3, 2), layout_map))
 
 
 def test_the_units_sharded_along_data_come_innermost_first_then_by_name_the_root_last():

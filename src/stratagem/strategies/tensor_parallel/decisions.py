@@ -27,7 +27,7 @@ _COSTS = {
 
 
 def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> list[PlacementDecision]:
-    """The mesh, the parameters split and replicated, and on a `data` axis the techniques in their order, the
+    """The mesh, the techniques in their order, the parameters split and replicated, and on a `data` axis the
     gradient sum of the replicated parameters and the sharding of the others (with their elements per step)."""
     out = [
         PlacementDecision(
@@ -36,6 +36,7 @@ def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> li
             reason="the layout map's mesh" if mesh.axis_names != ("model",) else "one 'model' axis over every worker",
         )
     ]
+    out.append(techniques_decision(mesh, layouts))  # every mesh: the split alone on one `model` axis
     if not layouts:
         return out
     split = [layout for layout in layouts if layout.is_split]
@@ -50,7 +51,6 @@ def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> li
         )
     )
     if "data" in mesh.axis_names:
-        out.append(techniques_decision(mesh, layouts))
         model, data = mesh.axis_size("model"), mesh.axis_size("data")
         sharded = [layout for layout in layouts if data_dim(layout) is not None]
         # elements of this worker's `model` part of every gradient, to within a row of an uneven split

@@ -209,7 +209,11 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             )
         named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
         layouts = resolve_layouts(self._layout_map, self._mesh, named)
-        check_techniques(layouts, self._mesh)  # each technique's refusals (data_sharding.py's, say), by name
+        # The techniques in their order (techniques.py): the split, ZeRO-3 along `data`, the data axis's sums.
+        placing = Placing(
+            model=model, mesh=self._mesh, torch_mesh=self._torch_mesh, layouts=layouts, weight=lambda: self._weight
+        )
+        check_techniques(placing)  # each technique's refusals (data_sharding.py's, say), by name, before any placing
         self._kinds = check_splits(model, layouts, self._mesh)
         model.to(self._device)
         # The plan is for the parameters as the user built them, before any is replaced by its part.
@@ -217,10 +221,6 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         # Before anything is split: a plan over this process's memory limit is refused here, not by the kernel.
         params = dict(model.named_parameters(remove_duplicate=False))
         check_limit(self._plan, layouts, params, optimizer, mesh=self._mesh, device=self._device)
-        # The techniques in their order (techniques.py): the split, ZeRO-3 along `data`, the data axis's sums.
-        placing = Placing(
-            model=model, mesh=self._mesh, torch_mesh=self._torch_mesh, layouts=layouts, weight=lambda: self._weight
-        )
         made = apply_techniques(placing)
         self._grad_hooks = list(placing.parts)
         self._grad_hooks += replicate_conv_inputs(model, placing.parameters_mesh)  # the parameters' own mesh

@@ -13,6 +13,8 @@ As torchtitan's `parallelize_llama` applies tensor parallelism, then FSDP, each 
    end of backward, weighted by the group's share of the global batch.
 
 A technique whose axis the mesh does not have does nothing (a mesh of one `model` axis runs the first alone).
+`Technique`, the order and the checks are the machinery every strategy of techniques shares
+(`worker_group/techniques.py`); this module holds TensorParallelStrategy's table and its placing state.
 To add a technique: its function (and its check of the layouts) in a module of this package, its row in `TECHNIQUES`
 at its place in the order (with the reason for the place), what it holds in `memory.py`, its section in
 docs/tensor_parallel.md and its tests (docs/architecture.md, "Adding a technique").
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
@@ -35,12 +37,8 @@ from stratagem.strategies.tensor_parallel.apply import apply_tensor_parallel, gr
 from stratagem.strategies.tensor_parallel.data_axis import apply_replication
 from stratagem.strategies.tensor_parallel.data_sharding import apply_data_sharding, check_data_sharding, data_dim
 from stratagem.strategies.tensor_parallel.mesh import DeviceMesh, ParameterLayout
-
-
-class Removable(Protocol):
-    """What a technique leaves on the model that the strategy takes off at `close()` (a hook's handle, a sum)."""
-
-    def remove(self) -> None: ...
+from stratagem.strategies.worker_group import techniques as in_order
+from stratagem.strategies.worker_group.techniques import Removable, Technique
 
 
 @dataclass(kw_only=True)
@@ -63,20 +61,6 @@ class Placing:
     """The names of the parameters data sharding took: replication leaves them to it."""
     parts: list[Removable] = field(default_factory=list)
     """What the techniques left on the model, taken off at the strategy's close."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Technique:
-    """One technique: its name as explain() says it, the mesh axes it works over, and its function."""
-
-    name: str
-    """As `explain()` names it."""
-    axes: tuple[str, ...]
-    """The mesh axes it works over; it is skipped on a mesh that has none of them."""
-    apply: Callable[[Placing], None]
-    """Applies it to `Placing.model`, appending what it leaves to `Placing.parts`."""
-    check: Callable[[Sequence[ParameterLayout], DeviceMesh], None] | None = None
-    """Refuses, before anything is placed, layouts it cannot honour (an `InputError` with the fix); None: none."""
 
 
 def _tensor_parallel(placing: Placing) -> None:
@@ -104,49 +88,45 @@ def _replication(placing: Placing) -> None:
         placing.parts.append(summed)
 
 
-TECHNIQUES: tuple[Technique, ...] = (
+def _check_data_sharding(placing: Placing) -> None:
+    check_data_sharding(placing.layouts, placing.mesh)
+
+
+TECHNIQUES: tuple[Technique[Placing], ...] = (
     Technique(name="tensor parallel", axes=("model",), apply=_tensor_parallel),
-    Technique(name="data sharding", axes=("data",), apply=_data_sharding, check=check_data_sharding),
+    Technique(name="data sharding", axes=("data",), apply=_data_sharding, check=_check_data_sharding),
     Technique(name="replication", axes=("data",), apply=_replication),
 )
 """What TensorParallelStrategy applies, in order (the module docstring gives the reason for each place)."""
 
 
-def _applies(technique: Technique, mesh: DeviceMesh) -> bool:
-    return any(axis in mesh.axis_names for axis in technique.axes)
-
-
-def check_techniques(
-    layouts: Sequence[ParameterLayout], mesh: DeviceMesh, techniques: Sequence[Technique] = TECHNIQUES
-) -> None:
+def check_techniques(placing: Placing, techniques: Sequence[Technique[Placing]] = TECHNIQUES) -> None:
     """Each applicable technique's check of the layouts, in order, before anything is placed."""
-    for technique in techniques:
-        if technique.check is not None and _applies(technique, mesh):
-            technique.check(layouts, mesh)
+    in_order.check_techniques(techniques, placing, placing.mesh.axis_names)
 
 
-def apply_techniques(placing: Placing, techniques: Sequence[Technique] = TECHNIQUES) -> dict[int, nn.Parameter]:
+def apply_techniques(
+    placing: Placing, techniques: Sequence[Technique[Placing]] = TECHNIQUES
+) -> dict[int, nn.Parameter]:
     """Applies each technique whose axes the mesh has, in order; returns the id of each parameter of the model as
     it was built to the parameter that replaced it (what `clone_optimizer` needs), tied ones under each name."""
     before = {name: id(p) for name, p in placing.model.named_parameters(remove_duplicate=False)}
-    for technique in techniques:
-        if _applies(technique, placing.mesh):
-            technique.apply(placing)
+    in_order.apply_techniques(techniques, placing, placing.mesh.axis_names)
     after = dict(placing.model.named_parameters(remove_duplicate=False))
     return {old: after[name] for name, old in before.items()}
 
 
 def techniques_decision(
-    mesh: DeviceMesh, layouts: Sequence[ParameterLayout], techniques: Sequence[Technique] = TECHNIQUES
+    mesh: DeviceMesh, layouts: Sequence[ParameterLayout], techniques: Sequence[Technique[Placing]] = TECHNIQUES
 ) -> PlacementDecision:
-    """Which techniques apply on `mesh`, in their order, and over which axes."""
-    applied = [t for t in techniques if _applies(t, mesh)]
+    """Which techniques apply on `mesh`, in their order, and over which axes (with how many parameters each data
+    technique takes, once the layouts are resolved)."""
     on_data = sum(1 for layout in layouts if data_dim(layout) is not None)
     notes = {"data sharding": f" ({on_data} parameter(s))", "replication": " (every other parameter)"}
-    choice = ", then ".join(f"{t.name} on {'/'.join(t.axes)}{notes.get(t.name, '')}" for t in applied)
-    return PlacementDecision(
-        subject="techniques",
-        choice=choice,
+    return in_order.techniques_decision(
+        techniques,
+        mesh.axis_names,
+        notes=notes if layouts else None,
         reason="applied in this order (tensor_parallel/techniques.py): the split first, since the data axis "
         "shards or sums the DTensors it makes (torchtitan's order: TP, then FSDP)",
     )
