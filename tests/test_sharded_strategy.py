@@ -24,6 +24,7 @@ def test_the_sharded_strategy_trains_as_one_device_and_says_what_it_holds():
             assert "LBFGS needs every parameter whole" in got[f"stage {stage} LBFGS"]
             explained = got[f"stage {stage} explain"]
             assert f"sharding stage: stage {stage}" in explained
+            assert "techniques: data sharding on data" in explained, explained  # sharded/techniques.py, applied
             # Stage 3 gathers a unit per Linear; stage 2 keeps this 1 KiB model as one unit (units.MERGE_UP_TO).
             units = "3 units and the root (0, 2, 4)" if stage == 3 else "the whole model as one unit"
             assert f"sharding units: {units}" in explained, explained

@@ -54,13 +54,14 @@ from stratagem.strategies.sharded.optimizer import prefer_foreach
 from stratagem.strategies.sharded.placement import local_device
 from stratagem.strategies.sharded.rank_memory import RankMemory
 from stratagem.strategies.sharded.scope import BuiltModel, sharded_scope
+from stratagem.strategies.sharded.techniques import TECHNIQUES, Sharding, shard_cut, techniques_line
 from stratagem.strategies.sharded.tracing import ShardedTrace
 from stratagem.strategies.sharded.transport import connect_transport
-from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, apply_cut, cut_model, sharded_units
-from stratagem.strategies.sharded.weighting import weigh_gradients
+from stratagem.strategies.sharded.units import UnitCut, UnitPolicy, cut_model
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import StepAgreement, check_batches_flag
 from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
+from stratagem.strategies.worker_group.techniques import ONE_DATA_AXIS, apply_techniques
 from stratagem.strategies.wrapped_model import WrappedModel
 from stratagem.trace import Recorder, Traceable
 from stratagem.trace.recorder import Clock
@@ -107,8 +108,9 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     #   checks     checks.py: stage, device against the backend, optimizer that can run on shards
     #   batch norm data_parallel.batch_norm: BatchNorm layers converted to global statistics, summed across workers
     #   units      units.cut_model: each block a unit by default (stage 2: small ones merged), or the user's policy
-    #   shard      units.apply_cut: fully_shard per unit then the root (stage 2: reshard_after_forward=False)
-    #   weighting  weighting.weigh_gradients: SUM reduce-scatters of gradients pre-scaled by each rank's share
+    #   techniques techniques.TECHNIQUES, in order: data sharding along the group's one `data` axis, fully_shard
+    #              per unit then the root (units.apply_cut; stage 2: reshard_after_forward=False), and SUM
+    #              reduce-scatters of gradients pre-scaled by each rank's share (weighting.weigh_gradients)
     #   optimizer  distributed.clone_optimizer: the user's optimizer over the shards (foreach: optimizer.py)
     #   memory     memory.plan_memory: bytes per rank, said before the first step
     #   input      worker_group.input (WorkerGroupStrategy's): each worker's part of every global batch
@@ -221,8 +223,6 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._check_distribute_args(model, optimizer, None)
         check_another_model(model, running=self._running, held=self._held)
         check_optimizer(optimizer)
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         check_device(((name, p.device) for name, p in model.named_parameters()), self._group.backend)
         # Sharded in place, as fully_shard does: a copy would hold the whole model a second time, at the peak of
         # distribute and for as long as the user keeps the module (issue 39). BatchNorm layers are swapped in place.
@@ -237,16 +237,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         # Before anything is sharded: a plan over this process's memory limit is refused here, not by the kernel.
         cut_at = lambda stage: cut if stage == self._stage else cut_model(sharded, self._policy, stage=stage)  # noqa: E731
         self._memory.check_limit(plan, list(model.parameters()), optimizer, cut, cut_at)
-        param_dtype, reduce_dtype = self._mp
-        apply_cut(
-            sharded,
-            cut,
-            mesh=self._group.device_mesh(),
-            reshard_after_forward=self._stage == 3,
-            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        )
-        units = sharded_units(sharded, cut)
-        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps, self._flight)
+        units, comm = self._apply_techniques(sharded, cut, sharded_already=False)
         if self._comms:
             comm.weight = self._comms[0].weight
         comm.rider = self._agreement  # the batch check rides the step's first reduce-scatter (agreement.py)
@@ -291,17 +282,32 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         return sharded_scope(self._shard_in_place, self._device, self._built)
 
     def _shard_in_place(self, model: nn.Module) -> UnitCut:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         cut = cut_model(model, self._policy, stage=self._stage)
         message = cut.warning()
         if message is not None:
             warnings.warn(message, stacklevel=4)
-        param_dtype, reduce_dtype = self._mp
-        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        mesh = self._group.device_mesh()
-        apply_cut(model, cut, mesh=mesh, reshard_after_forward=self._stage == 3, mp_policy=mp_policy)
+        # Data sharding's fully_shard, made here on meta; distribute runs the technique on with it done (techniques.py).
+        shard_cut(model, cut, mesh=self._group.device_mesh(), stage=self._stage, mp=self._mp)
         return cut
+
+    def _apply_techniques(
+        self, model: nn.Module, cut: UnitCut, *, sharded_already: bool
+    ) -> tuple[list[nn.Module], WeightedReduceScatter]:
+        """`TECHNIQUES` applied to `model` in order (techniques.py): its units and their weighted reduce-scatter."""
+        placing = Sharding(
+            model=model,
+            cut=cut,
+            mesh=self._group.device_mesh(),
+            stage=self._stage,
+            mp=self._mp,
+            shared=self._group.cross_worker.shared,
+            step=lambda: self._steps,
+            flight=self._flight,
+            sharded_already=sharded_already,
+        )
+        apply_techniques(TECHNIQUES, placing, ONE_DATA_AXIS)
+        assert placing.comm is not None, "the data sharding technique sets the units' reduce-scatter"
+        return placing.units, placing.comm
 
     def _distribute_built(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, built: BuiltModel) -> Any:
         """`distribute` of a model built inside `scope()`: its units, weighting and checks, not its sharding."""
@@ -312,8 +318,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
             self._host.watch(optimizer)
         self._check_distribute_args(model, optimizer, None)
         plan = self._memory.plan(list(model.parameters()), optimizer, built.cut)
-        units = sharded_units(model, built.cut)
-        comm = weigh_gradients(units, self._group.cross_worker.shared, lambda: self._steps, self._flight)
+        units, comm = self._apply_techniques(model, built.cut, sharded_already=True)
         if self._comms:
             comm.weight = self._comms[0].weight
         comm.rider = self._agreement
@@ -462,6 +467,7 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         decisions = list(self._group.decisions())
         if self._device_decision is not None:
             decisions.append(self._device_decision)
+        decisions.append(techniques_line())
         before, after = sharded_decisions(self._stage, check_batches=self._agreement.enabled)
         decisions.extend(before)
         decisions.extend(cut.decision() for cut in self._cuts)
