@@ -73,6 +73,7 @@ def test_workers_match_one_device(tmp_path, workers, local, model_name, opt_name
         torch.testing.assert_close(saved["state"][key], value, **TOL[torch.float64])
     assert saved["steps"] == len(BATCH_SIZES)
     assert f"{workers * local} replica(s) in sync" in saved["explain"]
+    assert "techniques: replication on data" in saved["explain"]  # multi_worker/techniques.py, applied
     assert SUMS[shm] in saved["explain"], saved["explain"]
     if allocator.READS_TUNABLES:  # stratagem launch gave the workers glibc's thresholds for keeping freed memory
         assert "freed host memory: kept for reuse" in saved["explain"], saved["explain"]

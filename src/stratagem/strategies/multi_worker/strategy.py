@@ -36,12 +36,14 @@ from stratagem.strategies.data_parallel.placement import nccl_available, place_r
 from stratagem.strategies.data_parallel.replica_set import ReplicaSet
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 from stratagem.strategies.multi_worker.across import AcrossWorkers
+from stratagem.strategies.multi_worker.techniques import TECHNIQUES, Replicating, TechniquesPart
 from stratagem.strategies.worker_group.agreement import BatchAgreement
 from stratagem.strategies.worker_group.devices import default_local_devices
 from stratagem.strategies.worker_group.input import InputSharding
 from stratagem.strategies.worker_group.step_agreement import check_batches_flag
 from stratagem.strategies.worker_group.stragglers import StepTimes, Straggler, StragglerWatch
 from stratagem.strategies.worker_group.strategy import WorkerGroupStrategy
+from stratagem.strategies.worker_group.techniques import ONE_DATA_AXIS, apply_techniques
 from stratagem.trace import Recorder, Traceable
 from stratagem.trace.clocks import align
 from stratagem.trace.recorder import Clock, check_mode
@@ -92,6 +94,7 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
     #   across      multi_worker.across.AcrossWorkers: the chief's values broadcast; gradients summed across
     #               workers (buckets overlapping backward, or after the local combination)
     #   input       worker_group.input.InputSharding / MultiWorkerDataset: each worker's part of the batches
+    # `distribute` applies techniques.TECHNIQUES in order: replication along `data`, the model handed to the set.
 
     def __init__(
         self,
@@ -206,9 +209,13 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
 
     def distribute(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """As `ReplicatedStrategy.distribute`, after its memory plan is held against this process's limit: a whole
-        copy of the training state that cannot fit is refused, naming a ShardedStrategy configuration that fits."""
+        copy of the training state that cannot fit is refused, naming a ShardedStrategy configuration that fits.
+        Then the techniques in their order (techniques.py): replication along `data`."""
         self._check_limit(model, optimizer)
-        return super().distribute(model, optimizer)
+        self._check_distribute_args(model, optimizer, None)  # several models: ReplicaSet checks they share nothing
+        placing = Replicating(model=model, optimizer=optimizer, replicas=self._replicas)
+        apply_techniques(TECHNIQUES, placing, ONE_DATA_AXIS)
+        return placing.distributed
 
     def memory_plan(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -262,7 +269,7 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
         return list(self._across.stragglers.named)
 
     def _parts(self) -> tuple[Any, ...]:
-        return (*self._replicas.parts, self._input_sharding)
+        return (TechniquesPart(), *self._replicas.parts, self._input_sharding)
 
     def _close_parts(self) -> None:
         """The trace written (under `stratagem launch --trace`), then the replica threads stopped."""
