@@ -57,6 +57,45 @@ def test_every_command_line_choice_list_is_the_registrys_names() -> None:
     assert tuple(BENCH_STRATEGIES) == ("mirrored", "one_device", "multi_worker", "central_storage", "sharded")
 
 
+# Each strategy of one process per worker is its record plus these techniques, in this order, over these mesh axes.
+TECHNIQUES = {
+    "multi_worker": [("replication", ("data",))],
+    "parameter_server": [],
+    "sharded": [("data sharding", ("data",))],
+    "tensor_parallel": [("tensor parallel", ("model",)), ("data sharding", ("data",)), ("replication", ("data",))],
+}
+
+# What explain() says of them on one worker, built by name (tensor_parallel's mesh: one `model` axis).
+EXPLAINED = {
+    "multi_worker": "techniques: replication on data",
+    "sharded": "techniques: data sharding on data",
+    "tensor_parallel": "techniques: tensor parallel on model",
+}
+
+
+def test_each_multi_process_strategy_is_its_record_plus_its_techniques_in_order() -> None:
+    from stratagem.strategies.multi_worker import techniques as multi_worker
+    from stratagem.strategies.sharded import techniques as sharded
+    from stratagem.strategies.tensor_parallel import techniques as tensor_parallel
+
+    listed = {r.name: [(t.name, t.axes) for t in r.techniques] for r in STRATEGIES if r.one_process_per_worker}
+    assert listed == TECHNIQUES
+    # The record's list is the very table each strategy's distribute applies.
+    assert STRATEGIES["multi_worker"].techniques == multi_worker.TECHNIQUES
+    assert STRATEGIES["sharded"].techniques == sharded.TECHNIQUES
+    assert STRATEGIES["tensor_parallel"].techniques == tensor_parallel.TECHNIQUES
+    assert all(r.techniques == () for r in STRATEGIES if not r.one_process_per_worker)
+
+
+def test_a_record_whose_techniques_are_not_a_module_path_is_refused_with_the_path() -> None:
+    with pytest.raises(
+        InputError,
+        match=r"names its techniques as 'stratagem\.module\.path:NAME'\. Received: "
+        r"techniques_path='TECHNIQUES' for 'sharded'\. Write the module, a colon and the tuple's name\.",
+    ):
+        dataclasses.replace(STRATEGIES["sharded"], techniques_path="TECHNIQUES")
+
+
 def test_each_record_builds_its_own_class_on_its_default_devices() -> None:
     registry = DeviceRegistry()
     for record in STRATEGIES:
@@ -66,6 +105,11 @@ def test_each_record_builds_its_own_class_on_its_default_devices() -> None:
         try:
             assert type(strategy) is record.strategy_class, record.name
             assert decision.subject == "devices"
+            explained = str(strategy.explain())
+            if record.name in EXPLAINED:
+                assert EXPLAINED[record.name] in explained, explained
+            else:
+                assert "techniques:" not in explained, explained
         finally:
             strategy.close()
 

@@ -6,6 +6,11 @@ strategies run one process per worker), ``STRATAGEM_STRATEGY=NAME``, ``stratagem
 lazy exports of `stratagem` and `stratagem.strategies` read their choices, the default devices and how to build
 each strategy from here, and nowhere else. To offer a new strategy, add its record to `STRATEGIES`.
 
+A strategy of one process per worker is its record plus its ordered list of techniques, which the record names
+(`techniques_path`, imported by `techniques` when first used): MultiWorkerMirrored replicates along `data`,
+Sharded shards along `data`, TensorParallel splits along `model`, then shards and replicates along `data`
+(`worker_group/techniques.py`).
+
 This module imports neither torch nor any strategy when it is read (`stratagem launch` and `import stratagem`
 read it): a record names its class by module path, and its class, its default devices and its builders import
 what they need when called, so the first use of one strategy imports that strategy only.
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
     from stratagem.devices import DeviceRegistry
     from stratagem.diagnose import PlacementDecision
     from stratagem.strategies.base import Strategy
+    from stratagem.strategies.worker_group.techniques import Technique
 
 DefaultDevices = Callable[[str, "DeviceRegistry"], tuple[list[str], "PlacementDecision"]]
 """``(name, registry) -> (devices, decision)``: the devices a strategy runs on when none are named, and why."""
@@ -71,14 +77,21 @@ class StrategyRecord:
     """``bench_build(devices, options)``: the strategy ``stratagem bench`` measures, where ``options`` holds
     ``timeout`` and ``registry`` (in one process) or ``timeout`` and ``cluster`` (one process per worker);
     None keeps the strategy out of the benchmark."""
+    techniques_path: str | None = None
+    """``"module:NAME"`` of the ordered tuple of `Technique` its `distribute` applies (`worker_group/techniques.py`),
+    imported when first used (`techniques`); None for a strategy not built of techniques."""
 
     def __post_init__(self) -> None:
-        module, _, class_name = self.strategy_path.partition(":")
-        if not (module.startswith("stratagem.") and class_name.isidentifier()):
-            raise InputError(
-                f"A strategy record names its class as 'stratagem.module.path:ClassName'. Received: "
-                f"strategy_path={self.strategy_path!r} for {self.name!r}. Write the module, a colon and the class."
-            )
+        paths = [("strategy_path", "class", "ClassName", "the class", self.strategy_path)]
+        if self.techniques_path is not None:
+            paths.append(("techniques_path", "techniques", "NAME", "the tuple's name", self.techniques_path))
+        for field_name, what, shape, ending, path in paths:
+            module, _, attribute = path.partition(":")
+            if not (module.startswith("stratagem.") and attribute.isidentifier()):
+                raise InputError(
+                    f"A strategy record names its {what} as 'stratagem.module.path:{shape}'. Received: "
+                    f"{field_name}={path!r} for {self.name!r}. Write the module, a colon and {ending}."
+                )
 
     @property
     def module(self) -> str:
@@ -95,6 +108,16 @@ class StrategyRecord:
         """The class it builds; imports its module (only that strategy's) the first time."""
         strategy_class: type[Strategy] = getattr(importlib.import_module(self.module), self.class_name)
         return strategy_class
+
+    @property
+    def techniques(self) -> tuple[Technique[Any], ...]:
+        """The techniques its `distribute` applies, in their order (empty for a strategy not built of techniques);
+        imports their module the first time."""
+        if self.techniques_path is None:
+            return ()
+        module, _, name = self.techniques_path.partition(":")
+        techniques: tuple[Technique[Any], ...] = tuple(getattr(importlib.import_module(module), name))
+        return techniques
 
 
 class StrategyRegistry:
@@ -312,6 +335,7 @@ STRATEGIES = StrategyRegistry(
             build=_multi_worker,
             one_process_per_worker=True,
             bench_build=_bench_multi_worker,
+            techniques_path="stratagem.strategies.multi_worker.techniques:TECHNIQUES",  # replication
         ),
         StrategyRecord(
             name="central_storage",
@@ -342,6 +366,7 @@ STRATEGIES = StrategyRegistry(
             one_process_per_worker=True,
             max_devices=1,
             bench_build=_bench_sharded,
+            techniques_path="stratagem.strategies.sharded.techniques:TECHNIQUES",  # data sharding
         ),
         StrategyRecord(
             name="tensor_parallel",
@@ -350,6 +375,8 @@ STRATEGIES = StrategyRegistry(
             build=_tensor_parallel,
             one_process_per_worker=True,
             max_devices=1,
+            # tensor parallel along `model`, then data sharding and replication along `data`
+            techniques_path="stratagem.strategies.tensor_parallel.techniques:TECHNIQUES",
         ),
     ]
 )
