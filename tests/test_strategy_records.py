@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from stratagem.devices import DeviceRegistry
 from stratagem.errors import InputError
 from stratagem.strategies.by_name import STRATEGY_NAMES, build_strategy
 from stratagem.strategies.records import STRATEGIES, StrategyRegistry
+from stratagem.strategies.worker_group.techniques import Technique
 
 
 def _choices(command: str, option: str) -> tuple[str, ...]:
@@ -57,15 +59,8 @@ def test_every_command_line_choice_list_is_the_registrys_names() -> None:
     assert tuple(BENCH_STRATEGIES) == ("mirrored", "one_device", "multi_worker", "central_storage", "sharded")
 
 
-# Each strategy of one process per worker is its record plus these techniques, in this order, over these mesh axes.
-TECHNIQUES = {
-    "multi_worker": [("replication", ("data",))],
-    "parameter_server": [],
-    "sharded": [("data sharding", ("data",))],
-    "tensor_parallel": [("tensor parallel", ("model",)), ("data sharding", ("data",)), ("replication", ("data",))],
-}
-
-# What explain() says of them on one worker, built by name (tensor_parallel's mesh: one `model` axis).
+# What explain() says of each strategy built of techniques, on one worker, built by name (tensor_parallel's mesh: one
+# `model` axis). Each one's table, in order, is held in its own tests (test_<name>_techniques.py).
 EXPLAINED = {
     "multi_worker": "techniques: replication on data",
     "sharded": "techniques: data sharding on data",
@@ -73,18 +68,15 @@ EXPLAINED = {
 }
 
 
-def test_each_multi_process_strategy_is_its_record_plus_its_techniques_in_order() -> None:
-    from stratagem.strategies.multi_worker import techniques as multi_worker
-    from stratagem.strategies.sharded import techniques as sharded
-    from stratagem.strategies.tensor_parallel import techniques as tensor_parallel
-
-    listed = {r.name: [(t.name, t.axes) for t in r.techniques] for r in STRATEGIES if r.one_process_per_worker}
-    assert listed == TECHNIQUES
-    # The record's list is the very table each strategy's distribute applies.
-    assert STRATEGIES["multi_worker"].techniques == multi_worker.TECHNIQUES
-    assert STRATEGIES["sharded"].techniques == sharded.TECHNIQUES
-    assert STRATEGIES["tensor_parallel"].techniques == tensor_parallel.TECHNIQUES
-    assert all(r.techniques == () for r in STRATEGIES if not r.one_process_per_worker)
+def test_each_multi_process_strategy_but_the_parameter_server_is_its_record_plus_a_table_of_techniques() -> None:
+    built_of_techniques = {r.name for r in STRATEGIES if r.techniques}
+    assert built_of_techniques == set(EXPLAINED)
+    assert built_of_techniques == {r.name for r in STRATEGIES if r.one_process_per_worker and not r.parameter_servers}
+    for name in built_of_techniques:
+        record = STRATEGIES[name]
+        # The record's list is the very table the strategy's distribute applies, in its folder.
+        table = importlib.import_module(f"stratagem.strategies.{name}.techniques").TECHNIQUES
+        assert record.techniques == table and all(isinstance(t, Technique) for t in table), name
 
 
 def test_a_record_whose_techniques_are_not_a_module_path_is_refused_with_the_path() -> None:

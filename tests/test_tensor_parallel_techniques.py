@@ -9,6 +9,7 @@ import pytest
 from torch import nn
 
 import stratagem as sg
+from stratagem.strategies.records import STRATEGIES
 from stratagem.strategies.tensor_parallel.data_sharding import sharding_units
 from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
 from stratagem.strategies.tensor_parallel.techniques import (
@@ -35,6 +36,12 @@ def test_the_techniques_run_in_the_tables_order_and_skip_an_axis_the_mesh_lacks(
     calls.clear()
     apply_techniques(_placing(sg.DeviceMesh((2,), ("model",)), nn.Linear(2, 2)), table)
     assert calls == ["tensor parallel"]
+
+
+def test_the_strategys_record_lists_this_table_in_order() -> None:
+    listed = [(t.name, t.axes) for t in STRATEGIES["tensor_parallel"].techniques]
+    assert listed == [("tensor parallel", ("model",)), ("data sharding", ("data",)), ("replication", ("data",))]
+    assert STRATEGIES["tensor_parallel"].techniques == TECHNIQUES
 
 
 def test_each_parameter_as_built_maps_to_the_one_that_replaced_it_tied_ones_under_each_name():
