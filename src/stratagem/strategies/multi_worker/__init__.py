@@ -1,5 +1,6 @@
 """MultiWorkerMirroredStrategy: one process per worker, replicas mirrored across them.
 
-`strategy` assembles the parts; `across` sums gradients across workers; `input` gives each worker its
-part of the global batches; `devices` picks a worker's default devices.
+`strategy` assembles the parts; `techniques` is its table of techniques, one: replication along `data` (the model
+handed to the replica set); `across` sums gradients across workers; `straggler_phases` finds the phase of compute a
+straggler is slow in, from the trace. Each worker's input and default devices are `worker_group/`'s.
 """

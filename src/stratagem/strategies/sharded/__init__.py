@@ -1,5 +1,6 @@
 """Sharded data parallelism (ZeRO stages 2 and 3) on FSDP2, in the order `strategy.py` applies the parts:
 
+- `techniques.py`: the strategy's table of techniques, one: data sharding along `data`, which applies the next two;
 - `units.py`: how the model is cut into the units gathered one at a time, and `fully_shard` applied;
 - `weighting.py`: gradients reduce-scattered as a SUM pre-scaled by each rank's share (exact on any split);
 - `memory.py`: the bytes each rank holds, by category, before the first step;

@@ -5,7 +5,8 @@
   worker count, a layout's axes and length, tied parameters);
 - `styles.py`: which splits each module's forward honours (Linear, transformers' Conv1D, Embedding, attention
   heads), refused by module name before anything is placed;
-- `techniques.py`: the techniques applied to the model, in their order, each over its mesh axes (the next three);
+- `techniques.py`: the table of techniques applied to the model, in their order, each over its mesh axes (the next
+  three), run by `worker_group/techniques.py`'s machinery;
 - `apply.py`: `apply_tensor_parallel`: each parameter made a DTensor of the mesh, split along `model`, the forward
   run under DTensor's implicit replication, the outputs handed back as whole tensors;
 - `data_sharding.py`: `apply_data_sharding`: ZeRO-3 along `data` (FSDP2 after the split) for the layouts that name
