@@ -36,12 +36,22 @@ from torch import nn
 
 STRATEGIES = (
     "sharded2", "sharded3", "multi_worker", "sharded2_gloo", "sharded2_reuse", "sharded2_gloo_reuse",
-    "sharded2_blocks", "sharded2_blocks_reuse", "sharded2_gloo_blocks_reuse",
+    "sharded2_blocks", "sharded2_blocks_reuse", "sharded2_gloo_blocks_reuse", "multi_worker_gloo",
 )  # fmt: skip
 """sharded2_gloo: stage 2 with its all-gathers and reduce-scatters through Gloo (shared_memory=False); _reuse: with
 host_memory="reuse" (freed host memory kept for the next step once the optimizer's state exists); _blocks: a unit per
 block, given as `units=` (the model's Linear, Conv2d or GPT2Block), where stage 2's default merges blocks of up to
-8 MiB into one unit (`sharded/units.py`)."""
+8 MiB into one unit (`sharded/units.py`). multi_worker_gloo: MultiWorkerMirroredStrategy with its sums through Gloo
+(shared_memory=False), the baseline of the _gloo ones when it runs beside them."""
+
+
+def baseline(name: str, names: list[str]) -> str | None:
+    """What `name` is compared with: MultiWorkerMirrored on the same transport where it runs, else the default."""
+    if name.startswith("multi_worker"):
+        return None
+    if "gloo" in name and "multi_worker_gloo" in names:
+        return "multi_worker_gloo"
+    return "multi_worker" if "multi_worker" in names else None
 
 
 def sharded_options(name: str, model: str = "mlp") -> dict[str, Any]:
@@ -88,8 +98,8 @@ def resident_mib() -> float:
 def worker(name: str, steps: int, warmup: int, batch: int) -> None:
     import stratagem as sg
 
-    if name == "multi_worker":
-        strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy()
+    if name.startswith("multi_worker"):
+        strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy(shared_memory=False if "gloo" in name else None)
     else:
         strategy = sg.ShardedStrategy(**sharded_options(name))
     # What every process holds before the model exists (the interpreter, torch, the process group, and FSDP2's
@@ -177,8 +187,9 @@ def speed_worker(args: argparse.Namespace) -> None:
                     "cluster": {"worker": [f"127.0.0.1:{p}" for p in pair]},
                     "task": {"type": "worker", "index": rank},
                 }
-                if name == "multi_worker":
-                    strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster)
+                if name.startswith("multi_worker"):
+                    gloo = False if "gloo" in name else None
+                    strategy: sg.Strategy = sg.MultiWorkerMirroredStrategy(cluster=cluster, shared_memory=gloo)
                 else:
                     strategy = sg.ShardedStrategy(cluster=cluster, **sharded_options(name, model_name))
                 net, make_optimizer, data = speed_workload(model_name, args.batch, args.foreach or None)
@@ -259,10 +270,10 @@ def speed(args: argparse.Namespace) -> None:
         f"after {after[0]:.1f}, {after[1]:.1f}, {after[2]:.1f}"
     )
     print(
-        "| model | strategy | samples/s (median; range) | / MultiWorkerMirrored (median; range over rounds) "
-        "| CPU ms per step, both ranks (median) | / MultiWorkerMirrored (median; range) |"
+        "| model | strategy | samples/s (median; range) | against | / it (median; range over rounds) "
+        "| CPU ms per step, both ranks (median) | / it (median; range) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for model_name in args.models:
         by = {n: [r for r in rows if r["model"] == model_name and r["strategy"] == n] for n in args.strategies}
         for name in args.strategies:
@@ -270,12 +281,13 @@ def speed(args: argparse.Namespace) -> None:
             cell = f"{statistics.median(rates):.1f}; {min(rates):.1f}-{max(rates):.1f}"
             cpu = statistics.median(r["cpu_ms_per_step"] for r in by[name])
             ratio = cpu_ratio = ""
-            if name != "multi_worker" and "multi_worker" in by:
-                ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(by[name], by["multi_worker"])]
+            against = baseline(name, args.strategies)
+            if against is not None:
+                ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(by[name], by[against])]
                 ratio = f"{statistics.median(ratios):.2f}x; {min(ratios):.2f}-{max(ratios):.2f}x"
-                cpus = [a["cpu_ms_per_step"] / b["cpu_ms_per_step"] for a, b in zip(by[name], by["multi_worker"])]
+                cpus = [a["cpu_ms_per_step"] / b["cpu_ms_per_step"] for a, b in zip(by[name], by[against])]
                 cpu_ratio = f"{statistics.median(cpus):.2f}x; {min(cpus):.2f}-{max(cpus):.2f}x"
-            print(f"| {model_name} | {name} | {cell} | {ratio} | {cpu:.0f} | {cpu_ratio} |")
+            print(f"| {model_name} | {name} | {cell} | {against or ''} | {ratio} | {cpu:.0f} | {cpu_ratio} |")
     transports = {t for r in rows for t in r["transport"]}
     print(*sorted(transports), sep="\n")
     units = {(r["model"], r["strategy"]): r["units"] for r in rows if r["units"]}

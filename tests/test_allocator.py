@@ -12,15 +12,43 @@ import pytest
 from stratagem.cluster import allocator, task_environments
 
 OURS = "glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432"
+HUGE = "glibc.malloc.hugetlb=1"
 
 
 def test_a_new_process_gets_both_thresholds():
-    assert allocator.keep_freed_memory_env({"PATH": "/bin"}, glibc=(2, 36)) == {"GLIBC_TUNABLES": OURS}
+    assert allocator.keep_freed_memory_env({"PATH": "/bin"}, glibc=(2, 36), thp="never") == {"GLIBC_TUNABLES": OURS}
+
+
+@pytest.mark.parametrize(
+    "glibc, thp, env, expected",
+    [
+        ((2, 36), "madvise", {}, f"{OURS}:{HUGE}"),
+        ((2, 35), "madvise", {"MALLOC_TRIM_THRESHOLD_": "0"}, HUGE),  # the user's threshold kept; huge pages added
+        ((2, 34), "madvise", {}, OURS),  # no hugetlb tunable before 2.35
+        ((2, 36), "always", {}, OURS),  # every block has them already
+        ((2, 36), "never", {}, OURS),
+        ((2, 36), None, {}, OURS),  # no /sys/kernel/mm/transparent_hugepage
+        ((2, 36), "madvise", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, f"glibc.malloc.hugetlb=0:{OURS}"),
+        ((2, 36), "madvise", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:glibc.malloc.top_pad=0"}, None),
+    ],
+)
+def test_huge_pages_are_asked_for_where_the_kernel_gives_them_on_request(glibc, thp, env, expected):
+    made = allocator.keep_freed_memory_env(env, glibc=glibc, thp=thp)
+    assert made.get("GLIBC_TUNABLES") == expected
+
+
+def test_the_kernels_huge_page_mode_is_read_from_sysfs(tmp_path):
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    assert allocator.transparent_huge_pages(mode) == "madvise"
+    mode.write_text("[always] madvise never\n")
+    assert allocator.transparent_huge_pages(mode) == "always"
+    assert allocator.transparent_huge_pages(tmp_path / "absent") is None
 
 
 def test_other_tunables_of_the_user_are_kept_and_ours_appended():
     env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F"}
-    assert allocator.keep_freed_memory_env(env, glibc=(2, 36)) == {
+    assert allocator.keep_freed_memory_env(env, glibc=(2, 36), thp="never") == {
         "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.cpu.hwcaps=-AVX512F:{OURS}"
     }
 
@@ -39,7 +67,7 @@ def test_other_tunables_of_the_user_are_kept_and_ours_appended():
 )
 def test_a_threshold_the_user_set_wins(env, named):
     assert allocator.user_setting(env, glibc=(2, 36)) == named
-    assert allocator.keep_freed_memory_env(env, glibc=(2, 36)) == {}
+    assert allocator.keep_freed_memory_env(env, glibc=(2, 36), thp="never") == {}
     assert allocator.describe(env, glibc=(2, 36)) == ("as set by the user", named)
 
 
@@ -68,16 +96,20 @@ def test_describe_tells_the_state_and_the_fix(monkeypatch):
     )
     choice, why = allocator.describe({}, glibc=(2, 36))
     assert choice == "returned to the system" and f"GLIBC_TUNABLES={OURS}" in why and "stratagem launch" in why
+    assert "huge pages" not in allocator.describe({"GLIBC_TUNABLES": OURS}, glibc=(2, 36))[1]
+    assert f"huge pages ({HUGE})" in allocator.describe({"GLIBC_TUNABLES": f"{OURS}:{HUGE}"}, glibc=(2, 36))[1]
+    assert "huge pages" not in allocator.describe({"GLIBC_TUNABLES": f"{OURS}:{HUGE}"}, glibc=(2, 34))[1]
 
 
 def test_launched_tasks_keep_freed_memory_unless_told_not_to():
     kept = task_environments({"PATH": "/bin"}, workers=2, ps=1, ports=[1, 2, 3], token="t")
-    expected = OURS if allocator.READS_TUNABLES else None
+    expected = allocator.keep_freed_memory_env({}).get("GLIBC_TUNABLES")
     assert {env.get("GLIBC_TUNABLES") for env in kept.values()} == {expected}
+    assert expected is None or expected.startswith(OURS)
     plain = task_environments({"PATH": "/bin"}, workers=2, ports=[1, 2], token="t", keep_freed_memory=False)
     assert all("GLIBC_TUNABLES" not in env for env in plain.values())
     users = task_environments({"MALLOC_TRIM_THRESHOLD_": "0"}, workers=1, ports=[1], token="t")["worker:0"]
-    assert users["MALLOC_TRIM_THRESHOLD_"] == "0" and "GLIBC_TUNABLES" not in users
+    assert users["MALLOC_TRIM_THRESHOLD_"] == "0" and OURS not in users.get("GLIBC_TUNABLES", "")
 
 
 # Three 12 MiB blocks allocated, written and freed 20 times. With glibc's defaults the mmap threshold
@@ -122,3 +154,8 @@ def test_glibc_honours_the_settings():
     in_process = faults_per_round("mallopt", {})
     assert default > 1000, f"glibc's defaults faulted only {default} pages a round; the test's premise fails"
     assert launched < 50 and in_process < 50, (default, launched, in_process)
+    if allocator.huge_pages_env(base):
+        # Huge pages alone (glibc's thresholds as they are): the 36 MiB still go back every round, and come in
+        # again 2 MiB at a time.
+        huge = faults_per_round("env", {"GLIBC_TUNABLES": allocator.HUGE_PAGES})
+        assert huge < default / 4, (default, huge)

@@ -82,8 +82,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--default-allocator",
         action="store_true",
-        help="leave glibc's malloc thresholds at their defaults; by default the tasks keep freed memory "
-        "for reuse (GLIBC_TUNABLES), which spares a CPU training step thousands of page faults",
+        help="leave glibc's malloc at its defaults; by default the tasks keep freed memory for reuse and ask "
+        "for huge pages where the kernel gives them on request (GLIBC_TUNABLES), which spares a CPU training "
+        "step thousands of page faults",
     )
     parser.add_argument(
         "--trace",
