@@ -93,19 +93,49 @@ def cluster_of(rank: int, ports: list[int]) -> dict[str, Any]:
     return {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
 
 
+def launch_environment(launch: str, rank: int, ports: list[int]) -> dict[str, str]:
+    """What each launcher gives this worker's process: `stratagem launch --workers N --strategy tensor_parallel`
+    (the launcher's own `task_environments`: TF_CONFIG, torchrun's variables and STRATAGEM_STRATEGY), torchrun's
+    variables alone, or SLURM's (srun's, with the rendezvous port stratagem reads there)."""
+    from stratagem.cluster.launch import task_environments
+
+    workers = len(ports)
+    if launch == "stratagem launch":
+        envs = task_environments(
+            {}, workers=workers, ports=ports, token="test", keep_freed_memory=False, strategy="tensor_parallel"
+        )
+        return {k: v for k, v in envs[f"worker:{rank}"].items() if k != "OMP_NUM_THREADS"}
+    if launch == "torchrun":
+        return {
+            "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(workers),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0]),
+        }  # fmt: skip
+    assert launch == "SLURM", launch
+    return {
+        "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(workers), "SLURM_LOCALID": str(rank),
+        "SLURM_NTASKS_PER_NODE": str(workers), "MASTER_ADDR": "127.0.0.1", "STRATAGEM_MASTER_PORT": str(ports[0]),
+    }  # fmt: skip
+
+
 def exactness(
     rank: int,
     ports: list[int],
-    shape: tuple[int, ...],
-    names: tuple[str, ...],
+    shape: tuple[int, ...] | None,
+    names: tuple[str, ...] | None,
     data_sharded: bool = False,
     directory: str | None = None,
+    launch: str | None = None,
 ) -> dict[str, Any]:
     """Trains under TensorParallelStrategy on the mesh (shape, names); every parameter, clipped norm and loss against
     one device, what explain() says, and the memory plan's parts beside what the rank holds (`data_sharded`:
     `layout_map`'s ZeRO-3 layouts). With `directory`: a backup after the first step (`state_shards`, as
-    `tensor_parallel_checkpoint_cases` writes one) and the whole values after the first two steps."""
+    `tensor_parallel_checkpoint_cases` writes one) and the whole values after the first two steps. With `launch`
+    (`launch_environment`'s names): the strategy is `sg.strategy_from_env(layout_map=...)` in that launcher's
+    environment, and `shape` None leaves the layout map without a mesh (the default: one `model` axis)."""
+    import os
     from pathlib import Path
+
+    from torch.distributed.tensor import DTensor
 
     import stratagem as sg
     from stratagem.strategies.state_memory import measured_local_bytes
@@ -114,12 +144,25 @@ def exactness(
 
     user_model = gpt2()
     reference, ref_norms, ref_losses = one_device(user_model)
-    strategy = sg.TensorParallelStrategy(
-        layout_map(sg.DeviceMesh(shape, names), data_sharded), cluster=cluster_of(rank, ports), timeout=120
-    )
+    mesh = None if shape is None else sg.DeviceMesh(shape, names)
+    if launch is None:
+        strategy = sg.TensorParallelStrategy(
+            layout_map(mesh, data_sharded), cluster=cluster_of(rank, ports), timeout=120
+        )
+    else:
+        os.environ.update(launch_environment(launch, rank, ports))  # this spawned rank's own environment
+        strategy = sg.strategy_from_env(layout_map=layout_map(mesh, data_sharded))
     try:
         model, opt = strategy.distribute(user_model, optimizer(user_model.parameters()))
         norms, losses = [], []
+        # The activations of a layer split along its output features: this worker's part only (the first call).
+        c_fc_outputs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def record_c_fc(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            local = out.to_local() if isinstance(out, DTensor) else out
+            c_fc_outputs.append((tuple(out.shape), tuple(local.shape)))
+
+        user_model.transformer.h[0].mlp.c_fc.register_forward_hook(record_c_fc)
 
         def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
             loss = lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
@@ -159,6 +202,9 @@ def exactness(
             "local shapes": local_shapes,
             "state shapes": states,
             "same model": model.module is user_model,
+            "strategy": type(strategy).__name__,
+            "cluster source": strategy.cluster.source,
+            "c_fc output": c_fc_outputs[0],
             "plan": strategy.memory_plan().to_dict(),
             "held": measured_local_bytes(model.parameters(), opt),
             "after": after,
