@@ -7,8 +7,9 @@ import pytest
 import tensor_parallel_checkpoint_cases as cases
 import torch
 from helpers import free_port, run_ranks
+from safetensors.torch import load_file
 
-from stratagem.train.backup.report import export_model
+from stratagem.cli.main import main
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -53,10 +54,12 @@ def test_a_backup_at_two_model_workers_resumes_at_one_and_three_and_exports_the_
             worst = abs(there["after two"][name] - value).max() / abs(value).max()
             assert worst <= 1e-9, f"{workers} worker(s): {name} {worst:.2e} relative"
 
+    # `stratagem checkpoint export`, in one process: the whole model, as torch.save and as safetensors.
     target = tmp_path / "model.pt"
-    export_model(tmp_path, target)
-    exported = torch.load(target)
-    assert set(exported) >= set(at_two["after one"]) and "lm_head.weight" in exported  # tied: both names
-    for name, value in at_two["after one"].items():
-        assert (exported[name].numpy() == value).all(), name
-    assert torch.equal(exported["lm_head.weight"], exported["transformer.wte.weight"])
+    assert main(["checkpoint", "export", str(tmp_path), str(target)]) == 0
+    assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "model.safetensors")]) == 0
+    for exported in (torch.load(target), load_file(str(tmp_path / "model.safetensors"))):
+        assert set(exported) >= set(at_two["after one"]) and "lm_head.weight" in exported  # tied: both names
+        for name, value in at_two["after one"].items():
+            assert (exported[name].numpy() == value).all(), name
+        assert torch.equal(exported["lm_head.weight"], exported["transformer.wte.weight"])
