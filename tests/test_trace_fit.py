@@ -107,7 +107,7 @@ def test_fit_refuses_a_trace_of_a_strategy_that_records_none_before_any_work(tmp
     before = [p.detach().clone() for p in net.parameters()]
     with pytest.raises(sg.InputError, match=r"OneDeviceStrategy does not record traces yet\. Received: trace="):
         sg.fit(strategy, net, optimizer, F.cross_entropy, data, trace=tmp_path / "traces")
-    with pytest.raises(sg.InputError, match=r"trace must name a directory\. Received: trace=5\."):
+    with pytest.raises(sg.InputError, match=r"trace must name a directory, or be True or False\. Received: trace=5\."):
         sg.fit(strategy, net, optimizer, F.cross_entropy, data, trace=5)  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())), "trained before the refusal"
     assert not (tmp_path / "traces").exists()

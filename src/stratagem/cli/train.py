@@ -141,11 +141,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="32: float32; bf16: bfloat16 autocast (CPUs and GPUs); fp16: float16 autocast with loss "
         f"scaling, GPUs only (default: {_DEFAULTS.precision})",
     )
-    parser.add_argument(
+    traced = parser.add_mutually_exclusive_group()
+    traced.add_argument(
         "--trace",
         metavar="DIR",
         help="trace every step of every worker into DIR (worker-<rank>.json each, merged into DIR/trace.json.gz "
-        "for Perfetto; read it with `stratagem trace summary DIR`); the strategies traced are in docs/trace.md",
+        "for Perfetto; read it with `stratagem trace summary DIR`); the strategies traced are in docs/trace.md. "
+        "Without it, mirrored and multi_worker record where a sample of the steps went (summary mode, about 1%% "
+        "of a step's time) and the chief prints its mean step",
+    )
+    traced.add_argument(
+        "--no-trace", action="store_true", help="record nothing, not even the default summary of the steps"
     )
     parser.add_argument("--json", action="store_true", help="print only a JSON summary, no progress bars")
     return parser
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             lr=args.lr,
             seed=args.seed,
             precision=args.precision,
-            trace=args.trace,
+            trace=args.trace or not args.no_trace,
         )
         callbacks: list[Callback] = []
         if args.backup_dir:
@@ -255,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         _print_summary(console, report)
+        if report.trace is not None:
+            console.print(Text(report.trace.text()))
         if log is not None:
             console.print(Text(str(log.summary())))
     return 0

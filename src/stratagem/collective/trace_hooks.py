@@ -70,10 +70,13 @@ class CollectiveTrace:
     def waited(self, start: int | None, works: list[Any], what: str) -> None:
         """The calling thread waited from `start` until now for `works`."""
         recorder = self.recorder
-        if start is None or recorder is None:
+        if recorder is None or (start is None and not self._pending):
             return
+        # A collective issued in a recorded step may be waited for in a step a sampled trace skips (`start` None):
+        # it still ends here, or its entry would outlive it and a later work of the same id would end it.
         end = recorder.now()
         seqs = [self._pending.pop(id(w)) for w in works if id(w) in self._pending]
         for seq in seqs:
             recorder.done(seq, end)  # the future's report, when it came first, stands
-        recorder.span("wait", what, start, end, args={"seqs": seqs})
+        if start is not None:
+            recorder.span("wait", what, start, end, args={"seqs": seqs})

@@ -35,6 +35,7 @@ from stratagem.train.callback import Callback
 from stratagem.train.fit import EpochLog, fit
 from stratagem.train.fit_state import TrainingContext
 from stratagem.train.loop import Evaluation, evaluate
+from stratagem.train.tracing import FitTrace
 
 TARGET_ACCURACY = 0.95
 """The test accuracy the default run must reach."""
@@ -60,8 +61,9 @@ class TrainConfig:
     """Seeds the model's initial weights and the shuffle order; same seed, same numbers."""
     precision: str = "32"
     """"32", "bf16" or "fp16" (GPUs only): `fit`'s precision setting."""
-    trace: str | None = None
-    """A directory to trace the training steps into (`fit`'s trace setting); None: no trace."""
+    trace: str | bool = True
+    """`fit`'s trace setting: True, where a sample of the steps went, in memory (`TrainReport.trace`); a directory
+    to trace every step into; False: no trace."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
@@ -109,6 +111,9 @@ class TrainReport:
     """Examples this run trained on (after a resume, not those the run that wrote the backup trained on)."""
     num_resumed_examples: int = 0
     """Examples trained on before the resume, which `history` counts and the throughput leaves out (0: a fresh run)."""
+    trace: FitTrace | None = None
+    """Where this worker's steps went, from the trace `fit` leaves on (None: `trace` was a directory or False, or
+    the strategy does not sample its steps)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -140,6 +145,7 @@ class TrainReport:
             "samples_per_s": self.samples_per_s,
             "elapsed_s": self.elapsed_s,
             "explanation": self.explanation,
+            "trace": None if self.trace is None else self.trace.to_dict(),
         }
 
 
@@ -185,6 +191,7 @@ def train_digits(
         elapsed_s=time.perf_counter() - start,
         num_train_examples=sum(e.num_examples for e in history.epochs) - before.num_examples,
         num_resumed_examples=before.num_examples,
+        trace=history.trace,
     )
 
 

@@ -16,14 +16,18 @@ The package, in the order a trace is made and read:
   the step), and the late worker named by its arrival at the collectives (`late.py`), as a report with a
   text and a JSON rendering, and a PNG of the breakdown.
 - `fold.py`: summary mode, the steps' spans folded in batches into what the step table needs.
+- `sample.py`: which steps summary mode records when `fit` leaves it on (every step of a slow run, 1 in K of a
+  fast one, keeping its cost near 1% of a step).
 - `pipeline.py`: the pipeline's bubble measured from the stages' spans, beside GPipe's (S-1)/(M+S-1).
 - `functions.py`: the report of a parameter-server job's trace (no step shared, no collective): each worker's
   functions and what they spent their time on, each server's updates; `summary.report` picks it.
 - `traceable.py`: `Traceable`, the one member a strategy declares to be traced (`trace(directory)`), which
   `fit(..., trace=DIR)` and `stratagem train --trace DIR` look for.
 
-Turned on by `stratagem launch --trace DIR` (STRATAGEM_TRACE), or for a range of steps by
-`with strategy.trace(DIR):` on any `Traceable` strategy, or `fit(..., trace=DIR)`. Read with `stratagem trace summary DIR`.
+Left on by `fit` and `stratagem train` in summary mode on a sample of the steps (MirroredStrategy and
+MultiWorkerMirroredStrategy; `trace=False` turns it off). Every step is traced by `stratagem launch --trace DIR`
+(STRATAGEM_TRACE), or for a range of steps by `with strategy.trace(DIR):` on any `Traceable` strategy, or
+`fit(..., trace=DIR)`. Read with `stratagem trace summary DIR`.
 """
 
 from __future__ import annotations

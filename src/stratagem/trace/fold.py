@@ -66,19 +66,28 @@ class StepFolder:
         self.spans: list[tuple[str, int, int, list[int] | None]] = []
         """The spans since the last fold, appended by the recorder's `span` (one append: several replica threads
         record at once): category, start and end (ns), and a wait's collectives (None for the others)."""
-        self._ends: list[tuple[int, int, int, int]] = []  # per step not yet folded: step, end, spans, collectives
+        # Per step not yet folded: step, end, spans, collectives, and its window's start when the step before it was
+        # not recorded (a sampled trace, `begin_window`; None: the end of the step before).
+        self._ends: list[tuple[int, int, int, int, int | None]] = []
         self._rows: list[np.ndarray] = []  # per batch: step, window start, window end, the totals of FOLDED
         self._waits: list[np.ndarray] = []  # per batch: the step's row, start, end, how many collectives
         self._wait_seqs: list[np.ndarray] = []  # per batch: the collectives of its waits, one after another
         self._stretches: list[np.ndarray] = []  # per batch: seq, the ns of each of PHASES
         self._previous: list[tuple[str, int, int, list[int] | None]] = []  # the last folded step's spans
         self._window_start: int | None = None
+        self._opened: int | None = None  # `begin_window`'s time, for the next step to end
         self._next_seq = 0  # the first collective whose stretch is not yet folded
         self._folded = 0  # steps folded
 
+    def begin_window(self, start: int) -> None:
+        """The next step's window opens at `start` (ns), the end of a step that was not recorded (a sampled trace,
+        `sample.py`): its stretches reach back no further, and no earlier span is painted into it."""
+        self._opened = start
+
     def end_step(self, step: int, end: int) -> None:
         """`step` ended at `end` (its step span is the last added); folds a batch when one is full."""
-        self._ends.append((step, end, len(self.spans), len(self.collectives)))
+        self._ends.append((step, end, len(self.spans), len(self.collectives), self._opened))
+        self._opened = None
         if len(self._ends) >= BATCH:
             self.fold()
 
@@ -107,9 +116,11 @@ class StepFolder:
         warning asks at every step)."""
         if not self._ends:
             return dict(zip(OWN, self._rows[-1][-1, 4:7].tolist())) if self._rows else None
-        _, end, upto, _ = self._ends[-1]
+        _, end, upto, _, opened = self._ends[-1]
         since = self._ends[-2][2] if len(self._ends) > 1 else 0
         start = self._ends[-2][1] if len(self._ends) > 1 else self._window_start
+        if opened is not None:
+            start = opened
         spans = self.spans[since:upto]
         if start is None:
             start = min((s[1] for s in spans), default=end)
@@ -139,8 +150,10 @@ class StepFolder:
         collectives = self.collectives
         seq = self._next_seq
         has_previous = self._window_start is not None
-        for k, (_, end, _, count) in enumerate(ends, start=1):
-            if k > 1:
+        for k, (_, end, _, count, opened) in enumerate(ends, start=1):
+            if opened is not None:  # the step before was not recorded: nothing before the window belongs to it
+                start = opened
+            elif k > 1:
                 start = ends[k - 2][1]
             elif self._window_start is not None:
                 start = self._window_start
@@ -151,6 +164,8 @@ class StepFolder:
                 arrived = collectives[seq][7]
                 before = collectives[seq - 1][8] if seq > 0 else None
                 if before is not None and before > end:  # done after this step ended: not done when it was folded
+                    before = None
+                if opened is not None and before is not None and before < start:  # a step not recorded between
                     before = None
                 since = min(start if before is None else before, arrived)
                 earlier = since if since < start and (k > 1 or has_previous) else -1

@@ -24,6 +24,7 @@ from typing import Any
 
 from stratagem.errors import InputError
 from stratagem.trace.fold import MODES, SPANS, SUMMARY, StepFolder, own_phases
+from stratagem.trace.sample import StepSample
 
 FORMAT = "stratagem-trace/1"
 """The `format` field of a worker's file."""
@@ -60,6 +61,11 @@ class Recorder:
         self.world_size = world_size
         self.clock = clock
         self.on = False
+        """Whether the hooks record now: True from `start` to `stop`, but off between the steps a sample skips."""
+        self.recording = False
+        """Whether a trace is under way (from `start` to `stop`), recording this step or not."""
+        self.sample: StepSample | None = None
+        """Summary mode's sample of steps (`sample_steps`); None: every step is recorded."""
         self.spans: list[tuple[str, str, int, int, str, int, dict[str, Any] | None]] = []
         """(category, name, start ns, end ns, track, step, args)."""
         self.collectives: list[list[Any]] = []
@@ -80,6 +86,7 @@ class Recorder:
         self._step_from = 0  # full mode: the index in `spans` where the step under way began
         self._last_step: tuple[int, int] | None = None  # full mode: the last complete step's spans, as a slice
         self._phases: dict[str, int] | None = None  # `last_step_phases`, once worked out
+        self._cpu_clock: Clock = time.thread_time_ns  # a sample's: the training thread's CPU time
 
     def start(self, clock: Clock | None = None, *, mode: str = SPANS) -> None:
         """Records from now on (`clock`: another clock than the one given at construction); `mode`: "spans"
@@ -89,10 +96,43 @@ class Recorder:
             self.clock = clock
         self.mode = mode
         self.folder = StepFolder(self.collectives) if mode == SUMMARY else None
-        self.on = True
+        self.sample = None
+        self.on = self.recording = True
 
     def stop(self) -> None:
-        self.on = False
+        self.on = self.recording = False
+
+    def sample_steps(self, *, cpu_clock: Clock = time.thread_time_ns, **rule: Any) -> StepSample:
+        """Records a sample of the steps from now on (`sample.py`: every step of a slow run, 1 in K of a fast one);
+        summary mode only. The strategy must call `after_step` at every step's end on its training thread
+        (MirroredStrategy and MultiWorkerMirroredStrategy do). `cpu_clock`: that thread's CPU ns; `rule`:
+        `StepSample`'s cost_ns, budget and keep."""
+        if self.folder is None:
+            raise InputError(
+                f"Only a trace in summary mode samples steps. Received: mode={self.mode!r}. Start the trace with "
+                "mode='summary'."
+            )
+        self._cpu_clock = cpu_clock
+        self.sample = StepSample(start=self.clock(), cpu_start=cpu_clock(), **rule)
+        return self.sample
+
+    def after_step(self, step: int) -> None:
+        """Step `step` has ended (every step while a trace is under way, recorded or not): with steps sampled,
+        decides whether the next one is recorded, and opens its window now (its input comes before it starts)."""
+        sample = self.sample
+        if sample is None or self.folder is None:
+            return
+        if not self.on and step + 1 < sample.next_step:  # most steps of a sample: no clock read, no call
+            sample.num_steps += 1
+            return
+        now = self.clock()
+        recorded = self.on
+        if sample.next_records(step, recorded=recorded, now=now, cpu_now=self._cpu_clock()):
+            if not recorded:
+                self.folder.begin_window(now)
+                self.on = True
+        else:
+            self.on = False
 
     def at_step(self, step: int) -> None:
         """The spans recorded from now on belong to `step`."""
@@ -150,6 +190,8 @@ class Recorder:
 
     def done(self, seq: int, at: int | None = None) -> None:
         """Collective `seq` has completed (now, or at `at`); the first report counts."""
+        if seq >= len(self.collectives):  # entered in a trace since cleared (its wait came after the trace ended)
+            return
         record = self.collectives[seq]
         if record[8] is None:
             record[8] = self.clock() if at is None else at
@@ -167,6 +209,7 @@ class Recorder:
             "collectives": self.collectives,
             "steps": [] if self.folder is None else self.folder.steps,
             "stretches": [] if self.folder is None else self.folder.stretches,
+            "sample": None if self.sample is None else self.sample.to_dict(),
         }
 
     def write(self, directory: str | Path) -> Path:
@@ -184,6 +227,7 @@ class Recorder:
         self._step_from, self._last_step, self._phases = 0, None, None
         if self.folder is not None:
             self.folder = StepFolder(self.collectives)
+        self.sample = None
 
 
 def check_mode(mode: str) -> None:

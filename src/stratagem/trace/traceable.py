@@ -50,7 +50,7 @@ def record_alone(
     """`Traceable.trace` of a strategy of one process: its clock is the job's, so no offset is measured; the
     file is written when the block ends, however it ends."""
     check_mode(mode)
-    if recorder.on:
+    if recorder.recording:
         raise InputError(
             f"A trace is recording already. Received: trace({str(directory)!r}) inside it. End the first trace."
         )

@@ -25,7 +25,6 @@ import signal
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ from stratagem.train.loop import (
 )
 from stratagem.train.metrics import Metric, MetricSet, get_metrics
 from stratagem.train.preemption import StopSignals, exit_code, fold_stop_flag, split_stop_flag
-from stratagem.train.tracing import check_trace, traced_run
+from stratagem.train.tracing import TraceOutcome, TraceSetting, check_trace, traced_run
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def fit(
     accumulate_steps: int = 1,
     precision: str = "32",
     verbose: bool = False,
-    trace: str | Path | None = None,
+    trace: TraceSetting = True,
 ) -> History:
     """Trains `model` with `optimizer` on `data` under `strategy` and returns the history per epoch.
 
@@ -121,10 +120,13 @@ def fit(
             and GPUs) or "fp16" (float16 autocast with loss scaling, one scale for every replica and
             worker; GPUs only).
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
-        trace: a directory: every worker records its steps (input, forward, backward, optimizer step, each
-            collective and wait) and writes ``worker-<rank>.json`` there; the chief merges them into
-            ``trace.json.gz`` for Perfetto (``stratagem trace summary DIR`` reads them). The strategy must be a
-            `stratagem.trace.Traceable` (docs/trace.md).
+        trace: True (the default): MirroredStrategy and MultiWorkerMirroredStrategy record where each worker's
+            steps went in summary mode (no spans), a sample of the steps that keeps the cost near 1% of a step, and
+            ``history.trace`` holds this worker's table; the other strategies are not traced. A directory: every
+            worker records every step with its spans (input, forward, backward, optimizer step, each collective
+            and wait) and writes ``worker-<rank>.json`` there; the chief merges them into ``trace.json.gz`` for
+            Perfetto (``stratagem trace summary DIR`` reads them); the strategy must be a
+            `stratagem.trace.Traceable`. False (or None): no trace (docs/trace.md).
 
     Example:
         >>> history = sg.fit(sg.MirroredStrategy(), net, torch.optim.SGD(net.parameters(), lr=0.1),
@@ -175,8 +177,9 @@ def fit(
     # Every task reaches this line with the same steps; a task that only runs steps (a parameter-server
     # worker) serves from here until the chief ends the job.
     strategy.prepare_fit_steps({"train": train_step, "eval": eval_step}, model)
+    traced = TraceOutcome()
     try:
-        with traced_run(strategy, trace, is_chief=context.is_chief) as context.recorder:
+        with traced_run(strategy, trace, is_chief=context.is_chief, outcome=traced) as context.recorder:
             history = _train(context, callbacks, train_step, eval_step, val_data, accumulate_steps, signals)
     except BaseException:
         for callback in callbacks:
@@ -184,6 +187,7 @@ def fit(
             if callable(close):
                 close()
         raise
+    history.trace = traced.left_on
     return history
 
 

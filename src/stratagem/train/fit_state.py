@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
 from stratagem.train.checkpoint import capture_rng_state, restore_rng_state
 from stratagem.train.metrics import MetricSet
+
+if TYPE_CHECKING:
+    from stratagem.train.tracing import FitTrace
 
 # Written into every backup, so that a checkpoint something else wrote is refused by its kind.
 CHECKPOINT_KIND = "fit"
@@ -68,6 +71,10 @@ class History:
     model: nn.Module = field(repr=False)
     """The model `strategy.distribute` returned; pass it to `evaluate` or to another `fit`."""
     optimizer: torch.optim.Optimizer = field(repr=False)
+    trace: FitTrace | None = field(default=None, repr=False)
+    """Where this worker's steps went, from the trace `fit` leaves on (`trace=True`, the default: summary mode, a
+    sample of the steps; `print(history.trace.text())`); None with `trace=False`, `trace=DIR` (the files in DIR
+    hold it) or a strategy that does not sample its steps (docs/trace.md)."""
 
     @property
     def history(self) -> dict[str, list[float]]:

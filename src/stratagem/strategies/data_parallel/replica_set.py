@@ -350,6 +350,8 @@ class ReplicaSet(ReplicaHost):
             self._outside.after_run()  # what the step did is every replica's own; what comes next is a script's
             if recorder is not None:
                 recorder.span("step", f"step {state.step}", started, recorder.now())
+            if self._recorder is not None and self._recorder.recording:
+                self._recorder.after_step(state.step)  # a sampled trace decides whether the next step records
         if num_replicas == 1 and self.num_replicas_in_sync == 1:
             return results[0]
         return tag_results(stack_replicas(results, batch_sizes, global_size), state.counts)

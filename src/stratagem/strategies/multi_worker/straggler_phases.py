@@ -42,7 +42,8 @@ class ComputePhases:
     def numbers(self, rank: int, recorder: Recorder | None) -> list[float]:
         """Every worker's slot, this worker's holding its last traced step's own phase times (ms), the rest zero."""
         out = [0.0] * self.size
-        phases = recorder.last_step_phases() if recorder is not None and recorder.on else None
+        # `recording`, not `on`: a sampled trace (`trace/sample.py`) sends its last recorded step between samples.
+        phases = recorder.last_step_phases() if recorder is not None and recorder.recording else None
         if phases is not None:
             out[rank * SLOT : (rank + 1) * SLOT] = [phases[p] / 1e6 for p in PHASES]
         return out
