@@ -1,5 +1,5 @@
-"""What a trace costs (issue 42, item 6): samples/s of MultiWorkerMirrored with the trace off, in summary mode,
-and with full spans, in interleaved blocks on the same two worker processes.
+"""What a trace costs (issue 42, item 6): samples/s of MultiWorkerMirrored with the trace off, in summary mode on
+a sample of the steps (fit's default), in summary mode on every step, and with full spans, in interleaved blocks on the same two worker processes.
 
 Two workers under the local launcher (127.0.0.1, free ports) train one workload. After warm-up steps each
 round runs one block of `--steps` steps per mode, the order of the modes rotating from round to round, so a
@@ -21,6 +21,7 @@ Ratios are taken within a round (mode / off of the same round), then the median 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -29,7 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("off", "summary", "spans")
+MODES = ("off", "sampled", "summary", "spans")
+""""sampled": summary mode on a sample of the steps, as `fit` leaves it on (`trace/sample.py`); "summary": every
+step in summary mode; "spans": every span."""
 WORKLOADS = {
     "mlp": "Linear(16, 32), Tanh, Linear(32, 4); global batch 32 (16 a worker): the steps of about a millisecond "
     "where a fixed cost per step shows most",
@@ -86,20 +89,27 @@ def worker(args: argparse.Namespace) -> None:
     directory = Path(args.dir)
     blocks = []
     for round_ in range(args.rounds):
-        order = MODES[round_ % 3 :] + MODES[: round_ % 3]
+        order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
         for mode in order:
             strategy.barrier()
             entered = time.perf_counter()
             trace = recorder = None
             if mode != "off":
-                trace = strategy.trace(directory / f"{mode}-{round_}", mode=mode)
+                trace = strategy.trace(directory / f"{mode}-{round_}", mode="spans" if mode == "spans" else "summary")
                 recorder = trace.__enter__()
+                if mode == "sampled":
+                    recorder.sample_steps()
+            gc0 = [g["collections"] for g in gc.get_stats()]
             wall0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             steps(args.steps)
+            fold0 = time.thread_time()
             if recorder is not None and recorder.folder is not None:
                 recorder.folder.fold()  # summary mode folds in batches: the block's steps are timed folded
+            fold = time.thread_time() - fold0
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             main = time.thread_time() - main0
+            passes = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
+            recorded = recorder.sample.num_recorded if recorder is not None and recorder.sample is not None else None
             left = time.perf_counter()
             nbytes = None
             if trace is not None:
@@ -107,7 +117,8 @@ def worker(args: argparse.Namespace) -> None:
                 nbytes = (directory / f"{mode}-{round_}" / f"worker-{rank}.json").stat().st_size
             blocks.append(
                 {"round": round_, "mode": mode, "wall_s": wall, "cpu_s": cpu, "main_cpu_s": main, "bytes": nbytes,
-                 "enter_s": wall0 - entered, "leave_s": time.perf_counter() - left}
+                 "enter_s": wall0 - entered, "leave_s": time.perf_counter() - left, "gc_passes": passes,
+                 "recorded": recorded, "fold_cpu_s": fold}
             )  # fmt: skip
     print(json.dumps({"rank": rank, "blocks": blocks}), flush=True)
     strategy.close()
@@ -146,6 +157,18 @@ def summarize(per_rank: dict[int, list[dict]], steps: int, global_batch: int) ->
                 statistics.median((c - o) / steps * 1e6 for c, o in zip(mains, off_mains)), 1
             ),
         }
+        row["gc_passes_per_block_median"] = [
+            statistics.median(by[(r, k, mode)]["gc_passes"][g] for r in ranks for k in rounds) for g in range(3)
+        ]
+        # The block's last fold, timed in the block: a run folds every fold.BATCH recorded steps, so a sampled run
+        # pays a few of these per 8,000 steps, where a block of `--steps` pays one.
+        row["fold_at_block_end_us_per_step_median"] = round(
+            statistics.median(by[(r, k, mode)]["fold_cpu_s"] / steps * 1e6 for r in ranks for k in rounds), 1
+        )
+        if mode == "sampled":
+            row["steps_recorded_per_block_median"] = statistics.median(
+                by[(r, k, mode)]["recorded"] for r in ranks for k in rounds
+            )
         if mode != "off":
             sizes = [by[(r, k, mode)]["bytes"] for r in ranks for k in rounds]
             row["bytes_per_worker_per_100_steps"] = round(statistics.fmean(sizes) / steps * 100)
