@@ -28,7 +28,7 @@ def _merged(directory: Path) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_fit_with_trace_on_2_workers_writes_one_valid_merged_file_of_every_step(tmp_path):
+def test_fit_with_trace_on_2_workers_writes_one_valid_merged_file_of_every_step_and_then_leaves_a_sample_on(tmp_path):
     code, outcomes, lines = launch_json_workers(
         "trace_fit.py", {"TR_DIR": tmp_path, "TR_STEPS": 6, "TR_EPOCHS": 2}, timeout=150
     )
@@ -48,6 +48,13 @@ def test_fit_with_trace_on_2_workers_writes_one_valid_merged_file_of_every_step(
     for row in report.rows:
         assert row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
     assert report.named == [], report.late_steps
+    # The epoch after, with fit's default trace: each worker's own table of a sample of its 6 steps, in memory.
+    for rank, outcome in outcomes.items():
+        left_on = outcome["left_on"]
+        assert left_on is not None and left_on["num_steps"] == 6 and 1 <= left_on["num_recorded"] <= 6, outcome
+        assert left_on["tasks"] == [f"worker:{rank}"] * left_on["num_recorded"] and left_on["adds_up"], outcome
+        assert "A trace is recording already" in (outcome["nested"] or ""), outcome
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json.gz", "worker-0.json", "worker-1.json"]
 
 
 def test_fit_with_trace_on_mirrored_puts_each_replica_thread_on_a_track_of_its_own(tmp_path):

@@ -175,7 +175,7 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
             ...     for x, y in strategy.distribute_dataset(loader):
             ...         strategy.run(train_step, args=(x, y))
         """
-        if self._recorder.on:
+        if self._recorder.recording:  # not `on`: a sampled trace is off between the steps it records
             raise InputError(
                 f"A trace is recording already (to {self._trace_dir!r}). Received: strategy.trace({str(directory)!r}) "
                 "inside it. End the first trace, or unset STRATAGEM_TRACE (stratagem launch --trace) to trace "
