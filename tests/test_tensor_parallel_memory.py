@@ -9,6 +9,7 @@ import torch
 from helpers import free_port, run_ranks
 
 import stratagem as sg
+from stratagem.strategies.tensor_parallel.decisions import layout_decisions
 from stratagem.strategies.tensor_parallel.memory import plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.mesh import resolve_layouts
 
@@ -80,6 +81,10 @@ def test_the_plan_is_what_each_rank_holds_after_a_step_and_measuring_activations
         assert plan["activations"] > 0 and plan["activations_how"].startswith("measured")
         assert result["untouched"], "the measuring step left gradients behind"
         assert "memory plan" in result["explain"]
+        # The step's one collective along model, counted in the measuring step: the second Linear's partial output
+        # (6 rows x 3 features, float64) all-reduced. Backward has none: the input needs no gradient, and the first
+        # weight's gradient comes out in its layout.
+        assert "model axis: per step: all-reduce 1 x 144 B" in result["explain"], result["explain"]
 
 
 def test_a_weight_sharded_along_data_is_cut_there_too_and_its_unit_is_planned_whole_along_data():
@@ -104,3 +109,17 @@ def test_a_weight_sharded_along_data_is_cut_there_too_and_its_unit_is_planned_wh
     # The first layer's unit in backward: its model part whole along data (3 x 8 or 2 x 8), four times over.
     assert [p.data_sharding_buffers for p in plans] == [4 * 192, 4 * 128, 4 * 192, 4 * 128]
     assert "data sharding 768 B" in str(plans[0])
+
+
+def test_explain_says_how_to_size_the_model_axiss_collectives_until_a_step_is_measured():
+    mesh = sg.DeviceMesh((2,), ("model",))
+    model = cases.mlp()
+    named = [(n, p, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    layouts = resolve_layouts(cases.layout_map(mesh), mesh, named)
+    [line] = [d for d in layout_decisions(mesh, layouts) if d.subject == "model axis"]
+    assert line.choice == "per step: not measured yet"
+    assert "call strategy.memory_plan(example_inputs=one global batch) on every worker" in line.reason
+    [line] = [d for d in layout_decisions(mesh, layouts, "all-reduce 1 x 144 B") if d.subject == "model axis"]
+    assert line.choice == "per step: all-reduce 1 x 144 B"
+    one = sg.DeviceMesh((1, 2), ("model", "data"))  # no model axis to speak of: no line
+    assert all(d.subject != "model axis" for d in layout_decisions(one, resolve_layouts(sg.LayoutMap(one), one, named)))

@@ -26,9 +26,13 @@ _COSTS = {
 }
 
 
-def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> list[PlacementDecision]:
-    """The mesh, the techniques in their order, the parameters split and replicated, and on a `data` axis the
-    gradient sum of the replicated parameters and the sharding of the others (with their elements per step)."""
+def layout_decisions(
+    mesh: DeviceMesh, layouts: Sequence[ParameterLayout], step_bytes: str | None = None
+) -> list[PlacementDecision]:
+    """The mesh, the techniques in their order, the parameters split and replicated, the `model` axis's
+    collectives of a step with their bytes (`step_bytes`: `StepBytes.summary()` of the step `memory_plan`
+    measured, None before one), and on a `data` axis the gradient sum of the replicated parameters and the
+    sharding of the others (with their elements per step)."""
     out = [
         PlacementDecision(
             subject="mesh",
@@ -50,6 +54,19 @@ def layout_decisions(mesh: DeviceMesh, layouts: Sequence[ParameterLayout]) -> li
             "because DTensor's redistributions are deterministic",
         )
     )
+    if mesh.axis_size("model") > 1:
+        out.append(
+            PlacementDecision(
+                subject="model axis",
+                choice=f"per step: {step_bytes}" if step_bytes is not None else "per step: not measured yet",
+                reason="the collectives DTensor inserts along 'model' in one forward and backward (each split's "
+                "kind: details' layouts), counted with the bytes this rank hands each (its part for an all-gather, "
+                "its whole input otherwise) in memory_plan(example_inputs=...)'s measuring step"
+                if step_bytes is not None
+                else "their bytes follow the activations: call strategy.memory_plan(example_inputs=one global batch) "
+                "on every worker after distribute to count them",
+            )
+        )
     if "data" in mesh.axis_names:
         model, data = mesh.axis_size("model"), mesh.axis_size("data")
         sharded = [layout for layout in layouts if data_dim(layout) is not None]

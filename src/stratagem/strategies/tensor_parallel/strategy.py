@@ -14,7 +14,7 @@ group hold the same bits of every replicated parameter, and the result equals on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -55,6 +55,7 @@ from stratagem.strategies.tensor_parallel.mesh import (
     default_mesh,
     resolve_layouts,
 )
+from stratagem.strategies.tensor_parallel.step_bytes import StepBytes
 from stratagem.strategies.tensor_parallel.styles import check_splits
 from stratagem.strategies.tensor_parallel.techniques import Placing, apply_techniques, check_techniques
 from stratagem.strategies.tensor_parallel.tracing import TensorParallelTrace
@@ -166,6 +167,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         self._steps = 0
         self._plan: TensorParallelMemoryPlan | None = None
         self._activations: ActivationEstimate | None = None
+        self._step_bytes: str | None = None  # the model axis's collectives of a step, once measured
         self._agreement = StepAgreement(self._group, enabled=check_batches, strategy=type(self).__name__)
         self._batch_agreement = self._agreement.batch
         self._input_sharding = InputSharding()
@@ -262,9 +264,18 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
                 "rank's bytes: memory_plan(model, optimizer, activations=...)."
             )
         if example_inputs is not None:
-            self._activations = measure_split_step(
-                self._model, replica_part(example_inputs, self._num_data, self._data_index), replicated_plain_tensors
-            )
+            # The same step counts the model axis's collectives with their bytes, for explain() (step_bytes.py).
+            axes = {str(self._torch_mesh[name].get_group().group_name): name for name in self._mesh.axis_names}
+            counting = StepBytes(axes)
+
+            @contextlib.contextmanager
+            def around() -> Iterator[None]:
+                with replicated_plain_tensors(), counting:
+                    yield
+
+            part = replica_part(example_inputs, self._num_data, self._data_index)
+            self._activations = measure_split_step(self._model, part, around)
+            self._step_bytes = counting.summary() or "none"
         else:
             self._activations = plan_activations(None, None, activations, lambda b: b) or self._activations
         if model is not None:
@@ -406,7 +417,7 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         decisions = list(self._group.decisions())
         if self._device_decision is not None:
             decisions.append(self._device_decision)
-        decisions.extend(layout_decisions(self._mesh, self._layouts))
+        decisions.extend(layout_decisions(self._mesh, self._layouts, self._step_bytes))
         decisions.extend(self._input_sharding.decisions())
         details: dict[str, Any] = {"layouts": layout_table(self._layouts, self._kinds)} if self._layouts else {}
         if self._plan is not None:
