@@ -115,26 +115,31 @@ def load(directory: str | Path) -> JobTrace:
         raw = json.loads(path.read_text())
         if raw.get("format") != FORMAT:
             raise InputError(f"{path} is not a stratagem worker trace. Received: format={raw.get('format')!r}.")
-        shift = int(raw["clock"]["offset_ns"])
-        worker = WorkerTrace(
-            raw["rank"], raw["task"], shift, int(raw["clock"]["error_ns"]), mode=raw.get("mode", "spans"),
-            role=raw.get("role", "worker"),
-        )  # fmt: skip
-        for step, start, end, totals, waits in raw.get("steps", []):
-            worker.steps.append(
-                FoldedStep(step, start + shift, end + shift, dict(zip(FOLDED, totals)),
-                           [(a + shift, b + shift, q) for a, b, q in waits])
-            )  # fmt: skip
-        worker.stretches = {seq: dict(zip(PHASES, phases)) for seq, *phases in raw.get("stretches", [])}
-        for cat, name, start, end, track, step, args in raw["spans"]:
-            worker.spans.append(Span(cat, name, start + shift, end + shift, track, step, args))
-        for seq, op, what, step, nbytes, bucket, transport, arrived, done in raw["collectives"]:
-            worker.collectives.append(
-                Collective(seq, op, what, step, nbytes, bucket, transport, arrived + shift,
-                           None if done is None else done + shift)
-            )  # fmt: skip
-        workers.append(worker)
+        workers.append(worker_trace(raw))
     return JobTrace(sorted(workers, key=lambda w: w.rank))
+
+
+def worker_trace(raw: dict[str, Any]) -> WorkerTrace:
+    """One worker's file's contents (`Recorder.to_dict`), its times moved onto the chief's clock."""
+    shift = int(raw["clock"]["offset_ns"])
+    worker = WorkerTrace(
+        raw["rank"], raw["task"], shift, int(raw["clock"]["error_ns"]), mode=raw.get("mode", "spans"),
+        role=raw.get("role", "worker"),
+    )  # fmt: skip
+    for step, start, end, totals, waits in raw.get("steps", []):
+        worker.steps.append(
+            FoldedStep(step, start + shift, end + shift, dict(zip(FOLDED, totals)),
+                       [(a + shift, b + shift, q) for a, b, q in waits])
+        )  # fmt: skip
+    worker.stretches = {seq: dict(zip(PHASES, phases)) for seq, *phases in raw.get("stretches", [])}
+    for cat, name, start, end, track, step, args in raw["spans"]:
+        worker.spans.append(Span(cat, name, start + shift, end + shift, track, step, args))
+    for seq, op, what, step, nbytes, bucket, transport, arrived, done in raw["collectives"]:
+        worker.collectives.append(
+            Collective(seq, op, what, step, nbytes, bucket, transport, arrived + shift,
+                       None if done is None else done + shift)
+        )  # fmt: skip
+    return worker
 
 
 def _us(ns: int) -> float:

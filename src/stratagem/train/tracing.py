@@ -29,7 +29,7 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 from stratagem.trace import Traceable
 from stratagem.trace.fold import SUMMARY
-from stratagem.trace.merge import load, merge
+from stratagem.trace.merge import JobTrace, merge, worker_trace
 from stratagem.trace.recorder import Recorder, worker_file
 from stratagem.trace.summary import TraceSummary, summarize
 
@@ -166,7 +166,7 @@ def traced_run(
             worker = json.loads(worker_file(directory, recorder.rank).read_text())
             if outcome is not None:
                 outcome.left_on = FitTrace(
-                    summarize(load(directory)), sample.num_steps, sample.num_recorded, sample.every,
+                    summarize(JobTrace([worker_trace(worker)])), sample.num_steps, sample.num_recorded, sample.every,
                     recorder.world_size, worker,
                 )  # fmt: skip
         return
