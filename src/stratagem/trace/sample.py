@@ -1,15 +1,15 @@
 """Summary mode left on: a sample of the steps recorded, at a rate that keeps its cost near 1% of the step.
 
 A step recorded in summary mode costs a fixed amount of Python on the training thread (the hooks' clock reads
-and appends, the start-of-backward hook, the collectives' bookkeeping, the fold; about 55 us of CPU a step on
-this project's 2-core test machine, benchmarks/reports/2026-12-08-cpu-2vcpu-trace-overhead.md), which is 0.3%
-of a 10 ms step but 6-10% of a half-millisecond one. `fit` records every step of a slow run and 1 step in `every`
-of a fast one: after each recorded step, `every` becomes the least power of two for which `COST_NS / every` is
-at most `BUDGET` of that step's length (the lesser of its window's wall time and the training thread's CPU time
-in it; and at least doubled after every `KEEP` recorded steps, so that a long run's
-memory stays bounded). The next step recorded is then the next multiple of `every`. A step not recorded costs less than a clock read (the hooks read one flag,
-`Recorder.on`, and find it off). The rule depends only on the recorded steps' windows, so a test drives it
-with a fake clock (tests/test_trace_sample.py).
+and appends, the start-of-backward hook, the collectives' bookkeeping, the fold; 40-65 us of CPU a step on this
+project's 2-core test machine, benchmarks/reports/2026-12-08-cpu-2vcpu-trace-overhead.md), which is 0.5% of a
+10 ms step but 7-12% of a half-millisecond one. `fit` records every step of a slow run and 1 step in `every` of a
+fast one: after each recorded step, `every` becomes the least power of two for which `COST_NS / every` is at most
+`BUDGET` of that step's length (the lesser of its window's wall time and the training thread's CPU time in it),
+and at least doubles after every `KEEP` recorded steps, so that a long run's memory stays bounded. The next step
+recorded is the next multiple of `every`. A step not recorded costs a flag read in each hook (`Recorder.on`, off)
+and a few attribute reads at its end (`Recorder.after_step`). The rule depends only on the recorded steps'
+lengths, so a test drives it with fake clocks (tests/test_trace_sample.py).
 
 What a sample keeps: each recorded step whole (its window, from the end of the step before it, recorded or not,
 to its end; its input, forward, backward, optimizer step, waits and collectives). What it loses: the steps in
@@ -37,7 +37,7 @@ MAX_EVERY = 1024
 
 KEEP = 4096
 """Recorded steps after which the interval is at least doubled, and again after each as many: what a long run keeps
-in memory grows with the logarithm of its steps (about 45,000 recorded steps at most before 1 in 1,024, some tens
+in memory grows with the logarithm of its steps (about 41,000 recorded steps before 1 in 1,024, some tens
 of MB), not with the steps."""
 
 
