@@ -250,7 +250,7 @@ def test_expand_tasks_per_node():
     assert expand_tasks_per_node("8") == [8]
 
 
-@pytest.mark.parametrize("module", ["spec", "tf_config", "nodelist", "resolve", "processes", "launch"])
+@pytest.mark.parametrize("module", ["spec", "tf_config", "nodelist", "resolve", "processes", "launch", "mesh"])
 def test_docstring_examples_run(module):
     failures, _ = doctest.testmod(importlib.import_module(f"stratagem.cluster.{module}"))
     assert failures == 0

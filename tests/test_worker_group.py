@@ -1,7 +1,7 @@
 """The worker group: a plan checked before anything is built, then one process group per job.
 
 The plan's refusals need no process group; two spawned ranks on loopback (free ports) start a group,
-see each other, make a DeviceMesh and close twice.
+see each other, make the plan's DeviceMesh (one `data` axis) and close twice.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from helpers import free_port, run_ranks
 
 import stratagem as sg
 from stratagem.cluster import worker_group
+from stratagem.cluster.mesh import DeviceMesh
 from stratagem.cluster.worker_group import WorkerGroup, choose_backend, plan_worker_group
 from stratagem.errors import ClusterError, InputError
 
@@ -93,6 +94,30 @@ def test_a_cluster_of_the_wrong_type_is_refused_by_its_resolution():
         plan_worker_group(42, timeout=5, env={})  # type: ignore[arg-type]
 
 
+def test_a_plans_mesh_is_one_data_axis_over_every_worker_unless_one_is_given():
+    assert plan_worker_group(task("worker", 1), timeout=30, env={}).mesh == DeviceMesh((3,), ("data",))
+    assert plan_worker_group(None, timeout=5, env={}).mesh == DeviceMesh((1,), ("data",))
+    named = plan_worker_group(task("worker", 1), timeout=30, env={}, default_axis="model")
+    assert named.mesh == DeviceMesh((3,), ("model",))
+    given = DeviceMesh((3, 1), ("data", "model"))
+    assert plan_worker_group(task("chief", 0), timeout=30, env={}, mesh=given).mesh is given
+
+
+def test_a_mesh_whose_product_is_not_the_worker_count_is_refused_before_any_process_group():
+    with pytest.raises(
+        InputError,
+        match=r"The mesh spans 4 workers but the job has 3\. Received: shape=\(2, 2\), "
+        r"axis_names=\('data', 'model'\), workers=3\. Give a shape whose product is 3",
+    ):
+        plan_worker_group(task("worker", 0), timeout=30, env={}, mesh=DeviceMesh((2, 2), ("data", "model")))
+    assert not dist.is_initialized()
+
+
+def test_a_mesh_that_is_not_a_stratagem_device_mesh_is_refused():
+    with pytest.raises(InputError, match=r"A worker group's mesh is a stratagem DeviceMesh\. Received: tuple\."):
+        plan_worker_group(None, timeout=5, env={}, mesh=(1,))  # type: ignore[arg-type]
+
+
 def test_the_strategy_refuses_a_bad_plan_before_it_forms_a_process_group():
     with pytest.raises(
         InputError, match=r"timeout must be a finite number of seconds in \(0, 86400\]\. Received: timeout=0"
@@ -144,7 +169,7 @@ def _start_and_close_twice(rank: int, port: int) -> dict:
             "backend": group.backend,
             "decisions": [(d.subject, d.choice) for d in group.decisions()],
             "sum": total.item(),
-            "mesh": (mesh.device_type, mesh.size(), mesh.get_local_rank()),
+            "mesh": (mesh.device_type, mesh.size(), mesh.get_local_rank(), mesh.mesh_dim_names),
             "mesh_once": group.device_mesh() is mesh,
             "mesh_sum": on_mesh.item(),
         }
@@ -171,7 +196,7 @@ def test_two_ranks_start_a_group_see_each_other_make_a_mesh_and_close_twice():
             "backend": "gloo",
             "decisions": [("cross-worker backend", "gloo")],
             "sum": 3.0,  # 1 + 2
-            "mesh": ("cpu", 2, rank),
+            "mesh": ("cpu", 2, rank, ("data",)),
             "mesh_once": True,
             "mesh_sum": 30.0,  # 10 + 20
             "initialized_after_close": False,

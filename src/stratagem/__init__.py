@@ -91,7 +91,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "MaxSizePartitioner": ("stratagem.strategies.parameter_server.partitioners", "MaxSizePartitioner"),
     "MinSizePartitioner": ("stratagem.strategies.parameter_server.partitioners", "MinSizePartitioner"),
     "ReplicaContext": ("stratagem.strategies.replica_context", "ReplicaContext"),
-    "DeviceMesh": ("stratagem.strategies.tensor_parallel.mesh", "DeviceMesh"),
+    "DeviceMesh": ("stratagem.cluster.mesh", "DeviceMesh"),
     "LayoutMap": ("stratagem.strategies.tensor_parallel.mesh", "LayoutMap"),
     "Strategy": ("stratagem.strategies.base", "Strategy"),
     "current_replica_context": ("stratagem.strategies.replica_context", "current_replica_context"),

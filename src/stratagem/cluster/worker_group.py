@@ -8,10 +8,12 @@ workers agree on their devices, and a close that frees the group and hands the r
 They live here, in that order:
 
 1. `plan_worker_group` resolves the cluster and refuses what cannot start (a task without a rank, a
-   timeout outside `stratagem.timeouts`' range) before any device is chosen or port opened, as
-   torchtitan's `ParallelDims` checks its degrees before a mesh exists;
+   timeout outside `stratagem.timeouts`' range, a mesh whose product is not the worker count) before any
+   device is chosen or port opened, as torchtitan's `ParallelDims` checks its degrees before a mesh exists;
+   the plan carries the mesh's named degrees (`cluster.mesh.DeviceMesh`; one `data` axis by default);
 2. the strategy chooses its local devices (they may depend on the plan's local rank);
-3. `WorkerGroup.start` forms the process group and returns the value its parts are handed.
+3. `WorkerGroup.start` forms the process group and returns the value its parts are handed; its
+   `device_mesh()` is torch's DeviceMesh of the plan's shape and axis names.
 
 Example:
     >>> from stratagem import environ
@@ -21,6 +23,8 @@ Example:
     >>> group.rank, group.world_size, group.task_names                           # doctest: +SKIP
     (0, 2, ('worker:0', 'worker:1'))
     >>> mesh = group.device_mesh()                                                # doctest: +SKIP
+    >>> mesh.mesh_dim_names                                                       # doctest: +SKIP
+    ('data',)
     >>> group.close()                                                             # doctest: +SKIP
 """
 
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem import environ
+from stratagem.cluster.mesh import DeviceMesh, one_axis_mesh
 from stratagem.cluster.release import release_store
 from stratagem.cluster.rendezvous import Rendezvous, agent_store_prefix, join_process_group
 from stratagem.cluster.resolve import resolve_cluster
@@ -48,7 +53,7 @@ from stratagem.errors import ClusterError, InputError
 from stratagem.timeouts import check_seconds
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 Environ = Mapping[str, str]
 """The process environment as the caller read it (`stratagem.environ.current()`)."""
@@ -75,6 +80,8 @@ class WorkerGroupPlan:
         ... )
         >>> plan.rank, plan.world_size, plan.task_names, plan.is_chief
         (1, 2, ('worker:0', 'worker:1'), False)
+        >>> plan.mesh
+        DeviceMesh(shape=(2,), axis_names=('data',))
     """
 
     cluster: Cluster
@@ -87,6 +94,9 @@ class WorkerGroupPlan:
     """Every rank's task name, in rank order (``worker:0``, ...): what errors name."""
     timeout: float
     """Seconds any wait (rendezvous, collective) may last before an error naming who is missing."""
+    mesh: DeviceMesh
+    """The workers' named degrees, their product the world size: the shape and axis names of
+    `WorkerGroup.device_mesh()` (one `data` axis over every worker unless the strategy gave another)."""
 
     @property
     def is_chief(self) -> bool:
@@ -94,13 +104,28 @@ class WorkerGroupPlan:
         return self.rank == 0
 
 
-def plan_worker_group(cluster: Cluster | Mapping[str, Any] | None, *, timeout: float, env: Environ) -> WorkerGroupPlan:
+def plan_worker_group(
+    cluster: Cluster | Mapping[str, Any] | None,
+    *,
+    timeout: float,
+    env: Environ,
+    mesh: DeviceMesh | None = None,
+    default_axis: str = "data",
+) -> WorkerGroupPlan:
     """Resolves this process's cluster and checks that it can join a worker group; builds nothing.
 
-    Raises `InputError` for a timeout outside `stratagem.timeouts`' range and `ClusterError` for a
-    cluster that cannot be resolved or a task that is no member of the collective world (``ps``,
-    ``evaluator``).
+    `mesh`: the workers' named degrees (`DeviceMesh`), whose product must be the worker count; None: one axis
+    named `default_axis` over every worker.
+
+    Raises `InputError` for a timeout outside `stratagem.timeouts`' range or a mesh whose product is not the
+    worker count (naming both), and `ClusterError` for a cluster that cannot be resolved or a task that is no
+    member of the collective world (``ps``, ``evaluator``).
     """
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise InputError(
+            f"A worker group's mesh is a stratagem DeviceMesh. Received: {type(mesh).__name__}. "
+            "Give sg.DeviceMesh(shape, axis_names), or None for one axis over every worker."
+        )
     seconds = check_seconds("timeout", timeout)
     resolved = resolve_cluster(cluster, env=env)
     if resolved.rank is None:
@@ -109,12 +134,16 @@ def plan_worker_group(cluster: Cluster | Mapping[str, Any] | None, *, timeout: f
             f"group. Received: task_type={resolved.task_type!r}. Only the chief and workers run this strategy; "
             "start parameter servers and the evaluator with ParameterServerStrategy or their own scripts."
         )
+    if mesh is None:
+        mesh = one_axis_mesh(resolved.world_size, default_axis)
+    mesh.check_workers(resolved.world_size)  # before any process group: a wrong product fails here, alone
     return WorkerGroupPlan(
         cluster=resolved,
         rank=resolved.rank,
         world_size=resolved.world_size,
         task_names=tuple(resolved.task_for_rank(r) for r in range(resolved.world_size)),
         timeout=seconds,
+        mesh=mesh,
     )
 
 
@@ -216,7 +245,7 @@ class WorkerGroup:
         self._server = rendezvous.server
         # torchrun's agent owns its store, so nobody's leaving can free it: close() must not wait for that.
         self._store_owned = store_owned
-        self._mesh: DeviceMesh | None = None
+        self._mesh: TorchDeviceMesh | None = None
         self._closed = False
 
     @classmethod
@@ -326,9 +355,10 @@ class WorkerGroup:
             )
 
     # ---- what others build on it -----------------------------------------------------------------
-    def device_mesh(self) -> DeviceMesh:
-        """A 1-D `DeviceMesh` over every rank of the group (made once, on the default process group), for
-        torch's own distributed modules (FSDP2, DTensor, distributed checkpoints)."""
+    def device_mesh(self) -> TorchDeviceMesh:
+        """torch's `DeviceMesh` of the plan's mesh (its shape and axis names; one `data` axis over every rank by
+        default), made once on the default process group, for torch's own distributed modules (FSDP2, DTensor,
+        distributed checkpoints)."""
         if self._closed:
             raise InputError(
                 f"The worker group of {self.task_name} is closed, so it has no device mesh. Received: a call to "
@@ -337,7 +367,8 @@ class WorkerGroup:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(self.collective_device.type, (self.world_size,))
+            mesh = self.plan.mesh
+            self._mesh = init_device_mesh(self.collective_device.type, mesh.shape, mesh_dim_names=mesh.axis_names)
         return self._mesh
 
     def decisions(self) -> list[PlacementDecision]:

@@ -15,6 +15,7 @@ from stratagem.strategies.records import STRATEGIES
 
 if TYPE_CHECKING:
     # `X as X`: re-exported for type checkers (PEP 484), since `__all__` is computed.
+    from stratagem.cluster.mesh import DeviceMesh as DeviceMesh
     from stratagem.data.distributed_dataset import DistributedDataset as DistributedDataset
     from stratagem.strategies.base import Strategy as Strategy
     from stratagem.strategies.central_storage.strategy import CentralStorageStrategy as CentralStorageStrategy
@@ -31,14 +32,13 @@ if TYPE_CHECKING:
     from stratagem.strategies.replica_context import ReplicaContext as ReplicaContext
     from stratagem.strategies.replica_context import current_replica_context as current_replica_context
     from stratagem.strategies.sharded.strategy import ShardedStrategy as ShardedStrategy
-    from stratagem.strategies.tensor_parallel.mesh import DeviceMesh as DeviceMesh
     from stratagem.strategies.tensor_parallel.mesh import LayoutMap as LayoutMap
     from stratagem.strategies.tensor_parallel.strategy import TensorParallelStrategy as TensorParallelStrategy
 
 # name -> the module that defines it: every strategy's class by its record, then the shared names.
 LAZY_NAMES: dict[str, str] = {record.class_name: record.module for record in STRATEGIES} | {
     "ClusterCoordinator": "stratagem.strategies.parameter_server.coordinator",
-    "DeviceMesh": "stratagem.strategies.tensor_parallel.mesh",
+    "DeviceMesh": "stratagem.cluster.mesh",
     "DistributedDataset": "stratagem.data.distributed_dataset",
     "Explanation": "stratagem.strategies.explain",
     "FixedShardsPartitioner": "stratagem.strategies.parameter_server.partitioners",

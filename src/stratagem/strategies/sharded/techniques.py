@@ -50,7 +50,7 @@ class Sharding:
     cut: UnitCut
     """Its units (`units.cut_model`)."""
     mesh: Any
-    """torch's 1-D DeviceMesh over the worker group (`WorkerGroup.device_mesh()`)."""
+    """torch's 1-D DeviceMesh over the worker group, its one axis named `data` (`WorkerGroup.device_mesh()`)."""
     stage: int
     """3: each unit gathered for its forward and again for its backward; 2: kept from forward to backward."""
     mp: MixedPrecision

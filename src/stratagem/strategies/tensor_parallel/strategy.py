@@ -49,10 +49,10 @@ from stratagem.strategies.tensor_parallel.hooks import (
 from stratagem.strategies.tensor_parallel.limit import check_limit
 from stratagem.strategies.tensor_parallel.memory import TensorParallelMemoryPlan, plan_tensor_parallel_memory
 from stratagem.strategies.tensor_parallel.mesh import (
+    MODEL_AXIS,
     DeviceMesh,
     LayoutMap,
     ParameterLayout,
-    default_mesh,
     resolve_layouts,
 )
 from stratagem.strategies.tensor_parallel.step_bytes import StepBytes
@@ -105,8 +105,9 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
     """
 
     # Parts, in the order they are applied (torchtitan's parallelize_* order: check, split, then replicate):
-    #   mesh       mesh.py: the layout map's mesh against the worker count, before any process group
-    #   group      cluster.worker_group: the process group, then torch's DeviceMesh of the same axes
+    #   mesh       check_mesh_axes, then cluster.worker_group.plan_worker_group: the layout map's mesh (cluster/mesh.py)
+    #              against the worker count, before any process group
+    #   group      cluster.worker_group: the process group, then its device_mesh(), torch's of the same axes
     #   layouts    mesh.resolve_layouts and styles.check_splits: each parameter's layout, refused by module name
     #   techniques techniques.TECHNIQUES, in order: the split along `model` (apply.py), ZeRO-3 along `data` for
     #              the layouts that name it (data_sharding.py), the weighted sums along `data` (data_axis.py)
@@ -132,26 +133,24 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
                 f"layout_map is a sg.LayoutMap. Received: {type(layout_map).__name__}. "
                 "Build one with sg.LayoutMap(sg.DeviceMesh(shape, axis_names)) and set its keys."
             )
+        self._layout_map = layout_map if layout_map is not None else LayoutMap()
+        if self._layout_map.mesh is not None:
+            check_mesh_axes(self._layout_map.mesh)
         env = environ.current()
         # Before the model is built, as ShardedStrategy does: the whole tensors distribute frees, the gradients and
         # the step's tensors then leave the resident set at once, which the memory plan assumes (memory.py).
         self._allocator = allocator.map_large_blocks_here(env)
-        plan = plan_worker_group(cluster, timeout=timeout, env=env)
-        self._layout_map = layout_map if layout_map is not None else LayoutMap()
-        self._mesh = self._layout_map.mesh or default_mesh(plan.world_size)
-        check_mesh_axes(self._mesh)
-        self._mesh.check_workers(plan.world_size)  # before any process group: a wrong product fails here, alone
+        # The plan checks the mesh's product against the worker count before any process group: a wrong one fails
+        # here, alone. No mesh: one `model` axis over every worker.
+        plan = plan_worker_group(cluster, timeout=timeout, env=env, mesh=self._layout_map.mesh, default_axis=MODEL_AXIS)
+        self._mesh = plan.mesh
         self._device_decision: PlacementDecision | None = None
         if device is None:
             device, self._device_decision = local_device(plan.cluster, env)
         self._device = torch.device(device)
         self._join_group(plan, [self._device], env=env)
-        from torch.distributed.device_mesh import init_device_mesh
-
         try:
-            self._torch_mesh = init_device_mesh(
-                self._group.collective_device.type, self._mesh.shape, mesh_dim_names=self._mesh.axis_names
-            )
+            self._torch_mesh = self._group.device_mesh()  # torch's DeviceMesh of the plan's shape and axis names
         except BaseException:
             self._group.close(release=False)
             raise
