@@ -82,7 +82,16 @@ def _fit_under(strategy: Any, directory: str, stop_after: int | None, resumes: b
         seed=FIT_SEED, epochs=FIT_EPOCHS, clip_grad_norm=0.5, callbacks=[backup, StopAfter()],
     )  # fmt: skip
     whole = {name: whole_tensor(p).detach().numpy().copy() for name, p in history.model.named_parameters()}
-    return {"restored from": backup.restored_from, "whole": whole, "memory plan": strategy.memory_plan().total}
+    left_on = history.trace  # fit's default: summary mode on a sample of the steps, this worker's table
+    trace = None
+    if left_on is not None:
+        rows = left_on.summary.rows
+        trace = {"num_steps": left_on.num_steps, "num_recorded": left_on.num_recorded, "tasks": [r.task for r in rows],
+                 "adds_up": all(abs(r.parts_ms - r.step_ms) <= 0.02 * r.step_ms for r in rows)}  # fmt: skip
+    return {
+        "restored from": backup.restored_from, "whole": whole, "memory plan": strategy.memory_plan().total,
+        "trace": trace,
+    }  # fmt: skip
 
 
 def fit_across_techniques(rank: int, ports: list[list[int]], directory: str) -> dict[str, Any]:
@@ -206,9 +215,10 @@ def on_two_workers(rank: int, ports: list[list[int]], backup_dir: str, directori
         user = cases.gpt2()
         history = sg.fit(
             strategy, user, cases.optimizer(user.parameters()), fit_loss, fit_data(), batch_size=FIT_BATCH,
-            seed=FIT_SEED, epochs=FIT_EPOCHS, clip_grad_norm=0.5, accumulate_steps=2,
+            seed=FIT_SEED, epochs=FIT_EPOCHS, clip_grad_norm=0.5, accumulate_steps=2, trace=False,
         )  # fmt: skip
         out["accumulated"] = {n: whole_tensor(p).detach().numpy().copy() for n, p in history.model.named_parameters()}
+        out["accumulated trace"] = history.trace
     finally:
         strategy.close()
     data_mesh = sg.DeviceMesh((2, 1), ("data", "model"))

@@ -39,6 +39,13 @@ def test_fit_backs_up_under_tensor_parallel_and_resumes_under_sharded_and_back_a
         for name, value in cases.fit_one_device(steps).items():
             worst = float(abs(runs[run]["whole"][name] - value.numpy()).max() / value.abs().max())
             assert worst <= 1e-9, f"{run}, step {steps}: {name} {worst:.2e} relative"
+    # fit's default trace covered each run, tensor-parallel and sharded: each worker's table of a sample of its
+    # steps (the first recorded), each row's parts adding up to it.
+    for rank, outcome in outcomes.items():
+        for run, got in outcome.value.items():
+            trace = got["trace"]
+            assert trace is not None and 1 <= trace["num_recorded"] <= trace["num_steps"], (rank, run, trace)
+            assert trace["tasks"] == [f"worker:{rank}"] * trace["num_recorded"] and trace["adds_up"], (rank, run)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +79,7 @@ def test_a_backward_outside_run_is_refused_with_the_fix_before_any_gradient(two_
 
 @pytest.mark.timeout(360)
 def test_fit_accumulates_gradients_on_a_model_mesh_as_one_device(two_workers):
+    assert [got["accumulated trace"] for got in two_workers[0].values()] == [None, None]  # fit(trace=False)
     for name, value in cases.fit_one_device_accumulated(2).items():
         worst = float(abs(two_workers[0][0]["accumulated"][name] - value.numpy()).max() / value.abs().max())
         assert worst <= 1e-9, f"{name} {worst:.2e} relative"

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
@@ -71,3 +72,22 @@ def test_each_stage_and_micro_batch_is_a_span_and_the_bubble_is_measured_beside_
         assert bubble.per_step[step] == pytest.approx(1 - sum(e["dur"] for e in work) / (STAGES * window), abs=0.01)
     # Equal work per piece: the measured bubble is GPipe's, give or take the hand-overs between stage threads.
     assert abs(bubble.median - bubble.gpipe) < 0.08, bubble
+
+
+def test_fit_leaves_a_sampled_summary_trace_on_a_pipeline_and_trace_false_turns_it_off():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    strategy = sg.ModelParallelStrategy(["cpu:0", "cpu:1"], split_points=[2], num_micro_batches=2)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(5)]
+    try:
+        history = sg.fit(strategy, net, torch.optim.SGD(net.parameters(), lr=0.01), F.cross_entropy, data, epochs=2)
+        trace = history.trace
+        assert trace is not None and trace.num_steps == 10 and 1 <= trace.num_recorded <= 10, trace
+        assert [r.step for r in trace.summary.rows][0] == 1 and len(trace.summary.rows) == trace.num_recorded
+        for row in trace.summary.rows:
+            assert row.task == "worker:0" and row.parts_ms == pytest.approx(row.step_ms, rel=0.02), row
+        again = sg.fit(strategy, history.model, history.optimizer, F.cross_entropy, data, trace=False)
+        assert again.trace is None
+    finally:
+        strategy.close()

@@ -5,6 +5,7 @@ recorded exactly as a trace of every step records them; `fit` and `stratagem tra
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from stratagem.cli.main import main
 from stratagem.collective.trace_hooks import CollectiveTrace
 from stratagem.errors import InputError
 from stratagem.strategies.multi_worker.straggler_phases import ComputePhases
+from stratagem.strategies.sharded.traced_comms import UnitComms
+from stratagem.strategies.sharded.tracing import ShardedTrace
 from stratagem.trace import Recorder
 from stratagem.trace.merge import JobTrace, load
 from stratagem.trace.sample import MAX_EVERY, StepSample, sample_every
@@ -147,6 +150,47 @@ def test_a_collective_waited_for_in_a_skipped_step_ends_there():
     assert rec.collectives[0][8] == 7  # done
     rec.clear()  # a later trace: a work handle of the same id must not end another trace's collective
     hooks.waited(None, [work], "end of data")
+
+
+def test_a_worker_groups_trace_ends_every_step_with_after_step_so_its_steps_are_sampled(tmp_path):
+    """ShardedStrategy's trace (TensorParallelStrategy's shares the step hooks) as its `run` drives it: 13 steps of
+    20 ms, a recorded step costing 0.6 ms against 1% of it, so 1 step in 4 is recorded, numbered as the run numbers
+    them; a trace of a range begun between two recorded steps is refused."""
+    clock, steps = [0], [0]
+    group = SimpleNamespace(
+        rank=0, task_name="worker:0", world_size=1, cross_worker=SimpleNamespace(trace=CollectiveTrace())
+    )
+    trace = ShardedTrace(group, step=lambda: steps[0], env={})  # type: ignore[arg-type]
+    rec = trace.recorder
+    rec.start(clock=lambda: clock[0], mode="summary")
+    rec.sample_steps(cpu_clock=lambda: clock[0], cost_ns=600_000, budget=0.01)
+    recorded = []
+    for step in range(1, 14):
+        started = trace.step_started()
+        if started is not None:
+            recorded.append(rec.step)
+        clock[0] += 20 * MS
+        steps[0] += 1  # the strategy counts the step before it calls step_ended
+        trace.step_ended(started)
+    assert recorded == [1, 4, 8, 12]
+    assert (rec.sample.num_steps, rec.sample.num_recorded, rec.sample.every) == (13, 4, 4)  # type: ignore[union-attr]
+    assert [s[0] for s in rec.to_dict()["steps"]] == [1, 4, 8, 12]
+    assert not rec.on and rec.recording
+    with pytest.raises(InputError, match=r"A trace is recording already .*Received: strategy\.trace\("):
+        with trace.trace(tmp_path):
+            pass
+
+
+def test_a_sharded_units_collective_costs_a_flag_read_in_a_step_no_trace_records():
+    def step() -> int:
+        raise AssertionError("the step was read in a step no trace records")
+
+    hooks = CollectiveTrace()
+    hooks.recorder = Recorder(rank=0, task="worker:0")  # off: a step a sampled trace skips
+    comms = UnitComms(hooks, "root", step, shared=False)
+    ran = []
+    assert comms.call("all_gather", torch.zeros(2), lambda: ran.append(1)) is None
+    assert ran == [1] and hooks.recorder.collectives == []
 
 
 def _data() -> list:

@@ -147,8 +147,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="DIR",
         help="trace every step of every worker into DIR (worker-<rank>.json each, merged into DIR/trace.json.gz "
         "for Perfetto; read it with `stratagem trace summary DIR`); the strategies traced are in docs/trace.md. "
-        "Without it, mirrored and multi_worker record where a sample of the steps went (summary mode, about 1%% "
-        "of a step's time) and the chief prints its mean step",
+        "Without it, every strategy but parameter_server, one_device and central_storage records where a sample "
+        "of the steps went (summary mode, about 1%% of a step's time) and the chief prints its mean step",
     )
     traced.add_argument(
         "--no-trace", action="store_true", help="record nothing, not even the default summary of the steps"

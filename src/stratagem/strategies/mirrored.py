@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +60,8 @@ class MirroredStrategy(ReplicatedStrategy, Traceable):
         ...     losses = strategy.run(train_step, args=(x, y))
         ...     print(strategy.reduce("mean", losses))
     """
+
+    samples_steps: ClassVar[bool] = True  # ReplicaSet ends every step with Recorder.after_step (fit samples them)
 
     # Parts, in the order a step meets them (each reports its own decisions to explain()):
     #   placement   mirrored_placement.place_replicas: devices, one replica per GPU, memory limits, threads

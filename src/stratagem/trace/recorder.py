@@ -105,7 +105,7 @@ class Recorder:
     def sample_steps(self, *, cpu_clock: Clock = time.thread_time_ns, **rule: Any) -> StepSample:
         """Records a sample of the steps from now on (`sample.py`: every step of a slow run, 1 in K of a fast one);
         summary mode only. The strategy must call `after_step` at every step's end on its training thread
-        (MirroredStrategy and MultiWorkerMirroredStrategy do). `cpu_clock`: that thread's CPU ns; `rule`:
+        (the strategies whose `Traceable.samples_steps` is True do). `cpu_clock`: that thread's CPU ns; `rule`:
         `StepSample`'s cost_ns, budget and keep."""
         if self.folder is None:
             raise InputError(

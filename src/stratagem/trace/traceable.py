@@ -33,6 +33,12 @@ class Traceable(abc.ABC):
     parameter server's chief stops each task's trace and waits for its reply); False: each process writes its own
     as it leaves the block, and `fit` meets the others at a barrier before the chief merges them."""
 
+    samples_steps: ClassVar[bool] = False
+    """True when the strategy ends every step, recorded or not, with `Recorder.after_step(step)` (the step just
+    ended, numbered from 1) and its hooks read `Recorder.on` before any other work: a trace in summary mode can then
+    record a sample of the steps (`Recorder.sample_steps`), and `fit` leaves one on by default. False: `fit` leaves
+    the strategy untraced unless given a directory."""
+
     @abc.abstractmethod
     def trace(
         self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans"

@@ -120,9 +120,11 @@ def fit(
             and GPUs) or "fp16" (float16 autocast with loss scaling, one scale for every replica and
             worker; GPUs only).
         verbose: show a progress bar and one line per epoch on the chief (adds a `ProgressBar`).
-        trace: True (the default): MirroredStrategy and MultiWorkerMirroredStrategy record where each worker's
-            steps went in summary mode (no spans), a sample of the steps that keeps the cost near 1% of a step, and
-            ``history.trace`` holds this worker's table; the other strategies are not traced. A directory: every
+        trace: True (the default): MirroredStrategy, MultiWorkerMirroredStrategy, ShardedStrategy,
+            TensorParallelStrategy and ModelParallelStrategy record where each worker's steps went in summary mode
+            (no spans), a sample of the steps that keeps the cost near 1% of a step, and ``history.trace`` holds
+            this worker's table; the other strategies (ParameterServerStrategy, OneDeviceStrategy,
+            CentralStorageStrategy) are not traced, and ``history.trace`` is None. A directory: every
             worker records every step with its spans (input, forward, backward, optimizer step, each collective
             and wait) and writes ``worker-<rank>.json`` there; the chief merges them into ``trace.json.gz`` for
             Perfetto (``stratagem trace summary DIR`` reads them); the strategy must be a

@@ -1,10 +1,12 @@
 """`fit`'s trace: left on by default in summary mode, sampled and kept in memory; or every step into a directory.
 
-`trace=True` (the default): MirroredStrategy and MultiWorkerMirroredStrategy record this worker's steps in summary
-mode (the step table, no spans), a sample of them at a rate that keeps the cost near 1% of the step
+`trace=True` (the default): a strategy that samples its steps (`Traceable.samples_steps`: MirroredStrategy,
+MultiWorkerMirroredStrategy, ShardedStrategy, TensorParallelStrategy, ModelParallelStrategy) records this worker's
+steps in summary mode (the step table, no spans), a sample of them at a rate that keeps the cost near 1% of the step
 (`stratagem.trace.sample`), and `fit` returns the table on `history.trace` (`FitTrace`: its text, its JSON, and
-`write(DIR)` for `stratagem trace summary DIR`). Nothing is written unless asked. The other strategies, and a run
-already traced by `stratagem launch --trace` (STRATAGEM_TRACE), are left as they are.
+`write(DIR)` for `stratagem trace summary DIR`). Nothing is written unless asked. The other strategies
+(ParameterServerStrategy, whose functions are not steps to fold, OneDeviceStrategy, CentralStorageStrategy), and a
+run already traced by `stratagem launch --trace` (STRATAGEM_TRACE), are left as they are.
 
 `trace=DIR`: every worker records every step with its spans and writes its own `worker-<rank>.json` in DIR; a
 barrier then lets the chief read every file and merge them into DIR/trace.json.gz (docs/trace.md). The strategy
@@ -26,7 +28,6 @@ from typing import Any
 from stratagem import environ
 from stratagem.errors import InputError
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.data_parallel.replicated import ReplicatedStrategy
 from stratagem.trace import Traceable
 from stratagem.trace.fold import SUMMARY
 from stratagem.trace.merge import JobTrace, merge, worker_trace
@@ -133,9 +134,10 @@ def check_trace(strategy: Strategy, trace: TraceSetting) -> None:
 
 
 def samples_steps(strategy: Strategy) -> bool:
-    """Whether `trace=True` traces `strategy`: a traced strategy whose replicas' `ReplicaSet` ends every step
-    with `Recorder.after_step` (MirroredStrategy, MultiWorkerMirroredStrategy), in a process no launcher traces."""
-    return isinstance(strategy, Traceable) and isinstance(strategy, ReplicatedStrategy) and environ.trace_dir() is None
+    """Whether `trace=True` traces `strategy`: a traced strategy that ends every step with `Recorder.after_step`
+    (`Traceable.samples_steps`: MirroredStrategy, MultiWorkerMirroredStrategy, ShardedStrategy,
+    TensorParallelStrategy, ModelParallelStrategy), in a process no launcher traces."""
+    return isinstance(strategy, Traceable) and strategy.samples_steps and environ.trace_dir() is None
 
 
 @dataclass

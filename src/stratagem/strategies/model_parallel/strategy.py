@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -120,6 +120,8 @@ class ModelParallelStrategy(Strategy, Traceable):
         ...     loss = strategy.run(train_step, args=(x, y))
         >>> print(strategy.explain())                              # the stage map
     """
+
+    samples_steps: ClassVar[bool] = True  # `run` ends every step with Recorder.after_step (fit samples them)
 
     def __init__(
         self,
@@ -348,6 +350,8 @@ class ModelParallelStrategy(Strategy, Traceable):
                 torch.set_num_threads(caller_threads)
             if started is not None and recorder.on:
                 recorder.span("step", f"step {self._steps}", started, recorder.now())
+            if recorder.recording:
+                recorder.after_step(self._steps)  # a sampled trace (fit's default) decides whether the next records
 
     @contextlib.contextmanager
     def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -80,6 +80,8 @@ class MultiWorkerMirroredStrategy(WorkerGroupStrategy, ReplicatedStrategy, Trace
         >>> for x, y in strategy.distribute_dataset(loader):   # every worker iterates the same global batches
         ...     strategy.run(train_step, args=(x, y))
     """
+
+    samples_steps: ClassVar[bool] = True  # ReplicaSet ends every step with Recorder.after_step (fit samples them)
 
     # Parts, in the order a step meets them (each reports its own decisions to explain()); the members of a
     # strategy of one process per worker (who, across workers, input, batch check, close) are WorkerGroupStrategy's:

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -101,6 +101,8 @@ class ShardedStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         >>> for x, y in strategy.distribute_dataset(loader):     # every worker iterates the same global batches
         ...     strategy.run(train_step, args=(x, y))
     """
+
+    samples_steps: ClassVar[bool] = True  # its trace ends every step with Recorder.after_step (fit samples them)
 
     # Parts, in the order they are applied (torchtitan's parallelize_llama order: cut, shard, then the rest):
     #   group      cluster.worker_group: the plan checked, then the process group and its DeviceMesh

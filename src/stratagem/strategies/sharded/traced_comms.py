@@ -31,7 +31,11 @@ class UnitComms:
         """When this unit's last reduce-scatter of gradients ended (the end of backward, for the trace)."""
 
     def call(self, op: str, tensor: torch.Tensor, run: Callable[[], dist.Work | None]) -> dist.Work | None:
-        """`run()`, the collective, recorded as entered now and done when it returns (or when its work is)."""
+        """`run()`, the collective, recorded as entered now and done when it returns (or when its work is); while no
+        trace records (a step a sampled trace skips), `run()` alone, after one flag read."""
+        recorder = self.trace.recorder
+        if recorder is None or not recorder.on:
+            return run()
         what = f"{op.replace('_', '-')} of {self.unit}"
         seq = self.trace.enter(op, what, self.step(), tensor, shared=self.shared and tensor.device.type == "cpu")
         work = run()

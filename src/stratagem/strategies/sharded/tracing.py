@@ -46,20 +46,20 @@ class ShardedTrace(WorkerGroupTrace):
         """A model just distributed: its FSDP2 units, each with its name (`root`, `h.0-3` for merged blocks) and the
         module that stands for it, and `comm`, the strategy's reduce-scatter for them."""
         self._models.append((model, list(units), comm))
-        if self.recorder.on:
+        if self.recorder.recording:  # a sampled trace may be off between the steps it records
             self._install()
 
     def step_ended(self, started: int | None) -> None:
-        """`run` has returned: its step span, and its backward's, which ended with its last reduce-scatter."""
+        """`run` has returned: its backward's span, which ended with its last reduce-scatter, then the base's (the
+        step span, and `Recorder.after_step` at every step's end, recorded or not)."""
         recorder = self.recorder
-        if started is None or not recorder.on:
-            return
-        ends = [u.last_reduce_scatter_end for u in self._units if u.last_reduce_scatter_end is not None]
-        start, end = self._backward_start, max(ends, default=None)
-        if start is not None and end is not None and end > start:
-            recorder.span("backward", "backward", start, end)
-        for unit in self._units:
-            unit.last_reduce_scatter_end = None
+        if started is not None and recorder.on:
+            ends = [u.last_reduce_scatter_end for u in self._units if u.last_reduce_scatter_end is not None]
+            start, end = self._backward_start, max(ends, default=None)
+            if start is not None and end is not None and end > start:
+                recorder.span("backward", "backward", start, end)
+            for unit in self._units:
+                unit.last_reduce_scatter_end = None
         super().step_ended(started)
 
     # ---- inside --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -103,6 +103,8 @@ class TensorParallelStrategy(WorkerGroupStrategy, LossWeightHost, Traceable):
         >>> for batch in strategy.distribute_dataset(loader):
         ...     strategy.run(train_step, args=(batch,))
     """
+
+    samples_steps: ClassVar[bool] = True  # its trace ends every step with Recorder.after_step (fit samples them)
 
     # Parts, in the order they are applied (torchtitan's parallelize_* order: check, split, then replicate):
     #   mesh       check_mesh_axes, then cluster.worker_group.plan_worker_group: the layout map's mesh (cluster/mesh.py)

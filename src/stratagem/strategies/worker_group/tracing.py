@@ -77,15 +77,20 @@ class WorkerGroupTrace:
         return recorder.now()
 
     def step_ended(self, started: int | None) -> None:
-        """`run` has returned: the step's span."""
-        if started is not None and self.recorder.on:
-            self.recorder.span("step", f"step {self.recorder.step}", started, self.recorder.now())
+        """`run` has returned: the step's span, then, at every step's end while a trace is under way (recorded or
+        not), `Recorder.after_step` with the step just ended, as `ReplicaSet` calls it: a sampled trace (`fit`'s
+        default) decides there whether the next step records."""
+        recorder = self.recorder
+        if started is not None and recorder.on:
+            recorder.span("step", f"step {recorder.step}", started, recorder.now())
+        if recorder.recording:
+            recorder.after_step(self._step())
 
     @contextlib.contextmanager
     def trace(self, directory: str | Path, *, clock: Clock | None = None, mode: str = "spans") -> Iterator[Recorder]:
         """The strategy's `trace(DIR)`: every worker enters at the same point (the clocks are aligned there)."""
         check_mode(mode)
-        if self.recorder.on:
+        if self.recorder.recording:  # not `on`: a sampled trace is off between the steps it records
             raise InputError(
                 f"A trace is recording already (to {self.directory!r}). Received: strategy.trace({str(directory)!r}) "
                 "inside it. End the first trace, or unset STRATAGEM_TRACE (stratagem launch --trace) to trace only "
@@ -101,7 +106,7 @@ class WorkerGroupTrace:
 
     def write_whole_run(self) -> None:
         """Under `stratagem launch --trace`: stops and writes the whole run's file (at exit; a file, no collective)."""
-        if self.directory is not None and self.recorder.on:
+        if self.directory is not None and self.recorder.recording:
             self.recorder.stop()
             self.recorder.write(self.directory)
 
