@@ -11,7 +11,12 @@ import torch.distributed as dist
 from sharded_cases import OPTIMIZERS, batches, clipped_step, cluster_of, full, mlp, train_one_device
 
 # Stage 3 through shared memory is the default in tests/test_sharded_strategy.py and test_sharded_numerics.py.
-CASES = (("stage 2 shared memory", 2, {}), ("stage 2 gloo", 2, {"shared_memory": False}))
+CASES = (
+    ("stage 2 shared memory", 2, {}),
+    ("stage 2 gloo", 2, {"shared_memory": False}),
+    # A unit per Linear: each unit's all-to-all stays under way while backward makes the next unit's gradients.
+    ("stage 2 gloo, a unit per layer", 2, {"shared_memory": False, "units": (torch.nn.Linear,)}),
+)
 
 
 def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
@@ -19,8 +24,8 @@ def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
     explain() says of the transport, the memory plan's transport bytes, and how many all-gathers and reduce-scatters went through the process group."""
     import stratagem as sg
 
-    calls = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0}
-    for name in calls:  # counted in this spawned rank only: FSDP2's and the strategy's calls into torch.distributed
+    calls = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0, "async": 0}
+    for name in list(calls)[:3]:  # counted in this rank only: FSDP2's and the strategy's calls into torch.distributed
         setattr(dist, name, _counted(getattr(dist, name), calls, name))
     data = batches(torch.float64)
     reference = mlp(torch.float64)
@@ -55,6 +60,7 @@ def transport_cases(rank: int, ports: list[tuple[int, int]]) -> dict[str, Any]:
 def _counted(function: Callable[..., Any], calls: dict[str, int], name: str) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[name] += 1
+        calls["async"] += bool(kwargs.get("async_op"))
         return function(*args, **kwargs)
 
     return counted

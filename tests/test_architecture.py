@@ -480,6 +480,9 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("strategies/data_parallel/outside_changes.py", "_modules"): "torch modules",
     ("strategies/data_parallel/outside_changes.py", "_non_persistent_buffers_set"): "torch modules",
     ("strategies/data_parallel/outside_changes.py", "_version"): "torch tensors",
+    # Whether a parameter has hooks run after its gradient is accumulated: FSDP2 reads the same attribute to decide
+    # whether a unit's reduce-scatter output is read at once, and so does the deferral of one (sharded/weighting.py).
+    ("strategies/sharded/weighting.py", "_post_accumulate_grad_hooks"): "torch tensors",
     # A storage's identity (its C pointer), which a meta tensor's data_ptr does not give (deferred_init.py).
     ("strategies/deferred_init.py", "_cdata"): "torch storages",
     # torch's operator overloads: their schema and the aten ops the placement log follows have no public name.

@@ -26,7 +26,12 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         assert shared["worst"] <= 1e-9, (rank, shared["worst"])
         assert "all-gather and reduce-scatter: shared memory" in shared["explain"], shared["explain"]
         # Five steps: not one all-gather or reduce-scatter went through Gloo.
-        assert shared["calls"] == {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0}, shared
+        assert shared["calls"] == {
+            "all_gather_single": 0,
+            "reduce_scatter_single": 0,
+            "all_to_all_single": 0,
+            "async": 0,
+        }, shared
         # The memory plan counts the shared file every rank maps: 2 slots and the result area of 4 MiB each.
         assert shared["plan_transport"] == 3 * (4 << 20), shared["plan_transport"]
         fallback = got["stage 2 gloo"]
@@ -36,11 +41,24 @@ def test_shards_cross_workers_through_shared_memory_exactly_and_gloo_when_it_is_
         # Stage 2: one all-gather and one reduce-scatter per unit and step, 5 steps, and this MLP (269 parameters) is
         # one unit at stage 2 (units.MERGE_UP_TO); each reduce-scatter is an all-to-all and a sum (Gloo's own
         # all-reduces).
-        assert fallback["calls"] == {"all_gather_single": 5, "reduce_scatter_single": 0, "all_to_all_single": 5}
+        # The first reduce-scatter of each step carries the batch check and runs at once; the others end later in
+        # backward (reduce_scatter._Deferred): here none, the model being one unit.
+        assert fallback["calls"] == {
+            "all_gather_single": 5,
+            "reduce_scatter_single": 0,
+            "all_to_all_single": 5,
+            "async": 0,
+        }, fallback
         assert fallback["plan_transport"] == 0, fallback["plan_transport"]
         # The rows the all-to-all receives: one more flat gradient buffer of the largest unit, the whole model in
         # float64, in the plan.
         assert fallback["plan_gathered"] - shared["plan_gathered"] == 269 * 8, (fallback, shared)
+        # A unit per Linear (3 and the root): each step's reduce-scatters after the first started asynchronously,
+        # each one ended while backward went on, every gradient whole when backward returned: exact.
+        layered = got["stage 2 gloo, a unit per layer"]
+        assert layered["worst"] <= 1e-9, (rank, layered["worst"])
+        assert layered["calls"]["all_to_all_single"] == 5 * 3, layered["calls"]
+        assert layered["calls"]["async"] == 5 * 2, layered["calls"]
 
 
 class _CrossWorker:
@@ -94,3 +112,22 @@ def test_shared_memory_true_with_one_worker_is_refused_and_frees_the_process_gro
     ):
         sg.ShardedStrategy(shared_memory=True, timeout=30)
     assert not dist.is_initialized()
+
+
+def test_a_backward_defers_its_reduce_scatters_only_when_no_gradient_would_be_read_at_once():
+    from stratagem.strategies.sharded.weighting import no_gradient_read_in_backward
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    may_defer = no_gradient_read_in_backward([first, second])
+    assert may_defer()
+    # FSDP2 adds a unit's output into an existing gradient at once (accumulation, a second loss's backward).
+    second.bias.grad = torch.zeros(2)
+    assert not may_defer()
+    second.bias.grad = None
+    # A hook run once a gradient is accumulated reads it at once too.
+    handle = first.weight.register_post_accumulate_grad_hook(lambda p: None)
+    assert not may_defer()
+    handle.remove()
+    assert may_defer()
+    del first  # a model the user dropped is not kept, and does not count
+    assert may_defer()

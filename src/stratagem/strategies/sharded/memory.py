@@ -14,8 +14,9 @@ rows on rank r:
   reduce-scatter (the gradients are freed only after that copy): 2 U + U_grad + U_rs, U the largest unit
   in the compute dtype, U_rs the same unit in the reduce dtype (U + U_grad + U_rs when the whole model
   is one unit); stage 2 keeps every unit gathered from forward to backward: the whole model M plus
-  U_grad + U_rs; through Gloo one more U_rs, the rows each rank receives in the all-to-all its
-  reduce-scatter is built from (`reduce_scatter._all_to_all_sum`); and under the strategy one more U_rs,
+  U_grad + U_rs; through Gloo two more U_rs: the flat input and the rows received of the unit whose
+  all-to-all is still under way while the next unit's gradients are made (`reduce_scatter._Deferred`), the
+  rows each rank receives in the all-to-all its reduce-scatter is built from; and under the strategy one more U_rs,
   the wider buffer the step's first reduce-scatter copies its unit's gradients into to carry the workers'
   batch check (`reduce_scatter.WeightedReduceScatter._ride`);
 - transport: the shared-memory file the units' collectives go through on one host (`transport.py`), which
@@ -194,7 +195,8 @@ def plan_memory(
     when set; `transport_bytes`: the shared-memory file the units' collectives go through, when they do;
     `root_bytes`: the root's own parameters (those no unit holds); `activations`: the step's activations on this
     rank at their peak, `activations_how` where that figure came from; `received_rows`: the reduce-scatter is an
-    all-to-all through Gloo, which receives one more flat gradient buffer; `batch_check_copy`: the step's first
+    all-to-all through Gloo, which receives one more flat gradient buffer while a unit's input and rows stay in
+    flight beside the next unit's (two more in all); `batch_check_copy`: the step's first
     reduce-scatter copies its unit's flat gradients into a wider buffer that carries the batch check.
     """
     params = list(params)
@@ -210,7 +212,10 @@ def plan_memory(
         reduce_input = int(largest_unit_bytes * reduce_element_size / params[0].element_size())
     # With no unit below the root there is nothing to prefetch: the model and its unsharded gradients.
     held = (2 * unit if num_units else unit) if stage == 3 else int(whole * scale)
-    gathered = held + unit + reduce_input * (1 + received_rows + batch_check_copy)
+    # Through Gloo, the rows received; with units below the root, also the input and rows of the unit whose
+    # all-to-all is under way beside the next unit's (reduce_scatter._Deferred).
+    in_flight = received_rows * (2 if num_units else 1)
+    gathered = held + unit + reduce_input * (1 + in_flight + batch_check_copy)
     # FSDP2 pads every shard to the first rank's chunk (ceil(rows / N) rows).
     padded = sum(shard_bytes(p.shape, p.element_size(), world_size, 0) for p in params)
     return MemoryPlan(

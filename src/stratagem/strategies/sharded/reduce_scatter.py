@@ -9,7 +9,7 @@ sharded, not when `import stratagem` runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ class WeightedReduceScatter(ReduceScatter):
         shared: SharedMemoryGroup | None = None,
         step: Callable[[], int] = lambda: 0,
         flight: FlightRecord | None = None,
+        may_defer: Callable[[], bool] = lambda: False,
     ) -> None:
         self.flight = flight
         """The worker's record of its last collectives (`collective/flight.py`), kept when set."""
@@ -41,6 +42,10 @@ class WeightedReduceScatter(ReduceScatter):
         self.step = step
         self.rider: StepAgreement | None = None
         """The strategy's batch check, whose numbers ride the first reduce-scatter of each step (`_ride`)."""
+        self.may_defer = may_defer
+        """Asked at a backward's first reduce-scatter: whether its reduce-scatters through Gloo may end later in the
+        backward (`_Deferred`); `weighting.no_gradient_read_in_backward` says yes when no gradient exists yet."""
+        self._deferred = _Deferred()
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -53,14 +58,25 @@ class WeightedReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> dist.Work | None:
+        defer = self._deferred.decide(self.may_defer)  # before the first one of a backward leaves a gradient
         flown = _enter(self.flight, "reduce_scatter", "reduce-scatter of gradients", self.step, input_tensor)
-        work = self._reduce_scatter(output_tensor, input_tensor, group, async_op)
-        if flown is not None and work is None:
+        work = self._reduce_scatter(output_tensor, input_tensor, group, async_op, defer, flown)
+        if flown is not None and work is None and not (defer and self._deferred.holds(flown)):
             self.flight.done(flown)  # type: ignore[union-attr]
         return work
 
+    def finish(self) -> None:
+        """Ends the reduce-scatter still under way, if one is (at the end of backward, and at the strategy's close)."""
+        self._deferred.finish()
+
     def _reduce_scatter(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool,
+        defer: bool = False,
+        flown: int | None = None,
     ) -> dist.Work | None:
         extra = None if self.rider is None or async_op else self.rider.ride(input_tensor.dtype, input_tensor.device)
         shared = self.shared
@@ -76,7 +92,10 @@ class WeightedReduceScatter(ReduceScatter):
             self._ride(output_tensor, input_tensor, group, extra, shared)
             return None
         if _through_gloo(input_tensor, group):
-            _all_to_all_sum(output_tensor, input_tensor, group)
+            if defer:
+                self._deferred.start(output_tensor, input_tensor, group, flown, self.flight)
+            else:
+                _all_to_all_sum(output_tensor, input_tensor, group)
             return None
         return dist.reduce_scatter_single(
             output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
@@ -163,6 +182,70 @@ def _all_to_all_sum(output_tensor: torch.Tensor, input_tensor: torch.Tensor, gro
     rows = torch.empty_like(input_tensor)
     dist.all_to_all_single(rows, input_tensor, group=group)
     torch.sum(rows.view(world, -1), dim=0, out=output_tensor.view(-1))
+
+
+class _Deferred:
+    """A unit's reduce-scatter through Gloo left under way while backward computes the next unit's gradients.
+
+    FSDP2 on a CPU runs each unit's reduce-scatter where its backward ends, on the training thread (its streams are
+    a GPU's), so through Gloo every all-to-all stood between two units' backward; MultiWorkerMirrored's all-reduce
+    runs on Gloo's own threads meanwhile. Here unit k's all-to-all starts asynchronously and is waited for, and its
+    rows summed into FSDP2's output, when unit k+1's starts (one in flight: two buffers of one unit more at the peak,
+    in the memory plan) or when the backward ends (a final callback of the autograd engine, queued at the backward's
+    first reduce-scatter), so every gradient is whole once `backward()` returns.
+
+    FSDP2 reads the output at once where a parameter already has a gradient (it adds into it) or a hook reads one
+    after accumulation, so a backward defers only when `may_defer` says no parameter is in either case at its first
+    reduce-scatter (`weighting.no_gradient_read_in_backward`); a second backward into the same gradients (accumulation,
+    two losses) runs as before. Each backward is told apart by the autograd engine's graph task, so one that raised
+    half-way cannot leave its choice to the next.
+    """
+
+    def __init__(self) -> None:
+        self._task: int | None = None
+        self._deferring = False
+        self._pending: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int | None, Any] | None = None
+
+    def decide(self, may_defer: Callable[[], bool]) -> bool:
+        """Whether this backward's reduce-scatters through Gloo may end later in it (decided at its first one)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return False  # not inside an autograd backward: nothing would end it
+        if task != self._task:
+            self.finish()  # a backward that raised may have left one under way
+            self._task, self._deferring = task, may_defer()
+            if self._deferring:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        return self._deferring
+
+    def holds(self, flown: int | None) -> bool:
+        return self._pending is not None and self._pending[4] == flown
+
+    def start(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        flown: int | None,
+        flight: FlightRecord | None,
+    ) -> None:
+        self.finish()  # the unit before: one in flight
+        rows = torch.empty_like(input_tensor)
+        work = dist.all_to_all_single(rows, input_tensor, group=group, async_op=True)
+        # The input is kept until the rows have come: Gloo reads it on its own thread.
+        self._pending = (work, rows, output_tensor, input_tensor, flown, flight)
+
+    def finish(self) -> None:
+        """Waits for the reduce-scatter under way, if any, and sums its rows into FSDP2's output."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, rows, output_tensor, input_tensor, flown, flight = pending
+        work.wait()  # bounded by the process group's timeout, as every collective of the group
+        world = input_tensor.numel() // output_tensor.numel()
+        torch.sum(rows.view(world, -1), dim=0, out=output_tensor.view(-1))
+        if flight is not None and flown is not None:
+            flight.done(flown)
 
 
 def _on_host(tensor: torch.Tensor) -> bool:

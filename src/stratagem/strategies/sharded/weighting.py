@@ -20,6 +20,7 @@ about which unit runs when.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -46,7 +47,7 @@ def weigh_gradients(
         WeightedReduceScatter,
     )
 
-    comm = WeightedReduceScatter(shared, step, flight)
+    comm = WeightedReduceScatter(shared, step, flight, no_gradient_read_in_backward(modules))
     gather = None if shared is None else SharedMemoryAllGather(shared, step, flight)
     for module in modules:
         module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
@@ -55,3 +56,25 @@ def weigh_gradients(
         if gather is not None:
             module.set_custom_all_gather(gather)  # type: ignore[operator]
     return comm
+
+
+def no_gradient_read_in_backward(modules: Sequence[nn.Module]) -> Callable[[], bool]:
+    """For `WeightedReduceScatter.may_defer`: whether none of the sharded parameters of `modules` (as they are now,
+    sharded) has a gradient or a hook run after its gradient is accumulated. FSDP2 reads a unit's reduce-scatter
+    output at once only in those cases (it adds into an existing gradient; the hook reads it), so a backward that
+    starts with neither may let each reduce-scatter end later in it. Weak references: the strategy does not keep a
+    model the user dropped."""
+    seen: dict[int, weakref.ref[nn.Parameter]] = {}
+    for module in modules:
+        for parameter in module.parameters():
+            seen.setdefault(id(parameter), weakref.ref(parameter))
+    parameters = list(seen.values())
+
+    def may_defer() -> bool:
+        for ref in parameters:
+            parameter = ref()
+            if parameter is not None and (parameter.grad is not None or parameter._post_accumulate_grad_hooks):
+                return False
+        return True
+
+    return may_defer
