@@ -1,5 +1,5 @@
-"""What a trace costs (issue 42, item 6): samples/s of MultiWorkerMirrored with the trace off, in summary mode on
-a sample of the steps (fit's default), in summary mode on every step, and with full spans, in interleaved blocks on the same two worker processes.
+"""What a trace costs (issue 42, item 6): samples/s of MultiWorkerMirrored (or, `--strategy sharded`, of
+ShardedStrategy) with the trace off, in summary mode on a sample of the steps (fit's default), in summary mode on every step, and with full spans, in interleaved blocks on the same two worker processes.
 
 Two workers under the local launcher (127.0.0.1, free ports) train one workload. After warm-up steps each
 round runs one block of `--steps` steps per mode, the order of the modes rotating from round to round, so a
@@ -15,6 +15,7 @@ Ratios are taken within a round (mode / off of the same round), then the median 
     .venv/bin/python benchmarks/trace_overhead.py --workload mlp --rounds 12 --steps 200
     .venv/bin/python benchmarks/trace_overhead.py --workload digits --rounds 8 --steps 60 --json out.json
     .venv/bin/python benchmarks/trace_overhead.py --workers 1 --rounds 30 --steps 100   # the hooks, one worker
+    .venv/bin/python benchmarks/trace_overhead.py --strategy sharded --rounds 12 --steps 200   # FSDP2's units
     .venv/bin/python benchmarks/trace_overhead.py --recorder-only --rounds 7   # the recorder alone, replayed steps
 """
 
@@ -65,7 +66,9 @@ def worker(args: argparse.Namespace) -> None:
     import stratagem as sg
 
     torch.set_num_threads(1)
-    strategy = sg.MultiWorkerMirroredStrategy(timeout=120)
+    strategy = (
+        sg.ShardedStrategy(timeout=120) if args.strategy == "sharded" else sg.MultiWorkerMirroredStrategy(timeout=120)
+    )
     rank = strategy.cluster.rank
     net, optimizer, data = _workload(args.workload)
     model, opt = strategy.distribute(net, optimizer)
@@ -226,6 +229,7 @@ def recorder_only(repeats: int, steps: int = 2000) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--strategy", choices=("multi_worker", "sharded"), default="multi_worker")
     parser.add_argument("--rounds", type=int, default=12, help="rounds of one block per mode (default 12)")
     parser.add_argument("--steps", type=int, default=200, help="steps per block (default 200)")
     parser.add_argument("--warmup", type=int, default=50, help="steps before the first block (default 50)")
@@ -253,7 +257,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="trace-overhead-") as directory:
         argv = [sys.executable, __file__, "--worker", "--dir", directory, "--workload", args.workload,
-                "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+                "--strategy", args.strategy, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
         lines: list = []
         load = os.getloadavg()
         started = time.perf_counter()
@@ -271,6 +275,7 @@ def main() -> None:
     global_batch = 32 if args.workload == "mlp" else 256
     report = {
         "workload": args.workload,
+        "strategy": args.strategy,
         "workers": args.workers,
         "description": WORKLOADS[args.workload],
         "rounds": args.rounds,
