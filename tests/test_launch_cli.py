@@ -202,11 +202,15 @@ def test_a_signal_while_the_tasks_start_stops_every_task_started(tmp_path, capsy
         return process
 
     monkeypatch.setattr(subprocess, "Popen", popen)
+    # A test run started in the background of a shell inherits SIGINT ignored, which the launcher rightly leaves
+    # ignored; this test is about a signal the process takes, so it gets Python's own handler for the test.
+    before = signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     try:
         result = launch_cli.run(parse(["--workers", "3", "--timeout", "30", "--grace-period", "1", script]))
     except (SystemExit, KeyboardInterrupt) as exc:
         result = exc
     finally:
+        signal.signal(signum, before)
         left = [process.pid for process in tasks if process.poll() is None]
         for process in tasks:
             if process.poll() is None:
