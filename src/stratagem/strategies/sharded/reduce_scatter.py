@@ -58,7 +58,9 @@ class WeightedReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> dist.Work | None:
-        defer = self._deferred.decide(self.may_defer)  # before the first one of a backward leaves a gradient
+        # Decided at a backward's first reduce-scatter through Gloo, before it leaves a gradient; the other paths
+        # end every reduce-scatter where it is called and pay nothing for it.
+        defer = self.shared is None and _through_gloo(input_tensor, group) and self._deferred.decide(self.may_defer)
         flown = _enter(self.flight, "reduce_scatter", "reduce-scatter of gradients", self.step, input_tensor)
         work = self._reduce_scatter(output_tensor, input_tensor, group, async_op, defer, flown)
         if flown is not None and work is None and not (defer and self._deferred.holds(flown)):
